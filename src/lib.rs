@@ -1,0 +1,1 @@
+pub use verl_core;

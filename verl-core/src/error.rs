@@ -1,0 +1,127 @@
+//! The crate's error enums: one per concern, gathered in [`Error`].
+
+use std::path::PathBuf;
+
+/// Result alias used throughout verl-core.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A boxed error from an implementation crate (megatron, rollout, ...).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Errors of [`crate::DataProto`] operations.
+#[derive(Debug, thiserror::Error)]
+pub enum DataProtoError {
+    #[error("DataProto has no key `{key}`; keys present: [{available}]")]
+    MissingKey { key: String, available: String },
+    #[error("column `{key}` has {found} rows but the batch has {expected}; every column must share the batch dimension")]
+    LengthMismatch { key: String, expected: usize, found: usize },
+    #[error("column `{key}` holds {found} tensors, not {expected}")]
+    KindMismatch { key: String, expected: &'static str, found: &'static str },
+    #[error("column `{key}` has shape {shape:?} (rank {found}); asked for rank {expected}")]
+    RankMismatch { key: String, shape: Vec<usize>, expected: usize, found: usize },
+    #[error("a batch tensor needs a leading batch dimension; `{key}` is a scalar (rank 0)")]
+    ScalarColumn { key: String },
+    #[error("union: key `{key}` is present on both sides with different values; rename one side or pop it first")]
+    UnionConflict { key: String },
+    #[error("union: batch sizes differ ({left} vs {right})")]
+    UnionLength { left: usize, right: usize },
+    #[error("cannot chunk {len} rows into {chunks} equal chunks; pad first with `pad_to_divisor({chunks})`")]
+    NotDivisible { len: usize, chunks: usize },
+    #[error("`{what}` must be at least 1, got 0")]
+    Zero { what: &'static str },
+    #[error("split sizes {sizes:?} add up to {sum}, but the batch has {len} rows")]
+    SplitSizes { sizes: Vec<usize>, sum: usize, len: usize },
+    #[error("row index {index} is out of range for a batch of {len} rows")]
+    RowOutOfRange { index: usize, len: usize },
+    #[error("reorder needs a permutation of 0..{len}; {detail}")]
+    NotAPermutation { len: usize, detail: String },
+    #[error("unpad: cannot remove {pad} rows from a batch of {len}")]
+    Unpad { pad: usize, len: usize },
+    #[error("concat: part {index} lacks or adds keys (expected [{expected}], found [{found}])")]
+    ConcatKeys { index: usize, expected: String, found: String },
+    #[error("concat: meta_info key `{key}` differs between parts")]
+    ConcatMeta { key: String },
+    #[error("concat needs at least one DataProto")]
+    ConcatEmpty,
+    #[error("{path}: {message}")]
+    Io { path: PathBuf, message: String },
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+}
+
+/// Errors of the parallel topology: an impossible layout, named by field.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("invalid parallel layout: `{field}` {message}")]
+    Invalid { field: &'static str, message: String },
+    #[error("rank {rank} is outside a world of {world_size} ranks")]
+    RankOutOfRange { rank: usize, world_size: usize },
+}
+
+/// Errors of dispatching a batch to ranks and collecting their results.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("dispatch `{mode}`: {message}")]
+    Plan { mode: String, message: String },
+    #[error("dispatch `{mode}`: rank {rank} published no dispatch info for mesh `{mesh}`")]
+    NoMeshInfo { mode: String, mesh: String, rank: usize },
+    #[error("dispatch `{mode}`: {inputs} inputs given for {world_size} ranks; give exactly one per rank")]
+    InputCount { mode: String, inputs: usize, world_size: usize },
+}
+
+/// Errors of the worker group (the single controller's view of its ranks).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("rank {rank} failed in `{method}`: {source}")]
+    Failed { rank: usize, method: String, #[source] source: Box<Error> },
+    #[error("rank {rank} panicked in `{method}`: {message}")]
+    Panicked { rank: usize, method: String, message: String },
+    #[error("`{method}` timed out after {timeout_s:.1}s; ranks still running: {pending:?}")]
+    Timeout { method: String, timeout_s: f64, pending: Vec<usize> },
+    #[error("`{method}` was cancelled on rank {rank} because another rank failed")]
+    Cancelled { rank: usize, method: String },
+    #[error("the worker group is unusable after an earlier failure in `{method}`; rebuild it (ranks may be mid-collective)")]
+    Poisoned { method: String },
+    #[error("rank {rank}'s thread has exited")]
+    RankGone { rank: usize },
+    #[error("could not start rank {rank}: {message}")]
+    Spawn { rank: usize, message: String },
+}
+
+/// Errors of configuration: unknown keys, type mismatches, impossible batch arithmetic.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {message}")]
+    Read { path: PathBuf, message: String },
+    #[error("config key `{key}`: {message}")]
+    Key { key: String, message: String },
+    #[error("override `{text}` is not of the form key=value (e.g. trainer.total_epochs=3)")]
+    OverrideSyntax { text: String },
+    #[error("config `{key}` = {value}: {message}. Fix: {fix}")]
+    Invalid { key: String, value: String, message: String, fix: String },
+}
+
+/// Any verl-core error.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    DataProto(#[from] DataProtoError),
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+    #[error(transparent)]
+    Dispatch(#[from] DispatchError),
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An error raised by a backend implementation of a core trait, tagged with the role.
+    #[error("{role}: {source}")]
+    Backend { role: &'static str, #[source] source: BoxError },
+}
+
+impl Error {
+    /// Wraps an implementation crate's typed error, tagging it with the role that raised it.
+    pub fn backend(role: &'static str, source: impl Into<BoxError>) -> Self {
+        Error::Backend { role, source: source.into() }
+    }
+}

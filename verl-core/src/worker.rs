@@ -1,0 +1,415 @@
+//! [`Worker`] and [`WorkerGroup`]: the single controller's handle on its rank workers.
+//!
+//! Each rank runs on its own OS thread, which builds and owns the worker (and so its device and
+//! memory) and drives the worker's async methods on a current-thread runtime. The controller calls
+//! a method on the group with a dispatch mode: the input is split, the ranks run concurrently, and
+//! the outputs come back in rank order (or concatenated, for the data-parallel modes).
+//!
+//! When a rank fails or panics, the group signals every other rank to cancel (at its next await
+//! point: collectives are await points), waits for them up to the timeout, and returns a typed
+//! error naming the rank and the method. A rank that neither finishes nor cancels in time makes
+//! the group *poisoned*: later calls are refused rather than left to hang.
+//!
+//! ```
+//! use verl_core::dispatch::DispatchInfo;
+//! use verl_core::worker::{RankContext, Worker, WorkerGroup};
+//!
+//! struct Echo { rank: usize }
+//! impl Worker for Echo {
+//!     fn dispatch_info(&self, _mesh: &str) -> Option<DispatchInfo> { None }
+//! }
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let group = WorkerGroup::spawn(4, |ctx: RankContext| Ok(Echo { rank: ctx.rank }))?;
+//! let ranks = group
+//!     .execute_all("whoami", (), |w: &mut Echo, _ctx, ()| Box::pin(async move { Ok(w.rank) }))
+//!     .await?;
+//! assert_eq!(ranks, vec![0, 1, 2, 3]);
+//! # Ok::<(), verl_core::Error>(())
+//! # }).unwrap();
+//! ```
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use burn::prelude::Backend;
+use futures::future::LocalBoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::sync::{oneshot, watch};
+
+use crate::dispatch::{DispatchInfo, DispatchMode, DispatchPlan};
+use crate::error::{DispatchError, Error, Result, WorkerError};
+use crate::DataProto;
+
+/// `meta_info` key that turns on auto-padding for one call, as verl's `_verl_auto_padding`.
+pub const AUTO_PADDING_KEY: &str = "_verl_auto_padding";
+
+/// A rank worker. Implementations hold a role (actor, critic, rollout, ...) on one rank.
+pub trait Worker: 'static {
+    /// This rank's dispatch info for `mesh` (see [`crate::dispatch`]); `None` if it is not part
+    /// of that mesh. Megatron workers usually answer with [`crate::dispatch::megatron_dispatch_info`].
+    fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo>;
+}
+
+/// What a rank knows about itself while running a method.
+#[derive(Debug, Clone)]
+pub struct RankContext {
+    pub rank: usize,
+    pub world_size: usize,
+    cancel: watch::Receiver<bool>,
+}
+
+impl RankContext {
+    /// True once another rank failed and this call should stop.
+    pub fn is_cancelled(&self) -> bool {
+        *self.cancel.borrow()
+    }
+
+    /// Resolves when the call is cancelled. Long waits (collectives) race against it.
+    pub async fn cancelled(&self) {
+        let mut rx = self.cancel.clone();
+        // An error means the controller dropped the call: treat it as cancelled.
+        let _ = rx.wait_for(|c| *c).await;
+    }
+}
+
+/// The boxed async body of a worker method, as run on a rank.
+pub type MethodFuture<'a, O> = LocalBoxFuture<'a, Result<O>>;
+
+type Job<W> = Box<dyn FnOnce(&mut W, &tokio::runtime::Runtime, watch::Receiver<bool>) + Send>;
+
+enum RankOutcome<O> {
+    Done(Result<O>),
+    Cancelled,
+    Panicked(String),
+}
+
+struct RankHandle<W> {
+    jobs: mpsc::Sender<Job<W>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// One worker per rank, each on its own thread. See the module docs.
+pub struct WorkerGroup<W: Worker> {
+    ranks: Vec<RankHandle<W>>,
+    timeout: Option<Duration>,
+    auto_padding: bool,
+    poisoned: Mutex<Option<String>>,
+    plans: Mutex<HashMap<String, DispatchPlan>>,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+impl<W: Worker> WorkerGroup<W> {
+    /// Starts `world_size` ranks; `factory` builds each rank's worker on that rank's thread.
+    pub fn spawn<F>(world_size: usize, factory: F) -> Result<Self>
+    where
+        F: Fn(RankContext) -> Result<W> + Send + Sync + 'static,
+    {
+        if world_size == 0 {
+            return Err(WorkerError::Spawn { rank: 0, message: "world_size must be at least 1".into() }.into());
+        }
+        let factory = Arc::new(factory);
+        let (ready_tx, ready_rx) = mpsc::channel::<(usize, Result<()>)>();
+        let mut ranks = Vec::with_capacity(world_size);
+        for rank in 0..world_size {
+            let (jobs, job_rx) = mpsc::channel::<Job<W>>();
+            let factory = factory.clone();
+            let ready = ready_tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("verl-rank-{rank}"))
+                .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                        Ok(rt) => rt,
+                        Err(e) => {
+                            let _ = ready.send((rank, Err(WorkerError::Spawn { rank, message: e.to_string() }.into())));
+                            return;
+                        }
+                    };
+                    let (_never, cancel) = watch::channel(false);
+                    let ctx = RankContext { rank, world_size, cancel };
+                    let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
+                    let mut worker = match built {
+                        Ok(Ok(w)) => {
+                            let _ = ready.send((rank, Ok(())));
+                            w
+                        }
+                        Ok(Err(e)) => {
+                            let _ = ready.send((rank, Err(e)));
+                            return;
+                        }
+                        Err(p) => {
+                            let message = format!("worker constructor panicked: {}", panic_message(p));
+                            let _ = ready.send((rank, Err(WorkerError::Spawn { rank, message }.into())));
+                            return;
+                        }
+                    };
+                    drop(ready);
+                    while let Ok(job) = job_rx.recv() {
+                        job(&mut worker, &runtime, _never.subscribe());
+                    }
+                })
+                .map_err(|e| WorkerError::Spawn { rank, message: e.to_string() })?;
+            ranks.push(RankHandle { jobs, thread: Some(thread) });
+        }
+        drop(ready_tx);
+        let mut first_error = None;
+        for _ in 0..world_size {
+            match ready_rx.recv() {
+                Ok((_, Ok(()))) => {}
+                Ok((rank, Err(e))) => {
+                    first_error.get_or_insert(match e {
+                        Error::Worker(w) => Error::Worker(w),
+                        other => WorkerError::Spawn { rank, message: other.to_string() }.into(),
+                    });
+                }
+                Err(_) => break,
+            }
+        }
+        let group = Self {
+            ranks,
+            timeout: None,
+            auto_padding: false,
+            poisoned: Mutex::new(None),
+            plans: Mutex::new(HashMap::new()),
+        };
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(group),
+        }
+    }
+
+    /// Fails (and cancels) a call that runs longer than `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Pads batches that do not divide the dp size instead of refusing them.
+    pub fn with_auto_padding(mut self, on: bool) -> Self {
+        self.auto_padding = on;
+        self
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Whether an earlier failure left the group unusable.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.lock().map(|p| p.is_some()).unwrap_or(true)
+    }
+
+    /// Runs `f` on every rank that has an input (`inputs[r]` = `Some`), concurrently, and
+    /// returns each rank's output (`None` where a rank was not asked).
+    pub async fn run<I, O, F>(&self, method: &str, inputs: Vec<Option<I>>, f: F) -> Result<Vec<Option<O>>>
+    where
+        I: Send + 'static,
+        O: Send + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
+    {
+        if let Some(m) = self.poisoned.lock().map_err(|_| WorkerError::Poisoned { method: method.into() })?.clone() {
+            return Err(WorkerError::Poisoned { method: m }.into());
+        }
+        if inputs.len() != self.world_size() {
+            return Err(DispatchError::InputCount { mode: method.into(), inputs: inputs.len(), world_size: self.world_size() }.into());
+        }
+        let f = Arc::new(f);
+        let world_size = self.world_size();
+        let (cancel_tx, _) = watch::channel(false);
+        let mut pending = FuturesUnordered::new();
+        let mut outputs: Vec<Option<O>> = (0..world_size).map(|_| None).collect();
+        let mut running: Vec<usize> = Vec::new();
+        for (rank, input) in inputs.into_iter().enumerate() {
+            let Some(input) = input else { continue };
+            let (tx, rx) = oneshot::channel::<RankOutcome<O>>();
+            let f = f.clone();
+            let cancel = cancel_tx.subscribe();
+            let job: Job<W> = Box::new(move |worker, runtime, _| {
+                let ctx = RankContext { rank, world_size, cancel: cancel.clone() };
+                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    runtime.block_on(async {
+                        let stop = ctx.clone();
+                        tokio::select! {
+                            r = f(worker, ctx, input) => RankOutcome::Done(r),
+                            _ = stop.cancelled() => RankOutcome::Cancelled,
+                        }
+                    })
+                }));
+                let _ = tx.send(outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p))));
+            });
+            self.ranks[rank].jobs.send(job).map_err(|_| WorkerError::RankGone { rank })?;
+            running.push(rank);
+            pending.push(async move { (rank, rx.await) });
+        }
+        let deadline = self.timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut first_error: Option<Error> = None;
+        while !pending.is_empty() {
+            let next = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, pending.next()).await {
+                    Ok(n) => n,
+                    Err(_) => {
+                        let _ = cancel_tx.send(true);
+                        self.poison(method);
+                        let mut still: Vec<usize> = running.clone();
+                        still.sort_unstable();
+                        let err = WorkerError::Timeout {
+                            method: method.into(),
+                            timeout_s: self.timeout.map_or(0.0, |t| t.as_secs_f64()),
+                            pending: still,
+                        };
+                        return Err(first_error.unwrap_or(err.into()));
+                    }
+                },
+                None => pending.next().await,
+            };
+            let Some((rank, outcome)) = next else { break };
+            running.retain(|&r| r != rank);
+            let failure = match outcome {
+                Err(_) => Some(Error::from(WorkerError::RankGone { rank })),
+                Ok(RankOutcome::Done(Ok(o))) => {
+                    outputs[rank] = Some(o);
+                    None
+                }
+                Ok(RankOutcome::Done(Err(e))) => {
+                    Some(WorkerError::Failed { rank, method: method.into(), source: Box::new(e) }.into())
+                }
+                Ok(RankOutcome::Cancelled) => {
+                    Some(WorkerError::Cancelled { rank, method: method.into() }.into())
+                }
+                Ok(RankOutcome::Panicked(message)) => {
+                    self.poison(method);
+                    Some(WorkerError::Panicked { rank, method: method.into(), message }.into())
+                }
+            };
+            if let Some(e) = failure {
+                let _ = cancel_tx.send(true);
+                // Keep the root cause: a cancellation is only a consequence.
+                let is_cancel = matches!(e, Error::Worker(WorkerError::Cancelled { .. }));
+                if first_error.is_none() || (!is_cancel && matches!(first_error, Some(Error::Worker(WorkerError::Cancelled { .. })))) {
+                    first_error = Some(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(outputs),
+        }
+    }
+
+    fn poison(&self, method: &str) {
+        if let Ok(mut p) = self.poisoned.lock() {
+            p.get_or_insert_with(|| method.to_string());
+        }
+    }
+
+    /// `OneToAll`: the same input to every rank; every output, in rank order.
+    pub async fn execute_all<I, O, F>(&self, method: &str, input: I, f: F) -> Result<Vec<O>>
+    where
+        I: Clone + Send + 'static,
+        O: Send + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
+    {
+        let inputs = (0..self.world_size()).map(|_| Some(input.clone())).collect();
+        Ok(self.run(method, inputs, f).await?.into_iter().flatten().collect())
+    }
+
+    /// `AllToAll` / `DpCompute`: one input per rank; one output per rank.
+    pub async fn execute_per_rank<I, O, F>(&self, method: &str, inputs: Vec<I>, f: F) -> Result<Vec<O>>
+    where
+        I: Send + 'static,
+        O: Send + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
+    {
+        Ok(self.run(method, inputs.into_iter().map(Some).collect(), f).await?.into_iter().flatten().collect())
+    }
+
+    /// `RankZero`: the same input to every rank (so collectives inside still match); rank 0's output.
+    pub async fn execute_rank_zero<I, O, F>(&self, method: &str, input: I, f: F) -> Result<O>
+    where
+        I: Clone + Send + 'static,
+        O: Send + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
+    {
+        let mut all = self.execute_all(method, input, f).await?;
+        Ok(all.swap_remove(0))
+    }
+
+    /// The checked plan of a data-parallel mode, asking the ranks for their dispatch info once per mesh.
+    pub async fn plan(&self, mode: &DispatchMode) -> Result<DispatchPlan> {
+        let name = mode.name();
+        let Some(mesh) = mode.mesh() else {
+            return match mode {
+                DispatchMode::DpComputeProto => {
+                    let n = self.world_size();
+                    DispatchPlan::new(&name, (0..n).map(|r| DispatchInfo::per_rank(r, n)).collect())
+                }
+                other => Err(DispatchError::Plan {
+                    mode: other.name(),
+                    message: "is not a data-parallel DataProto mode; use execute_all / execute_per_rank / execute_rank_zero".into(),
+                }
+                .into()),
+            };
+        };
+        if let Some(p) = self.plans.lock().ok().and_then(|p| p.get(mesh).cloned()) {
+            return Ok(p);
+        }
+        let mesh_owned = mesh.to_string();
+        let infos = self
+            .execute_all("dispatch_info", mesh_owned, |w: &mut W, _ctx, mesh: String| {
+                Box::pin(async move { Ok(w.dispatch_info(&mesh)) })
+            })
+            .await?;
+        let infos = infos
+            .into_iter()
+            .enumerate()
+            .map(|(rank, i)| i.ok_or_else(|| DispatchError::NoMeshInfo { mode: name.clone(), mesh: mesh.to_string(), rank }))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let plan = DispatchPlan::new(&name, infos)?;
+        if let Ok(mut p) = self.plans.lock() {
+            p.insert(mesh.to_string(), plan.clone());
+        }
+        Ok(plan)
+    }
+
+    /// Calls a `DataProto` method in a data-parallel mode (`DpComputeProto`, `MegatronCompute`,
+    /// `MegatronPpAsDp`, `Nd`): split, run on every rank, collect.
+    pub async fn call_proto<B, F>(&self, mode: &DispatchMode, method: &str, data: DataProto<B>, f: F) -> Result<DataProto<B>>
+    where
+        B: Backend,
+        DataProto<B>: Send,
+        F: for<'a> Fn(&'a mut W, RankContext, DataProto<B>) -> MethodFuture<'a, DataProto<B>> + Send + Sync + 'static,
+    {
+        let plan = self.plan(mode).await?;
+        let auto_pad = self.auto_padding || data.meta_info.get(AUTO_PADDING_KEY).and_then(|v| v.as_bool()).unwrap_or(false);
+        let (per_rank, padding) = plan.split(&data, auto_pad)?;
+        let outputs = self.run(method, per_rank.into_iter().map(Some).collect(), f).await?;
+        plan.collect(outputs, padding)
+    }
+}
+
+impl<W: Worker> Drop for WorkerGroup<W> {
+    fn drop(&mut self) {
+        let stuck = self.is_poisoned();
+        for r in &mut self.ranks {
+            // Closing the job channel ends the rank's loop.
+            let (dead, _) = mpsc::channel();
+            r.jobs = dead;
+            if let Some(t) = r.thread.take() {
+                // A poisoned group may have a rank stuck in synchronous code: do not wait on it.
+                if !stuck {
+                    let _ = t.join();
+                }
+            }
+        }
+    }
+}

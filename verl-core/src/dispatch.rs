@@ -90,7 +90,10 @@ impl DispatchMode {
     pub fn name(&self) -> String {
         match self {
             DispatchMode::Nd { mesh } => format!("ND_COMPUTE({mesh})"),
-            other => serde_json::to_value(other).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default(),
+            other => serde_json::to_value(other)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default(),
         }
     }
 }
@@ -109,18 +112,30 @@ pub struct DispatchInfo {
 impl DispatchInfo {
     /// Every rank its own chunk, every output collected (`DpComputeProto`).
     pub fn per_rank(rank: usize, world_size: usize) -> Self {
-        Self { dp_rank: rank, dp_size: world_size, is_collect: true }
+        Self {
+            dp_rank: rank,
+            dp_size: world_size,
+            is_collect: true,
+        }
     }
 
     /// verl's `MEGATRON_COMPUTE`.
     pub fn megatron_compute(c: &RankCoords) -> Self {
-        Self { dp_rank: c.dp_rank, dp_size: c.dp_size, is_collect: c.tp_rank == 0 && c.cp_rank == 0 && c.is_last_pp_stage() }
+        Self {
+            dp_rank: c.dp_rank,
+            dp_size: c.dp_size,
+            is_collect: c.tp_rank == 0 && c.cp_rank == 0 && c.is_last_pp_stage(),
+        }
     }
 
     /// verl's `MEGATRON_PP_AS_DP`: dp index = (cp_rank·dp + dp_rank)·pp + pp_rank.
     pub fn megatron_pp_as_dp(c: &RankCoords) -> Self {
         let dp_cp = c.cp_rank * c.dp_size + c.dp_rank;
-        Self { dp_rank: dp_cp * c.pp_size + c.pp_rank, dp_size: c.dp_size * c.cp_size * c.pp_size, is_collect: c.tp_rank == 0 }
+        Self {
+            dp_rank: dp_cp * c.pp_size + c.pp_rank,
+            dp_size: c.dp_size * c.cp_size * c.pp_size,
+            is_collect: c.tp_rank == 0,
+        }
     }
 }
 
@@ -147,7 +162,10 @@ impl DispatchPlan {
     /// Checks that the published infos agree on the dp size and that each dp index has exactly
     /// one collect rank (so the collected result is complete and has no duplicates).
     pub fn new(mode: &str, infos: Vec<DispatchInfo>) -> Result<Self> {
-        let err = |message: String| DispatchError::Plan { mode: mode.to_string(), message };
+        let err = |message: String| DispatchError::Plan {
+            mode: mode.to_string(),
+            message,
+        };
         let first = infos.first().ok_or_else(|| err("no ranks".into()))?;
         let dp_size = first.dp_size;
         if dp_size == 0 {
@@ -156,14 +174,26 @@ impl DispatchPlan {
         let mut collectors = vec![None; dp_size];
         for (rank, info) in infos.iter().enumerate() {
             if info.dp_size != dp_size {
-                return Err(err(format!("rank {rank} says dp_size {} but rank 0 says {dp_size}", info.dp_size)).into());
+                return Err(err(format!(
+                    "rank {rank} says dp_size {} but rank 0 says {dp_size}",
+                    info.dp_size
+                ))
+                .into());
             }
             if info.dp_rank >= dp_size {
-                return Err(err(format!("rank {rank} has dp index {} ≥ dp_size {dp_size}", info.dp_rank)).into());
+                return Err(err(format!(
+                    "rank {rank} has dp index {} ≥ dp_size {dp_size}",
+                    info.dp_rank
+                ))
+                .into());
             }
             if info.is_collect {
                 if let Some(other) = collectors[info.dp_rank].replace(rank) {
-                    return Err(err(format!("ranks {other} and {rank} both collect dp index {}", info.dp_rank)).into());
+                    return Err(err(format!(
+                        "ranks {other} and {rank} both collect dp index {}",
+                        info.dp_rank
+                    ))
+                    .into());
                 }
             }
         }
@@ -172,7 +202,12 @@ impl DispatchPlan {
             .enumerate()
             .map(|(d, c)| c.ok_or_else(|| err(format!("no rank collects dp index {d}"))))
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        Ok(Self { mode: mode.to_string(), infos, dp_size, collectors })
+        Ok(Self {
+            mode: mode.to_string(),
+            infos,
+            dp_size,
+            collectors,
+        })
     }
 
     /// Number of chunks.
@@ -188,7 +223,11 @@ impl DispatchPlan {
     /// One input per rank. With `auto_pad`, a batch whose length does not divide dp_size is
     /// padded first (rows repeated from the start) and the pad count is returned for
     /// [`Self::collect`]; without it such a batch is refused.
-    pub fn split<B: Backend>(&self, data: &DataProto<B>, auto_pad: bool) -> Result<(Vec<DataProto<B>>, Padding)> {
+    pub fn split<B: Backend>(
+        &self,
+        data: &DataProto<B>,
+        auto_pad: bool,
+    ) -> Result<(Vec<DataProto<B>>, Padding)> {
         let (data, pad) = if data.len() % self.dp_size != 0 {
             if !auto_pad {
                 return Err(DispatchError::Plan {
@@ -206,23 +245,39 @@ impl DispatchPlan {
         } else {
             (data.clone(), 0)
         };
-        let padding = Padding { pad, padded_len: data.len() };
+        let padding = Padding {
+            pad,
+            padded_len: data.len(),
+        };
         let chunks = data.chunk(self.dp_size)?;
-        Ok((self.infos.iter().map(|i| chunks[i.dp_rank].clone()).collect(), padding))
+        Ok((
+            self.infos
+                .iter()
+                .map(|i| chunks[i.dp_rank].clone())
+                .collect(),
+            padding,
+        ))
     }
 
     /// Concatenates the collect ranks' outputs in dp order and removes `pad` rows of padding
     /// (scaled if the method changed the row count by a whole factor, e.g. n samples per prompt).
     /// Outputs of non-collect ranks are ignored and may be `None`.
-    pub fn collect<B: Backend>(&self, mut outputs: Vec<Option<DataProto<B>>>, padding: Padding) -> Result<DataProto<B>> {
+    pub fn collect<B: Backend>(
+        &self,
+        mut outputs: Vec<Option<DataProto<B>>>,
+        padding: Padding,
+    ) -> Result<DataProto<B>> {
         let parts = self
             .collectors
             .iter()
             .map(|&r| {
-                outputs.get_mut(r).and_then(Option::take).ok_or_else(|| DispatchError::Plan {
-                    mode: self.mode.clone(),
-                    message: format!("collect rank {r} returned no output"),
-                })
+                outputs
+                    .get_mut(r)
+                    .and_then(Option::take)
+                    .ok_or_else(|| DispatchError::Plan {
+                        mode: self.mode.clone(),
+                        message: format!("collect rank {r} returned no output"),
+                    })
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let out = DataProto::concat(parts)?;

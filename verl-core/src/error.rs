@@ -14,11 +14,24 @@ pub enum DataProtoError {
     #[error("DataProto has no key `{key}`; keys present: [{available}]")]
     MissingKey { key: String, available: String },
     #[error("column `{key}` has {found} rows but the batch has {expected}; every column must share the batch dimension")]
-    LengthMismatch { key: String, expected: usize, found: usize },
+    LengthMismatch {
+        key: String,
+        expected: usize,
+        found: usize,
+    },
     #[error("column `{key}` holds {found} tensors, not {expected}")]
-    KindMismatch { key: String, expected: &'static str, found: &'static str },
+    KindMismatch {
+        key: String,
+        expected: &'static str,
+        found: &'static str,
+    },
     #[error("column `{key}` has shape {shape:?} (rank {found}); asked for rank {expected}")]
-    RankMismatch { key: String, shape: Vec<usize>, expected: usize, found: usize },
+    RankMismatch {
+        key: String,
+        shape: Vec<usize>,
+        expected: usize,
+        found: usize,
+    },
     #[error("a batch tensor needs a leading batch dimension; `{key}` is a scalar (rank 0)")]
     ScalarColumn { key: String },
     #[error("union: key `{key}` is present on both sides with different values; rename one side or pop it first")]
@@ -30,7 +43,11 @@ pub enum DataProtoError {
     #[error("`{what}` must be at least 1, got 0")]
     Zero { what: &'static str },
     #[error("split sizes {sizes:?} add up to {sum}, but the batch has {len} rows")]
-    SplitSizes { sizes: Vec<usize>, sum: usize, len: usize },
+    SplitSizes {
+        sizes: Vec<usize>,
+        sum: usize,
+        len: usize,
+    },
     #[error("row index {index} is out of range for a batch of {len} rows")]
     RowOutOfRange { index: usize, len: usize },
     #[error("reorder needs a permutation of 0..{len}; {detail}")]
@@ -38,7 +55,11 @@ pub enum DataProtoError {
     #[error("unpad: cannot remove {pad} rows from a batch of {len}")]
     Unpad { pad: usize, len: usize },
     #[error("concat: part {index} lacks or adds keys (expected [{expected}], found [{found}])")]
-    ConcatKeys { index: usize, expected: String, found: String },
+    ConcatKeys {
+        index: usize,
+        expected: String,
+        found: String,
+    },
     #[error("concat: meta_info key `{key}` differs between parts")]
     ConcatMeta { key: String },
     #[error("concat needs at least one DataProto")]
@@ -53,7 +74,10 @@ pub enum DataProtoError {
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
     #[error("invalid parallel layout: `{field}` {message}")]
-    Invalid { field: &'static str, message: String },
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
     #[error("rank {rank} is outside a world of {world_size} ranks")]
     RankOutOfRange { rank: usize, world_size: usize },
 }
@@ -64,20 +88,41 @@ pub enum DispatchError {
     #[error("dispatch `{mode}`: {message}")]
     Plan { mode: String, message: String },
     #[error("dispatch `{mode}`: rank {rank} published no dispatch info for mesh `{mesh}`")]
-    NoMeshInfo { mode: String, mesh: String, rank: usize },
+    NoMeshInfo {
+        mode: String,
+        mesh: String,
+        rank: usize,
+    },
     #[error("dispatch `{mode}`: {inputs} inputs given for {world_size} ranks; give exactly one per rank")]
-    InputCount { mode: String, inputs: usize, world_size: usize },
+    InputCount {
+        mode: String,
+        inputs: usize,
+        world_size: usize,
+    },
 }
 
 /// Errors of the worker group (the single controller's view of its ranks).
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error("rank {rank} failed in `{method}`: {source}")]
-    Failed { rank: usize, method: String, #[source] source: Box<Error> },
+    Failed {
+        rank: usize,
+        method: String,
+        #[source]
+        source: Box<Error>,
+    },
     #[error("rank {rank} panicked in `{method}`: {message}")]
-    Panicked { rank: usize, method: String, message: String },
+    Panicked {
+        rank: usize,
+        method: String,
+        message: String,
+    },
     #[error("`{method}` timed out after {timeout_s:.1}s; ranks still running: {pending:?}")]
-    Timeout { method: String, timeout_s: f64, pending: Vec<usize> },
+    Timeout {
+        method: String,
+        timeout_s: f64,
+        pending: Vec<usize>,
+    },
     #[error("`{method}` was cancelled on rank {rank} because another rank failed")]
     Cancelled { rank: usize, method: String },
     #[error("the worker group is unusable after an earlier failure in `{method}`; rebuild it (ranks may be mid-collective)")]
@@ -98,7 +143,12 @@ pub enum ConfigError {
     #[error("override `{text}` is not of the form key=value (e.g. trainer.total_epochs=3)")]
     OverrideSyntax { text: String },
     #[error("config `{key}` = {value}: {message}. Fix: {fix}")]
-    Invalid { key: String, value: String, message: String, fix: String },
+    Invalid {
+        key: String,
+        value: String,
+        message: String,
+        fix: String,
+    },
 }
 
 /// Any verl-core error.
@@ -116,12 +166,19 @@ pub enum Error {
     Config(#[from] ConfigError),
     /// An error raised by a backend implementation of a core trait, tagged with the role.
     #[error("{role}: {source}")]
-    Backend { role: &'static str, #[source] source: BoxError },
+    Backend {
+        role: &'static str,
+        #[source]
+        source: BoxError,
+    },
 }
 
 impl Error {
     /// Wraps an implementation crate's typed error, tagging it with the role that raised it.
     pub fn backend(role: &'static str, source: impl Into<BoxError>) -> Self {
-        Error::Backend { role, source: source.into() }
+        Error::Backend {
+            role,
+            source: source.into(),
+        }
     }
 }

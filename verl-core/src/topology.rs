@@ -64,7 +64,15 @@ pub struct ParallelConfig {
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        Self { tp: 1, pp: 1, vpp: None, cp: 1, ep: 1, etp: None, sequence_parallel: false }
+        Self {
+            tp: 1,
+            pp: 1,
+            vpp: None,
+            cp: 1,
+            ep: 1,
+            etp: None,
+            sequence_parallel: false,
+        }
     }
 }
 
@@ -89,18 +97,37 @@ impl ParallelConfig {
         if world_size == 0 {
             return Err(invalid("world_size", "must be at least 1".into()));
         }
-        for (field, v) in [("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)] {
+        for (field, v) in [
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+        ] {
             if v == 0 {
-                return Err(invalid(field, "must be at least 1 (1 means no parallelism in this dimension)".into()));
+                return Err(invalid(
+                    field,
+                    "must be at least 1 (1 means no parallelism in this dimension)".into(),
+                ));
             }
         }
         if self.etp == Some(0) {
-            return Err(invalid("etp", "must be at least 1, or unset to follow tp".into()));
+            return Err(invalid(
+                "etp",
+                "must be at least 1, or unset to follow tp".into(),
+            ));
         }
         match self.vpp {
-            Some(0) => return Err(invalid("vpp", "must be at least 1, or unset to turn virtual pipelining off".into())),
+            Some(0) => {
+                return Err(invalid(
+                    "vpp",
+                    "must be at least 1, or unset to turn virtual pipelining off".into(),
+                ))
+            }
             Some(v) if v > 1 && self.pp == 1 => {
-                return Err(invalid("vpp", format!("= {v} needs pipeline parallelism; set pp > 1 or unset vpp")))
+                return Err(invalid(
+                    "vpp",
+                    format!("= {v} needs pipeline parallelism; set pp > 1 or unset vpp"),
+                ))
             }
             _ => {}
         }
@@ -137,7 +164,12 @@ impl ParallelConfig {
     /// parallelism split must divide evenly. Run it before allocating any weights.
     pub fn validate_for_model(&self, model: &ModelDims) -> Result<()> {
         let tp = self.tp;
-        let check = |field: &'static str, what: &str, n: usize, by: usize, by_name: &str| -> Result<()> {
+        let check = |field: &'static str,
+                     what: &str,
+                     n: usize,
+                     by: usize,
+                     by_name: &str|
+         -> Result<()> {
             if n % by != 0 {
                 return Err(invalid(
                     field,
@@ -146,13 +178,31 @@ impl ParallelConfig {
             }
             Ok(())
         };
-        check("tp", "num_attention_heads", model.num_attention_heads, tp, "tp")?;
-        check("tp", "num_key_value_heads", model.num_key_value_heads, tp, "tp")?;
+        check(
+            "tp",
+            "num_attention_heads",
+            model.num_attention_heads,
+            tp,
+            "tp",
+        )?;
+        check(
+            "tp",
+            "num_key_value_heads",
+            model.num_key_value_heads,
+            tp,
+            "tp",
+        )?;
         check("tp", "intermediate_size", model.intermediate_size, tp, "tp")?;
         check("tp", "vocab_size", model.vocab_size, tp, "tp")?;
         let stages = self.pp * self.vpp.unwrap_or(1);
         if model.num_layers < stages {
-            return Err(invalid("pp", format!("× vpp = {stages} stages, but the model has only {} layers", model.num_layers)));
+            return Err(invalid(
+                "pp",
+                format!(
+                    "× vpp = {stages} stages, but the model has only {} layers",
+                    model.num_layers
+                ),
+            ));
         }
         if self.vpp.unwrap_or(1) > 1 && model.num_layers % stages != 0 {
             return Err(invalid(
@@ -163,10 +213,22 @@ impl ParallelConfig {
         if let Some(experts) = model.num_experts {
             check("ep", "num_experts", experts, self.ep, "ep")?;
             if let Some(moe_ffn) = model.moe_intermediate_size {
-                check("etp", "moe_intermediate_size", moe_ffn, self.expert_tp(), "etp")?;
+                check(
+                    "etp",
+                    "moe_intermediate_size",
+                    moe_ffn,
+                    self.expert_tp(),
+                    "etp",
+                )?;
             }
         } else if self.ep > 1 {
-            return Err(invalid("ep", format!("= {} but the model has no experts; use ep = 1 for a dense model", self.ep)));
+            return Err(invalid(
+                "ep",
+                format!(
+                    "= {} but the model has no experts; use ep = 1 for a dense model",
+                    self.ep
+                ),
+            ));
         }
         Ok(())
     }
@@ -193,12 +255,19 @@ fn divisors(n: usize) -> Vec<usize> {
 }
 
 fn list(v: impl IntoIterator<Item = usize>) -> String {
-    v.into_iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+    v.into_iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn fits(world: usize, product: usize) -> String {
     let worlds = (1..=4).map(|k| k * product);
-    format!("World sizes that fit this layout: {}; or make the product one of {}", list(worlds), list(divisors(world)))
+    format!(
+        "World sizes that fit this layout: {}; or make the product one of {}",
+        list(worlds),
+        list(divisors(world))
+    )
 }
 
 /// A rank's coordinates in both decompositions.
@@ -301,7 +370,13 @@ pub fn masked_orthogonal_groups(sizes: &[usize], mask: &[bool]) -> Vec<Vec<usize
         acc *= s;
     }
     let pick = |want: bool| -> (Vec<usize>, Vec<usize>) {
-        sizes.iter().zip(&stride).zip(mask).filter(|(_, &m)| m == want).map(|((&s, &st), _)| (s, st)).unzip()
+        sizes
+            .iter()
+            .zip(&stride)
+            .zip(mask)
+            .filter(|(_, &m)| m == want)
+            .map(|((&s, &st), _)| (s, st))
+            .unzip()
     };
     let (in_sizes, in_stride) = pick(true);
     let (out_sizes, out_stride) = pick(false);
@@ -321,7 +396,9 @@ pub fn masked_orthogonal_groups(sizes: &[usize], mask: &[bool]) -> Vec<Vec<usize
     (0..num_groups)
         .map(|g| {
             let base = dot(&decompose(g, &out_sizes), &out_stride);
-            (0..group_size).map(|r| base + dot(&decompose(r, &in_sizes), &in_stride)).collect()
+            (0..group_size)
+                .map(|r| base + dot(&decompose(r, &in_sizes), &in_stride))
+                .collect()
         })
         .collect()
 }
@@ -344,11 +421,19 @@ impl Topology {
                 GroupKind::Pp => masked_orthogonal_groups(&dense, &[false, false, false, true]),
                 GroupKind::DpCp => masked_orthogonal_groups(&dense, &[false, true, true, false]),
                 GroupKind::TpCp => masked_orthogonal_groups(&dense, &[true, true, false, false]),
-                GroupKind::ModelParallel => masked_orthogonal_groups(&dense, &[true, false, false, true]),
-                GroupKind::ExpertTp => masked_orthogonal_groups(&expert, &[true, false, false, false]),
+                GroupKind::ModelParallel => {
+                    masked_orthogonal_groups(&dense, &[true, false, false, true])
+                }
+                GroupKind::ExpertTp => {
+                    masked_orthogonal_groups(&expert, &[true, false, false, false])
+                }
                 GroupKind::Ep => masked_orthogonal_groups(&expert, &[false, true, false, false]),
-                GroupKind::ExpertDp => masked_orthogonal_groups(&expert, &[false, false, true, false]),
-                GroupKind::ExpertModelParallel => masked_orthogonal_groups(&expert, &[true, true, false, true]),
+                GroupKind::ExpertDp => {
+                    masked_orthogonal_groups(&expert, &[false, false, true, false])
+                }
+                GroupKind::ExpertModelParallel => {
+                    masked_orthogonal_groups(&expert, &[true, true, false, true])
+                }
             };
             groups.insert(kind, g);
         }
@@ -364,7 +449,14 @@ impl Topology {
                 (*kind, m)
             })
             .collect();
-        Ok(Self { config, world_size, dp, edp, groups, membership })
+        Ok(Self {
+            config,
+            world_size,
+            dp,
+            edp,
+            groups,
+            membership,
+        })
     }
 
     pub fn config(&self) -> &ParallelConfig {
@@ -384,7 +476,10 @@ impl Topology {
 
     fn check_rank(&self, rank: usize) -> Result<()> {
         if rank >= self.world_size {
-            return Err(TopologyError::RankOutOfRange { rank, world_size: self.world_size });
+            return Err(TopologyError::RankOutOfRange {
+                rank,
+                world_size: self.world_size,
+            });
         }
         Ok(())
     }
@@ -414,7 +509,13 @@ impl Topology {
     }
 
     /// The rank at the given dense coordinates.
-    pub fn rank_of(&self, tp_rank: usize, cp_rank: usize, dp_rank: usize, pp_rank: usize) -> Result<usize> {
+    pub fn rank_of(
+        &self,
+        tp_rank: usize,
+        cp_rank: usize,
+        dp_rank: usize,
+        pp_rank: usize,
+    ) -> Result<usize> {
         let c = &self.config;
         if tp_rank >= c.tp || cp_rank >= c.cp || dp_rank >= self.dp || pp_rank >= c.pp {
             return Err(invalid(

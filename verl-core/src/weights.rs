@@ -31,7 +31,11 @@ impl<B: Backend> NamedTensor<B> {
     pub fn new<const D: usize>(name: impl Into<String>, tensor: Tensor<B, D>) -> Self {
         let shape = tensor.dims().to_vec();
         let n: usize = shape.iter().product();
-        Self { name: name.into(), shape, values: tensor.reshape([n]) }
+        Self {
+            name: name.into(),
+            shape,
+            values: tensor.reshape([n]),
+        }
     }
 
     /// The tensor with its shape, as rank `D`.

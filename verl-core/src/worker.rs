@@ -115,7 +115,11 @@ impl<W: Worker> WorkerGroup<W> {
         F: Fn(RankContext) -> Result<W> + Send + Sync + 'static,
     {
         if world_size == 0 {
-            return Err(WorkerError::Spawn { rank: 0, message: "world_size must be at least 1".into() }.into());
+            return Err(WorkerError::Spawn {
+                rank: 0,
+                message: "world_size must be at least 1".into(),
+            }
+            .into());
         }
         let factory = Arc::new(factory);
         let (ready_tx, ready_rx) = mpsc::channel::<(usize, Result<()>)>();
@@ -127,15 +131,29 @@ impl<W: Worker> WorkerGroup<W> {
             let thread = std::thread::Builder::new()
                 .name(format!("verl-rank-{rank}"))
                 .spawn(move || {
-                    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
                         Ok(rt) => rt,
                         Err(e) => {
-                            let _ = ready.send((rank, Err(WorkerError::Spawn { rank, message: e.to_string() }.into())));
+                            let _ = ready.send((
+                                rank,
+                                Err(WorkerError::Spawn {
+                                    rank,
+                                    message: e.to_string(),
+                                }
+                                .into()),
+                            ));
                             return;
                         }
                     };
                     let (_never, cancel) = watch::channel(false);
-                    let ctx = RankContext { rank, world_size, cancel };
+                    let ctx = RankContext {
+                        rank,
+                        world_size,
+                        cancel,
+                    };
                     let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
                     let mut worker = match built {
                         Ok(Ok(w)) => {
@@ -147,8 +165,10 @@ impl<W: Worker> WorkerGroup<W> {
                             return;
                         }
                         Err(p) => {
-                            let message = format!("worker constructor panicked: {}", panic_message(p));
-                            let _ = ready.send((rank, Err(WorkerError::Spawn { rank, message }.into())));
+                            let message =
+                                format!("worker constructor panicked: {}", panic_message(p));
+                            let _ = ready
+                                .send((rank, Err(WorkerError::Spawn { rank, message }.into())));
                             return;
                         }
                     };
@@ -157,8 +177,14 @@ impl<W: Worker> WorkerGroup<W> {
                         job(&mut worker, &runtime, _never.subscribe());
                     }
                 })
-                .map_err(|e| WorkerError::Spawn { rank, message: e.to_string() })?;
-            ranks.push(RankHandle { jobs, thread: Some(thread) });
+                .map_err(|e| WorkerError::Spawn {
+                    rank,
+                    message: e.to_string(),
+                })?;
+            ranks.push(RankHandle {
+                jobs,
+                thread: Some(thread),
+            });
         }
         drop(ready_tx);
         let mut first_error = None;
@@ -168,7 +194,11 @@ impl<W: Worker> WorkerGroup<W> {
                 Ok((rank, Err(e))) => {
                     first_error.get_or_insert(match e {
                         Error::Worker(w) => Error::Worker(w),
-                        other => WorkerError::Spawn { rank, message: other.to_string() }.into(),
+                        other => WorkerError::Spawn {
+                            rank,
+                            message: other.to_string(),
+                        }
+                        .into(),
                     });
                 }
                 Err(_) => break,
@@ -211,17 +241,34 @@ impl<W: Worker> WorkerGroup<W> {
 
     /// Runs `f` on every rank that has an input (`inputs[r]` = `Some`), concurrently, and
     /// returns each rank's output (`None` where a rank was not asked).
-    pub async fn run<I, O, F>(&self, method: &str, inputs: Vec<Option<I>>, f: F) -> Result<Vec<Option<O>>>
+    pub async fn run<I, O, F>(
+        &self,
+        method: &str,
+        inputs: Vec<Option<I>>,
+        f: F,
+    ) -> Result<Vec<Option<O>>>
     where
         I: Send + 'static,
         O: Send + 'static,
         F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
     {
-        if let Some(m) = self.poisoned.lock().map_err(|_| WorkerError::Poisoned { method: method.into() })?.clone() {
+        if let Some(m) = self
+            .poisoned
+            .lock()
+            .map_err(|_| WorkerError::Poisoned {
+                method: method.into(),
+            })?
+            .clone()
+        {
             return Err(WorkerError::Poisoned { method: m }.into());
         }
         if inputs.len() != self.world_size() {
-            return Err(DispatchError::InputCount { mode: method.into(), inputs: inputs.len(), world_size: self.world_size() }.into());
+            return Err(DispatchError::InputCount {
+                mode: method.into(),
+                inputs: inputs.len(),
+                world_size: self.world_size(),
+            }
+            .into());
         }
         let f = Arc::new(f);
         let world_size = self.world_size();
@@ -235,7 +282,11 @@ impl<W: Worker> WorkerGroup<W> {
             let f = f.clone();
             let cancel = cancel_tx.subscribe();
             let job: Job<W> = Box::new(move |worker, runtime, _| {
-                let ctx = RankContext { rank, world_size, cancel: cancel.clone() };
+                let ctx = RankContext {
+                    rank,
+                    world_size,
+                    cancel: cancel.clone(),
+                };
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     runtime.block_on(async {
                         let stop = ctx.clone();
@@ -245,9 +296,13 @@ impl<W: Worker> WorkerGroup<W> {
                         }
                     })
                 }));
-                let _ = tx.send(outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p))));
+                let _ =
+                    tx.send(outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p))));
             });
-            self.ranks[rank].jobs.send(job).map_err(|_| WorkerError::RankGone { rank })?;
+            self.ranks[rank]
+                .jobs
+                .send(job)
+                .map_err(|_| WorkerError::RankGone { rank })?;
             running.push(rank);
             pending.push(async move { (rank, rx.await) });
         }
@@ -280,22 +335,44 @@ impl<W: Worker> WorkerGroup<W> {
                     outputs[rank] = Some(o);
                     None
                 }
-                Ok(RankOutcome::Done(Err(e))) => {
-                    Some(WorkerError::Failed { rank, method: method.into(), source: Box::new(e) }.into())
-                }
-                Ok(RankOutcome::Cancelled) => {
-                    Some(WorkerError::Cancelled { rank, method: method.into() }.into())
-                }
+                Ok(RankOutcome::Done(Err(e))) => Some(
+                    WorkerError::Failed {
+                        rank,
+                        method: method.into(),
+                        source: Box::new(e),
+                    }
+                    .into(),
+                ),
+                Ok(RankOutcome::Cancelled) => Some(
+                    WorkerError::Cancelled {
+                        rank,
+                        method: method.into(),
+                    }
+                    .into(),
+                ),
                 Ok(RankOutcome::Panicked(message)) => {
                     self.poison(method);
-                    Some(WorkerError::Panicked { rank, method: method.into(), message }.into())
+                    Some(
+                        WorkerError::Panicked {
+                            rank,
+                            method: method.into(),
+                            message,
+                        }
+                        .into(),
+                    )
                 }
             };
             if let Some(e) = failure {
                 let _ = cancel_tx.send(true);
                 // Keep the root cause: a cancellation is only a consequence.
                 let is_cancel = matches!(e, Error::Worker(WorkerError::Cancelled { .. }));
-                if first_error.is_none() || (!is_cancel && matches!(first_error, Some(Error::Worker(WorkerError::Cancelled { .. })))) {
+                if first_error.is_none()
+                    || (!is_cancel
+                        && matches!(
+                            first_error,
+                            Some(Error::Worker(WorkerError::Cancelled { .. }))
+                        ))
+                {
                     first_error = Some(e);
                 }
             }
@@ -319,18 +396,35 @@ impl<W: Worker> WorkerGroup<W> {
         O: Send + 'static,
         F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
     {
-        let inputs = (0..self.world_size()).map(|_| Some(input.clone())).collect();
-        Ok(self.run(method, inputs, f).await?.into_iter().flatten().collect())
+        let inputs = (0..self.world_size())
+            .map(|_| Some(input.clone()))
+            .collect();
+        Ok(self
+            .run(method, inputs, f)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect())
     }
 
     /// `AllToAll` / `DpCompute`: one input per rank; one output per rank.
-    pub async fn execute_per_rank<I, O, F>(&self, method: &str, inputs: Vec<I>, f: F) -> Result<Vec<O>>
+    pub async fn execute_per_rank<I, O, F>(
+        &self,
+        method: &str,
+        inputs: Vec<I>,
+        f: F,
+    ) -> Result<Vec<O>>
     where
         I: Send + 'static,
         O: Send + 'static,
         F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
     {
-        Ok(self.run(method, inputs.into_iter().map(Some).collect(), f).await?.into_iter().flatten().collect())
+        Ok(self
+            .run(method, inputs.into_iter().map(Some).collect(), f)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect())
     }
 
     /// `RankZero`: the same input to every rank (so collectives inside still match); rank 0's output.
@@ -365,14 +459,22 @@ impl<W: Worker> WorkerGroup<W> {
         }
         let mesh_owned = mesh.to_string();
         let infos = self
-            .execute_all("dispatch_info", mesh_owned, |w: &mut W, _ctx, mesh: String| {
-                Box::pin(async move { Ok(w.dispatch_info(&mesh)) })
-            })
+            .execute_all(
+                "dispatch_info",
+                mesh_owned,
+                |w: &mut W, _ctx, mesh: String| Box::pin(async move { Ok(w.dispatch_info(&mesh)) }),
+            )
             .await?;
         let infos = infos
             .into_iter()
             .enumerate()
-            .map(|(rank, i)| i.ok_or_else(|| DispatchError::NoMeshInfo { mode: name.clone(), mesh: mesh.to_string(), rank }))
+            .map(|(rank, i)| {
+                i.ok_or_else(|| DispatchError::NoMeshInfo {
+                    mode: name.clone(),
+                    mesh: mesh.to_string(),
+                    rank,
+                })
+            })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let plan = DispatchPlan::new(&name, infos)?;
         if let Ok(mut p) = self.plans.lock() {
@@ -383,16 +485,32 @@ impl<W: Worker> WorkerGroup<W> {
 
     /// Calls a `DataProto` method in a data-parallel mode (`DpComputeProto`, `MegatronCompute`,
     /// `MegatronPpAsDp`, `Nd`): split, run on every rank, collect.
-    pub async fn call_proto<B, F>(&self, mode: &DispatchMode, method: &str, data: DataProto<B>, f: F) -> Result<DataProto<B>>
+    pub async fn call_proto<B, F>(
+        &self,
+        mode: &DispatchMode,
+        method: &str,
+        data: DataProto<B>,
+        f: F,
+    ) -> Result<DataProto<B>>
     where
         B: Backend,
         DataProto<B>: Send,
-        F: for<'a> Fn(&'a mut W, RankContext, DataProto<B>) -> MethodFuture<'a, DataProto<B>> + Send + Sync + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, DataProto<B>) -> MethodFuture<'a, DataProto<B>>
+            + Send
+            + Sync
+            + 'static,
     {
         let plan = self.plan(mode).await?;
-        let auto_pad = self.auto_padding || data.meta_info.get(AUTO_PADDING_KEY).and_then(|v| v.as_bool()).unwrap_or(false);
+        let auto_pad = self.auto_padding
+            || data
+                .meta_info
+                .get(AUTO_PADDING_KEY)
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false);
         let (per_rank, padding) = plan.split(&data, auto_pad)?;
-        let outputs = self.run(method, per_rank.into_iter().map(Some).collect(), f).await?;
+        let outputs = self
+            .run(method, per_rank.into_iter().map(Some).collect(), f)
+            .await?;
         plan.collect(outputs, padding)
     }
 }

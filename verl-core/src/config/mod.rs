@@ -1,1 +1,322 @@
-//! config
+//! verl's configuration tree, with verl's key names.
+//!
+//! A config is built in layers: the defaults, then a file (YAML, TOML or JSON, by extension),
+//! then dotted `key=value` overrides as on verl's command line. Keys that do not exist are refused
+//! with the valid keys beside them; a value of the wrong type names its key. [`VerlConfig::validate`]
+//! then checks the parallel layout and batch arithmetic before anything is allocated.
+//!
+//! ```
+//! use verl_core::config::VerlConfig;
+//!
+//! let cfg = VerlConfig::from_layers(None, &[
+//!     "actor_rollout_ref.rollout.n=4",
+//!     "trainer.n_gpus_per_node=2",
+//!     "data.train_batch_size=8",
+//!     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+//!     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+//!     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+//!     "algorithm.adv_estimator=grpo",
+//! ])?;
+//! assert_eq!(cfg.actor_rollout_ref.rollout.n, 4);
+//! let checked = cfg.validate()?;
+//! assert_eq!(checked.actor_dp, 2);
+//!
+//! let err = VerlConfig::from_layers(None, &["trainer.totl_epochs=3"]).unwrap_err();
+//! assert!(err.to_string().contains("total_epochs"));
+//! # Ok::<(), verl_core::error::ConfigError>(())
+//! ```
+
+mod actor_rollout_ref;
+mod algorithm;
+mod critic;
+mod data;
+mod megatron;
+mod profiler;
+mod trainer;
+mod validate;
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub use actor_rollout_ref::{
+    ActorConfig, ActorRolloutRefConfig, ModelConfig, PolicyLossConfig, RefConfig, RolloutConfig,
+    ValKwargs,
+};
+pub use algorithm::{AlgorithmConfig, KlCtrlConfig};
+pub use critic::{
+    CriticConfig, CriticModelConfig, CustomRewardFunctionConfig, RewardModelConfig,
+    RewardModelModelConfig,
+};
+pub use data::{DataConfig, StringOrList, Truncation};
+pub use megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
+pub use profiler::{
+    GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
+    ToolConfig, TorchToolConfig,
+};
+pub use trainer::TrainerConfig;
+pub use validate::{ValidatedConfig, ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES};
+
+use crate::error::ConfigError;
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+/// The whole run's configuration (verl's `ppo_megatron_trainer.yaml` tree).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VerlConfig {
+    pub data: DataConfig,
+    pub actor_rollout_ref: ActorRolloutRefConfig,
+    pub critic: CriticConfig,
+    pub reward_model: RewardModelConfig,
+    pub custom_reward_function: CustomRewardFunctionConfig,
+    pub algorithm: AlgorithmConfig,
+    pub trainer: TrainerConfig,
+    pub global_profiler: GlobalProfilerConfig,
+}
+
+impl VerlConfig {
+    /// Defaults, then `file` (if any), then `overrides` (`key=value`), then inherited values
+    /// resolved (e.g. `rollout.response_length` from `data.max_response_length`).
+    pub fn from_layers(file: Option<&Path>, overrides: &[&str]) -> Result<Self> {
+        let mut tree = Self::default_tree();
+        if let Some(path) = file {
+            let user = read_file(path)?;
+            check_keys(&tree, &user, "")?;
+            merge(&mut tree, user);
+        }
+        for text in overrides {
+            apply_override(&mut tree, text)?;
+        }
+        let mut cfg = from_tree(tree)?;
+        cfg.resolve();
+        Ok(cfg)
+    }
+
+    /// The defaults as a JSON tree (every key present, unset options as null).
+    pub fn default_tree() -> Value {
+        serde_json::to_value(Self::default()).expect("the default config serializes")
+    }
+
+    /// Fills values that verl writes as interpolations (`${data.max_prompt_length}` and the like).
+    pub fn resolve(&mut self) {
+        let rollout = &mut self.actor_rollout_ref.rollout;
+        rollout
+            .prompt_length
+            .get_or_insert(self.data.max_prompt_length);
+        rollout
+            .response_length
+            .get_or_insert(self.data.max_response_length);
+        let actor = &self.actor_rollout_ref.actor;
+        self.critic
+            .ppo_mini_batch_size
+            .get_or_insert(actor.ppo_mini_batch_size);
+        self.critic.ppo_epochs.get_or_insert(actor.ppo_epochs);
+        if self.critic.enable.is_none() {
+            self.critic.enable = Some(self.algorithm.adv_estimator == "gae");
+        }
+        if self.actor_rollout_ref.reference.megatron.is_none() {
+            self.actor_rollout_ref.reference.megatron = Some(actor.megatron.clone());
+        }
+        let global = self.global_profiler.clone();
+        for p in [
+            &mut self.actor_rollout_ref.actor.profiler,
+            &mut self.actor_rollout_ref.reference.profiler,
+            &mut self.critic.profiler,
+            &mut self.reward_model.profiler,
+        ] {
+            p.inherit(&global);
+        }
+    }
+
+    /// Whether the critic runs (after [`Self::resolve`]).
+    pub fn critic_enabled(&self) -> bool {
+        self.critic
+            .enable
+            .unwrap_or(self.algorithm.adv_estimator == "gae")
+    }
+
+    /// The resolved config as YAML (what `verl config --print` shows).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).unwrap_or_else(|e| format!("# could not render config: {e}\n"))
+    }
+}
+
+fn read_file(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let parsed: std::result::Result<Value, String> = match ext.as_str() {
+        "yaml" | "yml" => serde_yaml::from_str(&text).map_err(|e| e.to_string()),
+        "toml" => toml::from_str(&text).map_err(|e| e.to_string()),
+        "json" => serde_json::from_str(&text).map_err(|e| e.to_string()),
+        other => Err(format!(
+            "unknown config extension `.{other}`; use .yaml, .yml, .toml or .json"
+        )),
+    };
+    let value = parsed.map_err(|message| ConfigError::Read {
+        path: path.into(),
+        message,
+    })?;
+    match value {
+        Value::Object(_) => Ok(value),
+        Value::Null => Ok(Value::Object(Map::new())),
+        _ => Err(ConfigError::Read {
+            path: path.into(),
+            message: "the top level must be a map of sections".into(),
+        }),
+    }
+}
+
+/// Edit distance, for "did you mean" hints.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur.push(
+                (prev[j] + usize::from(ca != *cb))
+                    .min(prev[j + 1] + 1)
+                    .min(cur[j] + 1),
+            );
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+fn unknown_key(path: &str, key: &str, valid: &Map<String, Value>) -> ConfigError {
+    let full = if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    };
+    let closest = valid
+        .keys()
+        .min_by_key(|k| distance(k, key))
+        .filter(|k| distance(k, key) <= key.len().max(3) / 2 + 1);
+    let hint = closest
+        .map(|k| format!(" Did you mean `{k}`?"))
+        .unwrap_or_default();
+    let keys = valid
+        .keys()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    ConfigError::Key {
+        key: full,
+        message: format!("unknown key.{hint} Valid keys here: {keys}"),
+    }
+}
+
+/// Refuses keys of `user` that the defaults tree does not have. An empty map in the defaults is
+/// free-form (e.g. `override_config`) and takes any keys.
+fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
+    let (Value::Object(d), Value::Object(u)) = (defaults, user) else {
+        return Ok(());
+    };
+    if d.is_empty() {
+        return Ok(());
+    }
+    for (k, v) in u {
+        match d.get(k) {
+            None => return Err(unknown_key(path, k, d)),
+            Some(dv) => check_keys(
+                dv,
+                v,
+                &if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                },
+            )?,
+        }
+    }
+    Ok(())
+}
+
+/// Deep-merges `user` into `base`: maps merge key by key, anything else replaces.
+fn merge(base: &mut Value, user: Value) {
+    match (base, user) {
+        (Value::Object(b), Value::Object(u)) => {
+            for (k, v) in u {
+                match b.get_mut(&k) {
+                    Some(slot) if slot.is_object() && v.is_object() => merge(slot, v),
+                    _ => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}
+
+/// Parses an override's value as a YAML scalar or flow collection (`3`, `1e-6`, `true`, `null`,
+/// `[1, 2]`, `{a: 1}`); anything else is a string.
+fn parse_value(text: &str) -> Value {
+    serde_yaml::from_str::<Value>(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+/// Applies one `a.b.c=value` override to the tree.
+pub fn apply_override(tree: &mut Value, text: &str) -> Result<()> {
+    let (key, value) = text
+        .split_once('=')
+        .ok_or_else(|| ConfigError::OverrideSyntax {
+            text: text.to_string(),
+        })?;
+    let key = key.trim().trim_start_matches('+');
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(ConfigError::OverrideSyntax {
+            text: text.to_string(),
+        });
+    }
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut node = tree;
+    let mut path = String::new();
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        let free_form = matches!(node, Value::Object(m) if m.is_empty());
+        if node.is_null() {
+            *node = Value::Object(Map::new());
+        }
+        let Value::Object(map) = node else {
+            return Err(ConfigError::Key {
+                key: key.to_string(),
+                message: format!("`{path}` is not a section, so it has no key `{part}`"),
+            });
+        };
+        if !map.contains_key(*part) && !free_form && !map.is_empty() {
+            return Err(unknown_key(&path, part, map));
+        }
+        if last {
+            map.insert(part.to_string(), parse_value(value.trim()));
+            return Ok(());
+        }
+        path = if path.is_empty() {
+            part.to_string()
+        } else {
+            format!("{path}.{part}")
+        };
+        node = map.entry(part.to_string()).or_insert(Value::Null);
+    }
+    Ok(())
+}
+
+fn from_tree(tree: Value) -> Result<VerlConfig> {
+    serde_path_to_error::deserialize(tree).map_err(|e| {
+        let key = e.path().to_string();
+        ConfigError::Key {
+            key,
+            message: e.into_inner().to_string(),
+        }
+    })
+}

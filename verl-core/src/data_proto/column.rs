@@ -44,7 +44,6 @@ macro_rules! map_rows {
     };
 }
 
-
 /// One named batch-first tensor of a [`crate::DataProto`]: its rows and its full shape.
 #[derive(Debug, Clone)]
 pub struct Column<B: Backend> {
@@ -54,23 +53,43 @@ pub struct Column<B: Backend> {
 
 fn row_view(key: &str, dims: &[usize]) -> Result<[usize; 2], DataProtoError> {
     match dims.split_first() {
-        None => Err(DataProtoError::ScalarColumn { key: key.to_string() }),
+        None => Err(DataProtoError::ScalarColumn {
+            key: key.to_string(),
+        }),
         Some((batch, rest)) => Ok([*batch, rest.iter().product()]),
     }
 }
 
 impl<B: Backend> Column<B> {
-    pub(crate) fn float<const D: usize>(key: &str, t: Tensor<B, D>) -> Result<Self, DataProtoError> {
+    pub(crate) fn float<const D: usize>(
+        key: &str,
+        t: Tensor<B, D>,
+    ) -> Result<Self, DataProtoError> {
         let shape = t.dims().to_vec();
-        Ok(Self { rows: Rows::Float(t.reshape(row_view(key, &shape)?)), shape })
+        Ok(Self {
+            rows: Rows::Float(t.reshape(row_view(key, &shape)?)),
+            shape,
+        })
     }
-    pub(crate) fn int<const D: usize>(key: &str, t: Tensor<B, D, Int>) -> Result<Self, DataProtoError> {
+    pub(crate) fn int<const D: usize>(
+        key: &str,
+        t: Tensor<B, D, Int>,
+    ) -> Result<Self, DataProtoError> {
         let shape = t.dims().to_vec();
-        Ok(Self { rows: Rows::Int(t.reshape(row_view(key, &shape)?)), shape })
+        Ok(Self {
+            rows: Rows::Int(t.reshape(row_view(key, &shape)?)),
+            shape,
+        })
     }
-    pub(crate) fn bool<const D: usize>(key: &str, t: Tensor<B, D, Bool>) -> Result<Self, DataProtoError> {
+    pub(crate) fn bool<const D: usize>(
+        key: &str,
+        t: Tensor<B, D, Bool>,
+    ) -> Result<Self, DataProtoError> {
         let shape = t.dims().to_vec();
-        Ok(Self { rows: Rows::Bool(t.reshape(row_view(key, &shape)?)), shape })
+        Ok(Self {
+            rows: Rows::Bool(t.reshape(row_view(key, &shape)?)),
+            shape,
+        })
     }
 
     /// Rebuilds a column from host data with the given full shape.
@@ -82,7 +101,10 @@ impl<B: Backend> Column<B> {
     ) -> Result<Self, DataProtoError> {
         let shape = data.shape.to_vec();
         let view = row_view(key, &shape)?;
-        let data = TensorData { shape: view.to_vec().into(), ..data };
+        let data = TensorData {
+            shape: view.to_vec().into(),
+            ..data
+        };
         let rows = match kind {
             ColumnKind::Float => Rows::Float(Tensor::from_data(data.convert::<f32>(), device)),
             ColumnKind::Int => Rows::Int(Tensor::from_data(data.convert::<i64>(), device)),
@@ -143,34 +165,54 @@ impl<B: Backend> Column<B> {
 
     /// Host copy of the values with the full shape.
     pub fn to_data(&self) -> TensorData {
-        let data = match &self.rows {
-            Rows::Float(t) => t.to_data(),
-            Rows::Int(t) => t.to_data(),
-            Rows::Bool(t) => t.to_data(),
-        };
-        TensorData { shape: self.shape.clone().into(), ..data }
+        match &self.rows {
+            Rows::Float(t) => TensorData {
+                shape: self.shape.clone().into(),
+                ..t.to_data()
+            },
+            Rows::Int(t) => TensorData {
+                shape: self.shape.clone().into(),
+                ..t.to_data()
+            },
+            // Backends may store booleans as u8 or u32 after some ops; hand out native bools.
+            Rows::Bool(t) => {
+                let values: Vec<bool> = t.to_data().iter::<u32>().map(|b| b != 0).collect();
+                TensorData::new(values, self.shape.clone())
+            }
+        }
     }
 
     /// Exact equality of kind, shape and values (used by `union` to accept shared keys).
     pub(crate) fn same_values(&self, other: &Self) -> bool {
-        self.kind() == other.kind() && self.shape == other.shape && self.to_data() == other.to_data()
+        self.kind() == other.kind()
+            && self.shape == other.shape
+            && self.to_data() == other.to_data()
     }
 
-    pub(crate) fn reshape_float<const D: usize>(&self, key: &str) -> Result<Tensor<B, D>, DataProtoError> {
+    pub(crate) fn reshape_float<const D: usize>(
+        &self,
+        key: &str,
+    ) -> Result<Tensor<B, D>, DataProtoError> {
         self.check_rank::<D>(key)?;
         match &self.rows {
             Rows::Float(t) => Ok(t.clone().reshape(self.dims_array::<D>())),
             _ => Err(self.kind_error(key, ColumnKind::Float)),
         }
     }
-    pub(crate) fn reshape_int<const D: usize>(&self, key: &str) -> Result<Tensor<B, D, Int>, DataProtoError> {
+    pub(crate) fn reshape_int<const D: usize>(
+        &self,
+        key: &str,
+    ) -> Result<Tensor<B, D, Int>, DataProtoError> {
         self.check_rank::<D>(key)?;
         match &self.rows {
             Rows::Int(t) => Ok(t.clone().reshape(self.dims_array::<D>())),
             _ => Err(self.kind_error(key, ColumnKind::Int)),
         }
     }
-    pub(crate) fn reshape_bool<const D: usize>(&self, key: &str) -> Result<Tensor<B, D, Bool>, DataProtoError> {
+    pub(crate) fn reshape_bool<const D: usize>(
+        &self,
+        key: &str,
+    ) -> Result<Tensor<B, D, Bool>, DataProtoError> {
         self.check_rank::<D>(key)?;
         match &self.rows {
             Rows::Bool(t) => Ok(t.clone().reshape(self.dims_array::<D>())),
@@ -197,7 +239,11 @@ impl<B: Backend> Column<B> {
     }
 
     fn kind_error(&self, key: &str, expected: ColumnKind) -> DataProtoError {
-        DataProtoError::KindMismatch { key: key.to_string(), expected: expected.name(), found: self.kind().name() }
+        DataProtoError::KindMismatch {
+            key: key.to_string(),
+            expected: expected.name(),
+            found: self.kind().name(),
+        }
     }
 
     /// Concatenates columns of one kind along the batch dimension.
@@ -214,15 +260,33 @@ impl<B: Backend> Column<B> {
         }
         let rows = match &first.rows {
             Rows::Float(_) => Rows::Float(Tensor::cat(
-                parts.iter().map(|p| match &p.rows { Rows::Float(t) => t.clone(), _ => unreachable!("kinds checked above") }).collect(),
+                parts
+                    .iter()
+                    .map(|p| match &p.rows {
+                        Rows::Float(t) => t.clone(),
+                        _ => unreachable!("kinds checked above"),
+                    })
+                    .collect(),
                 0,
             )),
             Rows::Int(_) => Rows::Int(Tensor::cat(
-                parts.iter().map(|p| match &p.rows { Rows::Int(t) => t.clone(), _ => unreachable!("kinds checked above") }).collect(),
+                parts
+                    .iter()
+                    .map(|p| match &p.rows {
+                        Rows::Int(t) => t.clone(),
+                        _ => unreachable!("kinds checked above"),
+                    })
+                    .collect(),
                 0,
             )),
             Rows::Bool(_) => Rows::Bool(Tensor::cat(
-                parts.iter().map(|p| match &p.rows { Rows::Bool(t) => t.clone(), _ => unreachable!("kinds checked above") }).collect(),
+                parts
+                    .iter()
+                    .map(|p| match &p.rows {
+                        Rows::Bool(t) => t.clone(),
+                        _ => unreachable!("kinds checked above"),
+                    })
+                    .collect(),
                 0,
             )),
         };

@@ -25,11 +25,17 @@ struct Manifest {
 }
 
 fn io_err(path: &Path, e: impl std::fmt::Display) -> DataProtoError {
-    DataProtoError::Io { path: path.to_path_buf(), message: e.to_string() }
+    DataProtoError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 fn format_err(path: &Path, message: impl Into<String>) -> DataProtoError {
-    DataProtoError::Format { path: path.to_path_buf(), message: message.into() }
+    DataProtoError::Format {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file and a rename, so a crash never leaves a
@@ -65,14 +71,21 @@ impl<B: Backend> DataProto<B> {
         let views = host
             .iter()
             .map(|(k, dtype, shape, bytes)| {
-                TensorView::new(*dtype, shape.clone(), bytes).map(|v| (k.clone(), v)).map_err(|e| io_err(dir, e))
+                TensorView::new(*dtype, shape.clone(), bytes)
+                    .map(|v| (k.clone(), v))
+                    .map_err(|e| io_err(dir, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let serialized = safetensors::serialize(views, None::<HashMap<String, String>>).map_err(|e| io_err(dir, e))?;
+        let serialized = safetensors::serialize(views, None::<HashMap<String, String>>)
+            .map_err(|e| io_err(dir, e))?;
         write_atomic(&dir.join(TENSORS_FILE), &serialized)?;
         let manifest = Manifest {
             version: FORMAT_VERSION,
-            columns: self.columns().iter().map(|(k, c)| (k.clone(), c.kind())).collect(),
+            columns: self
+                .columns()
+                .iter()
+                .map(|(k, c)| (k.clone(), c.kind()))
+                .collect(),
             non_tensor: self.non_tensor_columns().clone(),
             meta_info: self.meta_info.clone(),
         };
@@ -84,26 +97,51 @@ impl<B: Backend> DataProto<B> {
     pub fn load(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, DataProtoError> {
         let dir = dir.as_ref();
         let meta_path = dir.join(META_FILE);
-        let manifest: Manifest = serde_json::from_slice(&std::fs::read(&meta_path).map_err(|e| io_err(&meta_path, e))?)
-            .map_err(|e| format_err(&meta_path, e.to_string()))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&std::fs::read(&meta_path).map_err(|e| io_err(&meta_path, e))?)
+                .map_err(|e| format_err(&meta_path, e.to_string()))?;
         if manifest.version != FORMAT_VERSION {
-            return Err(format_err(&meta_path, format!("format version {} is not supported (expected {FORMAT_VERSION})", manifest.version)));
+            return Err(format_err(
+                &meta_path,
+                format!(
+                    "format version {} is not supported (expected {FORMAT_VERSION})",
+                    manifest.version
+                ),
+            ));
         }
         let tensors_path = dir.join(TENSORS_FILE);
         let bytes = std::fs::read(&tensors_path).map_err(|e| io_err(&tensors_path, e))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| format_err(&tensors_path, e.to_string()))?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| format_err(&tensors_path, e.to_string()))?;
         let mut batch = BTreeMap::new();
         for (key, kind) in &manifest.columns {
-            let view = st.tensor(key).map_err(|e| format_err(&tensors_path, format!("tensor `{key}`: {e}")))?;
+            let view = st
+                .tensor(key)
+                .map_err(|e| format_err(&tensors_path, format!("tensor `{key}`: {e}")))?;
             let shape = view.shape().to_vec();
             let data = match (kind, view.dtype()) {
-                (ColumnKind::Float, Dtype::F32) => TensorData::from_bytes_vec(view.data().to_vec(), shape, burn::tensor::DType::F32),
-                (ColumnKind::Int, Dtype::I64) => TensorData::from_bytes_vec(view.data().to_vec(), shape, burn::tensor::DType::I64),
-                (ColumnKind::Bool, Dtype::U8) => {
-                    TensorData::new(view.data().iter().map(|&b| b != 0).collect::<Vec<bool>>(), shape)
-                }
+                (ColumnKind::Float, Dtype::F32) => TensorData::from_bytes_vec(
+                    view.data().to_vec(),
+                    shape,
+                    burn::tensor::DType::F32,
+                ),
+                (ColumnKind::Int, Dtype::I64) => TensorData::from_bytes_vec(
+                    view.data().to_vec(),
+                    shape,
+                    burn::tensor::DType::I64,
+                ),
+                (ColumnKind::Bool, Dtype::U8) => TensorData::new(
+                    view.data().iter().map(|&b| b != 0).collect::<Vec<bool>>(),
+                    shape,
+                ),
                 (kind, dtype) => {
-                    return Err(format_err(&tensors_path, format!("tensor `{key}` is {dtype:?} but the manifest says {}", kind.name())))
+                    return Err(format_err(
+                        &tensors_path,
+                        format!(
+                            "tensor `{key}` is {dtype:?} but the manifest says {}",
+                            kind.name()
+                        ),
+                    ))
                 }
             };
             batch.insert(key.clone(), Column::from_data(key, *kind, data, device)?);
@@ -112,12 +150,20 @@ impl<B: Backend> DataProto<B> {
         let len = out.len();
         for (k, c) in out.columns() {
             if c.len() != len {
-                return Err(DataProtoError::LengthMismatch { key: k.clone(), expected: len, found: c.len() });
+                return Err(DataProtoError::LengthMismatch {
+                    key: k.clone(),
+                    expected: len,
+                    found: c.len(),
+                });
             }
         }
         for (k, v) in out.non_tensor_columns() {
             if v.len() != len {
-                return Err(DataProtoError::LengthMismatch { key: k.clone(), expected: len, found: v.len() });
+                return Err(DataProtoError::LengthMismatch {
+                    key: k.clone(),
+                    expected: len,
+                    found: v.len(),
+                });
             }
         }
         Ok(out)

@@ -13,8 +13,8 @@ use burn::prelude::*;
 use burn::tensor::{Bool, Int, TensorData};
 use serde_json::{Map, Value};
 
-pub use column::{Column, ColumnKind};
 use column::Rows;
+pub use column::{Column, ColumnKind};
 
 use crate::error::DataProtoError;
 
@@ -58,7 +58,11 @@ fn joined<'a>(keys: impl Iterator<Item = &'a String>) -> String {
 impl<B: Backend> DataProto<B> {
     /// An empty batch.
     pub fn new() -> Self {
-        Self { batch: BTreeMap::new(), non_tensor: BTreeMap::new(), meta_info: Map::new() }
+        Self {
+            batch: BTreeMap::new(),
+            non_tensor: BTreeMap::new(),
+            meta_info: Map::new(),
+        }
     }
 
     /// Number of rows; 0 for a batch with no columns.
@@ -81,7 +85,11 @@ impl<B: Backend> DataProto<B> {
 
     fn check_len(&self, key: &str, found: usize) -> Result<()> {
         if self.has_columns() && found != self.len() {
-            return Err(DataProtoError::LengthMismatch { key: key.to_string(), expected: self.len(), found });
+            return Err(DataProtoError::LengthMismatch {
+                key: key.to_string(),
+                expected: self.len(),
+                found,
+            });
         }
         Ok(())
     }
@@ -105,12 +113,20 @@ impl<B: Backend> DataProto<B> {
     }
 
     /// Adds (or replaces) an integer tensor; its first dimension is the batch.
-    pub fn insert_int<const D: usize>(&mut self, key: &str, tensor: Tensor<B, D, Int>) -> Result<()> {
+    pub fn insert_int<const D: usize>(
+        &mut self,
+        key: &str,
+        tensor: Tensor<B, D, Int>,
+    ) -> Result<()> {
         self.insert_column(key, Column::int(key, tensor)?)
     }
 
     /// Adds (or replaces) a boolean tensor; its first dimension is the batch.
-    pub fn insert_bool<const D: usize>(&mut self, key: &str, tensor: Tensor<B, D, Bool>) -> Result<()> {
+    pub fn insert_bool<const D: usize>(
+        &mut self,
+        key: &str,
+        tensor: Tensor<B, D, Bool>,
+    ) -> Result<()> {
         self.insert_column(key, Column::bool(key, tensor)?)
     }
 
@@ -156,7 +172,10 @@ impl<B: Backend> DataProto<B> {
 
     /// The per-row values of non-tensor column `key`.
     pub fn non_tensor(&self, key: &str) -> Result<&[Value]> {
-        self.non_tensor.get(key).map(Vec::as_slice).ok_or_else(|| self.missing(key))
+        self.non_tensor
+            .get(key)
+            .map(Vec::as_slice)
+            .ok_or_else(|| self.missing(key))
     }
 
     /// Names of the tensor columns, sorted.
@@ -185,26 +204,48 @@ impl<B: Backend> DataProto<B> {
             None => self.batch.clone(),
             Some(keys) => keys
                 .iter()
-                .map(|k| self.batch.get(*k).map(|c| (k.to_string(), c.clone())).ok_or_else(|| self.missing(k)))
+                .map(|k| {
+                    self.batch
+                        .get(*k)
+                        .map(|c| (k.to_string(), c.clone()))
+                        .ok_or_else(|| self.missing(k))
+                })
                 .collect::<Result<_>>()?,
         };
         let non_tensor = match non_tensor_keys {
             None => self.non_tensor.clone(),
             Some(keys) => keys
                 .iter()
-                .map(|k| self.non_tensor.get(*k).map(|c| (k.to_string(), c.clone())).ok_or_else(|| self.missing(k)))
+                .map(|k| {
+                    self.non_tensor
+                        .get(*k)
+                        .map(|c| (k.to_string(), c.clone()))
+                        .ok_or_else(|| self.missing(k))
+                })
                 .collect::<Result<_>>()?,
         };
         let meta_info = match meta_keys {
             None => self.meta_info.clone(),
-            Some(keys) => keys.iter().filter_map(|k| self.meta_info.get(*k).map(|v| (k.to_string(), v.clone()))).collect(),
+            Some(keys) => keys
+                .iter()
+                .filter_map(|k| self.meta_info.get(*k).map(|v| (k.to_string(), v.clone())))
+                .collect(),
         };
-        Ok(Self { batch, non_tensor, meta_info })
+        Ok(Self {
+            batch,
+            non_tensor,
+            meta_info,
+        })
     }
 
     /// Removes the named columns and meta keys and returns them as a new batch.
     /// Fails without changing `self` if a tensor or non-tensor key is missing.
-    pub fn pop(&mut self, batch_keys: &[&str], non_tensor_keys: &[&str], meta_keys: &[&str]) -> Result<Self> {
+    pub fn pop(
+        &mut self,
+        batch_keys: &[&str],
+        non_tensor_keys: &[&str],
+        meta_keys: &[&str],
+    ) -> Result<Self> {
         let popped = self.select(Some(batch_keys), Some(non_tensor_keys), Some(meta_keys))?;
         for k in batch_keys {
             self.batch.remove(*k);
@@ -221,11 +262,16 @@ impl<B: Backend> DataProto<B> {
     /// Merges `other` into `self`. A key present on both sides must hold equal values.
     pub fn union(mut self, other: Self) -> Result<Self> {
         if self.has_columns() && other.has_columns() && self.len() != other.len() {
-            return Err(DataProtoError::UnionLength { left: self.len(), right: other.len() });
+            return Err(DataProtoError::UnionLength {
+                left: self.len(),
+                right: other.len(),
+            });
         }
         for (k, c) in other.batch {
             match self.batch.get(&k) {
-                Some(mine) if !mine.same_values(&c) => return Err(DataProtoError::UnionConflict { key: k }),
+                Some(mine) if !mine.same_values(&c) => {
+                    return Err(DataProtoError::UnionConflict { key: k })
+                }
                 Some(_) => {}
                 None => {
                     self.batch.insert(k, c);
@@ -253,10 +299,18 @@ impl<B: Backend> DataProto<B> {
         Ok(self)
     }
 
-    fn map_columns(&self, f: impl Fn(&Column<B>) -> Column<B>, g: impl Fn(&[Value]) -> Vec<Value>) -> Self {
+    fn map_columns(
+        &self,
+        f: impl Fn(&Column<B>) -> Column<B>,
+        g: impl Fn(&[Value]) -> Vec<Value>,
+    ) -> Self {
         Self {
             batch: self.batch.iter().map(|(k, c)| (k.clone(), f(c))).collect(),
-            non_tensor: self.non_tensor.iter().map(|(k, v)| (k.clone(), g(v))).collect(),
+            non_tensor: self
+                .non_tensor
+                .iter()
+                .map(|(k, v)| (k.clone(), g(v)))
+                .collect(),
             meta_info: self.meta_info.clone(),
         }
     }
@@ -289,7 +343,10 @@ impl<B: Backend> DataProto<B> {
     pub fn slice(&self, start: usize, end: usize) -> Result<Self> {
         let len = self.len();
         if start > end || end > len {
-            return Err(DataProtoError::RowOutOfRange { index: end.max(start), len });
+            return Err(DataProtoError::RowOutOfRange {
+                index: end.max(start),
+                len,
+            });
         }
         Ok(self.map_columns(|c| c.slice_rows(start, end), |v| v[start..end].to_vec()))
     }
@@ -298,12 +355,18 @@ impl<B: Backend> DataProto<B> {
     pub fn reorder(&mut self, order: &[usize]) -> Result<()> {
         let len = self.len();
         if order.len() != len {
-            return Err(DataProtoError::NotAPermutation { len, detail: format!("got {} indices", order.len()) });
+            return Err(DataProtoError::NotAPermutation {
+                len,
+                detail: format!("got {} indices", order.len()),
+            });
         }
         let mut seen = vec![false; len];
         for &i in order {
             if i >= len || std::mem::replace(&mut seen[i], true) {
-                return Err(DataProtoError::NotAPermutation { len, detail: format!("index {i} is out of range or repeated") });
+                return Err(DataProtoError::NotAPermutation {
+                    len,
+                    detail: format!("index {i} is out of range or repeated"),
+                });
             }
         }
         *self = self.select_rows(order)?;
@@ -326,7 +389,11 @@ impl<B: Backend> DataProto<B> {
     pub fn split(&self, sizes: &[usize]) -> Result<Vec<Self>> {
         let sum: usize = sizes.iter().sum();
         if sum != self.len() {
-            return Err(DataProtoError::SplitSizes { sizes: sizes.to_vec(), sum, len: self.len() });
+            return Err(DataProtoError::SplitSizes {
+                sizes: sizes.to_vec(),
+                sum,
+                len: self.len(),
+            });
         }
         let mut start = 0;
         sizes
@@ -347,9 +414,14 @@ impl<B: Backend> DataProto<B> {
         let expected = keys(first);
         for (index, p) in parts.iter().enumerate().skip(1) {
             let found = keys(p);
-            let same = p.batch.keys().eq(first.batch.keys()) && p.non_tensor.keys().eq(first.non_tensor.keys());
+            let same = p.batch.keys().eq(first.batch.keys())
+                && p.non_tensor.keys().eq(first.non_tensor.keys());
             if !same {
-                return Err(DataProtoError::ConcatKeys { index, expected, found });
+                return Err(DataProtoError::ConcatKeys {
+                    index,
+                    expected,
+                    found,
+                });
             }
         }
         let mut out = Self::new();
@@ -358,12 +430,20 @@ impl<B: Backend> DataProto<B> {
             out.batch.insert(key.clone(), Column::concat(key, cols)?);
         }
         for key in first.non_tensor.keys() {
-            out.non_tensor.insert(key.clone(), parts.iter().flat_map(|p| p.non_tensor[key].iter().cloned()).collect());
+            out.non_tensor.insert(
+                key.clone(),
+                parts
+                    .iter()
+                    .flat_map(|p| p.non_tensor[key].iter().cloned())
+                    .collect(),
+            );
         }
         for p in &parts {
             for (k, v) in &p.meta_info {
                 match out.meta_info.get(k) {
-                    Some(mine) if mine != v => return Err(DataProtoError::ConcatMeta { key: k.clone() }),
+                    Some(mine) if mine != v => {
+                        return Err(DataProtoError::ConcatMeta { key: k.clone() })
+                    }
                     Some(_) => {}
                     None => {
                         out.meta_info.insert(k.clone(), v.clone());
@@ -378,11 +458,15 @@ impl<B: Backend> DataProto<B> {
     /// (`a a b b`, GRPO's group layout); otherwise the whole batch is tiled (`a b a b`).
     pub fn repeat(&self, times: usize, interleave: bool) -> Result<Self> {
         if times == 0 {
-            return Err(DataProtoError::Zero { what: "repeat times" });
+            return Err(DataProtoError::Zero {
+                what: "repeat times",
+            });
         }
         let len = self.len();
         let order: Vec<usize> = if interleave {
-            (0..len).flat_map(|i| std::iter::repeat_n(i, times)).collect()
+            (0..len)
+                .flat_map(|i| std::iter::repeat_n(i, times))
+                .collect()
         } else {
             (0..times).flat_map(|_| 0..len).collect()
         };
@@ -439,7 +523,10 @@ impl<B: Backend> DataProto<B> {
         non_tensor: BTreeMap<String, Vec<Value>>,
         meta_info: Map<String, Value>,
     ) -> Self {
-        Self { batch, non_tensor, meta_info }
+        Self {
+            batch,
+            non_tensor,
+            meta_info,
+        }
     }
 }
-

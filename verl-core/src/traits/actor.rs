@@ -18,7 +18,11 @@ pub struct LogProbOutput<B: Backend> {
 #[async_trait(?Send)]
 pub trait Actor<B: Backend> {
     /// Log-probabilities of the responses under the current weights (no gradient).
-    async fn compute_log_prob(&mut self, data: &DataProto<B>, calculate_entropy: bool) -> Result<LogProbOutput<B>>;
+    async fn compute_log_prob(
+        &mut self,
+        data: &DataProto<B>,
+        calculate_entropy: bool,
+    ) -> Result<LogProbOutput<B>>;
 
     /// One policy update over the batch (epochs, mini-batches, micro-batches as configured).
     async fn update_policy(&mut self, data: &DataProto<B>) -> Result<Metrics>;

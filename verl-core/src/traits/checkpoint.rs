@@ -26,9 +26,17 @@ pub struct CheckpointContents {
 
 impl CheckpointContents {
     /// Model, optimizer and extra state: what an exact resume needs.
-    pub const ALL: Self = Self { model: true, optimizer: true, extra: true };
+    pub const ALL: Self = Self {
+        model: true,
+        optimizer: true,
+        extra: true,
+    };
     /// Model weights only.
-    pub const MODEL: Self = Self { model: true, optimizer: false, extra: false };
+    pub const MODEL: Self = Self {
+        model: true,
+        optimizer: false,
+        extra: false,
+    };
 }
 
 /// The state a role saves: model and optimizer tensors of this rank, and extra JSON state
@@ -47,8 +55,18 @@ pub trait CheckpointBackend<B: Backend> {
 
     /// Saves the requested parts under `dir`. An existing checkpoint is replaced only once the
     /// new one is complete.
-    async fn save(&self, dir: &Path, state: &CheckpointState<B>, contents: CheckpointContents) -> Result<()>;
+    async fn save(
+        &self,
+        dir: &Path,
+        state: &CheckpointState<B>,
+        contents: CheckpointContents,
+    ) -> Result<()>;
 
     /// Loads the requested parts from `dir` onto `device`.
-    async fn load(&self, dir: &Path, contents: CheckpointContents, device: &B::Device) -> Result<CheckpointState<B>>;
+    async fn load(
+        &self,
+        dir: &Path,
+        contents: CheckpointContents,
+        device: &B::Device,
+    ) -> Result<CheckpointState<B>>;
 }

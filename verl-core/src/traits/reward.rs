@@ -22,7 +22,10 @@ pub struct RewardScore {
 
 impl From<f64> for RewardScore {
     fn from(score: f64) -> Self {
-        Self { score, extra: BTreeMap::new() }
+        Self {
+            score,
+            extra: BTreeMap::new(),
+        }
     }
 }
 

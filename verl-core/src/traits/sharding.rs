@@ -23,7 +23,11 @@ pub struct ReshardReport {
 pub trait ShardingManager<B: Backend> {
     /// Before generation: wake the rollout and stream the actor's weights into it, resharded from
     /// the training layout (tp/pp) to the rollout's own tp.
-    async fn enter(&mut self, actor: &dyn WeightExporter<B>, rollout: &mut dyn RolloutEngine<B>) -> Result<ReshardReport>;
+    async fn enter(
+        &mut self,
+        actor: &dyn WeightExporter<B>,
+        rollout: &mut dyn RolloutEngine<B>,
+    ) -> Result<ReshardReport>;
 
     /// After generation: put the rollout to sleep so training gets its memory back.
     async fn exit(&mut self, rollout: &mut dyn RolloutEngine<B>) -> Result<()>;

@@ -1,0 +1,272 @@
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
+use super::profiler::RoleProfilerConfig;
+
+/// `actor_rollout_ref`: the hybrid worker's model, actor, reference and rollout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorRolloutRefConfig {
+    /// Actor and rollout share devices and swap memory (verl's HybridEngine).
+    pub hybrid_engine: bool,
+    pub model: ModelConfig,
+    pub actor: ActorConfig,
+    #[serde(rename = "ref")]
+    pub reference: RefConfig,
+    pub rollout: RolloutConfig,
+}
+
+impl Default for ActorRolloutRefConfig {
+    fn default() -> Self {
+        Self {
+            hybrid_engine: true,
+            model: ModelConfig::default(),
+            actor: ActorConfig::default(),
+            reference: RefConfig::default(),
+            rollout: RolloutConfig::default(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.model`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A Hugging Face model directory; `None`: the built-in tiny model, trained from scratch.
+    pub path: Option<String>,
+    pub tokenizer_path: Option<String>,
+    /// Overrides of `config.json` fields.
+    pub override_config: Map<String, Value>,
+    pub external_lib: Option<String>,
+    pub enable_gradient_checkpointing: bool,
+    pub trust_remote_code: bool,
+    pub use_remove_padding: bool,
+    pub use_fused_kernels: bool,
+    pub custom_chat_template: Option<String>,
+}
+
+/// `actor_rollout_ref.actor.policy_loss`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyLossConfig {
+    /// `vanilla`, `gspo`, `sapo`, `gpg`, `clip_cov`, `kl_cov`, `geo_mean`, `cispo`.
+    pub loss_mode: String,
+    pub clip_cov_ratio: f64,
+    pub clip_cov_lb: f64,
+    pub clip_cov_ub: f64,
+    pub kl_cov_ratio: f64,
+    pub ppo_kl_coef: f64,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self {
+            loss_mode: "vanilla".into(),
+            clip_cov_ratio: 0.0002,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 0.0002,
+            ppo_kl_coef: 0.1,
+        }
+    }
+}
+
+/// `actor_rollout_ref.actor`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActorConfig {
+    pub strategy: String,
+    /// Prompts per mini-batch (each expands to `rollout.n` samples).
+    pub ppo_mini_batch_size: usize,
+    /// Deprecated global micro-batch size; prefer `ppo_micro_batch_size_per_gpu`.
+    pub ppo_micro_batch_size: Option<usize>,
+    pub ppo_micro_batch_size_per_gpu: Option<usize>,
+    pub use_dynamic_bsz: bool,
+    pub ppo_max_token_len_per_gpu: usize,
+    pub clip_ratio: f64,
+    pub clip_ratio_low: Option<f64>,
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip lower bound constant c (> 1).
+    pub clip_ratio_c: f64,
+    /// `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`, `seq-mean-token-sum-norm`.
+    pub loss_agg_mode: String,
+    pub entropy_coeff: f64,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: String,
+    pub ppo_epochs: usize,
+    pub shuffle: bool,
+    pub data_loader_seed: Option<u64>,
+    pub policy_loss: PolicyLossConfig,
+    pub optim: OptimConfig,
+    pub megatron: MegatronConfig,
+    pub checkpoint: CheckpointConfig,
+    pub profiler: RoleProfilerConfig,
+    pub load_weight: bool,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        Self {
+            strategy: "megatron".into(),
+            ppo_mini_batch_size: 256,
+            ppo_micro_batch_size: None,
+            ppo_micro_batch_size_per_gpu: None,
+            use_dynamic_bsz: false,
+            ppo_max_token_len_per_gpu: 16384,
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: 3.0,
+            loss_agg_mode: "token-mean".into(),
+            entropy_coeff: 0.0,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: "low_var_kl".into(),
+            ppo_epochs: 1,
+            shuffle: false,
+            data_loader_seed: None,
+            policy_loss: PolicyLossConfig::default(),
+            optim: OptimConfig::default(),
+            megatron: MegatronConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+            profiler: RoleProfilerConfig::default(),
+            load_weight: true,
+        }
+    }
+}
+
+impl ActorConfig {
+    /// Lower clip bound in force (`clip_ratio_low`, else `clip_ratio`).
+    pub fn clip_low(&self) -> f64 {
+        self.clip_ratio_low.unwrap_or(self.clip_ratio)
+    }
+    /// Upper clip bound in force (`clip_ratio_high`, else `clip_ratio`).
+    pub fn clip_high(&self) -> f64 {
+        self.clip_ratio_high.unwrap_or(self.clip_ratio)
+    }
+}
+
+/// `actor_rollout_ref.ref`: the frozen reference policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RefConfig {
+    pub strategy: String,
+    /// `None`: the actor's layout.
+    pub megatron: Option<MegatronConfig>,
+    pub log_prob_micro_batch_size: Option<usize>,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    pub log_prob_use_dynamic_bsz: bool,
+    pub log_prob_max_token_len_per_gpu: usize,
+    pub load_weight: bool,
+    pub profiler: RoleProfilerConfig,
+}
+
+impl Default for RefConfig {
+    fn default() -> Self {
+        Self {
+            strategy: "megatron".into(),
+            megatron: None,
+            log_prob_micro_batch_size: None,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: false,
+            log_prob_max_token_len_per_gpu: 16384,
+            load_weight: true,
+            profiler: RoleProfilerConfig::default(),
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout.val_kwargs`: sampling for validation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValKwargs {
+    pub top_k: i64,
+    pub top_p: f64,
+    pub temperature: f64,
+    pub n: usize,
+    pub do_sample: bool,
+}
+
+impl Default for ValKwargs {
+    fn default() -> Self {
+        Self {
+            top_k: -1,
+            top_p: 1.0,
+            temperature: 0.0,
+            n: 1,
+            do_sample: false,
+        }
+    }
+}
+
+/// `actor_rollout_ref.rollout`: the generation engine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Engine name; `native` is verl-rs's own engine.
+    pub name: String,
+    pub mode: String,
+    pub temperature: f64,
+    /// `-1` (or 0): no top-k filtering.
+    pub top_k: i64,
+    pub top_p: f64,
+    /// `None`: `data.max_prompt_length`.
+    pub prompt_length: Option<usize>,
+    /// `None`: `data.max_response_length`.
+    pub response_length: Option<usize>,
+    pub dtype: String,
+    /// Fraction of device memory the KV cache may use.
+    pub gpu_memory_utilization: f64,
+    pub ignore_eos: bool,
+    pub enforce_eager: bool,
+    pub free_cache_engine: bool,
+    pub tensor_model_parallel_size: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: Option<usize>,
+    pub max_num_seqs: usize,
+    pub log_prob_micro_batch_size: Option<usize>,
+    pub log_prob_micro_batch_size_per_gpu: Option<usize>,
+    pub log_prob_use_dynamic_bsz: bool,
+    pub log_prob_max_token_len_per_gpu: usize,
+    pub do_sample: bool,
+    /// Samples per prompt (the GRPO group size).
+    pub n: usize,
+    pub seed: u64,
+    /// Return each sampled token's log-prob under the rollout engine.
+    pub calculate_log_probs: bool,
+    pub val_kwargs: ValKwargs,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            name: "native".into(),
+            mode: "sync".into(),
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            prompt_length: None,
+            response_length: None,
+            dtype: "bfloat16".into(),
+            gpu_memory_utilization: 0.5,
+            ignore_eos: false,
+            enforce_eager: true,
+            free_cache_engine: true,
+            tensor_model_parallel_size: 1,
+            max_num_batched_tokens: 8192,
+            max_model_len: None,
+            max_num_seqs: 1024,
+            log_prob_micro_batch_size: None,
+            log_prob_micro_batch_size_per_gpu: None,
+            log_prob_use_dynamic_bsz: false,
+            log_prob_max_token_len_per_gpu: 16384,
+            do_sample: true,
+            n: 1,
+            seed: 0,
+            calculate_log_probs: false,
+            val_kwargs: ValKwargs::default(),
+        }
+    }
+}

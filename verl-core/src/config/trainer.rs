@@ -1,0 +1,79 @@
+use serde::{Deserialize, Serialize};
+
+/// `trainer`: the run's length, cadence, devices and output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    pub balance_batch: bool,
+    pub total_epochs: usize,
+    /// Overrides the step count derived from epochs when set.
+    pub total_training_steps: Option<u64>,
+    pub project_name: String,
+    pub experiment_name: String,
+    pub logger: Vec<String>,
+    pub log_val_generations: usize,
+    pub nnodes: usize,
+    /// Ranks per node; on the CPU default these are simulated in-process.
+    pub n_gpus_per_node: usize,
+    /// Save a checkpoint every this many steps; -1: never.
+    pub save_freq: i64,
+    /// `auto`, `disable` or `resume_path`.
+    pub resume_mode: String,
+    pub resume_from_path: Option<String>,
+    pub val_before_train: bool,
+    pub val_only: bool,
+    /// Validate every this many steps; -1: never.
+    pub test_freq: i64,
+    pub critic_warmup: u64,
+    /// `None`: `checkpoints/{project_name}/{experiment_name}`.
+    pub default_local_dir: Option<String>,
+    pub del_local_ckpt_after_load: bool,
+    pub max_actor_ckpt_to_keep: Option<usize>,
+    pub max_critic_ckpt_to_keep: Option<usize>,
+    /// `cpu` or `cuda`.
+    pub device: String,
+    pub seed: u64,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            balance_batch: true,
+            total_epochs: 30,
+            total_training_steps: None,
+            project_name: "verl_examples".into(),
+            experiment_name: "gsm8k".into(),
+            logger: vec!["console".into()],
+            log_val_generations: 0,
+            nnodes: 1,
+            n_gpus_per_node: 8,
+            save_freq: -1,
+            resume_mode: "auto".into(),
+            resume_from_path: None,
+            val_before_train: true,
+            val_only: false,
+            test_freq: -1,
+            critic_warmup: 0,
+            default_local_dir: None,
+            del_local_ckpt_after_load: false,
+            max_actor_ckpt_to_keep: None,
+            max_critic_ckpt_to_keep: None,
+            device: "cpu".into(),
+            seed: 42,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Ranks in the run: `nnodes × n_gpus_per_node`.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.n_gpus_per_node
+    }
+
+    /// Where checkpoints and metrics go.
+    pub fn local_dir(&self) -> String {
+        self.default_local_dir.clone().unwrap_or_else(|| {
+            format!("checkpoints/{}/{}", self.project_name, self.experiment_name)
+        })
+    }
+}

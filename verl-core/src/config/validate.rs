@@ -1,0 +1,442 @@
+//! Checks that a config can run before anything is allocated: names that must be known, the
+//! parallel layouts against the world size, and verl's batch arithmetic.
+
+use super::{MegatronConfig, VerlConfig};
+use crate::error::{ConfigError, TopologyError};
+
+/// Advantage estimators verl defines (`algorithm.adv_estimator`).
+pub const ADV_ESTIMATORS: &[&str] = &[
+    "gae",
+    "grpo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+    "remax",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "optimal_token_baseline",
+];
+/// Policy losses verl defines (`actor.policy_loss.loss_mode`).
+pub const POLICY_LOSSES: &[&str] = &[
+    "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo",
+];
+/// Loss aggregation modes (`actor.loss_agg_mode`, `critic.loss_agg_mode`).
+pub const LOSS_AGG_MODES: &[&str] = &[
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+];
+/// KL estimators (`actor.kl_loss_type`, `algorithm.kl_penalty`).
+pub const KL_TYPES: &[&str] = &[
+    "kl",
+    "k1",
+    "abs",
+    "mse",
+    "k2",
+    "low_var_kl",
+    "k3",
+    "full",
+    "k1+",
+    "k2+",
+    "k3+",
+    "kl+",
+    "mse+",
+    "low_var_kl+",
+];
+/// Estimators that compare samples of one prompt and so need `rollout.n > 1`.
+const GROUP_ESTIMATORS: &[&str] = &["grpo", "rloo", "grpo_passk", "opo"];
+
+/// A config that passed [`VerlConfig::validate`], with the numbers derived on the way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedConfig {
+    pub config: VerlConfig,
+    /// `trainer.nnodes × trainer.n_gpus_per_node`.
+    pub world_size: usize,
+    /// Data-parallel size of the actor (world / (tp·cp·pp)).
+    pub actor_dp: usize,
+    /// Samples per actor mini-batch on one dp rank (`ppo_mini_batch_size × n / dp`).
+    pub actor_mini_batch_per_dp: usize,
+    /// Data-parallel size of the critic, if enabled.
+    pub critic_dp: Option<usize>,
+    /// Rollout data-parallel size (world / rollout tp).
+    pub rollout_dp: usize,
+}
+
+fn invalid(
+    key: &str,
+    value: impl ToString,
+    message: impl Into<String>,
+    fix: impl Into<String>,
+) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        value: value.to_string(),
+        message: message.into(),
+        fix: fix.into(),
+    }
+}
+
+fn one_of(key: &str, value: &str, allowed: &[&str]) -> Result<(), ConfigError> {
+    if allowed.contains(&value) {
+        return Ok(());
+    }
+    Err(invalid(
+        key,
+        format!("{value:?}"),
+        "is not a known name",
+        format!("use one of: {}", allowed.join(", ")),
+    ))
+}
+
+fn layout(prefix: &str, m: &MegatronConfig, world: usize) -> Result<usize, ConfigError> {
+    m.parallel().validate(world).map_err(|e| match e {
+        TopologyError::Invalid { field, message } => {
+            let key = format!("{prefix}.megatron.{}", MegatronConfig::key_of(field));
+            invalid(&key, field, message, format!("choose sizes whose product divides trainer.nnodes × trainer.n_gpus_per_node = {world}"))
+        }
+        other => invalid(&format!("{prefix}.megatron"), "", other.to_string(), "check the parallel sizes"),
+    })
+}
+
+fn micro_batch(
+    prefix: &str,
+    legacy: Option<usize>,
+    per_gpu: Option<usize>,
+    dynamic: bool,
+    legacy_key: &str,
+    per_gpu_key: &str,
+) -> Result<Option<usize>, ConfigError> {
+    match (legacy, per_gpu) {
+        (Some(_), Some(_)) => Err(invalid(
+            &format!("{prefix}.{legacy_key}"),
+            legacy.unwrap_or_default(),
+            format!("is set together with {prefix}.{per_gpu_key}"),
+            format!("set only {prefix}.{per_gpu_key}; {legacy_key} is deprecated"),
+        )),
+        (Some(_), None) => Err(invalid(
+            &format!("{prefix}.{legacy_key}"),
+            legacy.unwrap_or_default(),
+            "is the deprecated global micro-batch size",
+            format!("set {prefix}.{per_gpu_key} (micro-batch per rank) instead"),
+        )),
+        (None, None) if !dynamic => Err(invalid(
+            &format!("{prefix}.{per_gpu_key}"),
+            "null",
+            "must be set when dynamic batch size is off",
+            format!("set {prefix}.{per_gpu_key}=N, or turn on use_dynamic_bsz"),
+        )),
+        (None, Some(0)) => Err(invalid(
+            &format!("{prefix}.{per_gpu_key}"),
+            0,
+            "must be at least 1",
+            "use a positive size",
+        )),
+        (None, p) => Ok(p),
+    }
+}
+
+impl VerlConfig {
+    /// Checks names, layouts and batch arithmetic; returns the derived sizes.
+    pub fn validate(&self) -> Result<ValidatedConfig, ConfigError> {
+        let mut cfg = self.clone();
+        cfg.resolve();
+        let t = &cfg.trainer;
+        let world = t.world_size();
+        if world == 0 {
+            return Err(invalid(
+                "trainer.n_gpus_per_node",
+                t.n_gpus_per_node,
+                "gives no ranks",
+                "set trainer.nnodes and trainer.n_gpus_per_node to at least 1",
+            ));
+        }
+        let arr = &cfg.actor_rollout_ref;
+        let (actor, rollout) = (&arr.actor, &arr.rollout);
+        one_of(
+            "algorithm.adv_estimator",
+            &cfg.algorithm.adv_estimator,
+            ADV_ESTIMATORS,
+        )?;
+        one_of(
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+            &actor.policy_loss.loss_mode,
+            POLICY_LOSSES,
+        )?;
+        one_of(
+            "actor_rollout_ref.actor.loss_agg_mode",
+            &actor.loss_agg_mode,
+            LOSS_AGG_MODES,
+        )?;
+        one_of(
+            "actor_rollout_ref.actor.kl_loss_type",
+            &actor.kl_loss_type,
+            KL_TYPES,
+        )?;
+        one_of("algorithm.kl_penalty", &cfg.algorithm.kl_penalty, KL_TYPES)?;
+        one_of(
+            "algorithm.kl_ctrl.type",
+            &cfg.algorithm.kl_ctrl.kind,
+            &["fixed", "adaptive"],
+        )?;
+        one_of(
+            "actor_rollout_ref.actor.optim.lr_decay_style",
+            &actor.optim.lr_decay_style,
+            &["constant", "cosine", "linear"],
+        )?;
+        one_of(
+            "actor_rollout_ref.actor.optim.optimizer",
+            &actor.optim.optimizer,
+            &["adam"],
+        )?;
+
+        // Sampling.
+        if rollout.n == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.n",
+                0,
+                "must be at least 1",
+                "set the number of samples per prompt",
+            ));
+        }
+        if GROUP_ESTIMATORS.contains(&cfg.algorithm.adv_estimator.as_str()) && rollout.n < 2 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.n",
+                rollout.n,
+                format!(
+                    "`{}` compares samples of the same prompt, so it needs at least 2",
+                    cfg.algorithm.adv_estimator
+                ),
+                "set actor_rollout_ref.rollout.n=2 or more (e.g. 5 or 8)",
+            ));
+        }
+        if !(rollout.temperature >= 0.0) {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.temperature",
+                rollout.temperature,
+                "must be ≥ 0",
+                "0 is greedy",
+            ));
+        }
+        if !(rollout.top_p > 0.0 && rollout.top_p <= 1.0) {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.top_p",
+                rollout.top_p,
+                "must be in (0, 1]",
+                "use 1.0 to turn it off",
+            ));
+        }
+        if rollout.top_k < -1 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.top_k",
+                rollout.top_k,
+                "must be -1 (off) or ≥ 0",
+                "use -1 to turn it off",
+            ));
+        }
+        if !(rollout.gpu_memory_utilization > 0.0 && rollout.gpu_memory_utilization <= 1.0) {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+                rollout.gpu_memory_utilization,
+                "must be in (0, 1]",
+                "e.g. 0.5",
+            ));
+        }
+        if actor.clip_ratio_c <= 1.0 {
+            return Err(invalid(
+                "actor_rollout_ref.actor.clip_ratio_c",
+                actor.clip_ratio_c,
+                "must be greater than 1 for dual-clip PPO",
+                "the default is 3.0",
+            ));
+        }
+        for (k, v) in [
+            ("data.max_prompt_length", cfg.data.max_prompt_length),
+            ("data.max_response_length", cfg.data.max_response_length),
+        ] {
+            if v == 0 {
+                return Err(invalid(
+                    k,
+                    0,
+                    "must be at least 1",
+                    "give a length in tokens",
+                ));
+            }
+        }
+
+        // Layouts.
+        let actor_dp = layout("actor_rollout_ref.actor", &actor.megatron, world)?;
+        if let Some(m) = &arr.reference.megatron {
+            layout("actor_rollout_ref.ref", m, world)?;
+        }
+        let rtp = rollout.tensor_model_parallel_size;
+        if rtp == 0 || world % rtp != 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                rtp,
+                format!("must be at least 1 and divide the world size {world}"),
+                format!("use a divisor of {world}"),
+            ));
+        }
+
+        // Batch arithmetic (verl's ray trainer and actor checks).
+        let n = rollout.n;
+        let train = cfg.data.train_batch_size;
+        let mini = actor.ppo_mini_batch_size;
+        if train == 0 {
+            return Err(invalid(
+                "data.train_batch_size",
+                0,
+                "must be at least 1",
+                "give the number of prompts per step",
+            ));
+        }
+        if mini == 0 || mini > train {
+            return Err(invalid(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                mini,
+                format!("must be between 1 and data.train_batch_size ({train})"),
+                "a mini-batch is a slice of the step's prompts",
+            ));
+        }
+        if train % mini != 0 {
+            return Err(invalid(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                mini,
+                format!("does not divide data.train_batch_size ({train}), so the last mini-batch would be short"),
+                format!("use a divisor of {train}"),
+            ));
+        }
+        let real_train = train * n;
+        if real_train % actor_dp != 0 {
+            return Err(invalid(
+                "data.train_batch_size",
+                train,
+                format!("× rollout.n ({n}) = {real_train} samples cannot be split over the actor's dp = {actor_dp} ranks"),
+                format!("make train_batch_size × n a multiple of {actor_dp}"),
+            ));
+        }
+        let mini_samples = mini * n;
+        if mini_samples % actor_dp != 0 {
+            return Err(invalid(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                mini,
+                format!("× rollout.n ({n}) = {mini_samples} samples cannot be split over dp = {actor_dp}"),
+                format!("make ppo_mini_batch_size × n a multiple of {actor_dp}"),
+            ));
+        }
+        let actor_mini_batch_per_dp = mini_samples / actor_dp;
+        let prefix = "actor_rollout_ref.actor";
+        let actor_micro = micro_batch(
+            prefix,
+            actor.ppo_micro_batch_size,
+            actor.ppo_micro_batch_size_per_gpu,
+            actor.use_dynamic_bsz,
+            "ppo_micro_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+        )?;
+        if let Some(micro) = actor_micro {
+            if actor_mini_batch_per_dp % micro != 0 {
+                return Err(invalid(
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                    micro,
+                    format!("does not divide the per-rank mini-batch of {actor_mini_batch_per_dp} samples (ppo_mini_batch_size {mini} × n {n} / dp {actor_dp})"),
+                    format!("use a divisor of {actor_mini_batch_per_dp}"),
+                ));
+            }
+        }
+        micro_batch(
+            "actor_rollout_ref.rollout",
+            rollout.log_prob_micro_batch_size,
+            rollout.log_prob_micro_batch_size_per_gpu,
+            rollout.log_prob_use_dynamic_bsz,
+            "log_prob_micro_batch_size",
+            "log_prob_micro_batch_size_per_gpu",
+        )?;
+        if actor.use_kl_loss {
+            let r = &arr.reference;
+            // The reference reuses the rollout's log-prob micro-batch when its own is unset.
+            if r.log_prob_micro_batch_size_per_gpu.is_some()
+                || r.log_prob_micro_batch_size.is_some()
+            {
+                micro_batch(
+                    "actor_rollout_ref.ref",
+                    r.log_prob_micro_batch_size,
+                    r.log_prob_micro_batch_size_per_gpu,
+                    r.log_prob_use_dynamic_bsz,
+                    "log_prob_micro_batch_size",
+                    "log_prob_micro_batch_size_per_gpu",
+                )?;
+            }
+            if cfg.algorithm.use_kl_in_reward {
+                tracing::warn!("both algorithm.use_kl_in_reward and actor.use_kl_loss are on: the KL is penalised twice");
+            }
+        }
+
+        let critic_dp = if cfg.critic_enabled() {
+            let c = &cfg.critic;
+            one_of("critic.loss_agg_mode", &c.loss_agg_mode, LOSS_AGG_MODES)?;
+            let dp = layout("critic", &c.megatron, world)?;
+            let cmini = c.ppo_mini_batch_size.unwrap_or(mini);
+            if cmini == 0 || (cmini * n) % dp != 0 {
+                return Err(invalid(
+                    "critic.ppo_mini_batch_size",
+                    cmini,
+                    format!("× n ({n}) must be a positive multiple of the critic's dp = {dp}"),
+                    format!("make it a multiple of {dp}"),
+                ));
+            }
+            let per_dp = cmini * n / dp;
+            if let Some(micro) = micro_batch(
+                "critic",
+                c.ppo_micro_batch_size,
+                c.ppo_micro_batch_size_per_gpu,
+                c.use_dynamic_bsz,
+                "ppo_micro_batch_size",
+                "ppo_micro_batch_size_per_gpu",
+            )? {
+                if per_dp % micro != 0 {
+                    return Err(invalid(
+                        "critic.ppo_micro_batch_size_per_gpu",
+                        micro,
+                        format!(
+                            "does not divide the critic's per-rank mini-batch of {per_dp} samples"
+                        ),
+                        format!("use a divisor of {per_dp}"),
+                    ));
+                }
+            }
+            if c.cliprange_value <= 0.0 {
+                return Err(invalid(
+                    "critic.cliprange_value",
+                    c.cliprange_value,
+                    "must be positive",
+                    "the default is 0.5",
+                ));
+            }
+            Some(dp)
+        } else {
+            if cfg.algorithm.adv_estimator == "gae" {
+                return Err(invalid(
+                    "critic.enable",
+                    false,
+                    "GAE needs a critic for its values",
+                    "set critic.enable=true or choose another algorithm.adv_estimator",
+                ));
+            }
+            None
+        };
+        if cfg.reward_model.enable {
+            layout("reward_model", &cfg.reward_model.megatron, world)?;
+        }
+        Ok(ValidatedConfig {
+            world_size: world,
+            actor_dp,
+            actor_mini_batch_per_dp,
+            critic_dp,
+            rollout_dp: world / rtp,
+            config: cfg,
+        })
+    }
+}

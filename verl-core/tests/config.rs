@@ -1,0 +1,285 @@
+//! Configuration: layers, overrides, refusals that name the key, and batch arithmetic.
+
+use std::io::Write;
+
+use verl_core::config::VerlConfig;
+use verl_core::error::ConfigError;
+
+/// A small runnable GRPO config on 2 simulated ranks.
+const GOOD: &[&str] = &[
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=4",
+    "trainer.n_gpus_per_node=2",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+];
+
+fn with(extra: &[&str]) -> Result<VerlConfig, ConfigError> {
+    let all: Vec<&str> = GOOD.iter().chain(extra).copied().collect();
+    VerlConfig::from_layers(None, &all)
+}
+
+fn invalid_key(e: ConfigError) -> String {
+    match e {
+        ConfigError::Invalid { key, .. } | ConfigError::Key { key, .. } => key,
+        other => panic!("expected a keyed error, got {other}"),
+    }
+}
+
+#[test]
+fn defaults_follow_verl() {
+    let c = VerlConfig::from_layers(None, &[]).unwrap();
+    assert_eq!(c.actor_rollout_ref.actor.ppo_mini_batch_size, 256);
+    assert_eq!(c.actor_rollout_ref.actor.clip_ratio_c, 3.0);
+    assert_eq!(c.actor_rollout_ref.actor.kl_loss_type, "low_var_kl");
+    assert_eq!(c.algorithm.adv_estimator, "gae");
+    assert_eq!(c.critic.cliprange_value, 0.5);
+    // Interpolated values resolve from their sources.
+    assert_eq!(
+        c.actor_rollout_ref.rollout.response_length,
+        Some(c.data.max_response_length)
+    );
+    assert_eq!(c.critic.ppo_mini_batch_size, Some(256));
+    assert_eq!(c.critic.enable, Some(true), "gae turns the critic on");
+}
+
+#[test]
+fn overrides_parse_values_by_type() {
+    let c = with(&[
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.actor.optim.betas=[0.9, 0.95]",
+        "trainer.total_training_steps=null",
+        "trainer.logger=[console, jsonl]",
+        "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B",
+        "actor_rollout_ref.model.override_config.attention_dropout=0.0",
+        "actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+    ])
+    .unwrap();
+    let a = &c.actor_rollout_ref.actor;
+    assert_eq!(a.optim.lr, 1e-6);
+    assert_eq!(a.optim.betas, [0.9, 0.95]);
+    assert_eq!(c.trainer.logger, vec!["console", "jsonl"]);
+    assert_eq!(
+        c.actor_rollout_ref.model.path.as_deref(),
+        Some("Qwen/Qwen2.5-0.5B")
+    );
+    assert_eq!(
+        a.megatron.override_transformer_config["num_layers_in_first_pipeline_stage"],
+        3
+    );
+    assert_eq!(
+        c.actor_rollout_ref
+            .reference
+            .megatron
+            .as_ref()
+            .unwrap()
+            .tensor_model_parallel_size,
+        2
+    );
+}
+
+#[test]
+fn unknown_keys_list_valid_ones_and_suggest() {
+    let e = with(&["actor_rollout_ref.actor.ppo_mini_batchsize=2"]).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("actor_rollout_ref.actor.ppo_mini_batchsize"),
+        "{msg}"
+    );
+    assert!(msg.contains("Did you mean `ppo_mini_batch_size`"), "{msg}");
+    assert!(msg.contains("clip_ratio_c"), "lists valid keys: {msg}");
+
+    let e = with(&["trainr.total_epochs=1"]).unwrap_err().to_string();
+    assert!(
+        e.contains("`trainr.total_epochs`") || e.contains("trainr"),
+        "{e}"
+    );
+    assert!(e.contains("trainer"), "{e}");
+
+    // Inside an optional section, the struct still refuses unknown keys, by full path.
+    let e = with(&["actor_rollout_ref.ref.megatron.tensor_parallel=2"]).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("actor_rollout_ref.ref.megatron.tensor_parallel"),
+        "{e}"
+    );
+}
+
+#[test]
+fn type_mismatches_name_the_key() {
+    let e = with(&["trainer.total_epochs=many"]).unwrap_err();
+    assert_eq!(invalid_key(e), "trainer.total_epochs");
+    let e = with(&["actor_rollout_ref.rollout.n=-2"]).unwrap_err();
+    assert_eq!(invalid_key(e), "actor_rollout_ref.rollout.n");
+    assert!(matches!(
+        with(&["no_equals_sign"]),
+        Err(ConfigError::OverrideSyntax { .. })
+    ));
+}
+
+#[test]
+fn files_in_yaml_toml_and_json_with_overrides_on_top() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("run.yaml");
+    std::fs::File::create(&yaml)
+        .unwrap()
+        .write_all(b"trainer:\n  total_epochs: 3\n  n_gpus_per_node: 2\nalgorithm:\n  adv_estimator: grpo\n")
+        .unwrap();
+    let c = VerlConfig::from_layers(Some(&yaml), &["trainer.total_epochs=5"]).unwrap();
+    assert_eq!((c.trainer.total_epochs, c.trainer.n_gpus_per_node), (5, 2));
+    assert_eq!(c.algorithm.adv_estimator, "grpo");
+
+    let toml = dir.path().join("run.toml");
+    std::fs::write(
+        &toml,
+        "[data]\ntrain_batch_size = 16\n[actor_rollout_ref.rollout]\nn = 2\n",
+    )
+    .unwrap();
+    let c = VerlConfig::from_layers(Some(&toml), &[]).unwrap();
+    assert_eq!(
+        (c.data.train_batch_size, c.actor_rollout_ref.rollout.n),
+        (16, 2)
+    );
+
+    let json = dir.path().join("run.json");
+    std::fs::write(&json, r#"{"critic": {"cliprange_value": 0.2}}"#).unwrap();
+    assert_eq!(
+        VerlConfig::from_layers(Some(&json), &[])
+            .unwrap()
+            .critic
+            .cliprange_value,
+        0.2
+    );
+
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "trainer:\n  epochs: 3\n").unwrap();
+    let e = VerlConfig::from_layers(Some(&bad), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("trainer.epochs") && e.contains("total_epochs"),
+        "{e}"
+    );
+
+    let e = VerlConfig::from_layers(Some(&dir.path().join("missing.yaml")), &[]).unwrap_err();
+    assert!(matches!(e, ConfigError::Read { .. }));
+}
+
+#[test]
+fn printed_config_reloads_to_the_same_config() {
+    let c = with(&["trainer.total_epochs=7"]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("resolved.yaml");
+    std::fs::write(&path, c.to_yaml()).unwrap();
+    assert_eq!(VerlConfig::from_layers(Some(&path), &[]).unwrap(), c);
+}
+
+#[test]
+fn batch_arithmetic_is_checked_before_allocation() {
+    let v = with(&[]).unwrap().validate().unwrap();
+    assert_eq!(
+        (
+            v.world_size,
+            v.actor_dp,
+            v.actor_mini_batch_per_dp,
+            v.rollout_dp
+        ),
+        (2, 2, 8, 2)
+    );
+    assert_eq!(v.critic_dp, None);
+
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
+        (
+            &["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
+        (
+            &["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+        ),
+        (
+            &["actor_rollout_ref.actor.ppo_micro_batch_size=4"],
+            "actor_rollout_ref.actor.ppo_micro_batch_size",
+        ),
+        (
+            &["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"],
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size",
+        ),
+        (
+            &["actor_rollout_ref.actor.megatron.expert_model_parallel_size=3"],
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size",
+        ),
+        (
+            &["actor_rollout_ref.rollout.n=1"],
+            "actor_rollout_ref.rollout.n",
+        ),
+        (
+            &["algorithm.adv_estimator=grpoo"],
+            "algorithm.adv_estimator",
+        ),
+        (
+            &["actor_rollout_ref.actor.policy_loss.loss_mode=ppo"],
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+        ),
+        (
+            &["actor_rollout_ref.actor.loss_agg_mode=mean"],
+            "actor_rollout_ref.actor.loss_agg_mode",
+        ),
+        (
+            &["actor_rollout_ref.rollout.top_p=0"],
+            "actor_rollout_ref.rollout.top_p",
+        ),
+        (
+            &["actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        ),
+        (&["trainer.n_gpus_per_node=3"], "data.train_batch_size"),
+        (
+            &["algorithm.adv_estimator=gae", "critic.enable=false"],
+            "critic.enable",
+        ),
+        (
+            &[
+                "algorithm.adv_estimator=gae",
+                "critic.ppo_micro_batch_size_per_gpu=3",
+            ],
+            "critic.ppo_micro_batch_size_per_gpu",
+        ),
+    ];
+    for (extra, key) in cases {
+        let err = with(extra).unwrap().validate().unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("Fix:"), "{text}");
+        assert_eq!(&invalid_key(err), key, "for {extra:?}");
+    }
+    let e = with(&["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+        .unwrap()
+        .validate()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("per-rank mini-batch of 8 samples"), "{e}");
+}
+
+#[test]
+fn profiler_roles_inherit_the_global_tool() {
+    let c = with(&[
+        "global_profiler.tool=nsys",
+        "global_profiler.steps=[1, 2]",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+    ])
+    .unwrap();
+    let p = &c.actor_rollout_ref.actor.profiler;
+    assert_eq!(p.tool, Some(verl_core::config::ProfilerTool::Nsys));
+    assert_eq!(p.save_path.as_deref(), Some("outputs/profile"));
+    assert!(p.covers_rank(0) && !p.covers_rank(1));
+    assert_eq!(c.global_profiler.steps, Some(vec![1, 2]));
+    assert!(with(&["global_profiler.tool=perf"]).is_err());
+}

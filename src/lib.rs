@@ -1,1 +1,36 @@
-pub use verl_core;
+//! verl-rs: reinforcement-learning post-training of large language models (PPO, GRPO and their
+//! relatives) with a Megatron-style parallel backend on burn.
+//!
+//! This facade re-exports the workspace crates and adds typed builders. The pieces:
+//!
+//! - [`core`] (`verl-core`): [`DataProto`], the parallel [`topology`], [`dispatch`] modes and the
+//!   single controller's [`worker`] group, the core [`traits`], [`config`], and the backends.
+//! - `verl-megatron`, `verl-rollout`, `verl-offload`, `verl-profiler`: implementations of the
+//!   core traits (see each crate's docs for what has landed).
+//!
+//! ```
+//! use verl::ConfigBuilder;
+//!
+//! let run = ConfigBuilder::new()
+//!     .set("algorithm.adv_estimator", "grpo")
+//!     .set("actor_rollout_ref.rollout.n", 4)
+//!     .set("trainer.n_gpus_per_node", 2)
+//!     .set("data.train_batch_size", 8)
+//!     .set("actor_rollout_ref.actor.ppo_mini_batch_size", 4)
+//!     .set("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", 2)
+//!     .set("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", 4)
+//!     .build()?;
+//! assert_eq!(run.actor_dp, 2);
+//! # Ok::<(), verl::core::error::ConfigError>(())
+//! ```
+
+mod builder;
+
+pub use builder::ConfigBuilder;
+pub use verl_core as core;
+pub use verl_core::{backend, config, dispatch, error, topology, traits, worker};
+pub use verl_core::{DataProto, Error, Metrics, NamedTensor, Result};
+pub use verl_megatron as megatron;
+pub use verl_offload as offload;
+pub use verl_profiler as profiler;
+pub use verl_rollout as rollout;

@@ -211,7 +211,7 @@ impl VerlConfig {
                 "set actor_rollout_ref.rollout.n=2 or more (e.g. 5 or 8)",
             ));
         }
-        if !(rollout.temperature >= 0.0) {
+        if rollout.temperature.is_nan() || rollout.temperature < 0.0 {
             return Err(invalid(
                 "actor_rollout_ref.rollout.temperature",
                 rollout.temperature,

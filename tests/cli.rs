@@ -1,0 +1,99 @@
+//! The `verl` binary: help, resolved config printing, refusals with the key and the fix.
+
+use std::process::Command;
+
+fn verl(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_verl"))
+        .args(args)
+        .output()
+        .expect("run verl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+const SMALL: &[&str] = &[
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=4",
+    "trainer.n_gpus_per_node=4",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+];
+
+#[test]
+fn help_lists_the_commands() {
+    let (ok, out, _) = verl(&["--help"]);
+    assert!(ok);
+    assert!(out.contains("config") && out.contains("topology"), "{out}");
+}
+
+#[test]
+fn config_print_shows_the_resolved_config() {
+    let mut args = vec!["config", "--print"];
+    args.extend_from_slice(SMALL);
+    let (ok, out, err) = verl(&args);
+    assert!(ok, "{err}");
+    let printed: serde_yaml::Value = serde_yaml::from_str(&out).expect("valid YAML");
+    assert_eq!(
+        printed["actor_rollout_ref"]["rollout"]["n"],
+        serde_yaml::Value::from(4)
+    );
+    // Inherited values are resolved in what is printed.
+    assert_eq!(
+        printed["actor_rollout_ref"]["rollout"]["response_length"],
+        serde_yaml::Value::from(512)
+    );
+    assert!(err.contains("actor dp 2"), "{err}");
+}
+
+#[test]
+fn bad_configs_exit_with_the_key_and_the_fix() {
+    let mut args = vec!["config"];
+    args.extend_from_slice(SMALL);
+    args.push("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3");
+    let (ok, _, err) = verl(&args);
+    assert!(!ok);
+    assert!(
+        err.contains("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+            && err.contains("Fix:"),
+        "{err}"
+    );
+
+    let (ok, _, err) = verl(&["config", "trainer.totl_epochs=2"]);
+    assert!(!ok);
+    assert!(err.contains("Did you mean `total_epochs`"), "{err}");
+}
+
+#[test]
+fn topology_prints_megatron_groups() {
+    let (ok, out, err) = verl(&[
+        "topology",
+        "trainer.n_gpus_per_node=8",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("world 8: tp 2 · cp 1 · dp 2 · pp 2"), "{out}");
+    assert!(
+        out.contains("Tp: [[0, 1], [2, 3], [4, 5], [6, 7]]"),
+        "{out}"
+    );
+    assert!(
+        out.contains("Pp: [[0, 4], [1, 5], [2, 6], [3, 7]]"),
+        "{out}"
+    );
+    let (ok, _, err) = verl(&[
+        "topology",
+        "trainer.n_gpus_per_node=6",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+    ]);
+    assert!(
+        !ok && err.contains("does not divide the world size 6"),
+        "{err}"
+    );
+}

@@ -228,7 +228,7 @@ impl DispatchPlan {
         data: &DataProto<B>,
         auto_pad: bool,
     ) -> Result<(Vec<DataProto<B>>, Padding)> {
-        let (data, pad) = if data.len() % self.dp_size != 0 {
+        let (data, pad) = if !data.len().is_multiple_of(self.dp_size) {
             if !auto_pad {
                 return Err(DispatchError::Plan {
                     mode: self.mode.clone(),

@@ -132,7 +132,7 @@ impl ParallelConfig {
             _ => {}
         }
         let dense = self.model_ranks();
-        if world_size % dense != 0 {
+        if !world_size.is_multiple_of(dense) {
             return Err(invalid(
                 "tp",
                 format!(
@@ -145,7 +145,7 @@ impl ParallelConfig {
             ));
         }
         let expert = self.expert_tp() * self.ep * self.pp;
-        if world_size % expert != 0 {
+        if !world_size.is_multiple_of(expert) {
             return Err(invalid(
                 "ep",
                 format!(
@@ -170,7 +170,7 @@ impl ParallelConfig {
                      by: usize,
                      by_name: &str|
          -> Result<()> {
-            if n % by != 0 {
+            if !n.is_multiple_of(by) {
                 return Err(invalid(
                     field,
                     format!("= {by}: {what} ({n}) is not divisible by {by_name}; {by_name} values that fit: {}", list(divisors(n).into_iter().filter(|d| *d <= 64))),
@@ -204,7 +204,7 @@ impl ParallelConfig {
                 ),
             ));
         }
-        if self.vpp.unwrap_or(1) > 1 && model.num_layers % stages != 0 {
+        if self.vpp.unwrap_or(1) > 1 && !model.num_layers.is_multiple_of(stages) {
             return Err(invalid(
                 "vpp",
                 format!("num_layers ({}) must be divisible by pp × vpp = {stages} for the interleaved schedule", model.num_layers),
@@ -251,7 +251,7 @@ fn invalid(field: &'static str, message: String) -> TopologyError {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn list(v: impl IntoIterator<Item = usize>) -> String {

@@ -60,10 +60,11 @@ proptest! {
         let data = rows(topo.dp() * per);
         let (parts, pad) = plan.split(&data, false).unwrap();
         // Every tp/cp/pp rank of a dp group sees the same chunk.
-        for r in 0..world {
+        prop_assert_eq!(parts.len(), world);
+        for (r, part) in parts.iter().enumerate() {
             let c = topo.coords(r).unwrap();
             let expect: Vec<i64> = ((c.dp_rank * per) as i64..((c.dp_rank + 1) * per) as i64).collect();
-            prop_assert_eq!(ids(&parts[r]), expect);
+            prop_assert_eq!(ids(part), expect);
         }
         // Collect ranks are tp=0, cp=0 on the last stage, one per dp index.
         for &r in plan.collect_ranks() {

@@ -28,7 +28,7 @@ impl Worker for RankWorker {
             return Some(DispatchInfo {
                 dp_rank: r / self.rollout_tp,
                 dp_size: world / self.rollout_tp,
-                is_collect: r % self.rollout_tp == 0,
+                is_collect: r.is_multiple_of(self.rollout_tp),
             });
         }
         megatron_dispatch_info(&self.coords, mesh)

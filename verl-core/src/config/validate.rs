@@ -271,7 +271,7 @@ impl VerlConfig {
             layout("actor_rollout_ref.ref", m, world)?;
         }
         let rtp = rollout.tensor_model_parallel_size;
-        if rtp == 0 || world % rtp != 0 {
+        if rtp == 0 || !world.is_multiple_of(rtp) {
             return Err(invalid(
                 "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 rtp,
@@ -300,7 +300,7 @@ impl VerlConfig {
                 "a mini-batch is a slice of the step's prompts",
             ));
         }
-        if train % mini != 0 {
+        if !train.is_multiple_of(mini) {
             return Err(invalid(
                 "actor_rollout_ref.actor.ppo_mini_batch_size",
                 mini,
@@ -309,7 +309,7 @@ impl VerlConfig {
             ));
         }
         let real_train = train * n;
-        if real_train % actor_dp != 0 {
+        if !real_train.is_multiple_of(actor_dp) {
             return Err(invalid(
                 "data.train_batch_size",
                 train,
@@ -379,7 +379,7 @@ impl VerlConfig {
             one_of("critic.loss_agg_mode", &c.loss_agg_mode, LOSS_AGG_MODES)?;
             let dp = layout("critic", &c.megatron, world)?;
             let cmini = c.ppo_mini_batch_size.unwrap_or(mini);
-            if cmini == 0 || (cmini * n) % dp != 0 {
+            if cmini == 0 || !(cmini * n).is_multiple_of(dp) {
                 return Err(invalid(
                     "critic.ppo_mini_batch_size",
                     cmini,
@@ -396,7 +396,7 @@ impl VerlConfig {
                 "ppo_micro_batch_size",
                 "ppo_micro_batch_size_per_gpu",
             )? {
-                if per_dp % micro != 0 {
+                if !per_dp.is_multiple_of(micro) {
                     return Err(invalid(
                         "critic.ppo_micro_batch_size_per_gpu",
                         micro,

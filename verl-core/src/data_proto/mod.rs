@@ -379,7 +379,7 @@ impl<B: Backend> DataProto<B> {
             return Err(DataProtoError::Zero { what: "chunks" });
         }
         let len = self.len();
-        if len % chunks != 0 {
+        if !len.is_multiple_of(chunks) {
             return Err(DataProtoError::NotDivisible { len, chunks });
         }
         self.split(&vec![len / chunks; chunks])

@@ -151,6 +151,30 @@ pub enum ConfigError {
     },
 }
 
+/// Errors of the RL algorithms: unknown names, mismatched shapes, missing inputs.
+#[derive(Debug, thiserror::Error)]
+pub enum AlgorithmError {
+    #[error("unknown {kind} `{name}`; registered: {known}")]
+    UnknownName {
+        kind: &'static str,
+        name: String,
+        known: String,
+    },
+    #[error("{what}: expected shape {expected:?}, got {found:?}")]
+    Shape {
+        what: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{algorithm} needs `{input}`, which was not given")]
+    MissingInput {
+        algorithm: String,
+        input: &'static str,
+    },
+    #[error("{algorithm}: {message}")]
+    Invalid { algorithm: String, message: String },
+}
+
 /// Any verl-core error.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -164,6 +188,8 @@ pub enum Error {
     Worker(#[from] WorkerError),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Algorithm(#[from] AlgorithmError),
     /// An error raised by a backend implementation of a core trait, tagged with the role.
     #[error("{role}: {source}")]
     Backend {

@@ -6,8 +6,11 @@
 //! - [`traits`]: `Actor`, `Critic`, `RolloutEngine`, `ShardingManager`, `CheckpointBackend`,
 //!   `Profiler`, `RewardFn`, implemented by the other crates.
 //! - [`config`]: verl's configuration tree, with overrides and validation.
+//! - [`algorithms`]: advantage estimators, policy losses, KL penalties, value loss, loss
+//!   aggregation, log-prob and entropy from logits — pure functions over burn tensors and masks.
 //! - [`backend`]: the default CPU backend and the optional CUDA one.
 
+pub mod algorithms;
 pub mod backend;
 pub mod config;
 pub mod data_proto;

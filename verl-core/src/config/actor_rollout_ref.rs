@@ -57,6 +57,10 @@ pub struct PolicyLossConfig {
     pub clip_cov_ub: f64,
     pub kl_cov_ratio: f64,
     pub ppo_kl_coef: f64,
+    /// SAPO gate temperature for positive advantages.
+    pub tau_pos: f64,
+    /// SAPO gate temperature for negative advantages.
+    pub tau_neg: f64,
 }
 
 impl Default for PolicyLossConfig {
@@ -68,6 +72,8 @@ impl Default for PolicyLossConfig {
             clip_cov_ub: 5.0,
             kl_cov_ratio: 0.0002,
             ppo_kl_coef: 0.1,
+            tau_pos: 1.0,
+            tau_neg: 1.05,
         }
     }
 }
@@ -145,6 +151,27 @@ impl ActorConfig {
     /// Upper clip bound in force (`clip_ratio_high`, else `clip_ratio`).
     pub fn clip_high(&self) -> f64 {
         self.clip_ratio_high.unwrap_or(self.clip_ratio)
+    }
+
+    /// The policy-loss hyper-parameters these keys set; `seed` drives Clip-Cov's random choice.
+    pub fn policy_loss_params(
+        &self,
+        seed: u64,
+    ) -> crate::algorithms::policy_loss::PolicyLossParams {
+        let p = &self.policy_loss;
+        crate::algorithms::policy_loss::PolicyLossParams {
+            clip_ratio_low: self.clip_low(),
+            clip_ratio_high: self.clip_high(),
+            clip_ratio_c: self.clip_ratio_c,
+            clip_cov_ratio: p.clip_cov_ratio,
+            clip_cov_lb: p.clip_cov_lb,
+            clip_cov_ub: p.clip_cov_ub,
+            kl_cov_ratio: p.kl_cov_ratio,
+            ppo_kl_coef: p.ppo_kl_coef,
+            tau_pos: p.tau_pos,
+            tau_neg: p.tau_neg,
+            seed,
+        }
     }
 }
 

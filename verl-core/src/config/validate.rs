@@ -5,29 +5,11 @@ use super::{MegatronConfig, VerlConfig};
 use crate::error::{ConfigError, TopologyError};
 
 /// Advantage estimators verl defines (`algorithm.adv_estimator`).
-pub const ADV_ESTIMATORS: &[&str] = &[
-    "gae",
-    "grpo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "rloo",
-    "remax",
-    "opo",
-    "gpg",
-    "grpo_passk",
-    "optimal_token_baseline",
-];
+pub const ADV_ESTIMATORS: &[&str] = &crate::algorithms::advantage::BUILTIN_ESTIMATORS;
 /// Policy losses verl defines (`actor.policy_loss.loss_mode`).
-pub const POLICY_LOSSES: &[&str] = &[
-    "vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo",
-];
+pub const POLICY_LOSSES: &[&str] = &crate::algorithms::policy_loss::BUILTIN_POLICY_LOSSES;
 /// Loss aggregation modes (`actor.loss_agg_mode`, `critic.loss_agg_mode`).
-pub const LOSS_AGG_MODES: &[&str] = &[
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-];
+pub const LOSS_AGG_MODES: &[&str] = &crate::algorithms::LossAggMode::NAMES;
 /// KL estimators (`actor.kl_loss_type`, `algorithm.kl_penalty`).
 pub const KL_TYPES: &[&str] = &[
     "kl",

@@ -283,3 +283,48 @@ fn profiler_roles_inherit_the_global_tool() {
     assert_eq!(c.global_profiler.steps, Some(vec![1, 2]));
     assert!(with(&["global_profiler.tool=perf"]).is_err());
 }
+
+#[test]
+fn user_registered_algorithm_names_pass_validation() {
+    let cfg = with(&[
+        "algorithm.adv_estimator=my_baseline",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=my_loss",
+    ])
+    .unwrap();
+    assert_eq!(
+        invalid_key(cfg.validate().unwrap_err()),
+        "algorithm.adv_estimator"
+    );
+    assert!(cfg.validate_with(&["my_baseline"], &["my_loss"]).is_ok());
+}
+
+#[test]
+fn config_names_match_the_algorithm_registries() {
+    use verl_core::algorithms::advantage::AdvantageRegistry;
+    use verl_core::algorithms::policy_loss::PolicyLossRegistry;
+    use verl_core::backend::CpuBackend as B;
+    let c = VerlConfig::from_layers(None, &[]).unwrap();
+    assert!(AdvantageRegistry::<B>::new()
+        .get(&c.algorithm.adv_estimator)
+        .is_ok());
+    assert!(PolicyLossRegistry::<B>::new()
+        .get(&c.actor_rollout_ref.actor.policy_loss.loss_mode)
+        .is_ok());
+    for name in verl_core::config::ADV_ESTIMATORS {
+        assert!(AdvantageRegistry::<B>::new().get(name).is_ok(), "{name}");
+    }
+    for name in verl_core::config::POLICY_LOSSES {
+        assert!(PolicyLossRegistry::<B>::new().get(name).is_ok(), "{name}");
+    }
+    let mode: verl_core::algorithms::LossAggMode =
+        c.actor_rollout_ref.actor.loss_agg_mode.parse().unwrap();
+    assert_eq!(mode, verl_core::algorithms::LossAggMode::TokenMean);
+    let p = c.actor_rollout_ref.actor.policy_loss_params(7);
+    assert_eq!(
+        (p.clip_ratio_low, p.clip_ratio_c, p.tau_neg, p.seed),
+        (0.2, 3.0, 1.05, 7)
+    );
+    let kl: verl_core::algorithms::kl::KlPenalty =
+        c.actor_rollout_ref.actor.kl_loss_type.parse().unwrap();
+    assert_eq!(kl.kind, verl_core::algorithms::kl::KlType::K3);
+}

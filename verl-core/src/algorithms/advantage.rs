@@ -130,6 +130,9 @@ impl<'a, B: Backend> AdvantageInput<'a, B> {
 /// `(advantages, returns)`.
 pub type AdvantageOutput<B> = (Tensor<B, 2>, Tensor<B, 2>);
 
+/// A built-in estimator as a plain function.
+type BuiltinEstimator<B> = fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>>;
+
 /// An estimator as stored in the registry.
 pub type AdvantageFn<B> =
     Arc<dyn Fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> + Send + Sync>;
@@ -339,12 +342,12 @@ pub fn remax<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutpu
     let b: Vec<f64> = base.to_data().iter::<f64>().collect();
     let mut ret = Host2::zeros(r.rows, r.cols);
     let mut adv = Host2::zeros(r.rows, r.cols);
-    for i in 0..r.rows {
+    for (i, &baseline) in b.iter().enumerate() {
         let mut acc = 0.0;
         for t in (0..r.cols).rev() {
             acc += r.at(i, t) * m.at(i, t);
             ret.set(i, t, acc);
-            adv.set(i, t, acc - b[i] * m.at(i, t));
+            adv.set(i, t, acc - baseline * m.at(i, t));
         }
     }
     Ok(out(input, &adv, &ret))
@@ -493,10 +496,7 @@ impl<B: Backend> AdvantageRegistry<B> {
         let mut r = Self {
             estimators: BTreeMap::new(),
         };
-        let builtins: [(
-            &str,
-            fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>>,
-        ); 10] = [
+        let builtins: [(&str, BuiltinEstimator<B>); 10] = [
             ("gae", gae),
             ("grpo", grpo),
             ("reinforce_plus_plus", reinforce_plus_plus),

@@ -129,6 +129,9 @@ pub struct PolicyLossOutput<B: Backend> {
     pub pg_clipfrac_lower: f64,
 }
 
+/// A built-in loss as a plain function.
+type BuiltinLoss<B> = fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>>;
+
 /// A loss as stored in the registry.
 pub type PolicyLossFn<B> =
     Arc<dyn Fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> + Send + Sync>;
@@ -400,7 +403,7 @@ impl<B: Backend> PolicyLossRegistry<B> {
         let mut r = Self {
             losses: BTreeMap::new(),
         };
-        let builtins: [(&str, fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>>); 8] = [
+        let builtins: [(&str, BuiltinLoss<B>); 8] = [
             ("vanilla", vanilla),
             ("gspo", gspo),
             ("sapo", sapo),

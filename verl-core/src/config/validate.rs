@@ -122,6 +122,26 @@ fn micro_batch(
 impl VerlConfig {
     /// Checks names, layouts and batch arithmetic; returns the derived sizes.
     pub fn validate(&self) -> Result<ValidatedConfig, ConfigError> {
+        self.validate_with(&[], &[])
+    }
+
+    /// As [`Self::validate`], also accepting advantage estimators and policy losses that the
+    /// embedding program registered under its own names.
+    pub fn validate_with(
+        &self,
+        extra_estimators: &[&str],
+        extra_policy_losses: &[&str],
+    ) -> Result<ValidatedConfig, ConfigError> {
+        let estimators: Vec<&str> = ADV_ESTIMATORS
+            .iter()
+            .chain(extra_estimators)
+            .copied()
+            .collect();
+        let losses: Vec<&str> = POLICY_LOSSES
+            .iter()
+            .chain(extra_policy_losses)
+            .copied()
+            .collect();
         let mut cfg = self.clone();
         cfg.resolve();
         let t = &cfg.trainer;
@@ -139,12 +159,12 @@ impl VerlConfig {
         one_of(
             "algorithm.adv_estimator",
             &cfg.algorithm.adv_estimator,
-            ADV_ESTIMATORS,
+            &estimators,
         )?;
         one_of(
             "actor_rollout_ref.actor.policy_loss.loss_mode",
             &actor.policy_loss.loss_mode,
-            POLICY_LOSSES,
+            &losses,
         )?;
         one_of(
             "actor_rollout_ref.actor.loss_agg_mode",

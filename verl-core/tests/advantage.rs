@@ -307,3 +307,48 @@ fn registry_names_errors_and_extension() {
     let (a, _) = reg.compute("score_only", &input).unwrap();
     assert_eq!(host(&a), vec![vec![1.0]]);
 }
+
+#[test]
+fn group_estimators_by_hand() {
+    // One prompt, three samples scoring 1, 0, 2; lengths 1, 2, 1.
+    let r = vec![vec![1.0, 0.0], vec![0.0, 0.0], vec![2.0, 0.0]];
+    let m = vec![vec![1.0, 0.0], vec![1.0, 1.0], vec![1.0, 0.0]];
+    let uid = vec!["q".to_string(); 3];
+    let reg = AdvantageRegistry::<B>::new();
+    let first = |name: &str, norm: bool| -> Vec<f64> {
+        let mut input = AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid);
+        input.norm_adv_by_std_in_grpo = norm;
+        host(&reg.compute(name, &input).unwrap().0).iter().map(|row| row[0]).collect()
+    };
+    // Mean 1, unbiased std 1.
+    assert!(close(&[first("grpo", true)], &[vec![0.0, -1.0, 1.0]], 1e-5));
+    assert!(close(&[first("grpo", false)], &[vec![0.0, -1.0, 1.0]], 1e-6));
+    // RLOO: s − mean(others): 1 − 1 = 0, 0 − 1.5, 2 − 0.5.
+    assert!(close(&[first("rloo", true)], &[vec![0.0, -1.5, 1.5]], 1e-6));
+    // OPO: baseline Σ|y|·s / Σ|y| = (1 + 0 + 2) / 4 = 0.75.
+    assert!(close(&[first("opo", true)], &[vec![0.25, -0.75, 1.25]], 1e-6));
+    // GPG: α = 3 samples / 2 non-zero = 1.5; 1.5·(s − 1).
+    assert!(close(&[first("gpg", true)], &[vec![0.0, -1.5, 1.5]], 1e-6));
+    // pass@k: only the best (2) gets best − second = 1, over std + ε = 1.
+    assert!(close(&[first("grpo_passk", true)], &[vec![0.0, 0.0, 1.0]], 1e-5));
+    // The sample's advantage covers its whole response: row 1 has two tokens.
+    let (adv, _) = reg.compute("rloo", &AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid)).unwrap();
+    assert!(close(&host(&adv), &[vec![0.0, 0.0], vec![-1.5, -1.5], vec![1.5, 0.0]], 1e-6));
+}
+
+#[test]
+fn masked_statistics_by_hand() {
+    use verl_core::algorithms::masked::{masked_mean, masked_var, masked_whiten};
+    let v = t2(&[vec![1.0, 3.0, 100.0]]);
+    let m = t2(&[vec![1.0, 1.0, 0.0]]);
+    let scalar = |t: Tensor<B, 1>| t.to_data().iter::<f64>().next().unwrap();
+    assert!((scalar(masked_mean(v.clone(), m.clone())) - 2.0).abs() < 1e-6);
+    // Unmasked {1, 3}: biased var 1, unbiased 2.
+    assert!((scalar(masked_var(v.clone(), m.clone(), false)) - 1.0).abs() < 1e-6);
+    assert!((scalar(masked_var(v.clone(), m.clone(), true)) - 2.0).abs() < 1e-6);
+    let w = host(&(masked_whiten(v.clone(), m.clone(), true) * m.clone()));
+    let s = 1.0 / 2f64.sqrt();
+    assert!(close(&w, &[vec![-s, s, 0.0]], 1e-5));
+    let shifted = host(&(masked_whiten(v, m.clone(), false) * m));
+    assert!(close(&shifted, &[vec![2.0 - s, 2.0 + s, 0.0]], 1e-5));
+}

@@ -318,22 +318,46 @@ fn group_estimators_by_hand() {
     let first = |name: &str, norm: bool| -> Vec<f64> {
         let mut input = AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid);
         input.norm_adv_by_std_in_grpo = norm;
-        host(&reg.compute(name, &input).unwrap().0).iter().map(|row| row[0]).collect()
+        host(&reg.compute(name, &input).unwrap().0)
+            .iter()
+            .map(|row| row[0])
+            .collect()
     };
     // Mean 1, unbiased std 1.
     assert!(close(&[first("grpo", true)], &[vec![0.0, -1.0, 1.0]], 1e-5));
-    assert!(close(&[first("grpo", false)], &[vec![0.0, -1.0, 1.0]], 1e-6));
+    assert!(close(
+        &[first("grpo", false)],
+        &[vec![0.0, -1.0, 1.0]],
+        1e-6
+    ));
     // RLOO: s − mean(others): 1 − 1 = 0, 0 − 1.5, 2 − 0.5.
     assert!(close(&[first("rloo", true)], &[vec![0.0, -1.5, 1.5]], 1e-6));
     // OPO: baseline Σ|y|·s / Σ|y| = (1 + 0 + 2) / 4 = 0.75.
-    assert!(close(&[first("opo", true)], &[vec![0.25, -0.75, 1.25]], 1e-6));
+    assert!(close(
+        &[first("opo", true)],
+        &[vec![0.25, -0.75, 1.25]],
+        1e-6
+    ));
     // GPG: α = 3 samples / 2 non-zero = 1.5; 1.5·(s − 1).
     assert!(close(&[first("gpg", true)], &[vec![0.0, -1.5, 1.5]], 1e-6));
     // pass@k: only the best (2) gets best − second = 1, over std + ε = 1.
-    assert!(close(&[first("grpo_passk", true)], &[vec![0.0, 0.0, 1.0]], 1e-5));
+    assert!(close(
+        &[first("grpo_passk", true)],
+        &[vec![0.0, 0.0, 1.0]],
+        1e-5
+    ));
     // The sample's advantage covers its whole response: row 1 has two tokens.
-    let (adv, _) = reg.compute("rloo", &AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid)).unwrap();
-    assert!(close(&host(&adv), &[vec![0.0, 0.0], vec![-1.5, -1.5], vec![1.5, 0.0]], 1e-6));
+    let (adv, _) = reg
+        .compute(
+            "rloo",
+            &AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid),
+        )
+        .unwrap();
+    assert!(close(
+        &host(&adv),
+        &[vec![0.0, 0.0], vec![-1.5, -1.5], vec![1.5, 0.0]],
+        1e-6
+    ));
 }
 
 #[test]

@@ -4,12 +4,13 @@
 //! zero on masked positions. Group-relative estimators group samples by `index` (verl's `uid`:
 //! the samples of one prompt share it). Computation is done on the host in f64 (see `host.rs`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::prelude::*;
 
 use super::host::Host2;
+use super::registry::NamedRegistry;
 use super::same_shape;
 use crate::error::AlgorithmError;
 
@@ -134,8 +135,11 @@ pub type AdvantageOutput<B> = (Tensor<B, 2>, Tensor<B, 2>);
 type BuiltinEstimator<B> = fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>>;
 
 /// An estimator as stored in the registry.
-pub type AdvantageFn<B> =
-    Arc<dyn Fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> + Send + Sync>;
+pub type AdvantageFn<B> = Arc<DynEstimator<B>>;
+
+/// The unsized estimator type.
+pub type DynEstimator<B> =
+    dyn Fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> + Send + Sync;
 
 fn out<B: Backend>(input: &AdvantageInput<'_, B>, adv: &Host2, ret: &Host2) -> AdvantageOutput<B> {
     let d = input.token_level_rewards.device();
@@ -467,7 +471,7 @@ pub fn optimal_token_baseline<B: Backend>(
 /// # Ok::<(), verl_core::error::AlgorithmError>(())
 /// ```
 pub struct AdvantageRegistry<B: Backend> {
-    estimators: BTreeMap<String, AdvantageFn<B>>,
+    estimators: NamedRegistry<DynEstimator<B>>,
 }
 
 /// verl's built-in estimator names.
@@ -494,7 +498,7 @@ impl<B: Backend> AdvantageRegistry<B> {
     /// The built-in estimators.
     pub fn new() -> Self {
         let mut r = Self {
-            estimators: BTreeMap::new(),
+            estimators: NamedRegistry::new("advantage estimator"),
         };
         let builtins: [(&str, BuiltinEstimator<B>); 10] = [
             ("gae", gae),
@@ -520,24 +524,17 @@ impl<B: Backend> AdvantageRegistry<B> {
         name: &str,
         f: impl Fn(&AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> + Send + Sync + 'static,
     ) {
-        self.estimators.insert(name.to_string(), Arc::new(f));
+        self.estimators.insert(name, Arc::new(f));
     }
 
     /// Registered names, sorted.
     pub fn names(&self) -> Vec<&str> {
-        self.estimators.keys().map(String::as_str).collect()
+        self.estimators.names()
     }
 
     /// The estimator called `name`.
     pub fn get(&self, name: &str) -> Result<AdvantageFn<B>> {
-        self.estimators
-            .get(name)
-            .cloned()
-            .ok_or_else(|| AlgorithmError::UnknownName {
-                kind: "advantage estimator",
-                name: name.to_string(),
-                known: self.names().join(", "),
-            })
+        self.estimators.get(name)
     }
 
     /// Runs the estimator called `name`.

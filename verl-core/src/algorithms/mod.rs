@@ -22,6 +22,7 @@ pub mod kl;
 pub mod logits;
 pub mod masked;
 pub mod policy_loss;
+pub mod registry;
 pub mod reward;
 pub mod value;
 

@@ -3,7 +3,6 @@
 //! Each takes a [`PolicyLossInput`] of `[batch, len]` tensors and returns the scalar loss (with
 //! gradient through `log_prob`) and its metrics: `pg_clipfrac`, `ppo_kl`, `pg_clipfrac_lower`.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use burn::prelude::*;
@@ -12,6 +11,7 @@ use burn::tensor::TensorData;
 use super::aggregation::{agg_loss, AggScale, LossAggMode};
 use super::host::{scalar, Host2};
 use super::masked::masked_mean;
+use super::registry::NamedRegistry;
 use super::same_shape;
 use crate::error::AlgorithmError;
 
@@ -133,8 +133,11 @@ pub struct PolicyLossOutput<B: Backend> {
 type BuiltinLoss<B> = fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>>;
 
 /// A loss as stored in the registry.
-pub type PolicyLossFn<B> =
-    Arc<dyn Fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> + Send + Sync>;
+pub type PolicyLossFn<B> = Arc<DynPolicyLoss<B>>;
+
+/// The unsized policy-loss type.
+pub type DynPolicyLoss<B> =
+    dyn Fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> + Send + Sync;
 
 /// Vanilla PPO-clip (Schulman et al. 2017) with dual-clip (Ye et al. 2020, arXiv:1912.09729):
 /// L = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), and for A < 0 additionally min(·, −A·c).
@@ -389,7 +392,7 @@ pub const BUILTIN_POLICY_LOSSES: [&str; 8] = [
 
 /// Policy losses by name; [`PolicyLossRegistry::new`] holds verl's built-ins.
 pub struct PolicyLossRegistry<B: Backend> {
-    losses: BTreeMap<String, PolicyLossFn<B>>,
+    losses: NamedRegistry<DynPolicyLoss<B>>,
 }
 
 impl<B: Backend> Default for PolicyLossRegistry<B> {
@@ -401,7 +404,7 @@ impl<B: Backend> Default for PolicyLossRegistry<B> {
 impl<B: Backend> PolicyLossRegistry<B> {
     pub fn new() -> Self {
         let mut r = Self {
-            losses: BTreeMap::new(),
+            losses: NamedRegistry::new("policy loss"),
         };
         let builtins: [(&str, BuiltinLoss<B>); 8] = [
             ("vanilla", vanilla),
@@ -425,24 +428,20 @@ impl<B: Backend> PolicyLossRegistry<B> {
         name: &str,
         f: impl Fn(&PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> + Send + Sync + 'static,
     ) {
-        self.losses.insert(name.to_string(), Arc::new(f));
+        self.losses.insert(name, Arc::new(f));
     }
 
+    /// Registered names, sorted.
     pub fn names(&self) -> Vec<&str> {
-        self.losses.keys().map(String::as_str).collect()
+        self.losses.names()
     }
 
+    /// The loss called `name`.
     pub fn get(&self, name: &str) -> Result<PolicyLossFn<B>> {
-        self.losses
-            .get(name)
-            .cloned()
-            .ok_or_else(|| AlgorithmError::UnknownName {
-                kind: "policy loss",
-                name: name.to_string(),
-                known: self.names().join(", "),
-            })
+        self.losses.get(name)
     }
 
+    /// Runs the loss called `name`.
     pub fn compute(&self, name: &str, input: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
         (self.get(name)?)(input)
     }

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Writes the tiny Hugging Face checkpoints that verl-megatron's model tests compare against.
+
+For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE) it creates a
+randomly initialised model with `transformers`, saves it in HF layout (config.json,
+model.safetensors or shards + index, generation_config.json, a tiny BPE tokenizer with a
+Qwen-style chat template), and records reference outputs in `reference.safetensors`
+(`input_ids`, f32 `logits`) and `reference.json` (greedy continuation token ids).
+
+The outputs are committed under verl-megatron/tests/fixtures/, so CI needs no Python.
+Regenerate with:
+
+    python3 -m venv /tmp/fixtures-venv && /tmp/fixtures-venv/bin/pip install torch transformers
+    /tmp/fixtures-venv/bin/python tools/make_fixtures.py verl-megatron/tests/fixtures
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 128
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "What is 12 + 7? The answer is 19.",
+    "Compute 3 * 4 and explain the steps.",
+    "the quick brown fox jumps over the lazy dog 0123456789",
+    "system user assistant think answer #### = + - * / ( )",
+]
+
+
+def tokenizer():
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def randomize(model, scale):
+    # transformers initialises with std 0.02 and zero biases: logits would be nearly uniform and
+    # greedy decoding decided by noise. Larger random weights give decisive, checkable outputs.
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def write(model, name, out, tok, shard=None, tf4_config=False):
+    path = os.path.join(out, name)
+    os.makedirs(path, exist_ok=True)
+    model.eval()
+    kwargs = {"safe_serialization": True}
+    if shard:
+        kwargs["max_shard_size"] = shard
+    model.save_pretrained(path, **kwargs)
+    tok.save_pretrained(path)
+    if tf4_config:
+        # Rewrite config.json with transformers-4 key names, so both dialects are exercised.
+        cfg_path = os.path.join(path, "config.json")
+        cfg = json.load(open(cfg_path))
+        rope = cfg.pop("rope_parameters", None) or {}
+        if "rope_theta" in rope:
+            cfg["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.get("rope_type", "default")
+        cfg["rope_scaling"] = None if rope_type == "default" else rope
+        if "dtype" in cfg:
+            cfg["torch_dtype"] = cfg.pop("dtype")
+        json.dump(cfg, open(cfg_path, "w"), indent=2)
+    ids = torch.tensor([[1, 17, 33, 5, 90, 64, 7, 12], [3, 3, 120, 44, 8, 2, 99, 31]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+        greedy = model.generate(ids[:1, :5], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    save_file({"input_ids": ids.to(torch.int64), "logits": logits.contiguous()}, os.path.join(path, "reference.safetensors"))
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True, tokenize=False)
+    ref = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "greedy_prompt": ids[0, :5].tolist(),
+        "greedy_output": greedy[0].tolist(),
+        "chat_prompt_text": chat,
+        "chat_prompt_ids": tok(chat, add_special_tokens=False)["input_ids"],
+    }
+    json.dump(ref, open(os.path.join(path, "reference.json"), "w"), indent=2)
+    print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {path}")
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else "verl-megatron/tests/fixtures"
+    torch.manual_seed(0)
+    tok = tokenizer()
+
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(**COMMON, rope_theta=10000.0, tie_word_embeddings=True, attn_implementation="eager"))
+    randomize(qwen2, 0.2)
+    write(qwen2, "qwen2", out, tok)
+    # The same architecture, sharded and with transformers-4 config keys.
+    write(qwen2, "qwen2_sharded_tf4", out, tok, shard="40KB", tf4_config=True)
+
+    llama_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    llama = LlamaForCausalLM(LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling=llama_rope, tie_word_embeddings=False, attn_implementation="eager"))
+    randomize(llama, 0.2)
+    write(llama, "llama3", out, tok)
+
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True, attn_implementation="eager"))
+    randomize(qwen3, 0.2)
+    write(qwen3, "qwen3", out, tok)
+
+    moe = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    )
+    randomize(moe, 0.2)
+    write(moe, "qwen2_moe", out, tok)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,12 @@
 //! verl-megatron: the Megatron-parallel implementations of the core traits on burn.
 //!
-//! Planned here (see the issue tracker): decoder models (Qwen2, Llama, Qwen3, Qwen2-MoE) built
-//! from parallel-aware layers, the Hugging Face bridge, tensor / sequence / data / pipeline /
-//! context / expert parallelism over a `Communicator`, and the actor, critic, reference and
-//! reward workers. Nothing is implemented yet; the crate exists so the workspace layout is final.
+//! Landed so far: [`hf::config`], which reads a Hugging Face `config.json` in either the
+//! transformers 4 or 5 dialect. Planned here (see the issue tracker): decoder models (Qwen2,
+//! Llama, Qwen3, Qwen2-MoE) built from parallel-aware layers, weight loading and saving,
+//! tensor / sequence / data / pipeline / context / expert parallelism over a `Communicator`, and
+//! the actor, critic, reference and reward workers.
+
+pub mod error;
+pub mod hf;
+
+pub use error::MegatronError;

@@ -1,0 +1,414 @@
+//! `config.json` of a Hugging Face decoder, in either dialect:
+//! transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) or transformers 5
+//! (`rope_parameters`, `dtype`). Fields whose values verl-rs cannot honour are refused by name.
+//!
+//! ```no_run
+//! use verl_megatron::hf::HfModelConfig;
+//! let cfg = HfModelConfig::from_dir("Qwen2.5-0.5B-Instruct")?;
+//! println!("{:?}: {} layers, head_dim {}", cfg.architecture, cfg.num_hidden_layers, cfg.head_dim);
+//! # Ok::<(), verl_megatron::MegatronError>(())
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use verl_core::topology::ModelDims;
+
+use crate::error::MegatronError;
+
+/// The decoder families verl-rs implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Architecture {
+    /// `Qwen2ForCausalLM`: q/k/v biases.
+    Qwen2,
+    /// `LlamaForCausalLM`: optional attention biases, Llama-3 rope scaling.
+    Llama,
+    /// `Qwen3ForCausalLM`: RMSNorm on q and k per head, explicit head_dim.
+    Qwen3,
+    /// `Qwen2MoeForCausalLM`: top-k routed experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
+}
+
+impl Architecture {
+    const SUPPORTED: &'static str =
+        "Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM";
+
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "Qwen2ForCausalLM" => Some(Self::Qwen2),
+            "LlamaForCausalLM" => Some(Self::Llama),
+            "Qwen3ForCausalLM" => Some(Self::Qwen3),
+            "Qwen2MoeForCausalLM" => Some(Self::Qwen2Moe),
+            _ => None,
+        }
+    }
+
+    /// The `architectures` entry transformers writes.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Llama => "LlamaForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
+        }
+    }
+}
+
+/// Rotary-embedding frequency scaling.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Llama 3.1's scaling of low frequencies.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+/// The checkpoint's storage dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WeightDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+/// The model hyper-parameters verl-rs reads from `config.json`, normalised across dialects.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HfModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q/k/v projections (always for Qwen2 and Qwen2-MoE).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    pub dtype: WeightDtype,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    /// Mixture of experts (Qwen2-MoE).
+    pub moe: Option<MoeConfig>,
+}
+
+/// Qwen2-MoE's expert settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub shared_expert_intermediate_size: usize,
+    /// Renormalise the top-k routing weights to sum to 1.
+    pub norm_topk_prob: bool,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether decoder layer `layer` uses experts (else a dense MLP), as transformers decides.
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer)
+            && self.num_experts > 0
+            && (layer + 1) % self.decoder_sparse_step == 0
+    }
+}
+
+struct Reader<'a> {
+    path: &'a Path,
+    map: &'a Map<String, Value>,
+}
+
+impl Reader<'_> {
+    fn err(&self, field: &str, message: impl Into<String>) -> MegatronError {
+        MegatronError::Config {
+            path: self.path.to_path_buf(),
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+    fn get(&self, field: &str) -> Option<&Value> {
+        self.map.get(field).filter(|v| !v.is_null())
+    }
+    fn usize(&self, field: &str) -> Result<usize, MegatronError> {
+        let v = self
+            .get(field)
+            .ok_or_else(|| self.err(field, "is required"))?;
+        v.as_u64()
+            .map(|x| x as usize)
+            .ok_or_else(|| self.err(field, format!("must be a non-negative integer, got {v}")))
+    }
+    fn usize_or(&self, field: &str, default: usize) -> Result<usize, MegatronError> {
+        if self.get(field).is_some() {
+            self.usize(field)
+        } else {
+            Ok(default)
+        }
+    }
+    fn f64_in(&self, map: &Map<String, Value>, field: &str) -> Result<Option<f64>, MegatronError> {
+        match map.get(field).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("must be a number, got {v}"))),
+        }
+    }
+    fn bool_or(&self, field: &str, default: bool) -> Result<bool, MegatronError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.err(field, format!("must be true or false, got {v}"))),
+        }
+    }
+    fn token_ids(&self, field: &str) -> Result<Vec<u32>, MegatronError> {
+        match self.get(field) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as u32)
+                        .ok_or_else(|| self.err(field, "must hold token ids"))
+                })
+                .collect(),
+            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(|| {
+                self.err(
+                    field,
+                    format!("must be a token id or a list of them, got {v}"),
+                )
+            }),
+        }
+    }
+}
+
+impl HfModelConfig {
+    /// Reads `dir/config.json`.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
+        let path = dir.as_ref().join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| MegatronError::Io {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        Self::from_json(&text, &path)
+    }
+
+    /// Parses config JSON; `path` names the file in errors.
+    pub fn from_json(text: &str, path: &Path) -> Result<Self, MegatronError> {
+        let value: Value = serde_json::from_str(text).map_err(|e| MegatronError::Io {
+            path: path.into(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let map = value.as_object().ok_or_else(|| MegatronError::Io {
+            path: path.into(),
+            message: "the top level must be an object".into(),
+        })?;
+        let r = Reader { path, map };
+        let arch_name = match r.get("architectures") {
+            Some(Value::Array(a)) if a.len() == 1 => a[0].as_str().unwrap_or_default().to_string(),
+            Some(v) => {
+                return Err(r.err(
+                    "architectures",
+                    format!("must list exactly one architecture, got {v}"),
+                ))
+            }
+            None => return Err(r.err("architectures", "is required (e.g. [\"Qwen2ForCausalLM\"])")),
+        };
+        let architecture = Architecture::from_hf(&arch_name).ok_or_else(|| {
+            MegatronError::UnsupportedArchitecture {
+                path: PathBuf::from(path),
+                found: arch_name.clone(),
+                supported: Architecture::SUPPORTED.into(),
+            }
+        })?;
+
+        if let Some(act) = r.get("hidden_act") {
+            if act.as_str() != Some("silu") {
+                return Err(r.err(
+                    "hidden_act",
+                    format!("{act} is not supported; these architectures use \"silu\""),
+                ));
+            }
+        }
+        if r.bool_or("use_sliding_window", false)? {
+            return Err(r.err(
+                "use_sliding_window",
+                "sliding-window attention is not supported; set it to false",
+            ));
+        }
+        if r.bool_or("mlp_bias", false)? {
+            return Err(r.err("mlp_bias", "MLP biases are not supported"));
+        }
+
+        let hidden_size = r.usize("hidden_size")?;
+        let num_attention_heads = r.usize("num_attention_heads")?;
+        let num_key_value_heads = r.usize_or("num_key_value_heads", num_attention_heads)?;
+        if num_attention_heads == 0
+            || num_key_value_heads == 0
+            || num_attention_heads % num_key_value_heads != 0
+        {
+            return Err(r.err("num_key_value_heads", format!("({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})")));
+        }
+        let head_dim = r.usize_or("head_dim", hidden_size / num_attention_heads)?;
+
+        // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
+        let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
+            (Some(Value::Object(m)), _) => m.clone(),
+            (Some(v), _) => {
+                return Err(r.err("rope_parameters", format!("must be an object, got {v}")))
+            }
+            (None, Some(Value::Object(m))) => m.clone(),
+            (None, Some(v)) => {
+                return Err(r.err(
+                    "rope_scaling",
+                    format!("must be an object or null, got {v}"),
+                ))
+            }
+            (None, None) => Map::new(),
+        };
+        let rope_theta = r
+            .f64_in(&rope_map, "rope_theta")?
+            .or(r.f64_in(map, "rope_theta")?)
+            .unwrap_or(10000.0);
+        let rope_type = rope_map
+            .get("rope_type")
+            .or(rope_map.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let rope_scaling = match rope_type {
+            "default" => RopeScaling::Default,
+            "llama3" => {
+                let need = |f: &str| -> Result<f64, MegatronError> {
+                    r.f64_in(&rope_map, f)?.ok_or_else(|| {
+                        r.err(
+                            &format!("rope_scaling.{f}"),
+                            "is required for llama3 rope scaling",
+                        )
+                    })
+                };
+                RopeScaling::Llama3 {
+                    factor: need("factor")?,
+                    low_freq_factor: need("low_freq_factor")?,
+                    high_freq_factor: need("high_freq_factor")?,
+                    original_max_position_embeddings: need("original_max_position_embeddings")?
+                        as usize,
+                }
+            }
+            other => {
+                return Err(r.err(
+                    "rope_scaling.rope_type",
+                    format!("`{other}` is not supported; supported: default, llama3"),
+                ))
+            }
+        };
+
+        let dtype_field = if r.get("dtype").is_some() {
+            "dtype"
+        } else {
+            "torch_dtype"
+        };
+        let dtype = match r
+            .get(dtype_field)
+            .and_then(Value::as_str)
+            .unwrap_or("float32")
+        {
+            "float32" => WeightDtype::F32,
+            "float16" => WeightDtype::F16,
+            "bfloat16" => WeightDtype::BF16,
+            other => {
+                return Err(r.err(
+                    dtype_field,
+                    format!("`{other}` is not supported; use float32, float16 or bfloat16"),
+                ))
+            }
+        };
+
+        let attention_bias = r.bool_or("attention_bias", false)?;
+        let (qkv_bias, o_bias) = match architecture {
+            Architecture::Qwen2 | Architecture::Qwen2Moe => (true, false),
+            Architecture::Llama | Architecture::Qwen3 => (attention_bias, attention_bias),
+        };
+
+        let moe = if architecture == Architecture::Qwen2Moe {
+            let mlp_only_layers = match r.get("mlp_only_layers") {
+                None => Vec::new(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .map(|x| x as usize)
+                            .ok_or_else(|| r.err("mlp_only_layers", "must list layer indices"))
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(v) => return Err(r.err("mlp_only_layers", format!("must be a list, got {v}"))),
+            };
+            let moe = MoeConfig {
+                num_experts: r.usize("num_experts")?,
+                num_experts_per_tok: r.usize("num_experts_per_tok")?,
+                moe_intermediate_size: r.usize("moe_intermediate_size")?,
+                shared_expert_intermediate_size: r.usize("shared_expert_intermediate_size")?,
+                norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
+                decoder_sparse_step: r.usize_or("decoder_sparse_step", 1)?.max(1),
+                mlp_only_layers,
+            };
+            if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
+                return Err(r.err(
+                    "num_experts_per_tok",
+                    format!("must be between 1 and num_experts ({})", moe.num_experts),
+                ));
+            }
+            Some(moe)
+        } else {
+            None
+        };
+
+        let bos_token_id = r.token_ids("bos_token_id")?.first().copied();
+        Ok(Self {
+            architecture,
+            vocab_size: r.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: r.usize("intermediate_size")?,
+            num_hidden_layers: r.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: r.f64_in(map, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: r.usize_or("max_position_embeddings", 4096)?,
+            tie_word_embeddings: r.bool_or("tie_word_embeddings", false)?,
+            qkv_bias,
+            o_bias,
+            dtype,
+            bos_token_id,
+            eos_token_ids: r.token_ids("eos_token_id")?,
+            moe,
+        })
+    }
+
+    /// The sizes a parallel layout must divide (for `ParallelConfig::validate_for_model`).
+    pub fn model_dims(&self) -> ModelDims {
+        ModelDims {
+            num_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            num_key_value_heads: self.num_key_value_heads,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            num_experts: self.moe.as_ref().map(|m| m.num_experts),
+            moe_intermediate_size: self.moe.as_ref().map(|m| m.moe_intermediate_size),
+        }
+    }
+}

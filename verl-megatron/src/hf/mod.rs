@@ -1,6 +1,10 @@
 //! The Hugging Face bridge: reading HF model directories directly, with no offline conversion
 //! (what mbridge gives verl).
 
+pub mod checkpoint;
 pub mod config;
+pub mod tensor_map;
 
+pub use checkpoint::HfCheckpoint;
 pub use config::{Architecture, HfModelConfig, RopeScaling, WeightDtype};
+pub use tensor_map::{hf_tensor_specs, TensorSpec};

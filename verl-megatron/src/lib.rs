@@ -8,5 +8,7 @@
 
 pub mod error;
 pub mod hf;
+pub mod layers;
+pub mod models;
 
 pub use error::MegatronError;

@@ -1,0 +1,63 @@
+//! Causal self-attention with grouped-query heads.
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+
+use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
+
+/// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
+/// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub q_proj: ColumnParallelLinear<B>,
+    pub k_proj: ColumnParallelLinear<B>,
+    pub v_proj: ColumnParallelLinear<B>,
+    pub o_proj: RowParallelLinear<B>,
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
+    /// Heads on this tp rank.
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, seq]` is 0 where attention is allowed
+    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`].
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        bias: &Tensor<B, 4>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]).swap_dims(1, 2);
+        let mut q = heads(self.q_proj.forward(x.clone()), nh);
+        let mut k = heads(self.k_proj.forward(x.clone()), nkv);
+        let v = heads(self.v_proj.forward(x), nkv);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(q);
+            k = kn.forward(k);
+        }
+        let q = RotaryEmbedding::apply(q, cos, sin);
+        let k = RotaryEmbedding::apply(k, cos, sin);
+        // Grouped-query attention: query head j reads kv head j / (nh / nkv).
+        let rep = nh / nkv;
+        let expand = |y: Tensor<B, 4>| -> Tensor<B, 4> {
+            if rep == 1 {
+                return y;
+            }
+            y.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, rep)
+                .reshape([b, nh, t, hd])
+        };
+        let (k, v) = (expand(k), expand(v));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias.clone();
+        let probs = softmax(scores, 3);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd]);
+        self.o_proj.forward(out)
+    }
+}

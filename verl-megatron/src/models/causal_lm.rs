@@ -1,0 +1,222 @@
+//! The decoder-only causal language model and its loading from a Hugging Face checkpoint.
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+
+use super::attention::Attention;
+use super::mlp::{FeedForward, SparseMoe, SwiGlu};
+use crate::error::MegatronError;
+use crate::hf::{Architecture, HfCheckpoint, HfModelConfig};
+use crate::layers::{
+    ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, TpShard,
+    VocabParallelEmbedding,
+};
+
+/// One pre-norm decoder layer.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    pub input_layernorm: RmsNorm<B>,
+    pub self_attn: Attention<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+    pub mlp: FeedForward<B>,
+}
+
+/// A decoder-only LM (Qwen2, Llama, Qwen3, Qwen2-MoE) on one tensor-parallel rank.
+#[derive(Module, Debug)]
+pub struct CausalLm<B: Backend> {
+    pub embed_tokens: VocabParallelEmbedding<B>,
+    pub layers: Vec<DecoderLayer<B>>,
+    pub norm: RmsNorm<B>,
+    /// `None` when the output projection is tied to the embedding.
+    pub lm_head: Option<ColumnParallelLinear<B>>,
+    #[module(skip)]
+    pub rope: RotaryEmbedding,
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Loads the model from an open checkpoint (verified against `cfg` first), one tensor at a
+    /// time.
+    pub fn from_checkpoint(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+    ) -> Result<Self, MegatronError> {
+        ckpt.verify(cfg)?;
+        let tp = TpShard::NONE;
+        let w2 = |name: &str| ckpt.load::<B, 2>(name, device);
+        let w1 = |name: &str| ckpt.load::<B, 1>(name, device);
+        let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
+            if present {
+                Ok(Some(w1(&name)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
+            Ok(RmsNorm::new(w1(name)?, cfg.rms_norm_eps))
+        };
+        let swiglu = |p: &str| -> Result<SwiGlu<B>, MegatronError> {
+            Ok(SwiGlu {
+                gate_proj: ColumnParallelLinear::from_full(
+                    w2(&format!("{p}.gate_proj.weight"))?,
+                    None,
+                    tp,
+                ),
+                up_proj: ColumnParallelLinear::from_full(
+                    w2(&format!("{p}.up_proj.weight"))?,
+                    None,
+                    tp,
+                ),
+                down_proj: RowParallelLinear::from_full(
+                    w2(&format!("{p}.down_proj.weight"))?,
+                    None,
+                    tp,
+                ),
+            })
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
+            let qkv = |proj: &str| -> Result<ColumnParallelLinear<B>, MegatronError> {
+                Ok(ColumnParallelLinear::from_full(
+                    w2(&format!("{a}.{proj}.weight"))?,
+                    opt1(format!("{a}.{proj}.bias"), cfg.qkv_bias)?,
+                    tp,
+                ))
+            };
+            let qk_norm = cfg.architecture == Architecture::Qwen3;
+            let self_attn = Attention {
+                q_proj: qkv("q_proj")?,
+                k_proj: qkv("k_proj")?,
+                v_proj: qkv("v_proj")?,
+                o_proj: RowParallelLinear::from_full(
+                    w2(&format!("{a}.o_proj.weight"))?,
+                    opt1(format!("{a}.o_proj.bias"), cfg.o_bias)?,
+                    tp,
+                ),
+                q_norm: if qk_norm {
+                    Some(norm(&format!("{a}.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(norm(&format!("{a}.k_norm.weight"))?)
+                } else {
+                    None
+                },
+                num_heads: cfg.num_attention_heads / tp.size,
+                num_kv_heads: cfg.num_key_value_heads / tp.size,
+                head_dim: cfg.head_dim,
+            };
+            let mlp = match &cfg.moe {
+                Some(moe) if moe.is_moe_layer(l) => FeedForward::Moe(SparseMoe {
+                    gate: ColumnParallelLinear::from_full(
+                        w2(&format!("{p}.mlp.gate.weight"))?,
+                        None,
+                        TpShard::NONE,
+                    ),
+                    experts: (0..moe.num_experts)
+                        .map(|e| swiglu(&format!("{p}.mlp.experts.{e}")))
+                        .collect::<Result<_, _>>()?,
+                    shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
+                    shared_expert_gate: ColumnParallelLinear::from_full(
+                        w2(&format!("{p}.mlp.shared_expert_gate.weight"))?,
+                        None,
+                        TpShard::NONE,
+                    ),
+                    top_k: moe.num_experts_per_tok,
+                    norm_topk_prob: moe.norm_topk_prob,
+                }),
+                _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+                self_attn,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                mlp,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(ColumnParallelLinear::from_full(
+                w2("lm_head.weight")?,
+                None,
+                tp,
+            ))
+        };
+        Ok(Self {
+            embed_tokens: VocabParallelEmbedding::from_full(w2("model.embed_tokens.weight")?, tp),
+            layers,
+            norm: norm("model.norm.weight")?,
+            lm_head,
+            rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+        })
+    }
+
+    /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`. `attention_mask` `[batch,
+    /// seq]` (1 = token, 0 = padding) and `position_ids` default to all-ones and 0..seq.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        position_ids: Option<Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
+        let [b, t] = input_ids.dims();
+        let device = input_ids.device();
+        let positions = position_ids.unwrap_or_else(|| {
+            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+                .unsqueeze_dim::<2>(0)
+                .repeat_dim(0, b)
+        });
+        let (cos, sin) = self.rope.tables(&positions);
+        // 0 where query i may attend key j (j ≤ i and j is a token), −∞ elsewhere.
+        let mut allowed: Vec<f32> = Vec::with_capacity(t * t);
+        for i in 0..t {
+            for j in 0..t {
+                allowed.push(if j <= i { 0.0 } else { f32::NEG_INFINITY });
+            }
+        }
+        let mut bias = Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, t]), &device)
+            .reshape([1, 1, t, t])
+            .repeat_dim(0, b);
+        if let Some(mask) = attention_mask {
+            let keys = mask.reshape([b, 1, 1, t]).lower_elem(0.5).repeat_dim(2, t);
+            bias = bias.mask_fill(keys, f32::NEG_INFINITY);
+            // A padded query row would be all −∞: let it attend to itself so softmax stays finite.
+            let diag = Tensor::<B, 2>::eye(t, &device)
+                .reshape([1, 1, t, t])
+                .repeat_dim(0, b)
+                .greater_elem(0.5);
+            bias = bias.mask_fill(diag, 0.0);
+        }
+        let mut h = self.embed_tokens.forward(input_ids);
+        for layer in &self.layers {
+            let attn = layer.self_attn.forward(
+                layer.input_layernorm.forward(h.clone()),
+                &bias,
+                &cos,
+                &sin,
+            );
+            h = h + attn;
+            let ff = layer
+                .mlp
+                .forward(layer.post_attention_layernorm.forward(h.clone()));
+            h = h + ff;
+        }
+        let h = self.norm.forward(h);
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => {
+                let [_, _, hidden] = h.dims();
+                let w = self.embed_tokens.weight.val();
+                let [vocab, _] = w.dims();
+                h.reshape([b * t, hidden])
+                    .matmul(w.transpose())
+                    .reshape([b, t, vocab])
+            }
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! Decoder-only language models on burn, built from the parallel-aware [`crate::layers`].
+//!
+//! Qwen2, Llama, Qwen3 and Qwen2-MoE share one decoder ([`CausalLm`]); what differs is set by
+//! the config: q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, Llama-3 rope scaling, tied
+//! embeddings, and Qwen2-MoE's expert blocks ([`mlp::SparseMoe`]).
+
+pub mod attention;
+pub mod causal_lm;
+pub mod mlp;
+
+pub use causal_lm::CausalLm;

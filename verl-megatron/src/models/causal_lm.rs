@@ -3,6 +3,7 @@
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
+use verl_core::NamedTensor;
 
 use super::attention::Attention;
 use super::mlp::{FeedForward, SparseMoe, SwiGlu};
@@ -218,5 +219,104 @@ impl<B: Backend> CausalLm<B> {
                     .reshape([b, t, vocab])
             }
         }
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Every weight under its Hugging Face name, one tensor at a time (full tensors at tp = 1):
+    /// what saving writes and what the rollout engine's `update_weights` consumes.
+    pub fn export_weights(&self) -> Vec<NamedTensor<B>> {
+        let mut out = vec![NamedTensor::new(
+            "model.embed_tokens.weight",
+            self.embed_tokens.weight.val(),
+        )];
+        let lin = |out: &mut Vec<NamedTensor<B>>,
+                   name: String,
+                   w: Tensor<B, 2>,
+                   b: Option<Tensor<B, 1>>| {
+            if let Some(b) = b {
+                out.push(NamedTensor::new(format!("{name}.bias"), b));
+            }
+            out.push(NamedTensor::new(format!("{name}.weight"), w));
+        };
+        let swiglu = |out: &mut Vec<NamedTensor<B>>, p: String, m: &SwiGlu<B>| {
+            out.push(NamedTensor::new(
+                format!("{p}.gate_proj.weight"),
+                m.gate_proj.weight.val(),
+            ));
+            out.push(NamedTensor::new(
+                format!("{p}.up_proj.weight"),
+                m.up_proj.weight.val(),
+            ));
+            out.push(NamedTensor::new(
+                format!("{p}.down_proj.weight"),
+                m.down_proj.weight.val(),
+            ));
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            out.push(NamedTensor::new(
+                format!("{p}.input_layernorm.weight"),
+                layer.input_layernorm.weight.val(),
+            ));
+            out.push(NamedTensor::new(
+                format!("{p}.post_attention_layernorm.weight"),
+                layer.post_attention_layernorm.weight.val(),
+            ));
+            let a = &layer.self_attn;
+            for (name, proj) in [
+                ("q_proj", &a.q_proj),
+                ("k_proj", &a.k_proj),
+                ("v_proj", &a.v_proj),
+            ] {
+                lin(
+                    &mut out,
+                    format!("{p}.self_attn.{name}"),
+                    proj.weight.val(),
+                    proj.bias.as_ref().map(|b| b.val()),
+                );
+            }
+            lin(
+                &mut out,
+                format!("{p}.self_attn.o_proj"),
+                a.o_proj.weight.val(),
+                a.o_proj.bias.as_ref().map(|b| b.val()),
+            );
+            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+                out.push(NamedTensor::new(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    qn.weight.val(),
+                ));
+                out.push(NamedTensor::new(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    kn.weight.val(),
+                ));
+            }
+            match &layer.mlp {
+                FeedForward::Dense(m) => swiglu(&mut out, format!("{p}.mlp"), m),
+                FeedForward::Moe(m) => {
+                    out.push(NamedTensor::new(
+                        format!("{p}.mlp.gate.weight"),
+                        m.gate.weight.val(),
+                    ));
+                    for (e, expert) in m.experts.iter().enumerate() {
+                        swiglu(&mut out, format!("{p}.mlp.experts.{e}"), expert);
+                    }
+                    swiglu(&mut out, format!("{p}.mlp.shared_expert"), &m.shared_expert);
+                    out.push(NamedTensor::new(
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        m.shared_expert_gate.weight.val(),
+                    ));
+                }
+            }
+        }
+        out.push(NamedTensor::new(
+            "model.norm.weight",
+            self.norm.weight.val(),
+        ));
+        if let Some(head) = &self.lm_head {
+            out.push(NamedTensor::new("lm_head.weight", head.weight.val()));
+        }
+        out
     }
 }

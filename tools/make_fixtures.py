@@ -34,7 +34,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-VOCAB = 128
+# Byte-level BPE starts from 256 byte tokens: the models' vocabulary covers the tokenizer's.
+VOCAB = 320
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -68,6 +69,7 @@ def tokenizer():
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
+    assert len(fast) <= VOCAB, f"tokenizer has {len(fast)} tokens, more than VOCAB={VOCAB}"
     return fast
 
 
@@ -110,13 +112,18 @@ def write(model, name, out, tok, shard=None, tf4_config=False):
         greedy = model.generate(ids[:1, :5], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     save_file({"input_ids": ids.to(torch.int64), "logits": logits.contiguous()}, os.path.join(path, "reference.safetensors"))
     chat = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True, tokenize=False)
+    chat_ids = tok(chat, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        chat_greedy = model.generate(torch.tensor([chat_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     ref = {
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "greedy_prompt": ids[0, :5].tolist(),
         "greedy_output": greedy[0].tolist(),
         "chat_prompt_text": chat,
-        "chat_prompt_ids": tok(chat, add_special_tokens=False)["input_ids"],
+        "chat_prompt_ids": chat_ids,
+        "chat_greedy_output": chat_greedy[0].tolist(),
+        "chat_greedy_text": tok.decode(chat_greedy[0][len(chat_ids):].tolist()),
     }
     json.dump(ref, open(os.path.join(path, "reference.json"), "w"), indent=2)
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {path}")

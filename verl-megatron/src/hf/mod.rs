@@ -5,8 +5,10 @@ pub mod checkpoint;
 pub mod config;
 pub mod save;
 pub mod tensor_map;
+pub mod tokenizer;
 
 pub use checkpoint::HfCheckpoint;
 pub use config::{Architecture, HfModelConfig, RopeScaling, WeightDtype};
 pub use save::{read_config_json, save_pretrained, SaveOptions};
 pub use tensor_map::{hf_tensor_specs, TensorSpec};
+pub use tokenizer::{ChatMessage, HfTokenizer};

@@ -6,6 +6,8 @@
 
 pub mod attention;
 pub mod causal_lm;
+pub mod generate;
 pub mod mlp;
 
 pub use causal_lm::CausalLm;
+pub use generate::{generate, GenerateOptions};

@@ -1,0 +1,126 @@
+//! The model's tokenizer (`tokenizer.json` through the `tokenizers` crate), its chat template
+//! (rendered with minijinja, from `chat_template.jinja` or `tokenizer_config.json`), and the EOS
+//! ids from `generation_config.json`.
+
+use std::path::Path;
+
+use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::MegatronError;
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn user(content: impl Into<String>) -> Self {
+        Self { role: "user".into(), content: content.into() }
+    }
+}
+
+/// Tokenizer, chat template and stop ids of a Hugging Face model directory.
+pub struct HfTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    /// Ids that end generation (`generation_config.json`, else `config.json`).
+    pub eos_token_ids: Vec<u32>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> MegatronError {
+    MegatronError::Io { path: path.to_path_buf(), message: e.to_string() }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>, MegatronError> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| io(path, e))
+}
+
+fn ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        None => Vec::new(),
+    }
+}
+
+/// A special token as transformers stores it: a string or `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl HfTokenizer {
+    /// Reads `dir/tokenizer.json` and the files around it.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
+        let dir = dir.as_ref();
+        let path = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&path).map_err(|e| io(&path, e))?;
+        let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let jinja = dir.join("chat_template.jinja");
+        let chat_template = if jinja.exists() {
+            Some(std::fs::read_to_string(&jinja).map_err(|e| io(&jinja, e))?)
+        } else {
+            tok_cfg.get("chat_template").and_then(Value::as_str).map(str::to_string)
+        };
+        let gen = read_json(&dir.join("generation_config.json"))?;
+        let mut eos_token_ids = ids(gen.as_ref().and_then(|g| g.get("eos_token_id")));
+        if eos_token_ids.is_empty() {
+            eos_token_ids = ids(read_json(&dir.join("config.json"))?.as_ref().and_then(|c| c.get("eos_token_id")));
+        }
+        Ok(Self {
+            tokenizer,
+            chat_template,
+            eos_token_ids,
+            bos_token: token_text(tok_cfg.get("bos_token")),
+            eos_token: token_text(tok_cfg.get("eos_token")),
+        })
+    }
+
+    /// Token ids of `text` (no special tokens added: chat templates write their own).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, MegatronError> {
+        self.tokenizer
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| MegatronError::Io { path: "tokenizer.json".into(), message: e.to_string() })
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, MegatronError> {
+        self.tokenizer.decode(ids, true).map_err(|e| MegatronError::Io { path: "tokenizer.json".into(), message: e.to_string() })
+    }
+
+    /// Renders the chat template over `messages`.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, MegatronError> {
+        let template = self.chat_template.as_deref().ok_or_else(|| MegatronError::Config {
+            path: "tokenizer_config.json".into(),
+            field: "chat_template".into(),
+            message: "the model has no chat template; pass the prompt as plain text".into(),
+        })?;
+        let mut env = Environment::new();
+        env.add_function("raise_exception", |msg: String| -> Result<String, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
+        let render_err = |e: JinjaError| MegatronError::Config { path: "chat_template".into(), field: "chat_template".into(), message: e.to_string() };
+        env.add_template("chat", template).map_err(render_err)?;
+        env.get_template("chat")
+            .map_err(render_err)?
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone().unwrap_or_default(),
+                eos_token => self.eos_token.clone().unwrap_or_default(),
+            })
+            .map_err(render_err)
+    }
+}

@@ -45,6 +45,28 @@ enum Command {
         #[command(flatten)]
         args: ConfigArgs,
     },
+    /// Generate from a Hugging Face model directory (a plain loop for trying a checkpoint).
+    Generate {
+        /// The model directory (config.json, safetensors, tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt; wrapped in the model's chat template unless --raw.
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Use the prompt as is, without the chat template.
+        #[arg(long)]
+        raw: bool,
+        /// Print prompt and response token ids and text as JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn builder(args: &ConfigArgs) -> ConfigBuilder {
@@ -80,6 +102,23 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
+        Command::Generate {
+            model,
+            prompt,
+            max_new_tokens,
+            temperature,
+            seed,
+            raw,
+            json,
+        } => generate_cmd(
+            &model,
+            &prompt,
+            max_new_tokens,
+            temperature,
+            seed,
+            raw,
+            json,
+        ),
         Command::Topology { args } => {
             let cfg = builder(&args).resolve().map_err(|e| e.to_string())?;
             let world = cfg.trainer.world_size();
@@ -119,6 +158,59 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate_cmd(
+    model: &std::path::Path,
+    prompt: &str,
+    max_new_tokens: usize,
+    temperature: f64,
+    seed: u64,
+    raw: bool,
+    json: bool,
+) -> Result<(), String> {
+    use verl::backend::CpuBackend;
+    use verl::megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
+    use verl::megatron::models::{generate, CausalLm, GenerateOptions};
+    if !(temperature >= 0.0) {
+        return Err(format!(
+            "--temperature must be ≥ 0 (0 is greedy), got {temperature}"
+        ));
+    }
+    let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
+    let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
+    let device = Default::default();
+    let lm =
+        CausalLm::<CpuBackend>::from_checkpoint(&cfg, &ckpt, &device).map_err(|e| e.to_string())?;
+    let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
+    let text = if raw {
+        prompt.to_string()
+    } else {
+        tok.apply_chat_template(&[ChatMessage::user(prompt)], true)
+            .map_err(|e| e.to_string())?
+    };
+    let prompt_ids = tok.encode(&text).map_err(|e| e.to_string())?;
+    let eos = if tok.eos_token_ids.is_empty() {
+        cfg.eos_token_ids.clone()
+    } else {
+        tok.eos_token_ids.clone()
+    };
+    let opts = GenerateOptions {
+        max_new_tokens,
+        temperature,
+        seed,
+        eos_token_ids: eos,
+    };
+    let response_ids = generate(&lm, &prompt_ids, &opts, &device);
+    let response = tok.decode(&response_ids).map_err(|e| e.to_string())?;
+    if json {
+        let out = serde_json::json!({ "prompt": text, "prompt_ids": prompt_ids, "response": response, "response_ids": response_ids });
+        println!("{out}");
+    } else {
+        println!("{response}");
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {

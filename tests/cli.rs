@@ -97,3 +97,68 @@ fn topology_prints_megatron_groups() {
         "{err}"
     );
 }
+
+#[test]
+fn generate_runs_on_a_fixture_and_matches_transformers_greedy() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen2"
+    );
+    let (ok, out, err) = verl(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "What is 12 + 7?",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/reference.json")).unwrap())
+            .unwrap();
+    assert_eq!(v["prompt"], reference["chat_prompt_text"]);
+    assert_eq!(v["prompt_ids"], reference["chat_prompt_ids"]);
+    let full: Vec<u64> = reference["chat_greedy_output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    let n = v["prompt_ids"].as_array().unwrap().len();
+    let expected: Vec<u64> = full[n..].iter().copied().take_while(|&t| t != 2).collect();
+    let got: Vec<u64> = v["response_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    // Greedy tokens equal transformers' up to (and including) an EOS, where we stop.
+    assert_eq!(
+        got.iter()
+            .copied()
+            .take_while(|&t| t != 2)
+            .collect::<Vec<_>>(),
+        expected
+    );
+
+    let (ok, _, err) = verl(&["generate", "--model", "/nonexistent", "--prompt", "hi"]);
+    assert!(!ok && err.contains("/nonexistent"), "{err}");
+    let (ok, out, _) = verl(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "abc",
+        "--raw",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(ok && !out.is_empty());
+}

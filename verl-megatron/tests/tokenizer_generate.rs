@@ -7,22 +7,31 @@ use verl_megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
 use verl_megatron::models::{generate, CausalLm, GenerateOptions};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
 }
 
 fn reference(name: &str) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap()
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())
+        .unwrap()
 }
 
 fn u32s(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 #[test]
 fn chat_template_and_encoding_match_transformers() {
     let tok = HfTokenizer::from_dir(fixture("qwen2")).unwrap();
     let r = reference("qwen2");
-    let text = tok.apply_chat_template(&[ChatMessage::user("What is 12 + 7?")], true).unwrap();
+    let text = tok
+        .apply_chat_template(&[ChatMessage::user("What is 12 + 7?")], true)
+        .unwrap();
     assert_eq!(text, r["chat_prompt_text"].as_str().unwrap());
     assert_eq!(tok.encode(&text).unwrap(), u32s(&r["chat_prompt_ids"]));
     assert_eq!(tok.eos_token_ids, vec![2]);
@@ -35,12 +44,26 @@ fn greedy_generation_of_the_chat_prompt_matches_transformers() {
     for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
         let dir = fixture(name);
         let cfg = HfModelConfig::from_dir(&dir).unwrap();
-        let model = CausalLm::<B>::from_checkpoint(&cfg, &HfCheckpoint::open(&dir).unwrap(), &Default::default()).unwrap();
+        let model = CausalLm::<B>::from_checkpoint(
+            &cfg,
+            &HfCheckpoint::open(&dir).unwrap(),
+            &Default::default(),
+        )
+        .unwrap();
         let r = reference(name);
         let prompt = u32s(&r["chat_prompt_ids"]);
         let expected = u32s(&r["chat_greedy_output"])[prompt.len()..].to_vec();
-        let opts = GenerateOptions { max_new_tokens: expected.len(), temperature: 0.0, seed: 0, eos_token_ids: vec![] };
-        assert_eq!(generate(&model, &prompt, &opts, &Default::default()), expected, "{name}");
+        let opts = GenerateOptions {
+            max_new_tokens: expected.len(),
+            temperature: 0.0,
+            seed: 0,
+            eos_token_ids: vec![],
+        };
+        assert_eq!(
+            generate(&model, &prompt, &opts, &Default::default()),
+            expected,
+            "{name}"
+        );
     }
 }
 
@@ -48,13 +71,36 @@ fn greedy_generation_of_the_chat_prompt_matches_transformers() {
 fn sampling_is_seeded_and_stops_at_eos() {
     let dir = fixture("qwen2");
     let cfg = HfModelConfig::from_dir(&dir).unwrap();
-    let model = CausalLm::<B>::from_checkpoint(&cfg, &HfCheckpoint::open(&dir).unwrap(), &Default::default()).unwrap();
+    let model = CausalLm::<B>::from_checkpoint(
+        &cfg,
+        &HfCheckpoint::open(&dir).unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
     let prompt = [3, 17, 40];
-    let opts = |seed| GenerateOptions { max_new_tokens: 10, temperature: 1.5, seed, eos_token_ids: vec![] };
+    let opts = |seed| GenerateOptions {
+        max_new_tokens: 10,
+        temperature: 1.5,
+        seed,
+        eos_token_ids: vec![],
+    };
     let a = generate(&model, &prompt, &opts(7), &Default::default());
-    assert_eq!(a, generate(&model, &prompt, &opts(7), &Default::default()), "same seed, same tokens");
-    assert!((1..50).any(|s| generate(&model, &prompt, &opts(s), &Default::default()) != a), "seeds change the sample");
+    assert_eq!(
+        a,
+        generate(&model, &prompt, &opts(7), &Default::default()),
+        "same seed, same tokens"
+    );
+    assert!(
+        (1..50).any(|s| generate(&model, &prompt, &opts(s), &Default::default()) != a),
+        "seeds change the sample"
+    );
     // Stop right after the first generated token when it is declared EOS.
-    let stop = GenerateOptions { eos_token_ids: vec![a[0]], ..opts(7) };
-    assert_eq!(generate(&model, &prompt, &stop, &Default::default()), vec![a[0]]);
+    let stop = GenerateOptions {
+        eos_token_ids: vec![a[0]],
+        ..opts(7)
+    };
+    assert_eq!(
+        generate(&model, &prompt, &stop, &Default::default()),
+        vec![a[0]]
+    );
 }

@@ -19,7 +19,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn user(content: impl Into<String>) -> Self {
-        Self { role: "user".into(), content: content.into() }
+        Self {
+            role: "user".into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -34,7 +37,10 @@ pub struct HfTokenizer {
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> MegatronError {
-    MegatronError::Io { path: path.to_path_buf(), message: e.to_string() }
+    MegatronError::Io {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>, MegatronError> {
@@ -42,12 +48,17 @@ fn read_json(path: &Path) -> Result<Option<Value>, MegatronError> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| io(path, e))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| io(path, e))
 }
 
 fn ids(v: Option<&Value>) -> Vec<u32> {
     match v {
-        Some(Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         None => Vec::new(),
     }
@@ -73,12 +84,17 @@ impl HfTokenizer {
         let chat_template = if jinja.exists() {
             Some(std::fs::read_to_string(&jinja).map_err(|e| io(&jinja, e))?)
         } else {
-            tok_cfg.get("chat_template").and_then(Value::as_str).map(str::to_string)
+            tok_cfg
+                .get("chat_template")
+                .and_then(Value::as_str)
+                .map(str::to_string)
         };
         let gen = read_json(&dir.join("generation_config.json"))?;
         let mut eos_token_ids = ids(gen.as_ref().and_then(|g| g.get("eos_token_id")));
         if eos_token_ids.is_empty() {
-            eos_token_ids = ids(read_json(&dir.join("config.json"))?.as_ref().and_then(|c| c.get("eos_token_id")));
+            eos_token_ids = ids(read_json(&dir.join("config.json"))?
+                .as_ref()
+                .and_then(|c| c.get("eos_token_id")));
         }
         Ok(Self {
             tokenizer,
@@ -94,24 +110,48 @@ impl HfTokenizer {
         self.tokenizer
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| MegatronError::Io { path: "tokenizer.json".into(), message: e.to_string() })
+            .map_err(|e| MegatronError::Io {
+                path: "tokenizer.json".into(),
+                message: e.to_string(),
+            })
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, MegatronError> {
-        self.tokenizer.decode(ids, true).map_err(|e| MegatronError::Io { path: "tokenizer.json".into(), message: e.to_string() })
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| MegatronError::Io {
+                path: "tokenizer.json".into(),
+                message: e.to_string(),
+            })
     }
 
     /// Renders the chat template over `messages`.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, MegatronError> {
-        let template = self.chat_template.as_deref().ok_or_else(|| MegatronError::Config {
-            path: "tokenizer_config.json".into(),
-            field: "chat_template".into(),
-            message: "the model has no chat template; pass the prompt as plain text".into(),
-        })?;
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, MegatronError> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| MegatronError::Config {
+                path: "tokenizer_config.json".into(),
+                field: "chat_template".into(),
+                message: "the model has no chat template; pass the prompt as plain text".into(),
+            })?;
         let mut env = Environment::new();
-        env.add_function("raise_exception", |msg: String| -> Result<String, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
-        let render_err = |e: JinjaError| MegatronError::Config { path: "chat_template".into(), field: "chat_template".into(), message: e.to_string() };
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, JinjaError> {
+                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
+        let render_err = |e: JinjaError| MegatronError::Config {
+            path: "chat_template".into(),
+            field: "chat_template".into(),
+            message: e.to_string(),
+        };
         env.add_template("chat", template).map_err(render_err)?;
         env.get_template("chat")
             .map_err(render_err)?

@@ -173,7 +173,7 @@ fn generate_cmd(
     use verl::backend::CpuBackend;
     use verl::megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
     use verl::megatron::models::{generate, CausalLm, GenerateOptions};
-    if !(temperature >= 0.0) {
+    if temperature.is_nan() || temperature < 0.0 {
         return Err(format!(
             "--temperature must be ≥ 0 (0 is greedy), got {temperature}"
         ));

@@ -1,10 +1,15 @@
 //! verl-megatron: the Megatron-parallel implementations of the core traits on burn.
 //!
-//! Landed so far: [`hf::config`], which reads a Hugging Face `config.json` in either the
-//! transformers 4 or 5 dialect. Planned here (see the issue tracker): decoder models (Qwen2,
-//! Llama, Qwen3, Qwen2-MoE) built from parallel-aware layers, weight loading and saving,
-//! tensor / sequence / data / pipeline / context / expert parallelism over a `Communicator`, and
-//! the actor, critic, reference and reward workers.
+//! - [`hf`]: the Hugging Face bridge — `config.json` in the transformers 4 or 5 dialect, a
+//!   memory-mapped safetensors reader (single file or shards), the per-architecture tensor table
+//!   shared by load / save / export, saving back in HF layout, the tokenizer and chat template.
+//! - [`layers`]: parallel-aware linear, embedding, RMSNorm and rotary layers (tp = 1 for now).
+//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3 and Qwen2-MoE, and a
+//!   plain generation loop.
+//!
+//! Planned here (see the issue tracker): value and score heads, tensor / sequence / data /
+//! pipeline / context / expert parallelism over a `Communicator`, and the actor, critic,
+//! reference and reward workers.
 
 pub mod error;
 pub mod hf;

@@ -30,6 +30,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -129,6 +131,21 @@ def write(model, name, out, tok, shard=None, tf4_config=False):
     print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters -> {path}")
 
 
+def write_head(model, name, out, tok):
+    """A value model (token classification) or reward model (sequence classification):
+    per-token scores, and for sequence classification the score transformers pools."""
+    path = os.path.join(out, name)
+    os.makedirs(path, exist_ok=True)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    ids = torch.tensor([[1, 17, 33, 5, 90, 64, 7, 12], [3, 3, 120, 44, 8, 2, 99, 31]])
+    with torch.no_grad():
+        scores = model(input_ids=ids).logits.float()
+    save_file({"input_ids": ids.to(torch.int64), "scores": scores.contiguous()}, os.path.join(path, "reference.safetensors"))
+    print(f"{name}: scores {list(scores.shape)} -> {path}")
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "verl-megatron/tests/fixtures"
     torch.manual_seed(0)
@@ -165,6 +182,16 @@ def main():
     )
     randomize(moe, 0.2)
     write(moe, "qwen2_moe", out, tok)
+
+    # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
+    # makes transformers pool the last token that is not 0 (every token here).
+    head_cfg = dict(COMMON, rope_theta=10000.0, num_labels=1, pad_token_id=0, attn_implementation="eager")
+    critic = Qwen2ForTokenClassification(Qwen2Config(**head_cfg))
+    randomize(critic, 0.2)
+    write_head(critic, "qwen2_value", out, tok)
+    rm = Qwen2ForSequenceClassification(Qwen2Config(**head_cfg))
+    randomize(rm, 0.2)
+    write_head(rm, "qwen2_reward", out, tok)
 
 
 if __name__ == "__main__":

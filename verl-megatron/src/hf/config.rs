@@ -30,18 +30,38 @@ pub enum Architecture {
     Qwen2Moe,
 }
 
-impl Architecture {
-    const SUPPORTED: &'static str =
-        "Qwen2ForCausalLM, LlamaForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM";
+/// What sits on top of the decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HeadKind {
+    /// `…ForCausalLM`: next-token logits (the actor, reference and rollout).
+    CausalLm,
+    /// `…ForTokenClassification`: a score per token, `score.weight` + `score.bias` (the critic's
+    /// value head, with one label).
+    TokenClassification { num_labels: usize },
+    /// `…ForSequenceClassification`: a score per sequence read at its last token, `score.weight`
+    /// (a reward model's score head).
+    SequenceClassification { num_labels: usize },
+}
 
-    fn from_hf(name: &str) -> Option<Self> {
-        match name {
-            "Qwen2ForCausalLM" => Some(Self::Qwen2),
-            "LlamaForCausalLM" => Some(Self::Llama),
-            "Qwen3ForCausalLM" => Some(Self::Qwen3),
-            "Qwen2MoeForCausalLM" => Some(Self::Qwen2Moe),
-            _ => None,
-        }
+impl Architecture {
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3 and Qwen2Moe, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+
+    /// The family and the head kind's suffix of an `architectures` entry.
+    fn from_hf(name: &str) -> Option<(Self, &'static str)> {
+        let suffixes = [
+            "ForCausalLM",
+            "ForTokenClassification",
+            "ForSequenceClassification",
+        ];
+        let suffix = suffixes.into_iter().find(|s| name.ends_with(s))?;
+        let family = match &name[..name.len() - suffix.len()] {
+            "Qwen2" => Self::Qwen2,
+            "Llama" => Self::Llama,
+            "Qwen3" => Self::Qwen3,
+            "Qwen2Moe" => Self::Qwen2Moe,
+            _ => return None,
+        };
+        Some((family, suffix))
     }
 
     /// The `architectures` entry transformers writes.
@@ -81,6 +101,7 @@ pub enum WeightDtype {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct HfModelConfig {
     pub architecture: Architecture,
+    pub head: HeadKind,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -227,7 +248,7 @@ impl HfModelConfig {
             }
             None => return Err(r.err("architectures", "is required (e.g. [\"Qwen2ForCausalLM\"])")),
         };
-        let architecture = Architecture::from_hf(&arch_name).ok_or_else(|| {
+        let (architecture, suffix) = Architecture::from_hf(&arch_name).ok_or_else(|| {
             MegatronError::UnsupportedArchitecture {
                 path: PathBuf::from(path),
                 found: arch_name.clone(),
@@ -235,6 +256,17 @@ impl HfModelConfig {
             }
         })?;
 
+        // transformers' default is 2 labels; `id2label` or `num_labels` say otherwise.
+        let num_labels = match (r.get("num_labels"), r.get("id2label")) {
+            (Some(_), _) => r.usize("num_labels")?,
+            (None, Some(Value::Object(m))) => m.len(),
+            _ => 2,
+        };
+        let head = match suffix {
+            "ForTokenClassification" => HeadKind::TokenClassification { num_labels },
+            "ForSequenceClassification" => HeadKind::SequenceClassification { num_labels },
+            _ => HeadKind::CausalLm,
+        };
         if let Some(act) = r.get("hidden_act") {
             if act.as_str() != Some("silu") {
                 return Err(r.err(
@@ -378,6 +410,7 @@ impl HfModelConfig {
         let bos_token_id = r.token_ids("bos_token_id")?.first().copied();
         Ok(Self {
             architecture,
+            head,
             vocab_size: r.usize("vocab_size")?,
             hidden_size,
             intermediate_size: r.usize("intermediate_size")?,

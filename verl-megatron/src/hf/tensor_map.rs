@@ -1,7 +1,7 @@
 //! The Hugging Face tensor names and shapes of each architecture: one table shared by loading,
 //! saving and per-tensor export to the rollout engine.
 
-use super::config::{Architecture, HfModelConfig};
+use super::config::{Architecture, HeadKind, HfModelConfig};
 
 /// One tensor a checkpoint of the architecture holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,10 +78,19 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
         }
     }
     out.push(spec("model.norm.weight".into(), vec![h]));
-    out.push(TensorSpec {
-        name: "lm_head.weight".into(),
-        shape: vec![v, h],
-        optional: cfg.tie_word_embeddings,
-    });
+    match cfg.head {
+        HeadKind::CausalLm => out.push(TensorSpec {
+            name: "lm_head.weight".into(),
+            shape: vec![v, h],
+            optional: cfg.tie_word_embeddings,
+        }),
+        HeadKind::TokenClassification { num_labels } => {
+            out.push(spec("score.weight".into(), vec![num_labels, h]));
+            out.push(spec("score.bias".into(), vec![num_labels]));
+        }
+        HeadKind::SequenceClassification { num_labels } => {
+            out.push(spec("score.weight".into(), vec![num_labels, h]))
+        }
+    }
     out
 }

@@ -8,7 +8,7 @@ use verl_core::NamedTensor;
 use super::attention::Attention;
 use super::mlp::{FeedForward, SparseMoe, SwiGlu};
 use crate::error::MegatronError;
-use crate::hf::{Architecture, HfCheckpoint, HfModelConfig};
+use crate::hf::{Architecture, HeadKind, HfCheckpoint, HfModelConfig};
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, TpShard,
     VocabParallelEmbedding,
@@ -29,8 +29,11 @@ pub struct CausalLm<B: Backend> {
     pub embed_tokens: VocabParallelEmbedding<B>,
     pub layers: Vec<DecoderLayer<B>>,
     pub norm: RmsNorm<B>,
-    /// `None` when the output projection is tied to the embedding.
+    /// `None` when the output projection is tied to the embedding (or a score head replaces it).
     pub lm_head: Option<ColumnParallelLinear<B>>,
+    /// The value head (token classification) or reward score head (sequence classification),
+    /// `[num_labels, hidden]`, replicated on every rank. Replaces the LM output when present.
+    pub score: Option<ColumnParallelLinear<B>>,
     #[module(skip)]
     pub rope: RotaryEmbedding,
 }
@@ -139,25 +142,45 @@ impl<B: Backend> CausalLm<B> {
                 mlp,
             });
         }
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(ColumnParallelLinear::from_full(
-                w2("lm_head.weight")?,
+        let (lm_head, score) = match cfg.head {
+            HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
+            HeadKind::CausalLm => (
+                Some(ColumnParallelLinear::from_full(
+                    w2("lm_head.weight")?,
+                    None,
+                    tp,
+                )),
                 None,
-                tp,
-            ))
+            ),
+            HeadKind::TokenClassification { .. } => (
+                None,
+                Some(ColumnParallelLinear::from_full(
+                    w2("score.weight")?,
+                    Some(w1("score.bias")?),
+                    TpShard::NONE,
+                )),
+            ),
+            HeadKind::SequenceClassification { .. } => (
+                None,
+                Some(ColumnParallelLinear::from_full(
+                    w2("score.weight")?,
+                    None,
+                    TpShard::NONE,
+                )),
+            ),
         };
         Ok(Self {
             embed_tokens: VocabParallelEmbedding::from_full(w2("model.embed_tokens.weight")?, tp),
             layers,
             norm: norm("model.norm.weight")?,
             lm_head,
+            score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
         })
     }
 
-    /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]`. `attention_mask` `[batch,
+    /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]` (with a score head:
+    /// scores `[batch, seq, num_labels]`). `attention_mask` `[batch,
     /// seq]` (1 = token, 0 = padding) and `position_ids` default to all-ones and 0..seq.
     pub fn forward(
         &self,
@@ -208,6 +231,9 @@ impl<B: Backend> CausalLm<B> {
             h = h + ff;
         }
         let h = self.norm.forward(h);
+        if let Some(score) = &self.score {
+            return score.forward(h);
+        }
         match &self.lm_head {
             Some(head) => head.forward(h),
             None => {
@@ -317,6 +343,35 @@ impl<B: Backend> CausalLm<B> {
         if let Some(head) = &self.lm_head {
             out.push(NamedTensor::new("lm_head.weight", head.weight.val()));
         }
+        if let Some(score) = &self.score {
+            out.push(NamedTensor::new("score.weight", score.weight.val()));
+            if let Some(b) = &score.bias {
+                out.push(NamedTensor::new("score.bias", b.val()));
+            }
+        }
         out
+    }
+
+    /// A sequence score read at each row's last token (`attention_mask` 1 = token; `None`: the
+    /// last position), from per-token scores `[batch, seq, labels]` → `[batch, labels]`. This is
+    /// where a reward model's score, and verl's outcome reward, live.
+    pub fn last_token_scores(
+        scores: Tensor<B, 3>,
+        attention_mask: Option<Tensor<B, 2>>,
+    ) -> Tensor<B, 2> {
+        let [b, t, labels] = scores.dims();
+        let last: Vec<i64> = match attention_mask {
+            None => vec![t as i64 - 1; b],
+            Some(mask) => {
+                let m: Vec<f64> = mask.to_data().iter::<f64>().collect();
+                (0..b)
+                    .map(|i| (0..t).rev().find(|&j| m[i * t + j] > 0.5).unwrap_or(t - 1) as i64)
+                    .collect()
+            }
+        };
+        let idx =
+            Tensor::<B, 3, Int>::from_data(TensorData::new(last, [b, 1, 1]), &scores.device())
+                .repeat_dim(2, labels);
+        scores.gather(1, idx).reshape([b, labels])
     }
 }

@@ -1,0 +1,116 @@
+//! The critic's value head and the reward model's score head against transformers'
+//! `Qwen2ForTokenClassification` / `Qwen2ForSequenceClassification`.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use verl_core::backend::CpuBackend as B;
+use verl_megatron::hf::{
+    read_config_json, save_pretrained, HeadKind, HfCheckpoint, HfModelConfig, SaveOptions,
+};
+use verl_megatron::models::CausalLm;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn load(dir: &Path) -> (HfModelConfig, CausalLm<B>) {
+    let cfg = HfModelConfig::from_dir(dir).unwrap();
+    let model =
+        CausalLm::from_checkpoint(&cfg, &HfCheckpoint::open(dir).unwrap(), &Default::default())
+            .unwrap();
+    (cfg, model)
+}
+
+fn reference(name: &str) -> (Tensor<B, 2, Int>, Vec<f32>) {
+    let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ids = st.tensor("input_ids").unwrap();
+    let v: Vec<i64> = ids
+        .data()
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let ids = Tensor::from_data(
+        TensorData::new(v, ids.shape().to_vec()),
+        &Default::default(),
+    );
+    let scores = st
+        .tensor("scores")
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    (ids, scores)
+}
+
+fn close(a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(err / scale <= 1e-4, "max |Δ| {err} vs scale {scale}");
+}
+
+#[test]
+fn value_head_matches_token_classification() {
+    let (cfg, model) = load(&fixture("qwen2_value"));
+    assert_eq!(cfg.head, HeadKind::TokenClassification { num_labels: 1 });
+    let (ids, expected) = reference("qwen2_value");
+    let values = model.forward(ids, None, None);
+    assert_eq!(values.dims(), [2, 8, 1]);
+    close(&values.to_data().to_vec::<f32>().unwrap(), &expected);
+}
+
+#[test]
+fn score_head_matches_sequence_classification_at_the_last_token() {
+    let (cfg, model) = load(&fixture("qwen2_reward"));
+    assert_eq!(cfg.head, HeadKind::SequenceClassification { num_labels: 1 });
+    let (ids, expected) = reference("qwen2_reward");
+    let pooled = CausalLm::last_token_scores(model.forward(ids, None, None), None);
+    assert_eq!(pooled.dims(), [2, 1]);
+    close(&pooled.to_data().to_vec::<f32>().unwrap(), &expected);
+
+    // With right padding the score is read at the last real token.
+    let d = Default::default();
+    let scores = Tensor::<B, 3>::from_floats([[[1.0], [2.0], [3.0]], [[4.0], [5.0], [6.0]]], &d);
+    let mask = Tensor::<B, 2>::from_floats([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], &d);
+    assert_eq!(
+        CausalLm::last_token_scores(scores, Some(mask))
+            .to_data()
+            .to_vec::<f32>()
+            .unwrap(),
+        vec![2.0, 6.0]
+    );
+}
+
+#[test]
+fn heads_round_trip_through_save() {
+    for name in ["qwen2_value", "qwen2_reward"] {
+        let src = fixture(name);
+        let (cfg, model) = load(&src);
+        let out = tempfile::tempdir().unwrap();
+        save_pretrained(
+            &model.export_weights(),
+            &read_config_json(&src).unwrap(),
+            out.path(),
+            SaveOptions::default(),
+        )
+        .unwrap();
+        let (cfg2, _) = load(out.path());
+        assert_eq!(cfg2, cfg);
+        let (a, b) = (
+            HfCheckpoint::open(&src).unwrap(),
+            HfCheckpoint::open(out.path()).unwrap(),
+        );
+        for t in a.names() {
+            assert_eq!(
+                a.read_f32(t).unwrap(),
+                b.read_f32(t).unwrap(),
+                "{name}: {t}"
+            );
+        }
+    }
+}

@@ -183,6 +183,11 @@ def main():
     randomize(moe, 0.2)
     write(moe, "qwen2_moe", out, tok)
 
+    # The same MoE with renormalised top-k routing weights.
+    moe_norm = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**moe.config.to_dict(), "norm_topk_prob": True}))
+    moe_norm.load_state_dict(moe.state_dict())
+    write(moe_norm, "qwen2_moe_norm_topk", out, tok)
+
     # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
     # makes transformers pool the last token that is not 0 (every token here).
     head_cfg = dict(COMMON, rope_theta=10000.0, num_labels=1, pad_token_id=0, attn_implementation="eager")

@@ -105,7 +105,9 @@ fn refused(patch: &str) -> String {
 fn unsupported_values_are_refused_by_field_name() {
     let e = refused(r#""architectures": ["MistralForCausalLM"]"#);
     assert!(
-        e.contains("MistralForCausalLM") && e.contains("Qwen2Moe") && e.contains("ForSequenceClassification"),
+        e.contains("MistralForCausalLM")
+            && e.contains("Qwen2Moe")
+            && e.contains("ForSequenceClassification"),
         "{e}"
     );
     let e = refused(r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#);

@@ -162,3 +162,14 @@ fn padding_does_not_change_the_logits_of_real_tokens() {
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     assert!(err < 1e-4, "{err}");
 }
+
+#[test]
+fn qwen2_moe_with_renormalised_routing_matches_transformers() {
+    check_logits("qwen2_moe_norm_topk");
+    check_greedy("qwen2_moe_norm_topk");
+    // The two MoE fixtures share weights: renormalising the routing must change the outputs.
+    let (ids, a, _) = reference("qwen2_moe");
+    let (_, b, _) = reference("qwen2_moe_norm_topk");
+    assert_ne!(a, b);
+    let _ = ids;
+}

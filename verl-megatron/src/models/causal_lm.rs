@@ -6,7 +6,8 @@ use burn::tensor::{Int, TensorData};
 use verl_core::NamedTensor;
 
 use super::attention::Attention;
-use super::mlp::{FeedForward, SparseMoe, SwiGlu};
+use super::mlp::{FeedForward, SwiGlu};
+use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
 use crate::hf::{Architecture, HeadKind, HfCheckpoint, HfModelConfig};
 use crate::layers::{

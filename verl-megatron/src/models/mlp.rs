@@ -1,9 +1,10 @@
-//! Feed-forward blocks: the SwiGLU MLP and Qwen2-MoE's sparse mixture of experts.
+//! Feed-forward blocks: the SwiGLU MLP, and the choice between it and a mixture of experts.
 
 use burn::module::Module;
 use burn::prelude::*;
-use burn::tensor::activation::{sigmoid, silu, softmax};
+use burn::tensor::activation::silu;
 
+use super::qwen2_moe::SparseMoe;
 use crate::layers::{ColumnParallelLinear, RowParallelLinear};
 
 /// down(silu(gate(x)) · up(x)).
@@ -18,46 +19,6 @@ impl<B: Backend> SwiGlu<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.down_proj
             .forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
-    }
-}
-
-/// Qwen2-MoE's block: a softmax router picks the top-k experts per token (weights renormalised
-/// when `norm_topk_prob`), plus a shared expert scaled by a sigmoid gate.
-#[derive(Module, Debug)]
-pub struct SparseMoe<B: Backend> {
-    /// Router `[experts, hidden]`, replicated on every rank.
-    pub gate: ColumnParallelLinear<B>,
-    pub experts: Vec<SwiGlu<B>>,
-    pub shared_expert: SwiGlu<B>,
-    /// `[1, hidden]`.
-    pub shared_expert_gate: ColumnParallelLinear<B>,
-    pub top_k: usize,
-    pub norm_topk_prob: bool,
-}
-
-impl<B: Backend> SparseMoe<B> {
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, t, h] = x.dims();
-        let tokens = x.reshape([b * t, h]);
-        let probs = softmax(self.gate.forward(tokens.clone()), 1);
-        // Keep each token's k largest routing probabilities (ties are measure-zero for real
-        // routers) and zero the rest.
-        let kth = probs
-            .clone()
-            .topk(self.top_k, 1)
-            .narrow(1, self.top_k - 1, 1);
-        let mut weights = probs.clone() * probs.greater_equal(kth).float();
-        if self.norm_topk_prob {
-            weights = weights.clone() / weights.sum_dim(1);
-        }
-        // Every expert runs on every token here and is weighted by its (mostly zero) routing
-        // weight: exact, but dense. Token dispatch belongs with expert parallelism.
-        let mut out = self.shared_expert.forward(tokens.clone())
-            * sigmoid(self.shared_expert_gate.forward(tokens.clone()));
-        for (e, expert) in self.experts.iter().enumerate() {
-            out = out + expert.forward(tokens.clone()) * weights.clone().narrow(1, e, 1);
-        }
-        out.reshape([b, t, h])
     }
 }
 

@@ -2,12 +2,13 @@
 //!
 //! Qwen2, Llama, Qwen3 and Qwen2-MoE share one decoder ([`CausalLm`]); what differs is set by
 //! the config: q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, Llama-3 rope scaling, tied
-//! embeddings, and Qwen2-MoE's expert blocks ([`mlp::SparseMoe`]).
+//! embeddings, and Qwen2-MoE's expert blocks ([`qwen2_moe::SparseMoe`]).
 
 pub mod attention;
 pub mod causal_lm;
 pub mod generate;
 pub mod mlp;
+pub mod qwen2_moe;
 
 pub use causal_lm::CausalLm;
 pub use generate::{generate, GenerateOptions};

@@ -6,6 +6,9 @@ use burn::tensor::activation::softmax;
 
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 
+/// One layer's cached keys and values `[batch, kv_heads, cached_len, head_dim]` (after RoPE).
+pub type LayerKv<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
+
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
 #[derive(Module, Debug)]
@@ -23,14 +26,16 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: Backend> Attention<B> {
-    /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, seq]` is 0 where attention is allowed
-    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`].
+    /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, keys]` is 0 where attention is allowed
+    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`]. With a
+    /// `cache`, keys are the cached ones followed by this call's, and the cache is extended.
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         bias: &Tensor<B, 4>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
+        cache: Option<&mut LayerKv<B>>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
@@ -43,7 +48,17 @@ impl<B: Backend> Attention<B> {
             k = kn.forward(k);
         }
         let q = RotaryEmbedding::apply(q, cos, sin);
-        let k = RotaryEmbedding::apply(k, cos, sin);
+        let mut k = RotaryEmbedding::apply(k, cos, sin);
+        let mut v = v;
+        // With a cache, the new keys and values (after RoPE) extend the cached ones.
+        if let Some(cache) = cache {
+            if let Some((ck, cv)) = cache.take() {
+                k = Tensor::cat(vec![ck, k], 2);
+                v = Tensor::cat(vec![cv, v], 2);
+            }
+            *cache = Some((k.clone(), v.clone()));
+        }
+        let keys = k.dims()[2];
         // Grouped-query attention: query head j reads kv head j / (nh / nkv).
         let rep = nh / nkv;
         let expand = |y: Tensor<B, 4>| -> Tensor<B, 4> {
@@ -52,7 +67,7 @@ impl<B: Backend> Attention<B> {
             }
             y.unsqueeze_dim::<5>(2)
                 .repeat_dim(2, rep)
-                .reshape([b, nh, t, hd])
+                .reshape([b, nh, keys, hd])
         };
         let (k, v) = (expand(k), expand(v));
         let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias.clone();

@@ -5,7 +5,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use verl_core::NamedTensor;
 
-use super::attention::Attention;
+use super::attention::{Attention, LayerKv};
 use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
@@ -14,6 +14,30 @@ use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, TpShard,
     VocabParallelEmbedding,
 };
+
+/// Cached keys and values of every layer, and how many positions they hold.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    pub layers: Vec<LayerKv<B>>,
+    pub len: usize,
+}
+
+impl<B: Backend> Default for KvCache<B> {
+    fn default() -> Self {
+        Self {
+            layers: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<B: Backend> KvCache<B> {
+    /// Drops everything cached (the memory a sleeping rollout engine gives back).
+    pub fn clear(&mut self) {
+        self.layers.clear();
+        self.len = 0;
+    }
+}
 
 /// One pre-norm decoder layer.
 #[derive(Module, Debug)]
@@ -189,41 +213,93 @@ impl<B: Backend> CausalLm<B> {
         attention_mask: Option<Tensor<B, 2>>,
         position_ids: Option<Tensor<B, 2, Int>>,
     ) -> Tensor<B, 3> {
+        self.run(input_ids, attention_mask, position_ids, None)
+    }
+
+    /// As [`Self::forward`] for the new tokens `input_ids` `[batch, new]`, attending to the
+    /// cached keys too, and extending `cache`. `attention_mask` covers every key, cached and new
+    /// (`[batch, cached + new]`); `position_ids` are the new tokens' positions. A prefill is a
+    /// call on an empty cache; a decode step is a call with one new token per row.
+    pub fn forward_cached(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Tensor<B, 2>,
+        position_ids: Tensor<B, 2, Int>,
+        cache: &mut KvCache<B>,
+    ) -> Tensor<B, 3> {
+        if cache.layers.len() != self.layers.len() {
+            cache.layers = (0..self.layers.len()).map(|_| None).collect();
+            cache.len = 0;
+        }
+        let new = input_ids.dims()[1];
+        let out = self.run(
+            input_ids,
+            Some(attention_mask),
+            Some(position_ids),
+            Some(cache),
+        );
+        cache.len += new;
+        out
+    }
+
+    fn run(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        position_ids: Option<Tensor<B, 2, Int>>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
         let [b, t] = input_ids.dims();
         let device = input_ids.device();
+        let past = cache.as_ref().map_or(0, |c| c.len);
+        let keys = past + t;
         let positions = position_ids.unwrap_or_else(|| {
-            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+            Tensor::<B, 1, Int>::arange(past as i64..keys as i64, &device)
                 .unsqueeze_dim::<2>(0)
                 .repeat_dim(0, b)
         });
         let (cos, sin) = self.rope.tables(&positions);
-        // 0 where query i may attend key j (j ≤ i and j is a token), −∞ elsewhere.
-        let mut allowed: Vec<f32> = Vec::with_capacity(t * t);
+        // 0 where new query i (absolute index past + i) may attend key j: j ≤ past + i and j is
+        // a token; −∞ elsewhere.
+        let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
         for i in 0..t {
-            for j in 0..t {
-                allowed.push(if j <= i { 0.0 } else { f32::NEG_INFINITY });
+            for j in 0..keys {
+                allowed.push(if j <= past + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                });
             }
         }
-        let mut bias = Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, t]), &device)
-            .reshape([1, 1, t, t])
+        let mut bias = Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), &device)
+            .reshape([1, 1, t, keys])
             .repeat_dim(0, b);
         if let Some(mask) = attention_mask {
-            let keys = mask.reshape([b, 1, 1, t]).lower_elem(0.5).repeat_dim(2, t);
-            bias = bias.mask_fill(keys, f32::NEG_INFINITY);
+            let masked_keys = mask
+                .reshape([b, 1, 1, keys])
+                .lower_elem(0.5)
+                .repeat_dim(2, t);
+            bias = bias.mask_fill(masked_keys, f32::NEG_INFINITY);
             // A padded query row would be all −∞: let it attend to itself so softmax stays finite.
-            let diag = Tensor::<B, 2>::eye(t, &device)
-                .reshape([1, 1, t, t])
+            let mut own: Vec<f32> = vec![0.0; t * keys];
+            for i in 0..t {
+                own[i * keys + past + i] = 1.0;
+            }
+            let diag = Tensor::<B, 2>::from_data(TensorData::new(own, [t, keys]), &device)
+                .reshape([1, 1, t, keys])
                 .repeat_dim(0, b)
                 .greater_elem(0.5);
             bias = bias.mask_fill(diag, 0.0);
         }
         let mut h = self.embed_tokens.forward(input_ids);
-        for layer in &self.layers {
+        for (l, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_mut().map(|c| &mut c.layers[l]);
             let attn = layer.self_attn.forward(
                 layer.input_layernorm.forward(h.clone()),
                 &bias,
                 &cos,
                 &sin,
+                layer_cache,
             );
             h = h + attn;
             let ff = layer

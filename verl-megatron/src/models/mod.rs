@@ -10,5 +10,5 @@ pub mod generate;
 pub mod mlp;
 pub mod qwen2_moe;
 
-pub use causal_lm::CausalLm;
+pub use causal_lm::{CausalLm, KvCache};
 pub use generate::{generate, GenerateOptions};

@@ -1,28 +1,13 @@
 //! The critic's value head and the reward model's score head against transformers'
 //! `Qwen2ForTokenClassification` / `Qwen2ForSequenceClassification`.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{fixture, load_model as load};
 
 use burn::tensor::{Int, Tensor, TensorData};
 use verl_core::backend::CpuBackend as B;
-use verl_megatron::hf::{
-    read_config_json, save_pretrained, HeadKind, HfCheckpoint, HfModelConfig, SaveOptions,
-};
+use verl_megatron::hf::{read_config_json, save_pretrained, HeadKind, HfCheckpoint, SaveOptions};
 use verl_megatron::models::CausalLm;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-fn load(dir: &Path) -> (HfModelConfig, CausalLm<B>) {
-    let cfg = HfModelConfig::from_dir(dir).unwrap();
-    let model =
-        CausalLm::from_checkpoint(&cfg, &HfCheckpoint::open(dir).unwrap(), &Default::default())
-            .unwrap();
-    (cfg, model)
-}
 
 fn reference(name: &str) -> (Tensor<B, 2, Int>, Vec<f32>) {
     let bytes = std::fs::read(fixture(name).join("reference.safetensors")).unwrap();

@@ -1,20 +1,17 @@
 //! Reading safetensors checkpoints: every fixture matches its architecture's tensor table,
 //! shards read the same as the single file, dtypes convert, and bad checkpoints are named.
 
+mod common;
+use common::fixture;
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::tensor::Tensor;
 use safetensors::tensor::{Dtype, TensorView};
 use verl_core::backend::CpuBackend as B;
 use verl_megatron::hf::{hf_tensor_specs, HfCheckpoint, HfModelConfig};
 use verl_megatron::MegatronError;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 #[test]
 fn every_fixture_matches_its_tensor_table() {

@@ -1,16 +1,13 @@
 //! Reading config.json in both transformers dialects, from the committed fixtures.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::fixture;
+
+use std::path::Path;
 
 use verl_core::topology::ParallelConfig;
 use verl_megatron::hf::{Architecture, HfModelConfig, RopeScaling, WeightDtype};
 use verl_megatron::MegatronError;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 #[test]
 fn fixtures_parse_with_their_architectures() {

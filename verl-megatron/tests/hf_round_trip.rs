@@ -1,6 +1,9 @@
 //! load → save → load is bit-exact, sharded or not, and half-precision saves convert as stated.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::fixture;
+
+use std::path::Path;
 
 use burn::tensor::{Int, Tensor};
 use verl_core::backend::CpuBackend as B;
@@ -8,12 +11,6 @@ use verl_megatron::hf::{
     read_config_json, save_pretrained, HfCheckpoint, HfModelConfig, SaveOptions, WeightDtype,
 };
 use verl_megatron::models::CausalLm;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 fn load(dir: &Path) -> (HfModelConfig, HfCheckpoint, CausalLm<B>) {
     let cfg = HfModelConfig::from_dir(dir).unwrap();

@@ -1,18 +1,12 @@
 //! KV-cached decoding: a left-padded batch, prefilled then decoded one token at a time, gives
 //! each prompt exactly the tokens the cache-less loop gives it alone.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{fixture, load_model};
 
 use burn::tensor::{Int, Tensor, TensorData};
 use verl_core::backend::CpuBackend as B;
-use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
 use verl_megatron::models::{generate, CausalLm, GenerateOptions, KvCache};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 fn argmax(row: &[f32]) -> i64 {
     row.iter()
@@ -85,13 +79,7 @@ fn cached_batched_greedy_equals_the_cache_less_loop_for_every_architecture() {
     ];
     for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
         let dir = fixture(name);
-        let cfg = HfModelConfig::from_dir(&dir).unwrap();
-        let model = CausalLm::<B>::from_checkpoint(
-            &cfg,
-            &HfCheckpoint::open(&dir).unwrap(),
-            &Default::default(),
-        )
-        .unwrap();
+        let (_, model) = load_model(&dir);
         let batched = cached_greedy(&model, &prompts, 10);
         for (p, got) in prompts.iter().zip(&batched) {
             let prompt: Vec<u32> = p.iter().map(|&x| x as u32).collect();
@@ -113,13 +101,7 @@ fn cached_batched_greedy_equals_the_cache_less_loop_for_every_architecture() {
 #[test]
 fn clearing_the_cache_starts_over() {
     let dir = fixture("qwen2");
-    let cfg = HfModelConfig::from_dir(&dir).unwrap();
-    let model = CausalLm::<B>::from_checkpoint(
-        &cfg,
-        &HfCheckpoint::open(&dir).unwrap(),
-        &Default::default(),
-    )
-    .unwrap();
+    let (_, model) = load_model(&dir);
     let a = cached_greedy(&model, &[vec![4, 5, 6]], 4);
     let b = cached_greedy(&model, &[vec![4, 5, 6]], 4);
     assert_eq!(a, b);

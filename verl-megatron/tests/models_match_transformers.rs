@@ -1,18 +1,13 @@
 //! Our decoders against transformers: logits on the committed fixtures (f32, max relative
 //! error ≤ 1e-4) and greedy continuations token for token.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::fixture;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use verl_core::backend::CpuBackend as B;
 use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
 use verl_megatron::models::CausalLm;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
 
 fn load(name: &str) -> CausalLm<B> {
     let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();

@@ -1,16 +1,10 @@
 //! The tokenizer, chat template and generation loop against the transformers references.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{fixture, load_model};
 
-use verl_core::backend::CpuBackend as B;
-use verl_megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
-use verl_megatron::models::{generate, CausalLm, GenerateOptions};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use verl_megatron::hf::{ChatMessage, HfTokenizer};
+use verl_megatron::models::{generate, GenerateOptions};
 
 fn reference(name: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())
@@ -43,13 +37,7 @@ fn chat_template_and_encoding_match_transformers() {
 fn greedy_generation_of_the_chat_prompt_matches_transformers() {
     for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
         let dir = fixture(name);
-        let cfg = HfModelConfig::from_dir(&dir).unwrap();
-        let model = CausalLm::<B>::from_checkpoint(
-            &cfg,
-            &HfCheckpoint::open(&dir).unwrap(),
-            &Default::default(),
-        )
-        .unwrap();
+        let (_, model) = load_model(&dir);
         let r = reference(name);
         let prompt = u32s(&r["chat_prompt_ids"]);
         let expected = u32s(&r["chat_greedy_output"])[prompt.len()..].to_vec();
@@ -70,13 +58,7 @@ fn greedy_generation_of_the_chat_prompt_matches_transformers() {
 #[test]
 fn sampling_is_seeded_and_stops_at_eos() {
     let dir = fixture("qwen2");
-    let cfg = HfModelConfig::from_dir(&dir).unwrap();
-    let model = CausalLm::<B>::from_checkpoint(
-        &cfg,
-        &HfCheckpoint::open(&dir).unwrap(),
-        &Default::default(),
-    )
-    .unwrap();
+    let (_, model) = load_model(&dir);
     let prompt = [3, 17, 40];
     let opts = |seed| GenerateOptions {
         max_new_tokens: 10,

@@ -1,5 +1,10 @@
 //! verl-rollout: the native rollout engine behind the core `RolloutEngine` trait.
 //!
-//! Planned here (see the issue tracker): batched prefill and decode with a budgeted KV cache,
-//! continuous batching, sampling controls and per-tensor weight updates. Nothing is implemented
-//! yet; the crate exists so the workspace layout is final.
+//! Landed so far: [`sampling`], the token sampler (greedy, temperature, top-k, top-p, seeded per
+//! request). Planned (see the issue tracker): batched prefill and decode over the model's KV
+//! cache with a memory budget, continuous batching, verl's output layout, per-tensor weight
+//! updates and sleep / wake-up.
+
+pub mod sampling;
+
+pub use sampling::{Sampler, SamplingError, SamplingParams};

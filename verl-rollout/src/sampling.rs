@@ -1,0 +1,163 @@
+//! Choosing the next token from logits, as vLLM / SGLang do for verl's rollout settings:
+//! temperature scaling, then top-k, then top-p (nucleus) filtering, then a draw from the
+//! renormalised distribution. Temperature 0 is greedy. Each request owns a seeded generator, so a
+//! run is reproducible whatever the batch composition.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings (verl's `rollout.temperature`, `top_k`, `top_p`, seed).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0 is greedy.
+    pub temperature: f64,
+    /// Keep the k most likely tokens; -1 or 0: off.
+    pub top_k: i64,
+    /// Keep the smallest set of most likely tokens whose probability reaches top_p; 1: off.
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: -1,
+            top_p: 1.0,
+            seed: 0,
+        }
+    }
+}
+
+/// A sampling setting that cannot work, named by field.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SamplingError {
+    #[error("sampling `{field}` = {value}: {message}")]
+    Invalid {
+        field: &'static str,
+        value: String,
+        message: &'static str,
+    },
+}
+
+impl SamplingParams {
+    /// Checks the ranges before any generation starts.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        if self.temperature.is_nan() || self.temperature < 0.0 {
+            return Err(SamplingError::Invalid {
+                field: "temperature",
+                value: self.temperature.to_string(),
+                message: "must be ≥ 0 (0 is greedy)",
+            });
+        }
+        if self.top_k < -1 {
+            return Err(SamplingError::Invalid {
+                field: "top_k",
+                value: self.top_k.to_string(),
+                message: "must be -1 or 0 (off) or a positive count",
+            });
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingError::Invalid {
+                field: "top_p",
+                value: self.top_p.to_string(),
+                message: "must be in (0, 1]",
+            });
+        }
+        Ok(())
+    }
+
+    /// The distribution tokens are drawn from (after temperature, top-k and top-p), for
+    /// temperature > 0. Masked-out tokens get probability 0.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<f64> {
+        let t = self.temperature.max(f64::MIN_POSITIVE);
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut p: Vec<f64> = logits
+            .iter()
+            .map(|&x| ((x as f64 - max) / t).exp())
+            .collect();
+        let mut order: Vec<usize> = (0..p.len()).collect();
+        // Most likely first; ties by index so the result is deterministic.
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let mut keep = p.len();
+        if self.top_k > 0 {
+            keep = keep.min(self.top_k as usize);
+        }
+        if self.top_p < 1.0 {
+            let total: f64 = order[..keep].iter().map(|&i| p[i]).sum();
+            let mut acc = 0.0;
+            let mut n = 0;
+            for &i in &order[..keep] {
+                acc += p[i] / total;
+                n += 1;
+                if acc >= self.top_p {
+                    break;
+                }
+            }
+            keep = n.max(1);
+        }
+        for &i in &order[keep..] {
+            p[i] = 0.0;
+        }
+        let total: f64 = p.iter().sum();
+        p.iter_mut().for_each(|x| *x /= total);
+        p
+    }
+}
+
+/// A request's sampler: its settings and its own random stream.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+}
+
+impl Sampler {
+    /// A sampler for request `request` of a run seeded with `params.seed`: requests get
+    /// independent, reproducible streams.
+    pub fn new(params: SamplingParams, request: u64) -> Result<Self, SamplingError> {
+        params.validate()?;
+        // SplitMix64 of (seed, request) decorrelates neighbouring request ids.
+        let mut z = params.seed ^ request.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        Ok(Self {
+            params,
+            rng: StdRng::seed_from_u64(z),
+        })
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next token and its log-probability under the sampling distribution.
+    pub fn sample(&mut self, logits: &[f32]) -> (u32, f64) {
+        if self.params.temperature == 0.0 {
+            let best = logits
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+                )
+                .0;
+            return (best as u32, 0.0);
+        }
+        let p = self.params.distribution(logits);
+        let mut u: f64 = self.rng.random();
+        let mut last = 0;
+        for (i, &pi) in p.iter().enumerate() {
+            if pi == 0.0 {
+                continue;
+            }
+            last = i;
+            if u < pi {
+                return (i as u32, pi.ln());
+            }
+            u -= pi;
+        }
+        (last as u32, p[last].ln())
+    }
+}

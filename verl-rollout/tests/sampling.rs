@@ -63,7 +63,6 @@ fn samples_follow_the_target_distribution() {
             top_k: 4,
             top_p: 0.9,
             seed: 11,
-            ..Default::default()
         },
     ] {
         let p = params.distribution(&LOGITS);

@@ -63,16 +63,6 @@ impl Architecture {
         };
         Some((family, suffix))
     }
-
-    /// The `architectures` entry transformers writes.
-    pub fn hf_name(self) -> &'static str {
-        match self {
-            Self::Qwen2 => "Qwen2ForCausalLM",
-            Self::Llama => "LlamaForCausalLM",
-            Self::Qwen3 => "Qwen3ForCausalLM",
-            Self::Qwen2Moe => "Qwen2MoeForCausalLM",
-        }
-    }
 }
 
 /// Rotary-embedding frequency scaling.

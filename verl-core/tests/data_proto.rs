@@ -318,3 +318,23 @@ fn empty_and_non_tensor_only_batches() {
         json!("a")
     );
 }
+
+#[test]
+fn concat_gathers_per_part_metrics_into_lists() {
+    let mut a = batch(2);
+    a.meta_info.insert(
+        "metrics".into(),
+        json!({"actor/pg_loss": 0.5, "actor/grad_norm": [1.0, 2.0]}),
+    );
+    let mut b = batch(2);
+    b.meta_info
+        .insert("metrics".into(), json!({"actor/pg_loss": 0.25}));
+    let c = batch(2);
+    let out = DataProto::concat(vec![a, b, c]).unwrap();
+    assert_eq!(
+        out.meta_info["metrics"],
+        json!({"actor/pg_loss": [0.5, 0.25], "actor/grad_norm": [1.0, 2.0]})
+    );
+    // Other keys must still agree.
+    assert_eq!(out.meta_info["temperature"], json!(1.0));
+}

@@ -20,6 +20,9 @@ use crate::error::DataProtoError;
 
 type Result<T> = std::result::Result<T, DataProtoError>;
 
+/// `meta_info` key whose per-part values [`DataProto::concat`] gathers into lists.
+pub const METRICS_KEY: &str = "metrics";
+
 /// A batch of named tensors, per-row JSON values and meta information.
 ///
 /// ```
@@ -407,7 +410,8 @@ impl<B: Backend> DataProto<B> {
     }
 
     /// Concatenates batches along rows. All parts need the same keys and kinds; meta_info is
-    /// merged and a key with differing values is refused.
+    /// merged and a key with differing values is refused, except `metrics` (an object of
+    /// metric → value or list), whose values are gathered into one list per metric.
     pub fn concat(parts: Vec<Self>) -> Result<Self> {
         let first = parts.first().ok_or(DataProtoError::ConcatEmpty)?;
         let keys = |p: &Self| joined(p.batch.keys().chain(p.non_tensor.keys()));
@@ -440,6 +444,29 @@ impl<B: Backend> DataProto<B> {
         }
         for p in &parts {
             for (k, v) in &p.meta_info {
+                // Each part's metrics are its own (ranks report different losses): gather them
+                // into one list per metric, as verl does, instead of requiring them to agree.
+                if let (METRICS_KEY, Value::Object(metrics)) = (k.as_str(), v) {
+                    let merged = out
+                        .meta_info
+                        .entry(METRICS_KEY)
+                        .or_insert_with(|| Value::Object(Map::new()));
+                    if let Value::Object(merged) = merged {
+                        for (name, value) in metrics {
+                            let Value::Array(list) = merged
+                                .entry(name.clone())
+                                .or_insert_with(|| Value::Array(Vec::new()))
+                            else {
+                                continue;
+                            };
+                            match value {
+                                Value::Array(values) => list.extend(values.iter().cloned()),
+                                other => list.push(other.clone()),
+                            }
+                        }
+                        continue;
+                    }
+                }
                 match out.meta_info.get(k) {
                     Some(mine) if mine != v => {
                         return Err(DataProtoError::ConcatMeta { key: k.clone() })

@@ -229,11 +229,13 @@ pub fn gpg<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
 }
 
 /// Token-wise covariance of advantage and log-prob (both centred by their masked means), on host.
+/// Both are centred by their mean over the unmasked tokens (Clip-Cov and KL-Cov share this).
 fn covariance<B: Backend>(x: &PolicyLossInput<B>) -> (Host2, Host2) {
     let adv = Host2::from_tensor(&x.advantages);
     let lp = Host2::from_tensor(&x.log_prob.clone().detach());
     let m = Host2::from_tensor(&x.response_mask);
-    let n: f64 = m.data.iter().sum::<f64>() + 1e-8;
+    // No unmasked token: nothing is a candidate, so any finite centre will do.
+    let n: f64 = m.data.iter().sum::<f64>().max(1.0);
     let mean = |h: &Host2| h.data.iter().zip(&m.data).map(|(v, k)| v * k).sum::<f64>() / n;
     let (ma, ml) = (mean(&adv), mean(&lp));
     let cov = Host2 {
@@ -312,17 +314,8 @@ pub fn kl_cov<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>>
     let mut valid: Vec<usize> = (0..cov.data.len()).filter(|&k| m.data[k] > 0.0).collect();
     let mut select = vec![0.0f32; cov.data.len()];
     if !valid.is_empty() && p.kl_cov_ratio > 0.0 {
-        // Covariance centred over the valid tokens only, as verl computes it.
-        let n = valid.len() as f64;
-        let adv = Host2::from_tensor(&x.advantages);
-        let lp = Host2::from_tensor(&x.log_prob.clone().detach());
-        let (ma, ml) = (
-            valid.iter().map(|&k| adv.data[k]).sum::<f64>() / n,
-            valid.iter().map(|&k| lp.data[k]).sum::<f64>() / n,
-        );
-        let c = |k: usize| (adv.data[k] - ma) * (lp.data[k] - ml);
         let take = ((valid.len() as f64 * p.kl_cov_ratio) as usize).max(1);
-        valid.sort_by(|&a, &b| c(b).total_cmp(&c(a)));
+        valid.sort_by(|&a, &b| cov.data[b].total_cmp(&cov.data[a]));
         for &k in valid.iter().take(take) {
             select[k] = 1.0;
         }

@@ -54,6 +54,14 @@ impl<B: Backend> NamedTensor<B> {
         Ok(self.values.clone().reshape(dims))
     }
 
+    /// The same tensor on `device` (a no-op when it is there already).
+    pub fn to_device(self, device: &B::Device) -> Self {
+        Self {
+            values: self.values.to_device(device),
+            ..self
+        }
+    }
+
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()

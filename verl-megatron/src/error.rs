@@ -30,6 +30,16 @@ pub enum MegatronError {
         file: PathBuf,
         dtype: String,
     },
+    #[error("weight `{name}` is not a tensor of this model (expected HF names such as `model.layers.0.self_attn.q_proj.weight`)")]
+    UnknownWeight { name: String },
+    #[error("weight `{name}` has shape {found:?}, but the model's is {expected:?}")]
+    WeightShape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("weight `{name}` was never provided (the stream ended without it)")]
+    MissingWeight { name: String },
     #[error("{path}: architecture `{found}` is not supported; supported: {supported}")]
     UnsupportedArchitecture {
         path: PathBuf,

@@ -1,10 +1,21 @@
 //! verl-rollout: the native rollout engine behind the core `RolloutEngine` trait.
 //!
-//! Landed so far: [`sampling`], the token sampler (greedy, temperature, top-k, top-p, seeded per
-//! request). Planned (see the issue tracker): batched prefill and decode over the model's KV
-//! cache with a memory budget, continuous batching, verl's output layout, per-tensor weight
-//! updates and sleep / wake-up.
+//! - [`sampling`]: the token sampler (greedy, temperature, top-k, top-p), seeded per request.
+//! - [`config`]: the engine's settings ([`EngineConfig`]) and KV budget, from verl's config.
+//! - [`engine`]: [`NativeRollout`], batched prefill and decode over a preallocated slot KV
+//!   cache with continuous batching.
+//! - [`layout`]: verl's rollout batch layout in and out of a `DataProto`.
+//! - [`rollout_engine`]: the `RolloutEngine` trait: generation, per-tensor weight updates,
+//!   sleep / wake-up.
 
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod layout;
+pub mod rollout_engine;
 pub mod sampling;
 
+pub use config::{EngineConfig, KvBudget};
+pub use engine::{Completion, FinishReason, GenerationStats, NativeRollout, Request};
+pub use error::RolloutError;
 pub use sampling::{Sampler, SamplingError, SamplingParams};

@@ -244,8 +244,12 @@ pub struct RolloutConfig {
     /// `None`: `data.max_response_length`.
     pub response_length: Option<usize>,
     pub dtype: String,
-    /// Fraction of device memory the KV cache may use.
+    /// Fraction of device memory the KV cache may use (on the CPU default: of the memory
+    /// available when the engine starts). Ignored when `kv_cache_tokens` is set.
     pub gpu_memory_utilization: f64,
+    /// An explicit KV-cache budget in token positions (all sequences together); verl-rs's
+    /// addition, the reproducible alternative to `gpu_memory_utilization`.
+    pub kv_cache_tokens: Option<usize>,
     pub ignore_eos: bool,
     pub enforce_eager: bool,
     pub free_cache_engine: bool,
@@ -278,6 +282,7 @@ impl Default for RolloutConfig {
             response_length: None,
             dtype: "bfloat16".into(),
             gpu_memory_utilization: 0.5,
+            kv_cache_tokens: None,
             ignore_eos: false,
             enforce_eager: true,
             free_cache_engine: true,

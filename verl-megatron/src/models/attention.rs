@@ -3,11 +3,26 @@
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burn::tensor::Bool;
 
+use super::kv_cache::{LayerKv, SlotKvCache};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 
-/// One layer's cached keys and values `[batch, kv_heads, cached_len, head_dim]` (after RoPE).
-pub type LayerKv<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
+/// Where an attention call reads and writes cached keys and values.
+pub enum AttnCache<'a, B: Backend> {
+    /// No cache: keys are this call's tokens.
+    None,
+    /// Keys are the cached ones followed by this call's; the cache grows.
+    Grow(&'a mut LayerKv<B>),
+    /// One new token per slot, written at each slot's own position (`at`, `[slots, 1, window,
+    /// 1]`); keys are the slot's first `window` positions.
+    Slots {
+        cache: &'a mut SlotKvCache<B>,
+        layer: usize,
+        at: &'a Tensor<B, 4, Bool>,
+        window: usize,
+    },
+}
 
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
@@ -27,15 +42,15 @@ pub struct Attention<B: Backend> {
 
 impl<B: Backend> Attention<B> {
     /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, keys]` is 0 where attention is allowed
-    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`]. With a
-    /// `cache`, keys are the cached ones followed by this call's, and the cache is extended.
+    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`]. `cache`
+    /// says which keys are attended to besides this call's ([`AttnCache`]).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         bias: &Tensor<B, 4>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
-        cache: Option<&mut LayerKv<B>>,
+        cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
@@ -50,13 +65,22 @@ impl<B: Backend> Attention<B> {
         let q = RotaryEmbedding::apply(q, cos, sin);
         let mut k = RotaryEmbedding::apply(k, cos, sin);
         let mut v = v;
-        // With a cache, the new keys and values (after RoPE) extend the cached ones.
-        if let Some(cache) = cache {
-            if let Some((ck, cv)) = cache.take() {
-                k = Tensor::cat(vec![ck, k], 2);
-                v = Tensor::cat(vec![cv, v], 2);
+        match cache {
+            AttnCache::None => {}
+            // The new keys and values (after RoPE) extend the cached ones.
+            AttnCache::Grow(cache) => {
+                if let Some((ck, cv)) = cache.take() {
+                    k = Tensor::cat(vec![ck, k], 2);
+                    v = Tensor::cat(vec![cv, v], 2);
+                }
+                *cache = Some((k.clone(), v.clone()));
             }
-            *cache = Some((k.clone(), v.clone()));
+            AttnCache::Slots {
+                cache,
+                layer,
+                at,
+                window,
+            } => (k, v) = cache.write_step(layer, k, v, at, window),
         }
         let keys = k.dims()[2];
         // Grouped-query attention: query head j reads kv head j / (nh / nkv).

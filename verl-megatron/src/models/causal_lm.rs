@@ -1,41 +1,102 @@
 //! The decoder-only causal language model and its loading from a Hugging Face checkpoint.
 
-use burn::module::Module;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use burn::module::{Module, Param};
 use burn::prelude::*;
-use burn::tensor::{Int, TensorData};
+use burn::tensor::{Bool, Int, TensorData};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use verl_core::NamedTensor;
 
-use super::attention::{Attention, LayerKv};
+use super::attention::{Attention, AttnCache};
+use super::kv_cache::{KvCache, SlotKvCache};
 use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
-use crate::hf::{Architecture, HeadKind, HfCheckpoint, HfModelConfig};
+use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, TpShard,
     VocabParallelEmbedding,
 };
 
-/// Cached keys and values of every layer, and how many positions they hold.
-#[derive(Debug, Clone)]
-pub struct KvCache<B: Backend> {
-    pub layers: Vec<LayerKv<B>>,
-    pub len: usize,
+/// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
+pub trait TensorSource<B: Backend> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError>;
 }
 
-impl<B: Backend> Default for KvCache<B> {
-    fn default() -> Self {
-        Self {
-            layers: Vec::new(),
-            len: 0,
-        }
+/// Tensors read from an HF checkpoint.
+struct CheckpointSource<'a, B: Backend> {
+    ckpt: &'a HfCheckpoint,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> TensorSource<B> for CheckpointSource<'_, B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        self.ckpt.load::<B, D>(name, self.device)
     }
 }
 
-impl<B: Backend> KvCache<B> {
-    /// Drops everything cached (the memory a sleeping rollout engine gives back).
-    pub fn clear(&mut self) {
-        self.layers.clear();
-        self.len = 0;
+/// Tensors handed over by name; each is taken (moved out) when loaded.
+struct NamedSource<B: Backend>(RefCell<HashMap<String, NamedTensor<B>>>);
+
+impl<B: Backend> TensorSource<B> for NamedSource<B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        let t = self
+            .0
+            .borrow_mut()
+            .remove(name)
+            .ok_or_else(|| MegatronError::MissingWeight { name: name.into() })?;
+        t.to_tensor::<D>().map_err(|_| MegatronError::WeightShape {
+            name: name.into(),
+            expected: vec![0; D],
+            found: t.shape.clone(),
+        })
+    }
+}
+
+/// Random initialisation, seeded per tensor name; shapes from the architecture's tensor table.
+struct RandomInit<'a, B: Backend> {
+    shapes: HashMap<String, Vec<usize>>,
+    std: f64,
+    seed: u64,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> TensorSource<B> for RandomInit<'_, B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        let shape = self
+            .shapes
+            .get(name)
+            .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else {
+            // FNV-1a of the name, mixed with the seed: an order-independent stream per tensor.
+            let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            let mut rng = StdRng::seed_from_u64(h ^ self.seed);
+            (0..n)
+                .map(|_| {
+                    // Box–Muller.
+                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+                    let u2: f64 = rng.random();
+                    let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                    (z * self.std) as f32
+                })
+                .collect()
+        };
+        let mut dims = [0; D];
+        dims.copy_from_slice(shape);
+        Ok(Tensor::from_data(
+            TensorData::new(values, dims),
+            self.device,
+        ))
     }
 }
 
@@ -72,9 +133,63 @@ impl<B: Backend> CausalLm<B> {
         device: &B::Device,
     ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
+        Self::from_source(cfg, &CheckpointSource { ckpt, device })
+    }
+
+    /// A freshly initialised model (training from scratch): weights drawn from
+    /// N(0, `std`²) (HF's `initializer_range`, 0.02 by default), norms at 1, biases at 0, each
+    /// tensor seeded by `seed` and its name so the result does not depend on load order.
+    pub fn init(cfg: &HfModelConfig, std: f64, seed: u64, device: &B::Device) -> Self {
+        let shapes = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        Self::from_source(
+            cfg,
+            &RandomInit {
+                shapes,
+                std,
+                seed,
+                device,
+            },
+        )
+        .expect("the tensor table lists every tensor the model loads")
+    }
+
+    /// Builds the model from named full tensors (the rollout engine rebuilding its weights
+    /// from a stream). Every tensor `cfg` implies must be present with its shape.
+    pub fn from_named_tensors(
+        cfg: &HfModelConfig,
+        tensors: HashMap<String, NamedTensor<B>>,
+    ) -> Result<Self, MegatronError> {
+        let specs = hf_tensor_specs(cfg);
+        let wanted: HashMap<&str, &TensorSpec> =
+            specs.iter().map(|s| (s.name.as_str(), s)).collect();
+        for t in tensors.values() {
+            let spec = wanted
+                .get(t.name.as_str())
+                .ok_or_else(|| MegatronError::UnknownWeight {
+                    name: t.name.clone(),
+                })?;
+            if spec.shape != t.shape {
+                return Err(MegatronError::WeightShape {
+                    name: t.name.clone(),
+                    expected: spec.shape.clone(),
+                    found: t.shape.clone(),
+                });
+            }
+        }
+        Self::from_source(cfg, &NamedSource(RefCell::new(tensors)))
+    }
+
+    /// Builds the model taking each tensor, by HF name, from `source`.
+    pub fn from_source<S: TensorSource<B>>(
+        cfg: &HfModelConfig,
+        source: &S,
+    ) -> Result<Self, MegatronError> {
         let tp = TpShard::NONE;
-        let w2 = |name: &str| ckpt.load::<B, 2>(name, device);
-        let w1 = |name: &str| ckpt.load::<B, 1>(name, device);
+        let w2 = |name: &str| source.load::<2>(name);
+        let w1 = |name: &str| source.load::<1>(name);
         let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
             if present {
                 Ok(Some(w1(&name)?))
@@ -247,7 +362,7 @@ impl<B: Backend> CausalLm<B> {
         input_ids: Tensor<B, 2, Int>,
         attention_mask: Option<Tensor<B, 2>>,
         position_ids: Option<Tensor<B, 2, Int>>,
-        mut cache: Option<&mut KvCache<B>>,
+        cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let [b, t] = input_ids.dims();
         let device = input_ids.device();
@@ -259,21 +374,8 @@ impl<B: Backend> CausalLm<B> {
                 .repeat_dim(0, b)
         });
         let (cos, sin) = self.rope.tables(&positions);
-        // 0 where new query i (absolute index past + i) may attend key j: j ≤ past + i and j is
-        // a token; −∞ elsewhere.
-        let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
-        for i in 0..t {
-            for j in 0..keys {
-                allowed.push(if j <= past + i {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                });
-            }
-        }
-        let mut bias = Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), &device)
-            .reshape([1, 1, t, keys])
-            .repeat_dim(0, b);
+        // Causal, and (below) no padded key.
+        let mut bias = causal_bias::<B>(t, past, &device).repeat_dim(0, b);
         if let Some(mask) = attention_mask {
             let masked_keys = mask
                 .reshape([b, 1, 1, keys])
@@ -291,15 +393,41 @@ impl<B: Backend> CausalLm<B> {
                 .greater_elem(0.5);
             bias = bias.mask_fill(diag, 0.0);
         }
+        let mode = match cache {
+            Some(c) => CacheMode::Grow(c),
+            None => CacheMode::None,
+        };
+        let h = self.decoder(input_ids, &bias, &cos, &sin, mode);
+        self.head(h)
+    }
+
+    /// Embedding, decoder layers and the final norm: hidden states `[batch, seq, hidden]`.
+    fn decoder(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        bias: &Tensor<B, 4>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        mut mode: CacheMode<'_, B>,
+    ) -> Tensor<B, 3> {
         let mut h = self.embed_tokens.forward(input_ids);
         for (l, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_mut().map(|c| &mut c.layers[l]);
+            let attn_cache = match &mut mode {
+                CacheMode::None => AttnCache::None,
+                CacheMode::Grow(c) => AttnCache::Grow(&mut c.layers[l]),
+                CacheMode::Slots { cache, at, window } => AttnCache::Slots {
+                    cache,
+                    layer: l,
+                    at,
+                    window: *window,
+                },
+            };
             let attn = layer.self_attn.forward(
                 layer.input_layernorm.forward(h.clone()),
-                &bias,
-                &cos,
-                &sin,
-                layer_cache,
+                bias,
+                cos,
+                sin,
+                attn_cache,
             );
             h = h + attn;
             let ff = layer
@@ -307,14 +435,19 @@ impl<B: Backend> CausalLm<B> {
                 .forward(layer.post_attention_layernorm.forward(h.clone()));
             h = h + ff;
         }
-        let h = self.norm.forward(h);
+        self.norm.forward(h)
+    }
+
+    /// The output projection of hidden states `[batch, seq, hidden]`: the score head when
+    /// present, else the LM head (or the tied embedding).
+    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         if let Some(score) = &self.score {
             return score.forward(h);
         }
         match &self.lm_head {
             Some(head) => head.forward(h),
             None => {
-                let [_, _, hidden] = h.dims();
+                let [b, t, hidden] = h.dims();
                 let w = self.embed_tokens.weight.val();
                 let [vocab, _] = w.dims();
                 h.reshape([b * t, hidden])
@@ -323,6 +456,135 @@ impl<B: Backend> CausalLm<B> {
             }
         }
     }
+
+    /// Prefills `prompts` into the given slots of `cache` (each from position 0) and returns the
+    /// logits of each prompt's last token `[prompts, vocab]`. The prompts run as one
+    /// right-padded batch: causal attention never lets a real token see the padding after it, so
+    /// a prompt's result does not depend on its batch mates.
+    pub fn prefill_slots(
+        &self,
+        prompts: &[Vec<u32>],
+        slots: &[usize],
+        cache: &mut SlotKvCache<B>,
+    ) -> Tensor<B, 2> {
+        assert_eq!(prompts.len(), slots.len(), "one slot per prompt");
+        let device = self.embed_tokens.weight.device();
+        let n = prompts.len();
+        let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        assert!(t > 0 && t <= cache.capacity(), "prompt length 1..=capacity");
+        let mut ids = vec![0i64; n * t];
+        for (i, p) in prompts.iter().enumerate() {
+            for (j, &tok) in p.iter().enumerate() {
+                ids[i * t + j] = tok as i64;
+            }
+        }
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
+        let mut tmp = KvCache {
+            layers: (0..self.layers.len()).map(|_| None).collect(),
+            len: 0,
+        };
+        let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+            .unsqueeze_dim::<2>(0)
+            .repeat_dim(0, n);
+        let (cos, sin) = self.rope.tables(&positions);
+        let bias = causal_bias::<B>(t, 0, &device).repeat_dim(0, n);
+        let h = self.decoder(ids, &bias, &cos, &sin, CacheMode::Grow(&mut tmp));
+        for (l, kv) in tmp.layers.into_iter().enumerate() {
+            let (k, v) = kv.expect("every layer cached its keys");
+            for (i, (p, &slot)) in prompts.iter().zip(slots).enumerate() {
+                let len = p.len();
+                cache.write_prefix(
+                    l,
+                    slot,
+                    k.clone()
+                        .slice([i..i + 1, 0..k.dims()[1], 0..len, 0..k.dims()[3]]),
+                    v.clone()
+                        .slice([i..i + 1, 0..v.dims()[1], 0..len, 0..v.dims()[3]]),
+                );
+            }
+        }
+        let [_, _, hidden] = h.dims();
+        let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
+        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
+            .repeat_dim(2, hidden);
+        let logits = self.head(h.gather(1, idx));
+        let vocab = logits.dims()[2];
+        logits.reshape([n, vocab])
+    }
+
+    /// One decode step for every slot of `cache`: slot `s` feeds `tokens[s]` at position
+    /// `positions[s]` (its key and value are written there) and attends to its positions
+    /// `0..=positions[s]`. Keys are read from the first `window` positions (`window` > every
+    /// position). Returns next-token logits `[slots, vocab]`. Idle slots can pass any token at
+    /// position 0; their output is meaningless and their slot is overwritten on reuse.
+    pub fn decode_slots(
+        &self,
+        tokens: &[u32],
+        positions: &[usize],
+        window: usize,
+        cache: &mut SlotKvCache<B>,
+    ) -> Tensor<B, 2> {
+        let s = cache.slots();
+        assert!(
+            tokens.len() == s && positions.len() == s,
+            "one token per slot"
+        );
+        assert!(window <= cache.capacity(), "window within capacity");
+        let device = self.embed_tokens.weight.device();
+        let ids = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(tokens.iter().map(|&t| t as i64).collect(), [s, 1]),
+            &device,
+        );
+        let pos = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(positions.iter().map(|&p| p as i64).collect(), [s, 1]),
+            &device,
+        );
+        let (cos, sin) = self.rope.tables(&pos);
+        let mut bias = Vec::with_capacity(s * window);
+        let mut at = Vec::with_capacity(s * window);
+        for &p in positions {
+            assert!(p < window, "position {p} outside the window {window}");
+            for j in 0..window {
+                bias.push(if j <= p { 0.0f32 } else { f32::NEG_INFINITY });
+                at.push(j == p);
+            }
+        }
+        let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [s, 1, 1, window]), &device);
+        let at = Tensor::<B, 4, Bool>::from_data(TensorData::new(at, [s, 1, window, 1]), &device);
+        let mode = CacheMode::Slots { cache, at, window };
+        let h = self.decoder(ids, &bias, &cos, &sin, mode);
+        let logits = self.head(h);
+        let vocab = logits.dims()[2];
+        logits.reshape([s, vocab])
+    }
+}
+
+/// How [`CausalLm::decoder`] uses a cache.
+enum CacheMode<'a, B: Backend> {
+    None,
+    Grow(&'a mut KvCache<B>),
+    Slots {
+        cache: &'a mut SlotKvCache<B>,
+        at: Tensor<B, 4, Bool>,
+        window: usize,
+    },
+}
+
+/// `[1, 1, t, past + t]`: 0 where new query i (absolute index past + i) may attend key j
+/// (j ≤ past + i), −∞ elsewhere.
+fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4> {
+    let keys = past + t;
+    let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
+    for i in 0..t {
+        for j in 0..keys {
+            allowed.push(if j <= past + i {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            });
+        }
+    }
+    Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
 }
 
 impl<B: Backend> CausalLm<B> {
@@ -450,5 +712,123 @@ impl<B: Backend> CausalLm<B> {
             Tensor::<B, 3, Int>::from_data(TensorData::new(last, [b, 1, 1]), &scores.device())
                 .repeat_dim(2, labels);
         scores.gather(1, idx).reshape([b, labels])
+    }
+}
+
+fn swiglu_param<'a, B: Backend>(m: &'a mut SwiGlu<B>, rest: &str) -> Option<ParamMut<'a, B>> {
+    match rest {
+        "gate_proj.weight" => Some(ParamMut::Matrix(&mut m.gate_proj.weight)),
+        "up_proj.weight" => Some(ParamMut::Matrix(&mut m.up_proj.weight)),
+        "down_proj.weight" => Some(ParamMut::Matrix(&mut m.down_proj.weight)),
+        _ => None,
+    }
+}
+
+/// A mutable reference to one parameter, found by its HF name.
+enum ParamMut<'a, B: Backend> {
+    Matrix(&'a mut Param<Tensor<B, 2>>),
+    Vector(&'a mut Param<Tensor<B, 1>>),
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// Replaces one weight, named as in Hugging Face checkpoints, keeping its parameter id. The
+    /// name must be one of this model's and the shape must match; otherwise the error names it.
+    /// This is how the rollout engine takes the actor's weights tensor by tensor.
+    pub fn load_weight(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
+        let name = tensor.name.clone();
+        let param = self
+            .param_mut(&name)
+            .ok_or_else(|| MegatronError::UnknownWeight { name: name.clone() })?;
+        let shape_err = |expected: Vec<usize>| MegatronError::WeightShape {
+            name: name.clone(),
+            expected,
+            found: tensor.shape.clone(),
+        };
+        match param {
+            ParamMut::Matrix(p) => {
+                let expected = p.val().dims().to_vec();
+                if expected != tensor.shape {
+                    return Err(shape_err(expected));
+                }
+                let t = tensor.to_tensor::<2>().map_err(|_| shape_err(expected))?;
+                *p = Param::initialized(p.id, t);
+            }
+            ParamMut::Vector(p) => {
+                let expected = p.val().dims().to_vec();
+                if expected != tensor.shape {
+                    return Err(shape_err(expected));
+                }
+                let t = tensor.to_tensor::<1>().map_err(|_| shape_err(expected))?;
+                *p = Param::initialized(p.id, t);
+            }
+        }
+        Ok(())
+    }
+
+    fn param_mut(&mut self, name: &str) -> Option<ParamMut<'_, B>> {
+        use ParamMut::{Matrix, Vector};
+        match name {
+            "model.embed_tokens.weight" => return Some(Matrix(&mut self.embed_tokens.weight)),
+            "model.norm.weight" => return Some(Vector(&mut self.norm.weight)),
+            "lm_head.weight" => return self.lm_head.as_mut().map(|h| Matrix(&mut h.weight)),
+            "score.weight" => return self.score.as_mut().map(|h| Matrix(&mut h.weight)),
+            "score.bias" => {
+                return self
+                    .score
+                    .as_mut()
+                    .and_then(|h| h.bias.as_mut())
+                    .map(Vector)
+            }
+            _ => {}
+        }
+        let rest = name.strip_prefix("model.layers.")?;
+        let (index, rest) = rest.split_once('.')?;
+        let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
+        if let Some(attn) = rest.strip_prefix("self_attn.") {
+            let a = &mut layer.self_attn;
+            let (module, kind) = attn.split_once('.')?;
+            let (weight, bias) = match module {
+                "q_proj" => (&mut a.q_proj.weight, a.q_proj.bias.as_mut()),
+                "k_proj" => (&mut a.k_proj.weight, a.k_proj.bias.as_mut()),
+                "v_proj" => (&mut a.v_proj.weight, a.v_proj.bias.as_mut()),
+                "o_proj" => (&mut a.o_proj.weight, a.o_proj.bias.as_mut()),
+                "q_norm" if kind == "weight" => {
+                    return a.q_norm.as_mut().map(|n| Vector(&mut n.weight))
+                }
+                "k_norm" if kind == "weight" => {
+                    return a.k_norm.as_mut().map(|n| Vector(&mut n.weight))
+                }
+                _ => return None,
+            };
+            return match kind {
+                "weight" => Some(Matrix(weight)),
+                "bias" => bias.map(Vector),
+                _ => None,
+            };
+        }
+        match rest {
+            "input_layernorm.weight" => return Some(Vector(&mut layer.input_layernorm.weight)),
+            "post_attention_layernorm.weight" => {
+                return Some(Vector(&mut layer.post_attention_layernorm.weight))
+            }
+            _ => {}
+        }
+        let mlp = rest.strip_prefix("mlp.")?;
+        match &mut layer.mlp {
+            FeedForward::Dense(m) => swiglu_param(m, mlp),
+            FeedForward::Moe(m) => {
+                if mlp == "gate.weight" {
+                    return Some(Matrix(&mut m.gate.weight));
+                }
+                if mlp == "shared_expert_gate.weight" {
+                    return Some(Matrix(&mut m.shared_expert_gate.weight));
+                }
+                if let Some(r) = mlp.strip_prefix("shared_expert.") {
+                    return swiglu_param(&mut m.shared_expert, r);
+                }
+                let (e, r) = mlp.strip_prefix("experts.")?.split_once('.')?;
+                swiglu_param(m.experts.get_mut(e.parse::<usize>().ok()?)?, r)
+            }
+        }
     }
 }

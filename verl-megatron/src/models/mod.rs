@@ -7,8 +7,10 @@
 pub mod attention;
 pub mod causal_lm;
 pub mod generate;
+pub mod kv_cache;
 pub mod mlp;
 pub mod qwen2_moe;
 
-pub use causal_lm::{CausalLm, KvCache};
+pub use causal_lm::CausalLm;
 pub use generate::{generate, GenerateOptions};
+pub use kv_cache::{KvCache, LayerKv, SlotKvCache};

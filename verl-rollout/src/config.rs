@@ -1,0 +1,231 @@
+//! The engine's settings, and their derivation from verl's `actor_rollout_ref.rollout` and
+//! `data` config.
+
+use verl_core::config::{DataConfig, RolloutConfig, Truncation};
+
+use crate::error::RolloutError;
+use crate::sampling::SamplingParams;
+
+/// How much memory the KV cache may take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvBudget {
+    /// At most this many cached token positions over all sequences.
+    Tokens(usize),
+    /// At most this fraction of the memory available when the budget is resolved (vLLM's
+    /// `gpu_memory_utilization`; on the CPU default, of `MemAvailable`).
+    MemoryFraction(f64),
+}
+
+impl KvBudget {
+    /// The number of token positions the budget allows, given the bytes one position takes.
+    pub fn positions(self, bytes_per_position: usize) -> usize {
+        match self {
+            KvBudget::Tokens(n) => n,
+            KvBudget::MemoryFraction(f) => {
+                let available = available_memory_bytes().unwrap_or(4 << 30);
+                ((available as f64 * f) as usize) / bytes_per_position.max(1)
+            }
+        }
+    }
+}
+
+/// Bytes of memory available to new allocations (Linux `MemAvailable`), if known.
+pub fn available_memory_bytes() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Everything the native engine needs besides the model.
+///
+/// ```
+/// use verl_rollout::{EngineConfig, SamplingParams};
+/// let cfg = EngineConfig {
+///     prompt_length: 64,
+///     response_length: 32,
+///     sampling: SamplingParams { temperature: 0.0, ..Default::default() },
+///     ..Default::default()
+/// };
+/// cfg.validate()?;
+/// assert_eq!(cfg.max_model_len(), 96);
+/// # Ok::<(), verl_rollout::RolloutError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Sequences decoded at once (slots); more requests wait and take freed slots.
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled in one step (at least one prompt is always admitted).
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt accepted (`rollout.prompt_length` / `data.max_prompt_length`).
+    pub prompt_length: usize,
+    /// Most new tokens per response (`rollout.response_length` / `data.max_response_length`).
+    pub response_length: usize,
+    /// What to do with a longer prompt (`data.truncation`).
+    pub truncation: Truncation,
+    pub kv_budget: KvBudget,
+    pub sampling: SamplingParams,
+    /// Greedy, n = 1 sampling for validation (`rollout.val_kwargs`).
+    pub val_sampling: SamplingParams,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Samples per prompt in validation (`rollout.val_kwargs.n`).
+    pub val_n: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// Extra ids that end a response (kept in it, as EOS is).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub pad_token_id: u32,
+    /// Return each sampled token's log-prob (`rollout_log_probs`).
+    pub calculate_log_probs: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            prompt_length: 512,
+            response_length: 512,
+            truncation: Truncation::Error,
+            kv_budget: KvBudget::MemoryFraction(0.5),
+            sampling: SamplingParams::default(),
+            val_sampling: SamplingParams {
+                temperature: 0.0,
+                ..SamplingParams::default()
+            },
+            n: 1,
+            val_n: 1,
+            eos_token_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            pad_token_id: 0,
+            calculate_log_probs: false,
+        }
+    }
+}
+
+fn invalid(field: &'static str, value: impl ToString, message: &str) -> RolloutError {
+    RolloutError::Config {
+        field,
+        value: value.to_string(),
+        message: message.into(),
+    }
+}
+
+impl EngineConfig {
+    /// From verl's config. `eos_token_ids` and `pad_token_id` come from the model / tokenizer.
+    pub fn from_verl(
+        rollout: &RolloutConfig,
+        data: &DataConfig,
+        eos_token_ids: Vec<u32>,
+        pad_token_id: u32,
+    ) -> Result<Self, RolloutError> {
+        let sampling = SamplingParams {
+            temperature: if rollout.do_sample {
+                rollout.temperature
+            } else {
+                0.0
+            },
+            top_k: rollout.top_k,
+            top_p: rollout.top_p,
+            seed: rollout.seed,
+        };
+        let val = &rollout.val_kwargs;
+        let val_sampling = SamplingParams {
+            temperature: if val.do_sample { val.temperature } else { 0.0 },
+            top_k: val.top_k,
+            top_p: val.top_p,
+            seed: rollout.seed,
+        };
+        let cfg = Self {
+            max_num_seqs: rollout.max_num_seqs,
+            max_num_batched_tokens: rollout.max_num_batched_tokens,
+            prompt_length: rollout.prompt_length.unwrap_or(data.max_prompt_length),
+            response_length: rollout.response_length.unwrap_or(data.max_response_length),
+            truncation: data.truncation,
+            kv_budget: match rollout.kv_cache_tokens {
+                Some(t) => KvBudget::Tokens(t),
+                None => KvBudget::MemoryFraction(rollout.gpu_memory_utilization),
+            },
+            sampling,
+            val_sampling,
+            n: rollout.n,
+            val_n: rollout.val_kwargs.n,
+            eos_token_ids,
+            stop_token_ids: Vec::new(),
+            ignore_eos: rollout.ignore_eos,
+            pad_token_id,
+            calculate_log_probs: rollout.calculate_log_probs,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Positions one sequence may need: the longest prompt plus the longest response.
+    pub fn max_model_len(&self) -> usize {
+        self.prompt_length + self.response_length
+    }
+
+    /// Checks every setting, naming the verl key to fix.
+    pub fn validate(&self) -> Result<(), RolloutError> {
+        if self.max_num_seqs == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.max_num_seqs",
+                0,
+                "must be at least 1",
+            ));
+        }
+        if self.prompt_length == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.prompt_length",
+                0,
+                "must be at least 1",
+            ));
+        }
+        if self.response_length == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.response_length",
+                0,
+                "must be at least 1",
+            ));
+        }
+        if self.n == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.n",
+                0,
+                "must be at least 1",
+            ));
+        }
+        if self.val_n == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.val_kwargs.n",
+                0,
+                "must be at least 1",
+            ));
+        }
+        match self.kv_budget {
+            KvBudget::Tokens(t) if t < self.max_model_len() => {
+                return Err(invalid(
+                    "actor_rollout_ref.rollout.kv_cache_tokens",
+                    t,
+                    &format!(
+                        "must hold at least one sequence of prompt_length + response_length = {}",
+                        self.max_model_len()
+                    ),
+                ))
+            }
+            KvBudget::MemoryFraction(f) if !(f > 0.0 && f <= 1.0) => {
+                return Err(invalid(
+                    "actor_rollout_ref.rollout.gpu_memory_utilization",
+                    f,
+                    "must be in (0, 1]",
+                ))
+            }
+            _ => {}
+        }
+        self.sampling.validate()?;
+        self.val_sampling.validate()?;
+        Ok(())
+    }
+}

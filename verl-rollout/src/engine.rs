@@ -1,0 +1,378 @@
+//! [`NativeRollout`]: batched, KV-cached generation with continuous batching.
+//!
+//! The engine owns a [`SlotKvCache`] of `slots` sequences. Each step it first admits waiting
+//! requests into free slots (one right-padded prefill for all of them, bounded by
+//! `max_num_batched_tokens`), then runs one decode step for every slot at once. A sequence
+//! that stops frees its slot for the next request at once, so a batch larger than
+//! `max_num_seqs` streams through. When no request waits and fewer than half the slots are
+//! busy, the cache is compacted to the busy ones so the tail of a batch decodes cheaply.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use burn::prelude::*;
+use verl_megatron::hf::HfModelConfig;
+use verl_megatron::models::{CausalLm, SlotKvCache};
+
+use crate::config::EngineConfig;
+use crate::error::RolloutError;
+use crate::sampling::Sampler;
+
+/// One sequence to generate.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub sampler: Sampler,
+    pub max_new_tokens: usize,
+}
+
+/// Why a response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS or stop token was sampled (and kept as the last token).
+    Stop,
+    /// `max_new_tokens` were generated.
+    Length,
+}
+
+/// A finished request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub tokens: Vec<u32>,
+    /// Each token's log-prob under the model at the sampling temperature (empty unless
+    /// `calculate_log_probs`).
+    pub log_probs: Vec<f32>,
+    pub finish: FinishReason,
+}
+
+/// What one call to [`NativeRollout::generate`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GenerationStats {
+    pub requests: usize,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    pub prefill_steps: usize,
+    pub decode_steps: usize,
+    /// Most sequences decoded together.
+    pub peak_batch: usize,
+    pub seconds: f64,
+}
+
+struct Active {
+    request: usize,
+    /// Position the next fed token is written at (= tokens cached so far).
+    pos: usize,
+    last: u32,
+    tokens: Vec<u32>,
+    log_probs: Vec<f32>,
+    sampler: Sampler,
+    max_new_tokens: usize,
+}
+
+/// The native rollout engine over a [`CausalLm`].
+pub struct NativeRollout<B: Backend> {
+    pub(crate) model_config: HfModelConfig,
+    pub(crate) model: Option<CausalLm<B>>,
+    pub(crate) config: EngineConfig,
+    pub(crate) device: B::Device,
+    cache: Option<SlotKvCache<B>>,
+    /// The most slots the KV budget allows.
+    max_slots: usize,
+    /// Slots of the cache before the last sleep, rebuilt on wake-up.
+    slots_before_sleep: usize,
+    pub(crate) sleeping: bool,
+    /// Generation calls so far: part of each request's seed.
+    pub(crate) calls: u64,
+    last_stats: GenerationStats,
+}
+
+impl<B: Backend> NativeRollout<B> {
+    /// An engine over `model`. The KV budget is resolved here: it must hold at least one
+    /// sequence of `prompt_length + response_length` positions.
+    pub fn new(
+        model_config: HfModelConfig,
+        model: CausalLm<B>,
+        config: EngineConfig,
+        device: B::Device,
+    ) -> Result<Self, RolloutError> {
+        config.validate()?;
+        let per_position = SlotKvCache::<B>::bytes_per_position(
+            model_config.num_hidden_layers,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+        );
+        let positions = config.kv_budget.positions(per_position);
+        let max_slots = (positions / config.max_model_len()).min(config.max_num_seqs);
+        if max_slots == 0 {
+            return Err(RolloutError::Config {
+                field: "actor_rollout_ref.rollout.gpu_memory_utilization",
+                value: format!("{:?}", config.kv_budget),
+                message: format!(
+                    "the KV budget holds {positions} positions, less than one sequence of {} \
+                     ({per_position} bytes each); raise it or set `kv_cache_tokens`",
+                    config.max_model_len()
+                ),
+            });
+        }
+        Ok(Self {
+            model_config,
+            model: Some(model),
+            config,
+            device,
+            cache: None,
+            max_slots,
+            slots_before_sleep: 0,
+            sleeping: false,
+            calls: 0,
+            last_stats: GenerationStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn model_config(&self) -> &HfModelConfig {
+        &self.model_config
+    }
+
+    /// The model, unless its weights were released by `sleep(All)`.
+    pub fn model(&self) -> Option<&CausalLm<B>> {
+        self.model.as_ref()
+    }
+
+    /// Sequences the KV budget lets the engine decode at once.
+    pub fn max_slots(&self) -> usize {
+        self.max_slots
+    }
+
+    /// Bytes the KV cache holds now (0 when freed).
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.cache.as_ref().map_or(0, SlotKvCache::bytes)
+    }
+
+    /// Statistics of the last [`Self::generate`] call.
+    pub fn last_stats(&self) -> GenerationStats {
+        self.last_stats
+    }
+
+    pub(crate) fn free_cache(&mut self) {
+        if let Some(c) = self.cache.take() {
+            self.slots_before_sleep = c.slots();
+        }
+    }
+
+    pub(crate) fn rebuild_cache(&mut self) {
+        if self.slots_before_sleep > 0 {
+            self.cache = Some(self.allocate(self.slots_before_sleep));
+        }
+    }
+
+    fn allocate(&self, slots: usize) -> SlotKvCache<B> {
+        let m = &self.model_config;
+        SlotKvCache::new(
+            m.num_hidden_layers,
+            m.num_key_value_heads,
+            m.head_dim,
+            slots,
+            self.config.max_model_len(),
+            &self.device,
+        )
+    }
+
+    /// Generates every request, returning completions in request order.
+    pub fn generate(&mut self, requests: Vec<Request>) -> Result<Vec<Completion>, RolloutError> {
+        if self.sleeping {
+            return Err(RolloutError::Asleep);
+        }
+        let model = self.model.as_ref().ok_or(RolloutError::WeightsReleased)?;
+        let start = Instant::now();
+        let capacity = self.config.max_model_len();
+        for (i, r) in requests.iter().enumerate() {
+            if r.prompt.is_empty() {
+                return Err(RolloutError::EmptyPrompt { row: i });
+            }
+            if r.prompt.len() > self.config.prompt_length {
+                return Err(RolloutError::PromptTooLong {
+                    row: i,
+                    len: r.prompt.len(),
+                    limit: self.config.prompt_length,
+                    field: "actor_rollout_ref.rollout.prompt_length",
+                });
+            }
+            if r.max_new_tokens == 0 || r.max_new_tokens > self.config.response_length {
+                return Err(RolloutError::Config {
+                    field: "actor_rollout_ref.rollout.response_length",
+                    value: r.max_new_tokens.to_string(),
+                    message: format!(
+                        "request {i} asks for {} new tokens; 1..={} fit",
+                        r.max_new_tokens, self.config.response_length
+                    ),
+                });
+            }
+        }
+        let mut stats = GenerationStats {
+            requests: requests.len(),
+            prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
+            ..Default::default()
+        };
+        let want = self.max_slots.min(requests.len()).max(1);
+        let mut cache = match self.cache.take() {
+            Some(c) if c.slots() >= want => c,
+            // Reuse would be smaller than needed: reallocate (the old one is dropped first).
+            _ => self.allocate(want),
+        };
+        let mut slots: Vec<Option<Active>> = (0..cache.slots()).map(|_| None).collect();
+        let mut done: Vec<Option<Completion>> = (0..requests.len()).map(|_| None).collect();
+        let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();
+        let stop = |cfg: &EngineConfig, tok: u32| {
+            (!cfg.ignore_eos && cfg.eos_token_ids.contains(&tok))
+                || cfg.stop_token_ids.contains(&tok)
+        };
+        loop {
+            // Admit waiting requests into free slots, within the prefill token budget.
+            let mut admitted: Vec<(usize, usize, Request)> = Vec::new();
+            let mut budget = 0;
+            for (slot, state) in slots.iter().enumerate() {
+                if state.is_some() {
+                    continue;
+                }
+                let Some((_, next)) = waiting.front() else {
+                    break;
+                };
+                if !admitted.is_empty()
+                    && budget + next.prompt.len() > self.config.max_num_batched_tokens
+                {
+                    break;
+                }
+                budget += next.prompt.len();
+                let (id, req) = waiting.pop_front().expect("front exists");
+                admitted.push((slot, id, req));
+            }
+            if !admitted.is_empty() {
+                let prompts: Vec<Vec<u32>> =
+                    admitted.iter().map(|(_, _, r)| r.prompt.clone()).collect();
+                let slot_ids: Vec<usize> = admitted.iter().map(|(s, _, _)| *s).collect();
+                let logits = model.prefill_slots(&prompts, &slot_ids, &mut cache);
+                stats.prefill_steps += 1;
+                let rows = host_rows(logits);
+                for ((slot, id, req), row) in admitted.into_iter().zip(rows) {
+                    let mut active = Active {
+                        request: id,
+                        pos: req.prompt.len(),
+                        last: 0,
+                        tokens: Vec::new(),
+                        log_probs: Vec::new(),
+                        sampler: req.sampler,
+                        max_new_tokens: req.max_new_tokens,
+                    };
+                    if let Some(c) = self.advance(&mut active, &row, &stop) {
+                        done[id] = Some(c);
+                    } else {
+                        slots[slot] = Some(active);
+                    }
+                }
+            }
+            let busy = slots.iter().filter(|s| s.is_some()).count();
+            if busy == 0 {
+                if waiting.is_empty() {
+                    break;
+                }
+                continue;
+            }
+            // Shrink the decode batch to the busy slots once nothing waits.
+            if waiting.is_empty() && busy * 2 <= slots.len() {
+                let keep: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_some()).collect();
+                cache.retain(&keep);
+                slots.retain(|s| s.is_some());
+            }
+            stats.peak_batch = stats.peak_batch.max(busy);
+            let tokens: Vec<u32> = slots
+                .iter()
+                .map(|s| s.as_ref().map_or(0, |a| a.last))
+                .collect();
+            let positions: Vec<usize> = slots
+                .iter()
+                .map(|s| s.as_ref().map_or(0, |a| a.pos))
+                .collect();
+            let window = positions.iter().max().copied().unwrap_or(0) + 1;
+            debug_assert!(window <= capacity);
+            let logits = model.decode_slots(&tokens, &positions, window, &mut cache);
+            stats.decode_steps += 1;
+            for (state, row) in slots.iter_mut().zip(host_rows(logits)) {
+                let Some(active) = state.as_mut() else {
+                    continue;
+                };
+                active.pos += 1;
+                if let Some(c) = self.advance(active, &row, &stop) {
+                    done[active.request] = Some(c);
+                    *state = None;
+                }
+            }
+        }
+        self.cache = Some(cache);
+        self.calls += 1;
+        let done: Vec<Completion> = done
+            .into_iter()
+            .map(|c| c.expect("every request completes"))
+            .collect();
+        stats.generated_tokens = done.iter().map(|c| c.tokens.len()).sum();
+        stats.seconds = start.elapsed().as_secs_f64();
+        self.last_stats = stats;
+        Ok(done)
+    }
+
+    /// Samples the next token of `active` from its logits row; returns the completion when the
+    /// sequence ends.
+    fn advance(
+        &self,
+        active: &mut Active,
+        logits: &[f32],
+        stop: &impl Fn(&EngineConfig, u32) -> bool,
+    ) -> Option<Completion> {
+        let (tok, _) = active.sampler.sample(logits);
+        if self.config.calculate_log_probs {
+            let t = active.sampler.params().temperature;
+            active
+                .log_probs
+                .push(log_prob_at(logits, tok, if t > 0.0 { t } else { 1.0 }));
+        }
+        active.tokens.push(tok);
+        active.last = tok;
+        let finish = if stop(&self.config, tok) {
+            Some(FinishReason::Stop)
+        } else if active.tokens.len() >= active.max_new_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        finish.map(|finish| Completion {
+            tokens: std::mem::take(&mut active.tokens),
+            log_probs: std::mem::take(&mut active.log_probs),
+            finish,
+        })
+    }
+}
+
+/// `log softmax(logits / temperature)[token]`, in f64: what the actor recomputes as the old
+/// log-prob (verl's actor divides logits by the rollout temperature too).
+pub fn log_prob_at(logits: &[f32], token: u32, temperature: f64) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits
+        .iter()
+        .map(|&x| ((x as f64 - max) / temperature).exp())
+        .sum::<f64>()
+        .ln();
+    ((logits[token as usize] as f64 - max) / temperature - lse) as f32
+}
+
+/// A `[rows, vocab]` tensor as host rows.
+fn host_rows<B: Backend>(logits: Tensor<B, 2>) -> Vec<Vec<f32>> {
+    let [_, vocab] = logits.dims();
+    let flat: Vec<f32> = logits
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 after convert");
+    flat.chunks(vocab).map(<[f32]>::to_vec).collect()
+}

@@ -1,0 +1,164 @@
+//! [`NativeRollout`] behind the core [`RolloutEngine`] trait: verl's batch layout in and out,
+//! per-tensor weight updates, and sleep / wake-up.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use burn::prelude::*;
+use futures::StreamExt;
+use verl_core::traits::{RolloutEngine, SleepLevel};
+use verl_core::{DataProto, NamedTensor, Result, WeightStream};
+use verl_megatron::models::CausalLm;
+
+use crate::engine::{NativeRollout, Request};
+use crate::error::RolloutError;
+use crate::layout::{build_output, read_prompts};
+use crate::sampling::Sampler;
+
+/// Per-call settings read from `meta_info`, as verl's rollout reads them: `validate` (use
+/// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`.
+struct CallSettings {
+    sampling: crate::SamplingParams,
+    n: usize,
+}
+
+impl<B: Backend> NativeRollout<B> {
+    fn call_settings(&self, proto: &DataProto<B>) -> CallSettings {
+        let meta = &proto.meta_info;
+        let flag = |k: &str| meta.get(k).and_then(serde_json::Value::as_bool);
+        let cfg = &self.config;
+        let (mut sampling, mut n) = if flag("validate") == Some(true) {
+            (cfg.val_sampling, cfg.val_n)
+        } else {
+            (cfg.sampling, cfg.n)
+        };
+        if flag("do_sample") == Some(false) {
+            sampling.temperature = 0.0;
+            n = 1;
+        }
+        if let Some(t) = meta.get("temperature").and_then(serde_json::Value::as_f64) {
+            if sampling.temperature > 0.0 {
+                sampling.temperature = t;
+            }
+        }
+        if let Some(k) = meta.get("n").and_then(serde_json::Value::as_u64) {
+            n = k as usize;
+        }
+        CallSettings { sampling, n }
+    }
+
+    /// Generates for a batch in verl's layout (see [`crate::layout`]).
+    pub fn generate_proto(&mut self, prompts: &DataProto<B>) -> Result<DataProto<B>, RolloutError> {
+        let settings = self.call_settings(prompts);
+        if settings.n == 0 {
+            return Err(RolloutError::Config {
+                field: "meta_info.n",
+                value: "0".into(),
+                message: "must be at least 1".into(),
+            });
+        }
+        let (rows, width) =
+            read_prompts(prompts, self.config.prompt_length, self.config.truncation)?;
+        let call = self.calls;
+        let mut requests = Vec::with_capacity(rows.len() * settings.n);
+        for (i, p) in rows.iter().enumerate() {
+            for k in 0..settings.n {
+                let id = (call << 32) | (i * settings.n + k) as u64;
+                requests.push(Request {
+                    prompt: p.clone(),
+                    sampler: Sampler::new(settings.sampling, id)?,
+                    max_new_tokens: self.config.response_length,
+                });
+            }
+        }
+        let completions = self.generate(requests)?;
+        let mut out = build_output(
+            prompts,
+            &rows,
+            width,
+            self.config.prompt_length,
+            &completions,
+            settings.n,
+            self.config.response_length,
+            self.config.pad_token_id,
+            self.config.calculate_log_probs,
+            &format!("{}-{call}", self.config.sampling.seed),
+            &self.device,
+        )?;
+        let s = self.last_stats();
+        out.meta_info.insert(
+            "rollout_stats".into(),
+            serde_json::json!({
+                "requests": s.requests,
+                "prompt_tokens": s.prompt_tokens,
+                "generated_tokens": s.generated_tokens,
+                "decode_steps": s.decode_steps,
+                "peak_batch": s.peak_batch,
+                "seconds": s.seconds,
+            }),
+        );
+        Ok(out)
+    }
+
+    /// Applies a per-tensor weight stream: in place when the weights are loaded (each name and
+    /// shape checked as it arrives), or by rebuilding the model after `sleep(All)` (every
+    /// tensor required). Returns the number of tensors taken.
+    pub async fn load_weight_stream(
+        &mut self,
+        mut weights: WeightStream<'_, B>,
+    ) -> Result<usize, RolloutError> {
+        let mut count = 0;
+        match self.model.as_mut() {
+            Some(model) => {
+                while let Some(t) = weights.next().await {
+                    model.load_weight(t?.to_device(&self.device))?;
+                    count += 1;
+                }
+            }
+            None => {
+                let mut staged: HashMap<String, NamedTensor<B>> = HashMap::new();
+                while let Some(t) = weights.next().await {
+                    let t = t?.to_device(&self.device);
+                    staged.insert(t.name.clone(), t);
+                    count += 1;
+                }
+                self.model = Some(CausalLm::from_named_tensors(&self.model_config, staged)?);
+            }
+        }
+        Ok(count)
+    }
+}
+
+#[async_trait(?Send)]
+impl<B: Backend> RolloutEngine<B> for NativeRollout<B> {
+    async fn generate_sequences(&mut self, prompts: DataProto<B>) -> Result<DataProto<B>> {
+        Ok(self.generate_proto(&prompts)?)
+    }
+
+    async fn update_weights(&mut self, weights: WeightStream<'_, B>) -> Result<()> {
+        let n = self.load_weight_stream(weights).await?;
+        tracing::debug!(tensors = n, "rollout weights updated");
+        Ok(())
+    }
+
+    async fn sleep(&mut self, level: SleepLevel) -> Result<()> {
+        self.free_cache();
+        if level == SleepLevel::All {
+            self.model = None;
+        }
+        self.sleeping = true;
+        Ok(())
+    }
+
+    async fn wake_up(&mut self) -> Result<()> {
+        if self.sleeping {
+            self.sleeping = false;
+            self.rebuild_cache();
+        }
+        Ok(())
+    }
+
+    fn is_sleeping(&self) -> bool {
+        self.sleeping
+    }
+}

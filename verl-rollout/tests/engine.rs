@@ -1,0 +1,561 @@
+//! The native rollout engine: cached generation equals full recompute, batch invariance,
+//! continuous batching, stop / length handling, the sampled distribution, verl's layout,
+//! per-tensor weight updates and sleep / wake-up.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Int, Tensor, TensorData};
+use futures::stream;
+use verl_core::backend::CpuBackend as B;
+use verl_core::config::Truncation;
+use verl_core::traits::{RolloutEngine, SleepLevel};
+use verl_core::{DataProto, NamedTensor};
+use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
+use verl_megatron::models::{generate, CausalLm, GenerateOptions};
+use verl_rollout::{
+    EngineConfig, FinishReason, KvBudget, NativeRollout, Request, RolloutError, Sampler,
+    SamplingParams,
+};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../verl-megatron/tests/fixtures")
+        .join(name)
+}
+
+fn load(name: &str) -> (HfModelConfig, CausalLm<B>) {
+    let dir = fixture(name);
+    let cfg = HfModelConfig::from_dir(&dir).unwrap();
+    let model = CausalLm::from_checkpoint(
+        &cfg,
+        &HfCheckpoint::open(&dir).unwrap(),
+        &Default::default(),
+    )
+    .unwrap();
+    (cfg, model)
+}
+
+fn greedy_config(max_num_seqs: usize) -> EngineConfig {
+    EngineConfig {
+        max_num_seqs,
+        prompt_length: 24,
+        response_length: 10,
+        kv_budget: KvBudget::Tokens(1 << 16),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn engine(name: &str, cfg: EngineConfig) -> NativeRollout<B> {
+    let (model_cfg, model) = load(name);
+    NativeRollout::new(model_cfg, model, cfg, Default::default()).unwrap()
+}
+
+/// Deterministic pseudo-random prompts of varied lengths.
+fn prompts(count: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 33) as u32
+    };
+    (0..count)
+        .map(|_| {
+            let len = 1 + next() as usize % 20;
+            (0..len).map(|_| 3 + next() % 300).collect()
+        })
+        .collect()
+}
+
+fn requests(prompts: &[Vec<u32>], params: SamplingParams, max_new: usize) -> Vec<Request> {
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            prompt: p.clone(),
+            sampler: Sampler::new(params, i as u64).unwrap(),
+            max_new_tokens: max_new,
+        })
+        .collect()
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn cached_greedy_equals_cache_less_recompute() {
+    for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
+        let mut cfg = greedy_config(4);
+        cfg.ignore_eos = true;
+        let mut e = engine(name, cfg);
+        let ps = prompts(6, 7);
+        let out = e.generate(requests(&ps, greedy(), 10)).unwrap();
+        let model = e.model().unwrap();
+        for (p, c) in ps.iter().zip(&out) {
+            let reference = generate(
+                model,
+                p,
+                &GenerateOptions {
+                    max_new_tokens: 10,
+                    temperature: 0.0,
+                    seed: 0,
+                    eos_token_ids: vec![],
+                },
+                &Default::default(),
+            );
+            assert_eq!(c.tokens, reference, "{name}: prompt {p:?}");
+            assert_eq!(c.finish, FinishReason::Length);
+        }
+    }
+}
+
+#[test]
+fn a_prompt_alone_equals_the_same_prompt_in_a_mixed_batch() {
+    let mut cfg = greedy_config(3);
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg);
+    let ps = prompts(9, 11);
+    let batched = e.generate(requests(&ps, greedy(), 10)).unwrap();
+    for (i, p) in ps.iter().enumerate() {
+        let alone = e
+            .generate(requests(std::slice::from_ref(p), greedy(), 10))
+            .unwrap();
+        assert_eq!(alone[0], batched[i], "prompt {i}");
+    }
+}
+
+#[test]
+fn continuous_batching_streams_three_times_max_num_seqs_in_order() {
+    let max_num_seqs = 4;
+    let mut cfg = greedy_config(max_num_seqs);
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg);
+    let ps = prompts(3 * max_num_seqs, 5);
+    // Different lengths finish at different steps, so slots are refilled mid-flight.
+    let reqs: Vec<Request> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            prompt: p.clone(),
+            sampler: Sampler::new(greedy(), i as u64).unwrap(),
+            max_new_tokens: 2 + i % 7,
+        })
+        .collect();
+    let out = e.generate(reqs).unwrap();
+    let stats = e.last_stats();
+    assert_eq!(out.len(), ps.len());
+    assert_eq!(stats.peak_batch, max_num_seqs);
+    assert!(
+        stats.prefill_steps > 1,
+        "requests were admitted as slots freed"
+    );
+    let total: usize = (0..ps.len()).map(|i| 2 + i % 7).sum();
+    assert_eq!(stats.generated_tokens, total);
+    assert!(stats.decode_steps < total, "decoding was batched");
+    for (i, p) in ps.iter().enumerate() {
+        let alone = e
+            .generate(requests(std::slice::from_ref(p), greedy(), 2 + i % 7))
+            .unwrap();
+        assert_eq!(out[i], alone[0], "request {i} returned in its place");
+    }
+}
+
+#[test]
+fn stop_tokens_and_length_limits_end_sequences_exactly() {
+    let mut cfg = greedy_config(2);
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg.clone());
+    let p = prompts(1, 3);
+    let free = e.generate(requests(&p, greedy(), 10)).unwrap().remove(0);
+    // Length: exactly max_new_tokens.
+    let short = e.generate(requests(&p, greedy(), 4)).unwrap().remove(0);
+    assert_eq!(short.tokens, free.tokens[..4]);
+    assert_eq!(short.finish, FinishReason::Length);
+    // A stop id ends the response right after its first occurrence, kept as the last token.
+    let stop = free.tokens[2];
+    let first = free.tokens.iter().position(|&t| t == stop).unwrap();
+    cfg.stop_token_ids = vec![stop];
+    let mut e = engine("qwen2", cfg.clone());
+    let stopped = e.generate(requests(&p, greedy(), 10)).unwrap().remove(0);
+    assert_eq!(stopped.tokens, free.tokens[..=first]);
+    assert_eq!(stopped.finish, FinishReason::Stop);
+    // EOS likewise, unless ignore_eos.
+    cfg.stop_token_ids.clear();
+    cfg.eos_token_ids = vec![stop];
+    cfg.ignore_eos = false;
+    let mut e = engine("qwen2", cfg.clone());
+    assert_eq!(
+        e.generate(requests(&p, greedy(), 10)).unwrap()[0].tokens,
+        free.tokens[..=first]
+    );
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg);
+    assert_eq!(e.generate(requests(&p, greedy(), 10)).unwrap()[0], free);
+}
+
+/// The first sampled token follows softmax(logits / T) restricted to the top-k (chi-square, fixed
+/// seed, p = 0.001).
+#[test]
+fn sampled_tokens_follow_the_target_distribution() {
+    let params = SamplingParams {
+        temperature: 1.5,
+        top_k: 4,
+        top_p: 1.0,
+        seed: 1234,
+    };
+    let mut cfg = greedy_config(64);
+    cfg.sampling = params;
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg);
+    let prompt = vec![5u32, 17, 42, 7];
+    let logits = e
+        .model()
+        .unwrap()
+        .forward(
+            Tensor::<B, 2, Int>::from_data(
+                TensorData::new(prompt.iter().map(|&t| t as i64).collect(), [1, 4]),
+                &Default::default(),
+            ),
+            None,
+            None,
+        )
+        .narrow(1, 3, 1)
+        .reshape([320])
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let target = params.distribution(&logits);
+    let draws = 3000;
+    let out = e
+        .generate(requests(&vec![prompt; draws], params, 1))
+        .unwrap();
+    let mut counts = vec![0usize; 320];
+    for c in &out {
+        counts[c.tokens[0] as usize] += 1;
+    }
+    let mut chi2 = 0.0;
+    let mut support = 0;
+    for (i, &p) in target.iter().enumerate() {
+        if p == 0.0 {
+            assert_eq!(counts[i], 0, "token {i} is outside the top-k");
+            continue;
+        }
+        support += 1;
+        let expected = p * draws as f64;
+        chi2 += (counts[i] as f64 - expected).powi(2) / expected;
+    }
+    assert_eq!(support, 4);
+    // 3 degrees of freedom, p = 0.001.
+    assert!(chi2 < 16.27, "chi-square {chi2}");
+    // Same seed, same samples.
+    let again = e
+        .generate(requests(&vec![vec![5u32, 17, 42, 7]; 50], params, 1))
+        .unwrap();
+    assert_eq!(again[..], out[..50]);
+}
+
+fn prompt_batch(ps: &[Vec<u32>], width: usize) -> DataProto<B> {
+    let d = Default::default();
+    let (mut ids, mut mask) = (Vec::new(), Vec::new());
+    for p in ps {
+        let pad = width - p.len();
+        ids.extend(std::iter::repeat_n(0i64, pad).chain(p.iter().map(|&t| t as i64)));
+        mask.extend(std::iter::repeat_n(0i64, pad).chain(std::iter::repeat_n(1, p.len())));
+    }
+    let mut proto = DataProto::new();
+    proto
+        .insert_int(
+            "input_ids",
+            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [ps.len(), width]), &d),
+        )
+        .unwrap();
+    proto
+        .insert_int(
+            "attention_mask",
+            Tensor::<B, 2, Int>::from_data(TensorData::new(mask, [ps.len(), width]), &d),
+        )
+        .unwrap();
+    proto
+}
+
+fn host(proto: &DataProto<B>, key: &str) -> Vec<i64> {
+    proto
+        .to_data(key)
+        .unwrap()
+        .convert::<i64>()
+        .iter::<i64>()
+        .collect()
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn generate_sequences_writes_verls_layout_and_log_probs_match_recompute() {
+    let n = 3;
+    let mut cfg = greedy_config(8);
+    cfg.sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: -1,
+        top_p: 0.95,
+        seed: 9,
+    };
+    cfg.n = n;
+    cfg.eos_token_ids = vec![2];
+    cfg.pad_token_id = 0;
+    cfg.calculate_log_probs = true;
+    let mut e = engine("qwen2", cfg);
+    let ps = prompts(4, 21);
+    let width = 20;
+    let mut input = prompt_batch(&ps, width);
+    input
+        .insert_non_tensor(
+            "data_source",
+            (0..4)
+                .map(|i| serde_json::json!(format!("src{i}")))
+                .collect(),
+        )
+        .unwrap();
+    let out = e.generate_sequences(input).await.unwrap();
+    let rows = 4 * n;
+    let r = 10;
+    assert_eq!(out.len(), rows);
+    let prompts_t = host(&out, "prompts");
+    let responses = host(&out, "responses");
+    let input_ids = host(&out, "input_ids");
+    let attention = host(&out, "attention_mask");
+    let positions = host(&out, "position_ids");
+    let response_mask = host(&out, "response_mask");
+    let uids = out.non_tensor("uid").unwrap();
+    let sources = out.non_tensor("data_source").unwrap();
+    let log_probs: Vec<f32> = out
+        .to_data("rollout_log_probs")
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let model = e.model().unwrap();
+    for row in 0..rows {
+        let p = &ps[row / n];
+        let pad = width - p.len();
+        // Prompts left-padded, as given.
+        assert!(prompts_t[row * width..row * width + pad]
+            .iter()
+            .all(|&t| t == 0));
+        let prompt_row: Vec<u32> = prompts_t[row * width + pad..(row + 1) * width]
+            .iter()
+            .map(|&t| t as u32)
+            .collect();
+        assert_eq!(&prompt_row, p);
+        // Responses right-padded; the mask covers the generated tokens, EOS included.
+        let resp = &responses[row * r..(row + 1) * r];
+        let mask = &response_mask[row * r..(row + 1) * r];
+        let len = mask.iter().sum::<i64>() as usize;
+        assert!(len >= 1 && mask[..len].iter().all(|&m| m == 1));
+        assert!(resp[len..].iter().all(|&t| t == 0));
+        if let Some(eos) = resp[..len].iter().position(|&t| t == 2) {
+            assert_eq!(eos, len - 1, "EOS ends the response");
+        } else {
+            assert_eq!(len, r);
+        }
+        // input_ids = prompts ‖ responses; attention mask and positions line up.
+        let total = width + r;
+        assert_eq!(
+            &input_ids[row * total..row * total + width],
+            &prompts_t[row * width..(row + 1) * width]
+        );
+        assert_eq!(&input_ids[row * total + width..(row + 1) * total], resp);
+        let att = &attention[row * total..(row + 1) * total];
+        assert_eq!(att.iter().sum::<i64>() as usize, p.len() + len);
+        let pos = &positions[row * total..(row + 1) * total];
+        for (j, &got) in pos.iter().enumerate().skip(pad) {
+            assert_eq!(got, (j - pad) as i64);
+        }
+        // Samples of one prompt share its uid and columns.
+        assert_eq!(uids[row], uids[(row / n) * n]);
+        assert_eq!(sources[row], serde_json::json!(format!("src{}", row / n)));
+        if row % n == 0 && row > 0 {
+            assert_ne!(uids[row], uids[row - 1]);
+        }
+        // The rollout log-probs equal log softmax(logits / T) of a full forward pass over the
+        // sequence: what the actor recomputes.
+        let seq: Vec<i64> = p
+            .iter()
+            .map(|&t| t as i64)
+            .chain(resp[..len].iter().copied())
+            .collect();
+        let t = seq.len();
+        let logits = model
+            .forward(
+                Tensor::<B, 2, Int>::from_data(
+                    TensorData::new(seq.clone(), [1, t]),
+                    &Default::default(),
+                ),
+                None,
+                None,
+            )
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        for j in 0..len {
+            let at = p.len() - 1 + j;
+            let row_logits = &logits[at * 320..(at + 1) * 320];
+            let expected = verl_rollout::engine::log_prob_at(row_logits, resp[j] as u32, 0.8);
+            let got = log_probs[row * r + j];
+            assert!(
+                (got - expected).abs() < 1e-4,
+                "row {row} token {j}: {got} vs {expected}"
+            );
+        }
+        assert!(log_probs[row * r + len..(row + 1) * r]
+            .iter()
+            .all(|&x| x == 0.0));
+    }
+    // Validation settings from meta_info: greedy, one sample.
+    let mut val = prompt_batch(&ps, width);
+    val.meta_info
+        .insert("validate".into(), serde_json::json!(true));
+    let out = e.generate_sequences(val).await.unwrap();
+    assert_eq!(out.len(), 4);
+}
+
+#[test]
+fn prompt_limits_refuse_or_truncate_as_configured() {
+    let mut cfg = greedy_config(2);
+    cfg.prompt_length = 6;
+    cfg.ignore_eos = true;
+    let long: Vec<u32> = (10..20).collect();
+    let mut e = engine("qwen2", cfg.clone());
+    let err = e
+        .generate_proto(&prompt_batch(&[vec![5, 6], long.clone()], 10))
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(
+            err,
+            RolloutError::PromptTooLong {
+                row: 1,
+                len: 10,
+                limit: 6,
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("data.max_prompt_length") && msg.contains("truncation"),
+        "{msg}"
+    );
+    cfg.truncation = Truncation::Left;
+    let mut e = engine("qwen2", cfg);
+    let out = e
+        .generate_proto(&prompt_batch(std::slice::from_ref(&long), 10))
+        .unwrap();
+    // Left truncation keeps the last 6 tokens, and the prompt width shrinks to the limit.
+    let kept: Vec<u32> = long[4..].to_vec();
+    assert_eq!(
+        host(&out, "prompts"),
+        kept.iter().map(|&t| t as i64).collect::<Vec<_>>()
+    );
+    let direct = e.generate(requests(&[kept], greedy(), 10)).unwrap();
+    let resp: Vec<u32> = host(&out, "responses").iter().map(|&t| t as u32).collect();
+    assert_eq!(resp, direct[0].tokens);
+}
+
+#[test]
+fn a_kv_budget_below_one_sequence_is_refused_naming_the_key() {
+    let (model_cfg, model) = load("qwen2");
+    let mut cfg = greedy_config(2);
+    cfg.kv_budget = KvBudget::Tokens(20);
+    let err = NativeRollout::<B>::new(model_cfg, model, cfg, Default::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("kv_cache_tokens"), "{err}");
+}
+
+fn weight_stream(tensors: Vec<NamedTensor<B>>) -> verl_core::WeightStream<'static, B> {
+    Box::pin(stream::iter(tensors.into_iter().map(Ok)))
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn update_weights_sleep_and_wake_up() {
+    let mut cfg = greedy_config(4);
+    cfg.ignore_eos = true;
+    let mut e = engine("qwen2", cfg.clone());
+    let (model_cfg, _) = load("qwen2");
+    let other = CausalLm::<B>::init(&model_cfg, 0.3, 77, &Default::default());
+    let ps = prompts(5, 2);
+    let reference = NativeRollout::new(model_cfg.clone(), other.clone(), cfg, Default::default())
+        .unwrap()
+        .generate(requests(&ps, greedy(), 10))
+        .unwrap();
+    let before = e.generate(requests(&ps, greedy(), 10)).unwrap();
+    assert_ne!(before, reference, "the two models differ");
+
+    // A wrong name or shape is refused and named.
+    let mut bad = other.export_weights();
+    bad[0].name = "model.embed_tokens.weights".into();
+    let err = e.update_weights(weight_stream(bad)).await.unwrap_err();
+    assert!(
+        err.to_string().contains("model.embed_tokens.weights"),
+        "{err}"
+    );
+    let wrong = NamedTensor::new(
+        "model.layers.1.mlp.up_proj.weight",
+        Tensor::<B, 2>::zeros([64, 31], &Default::default()),
+    );
+    let err = e
+        .update_weights(weight_stream(vec![wrong]))
+        .await
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("[64, 32]"),
+        "{msg}"
+    );
+
+    // In place, tensor by tensor.
+    e.update_weights(weight_stream(other.export_weights()))
+        .await
+        .unwrap();
+    assert_eq!(e.generate(requests(&ps, greedy(), 10)).unwrap(), reference);
+
+    // Sleep frees the KV cache; wake-up rebuilds it.
+    assert!(e.kv_cache_bytes() > 0);
+    e.sleep(SleepLevel::KvCache).await.unwrap();
+    assert!(e.is_sleeping());
+    assert_eq!(e.kv_cache_bytes(), 0);
+    assert!(matches!(
+        e.generate(requests(&ps, greedy(), 10)),
+        Err(RolloutError::Asleep)
+    ));
+    e.wake_up().await.unwrap();
+    assert!(e.kv_cache_bytes() > 0);
+    assert_eq!(e.generate(requests(&ps, greedy(), 10)).unwrap(), reference);
+
+    // Sleeping with `All` releases the weights too; a full stream rebuilds the model.
+    e.sleep(SleepLevel::All).await.unwrap();
+    e.wake_up().await.unwrap();
+    assert!(matches!(
+        e.generate(requests(&ps, greedy(), 10)),
+        Err(RolloutError::WeightsReleased)
+    ));
+    let mut partial = before_weights();
+    partial.pop();
+    let err = e.update_weights(weight_stream(partial)).await.unwrap_err();
+    assert!(err.to_string().contains("never provided"), "{err}");
+    e.update_weights(weight_stream(before_weights()))
+        .await
+        .unwrap();
+    assert_eq!(e.generate(requests(&ps, greedy(), 10)).unwrap(), before);
+}
+
+fn before_weights() -> Vec<NamedTensor<B>> {
+    load("qwen2").1.export_weights()
+}

@@ -4,6 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+
+mod bench;
+use verl::rollout::SamplingParams;
 use verl::topology::{GroupKind, Topology};
 use verl::ConfigBuilder;
 
@@ -45,19 +48,32 @@ enum Command {
         #[command(flatten)]
         args: ConfigArgs,
     },
-    /// Generate from a Hugging Face model directory (a plain loop for trying a checkpoint).
+    /// Measure throughput on this machine (figures for docs/PERFORMANCE.md).
+    Bench {
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+    /// Generate from a Hugging Face model directory with the native rollout engine.
     Generate {
         /// The model directory (config.json, safetensors, tokenizer.json).
         #[arg(long)]
         model: PathBuf,
-        /// The prompt; wrapped in the model's chat template unless --raw.
-        #[arg(long)]
-        prompt: String,
+        /// A prompt (repeat for a batch); wrapped in the model's chat template unless --raw.
+        #[arg(long, required = true)]
+        prompt: Vec<String>,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
         /// 0 is greedy.
         #[arg(long, default_value_t = 0.0)]
         temperature: f64,
+        /// Keep the k most likely tokens (-1: off).
+        #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+        top_k: i64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Samples per prompt.
+        #[arg(long, default_value_t = 1)]
+        n: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Use the prompt as is, without the chat template.
@@ -66,6 +82,23 @@ enum Command {
         /// Print prompt and response token ids and text as JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Decode tokens/s of the native rollout engine per batch size (random-init Qwen2).
+    Rollout {
+        /// Model size: tiny, small or qwen2-0.5b.
+        #[arg(long, default_value = "small")]
+        preset: String,
+        /// Batch sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 32)]
+        prompt_len: usize,
+        #[arg(long, default_value_t = 64)]
+        new_tokens: usize,
     },
 }
 
@@ -102,11 +135,23 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
+        Command::Bench {
+            what:
+                BenchCommand::Rollout {
+                    preset,
+                    batch,
+                    prompt_len,
+                    new_tokens,
+                },
+        } => bench::rollout(&preset, &batch, prompt_len, new_tokens),
         Command::Generate {
             model,
             prompt,
             max_new_tokens,
             temperature,
+            top_k,
+            top_p,
+            n,
             seed,
             raw,
             json,
@@ -114,8 +159,13 @@ fn run(cli: Cli) -> Result<(), String> {
             &model,
             &prompt,
             max_new_tokens,
-            temperature,
-            seed,
+            SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed,
+            },
+            n,
             raw,
             json,
         ),
@@ -160,57 +210,108 @@ fn run(cli: Cli) -> Result<(), String> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn generate_cmd(
     model: &std::path::Path,
-    prompt: &str,
+    prompts: &[String],
     max_new_tokens: usize,
-    temperature: f64,
-    seed: u64,
+    sampling: SamplingParams,
+    n: usize,
     raw: bool,
     json: bool,
 ) -> Result<(), String> {
     use verl::backend::CpuBackend;
     use verl::megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
-    use verl::megatron::models::{generate, CausalLm, GenerateOptions};
-    if temperature.is_nan() || temperature < 0.0 {
-        return Err(format!(
-            "--temperature must be ≥ 0 (0 is greedy), got {temperature}"
-        ));
-    }
+    use verl::megatron::models::CausalLm;
+    use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler};
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
     let lm =
         CausalLm::<CpuBackend>::from_checkpoint(&cfg, &ckpt, &device).map_err(|e| e.to_string())?;
     let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
-    let text = if raw {
-        prompt.to_string()
-    } else {
-        tok.apply_chat_template(&[ChatMessage::user(prompt)], true)
-            .map_err(|e| e.to_string())?
-    };
-    let prompt_ids = tok.encode(&text).map_err(|e| e.to_string())?;
+    let mut texts = Vec::new();
+    let mut ids = Vec::new();
+    for p in prompts {
+        let text = if raw {
+            p.clone()
+        } else {
+            tok.apply_chat_template(&[ChatMessage::user(p)], true)
+                .map_err(|e| e.to_string())?
+        };
+        ids.push(tok.encode(&text).map_err(|e| e.to_string())?);
+        texts.push(text);
+    }
     let eos = if tok.eos_token_ids.is_empty() {
         cfg.eos_token_ids.clone()
     } else {
         tok.eos_token_ids.clone()
     };
-    let opts = GenerateOptions {
-        max_new_tokens,
-        temperature,
-        seed,
+    let longest = ids.iter().map(Vec::len).max().unwrap_or(1);
+    let engine_cfg = EngineConfig {
+        prompt_length: longest.max(1),
+        response_length: max_new_tokens.max(1),
+        kv_budget: KvBudget::MemoryFraction(0.5),
+        sampling,
+        n,
         eos_token_ids: eos,
+        ..EngineConfig::default()
     };
-    let response_ids = generate(&lm, &prompt_ids, &opts, &device);
-    let response = tok.decode(&response_ids).map_err(|e| e.to_string())?;
-    if json {
-        let out = serde_json::json!({ "prompt": text, "prompt_ids": prompt_ids, "response": response, "response_ids": response_ids });
-        println!("{out}");
-    } else {
-        println!("{response}");
+    if max_new_tokens == 0 {
+        return Err("--max-new-tokens must be at least 1".into());
     }
+    let mut engine = NativeRollout::new(cfg, lm, engine_cfg, device).map_err(|e| {
+        e.to_string()
+            .replace("actor_rollout_ref.rollout.", "--")
+            .replace("response_length", "max-new-tokens")
+    })?;
+    let mut requests = Vec::new();
+    for (i, p) in ids.iter().enumerate() {
+        for k in 0..n.max(1) {
+            requests.push(Request {
+                prompt: p.clone(),
+                sampler: Sampler::new(sampling, (i * n.max(1) + k) as u64)
+                    .map_err(|e| format!("{e} (the --{} flag)", sampling_flag(&e)))?,
+                max_new_tokens,
+            });
+        }
+    }
+    let completions = engine.generate(requests).map_err(|e| e.to_string())?;
+    for (j, c) in completions.iter().enumerate() {
+        let i = j / n.max(1);
+        let response = tok.decode(&c.tokens).map_err(|e| e.to_string())?;
+        if json {
+            let out = serde_json::json!({
+                "prompt": texts[i],
+                "prompt_ids": ids[i],
+                "response": response,
+                "response_ids": c.tokens,
+                "finish_reason": format!("{:?}", c.finish).to_lowercase(),
+            });
+            println!("{out}");
+        } else {
+            if completions.len() > 1 {
+                println!("--- [{i}.{}]", j % n.max(1));
+            }
+            println!("{response}");
+        }
+    }
+    let s = engine.last_stats();
+    tracing::info!(
+        tokens = s.generated_tokens,
+        seconds = s.seconds,
+        "generated {:.1} tokens/s",
+        s.generated_tokens as f64 / s.seconds.max(1e-9)
+    );
     Ok(())
+}
+
+fn sampling_flag(e: &verl::rollout::SamplingError) -> &'static str {
+    let verl::rollout::SamplingError::Invalid { field, .. } = e;
+    match *field {
+        "top_k" => "top-k",
+        "top_p" => "top-p",
+        other => other,
+    }
 }
 
 fn main() -> ExitCode {

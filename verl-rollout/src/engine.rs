@@ -55,7 +55,9 @@ pub struct GenerationStats {
     pub decode_steps: usize,
     /// Most sequences decoded together.
     pub peak_batch: usize,
+    /// Wall time of the whole call, and of its prefills.
     pub seconds: f64,
+    pub prefill_seconds: f64,
 }
 
 struct Active {
@@ -253,9 +255,11 @@ impl<B: Backend> NativeRollout<B> {
                 let prompts: Vec<Vec<u32>> =
                     admitted.iter().map(|(_, _, r)| r.prompt.clone()).collect();
                 let slot_ids: Vec<usize> = admitted.iter().map(|(s, _, _)| *s).collect();
+                let prefill_start = Instant::now();
                 let logits = model.prefill_slots(&prompts, &slot_ids, &mut cache);
                 stats.prefill_steps += 1;
                 let rows = host_rows(logits);
+                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
                 for ((slot, id, req), row) in admitted.into_iter().zip(rows) {
                     let mut active = Active {
                         request: id,
@@ -375,4 +379,13 @@ fn host_rows<B: Backend>(logits: Tensor<B, 2>) -> Vec<Vec<f32>> {
         .into_vec::<f32>()
         .expect("f32 after convert");
     flat.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+impl GenerationStats {
+    /// Tokens per second of the decode steps (every generated token but each request's first,
+    /// which comes from its prefill).
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        let tokens = self.generated_tokens.saturating_sub(self.requests);
+        tokens as f64 / (self.seconds - self.prefill_seconds).max(1e-9)
+    }
 }

@@ -76,28 +76,42 @@ impl SamplingParams {
             .iter()
             .map(|&x| ((x as f64 - max) / t).exp())
             .collect();
-        let mut order: Vec<usize> = (0..p.len()).collect();
+        let n = p.len();
         // Most likely first; ties by index so the result is deterministic.
-        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-        let mut keep = p.len();
-        if self.top_k > 0 {
-            keep = keep.min(self.top_k as usize);
+        let by_prob = |a: &usize, b: &usize| p[*b].total_cmp(&p[*a]).then(a.cmp(b));
+        // Sorting the whole vocabulary every token would dominate decode time: top-k only
+        // partitions, and only top-p sorts (the kept set).
+        let mut kept: Option<Vec<usize>> = None;
+        if self.top_k > 0 && (self.top_k as usize) < n {
+            let k = self.top_k as usize;
+            let mut order: Vec<usize> = (0..n).collect();
+            order.select_nth_unstable_by(k - 1, by_prob);
+            order.truncate(k);
+            kept = Some(order);
         }
         if self.top_p < 1.0 {
-            let total: f64 = order[..keep].iter().map(|&i| p[i]).sum();
+            let mut order = kept.unwrap_or_else(|| (0..n).collect());
+            order.sort_unstable_by(by_prob);
+            let total: f64 = order.iter().map(|&i| p[i]).sum();
             let mut acc = 0.0;
-            let mut n = 0;
-            for &i in &order[..keep] {
+            let mut count = 0;
+            for &i in &order {
                 acc += p[i] / total;
-                n += 1;
+                count += 1;
                 if acc >= self.top_p {
                     break;
                 }
             }
-            keep = n.max(1);
+            order.truncate(count.max(1));
+            kept = Some(order);
         }
-        for &i in &order[keep..] {
-            p[i] = 0.0;
+        if let Some(order) = kept {
+            let mut keep = vec![false; n];
+            order.iter().for_each(|&i| keep[i] = true);
+            p.iter_mut()
+                .zip(keep)
+                .filter(|(_, k)| !k)
+                .for_each(|(x, _)| *x = 0.0);
         }
         let total: f64 = p.iter().sum();
         p.iter_mut().for_each(|x| *x /= total);

@@ -206,7 +206,55 @@ impl Reader<'_> {
     }
 }
 
+/// The sizes of a Qwen2-architecture model built from scratch ([`HfModelConfig::qwen2`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Qwen2Dims {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub max_position_embeddings: usize,
+}
+
 impl HfModelConfig {
+    /// A Qwen2 causal-LM config of the given sizes (tied embeddings, q/k/v bias, RoPE θ = 10⁶,
+    /// as Qwen2's small models), for models trained from scratch and benchmarks.
+    ///
+    /// ```
+    /// use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
+    /// let cfg = HfModelConfig::qwen2(Qwen2Dims {
+    ///     vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+    ///     num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128,
+    /// });
+    /// assert_eq!(cfg.head_dim, 8);
+    /// ```
+    pub fn qwen2(d: Qwen2Dims) -> Self {
+        Self {
+            architecture: Architecture::Qwen2,
+            head: HeadKind::CausalLm,
+            vocab_size: d.vocab_size,
+            hidden_size: d.hidden_size,
+            intermediate_size: d.intermediate_size,
+            num_hidden_layers: d.num_hidden_layers,
+            num_attention_heads: d.num_attention_heads,
+            num_key_value_heads: d.num_key_value_heads,
+            head_dim: d.hidden_size / d.num_attention_heads.max(1),
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            rope_scaling: RopeScaling::Default,
+            max_position_embeddings: d.max_position_embeddings,
+            tie_word_embeddings: true,
+            qkv_bias: true,
+            o_bias: false,
+            dtype: WeightDtype::F32,
+            bos_token_id: None,
+            eos_token_ids: Vec::new(),
+            moe: None,
+        }
+    }
+
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
         let path = dir.as_ref().join("config.json");

@@ -3,7 +3,6 @@
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
-use burn::tensor::Bool;
 
 use super::kv_cache::{LayerKv, SlotKvCache};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
@@ -14,12 +13,12 @@ pub enum AttnCache<'a, B: Backend> {
     None,
     /// Keys are the cached ones followed by this call's; the cache grows.
     Grow(&'a mut LayerKv<B>),
-    /// One new token per slot, written at each slot's own position (`at`, `[slots, 1, window,
-    /// 1]`); keys are the slot's first `window` positions.
+    /// One new token per slot, written at each slot's own position; keys are the slot's first
+    /// `window` positions.
     Slots {
         cache: &'a mut SlotKvCache<B>,
         layer: usize,
-        at: &'a Tensor<B, 4, Bool>,
+        positions: &'a [usize],
         window: usize,
     },
 }
@@ -78,25 +77,30 @@ impl<B: Backend> Attention<B> {
             AttnCache::Slots {
                 cache,
                 layer,
-                at,
+                positions,
                 window,
-            } => (k, v) = cache.write_step(layer, k, v, at, window),
+            } => (k, v) = cache.write_step(layer, k, v, positions, window),
         }
         let keys = k.dims()[2];
-        // Grouped-query attention: query head j reads kv head j / (nh / nkv).
+        // Grouped-query attention: query heads g·rep .. (g+1)·rep share kv head g. Folding those
+        // heads into the query rows lets them read the kv head directly, with no copies of it.
         let rep = nh / nkv;
-        let expand = |y: Tensor<B, 4>| -> Tensor<B, 4> {
-            if rep == 1 {
-                return y;
-            }
-            y.unsqueeze_dim::<5>(2)
+        let q = q.reshape([b, nkv, rep * t, hd]);
+        let bias = if rep == 1 {
+            bias.clone()
+        } else {
+            bias.clone()
+                .unsqueeze_dim::<5>(2)
                 .repeat_dim(2, rep)
-                .reshape([b, nh, keys, hd])
+                .reshape([b, 1, rep * t, keys])
         };
-        let (k, v) = (expand(k), expand(v));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias.clone();
+        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
         let probs = softmax(scores, 3);
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, nh * hd]);
+        let out = probs
+            .matmul(v)
+            .reshape([b, nh, t, hd])
+            .swap_dims(1, 2)
+            .reshape([b, t, nh * hd]);
         self.o_proj.forward(out)
     }
 }

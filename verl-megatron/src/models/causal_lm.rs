@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use burn::module::{Module, Param};
 use burn::prelude::*;
-use burn::tensor::{Bool, Int, TensorData};
+use burn::tensor::{Int, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use verl_core::NamedTensor;
@@ -415,10 +415,14 @@ impl<B: Backend> CausalLm<B> {
             let attn_cache = match &mut mode {
                 CacheMode::None => AttnCache::None,
                 CacheMode::Grow(c) => AttnCache::Grow(&mut c.layers[l]),
-                CacheMode::Slots { cache, at, window } => AttnCache::Slots {
+                CacheMode::Slots {
+                    cache,
+                    positions,
+                    window,
+                } => AttnCache::Slots {
                     cache,
                     layer: l,
-                    at,
+                    positions,
                     window: *window,
                 },
             };
@@ -489,19 +493,10 @@ impl<B: Backend> CausalLm<B> {
         let (cos, sin) = self.rope.tables(&positions);
         let bias = causal_bias::<B>(t, 0, &device).repeat_dim(0, n);
         let h = self.decoder(ids, &bias, &cos, &sin, CacheMode::Grow(&mut tmp));
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
         for (l, kv) in tmp.layers.into_iter().enumerate() {
             let (k, v) = kv.expect("every layer cached its keys");
-            for (i, (p, &slot)) in prompts.iter().zip(slots).enumerate() {
-                let len = p.len();
-                cache.write_prefix(
-                    l,
-                    slot,
-                    k.clone()
-                        .slice([i..i + 1, 0..k.dims()[1], 0..len, 0..k.dims()[3]]),
-                    v.clone()
-                        .slice([i..i + 1, 0..v.dims()[1], 0..len, 0..v.dims()[3]]),
-                );
-            }
+            cache.write_prefix(l, slots, &lens, k, v);
         }
         let [_, _, hidden] = h.dims();
         let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
@@ -541,17 +536,18 @@ impl<B: Backend> CausalLm<B> {
         );
         let (cos, sin) = self.rope.tables(&pos);
         let mut bias = Vec::with_capacity(s * window);
-        let mut at = Vec::with_capacity(s * window);
         for &p in positions {
             assert!(p < window, "position {p} outside the window {window}");
             for j in 0..window {
                 bias.push(if j <= p { 0.0f32 } else { f32::NEG_INFINITY });
-                at.push(j == p);
             }
         }
         let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [s, 1, 1, window]), &device);
-        let at = Tensor::<B, 4, Bool>::from_data(TensorData::new(at, [s, 1, window, 1]), &device);
-        let mode = CacheMode::Slots { cache, at, window };
+        let mode = CacheMode::Slots {
+            cache,
+            positions,
+            window,
+        };
         let h = self.decoder(ids, &bias, &cos, &sin, mode);
         let logits = self.head(h);
         let vocab = logits.dims()[2];
@@ -565,7 +561,7 @@ enum CacheMode<'a, B: Backend> {
     Grow(&'a mut KvCache<B>),
     Slots {
         cache: &'a mut SlotKvCache<B>,
-        at: Tensor<B, 4, Bool>,
+        positions: &'a [usize],
         window: usize,
     },
 }

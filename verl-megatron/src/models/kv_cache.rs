@@ -8,7 +8,7 @@
 //!   without touching the others, and the memory is fixed up front.
 
 use burn::prelude::*;
-use burn::tensor::{Bool, TensorData};
+use burn::tensor::{IndexingUpdateOp, Int, TensorData};
 
 /// One layer's cached keys and values `[batch, kv_heads, cached_len, head_dim]` (after RoPE).
 pub type LayerKv<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
@@ -118,50 +118,69 @@ impl<B: Backend> SlotKvCache<B> {
         }
     }
 
-    /// Writes keys / values `[1, kv_heads, len, head_dim]` of layer `layer` into `slot` at
-    /// positions `0..len` (a prefilled prompt).
+    /// Writes rows `[rows, head_dim]` of keys and values of layer `layer` at `(slot, kv_head,
+    /// position)` triples, in one scatter per tensor (burn's CPU backend copies the destination
+    /// on every write, so one write per step rather than one per slot).
+    fn scatter(&mut self, layer: usize, at: Vec<i64>, k: Tensor<B, 2>, v: Tensor<B, 2>) {
+        let rows = at.len() / 3;
+        let device = k.device();
+        let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(at, [rows, 3]), &device);
+        let (ck, cv) = &mut self.layers[layer];
+        *ck = ck
+            .clone()
+            .scatter_nd(idx.clone(), k, IndexingUpdateOp::Assign);
+        *cv = cv.clone().scatter_nd(idx, v, IndexingUpdateOp::Assign);
+    }
+
+    /// Writes prefilled keys / values `[prompts, kv_heads, len, head_dim]` of layer `layer`:
+    /// prompt `i` (of `lens[i]` tokens) into slot `slots[i]` at positions `0..lens[i]`.
     pub(crate) fn write_prefix(
         &mut self,
         layer: usize,
-        slot: usize,
+        slots: &[usize],
+        lens: &[usize],
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
-        let len = k.dims()[2];
-        let (kh, hd) = (self.kv_heads, self.head_dim);
-        let ranges = [slot..slot + 1, 0..kh, 0..len, 0..hd];
-        let (ck, cv) = &mut self.layers[layer];
-        *ck = ck.clone().slice_assign(ranges.clone(), k);
-        *cv = cv.clone().slice_assign(ranges, v);
+        let [n, kh, t, hd] = k.dims();
+        let mut at = Vec::new();
+        let mut rows = Vec::new();
+        for (i, (&slot, &len)) in slots.iter().zip(lens).enumerate() {
+            for h in 0..kh {
+                for p in 0..len {
+                    at.extend([slot as i64, h as i64, p as i64]);
+                    rows.push(((i * kh + h) * t + p) as i64);
+                }
+            }
+        }
+        let device = k.device();
+        let count = rows.len();
+        let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [count]), &device);
+        let pick = |x: Tensor<B, 4>| x.reshape([n * kh * t, hd]).select(0, rows.clone());
+        self.scatter(layer, at, pick(k), pick(v));
     }
 
     /// Writes each slot's new key / value `[slots, kv_heads, 1, head_dim]` at its own position
     /// and returns the first `window` positions of keys and values, which attention reads.
-    /// `at` `[slots, 1, window, 1]` is true at each slot's write position.
     pub(crate) fn write_step(
         &mut self,
         layer: usize,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
-        at: &Tensor<B, 4, Bool>,
+        positions: &[usize],
         window: usize,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let (kh, hd) = (self.kv_heads, self.head_dim);
-        let slots = self.slots();
-        let shape = [slots, kh, window, hd];
-        let at = at.clone().expand(shape);
-        let ranges = [0..slots, 0..kh, 0..window, 0..hd];
-        let (ck, cv) = &mut self.layers[layer];
-        let wk = ck
-            .clone()
-            .slice(ranges.clone())
-            .mask_where(at.clone(), k.expand(shape));
-        let wv = cv
-            .clone()
-            .slice(ranges.clone())
-            .mask_where(at, v.expand(shape));
-        *ck = ck.clone().slice_assign(ranges.clone(), wk.clone());
-        *cv = cv.clone().slice_assign(ranges, wv.clone());
-        (wk, wv)
+        let s = positions.len();
+        let mut at = Vec::with_capacity(s * kh * 3);
+        for (slot, &p) in positions.iter().enumerate() {
+            for h in 0..kh {
+                at.extend([slot as i64, h as i64, p as i64]);
+            }
+        }
+        self.scatter(layer, at, k.reshape([s * kh, hd]), v.reshape([s * kh, hd]));
+        let ranges = [0..s, 0..kh, 0..window, 0..hd];
+        let (ck, cv) = &self.layers[layer];
+        (ck.clone().slice(ranges.clone()), cv.clone().slice(ranges))
     }
 }

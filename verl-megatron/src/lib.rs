@@ -4,12 +4,12 @@
 //!   memory-mapped safetensors reader (single file or shards), the per-architecture tensor table
 //!   shared by load / save / export, saving back in HF layout, the tokenizer and chat template.
 //! - [`layers`]: parallel-aware linear, embedding, RMSNorm and rotary layers (tp = 1 for now).
-//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3 and Qwen2-MoE, and a
-//!   plain generation loop.
+//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3 and Qwen2-MoE with
+//!   LM, value and score heads; KV caches (a growing one and the rollout engine's slot cache);
+//!   random init; weights replaced one tensor at a time by HF name; a plain generation loop.
 //!
-//! Planned here (see the issue tracker): value and score heads, tensor / sequence / data /
-//! pipeline / context / expert parallelism over a `Communicator`, and the actor, critic,
-//! reference and reward workers.
+//! Planned here (see the issue tracker): tensor / sequence / data / pipeline / context / expert
+//! parallelism over a `Communicator`, and the actor, critic, reference and reward workers.
 
 pub mod error;
 pub mod hf;

@@ -40,6 +40,8 @@ pub enum MegatronError {
     },
     #[error("weight `{name}` was never provided (the stream ended without it)")]
     MissingWeight { name: String },
+    #[error("`{field}`: {message}")]
+    Setting { field: String, message: String },
     #[error("{path}: architecture `{found}` is not supported; supported: {supported}")]
     UnsupportedArchitecture {
         path: PathBuf,

@@ -15,5 +15,6 @@ pub mod error;
 pub mod hf;
 pub mod layers;
 pub mod models;
+pub mod workers;
 
 pub use error::MegatronError;

@@ -331,6 +331,31 @@ impl<B: Backend> CausalLm<B> {
         self.run(input_ids, attention_mask, position_ids, None)
     }
 
+    /// The outputs (logits, or scores with a score head) of positions `start..start + len` only,
+    /// `[batch, len, out]`: the response window of a training step, so the vocabulary projection
+    /// runs on the response positions alone.
+    pub fn forward_window(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        position_ids: Option<Tensor<B, 2, Int>>,
+        start: usize,
+        len: usize,
+    ) -> Tensor<B, 3> {
+        let [b, t] = input_ids.dims();
+        let device = input_ids.device();
+        let positions = position_ids.unwrap_or_else(|| {
+            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+                .unsqueeze_dim::<2>(0)
+                .repeat_dim(0, b)
+        });
+        let (cos, sin) = self.rope.tables(&positions);
+        let bias = self.attention_bias(b, t, 0, attention_mask, &device);
+        let h = self.decoder(input_ids, &bias, &cos, &sin, CacheMode::None);
+        let hidden = h.dims()[2];
+        self.head(h.slice([0..b, start..start + len, 0..hidden]))
+    }
+
     /// As [`Self::forward`] for the new tokens `input_ids` `[batch, new]`, attending to the
     /// cached keys too, and extending `cache`. `attention_mask` covers every key, cached and new
     /// (`[batch, cached + new]`); `position_ids` are the new tokens' positions. A prefill is a
@@ -374,8 +399,27 @@ impl<B: Backend> CausalLm<B> {
                 .repeat_dim(0, b)
         });
         let (cos, sin) = self.rope.tables(&positions);
-        // Causal, and (below) no padded key.
-        let mut bias = causal_bias::<B>(t, past, &device).repeat_dim(0, b);
+        let bias = self.attention_bias(b, t, past, attention_mask, &device);
+        let mode = match cache {
+            Some(c) => CacheMode::Grow(c),
+            None => CacheMode::None,
+        };
+        let h = self.decoder(input_ids, &bias, &cos, &sin, mode);
+        self.head(h)
+    }
+
+    /// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =
+    /// token); a padded query attends to itself so its softmax stays finite.
+    fn attention_bias(
+        &self,
+        b: usize,
+        t: usize,
+        past: usize,
+        attention_mask: Option<Tensor<B, 2>>,
+        device: &B::Device,
+    ) -> Tensor<B, 4> {
+        let keys = past + t;
+        let mut bias = causal_bias::<B>(t, past, device).repeat_dim(0, b);
         if let Some(mask) = attention_mask {
             let masked_keys = mask
                 .reshape([b, 1, 1, keys])
@@ -387,18 +431,13 @@ impl<B: Backend> CausalLm<B> {
             for i in 0..t {
                 own[i * keys + past + i] = 1.0;
             }
-            let diag = Tensor::<B, 2>::from_data(TensorData::new(own, [t, keys]), &device)
+            let diag = Tensor::<B, 2>::from_data(TensorData::new(own, [t, keys]), device)
                 .reshape([1, 1, t, keys])
                 .repeat_dim(0, b)
                 .greater_elem(0.5);
             bias = bias.mask_fill(diag, 0.0);
         }
-        let mode = match cache {
-            Some(c) => CacheMode::Grow(c),
-            None => CacheMode::None,
-        };
-        let h = self.decoder(input_ids, &bias, &cos, &sin, mode);
-        self.head(h)
+        bias
     }
 
     /// Embedding, decoder layers and the final norm: hidden states `[batch, seq, hidden]`.

@@ -1,0 +1,255 @@
+//! The Megatron actor: log-probs of responses and the PPO policy update (epochs, shuffled
+//! mini-batches, micro-batches with gradient accumulation, global-norm clipping, AdamW with the
+//! scheduled learning rate, entropy bonus, KL loss), as verl's `MegatronPPOActor`.
+
+use async_trait::async_trait;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use verl_core::algorithms::aggregation::{agg_loss, AggScale, LossAggMode};
+use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
+use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
+use verl_core::algorithms::masked::masked_mean;
+use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
+use verl_core::traits::{Actor, LogProbOutput, WeightExporter};
+use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
+
+use super::batch::{float_col, micro_batches, ModelInputs};
+use super::optim::ModelOptimizer;
+use crate::models::CausalLm;
+
+/// The actor's update settings, resolved from `actor_rollout_ref.actor` (row counts per rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActorSettings {
+    /// Rows (samples, not prompts) per mini-batch on this rank.
+    pub mini_batch_rows: usize,
+    pub micro_batch_rows: usize,
+    /// Rows per forward pass in `compute_log_prob`.
+    pub log_prob_micro_batch_rows: usize,
+    pub ppo_epochs: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub policy_loss: String,
+    pub loss_params: PolicyLossParams,
+    pub loss_agg_mode: LossAggMode,
+    pub entropy_coeff: f64,
+    pub use_kl_loss: bool,
+    pub kl_loss_coef: f64,
+    pub kl_loss_type: KlPenalty,
+    /// Logits are divided by the rollout temperature before log-probs, as verl does.
+    pub temperature: f64,
+}
+
+/// The policy model and its optimizer.
+pub struct MegatronActor<B: AutodiffBackend> {
+    model: Option<CausalLm<B>>,
+    optim: ModelOptimizer<B, CausalLm<B>>,
+    settings: ActorSettings,
+    losses: PolicyLossRegistry<B>,
+    updates: u64,
+}
+
+fn temperature_of<B: Backend>(data: &DataProto<B>, default: f64) -> f64 {
+    data.meta_info
+        .get("temperature")
+        .and_then(serde_json::Value::as_f64)
+        .filter(|t| *t > 0.0)
+        .unwrap_or(default)
+}
+
+impl<B: AutodiffBackend> MegatronActor<B> {
+    pub fn new(
+        model: CausalLm<B>,
+        optim: ModelOptimizer<B, CausalLm<B>>,
+        settings: ActorSettings,
+    ) -> Self {
+        Self {
+            model: Some(model),
+            optim,
+            settings,
+            losses: PolicyLossRegistry::new(),
+            updates: 0,
+        }
+    }
+
+    pub fn model(&self) -> &CausalLm<B> {
+        self.model.as_ref().expect("the model is only out during a step")
+    }
+
+    pub fn settings(&self) -> &ActorSettings {
+        &self.settings
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optim.step
+    }
+
+    /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
+    /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
+    pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        let mut metrics = Metrics::default();
+        let mask_all = float_col(data, "response_mask")?;
+        let tokens = mask_all.sum().into_scalar().elem::<f64>().max(1.0);
+        let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
+        let mut total = 0.0;
+        for range in micro_batches(data.len(), self.settings.micro_batch_rows) {
+            let micro = data.slice(range.start, range.end)?;
+            let inputs = ModelInputs::from_batch(&micro)?.map(Tensor::from_inner, Tensor::from_inner);
+            let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
+            let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
+            let logits = inputs.response_outputs(self.model());
+            let nll = -(log_probs_from_logits(logits, labels) * mask).sum() / tokens;
+            total += nll.clone().into_scalar().elem::<f64>();
+            let grads = GradientsParams::from_grads(nll.backward(), self.model());
+            acc.accumulate(self.model(), grads);
+        }
+        let model = self.model.take().expect("model present");
+        let (model, report) = self.optim.step(model, acc.grads());
+        self.model = Some(model);
+        metrics.push("sft/loss", total);
+        metrics.push("sft/grad_norm", report.grad_norm);
+        metrics.push("sft/lr", report.lr);
+        Ok(metrics)
+    }
+
+    fn log_probs_inner(
+        &self,
+        data: &DataProto<B::InnerBackend>,
+        calculate_entropy: bool,
+    ) -> Result<LogProbOutput<B::InnerBackend>> {
+        let model = self.model().valid();
+        let temperature = temperature_of(data, self.settings.temperature);
+        let mut lps = Vec::new();
+        let mut ents = Vec::new();
+        for range in micro_batches(data.len(), self.settings.log_prob_micro_batch_rows) {
+            let micro = data.slice(range.start, range.end)?;
+            let inputs = ModelInputs::from_batch(&micro)?;
+            let labels = micro.int::<2>("responses")?;
+            let logits = inputs.response_outputs(&model) / temperature;
+            if calculate_entropy {
+                ents.push(entropy_from_logits(logits.clone()));
+            }
+            lps.push(log_probs_from_logits(logits, labels));
+        }
+        Ok(LogProbOutput {
+            log_probs: Tensor::cat(lps, 0),
+            entropy: calculate_entropy.then(|| Tensor::cat(ents, 0)),
+        })
+    }
+
+    fn update(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        let s = self.settings.clone();
+        let rows = data.len();
+        let temperature = temperature_of(data, s.temperature);
+        let mut metrics = Metrics::default();
+        let loss_fn = self.losses.get(&s.policy_loss)?;
+        for epoch in 0..s.ppo_epochs {
+            let mut order: Vec<usize> = (0..rows).collect();
+            if s.shuffle {
+                let mut rng = StdRng::seed_from_u64(
+                    s.seed ^ (self.updates << 16) ^ epoch as u64,
+                );
+                order.shuffle(&mut rng);
+            }
+            for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
+                let mini = data.select_rows(mini_rows)?;
+                let mini_mask = float_col(&mini, "response_mask")?;
+                // Normalise by the whole mini-batch, so micro-batching changes nothing.
+                let scale = AggScale {
+                    global_tokens: Some(mini_mask.clone().sum().into_scalar().elem::<f64>().max(1.0)),
+                    global_sequences: Some(mini.len() as f64),
+                    ..Default::default()
+                };
+                let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
+                let mut pg_total = 0.0;
+                for range in micro_batches(mini.len(), s.micro_batch_rows) {
+                    let micro = mini.slice(range.start, range.end)?;
+                    let inputs = ModelInputs::from_batch(&micro)?
+                        .map(Tensor::from_inner, Tensor::from_inner);
+                    let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
+                    let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
+                    let old = Tensor::<B, 2>::from_inner(float_col(&micro, "old_log_probs")?);
+                    let adv = Tensor::<B, 2>::from_inner(float_col(&micro, "advantages")?);
+                    let logits = inputs.response_outputs(self.model()) / temperature;
+                    let log_prob = log_probs_from_logits(logits.clone(), labels);
+                    let input = PolicyLossInput {
+                        old_log_prob: old,
+                        log_prob: log_prob.clone(),
+                        advantages: adv,
+                        response_mask: mask.clone(),
+                        loss_agg_mode: s.loss_agg_mode,
+                        agg_scale: scale,
+                        params: s.loss_params,
+                    };
+                    let out = loss_fn(&input)?;
+                    let mut loss = out.loss.clone();
+                    pg_total += out.loss.into_scalar().elem::<f64>();
+                    metrics.push("actor/pg_clipfrac", out.pg_clipfrac);
+                    metrics.push("actor/ppo_kl", out.ppo_kl);
+                    metrics.push("actor/pg_clipfrac_lower", out.pg_clipfrac_lower);
+                    let entropy = entropy_from_logits(logits);
+                    metrics.push(
+                        "actor/entropy",
+                        masked_mean(entropy.clone().inner(), mask.clone().inner())
+                            .into_scalar()
+                            .elem::<f64>(),
+                    );
+                    if s.entropy_coeff != 0.0 {
+                        let ent = agg_loss(entropy, mask.clone(), s.loss_agg_mode, scale);
+                        loss = loss - ent * s.entropy_coeff;
+                    }
+                    if s.use_kl_loss {
+                        let reference =
+                            Tensor::<B, 2>::from_inner(float_col(&micro, "ref_log_prob")?);
+                        let kld = kl_penalty(log_prob, reference, s.kl_loss_type);
+                        metrics.push(
+                            "actor/kl_loss",
+                            masked_mean(kld.clone().inner(), mask.clone().inner())
+                                .into_scalar()
+                                .elem::<f64>(),
+                        );
+                        let kl = agg_loss(kld, mask, s.loss_agg_mode, scale);
+                        loss = loss + kl * s.kl_loss_coef;
+                    }
+                    let grads = GradientsParams::from_grads(loss.backward(), self.model());
+                    acc.accumulate(self.model(), grads);
+                }
+                let model = self.model.take().expect("model present");
+                let (model, report) = self.optim.step(model, acc.grads());
+                self.model = Some(model);
+                metrics.push("actor/pg_loss", pg_total);
+                metrics.push("actor/grad_norm", report.grad_norm);
+                metrics.push("actor/lr", report.lr);
+            }
+        }
+        self.updates += 1;
+        Ok(metrics)
+    }
+}
+
+#[async_trait(?Send)]
+impl<B: AutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
+    async fn compute_log_prob(
+        &mut self,
+        data: &DataProto<B::InnerBackend>,
+        calculate_entropy: bool,
+    ) -> Result<LogProbOutput<B::InnerBackend>> {
+        self.log_probs_inner(data, calculate_entropy)
+    }
+
+    async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        self.update(data)
+    }
+}
+
+impl<B: AutodiffBackend> WeightExporter<B::InnerBackend> for MegatronActor<B> {
+    fn export_weights(&self) -> WeightStream<'_, B::InnerBackend> {
+        let weights: Vec<NamedTensor<B::InnerBackend>> = self.model().valid().export_weights();
+        Box::pin(futures::stream::iter(weights.into_iter().map(Ok)))
+    }
+}

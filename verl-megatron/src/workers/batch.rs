@@ -1,0 +1,89 @@
+//! Reading verl's batch columns for a forward pass, and running the model over the response
+//! window in micro-batches.
+
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use verl_core::DataProto;
+
+use crate::models::CausalLm;
+
+/// A column as f32, whatever its stored kind (masks come as ints).
+pub fn float_col<B: Backend>(
+    data: &DataProto<B>,
+    key: &str,
+) -> verl_core::Result<Tensor<B, 2>> {
+    let d = data.to_data(key)?;
+    let shape = d.shape.clone();
+    let values: Vec<f32> = d.convert::<f32>().iter::<f32>().collect();
+    Ok(Tensor::from_data(
+        TensorData::new(values, [shape[0], shape[1]]),
+        &data_device(data)?,
+    ))
+}
+
+/// A column as integers.
+pub fn int_col<B: Backend>(data: &DataProto<B>, key: &str) -> verl_core::Result<Tensor<B, 2, Int>> {
+    Ok(data.int::<2>(key)?)
+}
+
+fn data_device<B: Backend>(data: &DataProto<B>) -> verl_core::Result<B::Device> {
+    Ok(data.int::<2>("input_ids")?.device())
+}
+
+/// The inputs of a forward pass over `input_ids` = prompt ‖ response.
+pub struct ModelInputs<B: Backend> {
+    pub input_ids: Tensor<B, 2, Int>,
+    pub attention_mask: Tensor<B, 2>,
+    pub position_ids: Tensor<B, 2, Int>,
+    /// Response length R.
+    pub response_len: usize,
+}
+
+impl<B: Backend> ModelInputs<B> {
+    pub fn from_batch(data: &DataProto<B>) -> verl_core::Result<Self> {
+        let responses = data.int::<2>("responses")?;
+        Ok(Self {
+            input_ids: data.int::<2>("input_ids")?,
+            attention_mask: float_col(data, "attention_mask")?,
+            position_ids: data.int::<2>("position_ids")?,
+            response_len: responses.dims()[1],
+        })
+    }
+
+    /// The same inputs on another backend (the autodiff one, for training).
+    pub fn map<C: Backend>(
+        self,
+        f: impl Fn(Tensor<B, 2>) -> Tensor<C, 2>,
+        g: impl Fn(Tensor<B, 2, Int>) -> Tensor<C, 2, Int>,
+    ) -> ModelInputs<C> {
+        ModelInputs {
+            input_ids: g(self.input_ids),
+            attention_mask: f(self.attention_mask),
+            position_ids: g(self.position_ids),
+            response_len: self.response_len,
+        }
+    }
+
+    /// The model's outputs at the positions that predict each response token
+    /// (`t − R − 1 .. t − 1`), `[batch, R, out]`.
+    pub fn response_outputs(&self, model: &CausalLm<B>) -> Tensor<B, 3> {
+        let t = self.input_ids.dims()[1];
+        let r = self.response_len;
+        model.forward_window(
+            self.input_ids.clone(),
+            Some(self.attention_mask.clone()),
+            Some(self.position_ids.clone()),
+            t - r - 1,
+            r,
+        )
+    }
+}
+
+/// Row ranges of `micro`-row micro-batches over `rows` rows.
+pub fn micro_batches(rows: usize, micro: usize) -> Vec<std::ops::Range<usize>> {
+    let micro = micro.max(1);
+    (0..rows)
+        .step_by(micro)
+        .map(|s| s..(s + micro).min(rows))
+        .collect()
+}

@@ -1,0 +1,148 @@
+//! The Megatron critic: per-token values from a value head and the clipped value-loss update,
+//! as verl's `MegatronPPOCritic`.
+
+use async_trait::async_trait;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use verl_core::algorithms::aggregation::{AggScale, LossAggMode};
+use verl_core::algorithms::masked::masked_mean;
+use verl_core::algorithms::value::value_loss;
+use verl_core::traits::Critic;
+use verl_core::{DataProto, Metrics, Result};
+
+use super::batch::{float_col, micro_batches, ModelInputs};
+use super::optim::ModelOptimizer;
+use crate::models::CausalLm;
+
+/// The critic's update settings (row counts per rank).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CriticSettings {
+    pub mini_batch_rows: usize,
+    pub micro_batch_rows: usize,
+    pub forward_micro_batch_rows: usize,
+    pub ppo_epochs: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub cliprange_value: f64,
+    pub loss_agg_mode: LossAggMode,
+}
+
+/// The value model (a causal LM body with a one-label token-classification head).
+pub struct MegatronCritic<B: AutodiffBackend> {
+    model: Option<CausalLm<B>>,
+    optim: ModelOptimizer<B, CausalLm<B>>,
+    settings: CriticSettings,
+    updates: u64,
+}
+
+impl<B: AutodiffBackend> MegatronCritic<B> {
+    pub fn new(
+        model: CausalLm<B>,
+        optim: ModelOptimizer<B, CausalLm<B>>,
+        settings: CriticSettings,
+    ) -> Self {
+        Self {
+            model: Some(model),
+            optim,
+            settings,
+            updates: 0,
+        }
+    }
+
+    fn model(&self) -> &CausalLm<B> {
+        self.model.as_ref().expect("the model is only out during a step")
+    }
+
+    fn values<C: Backend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {
+        let out = inputs.response_outputs(model);
+        let [b, r, _] = out.dims();
+        out.reshape([b, r])
+    }
+}
+
+#[async_trait(?Send)]
+impl<B: AutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
+    async fn compute_values(
+        &mut self,
+        data: &DataProto<B::InnerBackend>,
+    ) -> Result<Tensor<B::InnerBackend, 2>> {
+        let model = self.model().valid();
+        let mut parts = Vec::new();
+        for range in micro_batches(data.len(), self.settings.forward_micro_batch_rows) {
+            let micro = data.slice(range.start, range.end)?;
+            let inputs = ModelInputs::from_batch(&micro)?;
+            let mask = float_col(&micro, "response_mask")?;
+            parts.push(Self::values(&model, &inputs) * mask);
+        }
+        Ok(Tensor::cat(parts, 0))
+    }
+
+    async fn update_critic(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        let s = self.settings.clone();
+        let mut metrics = Metrics::default();
+        for epoch in 0..s.ppo_epochs {
+            let mut order: Vec<usize> = (0..data.len()).collect();
+            if s.shuffle {
+                let mut rng = StdRng::seed_from_u64(s.seed ^ (self.updates << 16) ^ epoch as u64);
+                order.shuffle(&mut rng);
+            }
+            for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
+                let mini = data.select_rows(mini_rows)?;
+                let scale = AggScale {
+                    global_tokens: Some(
+                        float_col(&mini, "response_mask")?
+                            .sum()
+                            .into_scalar()
+                            .elem::<f64>()
+                            .max(1.0),
+                    ),
+                    global_sequences: Some(mini.len() as f64),
+                    ..Default::default()
+                };
+                let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
+                let mut total = 0.0;
+                for range in micro_batches(mini.len(), s.micro_batch_rows) {
+                    let micro = mini.slice(range.start, range.end)?;
+                    let inputs = ModelInputs::from_batch(&micro)?
+                        .map(Tensor::from_inner, Tensor::from_inner);
+                    let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
+                    let values = Tensor::<B, 2>::from_inner(float_col(&micro, "values")?);
+                    let returns = Tensor::<B, 2>::from_inner(float_col(&micro, "returns")?);
+                    let vpreds = Self::values(self.model(), &inputs);
+                    metrics.push(
+                        "critic/vpred_mean",
+                        masked_mean(vpreds.clone().inner(), mask.clone().inner())
+                            .into_scalar()
+                            .elem::<f64>(),
+                    );
+                    let (loss, clipfrac) = value_loss(
+                        vpreds,
+                        returns,
+                        values,
+                        mask,
+                        s.cliprange_value,
+                        s.loss_agg_mode,
+                        scale,
+                    )?;
+                    total += loss.clone().into_scalar().elem::<f64>();
+                    metrics.push("critic/vf_clipfrac", clipfrac);
+                    let grads = GradientsParams::from_grads(loss.backward(), self.model());
+                    acc.accumulate(self.model(), grads);
+                }
+                let model = self.model.take().expect("model present");
+                let (model, report) = self.optim.step(model, acc.grads());
+                self.model = Some(model);
+                metrics.push("critic/vf_loss", total);
+                metrics.push("critic/grad_norm", report.grad_norm);
+                metrics.push("critic/lr", report.lr);
+            }
+        }
+        self.updates += 1;
+        Ok(metrics)
+    }
+}

@@ -1,0 +1,13 @@
+//! verl's role workers on the Megatron backend: the actor, the critic, and the hybrid
+//! actor-rollout-reference worker that owns them with the rollout engine on one rank.
+
+pub mod actor;
+pub mod actor_rollout_ref;
+pub mod batch;
+pub mod critic;
+pub mod optim;
+
+pub use actor::{ActorSettings, MegatronActor};
+pub use actor_rollout_ref::{ActorRolloutRefWorker, CriticWorker, HybridShardingManager};
+pub use critic::{CriticSettings, MegatronCritic};
+pub use optim::{LrSchedule, ModelOptimizer};

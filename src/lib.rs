@@ -26,6 +26,9 @@
 
 mod builder;
 
+pub mod tasks;
+pub mod trainer;
+
 pub use builder::ConfigBuilder;
 pub use verl_core as core;
 pub use verl_core::{algorithms, backend, config, dispatch, error, topology, traits, worker};

@@ -17,6 +17,7 @@ pub mod data_proto;
 pub mod dispatch;
 pub mod error;
 pub mod metrics;
+pub mod reward_score;
 pub mod topology;
 pub mod traits;
 pub mod weights;

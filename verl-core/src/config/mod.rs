@@ -273,6 +273,8 @@ pub fn apply_override(tree: &mut Value, text: &str) -> Result<()> {
         .ok_or_else(|| ConfigError::OverrideSyntax {
             text: text.to_string(),
         })?;
+    // Hydra's `+key=value` adds a key the tree does not have yet.
+    let append = key.trim().starts_with('+');
     let key = key.trim().trim_start_matches('+');
     if key.is_empty() || key.split('.').any(str::is_empty) {
         return Err(ConfigError::OverrideSyntax {
@@ -294,7 +296,7 @@ pub fn apply_override(tree: &mut Value, text: &str) -> Result<()> {
                 message: format!("`{path}` is not a section, so it has no key `{part}`"),
             });
         };
-        if !map.contains_key(*part) && !free_form && !map.is_empty() {
+        if !map.contains_key(*part) && !free_form && !map.is_empty() && !append {
             return Err(unknown_key(&path, part, map));
         }
         if last {

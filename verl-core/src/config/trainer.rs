@@ -25,6 +25,11 @@ pub struct TrainerConfig {
     /// Validate every this many steps; -1: never.
     pub test_freq: i64,
     pub critic_warmup: u64,
+    /// Supervised steps on the ground-truth responses before RL (verl-rs's addition; the main
+    /// job's warm-up of a model trained from scratch). 0: none.
+    pub sft_warmup_steps: u64,
+    /// Learning rate of the warm-up (constant); `None`: the actor's `optim.lr`.
+    pub sft_warmup_lr: Option<f64>,
     /// `None`: `checkpoints/{project_name}/{experiment_name}`.
     pub default_local_dir: Option<String>,
     pub del_local_ckpt_after_load: bool,
@@ -54,6 +59,8 @@ impl Default for TrainerConfig {
             val_only: false,
             test_freq: -1,
             critic_warmup: 0,
+            sft_warmup_steps: 0,
+            sft_warmup_lr: None,
             default_local_dir: None,
             del_local_ckpt_after_load: false,
             max_actor_ckpt_to_keep: None,

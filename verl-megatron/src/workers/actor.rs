@@ -51,6 +51,8 @@ pub struct MegatronActor<B: AutodiffBackend> {
     settings: ActorSettings,
     losses: PolicyLossRegistry<B>,
     updates: u64,
+    /// The supervised warm-up's own optimizer (its own learning rate); the RL one otherwise.
+    sft_optim: Option<ModelOptimizer<B, CausalLm<B>>>,
 }
 
 fn temperature_of<B: Backend>(data: &DataProto<B>, default: f64) -> f64 {
@@ -73,11 +75,20 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             settings,
             losses: PolicyLossRegistry::new(),
             updates: 0,
+            sft_optim: None,
         }
     }
 
+    /// Gives the supervised warm-up its own optimizer and schedule.
+    pub fn with_sft_optimizer(mut self, optim: ModelOptimizer<B, CausalLm<B>>) -> Self {
+        self.sft_optim = Some(optim);
+        self
+    }
+
     pub fn model(&self) -> &CausalLm<B> {
-        self.model.as_ref().expect("the model is only out during a step")
+        self.model
+            .as_ref()
+            .expect("the model is only out during a step")
     }
 
     pub fn settings(&self) -> &ActorSettings {
@@ -99,7 +110,8 @@ impl<B: AutodiffBackend> MegatronActor<B> {
         let mut total = 0.0;
         for range in micro_batches(data.len(), self.settings.micro_batch_rows) {
             let micro = data.slice(range.start, range.end)?;
-            let inputs = ModelInputs::from_batch(&micro)?.map(Tensor::from_inner, Tensor::from_inner);
+            let inputs =
+                ModelInputs::from_batch(&micro)?.map(Tensor::from_inner, Tensor::from_inner);
             let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
             let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
             let logits = inputs.response_outputs(self.model());
@@ -109,7 +121,8 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             acc.accumulate(self.model(), grads);
         }
         let model = self.model.take().expect("model present");
-        let (model, report) = self.optim.step(model, acc.grads());
+        let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
+        let (model, report) = optim.step(model, acc.grads());
         self.model = Some(model);
         metrics.push("sft/loss", total);
         metrics.push("sft/grad_norm", report.grad_norm);
@@ -151,9 +164,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
         for epoch in 0..s.ppo_epochs {
             let mut order: Vec<usize> = (0..rows).collect();
             if s.shuffle {
-                let mut rng = StdRng::seed_from_u64(
-                    s.seed ^ (self.updates << 16) ^ epoch as u64,
-                );
+                let mut rng = StdRng::seed_from_u64(s.seed ^ (self.updates << 16) ^ epoch as u64);
                 order.shuffle(&mut rng);
             }
             for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
@@ -161,7 +172,9 @@ impl<B: AutodiffBackend> MegatronActor<B> {
                 let mini_mask = float_col(&mini, "response_mask")?;
                 // Normalise by the whole mini-batch, so micro-batching changes nothing.
                 let scale = AggScale {
-                    global_tokens: Some(mini_mask.clone().sum().into_scalar().elem::<f64>().max(1.0)),
+                    global_tokens: Some(
+                        mini_mask.clone().sum().into_scalar().elem::<f64>().max(1.0),
+                    ),
                     global_sequences: Some(mini.len() as f64),
                     ..Default::default()
                 };

@@ -8,10 +8,7 @@ use verl_core::DataProto;
 use crate::models::CausalLm;
 
 /// A column as f32, whatever its stored kind (masks come as ints).
-pub fn float_col<B: Backend>(
-    data: &DataProto<B>,
-    key: &str,
-) -> verl_core::Result<Tensor<B, 2>> {
+pub fn float_col<B: Backend>(data: &DataProto<B>, key: &str) -> verl_core::Result<Tensor<B, 2>> {
     let d = data.to_data(key)?;
     let shape = d.shape.clone();
     let values: Vec<f32> = d.convert::<f32>().iter::<f32>().collect();

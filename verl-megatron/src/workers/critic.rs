@@ -55,7 +55,9 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
     }
 
     fn model(&self) -> &CausalLm<B> {
-        self.model.as_ref().expect("the model is only out during a step")
+        self.model
+            .as_ref()
+            .expect("the model is only out during a step")
     }
 
     fn values<C: Backend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {

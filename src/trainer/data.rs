@@ -1,0 +1,259 @@
+//! The prompt dataset of a run and the batches the trainer feeds the workers.
+
+use std::path::Path;
+
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use serde_json::Value;
+use verl_core::DataProto;
+use verl_megatron::hf::{ChatMessage, HfTokenizer};
+
+use crate::tasks::{ArithmeticTask, CharTokenizer};
+
+/// How text becomes ids for the run's model.
+pub enum Codec {
+    /// The built-in tasks' character tokenizer (models trained from scratch).
+    Char(CharTokenizer),
+    /// A Hugging Face tokenizer; prompts are chat messages rendered with the chat template.
+    Hf(Box<HfTokenizer>),
+}
+
+impl Codec {
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match self {
+            Codec::Char(_) => vec![CharTokenizer::EOS],
+            Codec::Hf(t) => t.eos_token_ids.clone(),
+        }
+    }
+
+    pub fn pad_token_id(&self) -> u32 {
+        match self {
+            Codec::Char(_) => CharTokenizer::PAD,
+            Codec::Hf(t) => t.eos_token_ids.first().copied().unwrap_or(0),
+        }
+    }
+
+    /// Ids of a prompt given as plain text (the chat template wraps it for HF models).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Codec::Char(t) => t.encode(text),
+            Codec::Hf(t) => {
+                let chat = t
+                    .apply_chat_template(&[ChatMessage::user(text)], true)
+                    .map_err(|e| e.to_string())?;
+                t.encode(&chat).map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// Ids of a response text (no template), for supervised warm-up.
+    pub fn encode_response(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Codec::Char(t) => t.encode(text),
+            Codec::Hf(t) => t.encode(text).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Text of response ids up to the first EOS.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let eos = self.eos_token_ids();
+        let end = ids
+            .iter()
+            .position(|t| eos.contains(t))
+            .unwrap_or(ids.len());
+        match self {
+            Codec::Char(t) => t.decode(&ids[..end]),
+            Codec::Hf(t) => t.decode(&ids[..end]).unwrap_or_default(),
+        }
+    }
+}
+
+/// One prompt with what its reward needs (verl's parquet row).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptRow {
+    pub prompt: String,
+    pub prompt_ids: Vec<u32>,
+    pub data_source: String,
+    pub ground_truth: String,
+    pub extra_info: Value,
+}
+
+/// Rows of the built-in arithmetic task.
+pub fn arithmetic_rows(
+    task: &ArithmeticTask,
+    codec: &Codec,
+    count: usize,
+    seed: u64,
+) -> Result<Vec<PromptRow>, String> {
+    task.problems(count, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            Ok(PromptRow {
+                prompt_ids: codec.encode_prompt(&p.prompt)?,
+                prompt: p.prompt,
+                data_source: ArithmeticTask::DATA_SOURCE.into(),
+                ground_truth: p.answer,
+                extra_info: serde_json::json!({ "index": i }),
+            })
+        })
+        .collect()
+}
+
+/// Rows of a JSONL file in verl's layout: `prompt` (chat messages, or a string),
+/// `data_source`, `reward_model.ground_truth`, `extra_info`. A bad row is reported with its
+/// line number.
+pub fn jsonl_rows(path: &Path, codec: &Codec, prompt_key: &str) -> Result<Vec<PromptRow>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut rows = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at = |msg: String| format!("{}:{}: {msg}", path.display(), i + 1);
+        let v: Value = serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
+        let prompt = match v.get(prompt_key) {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(msgs)) => msgs
+                .iter()
+                .rev()
+                .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+                .and_then(|m| m.get("content").and_then(Value::as_str))
+                .ok_or_else(|| at(format!("`{prompt_key}` has no user message")))?
+                .to_string(),
+            _ => {
+                return Err(at(format!(
+                    "`{prompt_key}` is missing (a string or chat messages)"
+                )))
+            }
+        };
+        let ground_truth = v
+            .pointer("/reward_model/ground_truth")
+            .map(|g| match g {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            })
+            .ok_or_else(|| at("`reward_model.ground_truth` is missing".into()))?;
+        rows.push(PromptRow {
+            prompt_ids: codec.encode_prompt(&prompt).map_err(at)?,
+            prompt,
+            data_source: v
+                .get("data_source")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown")
+                .to_string(),
+            ground_truth,
+            extra_info: v.get("extra_info").cloned().unwrap_or(Value::Null),
+        });
+    }
+    if rows.is_empty() {
+        return Err(format!("{}: no rows", path.display()));
+    }
+    Ok(rows)
+}
+
+fn left_padded<B: Backend>(
+    seqs: &[Vec<u32>],
+    pad: u32,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let (b, w) = (seqs.len(), seqs.iter().map(Vec::len).max().unwrap_or(1));
+    let (mut ids, mut mask, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+    for s in seqs {
+        let p = w - s.len();
+        ids.extend(std::iter::repeat_n(pad as i64, p).chain(s.iter().map(|&t| t as i64)));
+        mask.extend(std::iter::repeat_n(0i64, p).chain(std::iter::repeat_n(1, s.len())));
+        pos.extend(std::iter::repeat_n(0i64, p).chain(0..s.len() as i64));
+    }
+    let t = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [b, w]), device);
+    (t(ids), t(mask), t(pos))
+}
+
+/// The rollout input for `rows`: left-padded `input_ids`, `attention_mask`, `position_ids`, and
+/// the non-tensor columns the reward needs, with a `uid` per prompt.
+pub fn prompt_batch<B: Backend>(
+    rows: &[&PromptRow],
+    pad: u32,
+    uid_prefix: &str,
+    device: &B::Device,
+) -> verl_core::Result<DataProto<B>> {
+    let seqs: Vec<Vec<u32>> = rows.iter().map(|r| r.prompt_ids.clone()).collect();
+    let (ids, mask, pos) = left_padded::<B>(&seqs, pad, device);
+    let mut d = DataProto::new();
+    d.insert_int("input_ids", ids)?;
+    d.insert_int("attention_mask", mask)?;
+    d.insert_int("position_ids", pos)?;
+    let col = |f: &dyn Fn(&PromptRow) -> Value| rows.iter().map(|r| f(r)).collect::<Vec<_>>();
+    d.insert_non_tensor(
+        "data_source",
+        col(&|r| Value::String(r.data_source.clone())),
+    )?;
+    d.insert_non_tensor(
+        "reward_model",
+        col(&|r| serde_json::json!({ "ground_truth": r.ground_truth })),
+    )?;
+    d.insert_non_tensor("extra_info", col(&|r| r.extra_info.clone()))?;
+    d.insert_non_tensor(
+        "uid",
+        (0..rows.len())
+            .map(|i| Value::String(format!("{uid_prefix}-{i}")))
+            .collect(),
+    )?;
+    Ok(d)
+}
+
+/// A supervised batch: each prompt followed by its ground-truth answer and EOS, in the same
+/// layout the rollout produces (so the actor's loss code reads it unchanged).
+pub fn sft_batch<B: Backend>(
+    rows: &[&PromptRow],
+    codec: &Codec,
+    device: &B::Device,
+) -> Result<DataProto<B>, String> {
+    let pad = codec.pad_token_id();
+    let eos = codec.eos_token_ids().first().copied().unwrap_or(pad);
+    let prompts: Vec<Vec<u32>> = rows.iter().map(|r| r.prompt_ids.clone()).collect();
+    let mut responses = Vec::new();
+    for r in rows {
+        let mut ids = codec.encode_response(&r.ground_truth)?;
+        ids.push(eos);
+        responses.push(ids);
+    }
+    let (p_ids, p_mask, p_pos) = left_padded::<B>(&prompts, pad, device);
+    let b = rows.len();
+    let pw = p_ids.dims()[1];
+    let rw = responses.iter().map(Vec::len).max().unwrap_or(1);
+    let mut r_ids = Vec::new();
+    let mut r_mask = Vec::new();
+    for r in &responses {
+        r_ids.extend(
+            r.iter()
+                .map(|&t| t as i64)
+                .chain(std::iter::repeat_n(pad as i64, rw - r.len())),
+        );
+        r_mask.extend((0..rw).map(|j| (j < r.len()) as i64));
+    }
+    let t =
+        |v: Vec<i64>, w: usize| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [b, w]), device);
+    let responses_t = t(r_ids, rw);
+    let response_mask = t(r_mask, rw);
+    let last_pos = p_pos.clone().slice([0..b, pw - 1..pw]);
+    let r_pos = last_pos + Tensor::<B, 1, Int>::arange(1..rw as i64 + 1, device).unsqueeze_dim(0);
+    let mut d = DataProto::new();
+    let err = |e: verl_core::error::DataProtoError| e.to_string();
+    d.insert_int(
+        "input_ids",
+        Tensor::cat(vec![p_ids, responses_t.clone()], 1),
+    )
+    .map_err(err)?;
+    d.insert_int(
+        "attention_mask",
+        Tensor::cat(vec![p_mask, response_mask.clone()], 1),
+    )
+    .map_err(err)?;
+    d.insert_int("position_ids", Tensor::cat(vec![p_pos, r_pos], 1))
+        .map_err(err)?;
+    d.insert_int("responses", responses_t).map_err(err)?;
+    d.insert_int("response_mask", response_mask).map_err(err)?;
+    Ok(d)
+}

@@ -86,15 +86,16 @@ impl<B: Backend> NativeRollout<B> {
             &self.device,
         )?;
         let s = self.last_stats();
+        // As metrics (lists, which concatenating ranks' outputs gathers), not a shared key.
         out.meta_info.insert(
-            "rollout_stats".into(),
+            "metrics".into(),
             serde_json::json!({
-                "requests": s.requests,
-                "prompt_tokens": s.prompt_tokens,
-                "generated_tokens": s.generated_tokens,
-                "decode_steps": s.decode_steps,
-                "peak_batch": s.peak_batch,
-                "seconds": s.seconds,
+                "rollout/prompt_tokens": [s.prompt_tokens],
+                "rollout/generated_tokens": [s.generated_tokens],
+                "rollout/decode_steps": [s.decode_steps],
+                "rollout/peak_batch": [s.peak_batch],
+                "rollout/seconds": [s.seconds],
+                "rollout/decode_tokens_per_s": [s.decode_tokens_per_second()],
             }),
         );
         Ok(out)

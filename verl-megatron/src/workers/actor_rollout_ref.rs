@@ -68,12 +68,15 @@ impl<B: Backend> ShardingManager<B> for HybridShardingManager {
     }
 }
 
+/// Adds `metrics` to `meta_info["metrics"]` (name → list of values), keeping what is there.
 fn with_metrics<B: Backend>(mut data: DataProto<B>, metrics: &Metrics) -> DataProto<B> {
-    let m: serde_json::Map<String, serde_json::Value> = metrics
-        .0
-        .iter()
-        .map(|(k, v)| (k.clone(), serde_json::json!(v)))
-        .collect();
+    let mut m = match data.meta_info.remove("metrics") {
+        Some(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    for (k, v) in &metrics.0 {
+        m.insert(k.clone(), serde_json::json!(v));
+    }
     data.meta_info
         .insert("metrics".into(), serde_json::Value::Object(m));
     data

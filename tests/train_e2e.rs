@@ -1,12 +1,19 @@
-//! End to end: the trainer learns with GRPO, and PPO's critic learns its values. Short runs on
-//! the built-in addition task (one digit), a tiny model from scratch, on the CPU default.
+//! End to end: the trainer learns with GRPO, PPO's critic learns its values, and a reward model
+//! gives the rewards. Short runs on the built-in addition task (one digit), a tiny model from
+//! scratch, on the CPU default.
 
 use std::collections::BTreeMap;
 
 use verl::trainer::{PpoTrainer, MAIN_JOB};
 use verl::ConfigBuilder;
 
-fn run(overrides: &[&str]) -> (verl::trainer::RunSummary, Vec<BTreeMap<String, f64>>) {
+fn run<S: AsRef<str>>(
+    overrides: &[S],
+) -> (
+    verl::trainer::RunSummary,
+    Vec<BTreeMap<String, f64>>,
+    tempfile::TempDir,
+) {
     let dir = tempfile::tempdir().unwrap();
     let validated = ConfigBuilder::new()
         .overrides(MAIN_JOB)
@@ -17,7 +24,7 @@ fn run(overrides: &[&str]) -> (verl::trainer::RunSummary, Vec<BTreeMap<String, f
             "+actor_rollout_ref.model.override_config.intermediate_size=192",
             "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
         ])
-        .overrides(overrides)
+        .overrides(overrides.iter().map(AsRef::as_ref))
         .set("trainer.default_local_dir", dir.path().display())
         .build()
         .unwrap();
@@ -41,7 +48,7 @@ fn run(overrides: &[&str]) -> (verl::trainer::RunSummary, Vec<BTreeMap<String, f
         })
         .filter(|m: &BTreeMap<String, f64>| m.contains_key("step"))
         .collect();
-    (summary, lines)
+    (summary, lines, dir)
 }
 
 fn mean_of(lines: &[BTreeMap<String, f64>], key: &str) -> f64 {
@@ -52,11 +59,14 @@ fn mean_of(lines: &[BTreeMap<String, f64>], key: &str) -> f64 {
 
 #[test]
 fn grpo_raises_the_score() {
-    let (summary, lines) = run(&[
+    let (summary, lines, _dir) = run(&[
         "trainer.sft_warmup_steps=120",
         "trainer.total_training_steps=80",
         "actor_rollout_ref.actor.optim.lr=0.0003",
     ]);
+    // The plot of score and response length is there, as a PNG.
+    let png = std::fs::read(&summary.plot_path).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     let before = summary.val_score_before.unwrap();
     let after = summary.val_score_after.unwrap();
     let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).cloned().collect();
@@ -91,7 +101,7 @@ fn grpo_raises_the_score() {
 
 #[test]
 fn ppo_with_a_critic_lowers_the_value_loss() {
-    let (_, lines) = run(&[
+    let (_, lines, _dir) = run(&[
         "algorithm.adv_estimator=gae",
         "critic.enable=true",
         "critic.optim.lr=0.001",
@@ -105,4 +115,64 @@ fn ppo_with_a_critic_lowers_the_value_loss() {
     let early = mean_of(&steps[..5], "critic/vf_loss");
     let late = mean_of(&steps[20..], "critic/vf_loss");
     assert!(late < early * 0.5, "value loss {early:.4} → {late:.4}");
+}
+
+/// A reward model whose score is 0.25 at every token (zero score weights, bias 0.25), saved
+/// as a Hugging Face directory sharing the addition task's character vocabulary.
+fn constant_reward_model(dir: &std::path::Path) {
+    use verl::megatron::hf::{save_pretrained, HeadKind, HfModelConfig, Qwen2Dims, SaveOptions};
+    use verl::megatron::models::CausalLm;
+    use verl::NamedTensor;
+    let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
+        vocab_size: verl::tasks::CharTokenizer::arithmetic().vocab_size(),
+        hidden_size: 32,
+        intermediate_size: 64,
+        num_hidden_layers: 1,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        max_position_embeddings: 256,
+    });
+    cfg.head = HeadKind::TokenClassification { num_labels: 1 };
+    cfg.tie_word_embeddings = false;
+    let device = Default::default();
+    let model = CausalLm::<verl::backend::CpuBackend>::init(&cfg, 0.02, 1, &device);
+    let weights: Vec<_> = model
+        .export_weights()
+        .into_iter()
+        .map(|t| match t.name.as_str() {
+            "score.weight" => NamedTensor::new(
+                "score.weight",
+                burn::tensor::Tensor::<_, 2>::zeros([1, 32], &device),
+            ),
+            "score.bias" => NamedTensor::new(
+                "score.bias",
+                burn::tensor::Tensor::<_, 1>::full([1], 0.25, &device),
+            ),
+            _ => t,
+        })
+        .collect();
+    save_pretrained(&weights, &cfg.to_config_json(), dir, SaveOptions::default()).unwrap();
+}
+
+#[test]
+fn a_reward_model_gives_the_rewards() {
+    let rm = tempfile::tempdir().unwrap();
+    constant_reward_model(rm.path());
+    let (summary, lines, _dir) = run(&[
+        "reward_model.enable=true".to_string(),
+        format!("reward_model.model.path={}", rm.path().display()),
+        "trainer.sft_warmup_steps=0".into(),
+        "trainer.total_training_steps=3".into(),
+    ]);
+    let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).cloned().collect();
+    assert_eq!(steps.len(), 3);
+    for s in &steps {
+        // Every sequence scores 0.25: the score, the rewards (no KL in reward) and the GRPO
+        // advantages (equal scores in every group) follow by hand.
+        assert!((s["critic/score/mean"] - 0.25).abs() < 1e-5, "{s:?}");
+        assert!((s["critic/rewards/mean"] - 0.25).abs() < 1e-5, "{s:?}");
+        assert!(s["critic/advantages/mean"].abs() < 1e-6, "{s:?}");
+        assert!(s.contains_key("timing_s/rm"));
+    }
+    assert_eq!(summary.steps, 3);
 }

@@ -1,6 +1,6 @@
 //! The role workers through the worker group with verl's dispatch modes: on two data-parallel
 //! ranks, rollout (MegatronPpAsDp), log-probs (MegatronCompute, OneToAll), reference log-probs
-//! and critic values give what one rank gives.
+//! critic values and reward-model scores give what one rank gives.
 
 use burn::module::AutodiffModule;
 use verl::backend::{CpuAutodiff, CpuBackend};
@@ -11,7 +11,7 @@ use verl::megatron::hf::{HeadKind, HfModelConfig, Qwen2Dims};
 use verl::megatron::models::CausalLm;
 use verl::megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CriticSettings, CriticWorker, HybridShardingManager,
-    MegatronActor, MegatronCritic, ModelOptimizer,
+    MegatronActor, MegatronCritic, ModelOptimizer, ReferenceWorker, RewardModelWorker,
 };
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, SamplingParams};
 use verl::topology::{ParallelConfig, Topology};
@@ -181,6 +181,30 @@ async fn run_all(world: usize) -> Vec<DataProto<CpuBackend>> {
         )
         .await
         .unwrap();
+    // A reference on its own ranks (not colocated) gives the colocated one's log-probs.
+    let ref_topo = Topology::new(ParallelConfig::default(), world).unwrap();
+    let standalone = WorkerGroup::spawn(world, move |ctx| {
+        Ok(ReferenceWorker {
+            coords: ref_topo.coords(ctx.rank)?,
+            model: CausalLm::<CpuBackend>::init(&model_cfg(), 0.2, 3, &Default::default()),
+            temperature: 1.0,
+            micro_batch_rows: 4,
+        })
+    })
+    .unwrap();
+    let standalone = standalone
+        .call_proto(
+            &DispatchMode::MegatronCompute,
+            "compute_ref_log_prob",
+            inputs.clone(),
+            |w, _, d| Box::pin(w.compute_ref_log_prob(d)),
+        )
+        .await
+        .unwrap();
+    close(
+        &host(&standalone, "ref_log_prob"),
+        &host(&reference, "ref_log_prob"),
+    );
     let critic_topo = Topology::new(ParallelConfig::default(), world).unwrap();
     let critic = WorkerGroup::spawn(world, move |ctx| {
         let mut cfg = model_cfg();
@@ -210,12 +234,56 @@ async fn run_all(world: usize) -> Vec<DataProto<CpuBackend>> {
         .call_proto(
             &DispatchMode::MegatronCompute,
             "compute_values",
-            inputs,
+            inputs.clone(),
             |w, _, d| Box::pin(w.compute_values(d)),
         )
         .await
         .unwrap();
-    vec![gen, lp, lp_all, reference, values]
+    let rm_topo = Topology::new(ParallelConfig::default(), world).unwrap();
+    let rm = WorkerGroup::spawn(world, move |ctx| {
+        let cfg = reward_model_cfg();
+        let model = CausalLm::<CpuBackend>::init(&cfg, 0.2, 5, &Default::default());
+        RewardModelWorker::new(rm_topo.coords(ctx.rank)?, &cfg, model, 2)
+    })
+    .unwrap();
+    let scores = rm
+        .call_proto(
+            &DispatchMode::MegatronCompute,
+            "compute_rm_score",
+            inputs,
+            |w, _, d| Box::pin(w.compute_rm_score(d)),
+        )
+        .await
+        .unwrap();
+    vec![gen, lp, lp_all, reference, values, scores]
+}
+
+fn reward_model_cfg() -> HfModelConfig {
+    let mut cfg = model_cfg();
+    cfg.head = HeadKind::SequenceClassification { num_labels: 1 };
+    cfg.tie_word_embeddings = false;
+    cfg
+}
+
+/// The reward model's score per sequence, naively: a full forward pass over each row alone,
+/// read at its last attended token.
+fn naive_rm_scores(gen: &DataProto<CpuBackend>) -> Vec<f32> {
+    let model = CausalLm::<CpuBackend>::init(&reward_model_cfg(), 0.2, 5, &Default::default());
+    (0..gen.len())
+        .map(|i| {
+            let row = gen.slice(i, i + 1).unwrap();
+            let mask = verl::megatron::workers::batch::float_col(&row, "attention_mask").unwrap();
+            let out = model.forward(
+                row.int::<2>("input_ids").unwrap(),
+                Some(mask.clone()),
+                Some(row.int::<2>("position_ids").unwrap()),
+            );
+            CausalLm::last_token_scores(out, Some(mask))
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()[0]
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -248,10 +316,41 @@ async fn two_data_parallel_ranks_match_one() {
         &host(&two[2], "old_log_probs"),
     );
     close(&host(&one[1], "entropys"), &host(&two[1], "entropys"));
+    // generate_sequences recomputed the old log-probs with the actor: the same values.
+    close(
+        &host(&one[0], "old_log_probs"),
+        &host(&one[1], "old_log_probs"),
+    );
+    close(
+        &host(&two[0], "old_log_probs"),
+        &host(&one[1], "old_log_probs"),
+    );
     // The reference starts as the actor: the same log-probs.
     close(
         &host(&one[1], "old_log_probs"),
         &host(&two[3], "ref_log_prob"),
     );
     close(&host(&one[4], "values"), &host(&two[4], "values"));
+    // Reward-model scores: the same on two ranks, one per row on its last response token,
+    // equal to a naive full forward read at the last attended token.
+    let scores = host(&one[5], "rm_scores");
+    close(&scores, &host(&two[5], "rm_scores"));
+    let mask = host(&one[0], "response_mask");
+    let r = mask.len() / one[0].len();
+    let naive = naive_rm_scores(&one[0]);
+    for (i, want) in naive.iter().enumerate() {
+        let len = mask[i * r..(i + 1) * r].iter().sum::<f32>() as usize;
+        assert!(len > 0, "row {i} has a response");
+        for j in 0..r {
+            if j == len - 1 {
+                assert!(
+                    (scores[i * r + j] - want).abs() < 1e-4,
+                    "row {i}: {} vs {want}",
+                    scores[i * r + j]
+                );
+            } else {
+                assert_eq!(scores[i * r + j], 0.0, "row {i} slot {j}");
+            }
+        }
+    }
 }

@@ -35,11 +35,24 @@ impl Codec {
 
     /// Ids of a prompt given as plain text (the chat template wraps it for HF models).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.encode_chat(&[ChatMessage::user(text)])
+    }
+
+    /// Ids of a prompt given as chat messages: HF models render the whole conversation with
+    /// their chat template (as verl does); the character tokenizer takes the last user turn.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
         match self {
-            Codec::Char(t) => t.encode(text),
+            Codec::Char(t) => {
+                let user = messages
+                    .iter()
+                    .rev()
+                    .find(|m| m.role == "user")
+                    .ok_or("the chat messages have no user turn")?;
+                t.encode(&user.content)
+            }
             Codec::Hf(t) => {
                 let chat = t
-                    .apply_chat_template(&[ChatMessage::user(text)], true)
+                    .apply_chat_template(messages, true)
                     .map_err(|e| e.to_string())?;
                 t.encode(&chat).map_err(|e| e.to_string())
             }
@@ -100,57 +113,114 @@ pub fn arithmetic_rows(
         .collect()
 }
 
-/// Rows of a JSONL file in verl's layout: `prompt` (chat messages, or a string),
-/// `data_source`, `reward_model.ground_truth`, `extra_info`. A bad row is reported with its
-/// line number.
-pub fn jsonl_rows(path: &Path, codec: &Codec, prompt_key: &str) -> Result<Vec<PromptRow>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let mut rows = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let at = |msg: String| format!("{}:{}: {msg}", path.display(), i + 1);
-        let v: Value = serde_json::from_str(line).map_err(|e| at(format!("not JSON: {e}")))?;
-        let prompt = match v.get(prompt_key) {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(msgs)) => msgs
-                .iter()
-                .rev()
-                .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
-                .and_then(|m| m.get("content").and_then(Value::as_str))
-                .ok_or_else(|| at(format!("`{prompt_key}` has no user message")))?
-                .to_string(),
-            _ => {
-                return Err(at(format!(
-                    "`{prompt_key}` is missing (a string or chat messages)"
-                )))
-            }
-        };
-        let ground_truth = v
-            .pointer("/reward_model/ground_truth")
-            .map(|g| match g {
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            })
-            .ok_or_else(|| at("`reward_model.ground_truth` is missing".into()))?;
-        rows.push(PromptRow {
-            prompt_ids: codec.encode_prompt(&prompt).map_err(at)?,
-            prompt,
-            data_source: v
-                .get("data_source")
-                .and_then(Value::as_str)
-                .unwrap_or("unknown")
-                .to_string(),
-            ground_truth,
-            extra_info: v.get("extra_info").cloned().unwrap_or(Value::Null),
-        });
-    }
-    if rows.is_empty() {
+/// Rows of a data file in verl's layout, chosen by extension: `.parquet` (what verl's
+/// preprocessing scripts write) or `.jsonl` / `.json` (one row object per line).
+pub fn file_rows(path: &Path, codec: &Codec, prompt_key: &str) -> Result<Vec<PromptRow>, String> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    let values = match ext {
+        "parquet" => parquet_values(path)?,
+        "jsonl" | "json" => jsonl_values(path)?,
+        _ => {
+            return Err(format!(
+                "{}: unknown data file type `.{ext}`: data.train_files / data.val_files take .parquet or .jsonl files",
+                path.display()
+            ))
+        }
+    };
+    if values.is_empty() {
         return Err(format!("{}: no rows", path.display()));
     }
-    Ok(rows)
+    values
+        .iter()
+        .map(|(at, v)| {
+            row_from_value(v, codec, prompt_key)
+                .map_err(|e| format!("{}: {at}: {e}", path.display()))
+        })
+        .collect()
+}
+
+/// Each JSONL line's object, labelled with its line number.
+fn jsonl_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            let at = format!("line {}", i + 1);
+            serde_json::from_str(line)
+                .map(|v| (at.clone(), v))
+                .map_err(|e| format!("{}: {at}: not JSON: {e}", path.display()))
+        })
+        .collect()
+}
+
+/// Each parquet row as a JSON object (nested lists and structs included), labelled with its
+/// row index. Parquet's record reader does the nesting, so files written by pandas/pyarrow
+/// (verl's `examples/data_preprocess`) read as they are.
+fn parquet_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let err = |e: parquet::errors::ParquetError| format!("{}: {e}", path.display());
+    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let reader = SerializedFileReader::new(file).map_err(err)?;
+    let rows = reader.get_row_iter(None).map_err(err)?;
+    rows.enumerate()
+        .map(|(i, row)| {
+            let row = row.map_err(|e| format!("{}: row {i}: {e}", path.display()))?;
+            Ok((format!("row {i}"), row.to_json_value()))
+        })
+        .collect()
+}
+
+/// One row of verl's layout: `prompt` (chat messages, or a string), `data_source`,
+/// `reward_model.ground_truth`, `extra_info`.
+fn row_from_value(v: &Value, codec: &Codec, prompt_key: &str) -> Result<PromptRow, String> {
+    let messages: Vec<ChatMessage> = match v.get(prompt_key) {
+        Some(Value::String(s)) => vec![ChatMessage::user(s.clone())],
+        Some(Value::Array(msgs)) => msgs
+            .iter()
+            .enumerate()
+            .map(|(j, m)| {
+                let field = |k: &str| {
+                    m.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
+                        format!("`{prompt_key}[{j}].{k}` is missing: chat messages need `role` and `content`")
+                    })
+                };
+                Ok(ChatMessage {
+                    role: field("role")?,
+                    content: field("content")?,
+                })
+            })
+            .collect::<Result<_, String>>()?,
+        _ => {
+            return Err(format!(
+                "`{prompt_key}` is missing (a string or chat messages); set data.prompt_key to the prompt column"
+            ))
+        }
+    };
+    let prompt = messages
+        .iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .map(|m| m.content.clone())
+        .ok_or_else(|| format!("`{prompt_key}` has no user message"))?;
+    let ground_truth = match v.pointer("/reward_model/ground_truth") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Null) | None => {
+            return Err("`reward_model.ground_truth` is missing".into());
+        }
+        Some(other) => other.to_string(),
+    };
+    Ok(PromptRow {
+        prompt_ids: codec.encode_chat(&messages)?,
+        prompt,
+        data_source: v
+            .get("data_source")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_string(),
+        ground_truth,
+        extra_info: v.get("extra_info").cloned().unwrap_or(Value::Null),
+    })
 }
 
 fn left_padded<B: Backend>(

@@ -4,8 +4,10 @@
 //! advantages → critic update → actor update; validation every `trainer.test_freq` steps. Every
 //! step appends one JSON object to `<trainer.default_local_dir>/metrics.jsonl`.
 
+pub mod checkpoint;
 pub mod data;
 pub mod log;
+pub mod plot;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,16 +25,18 @@ use verl_core::reward_score::default_compute_score;
 use verl_core::topology::Topology;
 use verl_core::worker::WorkerGroup;
 use verl_core::{DataProto, Metrics};
-use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims};
+use verl_megatron::checkpoint::HfCheckpointer;
+use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
 use verl_megatron::models::CausalLm;
 use verl_megatron::workers::{
-    ActorRolloutRefWorker, ActorSettings, CriticSettings, CriticWorker, HybridShardingManager,
-    MegatronActor, MegatronCritic, ModelOptimizer,
+    ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
+    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, RewardModelWorker,
 };
 use verl_rollout::{EngineConfig, NativeRollout};
 
 use crate::tasks::{ArithmeticTask, CharTokenizer};
-use data::{arithmetic_rows, jsonl_rows, prompt_batch, sft_batch, Codec, PromptRow};
+use checkpoint::{contents_of, LoopState};
+use data::{arithmetic_rows, file_rows, prompt_batch, sft_batch, Codec, PromptRow};
 use log::RunLog;
 
 /// The main job's settings (`verl train` with no `--config`), applied before the command
@@ -91,6 +95,8 @@ pub struct RunSummary {
     pub val_score_before: Option<f64>,
     pub val_score_after: Option<f64>,
     pub metrics_path: PathBuf,
+    /// `metrics.png`: score and response length against step.
+    pub plot_path: PathBuf,
     pub seconds: f64,
 }
 
@@ -121,12 +127,56 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
     Ok(m)
 }
 
+/// The reward-model workers (`reward_model.enable`): a one-label score-head model loaded from
+/// `reward_model.model.path`, fed the actor's token ids (so it must share the tokenizer).
+fn reward_model_group(
+    cfg: &VerlConfig,
+    vocab_size: usize,
+) -> Result<Option<WorkerGroup<RewardModelWorker<Infer>>>, TrainError> {
+    let rm = &cfg.reward_model;
+    if !rm.enable {
+        return Ok(None);
+    }
+    let path = rm.model.path.clone().ok_or_else(|| {
+        setup("reward_model.enable=true needs reward_model.model.path: a Hugging Face directory with a …ForSequenceClassification (num_labels = 1) model")
+    })?;
+    if rm.model.input_tokenizer.is_some() {
+        return Err(setup("reward_model.model.input_tokenizer: re-tokenising for a reward model with its own tokenizer is not supported; the reward model reads the actor's token ids, so unset it and use a reward model that shares the actor's tokenizer"));
+    }
+    let rm_cfg = HfModelConfig::from_dir(&path).map_err(setup)?;
+    if rm_cfg.vocab_size != vocab_size {
+        return Err(setup(format!(
+            "reward_model.model.path = {path}: its vocab_size {} differs from the actor's {vocab_size}; the reward model must share the actor's tokenizer",
+            rm_cfg.vocab_size
+        )));
+    }
+    let ckpt = HfCheckpoint::open(&path).map_err(setup)?;
+    let micro = rm
+        .micro_batch_size_per_gpu
+        .unwrap_or(cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n);
+    let topo = Topology::new(rm.megatron.parallel(), 1).map_err(setup)?;
+    let group = WorkerGroup::spawn(1, move |ctx| {
+        let model = CausalLm::<Infer>::from_checkpoint(&rm_cfg, &ckpt, &Default::default())?;
+        RewardModelWorker::new(topo.coords(ctx.rank)?, &rm_cfg, model, micro)
+    })?;
+    Ok(Some(group))
+}
+
+/// The run's length: `trainer.total_training_steps`, else `total_epochs` over the data.
+fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
+    let steps_per_epoch = (rows / cfg.data.train_batch_size.max(1)).max(1) as u64;
+    cfg.trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch)
+}
+
 /// The single controller of a PPO / GRPO run.
 pub struct PpoTrainer {
     cfg: VerlConfig,
     validated: ValidatedConfig,
     actor: WorkerGroup<ActorRolloutRefWorker<Train>>,
     critic: Option<WorkerGroup<CriticWorker<Train>>>,
+    reward_model: Option<WorkerGroup<RewardModelWorker<Infer>>>,
     codec: Codec,
     train: Vec<PromptRow>,
     val: Vec<PromptRow>,
@@ -136,6 +186,14 @@ pub struct PpoTrainer {
     log: RunLog,
     needs_ref: bool,
     total_steps: u64,
+    /// The step being run (validation seeds its sampling with it).
+    global_step: u64,
+    out_dir: PathBuf,
+    /// `config.json` of the actor's and the critic's HF copies.
+    actor_config_json: Value,
+    critic_config_json: Option<Value>,
+    /// The checkpoint to resume from, and where its loop stood.
+    resume: Option<(PathBuf, LoopState)>,
 }
 
 impl PpoTrainer {
@@ -171,7 +229,7 @@ impl PpoTrainer {
                 (Codec::Hf(Box::new(tok)), m)
             }
         };
-        // Data: JSONL files, or the built-in task.
+        // Data: parquet / JSONL files, or the built-in task.
         let builtin = match &cfg.data.train_files {
             None => Some(ArithmeticTask { digits: 2 }),
             Some(f) => match f.paths().as_slice() {
@@ -191,8 +249,7 @@ impl PpoTrainer {
                     let mut rows = Vec::new();
                     for p in paths {
                         rows.extend(
-                            jsonl_rows(Path::new(p), &codec, &cfg.data.prompt_key)
-                                .map_err(setup)?,
+                            file_rows(Path::new(p), &codec, &cfg.data.prompt_key).map_err(setup)?,
                         );
                     }
                     Ok(rows)
@@ -207,7 +264,7 @@ impl PpoTrainer {
             (None, None) => unreachable!("no files means the built-in task"),
         };
         if builtin.is_some() && model_path.is_some() {
-            return Err(setup("the built-in task uses its own character tokenizer: set data.train_files to JSONL files to train an HF model at actor_rollout_ref.model.path"));
+            return Err(setup("the built-in task uses its own character tokenizer: set data.train_files to parquet or JSONL files to train an HF model at actor_rollout_ref.model.path"));
         }
         let longest = train
             .iter()
@@ -223,12 +280,95 @@ impl PpoTrainer {
                 cfg.data.max_prompt_length
             )));
         }
+        // Every row needs a scorer: the rule-based ones by data_source (validation always
+        // scores by rule, as verl's does), or the reward model for training rows.
+        let known = |ds: &str| {
+            ds == ArithmeticTask::DATA_SOURCE || default_compute_score(ds, "", "").is_some()
+        };
+        let must_score: Vec<&PromptRow> = if cfg.reward_model.enable {
+            val.iter().collect()
+        } else {
+            train.iter().chain(&val).collect()
+        };
+        if let Some(row) = must_score.iter().find(|r| !known(&r.data_source)) {
+            return Err(setup(format!(
+                "data_source `{}` has no rule-based scorer (built in: {}, openai/gsm8k); use one of those, or set reward_model.enable=true with reward_model.model.path for training rows",
+                row.data_source,
+                ArithmeticTask::DATA_SOURCE
+            )));
+        }
+        // Checkpoints: what to save and load, and where to resume from, checked before any
+        // model is built.
+        let out_dir = PathBuf::from(cfg.trainer.default_local_dir.clone().unwrap_or_else(|| {
+            format!(
+                "checkpoints/{}/{}",
+                cfg.trainer.project_name, cfg.trainer.experiment_name
+            )
+        }));
+        for save in [true, false] {
+            contents_of(
+                &cfg.actor_rollout_ref.actor.checkpoint,
+                "actor_rollout_ref.actor",
+                save,
+            )?;
+            if cfg.critic_enabled() {
+                contents_of(&cfg.critic.checkpoint, "critic", save)?;
+            }
+        }
+        let resume_dir = match cfg.trainer.resume_mode.as_str() {
+            "disable" => None,
+            "auto" => checkpoint::latest(&out_dir),
+            "resume_path" => Some(PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(
+                || setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)"),
+            )?)),
+            other => {
+                return Err(setup(format!(
+                    "trainer.resume_mode = `{other}`: use auto, disable or resume_path"
+                )))
+            }
+        };
+        let resume = match resume_dir {
+            Some(d) => {
+                let state = checkpoint::read_loop_state(&d)?;
+                if state.order.len() != train.len() {
+                    return Err(setup(format!(
+                        "{}: saved with {} training rows, the data now has {}; resume with the same data.train_files",
+                        d.display(),
+                        state.order.len(),
+                        train.len()
+                    )));
+                }
+                Some((d, state))
+            }
+            None => None,
+        };
+        let log = match &resume {
+            Some((_, state)) => RunLog::resume(
+                &out_dir,
+                total_steps_of(&cfg, train.len()),
+                &cfg.trainer.experiment_name,
+                state.step,
+            ),
+            None => RunLog::create(
+                &out_dir,
+                total_steps_of(&cfg, train.len()),
+                &cfg.trainer.experiment_name,
+            ),
+        }
+        .map_err(setup)?;
+        let actor_config_json = match &model_path {
+            Some(p) => verl_megatron::hf::read_config_json(p).map_err(setup)?,
+            None => model_cfg.to_config_json(),
+        };
+        let critic_config_json = cfg.critic_enabled().then(|| {
+            let mut v = model_cfg.clone();
+            v.head = HeadKind::TokenClassification { num_labels: 1 };
+            v.tie_word_embeddings = false;
+            v.to_config_json()
+        });
+        let reward_model = reward_model_group(&cfg, model_cfg.vocab_size)?;
         let batch = cfg.data.train_batch_size;
-        let steps_per_epoch = (train.len() / batch).max(1) as u64;
-        let total_steps = cfg
-            .trainer
-            .total_training_steps
-            .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch);
+        let total_steps = total_steps_of(&cfg, train.len());
         let n = cfg.actor_rollout_ref.rollout.n;
         let actor_cfg = &cfg.actor_rollout_ref.actor;
         let micro = actor_cfg
@@ -352,26 +492,26 @@ impl PpoTrainer {
         } else {
             None
         };
-        let out_dir = PathBuf::from(cfg.trainer.default_local_dir.clone().unwrap_or_else(|| {
-            format!(
-                "checkpoints/{}/{}",
-                cfg.trainer.project_name, cfg.trainer.experiment_name
-            )
-        }));
         Ok(Self {
             kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
             kl_penalty: cfg.algorithm.kl_penalty.parse().map_err(setup)?,
             advantages: AdvantageRegistry::new(),
-            log: RunLog::create(&out_dir, total_steps).map_err(setup)?,
+            log,
             cfg,
             validated,
             actor,
             critic,
+            reward_model,
             codec,
             train,
             val,
             needs_ref,
             total_steps,
+            global_step: 0,
+            out_dir,
+            actor_config_json,
+            critic_config_json,
+            resume,
         })
     }
 
@@ -434,6 +574,12 @@ impl PpoTrainer {
                 &Default::default(),
             )?;
             batch.meta_info.insert("validate".into(), Value::Bool(true));
+            batch
+                .meta_info
+                .insert("recompute_log_prob".into(), Value::Bool(false));
+            batch
+                .meta_info
+                .insert("global_steps".into(), self.global_step.into());
             let gen = self
                 .actor
                 .call_proto(
@@ -491,12 +637,13 @@ impl PpoTrainer {
         let t_step = Instant::now();
         let mut metrics = Metrics::default();
         let device = Default::default();
-        let batch = prompt_batch::<Infer>(
+        let mut batch = prompt_batch::<Infer>(
             rows,
             self.codec.pad_token_id(),
             &format!("s{step}"),
             &device,
         )?;
+        batch.meta_info.insert("global_steps".into(), step.into());
 
         let t = Instant::now();
         let mut gen = self
@@ -508,16 +655,19 @@ impl PpoTrainer {
                 |w, _, d| Box::pin(w.generate_sequences(d)),
             )
             .await?;
-        metrics.extend(metrics_of(&gen));
+        let worker_metrics = metrics_of(&gen);
         gen.meta_info.remove("metrics");
-        metrics.push("timing_s/gen", t.elapsed().as_secs_f64());
+        // The rollout alone: the old log-probs' recompute is timed apart (ranks run in
+        // parallel, so the slowest one's time).
+        let recompute: f64 = worker_metrics
+            .0
+            .get("timing_s/old_log_prob")
+            .map(|v| v.iter().copied().fold(0.0, f64::max))
+            .unwrap_or(0.0);
+        metrics.extend(worker_metrics);
+        metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
 
-        let t = Instant::now();
-        let (scores, lengths) = self.rewards(&gen)?;
         let mask = verl_megatron::workers::batch::float_col(&gen, "response_mask")?;
-        let token_scores = token_level_rewards(&scores, &mask).map_err(setup)?;
-        metrics.push("timing_s/reward", t.elapsed().as_secs_f64());
-
         let inputs = gen.select(
             Some(&[
                 "input_ids",
@@ -530,18 +680,41 @@ impl PpoTrainer {
             None,
         )?;
         let model_inputs = || -> Result<DataProto<Infer>, TrainError> { Ok(inputs.clone()) };
+
+        // Rewards: the reward model's scores when there is one (as verl's reward manager
+        // returns `rm_scores` directly), else the rule-based scorer of each row's data_source.
         let t = Instant::now();
-        let old = self
-            .actor
-            .call_proto(
-                &DispatchMode::MegatronCompute,
-                "compute_log_prob",
-                model_inputs()?,
-                |w, _, d| Box::pin(w.compute_log_prob(d)),
-            )
-            .await?;
-        metrics.push("timing_s/old_log_prob", t.elapsed().as_secs_f64());
-        if let Ok(e) = old.float::<2>("entropys") {
+        let (rule_scores, lengths) = self.rewards(&gen)?;
+        let (scores, token_scores) = match &self.reward_model {
+            Some(rm) => {
+                let out = rm
+                    .call_proto(
+                        &DispatchMode::MegatronCompute,
+                        "compute_rm_score",
+                        model_inputs()?,
+                        |w, _, d| Box::pin(w.compute_rm_score(d)),
+                    )
+                    .await?;
+                let token = out.float::<2>("rm_scores")?;
+                let per_seq: Vec<f64> = token
+                    .clone()
+                    .sum_dim(1)
+                    .into_data()
+                    .convert::<f64>()
+                    .iter::<f64>()
+                    .collect();
+                metrics.push("timing_s/rm", t.elapsed().as_secs_f64());
+                (per_seq, token)
+            }
+            None => {
+                let token = token_level_rewards(&rule_scores, &mask).map_err(setup)?;
+                (rule_scores, token)
+            }
+        };
+        metrics.push("timing_s/reward", t.elapsed().as_secs_f64());
+        // generate_sequences recomputed the old log-probs with the actor (verl's Megatron
+        // worker order); its time is in the metrics as `timing_s/old_log_prob`.
+        if let Ok(e) = gen.float::<2>("entropys") {
             metrics.push(
                 "actor/entropy_rollout",
                 verl_core::algorithms::masked::masked_mean(e, mask.clone())
@@ -549,7 +722,7 @@ impl PpoTrainer {
                     .elem::<f64>(),
             );
         }
-        let mut data = gen.union(old.select(Some(&["old_log_probs"]), Some(&[]), None)?)?;
+        let mut data = gen.clone();
 
         if self.needs_ref {
             let t = Instant::now();
@@ -721,49 +894,158 @@ impl PpoTrainer {
         Ok(metrics)
     }
 
+    /// Saves step `state.step` in verl's layout (see [`checkpoint`]): every rank of each role
+    /// writes its shard, then the loop state, then `latest_checkpointed_iteration.txt`; older
+    /// checkpoints beyond `trainer.max_actor_ckpt_to_keep` are removed.
+    pub async fn save_checkpoint(&mut self, state: &LoopState) -> Result<PathBuf, TrainError> {
+        let dir = checkpoint::step_dir(&self.out_dir, state.step);
+        let (contents, hf) = contents_of(
+            &self.cfg.actor_rollout_ref.actor.checkpoint,
+            "actor_rollout_ref.actor",
+            true,
+        )?;
+        let req = CheckpointRequest {
+            dir: dir.join("actor"),
+            contents,
+            hf: hf.then(|| HfCheckpointer {
+                config_json: self.actor_config_json.clone(),
+                options: SaveOptions::default(),
+            }),
+        };
+        self.actor
+            .execute_all("save_checkpoint", req, |w, _, r| {
+                Box::pin(w.save_checkpoint(r))
+            })
+            .await?;
+        if let Some(critic) = &self.critic {
+            let (contents, hf) = contents_of(&self.cfg.critic.checkpoint, "critic", true)?;
+            let req = CheckpointRequest {
+                dir: dir.join("critic"),
+                contents,
+                hf: match (&self.critic_config_json, hf) {
+                    (Some(json), true) => Some(HfCheckpointer {
+                        config_json: json.clone(),
+                        options: SaveOptions::default(),
+                    }),
+                    _ => None,
+                },
+            };
+            critic
+                .execute_all("save_checkpoint", req, |w, _, r| {
+                    Box::pin(w.save_checkpoint(r))
+                })
+                .await?;
+        }
+        checkpoint::write_loop_state(&dir, state)?;
+        checkpoint::mark_latest(&self.out_dir, state.step).map_err(setup)?;
+        let keep = [
+            self.cfg.trainer.max_actor_ckpt_to_keep,
+            self.cfg.trainer.max_critic_ckpt_to_keep,
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        if let Some(k) = keep {
+            checkpoint::prune(&self.out_dir, k).map_err(setup)?;
+        }
+        Ok(dir)
+    }
+
+    /// Loads every role's state from a `global_step_<N>` directory (`load_contents`).
+    async fn load_checkpoint(&mut self, dir: &Path) -> Result<(), TrainError> {
+        let (contents, _) = contents_of(
+            &self.cfg.actor_rollout_ref.actor.checkpoint,
+            "actor_rollout_ref.actor",
+            false,
+        )?;
+        let req = CheckpointRequest {
+            dir: dir.join("actor"),
+            contents,
+            hf: None,
+        };
+        self.actor
+            .execute_all("load_checkpoint", req, |w, _, r| {
+                Box::pin(w.load_checkpoint(r))
+            })
+            .await?;
+        if let Some(critic) = &self.critic {
+            if !dir.join("critic").is_dir() {
+                return Err(setup(format!(
+                    "{}: no critic was saved in this checkpoint, but critic.enable is on",
+                    dir.display()
+                )));
+            }
+            let (contents, _) = contents_of(&self.cfg.critic.checkpoint, "critic", false)?;
+            let req = CheckpointRequest {
+                dir: dir.join("critic"),
+                contents,
+                hf: None,
+            };
+            critic
+                .execute_all("load_checkpoint", req, |w, _, r| {
+                    Box::pin(w.load_checkpoint(r))
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
     /// The whole run: warm-up, optional validation before training, the RL steps (epochs over
     /// the shuffled prompts, bounded by `trainer.total_training_steps`), validation every
-    /// `trainer.test_freq` steps and at the end.
+    /// `trainer.test_freq` steps and at the end, a checkpoint every `trainer.save_freq` steps
+    /// and at the end. A run that finds a checkpoint (`trainer.resume_mode`) continues from it
+    /// exactly: same batches, samples, optimizer state and metrics as if never stopped.
     pub async fn fit(&mut self) -> Result<RunSummary, TrainError> {
         let start = Instant::now();
-        self.warm_up().await?;
-        let mut before = None;
-        if self.cfg.trainer.val_before_train {
-            let v = self.validate().await?;
-            self.log
-                .record(
-                    0,
-                    &[("val/score/mean".to_string(), v)].into_iter().collect(),
-                )
-                .map_err(setup)?;
-            before = Some(v);
-        }
+        let mut ls = match self.resume.take() {
+            Some((dir, ls)) => {
+                self.load_checkpoint(&dir).await?;
+                self.kl_ctrl.restore(ls.kl_coef);
+                tracing::info!("resumed from {} (step {})", dir.display(), ls.step);
+                if self.cfg.trainer.del_local_ckpt_after_load {
+                    std::fs::remove_dir_all(&dir).map_err(setup)?;
+                }
+                ls
+            }
+            None => {
+                self.warm_up().await?;
+                let mut ls = LoopState::fresh(self.train.len(), self.kl_ctrl.value());
+                if self.cfg.trainer.val_before_train {
+                    let v = self.validate().await?;
+                    self.log
+                        .record(
+                            0,
+                            &[("val/score/mean".to_string(), v)].into_iter().collect(),
+                        )
+                        .map_err(setup)?;
+                    ls.val_before = Some(v);
+                }
+                ls
+            }
+        };
         let b = self.cfg.data.train_batch_size;
-        let mut order: Vec<usize> = (0..self.train.len()).collect();
-        let mut cursor = order.len();
-        let mut epoch = 0u64;
-        let mut after = before;
-        for step in 1..=self.total_steps {
-            if cursor + b > order.len() {
+        let mut after = ls.val_before;
+        for step in ls.step + 1..=self.total_steps {
+            self.global_step = step;
+            if ls.cursor + b > ls.order.len() {
                 if self.cfg.data.shuffle {
                     use rand::seq::SliceRandom;
                     use rand::SeedableRng;
-                    let mut rng = rand::rngs::StdRng::seed_from_u64(self.cfg.data.seed ^ epoch);
-                    order.shuffle(&mut rng);
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(self.cfg.data.seed ^ ls.epoch);
+                    ls.order.shuffle(&mut rng);
                 }
-                epoch += 1;
-                cursor = 0;
+                ls.epoch += 1;
+                ls.cursor = 0;
             }
-            let rows: Vec<&PromptRow> = order[cursor..cursor + b]
+            let rows: Vec<PromptRow> = ls.order[ls.cursor..ls.cursor + b]
                 .iter()
-                .map(|&i| &self.train[i])
+                .map(|&i| self.train[i].clone())
                 .collect();
-            let rows: Vec<PromptRow> = rows.into_iter().cloned().collect();
-            cursor += b;
+            ls.cursor += b;
             let refs: Vec<&PromptRow> = rows.iter().collect();
             let metrics = self.step(step, &refs).await?;
             let mut reduced = metrics.reduce();
-            reduced.insert("training/epoch".into(), epoch as f64);
+            reduced.insert("training/epoch".into(), ls.epoch as f64);
             let freq = self.cfg.trainer.test_freq;
             if (freq > 0 && step % freq as u64 == 0) || step == self.total_steps {
                 let v = self.validate().await?;
@@ -771,13 +1053,20 @@ impl PpoTrainer {
                 after = Some(v);
             }
             self.log.record(step, &reduced).map_err(setup)?;
+            ls.step = step;
+            let save = self.cfg.trainer.save_freq;
+            if save > 0 && (step % save as u64 == 0 || step == self.total_steps) {
+                ls.kl_coef = self.kl_ctrl.value();
+                self.save_checkpoint(&ls).await?;
+            }
         }
         self.log.finish();
         Ok(RunSummary {
             steps: self.total_steps,
-            val_score_before: before,
+            val_score_before: ls.val_before,
             val_score_after: after,
             metrics_path: self.log.metrics_path().to_path_buf(),
+            plot_path: self.log.plot_path(),
             seconds: start.elapsed().as_secs_f64(),
         })
     }

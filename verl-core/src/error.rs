@@ -8,6 +8,19 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// A boxed error from an implementation crate (megatron, rollout, ...).
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Errors of collective communication ([`crate::traits::Communicator`]).
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("rank {rank} is not in this group of {world} ranks")]
+    BadRank { rank: usize, world: usize },
+    #[error("collective shapes differ across ranks: {0}")]
+    Shape(String),
+    #[error("a peer of this group is gone (its thread ended or panicked): {0}")]
+    PeerGone(String),
+    #[error("{0}")]
+    Backend(String),
+}
+
 /// Errors of [`crate::DataProto`] operations.
 #[derive(Debug, thiserror::Error)]
 pub enum DataProtoError {
@@ -190,6 +203,8 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Algorithm(#[from] AlgorithmError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
     /// An error raised by a backend implementation of a core trait, tagged with the role.
     #[error("{role}: {source}")]
     Backend {

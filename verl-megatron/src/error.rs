@@ -42,6 +42,10 @@ pub enum MegatronError {
     MissingWeight { name: String },
     #[error("`{field}`: {message}")]
     Setting { field: String, message: String },
+    #[error(transparent)]
+    Comm(#[from] verl_core::error::CommError),
+    #[error("checkpoint: {message}")]
+    Checkpoint { message: String },
     #[error("{path}: architecture `{found}` is not supported; supported: {supported}")]
     UnsupportedArchitecture {
         path: PathBuf,

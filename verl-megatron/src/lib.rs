@@ -8,13 +8,24 @@
 //!   LM, value and score heads; KV caches (a growing one and the rollout engine's slot cache);
 //!   random init; weights replaced one tensor at a time by HF name; a plain generation loop.
 //!
-//! Planned here (see the issue tracker): tensor / sequence / data / pipeline / context / expert
-//! parallelism over a `Communicator`, and the actor, critic, reference and reward workers.
+//! - [`workers`]: verl's role workers — the actor (PPO update, log-probs), the critic, the
+//!   hybrid actor-rollout-reference worker, the reward-model worker — with AdamW and Megatron's
+//!   learning-rate schedule, checkpointing through [`checkpoint`].
+//! - [`checkpoint`]: sharded checkpoints with optimizer state for exact resume, and HF-format
+//!   model checkpoints, behind `CheckpointBackend`.
+//!
+//! - [`parallel`]: the in-process `LocalCommunicator` (ranks as threads) and the process
+//!   groups of a topology.
+//!
+//! Planned here (see the issue tracker): tensor / sequence / pipeline / context / expert
+//! parallel layers over the `Communicator`.
 
+pub mod checkpoint;
 pub mod error;
 pub mod hf;
 pub mod layers;
 pub mod models;
+pub mod parallel;
 pub mod workers;
 
 pub use error::MegatronError;

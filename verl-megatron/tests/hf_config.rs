@@ -167,3 +167,23 @@ fn parallel_layouts_are_checked_against_the_model() {
     .validate_for_model(&moe)
     .is_err());
 }
+
+#[test]
+fn written_config_json_reads_back_unchanged() {
+    // Every fixture family and head: what `to_config_json` writes, `from_json` reads back.
+    for name in [
+        "llama3",
+        "qwen2",
+        "qwen2_moe",
+        "qwen2_moe_norm_topk",
+        "qwen2_reward",
+        "qwen2_sharded_tf4",
+        "qwen2_value",
+        "qwen3",
+    ] {
+        let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();
+        let json = cfg.to_config_json();
+        let back = HfModelConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
+        assert_eq!(back, cfg, "{name}");
+    }
+}

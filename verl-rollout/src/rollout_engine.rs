@@ -16,7 +16,8 @@ use crate::layout::{build_output, read_prompts};
 use crate::sampling::Sampler;
 
 /// Per-call settings read from `meta_info`, as verl's rollout reads them: `validate` (use
-/// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`.
+/// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`; and
+/// `global_steps`, which seeds the call's requests.
 struct CallSettings {
     sampling: crate::SamplingParams,
     n: usize,
@@ -59,7 +60,18 @@ impl<B: Backend> NativeRollout<B> {
         }
         let (rows, width) =
             read_prompts(prompts, self.config.prompt_length, self.config.truncation)?;
-        let call = self.calls;
+        // Requests are seeded by the call: the trainer's step when it says (`global_steps`, as
+        // verl passes it; validation kept apart), so a resumed run samples what the
+        // uninterrupted one would have; else the engine's own call counter.
+        let meta = &prompts.meta_info;
+        let call = match meta.get("global_steps").and_then(serde_json::Value::as_u64) {
+            Some(step) => {
+                let validate =
+                    meta.get("validate").and_then(serde_json::Value::as_bool) == Some(true);
+                (step << 1) | validate as u64
+            }
+            None => self.calls,
+        };
         let mut requests = Vec::with_capacity(rows.len() * settings.n);
         for (i, p) in rows.iter().enumerate() {
             for k in 0..settings.n {
@@ -161,5 +173,16 @@ impl<B: Backend> RolloutEngine<B> for NativeRollout<B> {
 
     fn is_sleeping(&self) -> bool {
         self.sleeping
+    }
+
+    fn state(&self) -> serde_json::Value {
+        serde_json::json!({ "calls": self.calls })
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        if let Some(c) = state.get("calls").and_then(serde_json::Value::as_u64) {
+            self.calls = c;
+        }
+        Ok(())
     }
 }

@@ -117,6 +117,8 @@ pub trait KlController: Send {
     fn value(&self) -> f64;
     /// Updates β from the observed KL over `n_steps` samples.
     fn update(&mut self, current_kl: f64, n_steps: usize);
+    /// Sets β (restoring a checkpoint); a fixed controller keeps its configured value.
+    fn restore(&mut self, value: f64);
 }
 
 /// A constant β.
@@ -130,6 +132,7 @@ impl KlController for FixedKlController {
         self.kl_coef
     }
     fn update(&mut self, _current_kl: f64, _n_steps: usize) {}
+    fn restore(&mut self, _value: f64) {}
 }
 
 /// Ziegler et al. (2019, arXiv:1909.08593): β ← β·(1 + clip(KL/target − 1, ±0.2)·n/horizon).
@@ -147,6 +150,9 @@ impl KlController for AdaptiveKlController {
     fn update(&mut self, current_kl: f64, n_steps: usize) {
         let error = (current_kl / self.target - 1.0).clamp(-0.2, 0.2);
         self.value *= 1.0 + error * n_steps as f64 / self.horizon;
+    }
+    fn restore(&mut self, value: f64) {
+        self.value = value;
     }
 }
 

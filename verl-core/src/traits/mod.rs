@@ -6,6 +6,7 @@
 
 mod actor;
 mod checkpoint;
+mod communicator;
 mod critic;
 mod profiler;
 mod reward;
@@ -14,6 +15,7 @@ mod sharding;
 
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};
+pub use communicator::{Communicator, CommunicatorExt, ReduceOp};
 pub use critic::Critic;
 pub use profiler::{ProfileRange, Profiler};
 pub use reward::{RewardFn, RewardInput, RewardScore};

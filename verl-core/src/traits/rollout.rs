@@ -33,4 +33,15 @@ pub trait RolloutEngine<B: Backend> {
 
     /// Whether the engine is asleep.
     fn is_sleeping(&self) -> bool;
+
+    /// What a resumed run needs to sample exactly as the saved one would have (for example the
+    /// counter its per-request seeds derive from); `Null` for a stateless engine.
+    fn state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+
+    /// Restores [`Self::state`].
+    fn load_state(&mut self, _state: &serde_json::Value) -> Result<()> {
+        Ok(())
+    }
 }

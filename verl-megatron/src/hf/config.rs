@@ -470,6 +470,119 @@ impl HfModelConfig {
         })
     }
 
+    /// `config.json` for this model in transformers 4 keys (`rope_theta`, `rope_scaling`,
+    /// `torch_dtype`), which transformers 5 reads too, so a model trained from scratch saves
+    /// as a loadable Hugging Face directory. [`Self::from_json`] reads it back unchanged.
+    ///
+    /// ```
+    /// use std::path::Path;
+    /// use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
+    /// let cfg = HfModelConfig::qwen2(Qwen2Dims {
+    ///     vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+    ///     num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 128,
+    /// });
+    /// let json = cfg.to_config_json();
+    /// assert_eq!(json["architectures"][0], "Qwen2ForCausalLM");
+    /// let back = HfModelConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
+    /// assert_eq!(back, cfg);
+    /// ```
+    pub fn to_config_json(&self) -> Value {
+        let (family, model_type) = match self.architecture {
+            Architecture::Qwen2 => ("Qwen2", "qwen2"),
+            Architecture::Llama => ("Llama", "llama"),
+            Architecture::Qwen3 => ("Qwen3", "qwen3"),
+            Architecture::Qwen2Moe => ("Qwen2Moe", "qwen2_moe"),
+        };
+        let (suffix, num_labels) = match self.head {
+            HeadKind::CausalLm => ("ForCausalLM", None),
+            HeadKind::TokenClassification { num_labels } => {
+                ("ForTokenClassification", Some(num_labels))
+            }
+            HeadKind::SequenceClassification { num_labels } => {
+                ("ForSequenceClassification", Some(num_labels))
+            }
+        };
+        let mut m = Map::new();
+        let mut put = |k: &str, v: Value| {
+            m.insert(k.to_string(), v);
+        };
+        put(
+            "architectures",
+            Value::from(vec![format!("{family}{suffix}")]),
+        );
+        put("model_type", model_type.into());
+        put("hidden_act", "silu".into());
+        put("vocab_size", self.vocab_size.into());
+        put("hidden_size", self.hidden_size.into());
+        put("intermediate_size", self.intermediate_size.into());
+        put("num_hidden_layers", self.num_hidden_layers.into());
+        put("num_attention_heads", self.num_attention_heads.into());
+        put("num_key_value_heads", self.num_key_value_heads.into());
+        put("head_dim", self.head_dim.into());
+        put("rms_norm_eps", self.rms_norm_eps.into());
+        put("rope_theta", self.rope_theta.into());
+        put(
+            "rope_scaling",
+            match self.rope_scaling {
+                RopeScaling::Default => Value::Null,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings,
+                } => serde_json::json!({
+                    "rope_type": "llama3",
+                    "factor": factor,
+                    "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                }),
+            },
+        );
+        put(
+            "max_position_embeddings",
+            self.max_position_embeddings.into(),
+        );
+        put("tie_word_embeddings", self.tie_word_embeddings.into());
+        if matches!(self.architecture, Architecture::Llama | Architecture::Qwen3) {
+            put("attention_bias", self.qkv_bias.into());
+        }
+        put(
+            "torch_dtype",
+            match self.dtype {
+                WeightDtype::F32 => "float32",
+                WeightDtype::F16 => "float16",
+                WeightDtype::BF16 => "bfloat16",
+            }
+            .into(),
+        );
+        put("use_sliding_window", false.into());
+        if let Some(n) = num_labels {
+            put("num_labels", n.into());
+        }
+        if let Some(b) = self.bos_token_id {
+            put("bos_token_id", b.into());
+        }
+        match self.eos_token_ids.as_slice() {
+            [] => {}
+            [one] => put("eos_token_id", (*one).into()),
+            many => put("eos_token_id", many.to_vec().into()),
+        }
+        if let Some(moe) = &self.moe {
+            put("num_experts", moe.num_experts.into());
+            put("num_experts_per_tok", moe.num_experts_per_tok.into());
+            put("moe_intermediate_size", moe.moe_intermediate_size.into());
+            put(
+                "shared_expert_intermediate_size",
+                moe.shared_expert_intermediate_size.into(),
+            );
+            put("norm_topk_prob", moe.norm_topk_prob.into());
+            put("decoder_sparse_step", moe.decoder_sparse_step.into());
+            put("mlp_only_layers", moe.mlp_only_layers.clone().into());
+        }
+        Value::Object(m)
+    }
+
     /// The sizes a parallel layout must divide (for `ParallelConfig::validate_for_model`).
     pub fn model_dims(&self) -> ModelDims {
         ModelDims {

@@ -785,7 +785,11 @@ impl<B: Backend> CausalLm<B> {
                 if expected != tensor.shape {
                     return Err(shape_err(expected));
                 }
-                let t = tensor.to_tensor::<2>().map_err(|_| shape_err(expected))?;
+                let mut t = tensor.to_tensor::<2>().map_err(|_| shape_err(expected))?;
+                // On an autodiff backend the new value must stay a trained leaf.
+                if p.val().is_require_grad() {
+                    t = t.require_grad();
+                }
                 *p = Param::initialized(p.id, t);
             }
             ParamMut::Vector(p) => {
@@ -793,11 +797,34 @@ impl<B: Backend> CausalLm<B> {
                 if expected != tensor.shape {
                     return Err(shape_err(expected));
                 }
-                let t = tensor.to_tensor::<1>().map_err(|_| shape_err(expected))?;
+                let mut t = tensor.to_tensor::<1>().map_err(|_| shape_err(expected))?;
+                // On an autodiff backend the new value must stay a trained leaf.
+                if p.val().is_require_grad() {
+                    t = t.require_grad();
+                }
                 *p = Param::initialized(p.id, t);
             }
         }
         Ok(())
+    }
+
+    /// Every parameter's Hugging Face name with its parameter id (what optimizer state is keyed
+    /// by in burn) and whether it is a matrix (else a vector): how optimizer state is saved by
+    /// name and restored onto a model whose ids differ.
+    pub fn named_param_ids(&self) -> Vec<(String, burn::module::ParamId, bool)> {
+        let names: Vec<String> = self.export_weights().into_iter().map(|t| t.name).collect();
+        // `param_mut` needs `&mut`; a clone shares the tensors and keeps the ids.
+        let mut model = self.clone();
+        names
+            .into_iter()
+            .filter_map(|name| {
+                let (id, matrix) = match model.param_mut(&name)? {
+                    ParamMut::Matrix(p) => (p.id, true),
+                    ParamMut::Vector(p) => (p.id, false),
+                };
+                Some((name, id, matrix))
+            })
+            .collect()
     }
 
     fn param_mut(&mut self, name: &str) -> Option<ParamMut<'_, B>> {

@@ -2,6 +2,8 @@
 //! mini-batches, micro-batches with gradient accumulation, global-norm clipping, AdamW with the
 //! scheduled learning rate, entropy bonus, KL loss), as verl's `MegatronPPOActor`.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -15,7 +17,9 @@ use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
 use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
-use verl_core::traits::{Actor, LogProbOutput, WeightExporter};
+use verl_core::traits::{
+    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, WeightExporter,
+};
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
@@ -53,6 +57,8 @@ pub struct MegatronActor<B: AutodiffBackend> {
     updates: u64,
     /// The supervised warm-up's own optimizer (its own learning rate); the RL one otherwise.
     sft_optim: Option<ModelOptimizer<B, CausalLm<B>>>,
+    /// The data-parallel group: batch-wide counts and gradients are summed over it.
+    dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
 fn temperature_of<B: Backend>(data: &DataProto<B>, default: f64) -> f64 {
@@ -76,10 +82,28 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             losses: PolicyLossRegistry::new(),
             updates: 0,
             sft_optim: None,
+            dp: None,
         }
     }
 
-    /// Gives the supervised warm-up its own optimizer and schedule.
+    /// Trains data-parallel over `comm`: each rank updates on its share of every mini-batch,
+    /// with the loss normalised by the whole mini-batch and gradients summed in buckets of
+    /// `bucket_elems`, so every rank applies the single-rank update.
+    pub fn with_data_parallel(
+        mut self,
+        comm: Arc<dyn Communicator<B::InnerBackend>>,
+        bucket_elems: usize,
+    ) -> Self {
+        self.optim = self.optim.with_data_parallel(comm.clone(), bucket_elems);
+        self.sft_optim = self
+            .sft_optim
+            .map(|o| o.with_data_parallel(comm.clone(), bucket_elems));
+        self.dp = Some(comm);
+        self
+    }
+
+    /// Gives the supervised warm-up its own optimizer and schedule (call before
+    /// [`Self::with_data_parallel`]).
     pub fn with_sft_optimizer(mut self, optim: ModelOptimizer<B, CausalLm<B>>) -> Self {
         self.sft_optim = Some(optim);
         self
@@ -95,6 +119,11 @@ impl<B: AutodiffBackend> MegatronActor<B> {
         &self.settings
     }
 
+    /// `values` summed over the data-parallel group (unchanged on one rank).
+    fn dp_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
+        super::state::dp_sum(self.dp.as_deref(), values)
+    }
+
     /// Optimizer steps taken so far.
     pub fn optimizer_steps(&self) -> u64 {
         self.optim.step
@@ -105,7 +134,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
-        let tokens = mask_all.sum().into_scalar().elem::<f64>().max(1.0);
+        let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
         let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
         let mut total = 0.0;
         for range in micro_batches(data.len(), self.settings.micro_batch_rows) {
@@ -124,6 +153,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
         let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
         let (model, report) = optim.step(model, acc.grads());
         self.model = Some(model);
+        let report = report?;
         metrics.push("sft/loss", total);
         metrics.push("sft/grad_norm", report.grad_norm);
         metrics.push("sft/lr", report.lr);
@@ -170,12 +200,15 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
                 let mini = data.select_rows(mini_rows)?;
                 let mini_mask = float_col(&mini, "response_mask")?;
-                // Normalise by the whole mini-batch, so micro-batching changes nothing.
+                // Normalise by the whole mini-batch (over every data-parallel rank), so
+                // micro-batching and data parallelism change nothing.
+                let counts = self.dp_sum(&[
+                    mini_mask.clone().sum().into_scalar().elem::<f64>(),
+                    mini.len() as f64,
+                ])?;
                 let scale = AggScale {
-                    global_tokens: Some(
-                        mini_mask.clone().sum().into_scalar().elem::<f64>().max(1.0),
-                    ),
-                    global_sequences: Some(mini.len() as f64),
+                    global_tokens: Some(counts[0].max(1.0)),
+                    global_sequences: Some(counts[1]),
                     ..Default::default()
                 };
                 let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
@@ -235,7 +268,9 @@ impl<B: AutodiffBackend> MegatronActor<B> {
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, acc.grads());
                 self.model = Some(model);
-                metrics.push("actor/pg_loss", pg_total);
+                let report = report?;
+                // Each rank's loss is its share of the mini-batch loss.
+                metrics.push("actor/pg_loss", self.dp_sum(&[pg_total])?[0]);
                 metrics.push("actor/grad_norm", report.grad_norm);
                 metrics.push("actor/lr", report.lr);
             }
@@ -257,6 +292,46 @@ impl<B: AutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         self.update(data)
+    }
+}
+
+impl<B: AutodiffBackend> MegatronActor<B> {
+    /// The actor's checkpoint state: weights, the RL optimizer (`optim/…`) and the warm-up
+    /// one (`sft_optim/…`), and the update counter that seeds mini-batch shuffling.
+    pub fn checkpoint_state(
+        &self,
+        contents: CheckpointContents,
+    ) -> CheckpointState<B::InnerBackend> {
+        let mut optims = vec![("optim", &self.optim)];
+        if let Some(sft) = &self.sft_optim {
+            optims.push(("sft_optim", sft));
+        }
+        super::state::save_state(
+            self.model(),
+            &optims,
+            serde_json::json!({ "updates": self.updates }),
+            contents,
+        )
+    }
+
+    /// Restores what [`Self::checkpoint_state`] saved (exact resume).
+    pub fn load_checkpoint_state(
+        &mut self,
+        state: CheckpointState<B::InnerBackend>,
+        contents: CheckpointContents,
+    ) -> Result<()> {
+        let mut model = self.model.take().expect("model present");
+        let mut optims = vec![("optim", &mut self.optim)];
+        if let Some(sft) = self.sft_optim.as_mut() {
+            optims.push(("sft_optim", sft));
+        }
+        let result = super::state::load_state(&mut model, &mut optims, state, contents);
+        self.model = Some(model);
+        let counters = result?;
+        if let Some(u) = counters.get("updates").and_then(serde_json::Value::as_u64) {
+            self.updates = u;
+        }
+        Ok(())
     }
 }
 

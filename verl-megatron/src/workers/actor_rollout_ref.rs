@@ -5,6 +5,7 @@
 //! Methods take and return `DataProto`s with verl's keys; metrics travel back in
 //! `meta_info["metrics"]` (one list per name), so the controller can merge ranks' results.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use async_trait::async_trait;
@@ -13,7 +14,8 @@ use burn::tensor::backend::AutodiffBackend;
 use verl_core::dispatch::{megatron_dispatch_info, DispatchInfo};
 use verl_core::topology::RankCoords;
 use verl_core::traits::{
-    Actor, Critic, ReshardReport, RolloutEngine, ShardingManager, SleepLevel, WeightExporter,
+    Actor, CheckpointBackend, CheckpointContents, CheckpointState, Critic, ReshardReport,
+    RolloutEngine, ShardingManager, SleepLevel, WeightExporter,
 };
 use verl_core::worker::Worker;
 use verl_core::{DataProto, Metrics, Result};
@@ -21,6 +23,7 @@ use verl_core::{DataProto, Metrics, Result};
 use super::actor::MegatronActor;
 use super::batch::{micro_batches, ModelInputs};
 use super::critic::MegatronCritic;
+use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
 use crate::models::CausalLm;
 use verl_core::algorithms::logits::log_probs_from_logits;
 
@@ -82,6 +85,23 @@ fn with_metrics<B: Backend>(mut data: DataProto<B>, metrics: &Metrics) -> DataPr
     data
 }
 
+/// What `save_checkpoint` writes (verl's `checkpoint.save_contents`), under `dir`:
+/// `dist_ckpt/` (each rank's shard with optimizer state, for exact resume), `huggingface/` (the
+/// model in HF layout, when `hf` is given) and, for the actor, `ref/` (the frozen reference).
+#[derive(Debug, Clone)]
+pub struct CheckpointRequest {
+    pub dir: PathBuf,
+    pub contents: CheckpointContents,
+    /// Also write the model in Hugging Face layout, with this config.
+    pub hf: Option<HfCheckpointer>,
+}
+
+impl CheckpointRequest {
+    fn dist(&self) -> PathBuf {
+        self.dir.join("dist_ckpt")
+    }
+}
+
 /// Actor + rollout + reference on one rank.
 pub struct ActorRolloutRefWorker<B: AutodiffBackend> {
     pub coords: RankCoords,
@@ -100,21 +120,38 @@ impl<B: AutodiffBackend> Worker for ActorRolloutRefWorker<B> {
 
 impl<B: AutodiffBackend> ActorRolloutRefWorker<B> {
     /// Rollout (mode MegatronPpAsDp): syncs the actor's weights into the engine, generates in
-    /// verl's layout, frees the cache. `meta_info["metrics"]` gets the resharding figures.
+    /// verl's layout, frees the cache, then recomputes `old_log_probs` (and `entropys`) with
+    /// the actor, as verl's Megatron worker does; `meta_info["recompute_log_prob"] = false`
+    /// skips that (validation). `meta_info["metrics"]` gets the resharding figures.
     pub async fn generate_sequences(
         &mut self,
         prompts: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
+        let recompute = prompts
+            .meta_info
+            .get("recompute_log_prob")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true);
         let report = self
             .sharding
             .enter(&self.actor, self.rollout.as_mut())
             .await?;
         let out = self.rollout.generate_sequences(prompts).await;
         self.sharding.exit(self.rollout.as_mut()).await?;
+        let mut out = out?;
         let mut metrics = Metrics::default();
         metrics.push("timing_s/reshard", report.seconds);
         metrics.push("perf/reshard_tensors", report.tensors as f64);
-        Ok(with_metrics(out?, &metrics))
+        if recompute {
+            let start = Instant::now();
+            let lp = self.actor.compute_log_prob(&out, true).await?;
+            out.insert_float("old_log_probs", lp.log_probs)?;
+            if let Some(e) = lp.entropy {
+                out.insert_float("entropys", e)?;
+            }
+            metrics.push("timing_s/old_log_prob", start.elapsed().as_secs_f64());
+        }
+        Ok(with_metrics(out, &metrics))
     }
 
     /// `old_log_probs` (and `entropys`) of the responses under the actor (MegatronCompute).
@@ -145,22 +182,12 @@ impl<B: AutodiffBackend> ActorRolloutRefWorker<B> {
                 },
             )
         })?;
-        let temperature = data
-            .meta_info
-            .get("temperature")
-            .and_then(serde_json::Value::as_f64)
-            .filter(|t| *t > 0.0)
-            .unwrap_or(self.actor.settings().temperature);
-        let mut parts = Vec::new();
-        for range in micro_batches(data.len(), self.actor.settings().log_prob_micro_batch_rows) {
-            let micro = data.slice(range.start, range.end)?;
-            let inputs = ModelInputs::from_batch(&micro)?;
-            let logits = inputs.response_outputs(reference) / temperature;
-            parts.push(log_probs_from_logits(logits, micro.int::<2>("responses")?));
-        }
-        let mut result = DataProto::new();
-        result.insert_float("ref_log_prob", Tensor::cat(parts, 0))?;
-        Ok(result)
+        reference_log_probs(
+            reference,
+            &data,
+            self.actor.settings().temperature,
+            self.actor.settings().log_prob_micro_batch_rows,
+        )
     }
 
     /// One PPO policy update on this rank's share (MegatronCompute); metrics in `meta_info`.
@@ -172,6 +199,66 @@ impl<B: AutodiffBackend> ActorRolloutRefWorker<B> {
         let mut metrics = self.actor.update_policy(&data).await?;
         metrics.push("timing_s/update_actor", start.elapsed().as_secs_f64());
         Ok(with_metrics(DataProto::new(), &metrics))
+    }
+
+    /// Saves this rank's actor (weights, optimizers, counters), the rollout engine's sampling
+    /// state and the reference policy (OneToAll: every rank writes its own shard; rank 0 writes
+    /// the HF copy).
+    pub async fn save_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        let mut state = self.actor.checkpoint_state(req.contents);
+        if let Some(extra) = state.extra.as_object_mut() {
+            extra.insert("rollout".into(), self.rollout.state());
+        }
+        let dist = DistCheckpoint::new(self.coords.rank);
+        dist.save(&req.dist(), &state, req.contents).await?;
+        if let Some(reference) = &self.reference {
+            let r = CheckpointState {
+                model: reference.export_weights(),
+                optimizer: Vec::new(),
+                extra: serde_json::Value::Null,
+            };
+            dist.save(&req.dir.join("ref"), &r, CheckpointContents::MODEL)
+                .await?;
+        }
+        if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
+            state.optimizer.clear();
+            hf.save(
+                &req.dir.join("huggingface"),
+                &state,
+                CheckpointContents::MODEL,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Restores what [`Self::save_checkpoint`] wrote (OneToAll: each rank reads its shard).
+    pub async fn load_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        let dist = DistCheckpoint::new(self.coords.rank);
+        let device = self.actor_device();
+        let state = dist.load(&req.dist(), req.contents, &device).await?;
+        let rollout = state.extra.get("rollout").cloned();
+        self.actor.load_checkpoint_state(state, req.contents)?;
+        if let Some(r) = rollout {
+            self.rollout.load_state(&r)?;
+        }
+        if let Some(reference) = self.reference.as_mut() {
+            let saved = dist
+                .load(&req.dir.join("ref"), CheckpointContents::MODEL, &device)
+                .await?;
+            for t in saved.model {
+                reference.load_weight(t)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn actor_device(&self) -> burn::tensor::Device<B::InnerBackend> {
+        burn::module::AutodiffModule::valid(self.actor.model())
+            .embed_tokens
+            .weight
+            .val()
+            .device()
     }
 
     /// A supervised step on the responses (warm-up); metrics in `meta_info`.
@@ -208,6 +295,33 @@ impl<B: AutodiffBackend> CriticWorker<B> {
         Ok(out)
     }
 
+    /// Saves this rank's critic (weights, optimizer, counters) under `req.dir/dist_ckpt`, and
+    /// on rank 0 the value model in HF layout when asked (OneToAll).
+    pub async fn save_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        let mut state = self.critic.checkpoint_state(req.contents);
+        DistCheckpoint::new(self.coords.rank)
+            .save(&req.dist(), &state, req.contents)
+            .await?;
+        if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
+            state.optimizer.clear();
+            hf.save(
+                &req.dir.join("huggingface"),
+                &state,
+                CheckpointContents::MODEL,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Restores what [`Self::save_checkpoint`] wrote (OneToAll).
+    pub async fn load_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        let state = DistCheckpoint::new(self.coords.rank)
+            .load(&req.dist(), req.contents, &Default::default())
+            .await?;
+        self.critic.load_checkpoint_state(state, req.contents)
+    }
+
     /// One critic update (MegatronCompute); metrics in `meta_info`.
     pub async fn update_critic(
         &mut self,
@@ -217,5 +331,55 @@ impl<B: AutodiffBackend> CriticWorker<B> {
         let mut metrics = self.critic.update_critic(&data).await?;
         metrics.push("timing_s/update_critic", start.elapsed().as_secs_f64());
         Ok(with_metrics(DataProto::new(), &metrics))
+    }
+}
+
+/// `ref_log_prob` of the responses under a frozen policy: logits over the response window,
+/// divided by the rollout temperature (`meta_info["temperature"]`, else `default_temperature`).
+fn reference_log_probs<B: Backend>(
+    model: &CausalLm<B>,
+    data: &DataProto<B>,
+    default_temperature: f64,
+    micro_batch_rows: usize,
+) -> Result<DataProto<B>> {
+    let temperature = data
+        .meta_info
+        .get("temperature")
+        .and_then(serde_json::Value::as_f64)
+        .filter(|t| *t > 0.0)
+        .unwrap_or(default_temperature);
+    let mut parts = Vec::new();
+    for range in micro_batches(data.len(), micro_batch_rows) {
+        let micro = data.slice(range.start, range.end)?;
+        let inputs = ModelInputs::from_batch(&micro)?;
+        let logits = inputs.response_outputs(model) / temperature;
+        parts.push(log_probs_from_logits(logits, micro.int::<2>("responses")?));
+    }
+    let mut result = DataProto::new();
+    result.insert_float("ref_log_prob", Tensor::cat(parts, 0))?;
+    Ok(result)
+}
+
+/// A reference policy on its own ranks (verl's `ActorRolloutRefWorker` in the `ref` role),
+/// for when the reference is not colocated with the actor.
+pub struct ReferenceWorker<B: Backend> {
+    pub coords: RankCoords,
+    pub model: CausalLm<B>,
+    /// The rollout temperature the log-probs are taken at, unless the batch says otherwise.
+    pub temperature: f64,
+    /// Rows per forward pass (`ref.log_prob_micro_batch_size_per_gpu`).
+    pub micro_batch_rows: usize,
+}
+
+impl<B: Backend> Worker for ReferenceWorker<B> {
+    fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo> {
+        megatron_dispatch_info(&self.coords, mesh)
+    }
+}
+
+impl<B: Backend> ReferenceWorker<B> {
+    /// `ref_log_prob` of the responses (MegatronCompute).
+    pub async fn compute_ref_log_prob(&mut self, data: DataProto<B>) -> Result<DataProto<B>> {
+        reference_log_probs(&self.model, &data, self.temperature, self.micro_batch_rows)
     }
 }

@@ -1,6 +1,8 @@
 //! The Megatron critic: per-token values from a value head and the clipped value-loss update,
 //! as verl's `MegatronPPOCritic`.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -12,7 +14,7 @@ use rand::SeedableRng;
 use verl_core::algorithms::aggregation::{AggScale, LossAggMode};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::value::value_loss;
-use verl_core::traits::Critic;
+use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Critic};
 use verl_core::{DataProto, Metrics, Result};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
@@ -38,6 +40,8 @@ pub struct MegatronCritic<B: AutodiffBackend> {
     optim: ModelOptimizer<B, CausalLm<B>>,
     settings: CriticSettings,
     updates: u64,
+    /// The data-parallel group: batch-wide counts and gradients are summed over it.
+    dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
 impl<B: AutodiffBackend> MegatronCritic<B> {
@@ -51,13 +55,58 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
             optim,
             settings,
             updates: 0,
+            dp: None,
         }
+    }
+
+    /// Trains data-parallel over `comm` (see `MegatronActor::with_data_parallel`).
+    pub fn with_data_parallel(
+        mut self,
+        comm: Arc<dyn Communicator<B::InnerBackend>>,
+        bucket_elems: usize,
+    ) -> Self {
+        self.optim = self.optim.with_data_parallel(comm.clone(), bucket_elems);
+        self.dp = Some(comm);
+        self
     }
 
     fn model(&self) -> &CausalLm<B> {
         self.model
             .as_ref()
             .expect("the model is only out during a step")
+    }
+
+    /// The critic's checkpoint state: weights, optimizer and update counter.
+    pub fn checkpoint_state(
+        &self,
+        contents: CheckpointContents,
+    ) -> CheckpointState<B::InnerBackend> {
+        super::state::save_state(
+            self.model(),
+            &[("optim", &self.optim)],
+            serde_json::json!({ "updates": self.updates }),
+            contents,
+        )
+    }
+
+    /// Restores what [`Self::checkpoint_state`] saved (exact resume).
+    pub fn load_checkpoint_state(
+        &mut self,
+        state: CheckpointState<B::InnerBackend>,
+        contents: CheckpointContents,
+    ) -> Result<()> {
+        let mut model = self.model.take().expect("model present");
+        let result = super::state::load_state(
+            &mut model,
+            &mut [("optim", &mut self.optim)],
+            state,
+            contents,
+        );
+        self.model = Some(model);
+        if let Some(u) = result?.get("updates").and_then(serde_json::Value::as_u64) {
+            self.updates = u;
+        }
+        Ok(())
     }
 
     fn values<C: Backend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {
@@ -95,15 +144,19 @@ impl<B: AutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
             }
             for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
                 let mini = data.select_rows(mini_rows)?;
-                let scale = AggScale {
-                    global_tokens: Some(
+                let counts = super::state::dp_sum(
+                    self.dp.as_deref(),
+                    &[
                         float_col(&mini, "response_mask")?
                             .sum()
                             .into_scalar()
-                            .elem::<f64>()
-                            .max(1.0),
-                    ),
-                    global_sequences: Some(mini.len() as f64),
+                            .elem::<f64>(),
+                        mini.len() as f64,
+                    ],
+                )?;
+                let scale = AggScale {
+                    global_tokens: Some(counts[0].max(1.0)),
+                    global_sequences: Some(counts[1]),
                     ..Default::default()
                 };
                 let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
@@ -139,7 +192,11 @@ impl<B: AutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, acc.grads());
                 self.model = Some(model);
-                metrics.push("critic/vf_loss", total);
+                let report = report?;
+                metrics.push(
+                    "critic/vf_loss",
+                    super::state::dp_sum(self.dp.as_deref(), &[total])?[0],
+                );
                 metrics.push("critic/grad_norm", report.grad_norm);
                 metrics.push("critic/lr", report.lr);
             }

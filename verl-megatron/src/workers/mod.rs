@@ -1,13 +1,19 @@
 //! verl's role workers on the Megatron backend: the actor, the critic, and the hybrid
-//! actor-rollout-reference worker that owns them with the rollout engine on one rank.
+//! actor-rollout-reference worker that owns them with the rollout engine on one rank, and the
+//! reward-model worker.
 
 pub mod actor;
 pub mod actor_rollout_ref;
 pub mod batch;
 pub mod critic;
 pub mod optim;
+pub mod reward_model;
+mod state;
 
 pub use actor::{ActorSettings, MegatronActor};
-pub use actor_rollout_ref::{ActorRolloutRefWorker, CriticWorker, HybridShardingManager};
+pub use actor_rollout_ref::{
+    ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
+};
 pub use critic::{CriticSettings, MegatronCritic};
 pub use optim::{LrSchedule, ModelOptimizer};
+pub use reward_model::RewardModelWorker;

@@ -2,11 +2,20 @@
 //! gradient-norm clipping, and Megatron's learning-rate schedule (linear warm-up, then constant,
 //! linear or cosine decay to `min_lr`).
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, Optimizer,
+};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use serde_json::{json, Value};
 use verl_core::config::OptimConfig;
+use verl_core::traits::{Communicator, ReduceOp};
+use verl_core::NamedTensor;
 
 use crate::error::MegatronError;
 
@@ -119,6 +128,107 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for ScaleGrads<'_> {
     }
 }
 
+/// Takes every parameter's gradient out of `grads`, flattened, in the model's parameter order.
+struct TakeGrads<'a, I: Backend> {
+    grads: &'a mut GradientsParams,
+    taken: Vec<(ParamId, Vec<f32>)>,
+    device: Option<I::Device>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.device.get_or_insert_with(|| g.device());
+            let v = g
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .expect("f32 grads");
+            self.taken.push((param.id, v));
+        }
+    }
+}
+
+/// Puts reduced gradients back, shaped as their parameters.
+struct PutGrads<'a, I: Backend> {
+    grads: &'a mut GradientsParams,
+    reduced: HashMap<ParamId, Vec<f32>>,
+    device: I::Device,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(v) = self.reduced.remove(&param.id) {
+            let dims = param.val().dims();
+            let g = Tensor::<B::InnerBackend, D>::from_data(
+                burn::tensor::TensorData::new(v, dims),
+                &self.device,
+            );
+            self.grads.register(param.id, g);
+        }
+    }
+}
+
+/// Sums `grads` over the data-parallel group, in buckets of about `bucket_elems` elements (as
+/// Megatron's DDP does, so each collective is large and there are few of them). Every rank
+/// must hold gradients for the same parameters.
+pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    comm: &dyn Communicator<B::InnerBackend>,
+    bucket_elems: usize,
+) -> Result<(), MegatronError> {
+    let mut take = TakeGrads::<B::InnerBackend> {
+        grads,
+        taken: Vec::new(),
+        device: None,
+    };
+    model.visit(&mut take);
+    let taken = take.taken;
+    let Some(device) = take.device else {
+        return Ok(());
+    };
+    let device = &device;
+    let mut reduced = HashMap::new();
+    let mut start = 0;
+    while start < taken.len() {
+        // One bucket: consecutive gradients up to the size (at least one).
+        let mut end = start;
+        let mut elems = 0;
+        while end < taken.len() && (end == start || elems + taken[end].1.len() <= bucket_elems) {
+            elems += taken[end].1.len();
+            end += 1;
+        }
+        let flat: Vec<f32> = taken[start..end]
+            .iter()
+            .flat_map(|(_, v)| v.iter().copied())
+            .collect();
+        let t = Tensor::<B::InnerBackend, 1>::from_data(
+            burn::tensor::TensorData::new(flat, [elems]),
+            device,
+        );
+        let sum: Vec<f32> = comm
+            .all_reduce(t, ReduceOp::Sum)?
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32");
+        let mut offset = 0;
+        for (id, v) in &taken[start..end] {
+            reduced.insert(*id, sum[offset..offset + v.len()].to_vec());
+            offset += v.len();
+        }
+        start = end;
+    }
+    let mut put = PutGrads::<B::InnerBackend> {
+        grads,
+        reduced,
+        device: device.clone(),
+    };
+    model.visit(&mut put);
+    Ok(())
+}
+
 /// The global L2 norm of all gradients of `model`.
 pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
@@ -155,7 +265,16 @@ pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     pub clip_grad: f64,
     /// Optimizer steps taken.
     pub step: u64,
+    /// The data-parallel group gradients are summed over before each step, and the bucket
+    /// size in elements.
+    data_parallel: Option<(GroupHandle<B::InnerBackend>, usize)>,
 }
+
+/// A rank's shared handle on a process group.
+pub type GroupHandle<B> = Arc<dyn Communicator<B>>;
+
+/// Megatron's default gradient-reduction bucket: 40 M elements.
+pub const DEFAULT_GRAD_BUCKET_ELEMS: usize = 40_000_000;
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -185,32 +304,167 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             schedule: LrSchedule::from_config(cfg, total_steps)?,
             clip_grad: cfg.clip_grad,
             step: 0,
+            data_parallel: None,
         })
     }
 
-    /// Clips `grads`, then applies them at the scheduled learning rate.
-    pub fn step(&mut self, model: M, mut grads: GradientsParams) -> (M, StepReport) {
+    /// Sums gradients over `comm` (the data-parallel group) before every step; with the loss
+    /// normalised by the global batch, each rank then applies the single-rank update.
+    pub fn with_data_parallel(
+        mut self,
+        comm: Arc<dyn Communicator<B::InnerBackend>>,
+        bucket_elems: usize,
+    ) -> Self {
+        self.data_parallel = Some((comm, bucket_elems.max(1)));
+        self
+    }
+
+    /// Sums `grads` over the data-parallel group (if any), clips them, then applies them at
+    /// the scheduled learning rate. The model always comes back, also when the step fails
+    /// (a communication error), so the caller keeps its state.
+    pub fn step(
+        &mut self,
+        model: M,
+        mut grads: GradientsParams,
+    ) -> (M, Result<StepReport, MegatronError>) {
+        if let Some((comm, bucket)) = &self.data_parallel {
+            if comm.world_size() > 1 {
+                if let Err(e) = all_reduce_grads(&model, &mut grads, comm.as_ref(), *bucket) {
+                    return (model, Err(e));
+                }
+            }
+        }
         let lr = self.schedule.lr(self.step);
         let norm = clip_grad_norm(&model, &mut grads, self.clip_grad);
         if !norm.is_finite() {
-            return (
-                model,
-                StepReport {
-                    grad_norm: norm,
-                    lr,
-                    applied: false,
-                },
-            );
+            let report = StepReport {
+                grad_norm: norm,
+                lr,
+                applied: false,
+            };
+            return (model, Ok(report));
         }
         let model = self.inner.step(lr, model, grads);
         self.step += 1;
+        let report = StepReport {
+            grad_norm: norm,
+            lr,
+            applied: true,
+        };
+        (model, Ok(report))
+    }
+}
+
+/// A parameter as optimizer state is saved: its name, id in the live model, and whether it is a
+/// matrix (else a vector). See [`crate::models::CausalLm::named_param_ids`].
+pub type NamedParam = (String, ParamId, bool);
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
+    /// The AdamW moments by parameter name (`{name}.exp_avg`, `{name}.exp_avg_sq`, as torch
+    /// names them) and the counters (optimizer step, each moment's update count) as JSON.
+    /// Parameters not yet stepped have no moments.
+    pub fn state(&self, params: &[NamedParam]) -> (Vec<NamedTensor<B::InnerBackend>>, Value) {
+        let mut records = self.inner.to_record();
+        let mut tensors = Vec::new();
+        let mut times = serde_json::Map::new();
+        for (name, id, matrix) in params {
+            let Some(record) = records.remove(id) else {
+                continue;
+            };
+            let (time, m1, m2) = if *matrix {
+                let s = record.into_state::<2>().momentum;
+                (
+                    s.time,
+                    NamedTensor::new(format!("{name}.exp_avg"), s.moment_1),
+                    NamedTensor::new(format!("{name}.exp_avg_sq"), s.moment_2),
+                )
+            } else {
+                let s = record.into_state::<1>().momentum;
+                (
+                    s.time,
+                    NamedTensor::new(format!("{name}.exp_avg"), s.moment_1),
+                    NamedTensor::new(format!("{name}.exp_avg_sq"), s.moment_2),
+                )
+            };
+            times.insert(name.clone(), json!(time));
+            tensors.push(m1);
+            tensors.push(m2);
+        }
         (
-            model,
-            StepReport {
-                grad_norm: norm,
-                lr,
-                applied: true,
-            },
+            tensors,
+            json!({ "step": self.step, "moment_updates": times }),
         )
+    }
+
+    /// Restores what [`Self::state`] saved onto a model whose parameters are `params` (ids may
+    /// differ from the saving run's; names and shapes must match).
+    pub fn load_state(
+        &mut self,
+        params: &[NamedParam],
+        tensors: Vec<NamedTensor<B::InnerBackend>>,
+        extra: &Value,
+    ) -> Result<(), MegatronError> {
+        let bad = |message: String| MegatronError::Checkpoint { message };
+        let step = extra
+            .get("step")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("optimizer state has no `step`".into()))?;
+        let times = extra
+            .get("moment_updates")
+            .and_then(Value::as_object)
+            .ok_or_else(|| bad("optimizer state has no `moment_updates`".into()))?;
+        let mut by_name: HashMap<String, NamedTensor<B::InnerBackend>> =
+            tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
+        // Burn's record map type, emptied.
+        let mut records = self.inner.to_record();
+        records.clear();
+        for (name, id, matrix) in params {
+            let Some(time) = times.get(name).and_then(Value::as_u64) else {
+                continue;
+            };
+            let mut take = |suffix: &str| {
+                let key = format!("{name}.{suffix}");
+                by_name
+                    .remove(&key)
+                    .ok_or_else(|| bad(format!("optimizer state lacks `{key}`")))
+            };
+            let (m1, m2) = (take("exp_avg")?, take("exp_avg_sq")?);
+            let shape_err = |t: &NamedTensor<B::InnerBackend>| {
+                bad(format!(
+                    "optimizer state `{}` has shape {:?}, which does not fit the model",
+                    t.name, t.shape
+                ))
+            };
+            let record = if *matrix {
+                let state = AdaptiveMomentumState {
+                    time: time as usize,
+                    moment_1: m1.to_tensor::<2>().map_err(|_| shape_err(&m1))?,
+                    moment_2: m2.to_tensor::<2>().map_err(|_| shape_err(&m2))?,
+                    max_moment_2: None,
+                };
+                AdaptorRecord::<AdamW, B>::from_state::<2>(AdamWState { momentum: state })
+            } else {
+                let state = AdaptiveMomentumState {
+                    time: time as usize,
+                    moment_1: m1.to_tensor::<1>().map_err(|_| shape_err(&m1))?,
+                    moment_2: m2.to_tensor::<1>().map_err(|_| shape_err(&m2))?,
+                    max_moment_2: None,
+                };
+                AdaptorRecord::<AdamW, B>::from_state::<1>(AdamWState { momentum: state })
+            };
+            records.insert(*id, record);
+        }
+        if let Some(name) = times
+            .keys()
+            .find(|n| !params.iter().any(|(p, _, _)| p == *n))
+        {
+            return Err(bad(format!(
+                "optimizer state has moments for `{name}`, which this model does not have"
+            )));
+        }
+        let inner = std::mem::replace(&mut self.inner, AdamWConfig::new().init());
+        self.inner = inner.load_record(records);
+        self.step = step;
+        Ok(())
     }
 }

@@ -1,0 +1,137 @@
+//! Collective communication between the ranks of one process group, over burn tensors.
+//!
+//! Parallel layers and optimizers are written once against [`Communicator`]; an in-process
+//! implementation (threads on CPU) proves every layout in CI, and an NCCL one runs on GPUs
+//! with the same calls. Every rank of the group must make the same collective calls in the
+//! same order (as with NCCL); point-to-point `send` / `recv` pair up by (source, destination)
+//! in order.
+//!
+//! The object-safe core works on flat `Tensor<B, 1>`s; [`CommunicatorExt`] adds the shaped
+//! forms (all-gather and reduce-scatter along a dimension) on top.
+
+use burn::prelude::*;
+
+use crate::error::CommError;
+
+/// How an all-reduce or reduce-scatter combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The sum divided by the group size.
+    Avg,
+    Max,
+}
+
+/// One rank's handle on a process group.
+pub trait Communicator<B: Backend>: Send + Sync {
+    /// This rank's index in the group, `0..world_size()`.
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+
+    /// Every rank gets the element-wise reduction of all ranks' `tensor`s.
+    fn all_reduce(&self, tensor: Tensor<B, 1>, op: ReduceOp) -> Result<Tensor<B, 1>, CommError>;
+
+    /// Every rank gets every rank's `tensor`, in rank order; all ranks' lengths are equal.
+    fn all_gather(&self, tensor: Tensor<B, 1>) -> Result<Vec<Tensor<B, 1>>, CommError>;
+
+    /// The reduction of all ranks' `tensor`s, split in `world_size` equal chunks; this rank
+    /// gets chunk `rank`. The length must divide evenly.
+    fn reduce_scatter(&self, tensor: Tensor<B, 1>, op: ReduceOp)
+        -> Result<Tensor<B, 1>, CommError>;
+
+    /// Every rank gets `root`'s `tensor` (the others' inputs only give the shape).
+    fn broadcast(&self, tensor: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, CommError>;
+
+    /// Sends `tensor` to rank `dst`; pairs with `dst`'s `recv(self.rank())`.
+    fn send(&self, tensor: Tensor<B, 1>, dst: usize) -> Result<(), CommError>;
+
+    /// Receives the next tensor rank `src` sent to this rank: `len` elements (the receiver
+    /// knows the size, as NCCL needs), placed on `device`.
+    fn recv(&self, src: usize, len: usize, device: &B::Device) -> Result<Tensor<B, 1>, CommError>;
+
+    /// `chunks[j]` goes to rank `j`; this rank gets what every rank addressed to it, in rank
+    /// order, rank `i`'s chunk having `recv_lens[i]` elements (expert-parallel token exchange:
+    /// exchange the counts first, then the tokens).
+    fn all_to_all(
+        &self,
+        chunks: Vec<Tensor<B, 1>>,
+        recv_lens: &[usize],
+    ) -> Result<Vec<Tensor<B, 1>>, CommError>;
+
+    /// Returns once every rank of the group has called it.
+    fn barrier(&self) -> Result<(), CommError>;
+}
+
+/// Shaped collectives on top of the flat core, for any communicator.
+pub trait CommunicatorExt<B: Backend>: Communicator<B> {
+    /// [`Communicator::all_reduce`] of a tensor of any rank.
+    fn all_reduce_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let shape = tensor.shape();
+        Ok(self
+            .all_reduce(tensor.flatten(0, D - 1), op)?
+            .reshape(shape))
+    }
+
+    /// The ranks' tensors concatenated along `dim`, in rank order.
+    fn all_gather_dim<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        dim: usize,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let shapes = self.all_gather_shapes(&tensor.dims())?;
+        let parts = self.all_gather(tensor.flatten(0, D - 1))?;
+        let parts = parts
+            .into_iter()
+            .zip(shapes)
+            .map(|(p, s)| p.reshape(s))
+            .collect();
+        Ok(Tensor::cat(parts, dim))
+    }
+
+    /// The reduction of the ranks' tensors, split along `dim` in `world_size` equal parts;
+    /// this rank gets part `rank`.
+    fn reduce_scatter_dim<const D: usize>(
+        &self,
+        tensor: Tensor<B, D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<B, D>, CommError> {
+        let n = self.world_size();
+        let dims = tensor.dims();
+        if !dims[dim].is_multiple_of(n) {
+            return Err(CommError::Shape(format!(
+                "reduce-scatter along dim {dim} of {dims:?} over {n} ranks: the size must divide"
+            )));
+        }
+        // Move `dim` first so the flat chunks are the parts.
+        let moved = tensor.swap_dims(0, dim);
+        let mut part_dims = moved.dims();
+        part_dims[0] /= n;
+        let part = self.reduce_scatter(moved.flatten(0, D - 1), op)?;
+        Ok(part.reshape(part_dims).swap_dims(0, dim))
+    }
+
+    /// Every rank's `dims` (to gather tensors whose sizes differ between ranks, pad to the
+    /// largest first).
+    fn all_gather_shapes<const D: usize>(
+        &self,
+        dims: &[usize; D],
+    ) -> Result<Vec<[usize; D]>, CommError> {
+        let device = Default::default();
+        let local: Vec<f32> = dims.iter().map(|&d| d as f32).collect();
+        let all = self.all_gather(Tensor::<B, 1>::from_floats(local.as_slice(), &device))?;
+        Ok(all
+            .into_iter()
+            .map(|t| {
+                let v: Vec<f32> = t.into_data().convert::<f32>().to_vec().unwrap_or_default();
+                std::array::from_fn(|i| v.get(i).copied().unwrap_or(0.0) as usize)
+            })
+            .collect())
+    }
+}
+
+impl<B: Backend, C: Communicator<B> + ?Sized> CommunicatorExt<B> for C {}

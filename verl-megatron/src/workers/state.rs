@@ -1,0 +1,116 @@
+//! A worker's model and optimizer as checkpoint state (`CheckpointState`), and back: weights
+//! by HF name, AdamW moments under `<optimizer>/<name>.exp_avg{,_sq}`, counters in `extra`.
+
+use std::collections::HashMap;
+
+use burn::module::AutodiffModule;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use serde_json::{json, Value};
+use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, ReduceOp};
+use verl_core::NamedTensor;
+
+use super::optim::ModelOptimizer;
+use crate::models::CausalLm;
+use crate::MegatronError;
+
+/// The state of `model` and its labelled optimizers; `counters` go into `extra` as they are.
+pub(crate) fn save_state<B: AutodiffBackend>(
+    model: &CausalLm<B>,
+    optimizers: &[(&str, &ModelOptimizer<B, CausalLm<B>>)],
+    counters: Value,
+    contents: CheckpointContents,
+) -> CheckpointState<B::InnerBackend> {
+    let params = model.named_param_ids();
+    let mut optimizer = Vec::new();
+    let mut extras = serde_json::Map::new();
+    if contents.optimizer {
+        for (label, optim) in optimizers {
+            let (tensors, extra) = optim.state(&params);
+            optimizer.extend(tensors.into_iter().map(|mut t| {
+                t.name = format!("{label}/{}", t.name);
+                t
+            }));
+            extras.insert(label.to_string(), extra);
+        }
+    }
+    CheckpointState {
+        model: if contents.model {
+            model.valid().export_weights()
+        } else {
+            Vec::new()
+        },
+        optimizer,
+        extra: json!({ "optimizers": extras, "counters": counters }),
+    }
+}
+
+/// Loads the weights of `state` into `model` (every weight must be there, with its shape), then
+/// each labelled optimizer's moments and counters; returns the saved `counters`.
+pub(crate) fn load_state<B: AutodiffBackend>(
+    model: &mut CausalLm<B>,
+    optimizers: &mut [(&str, &mut ModelOptimizer<B, CausalLm<B>>)],
+    state: CheckpointState<B::InnerBackend>,
+    contents: CheckpointContents,
+) -> Result<Value, MegatronError> {
+    if contents.model {
+        let expected = model.named_param_ids().len();
+        if state.model.len() != expected {
+            return Err(MegatronError::Checkpoint {
+                message: format!(
+                    "the checkpoint has {} weights, the model {expected}: was it saved from this model?",
+                    state.model.len()
+                ),
+            });
+        }
+        for t in state.model {
+            model.load_weight(NamedTensor {
+                name: t.name,
+                shape: t.shape,
+                values: Tensor::from_inner(t.values),
+            })?;
+        }
+    }
+    if contents.optimizer {
+        let params = model.named_param_ids();
+        let mut by_label: HashMap<String, Vec<NamedTensor<B::InnerBackend>>> = HashMap::new();
+        for mut t in state.optimizer {
+            let (label, name) =
+                t.name
+                    .split_once('/')
+                    .ok_or_else(|| MegatronError::Checkpoint {
+                        message: format!("optimizer tensor `{}` has no optimizer label", t.name),
+                    })?;
+            let (label, name) = (label.to_string(), name.to_string());
+            t.name = name;
+            by_label.entry(label).or_default().push(t);
+        }
+        for (label, optim) in optimizers.iter_mut() {
+            let extra = state
+                .extra
+                .pointer(&format!("/optimizers/{label}"))
+                .ok_or_else(|| MegatronError::Checkpoint {
+                    message: format!("the checkpoint has no state for optimizer `{label}`"),
+                })?;
+            optim.load_state(&params, by_label.remove(*label).unwrap_or_default(), extra)?;
+        }
+    }
+    Ok(state.extra.get("counters").cloned().unwrap_or(Value::Null))
+}
+
+/// `values` summed over `dp` (as is without a group): the batch-wide counts a data-parallel
+/// rank normalises its loss by.
+pub(crate) fn dp_sum<B: Backend>(
+    dp: Option<&dyn Communicator<B>>,
+    values: &[f64],
+) -> verl_core::Result<Vec<f64>> {
+    match dp {
+        Some(comm) if comm.world_size() > 1 => {
+            let local: Vec<f32> = values.iter().map(|&v| v as f32).collect();
+            let t = Tensor::<B, 1>::from_floats(local.as_slice(), &Default::default());
+            let sum = comm.all_reduce(t, ReduceOp::Sum)?;
+            Ok(sum.into_data().convert::<f64>().iter::<f64>().collect())
+        }
+        _ => Ok(values.to_vec()),
+    }
+}

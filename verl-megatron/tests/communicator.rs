@@ -1,0 +1,198 @@
+//! The in-process communicator: every collective equals its naive definition on 1–4 ranks
+//! (property tests over random data), point-to-point pairs in order, topology groups reduce
+//! over their own members only, and mismatches or departed peers are errors, not hangs.
+
+use burn::prelude::*;
+use proptest::prelude::*;
+use verl_core::backend::CpuBackend as B;
+use verl_core::error::CommError;
+use verl_core::topology::{ParallelConfig, Topology};
+use verl_core::traits::{Communicator, CommunicatorExt, ReduceOp};
+use verl_megatron::parallel::{LocalCommunicator, ProcessGroups};
+
+fn t(v: &[f32]) -> Tensor<B, 1> {
+    Tensor::from_floats(v, &Default::default())
+}
+
+fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+/// Runs `f` on every rank of a new group, one thread each; results in rank order.
+fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalCommunicator) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = LocalCommunicator::group(n)
+            .into_iter()
+            .map(|c| s.spawn(|| f(c)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn data_strategy() -> impl Strategy<Value = (usize, Vec<Vec<f32>>)> {
+    (1usize..=4, 1usize..=3).prop_flat_map(|(n, k)| {
+        // A length divisible by n, for reduce-scatter.
+        let len = n * k;
+        (
+            Just(n),
+            prop::collection::vec(prop::collection::vec(-10.0f32..10.0, len), n),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn collectives_equal_their_definitions((n, data) in data_strategy()) {
+        let len = data[0].len();
+        let sum: Vec<f32> = (0..len).map(|i| data.iter().map(|d| d[i]).sum()).collect();
+        let max: Vec<f32> = (0..len)
+            .map(|i| data.iter().map(|d| d[i]).fold(f32::MIN, f32::max))
+            .collect();
+        let out = on_ranks(n, |c| {
+            let r = Communicator::<B>::rank(&c);
+            let mine = &data[r];
+            let s = host(c.all_reduce(t(mine), ReduceOp::Sum).unwrap());
+            let a = host(c.all_reduce(t(mine), ReduceOp::Avg).unwrap());
+            let m = host(c.all_reduce(t(mine), ReduceOp::Max).unwrap());
+            let g: Vec<Vec<f32>> = c.all_gather(t(mine)).unwrap().into_iter().map(host).collect();
+            let rs = host(c.reduce_scatter(t(mine), ReduceOp::Sum).unwrap());
+            let b = host(c.broadcast(t(mine), n - 1).unwrap());
+            // Rank i sends chunk j (length j + 1, filled with 10 i + j) to rank j.
+            let chunks: Vec<Tensor<B, 1>> = (0..n)
+                .map(|j| t(&vec![(10 * r + j) as f32; j + 1]))
+                .collect();
+            let a2a: Vec<Vec<f32>> = c
+                .all_to_all(chunks, &vec![r + 1; n])
+                .unwrap()
+                .into_iter()
+                .map(host)
+                .collect();
+            Communicator::<B>::barrier(&c).unwrap();
+            (s, a, m, g, rs, b, a2a)
+        });
+        let chunk = len / n;
+        for (r, (s, a, m, g, rs, b, a2a)) in out.into_iter().enumerate() {
+            // Every rank reduces in rank order: bit-identical sums everywhere.
+            prop_assert_eq!(&s, &sum);
+            for (x, y) in a.iter().zip(&sum) {
+                prop_assert!((x - y / n as f32).abs() <= 1e-6 * y.abs().max(1.0));
+            }
+            prop_assert_eq!(&m, &max);
+            prop_assert_eq!(&g, &data);
+            prop_assert_eq!(&rs, &sum[r * chunk..(r + 1) * chunk].to_vec());
+            prop_assert_eq!(&b, &data[n - 1]);
+            let want: Vec<Vec<f32>> = (0..n).map(|i| vec![(10 * i + r) as f32; r + 1]).collect();
+            prop_assert_eq!(&a2a, &want);
+        }
+    }
+
+    #[test]
+    fn shaped_gather_and_scatter_follow_the_dimension(n in 1usize..=4, rows in 1usize..=3, dim in 0usize..2) {
+        // Rank r holds a [rows, 2n] matrix of r; gather along `dim` stacks them in rank order,
+        // reduce-scatter along dim 1 returns this rank's columns of the sum.
+        let out = on_ranks(n, |c| {
+            let r = Communicator::<B>::rank(&c) as f32;
+            let m = Tensor::<B, 2>::full([rows, 2 * n], r, &Default::default());
+            let g = c.all_gather_dim(m.clone(), dim).unwrap();
+            let rs = c.reduce_scatter_dim(m, 1, ReduceOp::Sum).unwrap();
+            (g.dims(), host(g), rs.dims(), host(rs))
+        });
+        let total: f32 = (0..n).map(|r| r as f32).sum();
+        for (gdims, g, rsdims, rs) in out {
+            let mut want_dims = [rows, 2 * n];
+            want_dims[dim] *= n;
+            prop_assert_eq!(gdims, want_dims);
+            let want: Vec<f32> = if dim == 0 {
+                (0..n).flat_map(|r| vec![r as f32; rows * 2 * n]).collect()
+            } else {
+                (0..rows).flat_map(|_| (0..n).flat_map(|r| vec![r as f32; 2 * n])).collect()
+            };
+            prop_assert_eq!(g, want);
+            prop_assert_eq!(rsdims, [rows, 2]);
+            prop_assert_eq!(rs, vec![total; rows * 2]);
+        }
+    }
+}
+
+#[test]
+fn send_and_recv_pair_in_order() {
+    // A ring: each rank sends two messages to the next and receives the previous one's.
+    let out = on_ranks(3, |c| {
+        let r = Communicator::<B>::rank(&c);
+        let n = 3;
+        c.send(t(&[r as f32, 1.0]), (r + 1) % n).unwrap();
+        c.send(t(&[r as f32, 2.0, 2.0]), (r + 1) % n).unwrap();
+        let prev = (r + n - 1) % n;
+        let first = host(c.recv(prev, 2, &Default::default()).unwrap());
+        let second = host(c.recv(prev, 3, &Default::default()).unwrap());
+        (first, second)
+    });
+    for (r, (first, second)) in out.into_iter().enumerate() {
+        let prev = ((r + 2) % 3) as f32;
+        assert_eq!(first, vec![prev, 1.0]);
+        assert_eq!(second, vec![prev, 2.0, 2.0]);
+    }
+}
+
+#[test]
+fn topology_groups_reduce_over_their_members() {
+    // tp = 2, dp = 2 on 4 ranks: ranks (0,1) and (2,3) are tp groups, (0,2) and (1,3) dp groups.
+    let topo = Topology::new(
+        ParallelConfig {
+            tp: 2,
+            ..Default::default()
+        },
+        4,
+    )
+    .unwrap();
+    let groups = ProcessGroups::<B>::local(&topo);
+    let out: Vec<(f32, f32, f32)> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                s.spawn(move || {
+                    let mine = t(&[rank as f32]);
+                    let tp = host(g.tp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
+                    let dp = host(g.dp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
+                    let world = host(g.world.all_reduce(mine, ReduceOp::Sum).unwrap())[0];
+                    (tp, dp, world)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(
+        out,
+        vec![
+            (1.0, 2.0, 6.0),
+            (1.0, 4.0, 6.0),
+            (5.0, 2.0, 6.0),
+            (5.0, 4.0, 6.0)
+        ]
+    );
+}
+
+#[test]
+fn mismatches_and_departed_peers_are_errors() {
+    let out = on_ranks(2, |c| {
+        let r = Communicator::<B>::rank(&c);
+        c.all_reduce(t(&vec![1.0; r + 1]), ReduceOp::Sum).err()
+    });
+    assert!(out.iter().all(|e| matches!(e, Some(CommError::Shape(_)))));
+
+    let mut group = LocalCommunicator::group(2);
+    let survivor = group.remove(0);
+    drop(group); // rank 1 is gone
+    let err = survivor.all_reduce(t(&[1.0]), ReduceOp::Sum).unwrap_err();
+    assert!(matches!(err, CommError::PeerGone(_)), "{err}");
+    let err = Communicator::<B>::recv(&survivor, 1, 1, &Default::default()).unwrap_err();
+    assert!(matches!(err, CommError::PeerGone(_)), "{err}");
+    let err = Communicator::<B>::send(&survivor, t(&[1.0]), 5).unwrap_err();
+    assert!(
+        matches!(err, CommError::BadRank { rank: 5, world: 2 }),
+        "{err}"
+    );
+}

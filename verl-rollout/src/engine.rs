@@ -13,6 +13,7 @@ use std::time::Instant;
 use burn::prelude::*;
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::models::{CausalLm, SlotKvCache};
+use verl_megatron::parallel::ParallelBackend;
 
 use crate::config::EngineConfig;
 use crate::error::RolloutError;
@@ -72,7 +73,7 @@ struct Active {
 }
 
 /// The native rollout engine over a [`CausalLm`].
-pub struct NativeRollout<B: Backend> {
+pub struct NativeRollout<B: ParallelBackend> {
     pub(crate) model_config: HfModelConfig,
     pub(crate) model: Option<CausalLm<B>>,
     pub(crate) config: EngineConfig,
@@ -88,7 +89,7 @@ pub struct NativeRollout<B: Backend> {
     last_stats: GenerationStats,
 }
 
-impl<B: Backend> NativeRollout<B> {
+impl<B: ParallelBackend> NativeRollout<B> {
     /// An engine over `model`. The KV budget is resolved here: it must hold at least one
     /// sequence of `prompt_length + response_length` positions.
     pub fn new(

@@ -4,11 +4,11 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use burn::prelude::*;
 use futures::StreamExt;
 use verl_core::traits::{RolloutEngine, SleepLevel};
 use verl_core::{DataProto, NamedTensor, Result, WeightStream};
 use verl_megatron::models::CausalLm;
+use verl_megatron::parallel::ParallelBackend;
 
 use crate::engine::{NativeRollout, Request};
 use crate::error::RolloutError;
@@ -23,7 +23,7 @@ struct CallSettings {
     n: usize,
 }
 
-impl<B: Backend> NativeRollout<B> {
+impl<B: ParallelBackend> NativeRollout<B> {
     fn call_settings(&self, proto: &DataProto<B>) -> CallSettings {
         let meta = &proto.meta_info;
         let flag = |k: &str| meta.get(k).and_then(serde_json::Value::as_bool);
@@ -143,7 +143,7 @@ impl<B: Backend> NativeRollout<B> {
 }
 
 #[async_trait(?Send)]
-impl<B: Backend> RolloutEngine<B> for NativeRollout<B> {
+impl<B: ParallelBackend> RolloutEngine<B> for NativeRollout<B> {
     async fn generate_sequences(&mut self, prompts: DataProto<B>) -> Result<DataProto<B>> {
         Ok(self.generate_proto(&prompts)?)
     }

@@ -124,6 +124,18 @@ impl HfCheckpoint {
 
     /// The values of `name` as f32, with its shape.
     pub fn read_f32(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), MegatronError> {
+        self.read_part_f32(name, 0, None)
+    }
+
+    /// The values of `name` as f32 restricted to `part` = `(start, len)` of dimension `dim`
+    /// (the whole tensor for `None`), with the part's shape. Only the part's bytes are read
+    /// from the mapped file: how a tensor-parallel rank loads its shard.
+    pub fn read_part_f32(
+        &self,
+        name: &str,
+        dim: usize,
+        part: Option<(usize, usize)>,
+    ) -> Result<(Vec<f32>, Vec<usize>), MegatronError> {
         let e = self
             .entries
             .get(name)
@@ -132,20 +144,9 @@ impl HfCheckpoint {
                 dir: self.dir.clone(),
             })?;
         let (path, mmap) = &self.files[e.file];
-        let bytes = &mmap[e.start..e.end];
-        let values: Vec<f32> = match e.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+        let width = match e.dtype {
+            Dtype::F32 => 4,
+            Dtype::BF16 | Dtype::F16 => 2,
             other => {
                 return Err(MegatronError::TensorDtype {
                     name: name.into(),
@@ -154,7 +155,47 @@ impl HfCheckpoint {
                 })
             }
         };
-        Ok((values, e.shape.clone()))
+        let mut shape = e.shape.clone();
+        let (start, len) = match part {
+            Some((start, len)) if dim < shape.len() && start + len <= shape[dim] => (start, len),
+            Some(_) => {
+                return Err(MegatronError::TensorShape {
+                    name: name.into(),
+                    file: path.clone(),
+                    expected: vec![],
+                    found: shape,
+                })
+            }
+            None => (0, shape.first().copied().unwrap_or(1)),
+        };
+        let dim = if part.is_some() { dim } else { 0 };
+        let full = shape.get(dim).copied().unwrap_or(1);
+        let outer: usize = shape[..dim.min(shape.len())].iter().product();
+        let inner: usize = shape.get(dim + 1..).map_or(1, |s| s.iter().product());
+        let bytes = &mmap[e.start..e.end];
+        let mut values = Vec::with_capacity(outer * len * inner);
+        for o in 0..outer {
+            let from = (o * full + start) * inner * width;
+            let run = &bytes[from..from + len * inner * width];
+            match e.dtype {
+                Dtype::F32 => values.extend(
+                    run.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                Dtype::BF16 => values.extend(
+                    run.chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+                _ => values.extend(
+                    run.chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+            }
+        }
+        if let Some(d) = shape.get_mut(dim) {
+            *d = len;
+        }
+        Ok((values, shape))
     }
 
     /// Loads `name` onto `device` as a rank-`D` float tensor.
@@ -163,7 +204,18 @@ impl HfCheckpoint {
         name: &str,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, MegatronError> {
-        let (values, shape) = self.read_f32(name)?;
+        self.load_part(name, 0, None, device)
+    }
+
+    /// Loads `part` = `(start, len)` of dimension `dim` of `name` (all of it for `None`).
+    pub fn load_part<B: Backend, const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        part: Option<(usize, usize)>,
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        let (values, shape) = self.read_part_f32(name, dim, part)?;
         if shape.len() != D {
             let file = self
                 .file_of(name)

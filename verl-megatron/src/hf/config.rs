@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use verl_core::topology::ModelDims;
+use verl_core::topology::{ModelDims, ParallelConfig};
 
 use crate::error::MegatronError;
 
@@ -126,6 +126,38 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     pub decoder_sparse_step: usize,
     pub mlp_only_layers: Vec<usize>,
+}
+
+impl HfModelConfig {
+    /// Refuses a tensor-parallel size this model cannot be split by (the layout checks of
+    /// `ParallelConfig::validate_for_model`, plus Qwen2-MoE's shared expert), naming the model
+    /// field that does not divide and the sizes that would.
+    pub fn check_tensor_parallel(&self, tp: usize) -> Result<(), MegatronError> {
+        let field = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size";
+        let refuse = |message: String| MegatronError::Setting {
+            field: field.into(),
+            message,
+        };
+        if tp == 0 {
+            return Err(refuse("must be at least 1".into()));
+        }
+        let layout = ParallelConfig {
+            tp,
+            ..ParallelConfig::default()
+        };
+        layout
+            .validate_for_model(&self.model_dims())
+            .map_err(|e| refuse(e.to_string()))?;
+        if let Some(moe) = &self.moe {
+            let size = moe.shared_expert_intermediate_size;
+            if !size.is_multiple_of(tp) {
+                return Err(refuse(format!(
+                    "{tp} does not divide shared_expert_intermediate_size ({size})"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl MoeConfig {

@@ -8,7 +8,9 @@ pub mod tensor_map;
 pub mod tokenizer;
 
 pub use checkpoint::HfCheckpoint;
-pub use config::{Architecture, HeadKind, HfModelConfig, Qwen2Dims, RopeScaling, WeightDtype};
+pub use config::{
+    Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims, RopeScaling, WeightDtype,
+};
 pub use save::{read_config_json, save_pretrained, SaveOptions};
 pub use tensor_map::{hf_tensor_specs, TensorSpec};
 pub use tokenizer::{ChatMessage, HfTokenizer};

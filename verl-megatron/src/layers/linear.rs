@@ -1,19 +1,13 @@
 use burn::module::{Module, Param};
 use burn::prelude::*;
 
-/// A layer's place in its tensor-parallel group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TpShard {
-    pub rank: usize,
-    pub size: usize,
-}
-
-impl TpShard {
-    /// No tensor parallelism.
-    pub const NONE: Self = Self { rank: 0, size: 1 };
-}
+use crate::parallel::{ParallelBackend, TpGroup};
 
 /// `y = x·Wᵀ + b` with W's output rows split over tp ranks (HF layout `[out, in]`).
+///
+/// The input must already be in the tensor-parallel region (replicated, entered through
+/// [`TpGroup::enter`] by the block that owns the layer, once for all the projections that share
+/// it); the output is this rank's slice of the features.
 #[derive(Module, Debug)]
 pub struct ColumnParallelLinear<B: Backend> {
     /// This rank's rows of the weight, `[out / tp, in]`.
@@ -22,12 +16,16 @@ pub struct ColumnParallelLinear<B: Backend> {
 }
 
 /// `y = x·Wᵀ + b` with W's input columns split over tp ranks; the partial outputs are summed
-/// across the group (and the bias added once).
+/// across the group (reduce-scattered along the sequence with sequence parallelism) and the
+/// bias added once.
 #[derive(Module, Debug)]
 pub struct RowParallelLinear<B: Backend> {
     /// This rank's columns of the weight, `[out, in / tp]`.
     pub weight: Param<Tensor<B, 2>>,
+    /// Replicated, `[out]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    pub tp: TpGroup,
 }
 
 fn affine<B: Backend, const D: usize>(
@@ -51,14 +49,27 @@ fn affine<B: Backend, const D: usize>(
 }
 
 impl<B: Backend> ColumnParallelLinear<B> {
+    /// From this rank's rows `[out / tp, in]` (and bias `[out / tp]`).
+    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Self {
+            weight: Param::from_tensor(weight),
+            bias: bias.map(Param::from_tensor),
+        }
+    }
+
     /// From the full HF weight `[out, in]` (and bias `[out]`), keeping this rank's rows.
-    pub fn from_full(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, tp: TpShard) -> Self {
+    pub fn from_full(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, tp: &TpGroup) -> Self {
         let [out, _] = weight.dims();
-        let (per, start) = (out / tp.size, out / tp.size * tp.rank);
+        let (start, per) = tp.part(out);
         Self {
             weight: Param::from_tensor(weight.narrow(0, start, per)),
             bias: bias.map(|b| Param::from_tensor(b.narrow(0, start, per))),
         }
+    }
+
+    /// An unsharded layer (routers, value and score heads): every rank holds all of it.
+    pub fn replicated(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Self::from_full(weight, bias, &TpGroup::none())
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
@@ -70,22 +81,43 @@ impl<B: Backend> ColumnParallelLinear<B> {
     }
 }
 
-impl<B: Backend> RowParallelLinear<B> {
-    /// From the full HF weight `[out, in]` (and bias `[out]`), keeping this rank's columns.
-    pub fn from_full(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, tp: TpShard) -> Self {
-        let [_, inp] = weight.dims();
-        let (per, start) = (inp / tp.size, inp / tp.size * tp.rank);
+impl<B: ParallelBackend> RowParallelLinear<B> {
+    /// From this rank's columns `[out, in / tp]` and the whole bias `[out]`.
+    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, tp: &TpGroup) -> Self {
         Self {
-            weight: Param::from_tensor(weight.narrow(1, start, per)),
+            weight: Param::from_tensor(weight),
             bias: bias.map(Param::from_tensor),
+            tp: tp.clone(),
         }
     }
 
+    /// From the full HF weight `[out, in]` (and bias `[out]`), keeping this rank's columns.
+    pub fn from_full(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>, tp: &TpGroup) -> Self {
+        let [_, inp] = weight.dims();
+        let (start, per) = tp.part(inp);
+        Self {
+            weight: Param::from_tensor(weight.narrow(1, start, per)),
+            bias: bias.map(Param::from_tensor),
+            tp: tp.clone(),
+        }
+    }
+
+    /// This rank's partial product, before the reduction and without the bias: for blocks
+    /// that sum several row-parallel outputs (experts) and reduce once.
+    pub fn forward_partial<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        affine(x, &self.weight.val(), None)
+    }
+
+    /// The full output: partial products reduced over the group, then the bias.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        affine(
-            x,
-            &self.weight.val(),
-            self.bias.as_ref().map(|b| b.val()).as_ref(),
-        )
+        let y = self.tp.exit(self.forward_partial(x));
+        match &self.bias {
+            Some(b) => {
+                let mut shape = [1; D];
+                shape[D - 1] = b.dims()[0];
+                y + b.val().reshape(shape)
+            }
+            None => y,
+        }
     }
 }

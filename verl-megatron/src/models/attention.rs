@@ -6,6 +6,7 @@ use burn::tensor::activation::softmax;
 
 use super::kv_cache::{LayerKv, SlotKvCache};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
+use crate::parallel::{ParallelBackend, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
 pub enum AttnCache<'a, B: Backend> {
@@ -25,6 +26,8 @@ pub enum AttnCache<'a, B: Backend> {
 
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
+/// With tensor parallelism each rank holds `heads / tp` query heads and `kv_heads / tp` kv
+/// heads (grouped-query groups stay whole on one rank).
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
     pub q_proj: ColumnParallelLinear<B>,
@@ -37,9 +40,11 @@ pub struct Attention<B: Backend> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    #[module(skip)]
+    pub tp: TpGroup,
 }
 
-impl<B: Backend> Attention<B> {
+impl<B: ParallelBackend> Attention<B> {
     /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, keys]` is 0 where attention is allowed
     /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`]. `cache`
     /// says which keys are attended to besides this call's ([`AttnCache`]).
@@ -51,6 +56,8 @@ impl<B: Backend> Attention<B> {
         sin: &Tensor<B, 4>,
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
+        // One entry into the tensor-parallel region for the three projections.
+        let x = self.tp.enter(x);
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]).swap_dims(1, 2);

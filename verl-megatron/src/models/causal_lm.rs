@@ -1,9 +1,9 @@
 //! The decoder-only causal language model and its loading from a Hugging Face checkpoint.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use burn::module::{Module, Param};
+use burn::module::{Module, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use rand::rngs::StdRng;
@@ -17,13 +17,24 @@ use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
 use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
 use crate::layers::{
-    ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, TpShard,
-    VocabParallelEmbedding,
+    ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
+use crate::parallel::{Collective, ParallelBackend, Region, TpGroup};
 
 /// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
 pub trait TensorSource<B: Backend> {
     fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError>;
+
+    /// `(start, len)` of dimension `dim` of the tensor: a tensor-parallel rank's shard. By
+    /// default the whole tensor is loaded and narrowed.
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        (start, len): (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        Ok(self.load::<D>(name)?.narrow(dim, start, len))
+    }
 }
 
 /// Tensors read from an HF checkpoint.
@@ -35,6 +46,17 @@ struct CheckpointSource<'a, B: Backend> {
 impl<B: Backend> TensorSource<B> for CheckpointSource<'_, B> {
     fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
         self.ckpt.load::<B, D>(name, self.device)
+    }
+
+    /// Reads only the shard's bytes.
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        part: (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        self.ckpt
+            .load_part::<B, D>(name, dim, Some(part), self.device)
     }
 }
 
@@ -110,6 +132,12 @@ pub struct DecoderLayer<B: Backend> {
 }
 
 /// A decoder-only LM (Qwen2, Llama, Qwen3, Qwen2-MoE) on one tensor-parallel rank.
+///
+/// With tp > 1 the outputs of [`Self::forward`] and [`Self::forward_window`] are this rank's
+/// vocabulary shard of the logits (`[batch, seq, vocab / tp]`, ids from
+/// [`Self::vocab_start`]): feed them to the vocabulary-parallel log-prob and entropy of
+/// [`crate::models::vocab_parallel`], which never gather the full vocabulary. Score heads are
+/// replicated and their outputs whole.
 #[derive(Module, Debug)]
 pub struct CausalLm<B: Backend> {
     pub embed_tokens: VocabParallelEmbedding<B>,
@@ -122,9 +150,11 @@ pub struct CausalLm<B: Backend> {
     pub score: Option<ColumnParallelLinear<B>>,
     #[module(skip)]
     pub rope: RotaryEmbedding,
+    #[module(skip)]
+    pub tp: TpGroup,
 }
 
-impl<B: Backend> CausalLm<B> {
+impl<B: ParallelBackend> CausalLm<B> {
     /// Loads the model from an open checkpoint (verified against `cfg` first), one tensor at a
     /// time.
     pub fn from_checkpoint(
@@ -132,14 +162,38 @@ impl<B: Backend> CausalLm<B> {
         ckpt: &HfCheckpoint,
         device: &B::Device,
     ) -> Result<Self, MegatronError> {
+        Self::from_checkpoint_sharded(cfg, ckpt, device, &TpGroup::none())
+    }
+
+    /// This tensor-parallel rank's shard of the checkpoint's model: each tensor's shard is
+    /// read alone from the mapped file (the full tensors are never materialised).
+    pub fn from_checkpoint_sharded(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
-        Self::from_source(cfg, &CheckpointSource { ckpt, device })
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp)
     }
 
     /// A freshly initialised model (training from scratch): weights drawn from
     /// N(0, `std`²) (HF's `initializer_range`, 0.02 by default), norms at 1, biases at 0, each
     /// tensor seeded by `seed` and its name so the result does not depend on load order.
     pub fn init(cfg: &HfModelConfig, std: f64, seed: u64, device: &B::Device) -> Self {
+        Self::init_sharded(cfg, std, seed, device, &TpGroup::none())
+            .expect("an unsharded model fits any configuration")
+    }
+
+    /// This tensor-parallel rank's shard of [`Self::init`]'s model: the same weights whatever
+    /// the layout (each full tensor is drawn, then cut), so layouts can be compared exactly.
+    pub fn init_sharded(
+        cfg: &HfModelConfig,
+        std: f64,
+        seed: u64,
+        device: &B::Device,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
         let shapes = hf_tensor_specs(cfg)
             .into_iter()
             .map(|s| (s.name, s.shape))
@@ -152,8 +206,8 @@ impl<B: Backend> CausalLm<B> {
                 seed,
                 device,
             },
+            tp,
         )
-        .expect("the tensor table lists every tensor the model loads")
     }
 
     /// Builds the model from named full tensors (the rollout engine rebuilding its weights
@@ -179,17 +233,30 @@ impl<B: Backend> CausalLm<B> {
                 });
             }
         }
-        Self::from_source(cfg, &NamedSource(RefCell::new(tensors)))
+        Self::from_source(cfg, &NamedSource(RefCell::new(tensors)), &TpGroup::none())
     }
 
-    /// Builds the model taking each tensor, by HF name, from `source`.
+    /// Builds this tensor-parallel rank's model taking each tensor (or its shard), by HF name,
+    /// from `source`. A layout the model cannot be split into is refused first
+    /// ([`HfModelConfig::check_tensor_parallel`]).
     pub fn from_source<S: TensorSource<B>>(
         cfg: &HfModelConfig,
         source: &S,
+        tp: &TpGroup,
     ) -> Result<Self, MegatronError> {
-        let tp = TpShard::NONE;
-        let w2 = |name: &str| source.load::<2>(name);
+        cfg.check_tensor_parallel(tp.size)?;
+        let shapes: HashMap<String, Vec<usize>> = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
         let w1 = |name: &str| source.load::<1>(name);
+        // This rank's part of dimension `dim` of `name`.
+        let part = |name: &str, dim: usize| -> Result<(usize, usize), MegatronError> {
+            let shape = shapes
+                .get(name)
+                .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
+            Ok(tp.part(shape[dim]))
+        };
         let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
             if present {
                 Ok(Some(w1(&name)?))
@@ -200,46 +267,54 @@ impl<B: Backend> CausalLm<B> {
         let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
             Ok(RmsNorm::new(w1(name)?, cfg.rms_norm_eps))
         };
+        // Output rows (and bias) split: q/k/v, gate/up, the LM head.
+        let column = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
+            let w = format!("{p}.weight");
+            let rows = part(&w, 0)?;
+            let bias = if bias {
+                Some(source.load_part::<1>(&format!("{p}.bias"), 0, rows)?)
+            } else {
+                None
+            };
+            Ok(ColumnParallelLinear::new(
+                source.load_part::<2>(&w, 0, rows)?,
+                bias,
+            ))
+        };
+        // Input columns split, bias whole: o_proj, down_proj.
+        let row = |p: &str, bias: bool| -> Result<RowParallelLinear<B>, MegatronError> {
+            let w = format!("{p}.weight");
+            let cols = part(&w, 1)?;
+            Ok(RowParallelLinear::new(
+                source.load_part::<2>(&w, 1, cols)?,
+                opt1(format!("{p}.bias"), bias)?,
+                tp,
+            ))
+        };
+        let replicated = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
+            Ok(ColumnParallelLinear::new(
+                source.load::<2>(&format!("{p}.weight"))?,
+                opt1(format!("{p}.bias"), bias)?,
+            ))
+        };
         let swiglu = |p: &str| -> Result<SwiGlu<B>, MegatronError> {
             Ok(SwiGlu {
-                gate_proj: ColumnParallelLinear::from_full(
-                    w2(&format!("{p}.gate_proj.weight"))?,
-                    None,
-                    tp,
-                ),
-                up_proj: ColumnParallelLinear::from_full(
-                    w2(&format!("{p}.up_proj.weight"))?,
-                    None,
-                    tp,
-                ),
-                down_proj: RowParallelLinear::from_full(
-                    w2(&format!("{p}.down_proj.weight"))?,
-                    None,
-                    tp,
-                ),
+                gate_proj: column(&format!("{p}.gate_proj"), false)?,
+                up_proj: column(&format!("{p}.up_proj"), false)?,
+                down_proj: row(&format!("{p}.down_proj"), false)?,
+                tp: tp.clone(),
             })
         };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let a = format!("{p}.self_attn");
-            let qkv = |proj: &str| -> Result<ColumnParallelLinear<B>, MegatronError> {
-                Ok(ColumnParallelLinear::from_full(
-                    w2(&format!("{a}.{proj}.weight"))?,
-                    opt1(format!("{a}.{proj}.bias"), cfg.qkv_bias)?,
-                    tp,
-                ))
-            };
             let qk_norm = cfg.architecture == Architecture::Qwen3;
             let self_attn = Attention {
-                q_proj: qkv("q_proj")?,
-                k_proj: qkv("k_proj")?,
-                v_proj: qkv("v_proj")?,
-                o_proj: RowParallelLinear::from_full(
-                    w2(&format!("{a}.o_proj.weight"))?,
-                    opt1(format!("{a}.o_proj.bias"), cfg.o_bias)?,
-                    tp,
-                ),
+                q_proj: column(&format!("{a}.q_proj"), cfg.qkv_bias)?,
+                k_proj: column(&format!("{a}.k_proj"), cfg.qkv_bias)?,
+                v_proj: column(&format!("{a}.v_proj"), cfg.qkv_bias)?,
+                o_proj: row(&format!("{a}.o_proj"), cfg.o_bias)?,
                 q_norm: if qk_norm {
                     Some(norm(&format!("{a}.q_norm.weight"))?)
                 } else {
@@ -253,25 +328,19 @@ impl<B: Backend> CausalLm<B> {
                 num_heads: cfg.num_attention_heads / tp.size,
                 num_kv_heads: cfg.num_key_value_heads / tp.size,
                 head_dim: cfg.head_dim,
+                tp: tp.clone(),
             };
             let mlp = match &cfg.moe {
                 Some(moe) if moe.is_moe_layer(l) => FeedForward::Moe(SparseMoe {
-                    gate: ColumnParallelLinear::from_full(
-                        w2(&format!("{p}.mlp.gate.weight"))?,
-                        None,
-                        TpShard::NONE,
-                    ),
+                    gate: replicated(&format!("{p}.mlp.gate"), false)?,
                     experts: (0..moe.num_experts)
                         .map(|e| swiglu(&format!("{p}.mlp.experts.{e}")))
                         .collect::<Result<_, _>>()?,
                     shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
-                    shared_expert_gate: ColumnParallelLinear::from_full(
-                        w2(&format!("{p}.mlp.shared_expert_gate.weight"))?,
-                        None,
-                        TpShard::NONE,
-                    ),
+                    shared_expert_gate: replicated(&format!("{p}.mlp.shared_expert_gate"), false)?,
                     top_k: moe.num_experts_per_tok,
                     norm_topk_prob: moe.norm_topk_prob,
+                    tp: tp.clone(),
                 }),
                 _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
             };
@@ -284,39 +353,28 @@ impl<B: Backend> CausalLm<B> {
         }
         let (lm_head, score) = match cfg.head {
             HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
-            HeadKind::CausalLm => (
-                Some(ColumnParallelLinear::from_full(
-                    w2("lm_head.weight")?,
-                    None,
-                    tp,
-                )),
-                None,
-            ),
-            HeadKind::TokenClassification { .. } => (
-                None,
-                Some(ColumnParallelLinear::from_full(
-                    w2("score.weight")?,
-                    Some(w1("score.bias")?),
-                    TpShard::NONE,
-                )),
-            ),
-            HeadKind::SequenceClassification { .. } => (
-                None,
-                Some(ColumnParallelLinear::from_full(
-                    w2("score.weight")?,
-                    None,
-                    TpShard::NONE,
-                )),
-            ),
+            HeadKind::CausalLm => (Some(column("lm_head", false)?), None),
+            HeadKind::TokenClassification { .. } => (None, Some(replicated("score", true)?)),
+            HeadKind::SequenceClassification { .. } => (None, Some(replicated("score", false)?)),
         };
+        let embed = "model.embed_tokens.weight";
         Ok(Self {
-            embed_tokens: VocabParallelEmbedding::from_full(w2("model.embed_tokens.weight")?, tp),
+            embed_tokens: VocabParallelEmbedding::new(
+                source.load_part::<2>(embed, 0, part(embed, 0)?)?,
+                tp,
+            ),
             layers,
             norm: norm("model.norm.weight")?,
             lm_head,
             score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            tp: tp.clone(),
         })
+    }
+
+    /// The first vocabulary id of this rank's shard of the logits.
+    pub fn vocab_start(&self) -> usize {
+        self.embed_tokens.vocab_start()
     }
 
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]` (with a score head:
@@ -328,7 +386,8 @@ impl<B: Backend> CausalLm<B> {
         attention_mask: Option<Tensor<B, 2>>,
         position_ids: Option<Tensor<B, 2, Int>>,
     ) -> Tensor<B, 3> {
-        self.run(input_ids, attention_mask, position_ids, None)
+        let t = input_ids.dims()[1];
+        self.forward_window(input_ids, attention_mask, position_ids, 0, t)
     }
 
     /// The outputs (logits, or scores with a score head) of positions `start..start + len` only,
@@ -349,11 +408,40 @@ impl<B: Backend> CausalLm<B> {
                 .unsqueeze_dim::<2>(0)
                 .repeat_dim(0, b)
         });
+        let (input_ids, attention_mask, positions) =
+            self.pad_for_sequence_parallel(input_ids, attention_mask, positions);
+        let padded = input_ids.dims()[1];
         let (cos, sin) = self.rope.tables(&positions);
-        let bias = self.attention_bias(b, t, 0, attention_mask, &device);
+        let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
         let h = self.decoder(input_ids, &bias, &cos, &sin, CacheMode::None);
-        let hidden = h.dims()[2];
-        self.head(h.slice([0..b, start..start + len, 0..hidden]))
+        self.head(h, Some((start, len)))
+    }
+
+    /// With sequence parallelism the sequence must split evenly over the tp ranks: pads the
+    /// batch on the right with masked tokens (which no real token attends to, being causal and
+    /// masked) up to a multiple of tp. Outputs are cut back to the asked positions.
+    fn pad_for_sequence_parallel(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        positions: Tensor<B, 2, Int>,
+    ) -> ModelInputs<B> {
+        let [b, t] = input_ids.dims();
+        let pad = if self.tp.sequence_parallel {
+            (self.tp.size - t % self.tp.size) % self.tp.size
+        } else {
+            0
+        };
+        if pad == 0 {
+            return (input_ids, attention_mask, positions);
+        }
+        let device = input_ids.device();
+        let mask = attention_mask.unwrap_or_else(|| Tensor::ones([b, t], &device));
+        (
+            Tensor::cat(vec![input_ids, Tensor::zeros([b, pad], &device)], 1),
+            Some(Tensor::cat(vec![mask, Tensor::zeros([b, pad], &device)], 1)),
+            Tensor::cat(vec![positions, Tensor::zeros([b, pad], &device)], 1),
+        )
     }
 
     /// As [`Self::forward`] for the new tokens `input_ids` `[batch, new]`, attending to the
@@ -371,41 +459,14 @@ impl<B: Backend> CausalLm<B> {
             cache.layers = (0..self.layers.len()).map(|_| None).collect();
             cache.len = 0;
         }
-        let new = input_ids.dims()[1];
-        let out = self.run(
-            input_ids,
-            Some(attention_mask),
-            Some(position_ids),
-            Some(cache),
-        );
-        cache.len += new;
-        out
-    }
-
-    fn run(
-        &self,
-        input_ids: Tensor<B, 2, Int>,
-        attention_mask: Option<Tensor<B, 2>>,
-        position_ids: Option<Tensor<B, 2, Int>>,
-        cache: Option<&mut KvCache<B>>,
-    ) -> Tensor<B, 3> {
         let [b, t] = input_ids.dims();
         let device = input_ids.device();
-        let past = cache.as_ref().map_or(0, |c| c.len);
-        let keys = past + t;
-        let positions = position_ids.unwrap_or_else(|| {
-            Tensor::<B, 1, Int>::arange(past as i64..keys as i64, &device)
-                .unsqueeze_dim::<2>(0)
-                .repeat_dim(0, b)
-        });
-        let (cos, sin) = self.rope.tables(&positions);
-        let bias = self.attention_bias(b, t, past, attention_mask, &device);
-        let mode = match cache {
-            Some(c) => CacheMode::Grow(c),
-            None => CacheMode::None,
-        };
-        let h = self.decoder(input_ids, &bias, &cos, &sin, mode);
-        self.head(h)
+        let past = cache.len;
+        let (cos, sin) = self.rope.tables(&position_ids);
+        let bias = self.attention_bias(b, t, past, Some(attention_mask), &device);
+        let h = self.decoder(input_ids, &bias, &cos, &sin, CacheMode::Grow(cache));
+        cache.len += t;
+        self.head(h, None)
     }
 
     /// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =
@@ -449,6 +510,10 @@ impl<B: Backend> CausalLm<B> {
         sin: &Tensor<B, 4>,
         mut mode: CacheMode<'_, B>,
     ) -> Tensor<B, 3> {
+        assert!(
+            !self.tp.sequence_parallel || matches!(mode, CacheMode::None),
+            "sequence parallelism is for training passes; generation runs without it"
+        );
         let mut h = self.embed_tokens.forward(input_ids);
         for (l, layer) in self.layers.iter().enumerate() {
             let attn_cache = match &mut mode {
@@ -481,12 +546,26 @@ impl<B: Backend> CausalLm<B> {
         self.norm.forward(h)
     }
 
-    /// The output projection of hidden states `[batch, seq, hidden]`: the score head when
-    /// present, else the LM head (or the tied embedding).
-    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// The output projection of hidden states `[batch, seq, hidden]` (with sequence
+    /// parallelism, this rank's sequence shard), restricted to `window` = `(start, len)`
+    /// positions when given: the score head when present, else the LM head (or the tied
+    /// embedding) on this rank's vocabulary shard.
+    fn head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
+        let cut = |h: Tensor<B, 3>| match window {
+            Some((start, len)) => h.narrow(1, start, len),
+            None => h,
+        };
         if let Some(score) = &self.score {
-            return score.forward(h);
+            // A replicated head reads whole sequences; each rank's gradient is then whole too,
+            // so going back it is split, not summed.
+            let h = if self.tp.sequence_parallel {
+                self.tp.region(h, Region::GatherFrom(1))
+            } else {
+                h
+            };
+            return score.forward(cut(h));
         }
+        let h = cut(self.tp.enter(h));
         match &self.lm_head {
             Some(head) => head.forward(h),
             None => {
@@ -541,7 +620,7 @@ impl<B: Backend> CausalLm<B> {
         let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
         let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
             .repeat_dim(2, hidden);
-        let logits = self.head(h.gather(1, idx));
+        let logits = self.head(h.gather(1, idx), None);
         let vocab = logits.dims()[2];
         logits.reshape([n, vocab])
     }
@@ -588,11 +667,14 @@ impl<B: Backend> CausalLm<B> {
             window,
         };
         let h = self.decoder(ids, &bias, &cos, &sin, mode);
-        let logits = self.head(h);
+        let logits = self.head(h, None);
         let vocab = logits.dims()[2];
         logits.reshape([s, vocab])
     }
 }
+
+/// Token ids, the attention mask and position ids of a forward pass.
+type ModelInputs<B> = (Tensor<B, 2, Int>, Option<Tensor<B, 2>>, Tensor<B, 2, Int>);
 
 /// How [`CausalLm::decoder`] uses a cache.
 enum CacheMode<'a, B: Backend> {
@@ -622,10 +704,95 @@ fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<
     Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
 }
 
-impl<B: Backend> CausalLm<B> {
-    /// Every weight under its Hugging Face name, one tensor at a time (full tensors at tp = 1):
-    /// what saving writes and what the rollout engine's `update_weights` consumes.
+/// The dimension along which tensor parallelism splits the weight called `name` (HF naming),
+/// or `None` for a replicated one.
+pub fn tp_split_dim(name: &str) -> Option<usize> {
+    let column = [
+        "q_proj.weight",
+        "q_proj.bias",
+        "k_proj.weight",
+        "k_proj.bias",
+        "v_proj.weight",
+        "v_proj.bias",
+        "gate_proj.weight",
+        "up_proj.weight",
+    ];
+    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+        return Some(0);
+    }
+    if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
+        return Some(1);
+    }
+    column.iter().any(|c| name.ends_with(c)).then_some(0)
+}
+
+impl<B: ParallelBackend> CausalLm<B> {
+    /// Every weight under its Hugging Face name and full shape, one tensor at a time: what
+    /// saving in HF format writes and what the rollout engine's `update_weights` consumes.
+    /// With tp > 1 each shard is all-gathered from the group, so every tp rank must call this
+    /// together.
     pub fn export_weights(&self) -> Vec<NamedTensor<B>> {
+        let shards = self.export_shards();
+        if !self.tp.is_parallel() {
+            return shards;
+        }
+        shards
+            .into_iter()
+            .map(|t| match tp_split_dim(&t.name) {
+                Some(dim) => {
+                    let shard: Tensor<B, 2> = match t.shape.len() {
+                        2 => t.to_tensor::<2>().expect("rank checked"),
+                        _ => t.values.clone().unsqueeze_dim::<2>(1),
+                    };
+                    let full = self.tp.collective(shard, Collective::AllGather(dim));
+                    match t.shape.len() {
+                        2 => NamedTensor::new(t.name, full),
+                        _ => NamedTensor::new(t.name, full.flatten::<1>(0, 1)),
+                    }
+                }
+                None => t,
+            })
+            .collect()
+    }
+
+    /// Replaces one weight from its full tensor (named as in Hugging Face checkpoints), keeping
+    /// its parameter id; this rank keeps its shard. The name must be one of this model's and
+    /// the shape must match; otherwise the error names it. This is how the rollout engine takes
+    /// the actor's weights tensor by tensor.
+    pub fn load_weight(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
+        let split = tp_split_dim(&tensor.name).filter(|_| self.tp.is_parallel());
+        let Some(dim) = split else {
+            return self.load_shard(tensor);
+        };
+        let mut shape = tensor.shape.clone();
+        if dim >= shape.len() || !shape[dim].is_multiple_of(self.tp.size) {
+            return Err(MegatronError::WeightShape {
+                name: tensor.name.clone(),
+                expected: vec![],
+                found: shape,
+            });
+        }
+        let (start, len) = self.tp.part(shape[dim]);
+        shape[dim] = len;
+        let values = match tensor.shape.len() {
+            2 => {
+                let full = tensor.to_tensor::<2>().expect("rank checked");
+                full.narrow(dim, start, len).flatten::<1>(0, 1)
+            }
+            _ => tensor.values.narrow(0, start, len),
+        };
+        self.load_shard(NamedTensor {
+            name: tensor.name,
+            shape,
+            values,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> {
+    /// This rank's shard of every weight under its Hugging Face name (the whole weights at
+    /// tp = 1): what a sharded checkpoint stores per rank.
+    pub fn export_shards(&self) -> Vec<NamedTensor<B>> {
         let mut out = vec![NamedTensor::new(
             "model.embed_tokens.weight",
             self.embed_tokens.weight.val(),
@@ -766,10 +933,10 @@ enum ParamMut<'a, B: Backend> {
 }
 
 impl<B: Backend> CausalLm<B> {
-    /// Replaces one weight, named as in Hugging Face checkpoints, keeping its parameter id. The
-    /// name must be one of this model's and the shape must match; otherwise the error names it.
-    /// This is how the rollout engine takes the actor's weights tensor by tensor.
-    pub fn load_weight(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
+    /// Replaces this rank's shard of one weight (named as in Hugging Face checkpoints, shaped
+    /// as the shard), keeping its parameter id. The name must be one of this model's and the
+    /// shape must match; otherwise the error names it.
+    pub fn load_shard(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
         let name = tensor.name.clone();
         let param = self
             .param_mut(&name)
@@ -812,7 +979,7 @@ impl<B: Backend> CausalLm<B> {
     /// by in burn) and whether it is a matrix (else a vector): how optimizer state is saved by
     /// name and restored onto a model whose ids differ.
     pub fn named_param_ids(&self) -> Vec<(String, burn::module::ParamId, bool)> {
-        let names: Vec<String> = self.export_weights().into_iter().map(|t| t.name).collect();
+        let names: Vec<String> = self.export_shards().into_iter().map(|t| t.name).collect();
         // `param_mut` needs `&mut`; a clone shares the tensors and keeps the ids.
         let mut model = self.clone();
         names
@@ -825,6 +992,30 @@ impl<B: Backend> CausalLm<B> {
                 Some((name, id, matrix))
             })
             .collect()
+    }
+
+    /// The parameters tensor parallelism shards, and the replicated ones whose gradient each
+    /// rank gets only its part of, to be summed over the group: per-head q/k norms and MoE
+    /// routers (read inside the tensor-parallel region), and with sequence parallelism the
+    /// layer norms and row-parallel biases (applied to sequence shards).
+    pub fn tp_param_sets(&self) -> (HashSet<ParamId>, HashSet<ParamId>) {
+        let sp = self.tp.sequence_parallel;
+        let (mut sharded, mut partial) = (HashSet::new(), HashSet::new());
+        for (name, id, _) in self.named_param_ids() {
+            let inside_region = ["q_norm.weight", "k_norm.weight", "mlp.gate.weight"]
+                .iter()
+                .any(|s| name.ends_with(s))
+                || name.ends_with("shared_expert_gate.weight");
+            let on_sequence_shards = name.ends_with("layernorm.weight")
+                || name == "model.norm.weight"
+                || name.ends_with("o_proj.bias");
+            if tp_split_dim(&name).is_some() {
+                sharded.insert(id);
+            } else if inside_region || (sp && on_sequence_shards) {
+                partial.insert(id);
+            }
+        }
+        (sharded, partial)
     }
 
     fn param_mut(&mut self, name: &str) -> Option<ParamMut<'_, B>> {

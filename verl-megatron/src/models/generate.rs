@@ -7,6 +7,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::CausalLm;
+use crate::parallel::ParallelBackend;
 
 /// Sampling settings of [`generate`].
 #[derive(Debug, Clone, PartialEq)]
@@ -20,7 +21,7 @@ pub struct GenerateOptions {
 
 /// Generates up to `max_new_tokens` after `prompt`, stopping after an EOS id; returns the new ids.
 /// Each step recomputes the whole sequence (no KV cache).
-pub fn generate<B: Backend>(
+pub fn generate<B: ParallelBackend>(
     model: &CausalLm<B>,
     prompt: &[u32],
     options: &GenerateOptions,

@@ -6,19 +6,32 @@ use burn::tensor::activation::silu;
 
 use super::qwen2_moe::SparseMoe;
 use crate::layers::{ColumnParallelLinear, RowParallelLinear};
+use crate::parallel::{ParallelBackend, TpGroup};
 
-/// down(silu(gate(x)) · up(x)).
+/// down(silu(gate(x)) · up(x)), the intermediate features split over tp ranks.
 #[derive(Module, Debug)]
 pub struct SwiGlu<B: Backend> {
     pub gate_proj: ColumnParallelLinear<B>,
     pub up_proj: ColumnParallelLinear<B>,
     pub down_proj: RowParallelLinear<B>,
+    #[module(skip)]
+    pub tp: TpGroup,
 }
 
-impl<B: Backend> SwiGlu<B> {
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+impl<B: ParallelBackend> SwiGlu<B> {
+    /// `x` `[batch, seq, hidden]` from the residual stream (a sequence shard with sequence
+    /// parallelism) to the same.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = self.tp.enter(x);
+        let y = self.forward_partial(x);
+        self.tp.exit(y)
+    }
+
+    /// This rank's partial output for an input already in the tensor-parallel region: what a
+    /// mixture of experts sums before its one reduction.
+    pub fn forward_partial<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.down_proj
-            .forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+            .forward_partial(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
     }
 }
 
@@ -31,7 +44,7 @@ pub enum FeedForward<B: Backend> {
     Moe(SparseMoe<B>),
 }
 
-impl<B: Backend> FeedForward<B> {
+impl<B: ParallelBackend> FeedForward<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         match self {
             FeedForward::Dense(m) => m.forward(x),

@@ -10,7 +10,9 @@ pub mod generate;
 pub mod kv_cache;
 pub mod mlp;
 pub mod qwen2_moe;
+pub mod vocab_parallel;
 
-pub use causal_lm::CausalLm;
+pub use causal_lm::{tp_split_dim, CausalLm};
 pub use generate::{generate, GenerateOptions};
 pub use kv_cache::{KvCache, LayerKv, SlotKvCache};
+pub use vocab_parallel::vocab_parallel_log_probs;

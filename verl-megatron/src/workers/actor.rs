@@ -8,13 +8,11 @@ use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use verl_core::algorithms::aggregation::{agg_loss, AggScale, LossAggMode};
 use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
-use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
 use verl_core::traits::{
@@ -24,7 +22,8 @@ use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::optim::ModelOptimizer;
-use crate::models::CausalLm;
+use crate::models::{vocab_parallel_log_probs, CausalLm};
+use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// The actor's update settings, resolved from `actor_rollout_ref.actor` (row counts per rank).
 #[derive(Debug, Clone, PartialEq)]
@@ -49,7 +48,7 @@ pub struct ActorSettings {
 }
 
 /// The policy model and its optimizer.
-pub struct MegatronActor<B: AutodiffBackend> {
+pub struct MegatronActor<B: ParallelAutodiffBackend> {
     model: Option<CausalLm<B>>,
     optim: ModelOptimizer<B, CausalLm<B>>,
     settings: ActorSettings,
@@ -61,7 +60,7 @@ pub struct MegatronActor<B: AutodiffBackend> {
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
-fn temperature_of<B: Backend>(data: &DataProto<B>, default: f64) -> f64 {
+fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
     data.meta_info
         .get("temperature")
         .and_then(serde_json::Value::as_f64)
@@ -69,12 +68,13 @@ fn temperature_of<B: Backend>(data: &DataProto<B>, default: f64) -> f64 {
         .unwrap_or(default)
 }
 
-impl<B: AutodiffBackend> MegatronActor<B> {
+impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     pub fn new(
         model: CausalLm<B>,
         optim: ModelOptimizer<B, CausalLm<B>>,
         settings: ActorSettings,
     ) -> Self {
+        let optim = super::state::for_model(optim, &model);
         Self {
             model: Some(model),
             optim,
@@ -105,7 +105,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
     /// Gives the supervised warm-up its own optimizer and schedule (call before
     /// [`Self::with_data_parallel`]).
     pub fn with_sft_optimizer(mut self, optim: ModelOptimizer<B, CausalLm<B>>) -> Self {
-        self.sft_optim = Some(optim);
+        self.sft_optim = Some(super::state::for_model(optim, self.model()));
         self
     }
 
@@ -144,7 +144,8 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
             let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
             let logits = inputs.response_outputs(self.model());
-            let nll = -(log_probs_from_logits(logits, labels) * mask).sum() / tokens;
+            let (log_probs, _) = self.log_probs_of(self.model(), logits, labels, false);
+            let nll = -(log_probs * mask).sum() / tokens;
             total += nll.clone().into_scalar().elem::<f64>();
             let grads = GradientsParams::from_grads(nll.backward(), self.model());
             acc.accumulate(self.model(), grads);
@@ -158,6 +159,18 @@ impl<B: AutodiffBackend> MegatronActor<B> {
         metrics.push("sft/grad_norm", report.grad_norm);
         metrics.push("sft/lr", report.lr);
         Ok(metrics)
+    }
+
+    /// Log-probs of `labels` (and entropy) from `model`'s logits, vocabulary-parallel when the
+    /// model is tensor-parallel.
+    fn log_probs_of<C: ParallelBackend>(
+        &self,
+        model: &CausalLm<C>,
+        logits: Tensor<C, 3>,
+        labels: Tensor<C, 2, Int>,
+        with_entropy: bool,
+    ) -> (Tensor<C, 2>, Option<Tensor<C, 2>>) {
+        vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), with_entropy)
     }
 
     fn log_probs_inner(
@@ -174,10 +187,9 @@ impl<B: AutodiffBackend> MegatronActor<B> {
             let inputs = ModelInputs::from_batch(&micro)?;
             let labels = micro.int::<2>("responses")?;
             let logits = inputs.response_outputs(&model) / temperature;
-            if calculate_entropy {
-                ents.push(entropy_from_logits(logits.clone()));
-            }
-            lps.push(log_probs_from_logits(logits, labels));
+            let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
+            lps.push(lp);
+            ents.extend(ent);
         }
         Ok(LogProbOutput {
             log_probs: Tensor::cat(lps, 0),
@@ -222,7 +234,8 @@ impl<B: AutodiffBackend> MegatronActor<B> {
                     let old = Tensor::<B, 2>::from_inner(float_col(&micro, "old_log_probs")?);
                     let adv = Tensor::<B, 2>::from_inner(float_col(&micro, "advantages")?);
                     let logits = inputs.response_outputs(self.model()) / temperature;
-                    let log_prob = log_probs_from_logits(logits.clone(), labels);
+                    let (log_prob, entropy) = self.log_probs_of(self.model(), logits, labels, true);
+                    let entropy = entropy.expect("asked for");
                     let input = PolicyLossInput {
                         old_log_prob: old,
                         log_prob: log_prob.clone(),
@@ -238,7 +251,6 @@ impl<B: AutodiffBackend> MegatronActor<B> {
                     metrics.push("actor/pg_clipfrac", out.pg_clipfrac);
                     metrics.push("actor/ppo_kl", out.ppo_kl);
                     metrics.push("actor/pg_clipfrac_lower", out.pg_clipfrac_lower);
-                    let entropy = entropy_from_logits(logits);
                     metrics.push(
                         "actor/entropy",
                         masked_mean(entropy.clone().inner(), mask.clone().inner())
@@ -281,7 +293,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
 }
 
 #[async_trait(?Send)]
-impl<B: AutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
+impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
     async fn compute_log_prob(
         &mut self,
         data: &DataProto<B::InnerBackend>,
@@ -295,7 +307,7 @@ impl<B: AutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
     }
 }
 
-impl<B: AutodiffBackend> MegatronActor<B> {
+impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// The actor's checkpoint state: weights, the RL optimizer (`optim/…`) and the warm-up
     /// one (`sft_optim/…`), and the update counter that seeds mini-batch shuffling.
     pub fn checkpoint_state(
@@ -335,7 +347,7 @@ impl<B: AutodiffBackend> MegatronActor<B> {
     }
 }
 
-impl<B: AutodiffBackend> WeightExporter<B::InnerBackend> for MegatronActor<B> {
+impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronActor<B> {
     fn export_weights(&self) -> WeightStream<'_, B::InnerBackend> {
         let weights: Vec<NamedTensor<B::InnerBackend>> = self.model().valid().export_weights();
         Box::pin(futures::stream::iter(weights.into_iter().map(Ok)))

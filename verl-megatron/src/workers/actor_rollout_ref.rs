@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use verl_core::dispatch::{megatron_dispatch_info, DispatchInfo};
 use verl_core::topology::RankCoords;
 use verl_core::traits::{
@@ -25,6 +24,7 @@ use super::batch::{micro_batches, ModelInputs};
 use super::critic::MegatronCritic;
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
 use crate::models::CausalLm;
+use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 use verl_core::algorithms::logits::log_probs_from_logits;
 
 /// Streams the actor's weights into the rollout engine before generation and puts the engine
@@ -37,7 +37,7 @@ pub struct HybridShardingManager {
 }
 
 #[async_trait(?Send)]
-impl<B: Backend> ShardingManager<B> for HybridShardingManager {
+impl<B: ParallelBackend> ShardingManager<B> for HybridShardingManager {
     async fn enter(
         &mut self,
         actor: &dyn WeightExporter<B>,
@@ -72,7 +72,7 @@ impl<B: Backend> ShardingManager<B> for HybridShardingManager {
 }
 
 /// Adds `metrics` to `meta_info["metrics"]` (name → list of values), keeping what is there.
-fn with_metrics<B: Backend>(mut data: DataProto<B>, metrics: &Metrics) -> DataProto<B> {
+fn with_metrics<B: ParallelBackend>(mut data: DataProto<B>, metrics: &Metrics) -> DataProto<B> {
     let mut m = match data.meta_info.remove("metrics") {
         Some(serde_json::Value::Object(m)) => m,
         _ => serde_json::Map::new(),
@@ -103,7 +103,7 @@ impl CheckpointRequest {
 }
 
 /// Actor + rollout + reference on one rank.
-pub struct ActorRolloutRefWorker<B: AutodiffBackend> {
+pub struct ActorRolloutRefWorker<B: ParallelAutodiffBackend> {
     pub coords: RankCoords,
     pub actor: MegatronActor<B>,
     pub rollout: Box<dyn RolloutEngine<B::InnerBackend>>,
@@ -112,13 +112,13 @@ pub struct ActorRolloutRefWorker<B: AutodiffBackend> {
     pub sharding: HybridShardingManager,
 }
 
-impl<B: AutodiffBackend> Worker for ActorRolloutRefWorker<B> {
+impl<B: ParallelAutodiffBackend> Worker for ActorRolloutRefWorker<B> {
     fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo> {
         megatron_dispatch_info(&self.coords, mesh)
     }
 }
 
-impl<B: AutodiffBackend> ActorRolloutRefWorker<B> {
+impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     /// Rollout (mode MegatronPpAsDp): syncs the actor's weights into the engine, generates in
     /// verl's layout, frees the cache, then recomputes `old_log_probs` (and `entropys`) with
     /// the actor, as verl's Megatron worker does; `meta_info["recompute_log_prob"] = false`
@@ -272,18 +272,18 @@ impl<B: AutodiffBackend> ActorRolloutRefWorker<B> {
 }
 
 /// The critic on one rank.
-pub struct CriticWorker<B: AutodiffBackend> {
+pub struct CriticWorker<B: ParallelAutodiffBackend> {
     pub coords: RankCoords,
     pub critic: MegatronCritic<B>,
 }
 
-impl<B: AutodiffBackend> Worker for CriticWorker<B> {
+impl<B: ParallelAutodiffBackend> Worker for CriticWorker<B> {
     fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo> {
         megatron_dispatch_info(&self.coords, mesh)
     }
 }
 
-impl<B: AutodiffBackend> CriticWorker<B> {
+impl<B: ParallelAutodiffBackend> CriticWorker<B> {
     /// `values` of the responses (MegatronCompute).
     pub async fn compute_values(
         &mut self,
@@ -336,7 +336,7 @@ impl<B: AutodiffBackend> CriticWorker<B> {
 
 /// `ref_log_prob` of the responses under a frozen policy: logits over the response window,
 /// divided by the rollout temperature (`meta_info["temperature"]`, else `default_temperature`).
-fn reference_log_probs<B: Backend>(
+fn reference_log_probs<B: ParallelBackend>(
     model: &CausalLm<B>,
     data: &DataProto<B>,
     default_temperature: f64,
@@ -362,7 +362,7 @@ fn reference_log_probs<B: Backend>(
 
 /// A reference policy on its own ranks (verl's `ActorRolloutRefWorker` in the `ref` role),
 /// for when the reference is not colocated with the actor.
-pub struct ReferenceWorker<B: Backend> {
+pub struct ReferenceWorker<B: ParallelBackend> {
     pub coords: RankCoords,
     pub model: CausalLm<B>,
     /// The rollout temperature the log-probs are taken at, unless the batch says otherwise.
@@ -371,13 +371,13 @@ pub struct ReferenceWorker<B: Backend> {
     pub micro_batch_rows: usize,
 }
 
-impl<B: Backend> Worker for ReferenceWorker<B> {
+impl<B: ParallelBackend> Worker for ReferenceWorker<B> {
     fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo> {
         megatron_dispatch_info(&self.coords, mesh)
     }
 }
 
-impl<B: Backend> ReferenceWorker<B> {
+impl<B: ParallelBackend> ReferenceWorker<B> {
     /// `ref_log_prob` of the responses (MegatronCompute).
     pub async fn compute_ref_log_prob(&mut self, data: DataProto<B>) -> Result<DataProto<B>> {
         reference_log_probs(&self.model, &data, self.temperature, self.micro_batch_rows)

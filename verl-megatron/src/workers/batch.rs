@@ -6,9 +6,13 @@ use burn::tensor::{Int, TensorData};
 use verl_core::DataProto;
 
 use crate::models::CausalLm;
+use crate::parallel::ParallelBackend;
 
 /// A column as f32, whatever its stored kind (masks come as ints).
-pub fn float_col<B: Backend>(data: &DataProto<B>, key: &str) -> verl_core::Result<Tensor<B, 2>> {
+pub fn float_col<B: ParallelBackend>(
+    data: &DataProto<B>,
+    key: &str,
+) -> verl_core::Result<Tensor<B, 2>> {
     let d = data.to_data(key)?;
     let shape = d.shape.clone();
     let values: Vec<f32> = d.convert::<f32>().iter::<f32>().collect();
@@ -19,16 +23,19 @@ pub fn float_col<B: Backend>(data: &DataProto<B>, key: &str) -> verl_core::Resul
 }
 
 /// A column as integers.
-pub fn int_col<B: Backend>(data: &DataProto<B>, key: &str) -> verl_core::Result<Tensor<B, 2, Int>> {
+pub fn int_col<B: ParallelBackend>(
+    data: &DataProto<B>,
+    key: &str,
+) -> verl_core::Result<Tensor<B, 2, Int>> {
     Ok(data.int::<2>(key)?)
 }
 
-fn data_device<B: Backend>(data: &DataProto<B>) -> verl_core::Result<B::Device> {
+fn data_device<B: ParallelBackend>(data: &DataProto<B>) -> verl_core::Result<B::Device> {
     Ok(data.int::<2>("input_ids")?.device())
 }
 
 /// The inputs of a forward pass over `input_ids` = prompt ‖ response.
-pub struct ModelInputs<B: Backend> {
+pub struct ModelInputs<B: ParallelBackend> {
     pub input_ids: Tensor<B, 2, Int>,
     pub attention_mask: Tensor<B, 2>,
     pub position_ids: Tensor<B, 2, Int>,
@@ -36,7 +43,7 @@ pub struct ModelInputs<B: Backend> {
     pub response_len: usize,
 }
 
-impl<B: Backend> ModelInputs<B> {
+impl<B: ParallelBackend> ModelInputs<B> {
     pub fn from_batch(data: &DataProto<B>) -> verl_core::Result<Self> {
         let responses = data.int::<2>("responses")?;
         Ok(Self {
@@ -48,7 +55,7 @@ impl<B: Backend> ModelInputs<B> {
     }
 
     /// The same inputs on another backend (the autodiff one, for training).
-    pub fn map<C: Backend>(
+    pub fn map<C: ParallelBackend>(
         self,
         f: impl Fn(Tensor<B, 2>) -> Tensor<C, 2>,
         g: impl Fn(Tensor<B, 2, Int>) -> Tensor<C, 2, Int>,

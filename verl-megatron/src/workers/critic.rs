@@ -7,7 +7,6 @@ use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -20,6 +19,7 @@ use verl_core::{DataProto, Metrics, Result};
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::optim::ModelOptimizer;
 use crate::models::CausalLm;
+use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// The critic's update settings (row counts per rank).
 #[derive(Debug, Clone, PartialEq)]
@@ -35,7 +35,7 @@ pub struct CriticSettings {
 }
 
 /// The value model (a causal LM body with a one-label token-classification head).
-pub struct MegatronCritic<B: AutodiffBackend> {
+pub struct MegatronCritic<B: ParallelAutodiffBackend> {
     model: Option<CausalLm<B>>,
     optim: ModelOptimizer<B, CausalLm<B>>,
     settings: CriticSettings,
@@ -44,12 +44,13 @@ pub struct MegatronCritic<B: AutodiffBackend> {
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
-impl<B: AutodiffBackend> MegatronCritic<B> {
+impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
     pub fn new(
         model: CausalLm<B>,
         optim: ModelOptimizer<B, CausalLm<B>>,
         settings: CriticSettings,
     ) -> Self {
+        let optim = super::state::for_model(optim, &model);
         Self {
             model: Some(model),
             optim,
@@ -57,6 +58,12 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
             updates: 0,
             dp: None,
         }
+    }
+
+    pub fn model(&self) -> &CausalLm<B> {
+        self.model
+            .as_ref()
+            .expect("the model is only out during a step")
     }
 
     /// Trains data-parallel over `comm` (see `MegatronActor::with_data_parallel`).
@@ -68,12 +75,6 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
         self.optim = self.optim.with_data_parallel(comm.clone(), bucket_elems);
         self.dp = Some(comm);
         self
-    }
-
-    fn model(&self) -> &CausalLm<B> {
-        self.model
-            .as_ref()
-            .expect("the model is only out during a step")
     }
 
     /// The critic's checkpoint state: weights, optimizer and update counter.
@@ -109,7 +110,7 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
         Ok(())
     }
 
-    fn values<C: Backend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {
+    fn values<C: ParallelBackend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {
         let out = inputs.response_outputs(model);
         let [b, r, _] = out.dims();
         out.reshape([b, r])
@@ -117,7 +118,7 @@ impl<B: AutodiffBackend> MegatronCritic<B> {
 }
 
 #[async_trait(?Send)]
-impl<B: AutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
+impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
     async fn compute_values(
         &mut self,
         data: &DataProto<B::InnerBackend>,

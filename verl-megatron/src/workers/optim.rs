@@ -2,7 +2,7 @@
 //! gradient-norm clipping, and Megatron's learning-rate schedule (linear warm-up, then constant,
 //! linear or cosine decay to `min_lr`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
@@ -100,16 +100,22 @@ impl LrSchedule {
     }
 }
 
-/// Sums the squares of every parameter's gradient.
+/// Sums the squares of every parameter's gradient, those of `sharded` parameters apart.
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
+    sharded: Option<&'a HashSet<ParamId>>,
     total: f64,
+    sharded_total: f64,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.total += g.powi_scalar(2).sum().into_scalar().elem::<f64>();
+            let sq = g.powi_scalar(2).sum().into_scalar().elem::<f64>();
+            match self.sharded {
+                Some(s) if s.contains(&param.id) => self.sharded_total += sq,
+                _ => self.total += sq,
+            }
         }
     }
 }
@@ -128,15 +134,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for ScaleGrads<'_> {
     }
 }
 
-/// Takes every parameter's gradient out of `grads`, flattened, in the model's parameter order.
+/// Takes every parameter's gradient (of `only` when given) out of `grads`, flattened, in the
+/// model's parameter order.
 struct TakeGrads<'a, I: Backend> {
     grads: &'a mut GradientsParams,
+    only: Option<&'a HashSet<ParamId>>,
     taken: Vec<(ParamId, Vec<f32>)>,
     device: Option<I::Device>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.only.is_some_and(|o| !o.contains(&param.id)) {
+            return;
+        }
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             self.device.get_or_insert_with(|| g.device());
             let v = g
@@ -169,17 +180,19 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B::InnerBackend> {
     }
 }
 
-/// Sums `grads` over the data-parallel group, in buckets of about `bucket_elems` elements (as
-/// Megatron's DDP does, so each collective is large and there are few of them). Every rank
-/// must hold gradients for the same parameters.
+/// Sums `grads` (those of `only` when given) over `comm`, in buckets of about `bucket_elems`
+/// elements (as Megatron's DDP does, so each collective is large and there are few of them).
+/// Every rank must hold gradients for the same parameters.
 pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     comm: &dyn Communicator<B::InnerBackend>,
     bucket_elems: usize,
+    only: Option<&HashSet<ParamId>>,
 ) -> Result<(), MegatronError> {
     let mut take = TakeGrads::<B::InnerBackend> {
         grads,
+        only,
         taken: Vec::new(),
         device: None,
     };
@@ -234,9 +247,39 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> f64 {
-    let mut v = SquaredNorm { grads, total: 0.0 };
+    let mut v = SquaredNorm {
+        grads,
+        sharded: None,
+        total: 0.0,
+        sharded_total: 0.0,
+    };
     model.visit(&mut v);
     v.total.sqrt()
+}
+
+/// The global L2 norm of a tensor-parallel model's gradients: the shards' squares summed over
+/// the group, the replicated parameters' counted once (as Megatron counts only non-duplicated
+/// parameters). The same on every rank of the group.
+pub fn tp_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &GradientsParams,
+    tp: &TensorParallelGrads<B::InnerBackend>,
+) -> Result<f64, MegatronError> {
+    let mut v = SquaredNorm {
+        grads,
+        sharded: Some(&tp.sharded),
+        total: 0.0,
+        sharded_total: 0.0,
+    };
+    model.visit(&mut v);
+    let sharded =
+        Tensor::<B::InnerBackend, 1>::from_floats([v.sharded_total as f32], &Default::default());
+    let sharded = tp
+        .comm
+        .all_reduce(sharded, ReduceOp::Sum)?
+        .into_scalar()
+        .elem::<f64>();
+    Ok((sharded + v.total).sqrt())
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (Megatron's `clip_grad`);
@@ -248,6 +291,17 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     max_norm: f64,
 ) -> f64 {
     let norm = grad_norm(model, grads);
+    scale_to_norm(model, grads, norm, max_norm);
+    norm
+}
+
+/// Scales gradients whose global norm is `norm` to at most `max_norm`.
+fn scale_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    norm: f64,
+    max_norm: f64,
+) {
     if norm.is_finite() && max_norm > 0.0 && norm > max_norm {
         let mut s = ScaleGrads {
             grads,
@@ -255,7 +309,16 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         };
         model.visit(&mut s);
     }
-    norm
+}
+
+/// How a tensor-parallel model holds its parameters, for the optimizer: which are shards
+/// (their squares are summed over the group in the gradient norm) and which are replicated
+/// but get only this rank's part of their gradient (layer norms under sequence parallelism,
+/// per-head norms, routers), to be summed over the group before the step.
+pub struct TensorParallelGrads<I: Backend> {
+    pub comm: GroupHandle<I>,
+    pub sharded: HashSet<ParamId>,
+    pub partial: HashSet<ParamId>,
 }
 
 /// AdamW with clipping and the schedule, stepping one model.
@@ -268,6 +331,7 @@ pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     /// The data-parallel group gradients are summed over before each step, and the bucket
     /// size in elements.
     data_parallel: Option<(GroupHandle<B::InnerBackend>, usize)>,
+    tensor_parallel: Option<TensorParallelGrads<B::InnerBackend>>,
 }
 
 /// A rank's shared handle on a process group.
@@ -305,6 +369,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             clip_grad: cfg.clip_grad,
             step: 0,
             data_parallel: None,
+            tensor_parallel: None,
         })
     }
 
@@ -319,23 +384,47 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         self
     }
 
-    /// Sums `grads` over the data-parallel group (if any), clips them, then applies them at
-    /// the scheduled learning rate. The model always comes back, also when the step fails
-    /// (a communication error), so the caller keeps its state.
+    /// Steps a tensor-parallel model: see [`TensorParallelGrads`].
+    pub fn with_tensor_parallel(mut self, tp: TensorParallelGrads<B::InnerBackend>) -> Self {
+        self.tensor_parallel = (tp.comm.world_size() > 1).then_some(tp);
+        self
+    }
+
+    /// Completes the gradients (tensor-parallel partial sums, then the data-parallel sum) and
+    /// returns their global norm.
+    fn reduce_grads(&self, model: &M, grads: &mut GradientsParams) -> Result<f64, MegatronError> {
+        let bucket = self
+            .data_parallel
+            .as_ref()
+            .map_or(DEFAULT_GRAD_BUCKET_ELEMS, |(_, b)| *b);
+        if let Some(tp) = &self.tensor_parallel {
+            all_reduce_grads(model, grads, tp.comm.as_ref(), bucket, Some(&tp.partial))?;
+        }
+        if let Some((comm, bucket)) = &self.data_parallel {
+            if comm.world_size() > 1 {
+                all_reduce_grads(model, grads, comm.as_ref(), *bucket, None)?;
+            }
+        }
+        match &self.tensor_parallel {
+            Some(tp) => tp_grad_norm(model, grads, tp),
+            None => Ok(grad_norm(model, grads)),
+        }
+    }
+
+    /// Sums `grads` over the tensor- and data-parallel groups (if any), clips them, then
+    /// applies them at the scheduled learning rate. The model always comes back, also when the
+    /// step fails (a communication error), so the caller keeps its state.
     pub fn step(
         &mut self,
         model: M,
         mut grads: GradientsParams,
     ) -> (M, Result<StepReport, MegatronError>) {
-        if let Some((comm, bucket)) = &self.data_parallel {
-            if comm.world_size() > 1 {
-                if let Err(e) = all_reduce_grads(&model, &mut grads, comm.as_ref(), *bucket) {
-                    return (model, Err(e));
-                }
-            }
-        }
+        let norm = match self.reduce_grads(&model, &mut grads) {
+            Ok(norm) => norm,
+            Err(e) => return (model, Err(e)),
+        };
         let lr = self.schedule.lr(self.step);
-        let norm = clip_grad_norm(&model, &mut grads, self.clip_grad);
+        scale_to_norm(&model, &mut grads, norm, self.clip_grad);
         if !norm.is_finite() {
             let report = StepReport {
                 grad_norm: norm,

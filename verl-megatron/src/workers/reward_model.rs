@@ -12,23 +12,24 @@ use verl_core::{DataProto, Result};
 use super::batch::{float_col, micro_batches, ModelInputs};
 use crate::hf::{HeadKind, HfModelConfig};
 use crate::models::CausalLm;
+use crate::parallel::ParallelBackend;
 use crate::MegatronError;
 
 /// A frozen reward model on one rank.
-pub struct RewardModelWorker<B: Backend> {
+pub struct RewardModelWorker<B: ParallelBackend> {
     pub coords: RankCoords,
     model: CausalLm<B>,
     /// Rows per forward pass (`reward_model.micro_batch_size_per_gpu`).
     micro_batch_rows: usize,
 }
 
-impl<B: Backend> Worker for RewardModelWorker<B> {
+impl<B: ParallelBackend> Worker for RewardModelWorker<B> {
     fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo> {
         megatron_dispatch_info(&self.coords, mesh)
     }
 }
 
-impl<B: Backend> RewardModelWorker<B> {
+impl<B: ParallelBackend> RewardModelWorker<B> {
     /// A worker around `model` built from `cfg`, which must have a one-label score head
     /// (`…ForSequenceClassification` or `…ForTokenClassification` with `num_labels = 1`).
     pub fn new(

@@ -5,17 +5,17 @@ use std::collections::HashMap;
 
 use burn::module::AutodiffModule;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use serde_json::{json, Value};
 use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, ReduceOp};
 use verl_core::NamedTensor;
 
-use super::optim::ModelOptimizer;
+use super::optim::{ModelOptimizer, TensorParallelGrads};
 use crate::models::CausalLm;
+use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 use crate::MegatronError;
 
 /// The state of `model` and its labelled optimizers; `counters` go into `extra` as they are.
-pub(crate) fn save_state<B: AutodiffBackend>(
+pub(crate) fn save_state<B: ParallelAutodiffBackend>(
     model: &CausalLm<B>,
     optimizers: &[(&str, &ModelOptimizer<B, CausalLm<B>>)],
     counters: Value,
@@ -36,7 +36,7 @@ pub(crate) fn save_state<B: AutodiffBackend>(
     }
     CheckpointState {
         model: if contents.model {
-            model.valid().export_weights()
+            model.valid().export_shards()
         } else {
             Vec::new()
         },
@@ -47,7 +47,7 @@ pub(crate) fn save_state<B: AutodiffBackend>(
 
 /// Loads the weights of `state` into `model` (every weight must be there, with its shape), then
 /// each labelled optimizer's moments and counters; returns the saved `counters`.
-pub(crate) fn load_state<B: AutodiffBackend>(
+pub(crate) fn load_state<B: ParallelAutodiffBackend>(
     model: &mut CausalLm<B>,
     optimizers: &mut [(&str, &mut ModelOptimizer<B, CausalLm<B>>)],
     state: CheckpointState<B::InnerBackend>,
@@ -64,7 +64,7 @@ pub(crate) fn load_state<B: AutodiffBackend>(
             });
         }
         for t in state.model {
-            model.load_weight(NamedTensor {
+            model.load_shard(NamedTensor {
                 name: t.name,
                 shape: t.shape,
                 values: Tensor::from_inner(t.values),
@@ -98,9 +98,33 @@ pub(crate) fn load_state<B: AutodiffBackend>(
     Ok(state.extra.get("counters").cloned().unwrap_or(Value::Null))
 }
 
+/// The optimizer's view of a tensor-parallel model (`None` at tp = 1).
+pub(crate) fn tp_grads<B: ParallelAutodiffBackend>(
+    model: &CausalLm<B>,
+) -> Option<TensorParallelGrads<B::InnerBackend>> {
+    let comm = model.tp.comm::<B::InnerBackend>()?;
+    let (sharded, partial) = model.tp_param_sets();
+    Some(TensorParallelGrads {
+        comm,
+        sharded,
+        partial,
+    })
+}
+
+/// `optim` set up for `model`'s tensor-parallel layout.
+pub(crate) fn for_model<B: ParallelAutodiffBackend>(
+    optim: ModelOptimizer<B, CausalLm<B>>,
+    model: &CausalLm<B>,
+) -> ModelOptimizer<B, CausalLm<B>> {
+    match tp_grads(model) {
+        Some(tp) => optim.with_tensor_parallel(tp),
+        None => optim,
+    }
+}
+
 /// `values` summed over `dp` (as is without a group): the batch-wide counts a data-parallel
 /// rank normalises its loss by.
-pub(crate) fn dp_sum<B: Backend>(
+pub(crate) fn dp_sum<B: ParallelBackend>(
     dp: Option<&dyn Communicator<B>>,
     values: &[f64],
 ) -> verl_core::Result<Vec<f64>> {

@@ -1,0 +1,404 @@
+//! The tensor-parallel region operators: collectives in the forward pass whose backward pass is
+//! the conjugate collective, as Megatron's `mappings` define them.
+//!
+//! | region                      | forward            | backward           |
+//! |-----------------------------|--------------------|--------------------|
+//! | [`Region::CopyTo`]          | identity           | all-reduce         |
+//! | [`Region::ReduceFrom`]      | all-reduce         | identity           |
+//! | [`Region::ScatterTo`]       | keep own chunk     | all-gather         |
+//! | [`Region::GatherFrom`]      | all-gather         | keep own chunk     |
+//! | [`Region::GatherFromSequence`] | all-gather      | reduce-scatter     |
+//! | [`Region::ReduceScatterToSequence`] | reduce-scatter | all-gather     |
+//!
+//! burn's autodiff has no hook for user collectives, so [`ParallelBackend`] is implemented
+//! once for each plain backend (forward only) and once for `Autodiff<B>`, where the region is a
+//! custom autodiff operation whose backward step runs the conjugate collective on the gradient.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{unary, Backward, Ops, OpsKind};
+use verl_core::traits::{Communicator, ReduceOp};
+
+/// A collective on one tensor, seen from one rank of the group. Chunks along a dimension are
+/// equal (tensor-parallel shards always are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Collective {
+    Identity,
+    /// Element-wise sum over the group.
+    AllReduceSum,
+    /// Element-wise maximum over the group (no gradient: used on detached values).
+    AllReduceMax,
+    /// This rank's chunk of the dimension.
+    Split(usize),
+    /// The ranks' tensors concatenated along the dimension.
+    AllGather(usize),
+    /// The group sum, split along the dimension; this rank keeps its chunk.
+    ReduceScatter(usize),
+}
+
+/// A tensor-parallel region boundary: a forward collective and its conjugate for the gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Region {
+    /// Entering a tensor-parallel region from a replicated tensor.
+    CopyTo,
+    /// Leaving it: the ranks' partial sums are added.
+    ReduceFrom,
+    /// A replicated tensor split along the dimension.
+    ScatterTo(usize),
+    /// A split tensor gathered for a replicated consumer.
+    GatherFrom(usize),
+    /// Sequence parallel: sequence shards gathered for a tensor-parallel consumer (whose
+    /// gradients are partial, so they are reduce-scattered back).
+    GatherFromSequence(usize),
+    /// Sequence parallel: partial sums reduced and split along the sequence.
+    ReduceScatterToSequence(usize),
+}
+
+impl Region {
+    /// The collective this region runs in the forward pass.
+    pub fn forward(self) -> Collective {
+        match self {
+            Region::CopyTo => Collective::Identity,
+            Region::ReduceFrom => Collective::AllReduceSum,
+            Region::ScatterTo(d) => Collective::Split(d),
+            Region::GatherFrom(d) | Region::GatherFromSequence(d) => Collective::AllGather(d),
+            Region::ReduceScatterToSequence(d) => Collective::ReduceScatter(d),
+        }
+    }
+
+    /// The region whose forward collective is this one's backward.
+    pub fn adjoint(self) -> Region {
+        match self {
+            Region::CopyTo => Region::ReduceFrom,
+            Region::ReduceFrom => Region::CopyTo,
+            Region::ScatterTo(d) => Region::GatherFrom(d),
+            Region::GatherFrom(d) => Region::ScatterTo(d),
+            Region::GatherFromSequence(d) => Region::ReduceScatterToSequence(d),
+            Region::ReduceScatterToSequence(d) => Region::GatherFromSequence(d),
+        }
+    }
+}
+
+/// A shared communicator handle that autodiff state can hold (it must be `Debug`).
+pub struct CommHandle<B: Backend>(pub Arc<dyn Communicator<B>>);
+
+impl<B: Backend> Clone for CommHandle<B> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<B: Backend> fmt::Debug for CommHandle<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CommHandle(rank {} of {})",
+            self.0.rank(),
+            self.0.world_size()
+        )
+    }
+}
+
+/// A backend on which tensor-parallel regions can run. Collectives run on [`Self::Base`]'s
+/// tensors: the backend itself for plain backends, the inner backend under autodiff.
+pub trait ParallelBackend: Backend {
+    type Base: Backend;
+
+    /// The collective on `x`'s values, as a constant for autodiff.
+    fn collective<const D: usize>(
+        x: Tensor<Self, D>,
+        op: Collective,
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, D>;
+
+    /// The region's forward collective, with the conjugate one in the backward pass.
+    fn region<const D: usize>(
+        x: Tensor<Self, D>,
+        region: Region,
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, D>;
+}
+
+/// An autodiff backend whose inner backend runs tensor-parallel regions too: what the actor and
+/// critic train on.
+pub trait ParallelAutodiffBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend: ParallelBackend> + ParallelBackend
+{
+}
+
+impl<B> ParallelAutodiffBackend for B where
+    B: burn::tensor::backend::AutodiffBackend<InnerBackend: ParallelBackend> + ParallelBackend
+{
+}
+
+/// Runs `op` on a plain backend. A failed collective means a peer rank died: there is nothing
+/// a forward pass can do but stop this rank too, naming the cause.
+pub fn run_collective<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    op: Collective,
+    comm: &dyn Communicator<B>,
+) -> Tensor<B, D> {
+    let (n, rank) = (comm.world_size(), comm.rank());
+    if n == 1 {
+        return x;
+    }
+    let fail = |e| -> ! { panic!("tensor-parallel collective {op:?} failed on rank {rank}: {e}") };
+    let dims = x.dims();
+    match op {
+        Collective::Identity => x,
+        Collective::AllReduceSum | Collective::AllReduceMax => {
+            let reduce = if op == Collective::AllReduceSum {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Max
+            };
+            comm.all_reduce(x.flatten(0, D - 1), reduce)
+                .unwrap_or_else(|e| fail(e))
+                .reshape(dims)
+        }
+        Collective::Split(d) => {
+            assert!(
+                dims[d].is_multiple_of(n),
+                "split of dim {d} of {dims:?} over {n} ranks must divide"
+            );
+            let per = dims[d] / n;
+            x.narrow(d, rank * per, per)
+        }
+        Collective::AllGather(d) => {
+            let parts = comm
+                .all_gather(x.flatten(0, D - 1))
+                .unwrap_or_else(|e| fail(e));
+            Tensor::cat(parts.into_iter().map(|p| p.reshape(dims)).collect(), d)
+        }
+        Collective::ReduceScatter(d) => {
+            assert!(
+                dims[d].is_multiple_of(n),
+                "reduce-scatter of dim {d} of {dims:?} over {n} ranks must divide"
+            );
+            // With `d` first, the flat chunks are the parts.
+            let moved = x.swap_dims(0, d);
+            let mut part = moved.dims();
+            part[0] /= n;
+            comm.reduce_scatter(moved.flatten(0, D - 1), ReduceOp::Sum)
+                .unwrap_or_else(|e| fail(e))
+                .reshape(part)
+                .swap_dims(0, d)
+        }
+    }
+}
+
+macro_rules! plain_parallel_backend {
+    ($ty:ty) => {
+        impl ParallelBackend for $ty {
+            type Base = $ty;
+
+            fn collective<const D: usize>(
+                x: Tensor<Self, D>,
+                op: Collective,
+                comm: &CommHandle<Self>,
+            ) -> Tensor<Self, D> {
+                run_collective(x, op, comm.0.as_ref())
+            }
+
+            fn region<const D: usize>(
+                x: Tensor<Self, D>,
+                region: Region,
+                comm: &CommHandle<Self>,
+            ) -> Tensor<Self, D> {
+                run_collective(x, region.forward(), comm.0.as_ref())
+            }
+        }
+    };
+}
+
+plain_parallel_backend!(burn::backend::Flex);
+#[cfg(feature = "cuda")]
+plain_parallel_backend!(verl_core::backend::CudaBackend);
+
+/// The backward step of a region: the adjoint region on the gradient.
+#[derive(Debug)]
+struct RegionBackward<const D: usize>;
+
+impl<B: ParallelBackend, const D: usize> Backward<B, 1> for RegionBackward<D> {
+    type State = (Region, CommHandle<B::Base>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (region, comm) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(grad));
+            B::region(grad, region.adjoint(), &comm)
+                .into_primitive()
+                .tensor()
+        });
+    }
+}
+
+impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, C> {
+    type Base = B::Base;
+
+    fn collective<const D: usize>(
+        x: Tensor<Self, D>,
+        op: Collective,
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, D> {
+        Tensor::from_inner(B::collective(x.inner(), op, comm))
+    }
+
+    fn region<const D: usize>(
+        x: Tensor<Self, D>,
+        region: Region,
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, D> {
+        let tracked = x.into_primitive().tensor();
+        let inner = Tensor::<B, D>::from_primitive(TensorPrimitive::Float(tracked.primitive));
+        let out = B::region(inner, region, comm).into_primitive().tensor();
+        let prep = <RegionBackward<D> as Backward<B, 1>>::prepare::<C>(
+            RegionBackward::<D>,
+            [tracked.node.clone()],
+        );
+        let out = match prep.compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((region, comm.clone()), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
+}
+
+/// A rank's tensor-parallel group as the layers hold it: rank, size, whether sequence
+/// parallelism is on, and the communicator (type-erased so that a model and its inference copy
+/// on the inner backend share one group).
+#[derive(Clone)]
+pub struct TpGroup {
+    pub rank: usize,
+    pub size: usize,
+    /// Activations outside attention and MLP are split along the sequence.
+    pub sequence_parallel: bool,
+    comm: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for TpGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "TpGroup(rank {} of {}{})",
+            self.rank,
+            self.size,
+            if self.sequence_parallel { ", sp" } else { "" }
+        )
+    }
+}
+
+impl Default for TpGroup {
+    fn default() -> Self {
+        Self::none()
+    }
+}
+
+impl TpGroup {
+    /// No tensor parallelism: every region is the identity.
+    pub fn none() -> Self {
+        Self {
+            rank: 0,
+            size: 1,
+            sequence_parallel: false,
+            comm: None,
+        }
+    }
+
+    /// The group of `comm`, whose backend is the collectives' base backend of the models that
+    /// will use it (the CPU backend for `Autodiff<CpuBackend>` and `CpuBackend` alike).
+    pub fn new<B: Backend>(comm: Arc<dyn Communicator<B>>, sequence_parallel: bool) -> Self {
+        let (rank, size) = (comm.rank(), comm.world_size());
+        Self {
+            rank,
+            size,
+            sequence_parallel: sequence_parallel && size > 1,
+            comm: Some(Arc::new(CommHandle(comm))),
+        }
+    }
+
+    /// Whether there is more than one rank.
+    pub fn is_parallel(&self) -> bool {
+        self.size > 1
+    }
+
+    /// The communicator, for the backend it was made for (`None` at tp = 1 or for another
+    /// backend).
+    pub fn comm<B: Backend>(&self) -> Option<Arc<dyn Communicator<B>>> {
+        self.comm
+            .as_ref()
+            .and_then(|c| c.downcast_ref::<CommHandle<B>>())
+            .map(|h| h.0.clone())
+    }
+
+    fn handle<B: Backend>(&self) -> &CommHandle<B> {
+        self.comm
+            .as_ref()
+            .and_then(|c| c.downcast_ref::<CommHandle<B>>())
+            .unwrap_or_else(|| {
+                panic!(
+                    "tensor-parallel group of size {} has no communicator for backend {}",
+                    self.size,
+                    std::any::type_name::<B>()
+                )
+            })
+    }
+
+    /// `region` on `x` (the identity when tp = 1).
+    pub fn region<B: ParallelBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        region: Region,
+    ) -> Tensor<B, D> {
+        if self.size == 1 {
+            return x;
+        }
+        B::region(x, region, self.handle::<B::Base>())
+    }
+
+    /// `op` on `x`'s values with no gradient (the identity when tp = 1).
+    pub fn collective<B: ParallelBackend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        op: Collective,
+    ) -> Tensor<B, D> {
+        if self.size == 1 {
+            return x;
+        }
+        B::collective(x, op, self.handle::<B::Base>())
+    }
+
+    /// Into the tensor-parallel region from the residual stream (`[batch, seq, hidden]`): a
+    /// copy, or with sequence parallelism an all-gather of the sequence shards.
+    pub fn enter<B: ParallelBackend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.sequence_parallel {
+            self.region(x, Region::GatherFromSequence(1))
+        } else {
+            self.region(x, Region::CopyTo)
+        }
+    }
+
+    /// Out of the region into the residual stream: the partial sums reduced (and with sequence
+    /// parallelism split along the sequence).
+    pub fn exit<B: ParallelBackend, const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if self.sequence_parallel {
+            self.region(x, Region::ReduceScatterToSequence(1))
+        } else {
+            self.region(x, Region::ReduceFrom)
+        }
+    }
+
+    /// This rank's part `[start, start + len)` of a dimension of `full` elements.
+    pub fn part(&self, full: usize) -> (usize, usize) {
+        let per = full / self.size;
+        (per * self.rank, per)
+    }
+}

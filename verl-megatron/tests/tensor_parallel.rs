@@ -1,0 +1,439 @@
+//! Tensor (+ sequence) parallel on simulated ranks: one PPO update of the actor and of the
+//! critic on tp ∈ {2, 4}, with and without sequence parallelism, alone and combined with data
+//! parallelism, gives the single rank's losses, gradient norms and updated (gathered) weights —
+//! for a dense Qwen2 model with tied embeddings, a Qwen3 model (per-head q/k norms, untied LM
+//! head) and a Qwen2-MoE model (replicated router, split experts).
+
+use std::sync::Arc;
+
+use burn::module::AutodiffModule;
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use verl_core::algorithms::aggregation::LossAggMode;
+use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
+use verl_core::backend::{CpuAutodiff, CpuBackend};
+use verl_core::config::OptimConfig;
+use verl_core::topology::{ParallelConfig, Topology};
+use verl_core::traits::{Actor, Communicator, Critic};
+use verl_core::{DataProto, Metrics};
+use verl_megatron::hf::{Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims};
+use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
+use verl_megatron::parallel::{LocalCommunicator, ProcessGroups, TpGroup};
+use verl_megatron::workers::{
+    ActorSettings, CriticSettings, MegatronActor, MegatronCritic, ModelOptimizer,
+};
+
+const ROWS: usize = 8;
+const PROMPT: usize = 3;
+/// Prompt + response = 7 tokens: sequence parallelism has to pad to a multiple of tp.
+const RESPONSE: usize = 4;
+const VOCAB: usize = 24;
+
+#[derive(Clone, Copy, Debug)]
+enum Flavour {
+    Qwen2Tied,
+    Qwen3Untied,
+    Qwen2Moe,
+}
+
+fn model_cfg(flavour: Flavour) -> HfModelConfig {
+    let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
+        vocab_size: VOCAB,
+        hidden_size: 32,
+        intermediate_size: 32,
+        num_hidden_layers: 2,
+        num_attention_heads: 8,
+        num_key_value_heads: 4,
+        max_position_embeddings: 64,
+    });
+    match flavour {
+        Flavour::Qwen2Tied => {}
+        Flavour::Qwen3Untied => {
+            cfg.architecture = Architecture::Qwen3;
+            cfg.qkv_bias = false;
+            cfg.tie_word_embeddings = false;
+        }
+        Flavour::Qwen2Moe => {
+            cfg.architecture = Architecture::Qwen2Moe;
+            cfg.moe = Some(MoeConfig {
+                num_experts: 4,
+                num_experts_per_tok: 2,
+                moe_intermediate_size: 16,
+                shared_expert_intermediate_size: 16,
+                norm_topk_prob: false,
+                decoder_sparse_step: 1,
+                // Layer 0 stays dense: both kinds of block in one model.
+                mlp_only_layers: vec![0],
+            });
+        }
+    }
+    cfg
+}
+
+/// A PPO batch with varied response lengths and seeded values.
+fn batch() -> DataProto<CpuBackend> {
+    let device = Default::default();
+    let t = PROMPT + RESPONSE;
+    let (mut ids, mut attn, mut pos, mut resp_mask) = (vec![], vec![], vec![], vec![]);
+    for r in 0..ROWS {
+        let len = 1 + r % RESPONSE;
+        for j in 0..t {
+            ids.push(((r * 7 + j * 5) % VOCAB) as i64);
+            let live = j < PROMPT + len;
+            attn.push(live as i64);
+            pos.push(j as i64);
+            if j >= PROMPT {
+                resp_mask.push(live as i64);
+            }
+        }
+    }
+    let int2 = |v: Vec<i64>, w: usize| {
+        Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(v, [ROWS, w]), &device)
+    };
+    let float2 = |f: &dyn Fn(usize) -> f32| {
+        let v: Vec<f32> = (0..ROWS * RESPONSE).map(f).collect();
+        Tensor::<CpuBackend, 2>::from_data(TensorData::new(v, [ROWS, RESPONSE]), &device)
+    };
+    let responses: Vec<i64> = (0..ROWS)
+        .flat_map(|r| ids[r * t + PROMPT..(r + 1) * t].to_vec())
+        .collect();
+    let mut d = DataProto::new();
+    d.insert_int("input_ids", int2(ids, t)).unwrap();
+    d.insert_int("attention_mask", int2(attn, t)).unwrap();
+    d.insert_int("position_ids", int2(pos, t)).unwrap();
+    d.insert_int("responses", int2(responses, RESPONSE))
+        .unwrap();
+    d.insert_int("response_mask", int2(resp_mask, RESPONSE))
+        .unwrap();
+    d.insert_float("old_log_probs", float2(&|i| -3.0 - 0.1 * (i % 5) as f32))
+        .unwrap();
+    d.insert_float(
+        "advantages",
+        float2(&|i| ((i * 37) % 11) as f32 / 5.0 - 1.0),
+    )
+    .unwrap();
+    d.insert_float("values", float2(&|i| ((i * 13) % 7) as f32 / 7.0))
+        .unwrap();
+    d.insert_float("returns", float2(&|i| ((i * 29) % 5) as f32 / 5.0))
+        .unwrap();
+    d
+}
+
+/// As in the data-parallel test: a larger Adam `eps` keeps the update linear in gradients
+/// that nearly cancel, so the weights compare the parallel sums rather than rounding signs.
+fn optim() -> OptimConfig {
+    OptimConfig {
+        lr: 1e-2,
+        eps: 1e-3,
+        clip_grad: 0.5,
+        ..Default::default()
+    }
+}
+
+struct Outcome {
+    actor: Metrics,
+    critic: Metrics,
+    /// Log-probs and entropy after the update (`compute_log_prob`), flattened.
+    log_probs: Vec<f32>,
+    entropy: Vec<f32>,
+    /// Every weight of the actor then the critic, gathered to full HF tensors.
+    weights: Vec<(String, Vec<f32>)>,
+}
+
+/// One actor and one critic update of `data` (this rank's share, `rows` rows per mini-batch)
+/// on this rank's shard of the layout.
+fn update(
+    flavour: Flavour,
+    data: DataProto<CpuBackend>,
+    rows: usize,
+    tp: TpGroup,
+    dp: Option<Arc<dyn Communicator<CpuBackend>>>,
+) -> Outcome {
+    let device = Default::default();
+    let settings = ActorSettings {
+        mini_batch_rows: rows,
+        micro_batch_rows: 2,
+        log_prob_micro_batch_rows: 2,
+        ppo_epochs: 2,
+        shuffle: false,
+        seed: 0,
+        policy_loss: "vanilla".into(),
+        loss_params: Default::default(),
+        loss_agg_mode: LossAggMode::TokenMean,
+        entropy_coeff: 0.01,
+        use_kl_loss: false,
+        kl_loss_coef: 0.0,
+        kl_loss_type: "low_var_kl".parse().unwrap(),
+        temperature: 1.0,
+    };
+    let cfg = model_cfg(flavour);
+    let model = CausalLm::<CpuAutodiff>::init_sharded(&cfg, 0.2, 7, &device, &tp).unwrap();
+    let mut actor = MegatronActor::new(model, ModelOptimizer::new(&optim(), 10).unwrap(), settings);
+    let mut vcfg = cfg.clone();
+    vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
+    vcfg.tie_word_embeddings = false;
+    let value_model = CausalLm::<CpuAutodiff>::init_sharded(&vcfg, 0.2, 8, &device, &tp).unwrap();
+    let mut critic = MegatronCritic::new(
+        value_model,
+        ModelOptimizer::new(&optim(), 10).unwrap(),
+        CriticSettings {
+            mini_batch_rows: rows,
+            micro_batch_rows: 2,
+            forward_micro_batch_rows: 2,
+            ppo_epochs: 2,
+            shuffle: false,
+            seed: 0,
+            cliprange_value: 0.2,
+            loss_agg_mode: LossAggMode::TokenMean,
+        },
+    );
+    if let Some(c) = dp {
+        actor = actor.with_data_parallel(c.clone(), 700);
+        critic = critic.with_data_parallel(c, 700);
+    }
+    let (actor_metrics, critic_metrics, after) = futures::executor::block_on(async {
+        let a = actor.update_policy(&data).await.unwrap();
+        let c = critic.update_critic(&data).await.unwrap();
+        let lp = actor.compute_log_prob(&data, true).await.unwrap();
+        (a, c, lp)
+    });
+    let flat = |t: Tensor<CpuBackend, 2>| t.into_data().to_vec::<f32>().unwrap();
+    // Gathering is a collective over the tp group: every rank of it calls it.
+    let weights = actor
+        .model()
+        .valid()
+        .export_weights()
+        .into_iter()
+        .chain(critic.model().valid().export_weights())
+        .map(|t| (t.name, t.values.into_data().to_vec::<f32>().unwrap()))
+        .collect();
+    Outcome {
+        actor: actor_metrics,
+        critic: critic_metrics,
+        log_probs: flat(after.log_probs),
+        entropy: flat(after.entropy.unwrap()),
+        weights,
+    }
+}
+
+fn rel_close(a: f64, b: f64, what: &str) {
+    assert!(
+        (a - b).abs() <= 1e-5 * a.abs().max(b.abs()).max(1e-3),
+        "{what}: single rank {a} vs layout {b}"
+    );
+}
+
+/// Runs the layout on tp·dp threads and compares every rank with the single rank.
+fn check_layout(flavour: Flavour, tp: usize, dp: usize, sequence_parallel: bool) {
+    let label = format!("{flavour:?} tp={tp} dp={dp} sp={sequence_parallel}");
+    let data = batch();
+    let single = update(flavour, data.clone(), ROWS, TpGroup::none(), None);
+    let topo = Topology::new(
+        ParallelConfig {
+            tp,
+            sequence_parallel,
+            ..Default::default()
+        },
+        tp * dp,
+    )
+    .unwrap();
+    let groups = ProcessGroups::<CpuBackend>::local(&topo);
+    let share = ROWS / dp;
+    let results: Vec<Outcome> = std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                let coords = topo.coords(rank).unwrap();
+                let part = data
+                    .slice(coords.dp_rank * share, (coords.dp_rank + 1) * share)
+                    .unwrap();
+                let tp_group = TpGroup::new(g.tp().clone(), sequence_parallel);
+                let dp_comm = (dp > 1).then(|| g.dp().clone());
+                s.spawn(move || update(flavour, part, share, tp_group, dp_comm))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let scale = single
+        .weights
+        .iter()
+        .flat_map(|(_, w)| w)
+        .fold(0f32, |m, v| m.max(v.abs()));
+    for (rank, out) in results.iter().enumerate() {
+        let coords = topo.coords(rank).unwrap();
+        for key in ["actor/pg_loss", "actor/grad_norm", "actor/entropy"] {
+            // Entropy is reported per micro-batch of this rank's share: compare where the
+            // shares coincide (dp = 1).
+            if key == "actor/entropy" && dp > 1 {
+                continue;
+            }
+            assert_eq!(
+                single.actor.0[key].len(),
+                out.actor.0[key].len(),
+                "{label} {key}"
+            );
+            for (x, y) in single.actor.0[key].iter().zip(&out.actor.0[key]) {
+                rel_close(*x, *y, &format!("{label} rank {rank} {key}"));
+            }
+        }
+        for key in ["critic/vf_loss", "critic/grad_norm"] {
+            for (x, y) in single.critic.0[key].iter().zip(&out.critic.0[key]) {
+                rel_close(*x, *y, &format!("{label} rank {rank} {key}"));
+            }
+        }
+        // The updated model's log-probs and entropy on this rank's rows.
+        let rows = coords.dp_rank * share * RESPONSE..(coords.dp_rank + 1) * share * RESPONSE;
+        for (what, a, b) in [
+            ("log_prob", &single.log_probs[rows.clone()], &out.log_probs),
+            ("entropy", &single.entropy[rows], &out.entropy),
+        ] {
+            for (x, y) in a.iter().zip(b.iter()) {
+                rel_close(*x as f64, *y as f64, &format!("{label} rank {rank} {what}"));
+            }
+        }
+        assert_eq!(
+            single.weights.len(),
+            out.weights.len(),
+            "{label}: tensor count"
+        );
+        for ((name, x), (other, y)) in single.weights.iter().zip(&out.weights) {
+            assert_eq!(name, other, "{label}: tensor order");
+            assert_eq!(x.len(), y.len(), "{label}: {name} size");
+            for (p, q) in x.iter().zip(y) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * scale,
+                    "{label} rank {rank} {name}: single rank {p} vs layout {q}"
+                );
+            }
+        }
+        // Every rank holds the same model after the step, bit for bit.
+        assert_eq!(
+            out.weights, results[0].weights,
+            "{label}: rank {rank} drifted"
+        );
+    }
+}
+
+#[test]
+fn tensor_parallel_updates_equal_the_single_rank() {
+    for tp in [2, 4] {
+        check_layout(Flavour::Qwen2Tied, tp, 1, false);
+    }
+}
+
+#[test]
+fn sequence_parallel_updates_equal_the_single_rank() {
+    for tp in [2, 4] {
+        check_layout(Flavour::Qwen2Tied, tp, 1, true);
+    }
+}
+
+#[test]
+fn tensor_and_data_parallel_together_equal_the_single_rank() {
+    check_layout(Flavour::Qwen2Tied, 2, 2, false);
+    check_layout(Flavour::Qwen2Tied, 2, 2, true);
+}
+
+#[test]
+fn qwen3_norms_and_an_untied_head_split_exactly() {
+    check_layout(Flavour::Qwen3Untied, 2, 1, false);
+    check_layout(Flavour::Qwen3Untied, 4, 1, true);
+}
+
+#[test]
+fn moe_experts_split_exactly_with_a_replicated_router() {
+    check_layout(Flavour::Qwen2Moe, 2, 1, false);
+    check_layout(Flavour::Qwen2Moe, 2, 1, true);
+}
+
+/// Vocabulary-parallel log-probs and entropy, values and gradients, equal the full-vocabulary
+/// functions (hand-sized: 2 ranks, 6 ids, labels on both shards).
+#[test]
+fn vocab_parallel_log_probs_and_entropy_match_the_full_vocabulary() {
+    let device = Default::default();
+    let logits: Vec<f32> = (0..2 * 3 * 6)
+        .map(|i| ((i * 7) % 11) as f32 / 3.0 - 1.5)
+        .collect();
+    let labels = [[0i64, 4, 5], [3, 2, 1]];
+    let full =
+        Tensor::<CpuAutodiff, 3>::from_data(TensorData::new(logits.clone(), [2, 3, 6]), &device)
+            .require_grad();
+    let lab = Tensor::<CpuAutodiff, 2, Int>::from_ints(labels, &device);
+    let lp = log_probs_from_logits(full.clone(), lab);
+    let ent = entropy_from_logits(full.clone());
+    let loss = lp.clone().sum() + ent.clone().sum() * 0.5;
+    let grad = full
+        .grad(&loss.backward())
+        .unwrap()
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+    let lp = lp.into_data().to_vec::<f32>().unwrap();
+    let ent = ent.into_data().to_vec::<f32>().unwrap();
+    let shards: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalCommunicator::group(2)
+            .into_iter()
+            .map(|c| {
+                let logits = logits.clone();
+                s.spawn(move || {
+                    let tp = TpGroup::new(Arc::new(c) as Arc<dyn Communicator<CpuBackend>>, false);
+                    let all = Tensor::<CpuAutodiff, 3>::from_data(
+                        TensorData::new(logits, [2, 3, 6]),
+                        &device,
+                    );
+                    let mine = all.narrow(2, 3 * tp.rank, 3).detach().require_grad();
+                    let lab = Tensor::<CpuAutodiff, 2, Int>::from_ints(labels, &device);
+                    let (lp, ent) =
+                        vocab_parallel_log_probs(mine.clone(), lab, &tp, 3 * tp.rank, true);
+                    let ent = ent.unwrap();
+                    let loss = lp.clone().sum() + ent.clone().sum() * 0.5;
+                    let grad = mine.grad(&loss.backward()).unwrap();
+                    (
+                        lp.into_data().to_vec::<f32>().unwrap(),
+                        ent.into_data().to_vec::<f32>().unwrap(),
+                        grad.into_data().to_vec::<f32>().unwrap(),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (slp, sent, sgrad)) in shards.iter().enumerate() {
+        for (a, b) in lp.iter().zip(slp).chain(ent.iter().zip(sent)) {
+            assert!((a - b).abs() < 1e-5, "rank {rank}: {a} vs {b}");
+        }
+        // This rank's gradient is the full gradient's columns 3·rank .. 3·rank + 3.
+        for (i, g) in sgrad.iter().enumerate() {
+            let (row, col) = (i / 3, i % 3);
+            let full_g = grad[row * 6 + 3 * rank + col];
+            assert!(
+                (full_g - g).abs() < 1e-5,
+                "rank {rank} grad {i}: {full_g} vs {g}"
+            );
+        }
+    }
+}
+
+#[test]
+fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
+    let cfg = model_cfg(Flavour::Qwen2Tied);
+    // 3 divides neither the 8 heads nor the 24-token vocabulary... heads first.
+    let err = cfg.check_tensor_parallel(3).unwrap_err().to_string();
+    assert!(err.contains("tensor_model_parallel_size"), "{err}");
+    assert!(err.contains("num_attention_heads"), "{err}");
+    // 8 divides the 8 query heads but not the 4 kv heads: grouped-query groups stay whole.
+    let err = cfg.check_tensor_parallel(8).unwrap_err().to_string();
+    assert!(err.contains("num_key_value_heads (4)"), "{err}");
+    let mut odd_vocab = cfg.clone();
+    odd_vocab.vocab_size = 25;
+    let err = odd_vocab.check_tensor_parallel(2).unwrap_err().to_string();
+    assert!(err.contains("vocab_size (25)"), "{err}");
+    let groups = LocalCommunicator::group(3);
+    let tp = TpGroup::new(
+        Arc::new(groups.into_iter().next().unwrap()) as Arc<dyn Communicator<CpuBackend>>,
+        false,
+    );
+    let refused = CausalLm::<CpuBackend>::init_sharded(&cfg, 0.02, 0, &Default::default(), &tp);
+    assert!(refused.is_err());
+}

@@ -414,6 +414,7 @@ impl PpoTrainer {
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;
         let topo = Topology::new(actor_cfg.megatron.parallel(), 1).map_err(setup)?;
+        let distributed_actor = actor_cfg.megatron.use_distributed_optimizer;
         let seed = cfg.trainer.seed;
         let actor_optim = actor_cfg.optim.clone();
         let free_cache = cfg.actor_rollout_ref.rollout.free_cache_engine;
@@ -433,14 +434,18 @@ impl PpoTrainer {
             let inner = burn::module::AutodiffModule::valid(&model);
             let rollout = NativeRollout::new(mcfg.clone(), inner.clone(), engine.clone(), device)
                 .map_err(verl_core::Error::from)?;
-            let optim = ModelOptimizer::new(&actor_optim, optim_steps)?;
+            let optim = ModelOptimizer::new(&actor_optim, optim_steps)?
+                .with_distributed_optimizer(distributed_actor);
             let mut actor = MegatronActor::new(model, optim, settings.clone());
             if let Some(lr) = sft_lr {
                 let mut o = actor_optim.clone();
                 o.lr = lr;
                 o.lr_warmup_steps = Some(0);
                 o.lr_decay_style = "constant".into();
-                actor = actor.with_sft_optimizer(ModelOptimizer::new(&o, sft_steps.max(1))?);
+                actor = actor.with_sft_optimizer(
+                    ModelOptimizer::new(&o, sft_steps.max(1))?
+                        .with_distributed_optimizer(distributed_actor),
+                );
             }
             Ok(ActorRolloutRefWorker {
                 coords: topo.coords(ctx.rank)?,
@@ -477,6 +482,7 @@ impl PpoTrainer {
                 * settings.ppo_epochs as u64
                 * (batch * n / mini.max(1)).max(1) as u64;
             let topo = Topology::new(c.megatron.parallel(), 1).map_err(setup)?;
+            let distributed_critic = c.megatron.use_distributed_optimizer;
             Some(WorkerGroup::spawn(1, move |ctx| {
                 let device = Default::default();
                 let model = CausalLm::<Train>::init(&vcfg, 0.02, seed ^ 0xc41c, &device);
@@ -484,7 +490,8 @@ impl PpoTrainer {
                     coords: topo.coords(ctx.rank)?,
                     critic: MegatronCritic::new(
                         model,
-                        ModelOptimizer::new(&optim_cfg, critic_steps)?,
+                        ModelOptimizer::new(&optim_cfg, critic_steps)?
+                            .with_distributed_optimizer(distributed_critic),
                         settings.clone(),
                     ),
                 })

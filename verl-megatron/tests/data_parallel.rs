@@ -1,6 +1,7 @@
 //! Data parallel on simulated ranks: one PPO update of the actor and of the critic on dp = 2 or
 //! 4 ranks (each with its share of the mini-batch, gradients summed in buckets over a
-//! `LocalCommunicator` group) gives the single rank's loss, gradient norm and updated weights.
+//! `LocalCommunicator` group) gives the single rank's loss, gradient norm and updated weights,
+//! also with the distributed optimizer (AdamW state sharded over the ranks).
 
 use std::sync::Arc;
 
@@ -105,7 +106,8 @@ fn update(
     rows_per_rank: usize,
     micro: usize,
     comm: Option<Arc<dyn Communicator<CpuBackend>>>,
-) -> (Metrics, Metrics, Vec<Vec<f32>>) {
+    distributed: bool,
+) -> (Metrics, Metrics, Vec<Vec<f32>>, usize) {
     let device = Default::default();
     let settings = ActorSettings {
         mini_batch_rows: rows_per_rank,
@@ -124,14 +126,19 @@ fn update(
         temperature: 1.0,
     };
     let model = CausalLm::<CpuAutodiff>::init(&model_cfg(), 0.2, 7, &device);
-    let mut actor = MegatronActor::new(model, ModelOptimizer::new(&optim(), 10).unwrap(), settings);
+    let optimizer = || {
+        ModelOptimizer::new(&optim(), 10)
+            .unwrap()
+            .with_distributed_optimizer(distributed)
+    };
+    let mut actor = MegatronActor::new(model, optimizer(), settings);
     let mut vcfg = model_cfg();
     vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
     vcfg.tie_word_embeddings = false;
     let value_model = CausalLm::<CpuAutodiff>::init(&vcfg, 0.2, 8, &device);
     let mut critic = MegatronCritic::new(
         value_model,
-        ModelOptimizer::new(&optim(), 10).unwrap(),
+        optimizer(),
         CriticSettings {
             mini_batch_rows: rows_per_rank,
             micro_batch_rows: micro,
@@ -154,6 +161,14 @@ fn update(
             critic.update_critic(&data).await.unwrap(),
         )
     });
+    let optimizer_tensors = actor
+        .checkpoint_state(CheckpointContents::ALL)
+        .optimizer
+        .len()
+        + critic
+            .checkpoint_state(CheckpointContents::ALL)
+            .optimizer
+            .len();
     let weights = actor
         .checkpoint_state(CheckpointContents::MODEL)
         .model
@@ -161,7 +176,7 @@ fn update(
         .chain(critic.checkpoint_state(CheckpointContents::MODEL).model)
         .map(|t| t.values.into_data().to_vec::<f32>().unwrap())
         .collect();
-    (am, cm, weights)
+    (am, cm, weights, optimizer_tensors)
 }
 
 fn rel_close(a: f64, b: f64, what: &str) {
@@ -171,22 +186,30 @@ fn rel_close(a: f64, b: f64, what: &str) {
     );
 }
 
-fn check_dp(dp: usize, micro: usize) {
+fn check_dp(dp: usize, micro: usize, distributed: bool) {
     let data = batch();
-    let (single_a, single_c, single_w) = update(data.clone(), ROWS, 3, None);
+    let (single_a, single_c, single_w, single_state) = update(data.clone(), ROWS, 3, None, false);
     let share = ROWS / dp;
-    let results: Vec<(Metrics, Metrics, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+    let results: Vec<(Metrics, Metrics, Vec<Vec<f32>>, usize)> = std::thread::scope(|s| {
         let handles: Vec<_> = LocalCommunicator::group(dp)
             .into_iter()
             .enumerate()
             .map(|(r, c)| {
                 let part = data.slice(r * share, (r + 1) * share).unwrap();
-                s.spawn(move || update(part, share, micro, Some(Arc::new(c))))
+                s.spawn(move || update(part, share, micro, Some(Arc::new(c)), distributed))
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    for (r, (a, c, w)) in results.iter().enumerate() {
+    let states: Vec<usize> = results.iter().map(|r| r.3).collect();
+    if distributed {
+        // Each rank keeps moments for its own parameters only: together, exactly the whole.
+        assert_eq!(states.iter().sum::<usize>(), single_state, "{states:?}");
+        assert!(states.iter().all(|&n| n < single_state), "{states:?}");
+    } else {
+        assert!(states.iter().all(|&n| n == single_state), "{states:?}");
+    }
+    for (r, (a, c, w, _)) in results.iter().enumerate() {
         for key in ["actor/pg_loss", "actor/grad_norm"] {
             for (x, y) in single_a.0[key].iter().zip(&a.0[key]) {
                 rel_close(*x, *y, &format!("dp {dp} rank {r} {key}"));
@@ -213,11 +236,17 @@ fn check_dp(dp: usize, micro: usize) {
 
 #[test]
 fn two_data_parallel_ranks_update_as_one() {
-    check_dp(2, 2);
-    check_dp(2, 4);
+    check_dp(2, 2, false);
+    check_dp(2, 4, false);
 }
 
 #[test]
 fn four_data_parallel_ranks_update_as_one() {
-    check_dp(4, 1);
+    check_dp(4, 1, false);
+}
+
+#[test]
+fn the_distributed_optimizer_shards_adam_state_and_updates_as_one() {
+    check_dp(2, 2, true);
+    check_dp(4, 1, true);
 }

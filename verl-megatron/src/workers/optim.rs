@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::record::AdaptorRecord;
 use burn::optim::{
     AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, Optimizer,
@@ -311,6 +311,99 @@ fn scale_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     }
 }
 
+/// Every parameter's id and element count, in the model's order.
+struct ParamSizes(Vec<(ParamId, usize)>);
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ParamSizes {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.0.push((param.id, param.val().shape().num_elements()));
+    }
+}
+
+/// Drops the gradients of parameters another rank updates.
+struct KeepGrads<'a> {
+    grads: &'a mut GradientsParams,
+    keep: &'a HashSet<ParamId>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for KeepGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !self.keep.contains(&param.id) {
+            self.grads.remove::<B::InnerBackend, D>(param.id);
+        }
+    }
+}
+
+/// The values of the given parameters, flattened, in the model's order.
+struct ReadParams<'a> {
+    ids: &'a HashSet<ParamId>,
+    values: Vec<f32>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ReadParams<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.ids.contains(&param.id) {
+            let v = param.val().inner().into_data().convert::<f32>();
+            self.values
+                .extend(v.to_vec::<f32>().expect("f32 parameters"));
+        }
+    }
+}
+
+/// Replaces parameters by the values other ranks broadcast (still trained leaves).
+struct WriteParams<I: Backend> {
+    values: HashMap<ParamId, Vec<f32>>,
+    device: I::Device,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for WriteParams<B::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(v) = self.values.remove(&param.id) else {
+            return param;
+        };
+        let (id, old, mapper) = param.consume();
+        let inner = Tensor::<B::InnerBackend, D>::from_data(
+            burn::tensor::TensorData::new(v, old.dims()),
+            &self.device,
+        );
+        Param::from_mapped_value(id, Tensor::from_inner(inner).require_grad(), mapper)
+    }
+}
+
+/// Megatron's distributed optimizer over the data-parallel group: every parameter has one
+/// owning dp rank (balanced by element count), only the owner keeps AdamW moments for it and
+/// updates it, and the owners broadcast the updated values. Optimizer memory per rank is about
+/// 1/dp of the whole; the update is the single-rank one.
+struct DistributedOptimizer {
+    /// Owner rank of every parameter, in the model's order, with its size.
+    owners: Vec<(ParamId, usize, usize)>,
+}
+
+impl DistributedOptimizer {
+    /// Balanced, deterministic ownership (the same on every rank): each parameter, in order,
+    /// goes to the least-loaded rank so far.
+    fn assign(sizes: Vec<(ParamId, usize)>, ranks: usize) -> Self {
+        let mut load = vec![0usize; ranks];
+        let owners = sizes
+            .into_iter()
+            .map(|(id, n)| {
+                let r = (0..ranks).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+                load[r] += n;
+                (id, n, r)
+            })
+            .collect();
+        Self { owners }
+    }
+
+    fn owned_by(&self, rank: usize) -> HashSet<ParamId> {
+        self.owners
+            .iter()
+            .filter(|(_, _, r)| *r == rank)
+            .map(|(id, _, _)| *id)
+            .collect()
+    }
+}
+
 /// How a tensor-parallel model holds its parameters, for the optimizer: which are shards
 /// (their squares are summed over the group in the gradient norm) and which are replicated
 /// but get only this rank's part of their gradient (layer norms under sequence parallelism,
@@ -332,6 +425,8 @@ pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     /// size in elements.
     data_parallel: Option<(GroupHandle<B::InnerBackend>, usize)>,
     tensor_parallel: Option<TensorParallelGrads<B::InnerBackend>>,
+    /// `use_distributed_optimizer`: set once the parameters are known (first step).
+    distributed: Option<Option<DistributedOptimizer>>,
 }
 
 /// A rank's shared handle on a process group.
@@ -370,6 +465,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             step: 0,
             data_parallel: None,
             tensor_parallel: None,
+            distributed: None,
         })
     }
 
@@ -382,6 +478,93 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     ) -> Self {
         self.data_parallel = Some((comm, bucket_elems.max(1)));
         self
+    }
+
+    /// Shards the AdamW state over the data-parallel group (Megatron's
+    /// `use_distributed_optimizer`): see [`Self::step`]. Without a data-parallel group of more
+    /// than one rank this changes nothing.
+    pub fn with_distributed_optimizer(mut self, enabled: bool) -> Self {
+        self.distributed = enabled.then_some(None);
+        self
+    }
+
+    /// Whether this rank keeps only its share of the optimizer state.
+    pub fn is_distributed(&self) -> bool {
+        self.distributed.is_some()
+            && self
+                .data_parallel
+                .as_ref()
+                .is_some_and(|(c, _)| c.world_size() > 1)
+    }
+
+    /// With the distributed optimizer: keeps only this rank's gradients for the update.
+    fn keep_owned_grads(&mut self, model: &M, grads: &mut GradientsParams) {
+        let Some((dp, _)) = &self.data_parallel else {
+            return;
+        };
+        if dp.world_size() == 1 {
+            return;
+        }
+        let Some(dist) = self.distributed.as_mut() else {
+            return;
+        };
+        let dist = dist.get_or_insert_with(|| {
+            let mut sizes = ParamSizes(Vec::new());
+            model.visit(&mut sizes);
+            DistributedOptimizer::assign(sizes.0, dp.world_size())
+        });
+        let keep = dist.owned_by(dp.rank());
+        model.visit(&mut KeepGrads { grads, keep: &keep });
+    }
+
+    /// With the distributed optimizer: each owner broadcasts its updated parameters (one
+    /// collective per owner rank) and every rank takes the others'.
+    fn gather_updated(&self, model: M) -> (M, Result<(), MegatronError>) {
+        let (Some((dp, _)), Some(Some(dist))) = (&self.data_parallel, &self.distributed) else {
+            return (model, Ok(()));
+        };
+        let me = dp.rank();
+        let mut values = HashMap::new();
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        for owner in 0..dp.world_size() {
+            let ids = dist.owned_by(owner);
+            let len: usize = dist
+                .owners
+                .iter()
+                .filter(|(_, _, r)| *r == owner)
+                .map(|(_, n, _)| n)
+                .sum();
+            if len == 0 {
+                continue;
+            }
+            let mut read = ReadParams {
+                ids: &ids,
+                values: Vec::new(),
+            };
+            if owner == me {
+                model.visit(&mut read);
+            } else {
+                read.values = vec![0.0; len];
+            }
+            let t = Tensor::<B::InnerBackend, 1>::from_data(
+                burn::tensor::TensorData::new(read.values, [len]),
+                &device,
+            );
+            let got = match dp.broadcast(t, owner) {
+                Ok(t) => t.into_data().convert::<f32>().to_vec::<f32>().expect("f32"),
+                Err(e) => return (model, Err(e.into())),
+            };
+            if owner == me {
+                continue;
+            }
+            let mut offset = 0;
+            for (id, n, _) in dist.owners.iter().filter(|(_, _, r)| *r == owner) {
+                values.insert(*id, got[offset..offset + n].to_vec());
+                offset += n;
+            }
+        }
+        let mut write = WriteParams::<B::InnerBackend> { values, device };
+        (model.map(&mut write), Ok(()))
     }
 
     /// Steps a tensor-parallel model: see [`TensorParallelGrads`].
@@ -425,6 +608,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         };
         let lr = self.schedule.lr(self.step);
         scale_to_norm(&model, &mut grads, norm, self.clip_grad);
+        if norm.is_finite() {
+            self.keep_owned_grads(&model, &mut grads);
+        }
         if !norm.is_finite() {
             let report = StepReport {
                 grad_norm: norm,
@@ -435,6 +621,10 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         }
         let model = self.inner.step(lr, model, grads);
         self.step += 1;
+        let (model, gathered) = self.gather_updated(model);
+        if let Err(e) = gathered {
+            return (model, Err(e));
+        }
         let report = StepReport {
             grad_norm: norm,
             lr,

@@ -176,3 +176,46 @@ fn a_reward_model_gives_the_rewards() {
     }
     assert_eq!(summary.steps, 3);
 }
+
+/// `trainer.n_gpus_per_node=4` with tp = 2 (so dp = 2, sequence parallel on by default) runs
+/// the same PPO job as one rank: every metric of the warm-up and the first steps agrees within
+/// float tolerance (the ranks are threads with in-process communicators on the CPU default).
+#[test]
+fn four_ranks_with_tensor_parallel_train_as_one() {
+    let common = [
+        "algorithm.adv_estimator=gae",
+        "critic.enable=true",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "trainer.sft_warmup_steps=8",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+    ];
+    let (_, one, _d1) = run(&common);
+    let mut layout = common.to_vec();
+    layout.extend([
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.tensor_model_parallel_size=2",
+    ]);
+    let (_, four, _d4) = run(&layout);
+    assert_eq!(one.len(), four.len());
+    let mut compared = 0;
+    for (a, b) in one.iter().zip(&four) {
+        for (key, x) in a {
+            if key.starts_with("timing_s/")
+                || key.starts_with("perf/")
+                || key.starts_with("rollout/")
+            {
+                continue;
+            }
+            let y = b[key];
+            assert!(
+                (x - y).abs() <= 1e-3 * x.abs().max(1e-2),
+                "step {}: {key} one rank {x} vs tp=2 dp=2 {y}",
+                a["step"]
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared > 40, "{compared} metrics compared");
+}

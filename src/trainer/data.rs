@@ -270,6 +270,12 @@ pub fn prompt_batch<B: Backend>(
             .map(|i| Value::String(format!("{uid_prefix}-{i}")))
             .collect(),
     )?;
+    // The rollout seeds each prompt's samples by its place in the whole batch, so the samples
+    // do not depend on how the batch is split over data-parallel ranks.
+    d.insert_non_tensor(
+        verl_rollout::PROMPT_INDEX_KEY,
+        (0..rows.len()).map(Value::from).collect(),
+    )?;
     Ok(d)
 }
 

@@ -28,6 +28,8 @@ use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
 use verl_megatron::models::CausalLm;
+use verl_megatron::parallel::{ProcessGroups, TpGroup};
+use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
     HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, RewardModelWorker,
@@ -196,19 +198,36 @@ pub struct PpoTrainer {
     resume: Option<(PathBuf, LoopState)>,
 }
 
+/// Each rank's communicators, to be taken by that rank's thread when it builds its worker.
+type RankGroups = std::sync::Arc<std::sync::Mutex<Vec<Option<ProcessGroups<Infer>>>>>;
+
+fn rank_groups(topo: &Topology) -> RankGroups {
+    std::sync::Arc::new(std::sync::Mutex::new(
+        ProcessGroups::local(topo).into_iter().map(Some).collect(),
+    ))
+}
+
+fn take_groups(groups: &RankGroups, rank: usize) -> verl_core::Result<ProcessGroups<Infer>> {
+    groups
+        .lock()
+        .map_err(|_| {
+            verl_core::Error::backend("trainer", "a rank panicked while taking its groups")
+        })?
+        .get_mut(rank)
+        .and_then(Option::take)
+        .ok_or_else(|| {
+            verl_core::Error::backend("trainer", format!("rank {rank}'s groups were taken"))
+        })
+}
+
 impl PpoTrainer {
     /// Builds the workers and data of a checked config. A layout or batch that cannot work is
     /// refused here, before any model memory is allocated.
     pub fn new(validated: ValidatedConfig) -> Result<Self, TrainError> {
         let cfg = validated.config.clone();
-        if validated.world_size != 1 {
-            return Err(setup(format!(
-                "trainer.nnodes × trainer.n_gpus_per_node = {}: training on more than one rank \
-                 needs the communicator (tensor / data parallel gradients), which is not built \
-                 yet; set trainer.n_gpus_per_node=1",
-                validated.world_size
-            )));
-        }
+        // On the CPU default the ranks are threads of this process, talking through
+        // in-process communicators.
+        let world = validated.world_size;
         let model_path = cfg.actor_rollout_ref.model.path.clone();
         let (codec, model_cfg) = match &model_path {
             None => {
@@ -413,7 +432,18 @@ impl PpoTrainer {
         // Fail on an impossible optimizer or schedule before spawning anything.
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;
-        let topo = Topology::new(actor_cfg.megatron.parallel(), 1).map_err(setup)?;
+        let layout = actor_cfg.megatron.parallel();
+        if layout.pp > 1 || layout.cp > 1 || layout.ep > 1 {
+            return Err(setup(
+                "actor_rollout_ref.actor.megatron: pipeline, context and expert parallel sizes \
+                 must be 1 for now (tensor, sequence and data parallel are supported)"
+                    .to_string(),
+            ));
+        }
+        let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+        model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+        let sequence_parallel = layout.sequence_parallel_active();
+        let actor_groups = rank_groups(&topo);
         let distributed_actor = actor_cfg.megatron.use_distributed_optimizer;
         let seed = cfg.trainer.seed;
         let actor_optim = actor_cfg.optim.clone();
@@ -422,17 +452,27 @@ impl PpoTrainer {
         let sft_steps = cfg.trainer.sft_warmup_steps;
         let path = model_path.clone();
         let mcfg = model_cfg.clone();
-        let actor = WorkerGroup::spawn(1, move |ctx| {
+        let actor = WorkerGroup::spawn(world, move |ctx| {
             let device = Default::default();
-            let model: CausalLm<Train> = match &path {
-                None => CausalLm::init(&mcfg, 0.02, seed, &device),
-                Some(p) => {
-                    let ckpt = HfCheckpoint::open(p)?;
-                    CausalLm::from_checkpoint(&mcfg, &ckpt, &device)?
-                }
+            let groups = take_groups(&actor_groups, ctx.rank)?;
+            let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
+            let ckpt = path.as_ref().map(HfCheckpoint::open).transpose()?;
+            let model: CausalLm<Train> = match &ckpt {
+                None => CausalLm::init_sharded(&mcfg, 0.02, seed, &device, &tp)?,
+                Some(c) => CausalLm::from_checkpoint_sharded(&mcfg, c, &device, &tp)?,
             };
             let inner = burn::module::AutodiffModule::valid(&model);
-            let rollout = NativeRollout::new(mcfg.clone(), inner.clone(), engine.clone(), device)
+            // The rollout engine runs the whole model on each rank (rollout tp = 1): the
+            // hybrid engine gathers the actor's shards into it before every generation.
+            let rollout_model = if tp.is_parallel() {
+                match &ckpt {
+                    None => CausalLm::<Infer>::init(&mcfg, 0.02, seed, &device),
+                    Some(c) => CausalLm::from_checkpoint(&mcfg, c, &device)?,
+                }
+            } else {
+                inner.clone()
+            };
+            let rollout = NativeRollout::new(mcfg.clone(), rollout_model, engine.clone(), device)
                 .map_err(verl_core::Error::from)?;
             let optim = ModelOptimizer::new(&actor_optim, optim_steps)?
                 .with_distributed_optimizer(distributed_actor);
@@ -446,6 +486,9 @@ impl PpoTrainer {
                     ModelOptimizer::new(&o, sft_steps.max(1))?
                         .with_distributed_optimizer(distributed_actor),
                 );
+            }
+            if groups.dp().world_size() > 1 {
+                actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
             }
             Ok(ActorRolloutRefWorker {
                 coords: topo.coords(ctx.rank)?,
@@ -481,19 +524,38 @@ impl PpoTrainer {
             let critic_steps = total_steps.max(1)
                 * settings.ppo_epochs as u64
                 * (batch * n / mini.max(1)).max(1) as u64;
-            let topo = Topology::new(c.megatron.parallel(), 1).map_err(setup)?;
+            let layout = c.megatron.parallel();
+            if layout.pp > 1 || layout.cp > 1 || layout.ep > 1 {
+                return Err(setup(
+                    "critic.megatron: pipeline, context and expert parallel sizes must be 1 \
+                     for now (tensor, sequence and data parallel are supported)"
+                        .to_string(),
+                ));
+            }
+            let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+            vcfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+            let sequence_parallel = layout.sequence_parallel_active();
+            let critic_groups = rank_groups(&topo);
             let distributed_critic = c.megatron.use_distributed_optimizer;
-            Some(WorkerGroup::spawn(1, move |ctx| {
+            Some(WorkerGroup::spawn(world, move |ctx| {
                 let device = Default::default();
-                let model = CausalLm::<Train>::init(&vcfg, 0.02, seed ^ 0xc41c, &device);
+                let groups = take_groups(&critic_groups, ctx.rank)?;
+                let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
+                let model =
+                    CausalLm::<Train>::init_sharded(&vcfg, 0.02, seed ^ 0xc41c, &device, &tp)?;
+                let mut critic = MegatronCritic::new(
+                    model,
+                    ModelOptimizer::new(&optim_cfg, critic_steps)?
+                        .with_distributed_optimizer(distributed_critic),
+                    settings.clone(),
+                );
+                if groups.dp().world_size() > 1 {
+                    critic =
+                        critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
+                }
                 Ok(CriticWorker {
                     coords: topo.coords(ctx.rank)?,
-                    critic: MegatronCritic::new(
-                        model,
-                        ModelOptimizer::new(&optim_cfg, critic_steps)?
-                            .with_distributed_optimizer(distributed_critic),
-                        settings.clone(),
-                    ),
+                    critic,
                 })
             })?)
         } else {

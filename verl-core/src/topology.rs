@@ -193,7 +193,8 @@ impl ParallelConfig {
             "tp",
         )?;
         check("tp", "intermediate_size", model.intermediate_size, tp, "tp")?;
-        check("tp", "vocab_size", model.vocab_size, tp, "tp")?;
+        // The vocabulary need not divide: it is padded to a multiple of tp (as Megatron pads
+        // it), the padding masked out of the logits.
         let stages = self.pp * self.vpp.unwrap_or(1);
         if model.num_layers < stages {
             return Err(invalid(

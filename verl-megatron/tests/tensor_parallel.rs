@@ -34,6 +34,8 @@ enum Flavour {
     Qwen2Tied,
     Qwen3Untied,
     Qwen2Moe,
+    /// 23 ids, which no tp > 1 divides: the vocabulary-split weights are padded.
+    OddVocabulary,
 }
 
 fn model_cfg(flavour: Flavour) -> HfModelConfig {
@@ -48,6 +50,10 @@ fn model_cfg(flavour: Flavour) -> HfModelConfig {
     });
     match flavour {
         Flavour::Qwen2Tied => {}
+        Flavour::OddVocabulary => {
+            cfg.vocab_size = VOCAB - 1;
+            cfg.tie_word_embeddings = false;
+        }
         Flavour::Qwen3Untied => {
             cfg.architecture = Architecture::Qwen3;
             cfg.qkv_bias = false;
@@ -78,7 +84,8 @@ fn batch() -> DataProto<CpuBackend> {
     for r in 0..ROWS {
         let len = 1 + r % RESPONSE;
         for j in 0..t {
-            ids.push(((r * 7 + j * 5) % VOCAB) as i64);
+            // Ids below VOCAB - 1, so the odd vocabulary holds them too.
+            ids.push(((r * 7 + j * 5) % (VOCAB - 1)) as i64);
             let live = j < PROMPT + len;
             attn.push(live as i64);
             pos.push(j as i64);
@@ -342,6 +349,13 @@ fn qwen3_norms_and_an_untied_head_split_exactly() {
 }
 
 #[test]
+fn an_odd_vocabulary_is_padded_and_masked_exactly() {
+    // 23 ids: tp = 2 pads to 24 (12 per rank), tp = 4 to 24 (the last rank 5 real, 1 pad).
+    check_layout(Flavour::OddVocabulary, 2, 1, false);
+    check_layout(Flavour::OddVocabulary, 4, 1, true);
+}
+
+#[test]
 fn moe_experts_split_exactly_with_a_replicated_router() {
     check_layout(Flavour::Qwen2Moe, 2, 1, false);
     check_layout(Flavour::Qwen2Moe, 2, 1, true);
@@ -418,17 +432,17 @@ fn vocab_parallel_log_probs_and_entropy_match_the_full_vocabulary() {
 #[test]
 fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
     let cfg = model_cfg(Flavour::Qwen2Tied);
-    // 3 divides neither the 8 heads nor the 24-token vocabulary... heads first.
+    // 3 does not divide the 8 heads.
     let err = cfg.check_tensor_parallel(3).unwrap_err().to_string();
     assert!(err.contains("tensor_model_parallel_size"), "{err}");
     assert!(err.contains("num_attention_heads"), "{err}");
     // 8 divides the 8 query heads but not the 4 kv heads: grouped-query groups stay whole.
     let err = cfg.check_tensor_parallel(8).unwrap_err().to_string();
     assert!(err.contains("num_key_value_heads (4)"), "{err}");
+    // The vocabulary need not divide: it is padded (see `an_odd_vocabulary_is_padded...`).
     let mut odd_vocab = cfg.clone();
     odd_vocab.vocab_size = 25;
-    let err = odd_vocab.check_tensor_parallel(2).unwrap_err().to_string();
-    assert!(err.contains("vocab_size (25)"), "{err}");
+    odd_vocab.check_tensor_parallel(2).unwrap();
     let groups = LocalCommunicator::group(3);
     let tp = TpGroup::new(
         Arc::new(groups.into_iter().next().unwrap()) as Arc<dyn Communicator<CpuBackend>>,

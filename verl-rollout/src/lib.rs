@@ -18,4 +18,5 @@ pub mod sampling;
 pub use config::{EngineConfig, KvBudget};
 pub use engine::{Completion, FinishReason, GenerationStats, NativeRollout, Request};
 pub use error::RolloutError;
+pub use rollout_engine::PROMPT_INDEX_KEY;
 pub use sampling::{Sampler, SamplingError, SamplingParams};

@@ -15,9 +15,17 @@ use crate::error::RolloutError;
 use crate::layout::{build_output, read_prompts};
 use crate::sampling::Sampler;
 
+/// The non-tensor column giving each prompt's index in the whole batch: the rollout seeds the
+/// prompt's samples by it, so they do not depend on how the batch is split over ranks.
+pub const PROMPT_INDEX_KEY: &str = "prompt_index";
+
 /// Per-call settings read from `meta_info`, as verl's rollout reads them: `validate` (use
 /// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`; and
 /// `global_steps`, which seeds the call's requests.
+///
+/// A non-tensor column [`PROMPT_INDEX_KEY`] (integers) gives each prompt's index in the whole
+/// batch; samples are seeded by it (else by the row's place in this call), so splitting a batch
+/// over data-parallel ranks leaves every sample unchanged.
 struct CallSettings {
     sampling: crate::SamplingParams,
     n: usize,
@@ -72,10 +80,17 @@ impl<B: ParallelBackend> NativeRollout<B> {
             }
             None => self.calls,
         };
+        // A prompt's place in the whole batch when the caller says (PROMPT_INDEX_KEY), so a
+        // data-parallel rank samples what one rank would for the same prompt.
+        let indices = prompts.non_tensor(PROMPT_INDEX_KEY).ok();
         let mut requests = Vec::with_capacity(rows.len() * settings.n);
         for (i, p) in rows.iter().enumerate() {
+            let index = indices
+                .and_then(|v| v.get(i))
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(i as u64);
             for k in 0..settings.n {
-                let id = (call << 32) | (i * settings.n + k) as u64;
+                let id = (call << 32) | (index * settings.n as u64 + k as u64);
                 requests.push(Request {
                     prompt: p.clone(),
                     sampler: Sampler::new(settings.sampling, id)?,

@@ -152,7 +152,14 @@ pub struct CausalLm<B: Backend> {
     pub rope: RotaryEmbedding,
     #[module(skip)]
     pub tp: TpGroup,
+    /// The real vocabulary size; with tp > 1 the vocabulary-split weights are padded to a
+    /// multiple of tp and the padded ids' logits masked.
+    pub vocab_size: usize,
 }
+
+/// The logit given to padded vocabulary ids: exp() of it is 0 and, being finite, so is its
+/// product with it (an entropy term), where −∞ would give NaN.
+const PADDED_LOGIT: f32 = -1.0e30;
 
 impl<B: ParallelBackend> CausalLm<B> {
     /// Loads the model from an open checkpoint (verified against `cfg` first), one tensor at a
@@ -305,6 +312,29 @@ impl<B: ParallelBackend> CausalLm<B> {
                 tp: tp.clone(),
             })
         };
+        // This rank's rows of a vocabulary-split weight, zero rows for the padding.
+        let vocab_rows = |name: &str| -> Result<Tensor<B, 2>, MegatronError> {
+            let hidden = shapes
+                .get(name)
+                .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?[1];
+            let (start, real, per) = tp.vocab_part(cfg.vocab_size);
+            if real == per {
+                return source.load_part::<2>(name, 0, (start, real));
+            }
+            let (rows, device) = if real > 0 {
+                let rows = source.load_part::<2>(name, 0, (start, real))?;
+                let device = rows.device();
+                (Some(rows), device)
+            } else {
+                // All padding: one real row only tells the device.
+                (None, source.load_part::<2>(name, 0, (0, 1))?.device())
+            };
+            let pad = Tensor::<B, 2>::zeros([per - real, hidden], &device);
+            Ok(match rows {
+                Some(rows) => Tensor::cat(vec![rows, pad], 0),
+                None => pad,
+            })
+        };
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
@@ -353,22 +383,25 @@ impl<B: ParallelBackend> CausalLm<B> {
         }
         let (lm_head, score) = match cfg.head {
             HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
-            HeadKind::CausalLm => (Some(column("lm_head", false)?), None),
+            HeadKind::CausalLm => (
+                Some(ColumnParallelLinear::new(
+                    vocab_rows("lm_head.weight")?,
+                    None,
+                )),
+                None,
+            ),
             HeadKind::TokenClassification { .. } => (None, Some(replicated("score", true)?)),
             HeadKind::SequenceClassification { .. } => (None, Some(replicated("score", false)?)),
         };
-        let embed = "model.embed_tokens.weight";
         Ok(Self {
-            embed_tokens: VocabParallelEmbedding::new(
-                source.load_part::<2>(embed, 0, part(embed, 0)?)?,
-                tp,
-            ),
+            embed_tokens: VocabParallelEmbedding::new(vocab_rows("model.embed_tokens.weight")?, tp),
             layers,
             norm: norm("model.norm.weight")?,
             lm_head,
             score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
             tp: tp.clone(),
+            vocab_size: cfg.vocab_size,
         })
     }
 
@@ -566,7 +599,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             return score.forward(cut(h));
         }
         let h = cut(self.tp.enter(h));
-        match &self.lm_head {
+        let logits = match &self.lm_head {
             Some(head) => head.forward(h),
             None => {
                 let [b, t, hidden] = h.dims();
@@ -576,6 +609,16 @@ impl<B: ParallelBackend> CausalLm<B> {
                     .matmul(w.transpose())
                     .reshape([b, t, vocab])
             }
+        };
+        let (_, real, per) = self.tp.vocab_part(self.vocab_size);
+        if real == per {
+            return logits;
+        }
+        let [b, t, _] = logits.dims();
+        let pad = Tensor::full([b, t, per - real], PADDED_LOGIT, &logits.device());
+        match real {
+            0 => pad,
+            _ => Tensor::cat(vec![logits.narrow(2, 0, real), pad], 2),
         }
     }
 
@@ -704,6 +747,11 @@ fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<
     Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
 }
 
+/// Whether `name` is split over the vocabulary (and so padded with tp > 1).
+fn is_vocab_split(name: &str) -> bool {
+    name == "model.embed_tokens.weight" || name == "lm_head.weight"
+}
+
 /// The dimension along which tensor parallelism splits the weight called `name` (HF naming),
 /// or `None` for a replicated one.
 pub fn tp_split_dim(name: &str) -> Option<usize> {
@@ -717,7 +765,7 @@ pub fn tp_split_dim(name: &str) -> Option<usize> {
         "gate_proj.weight",
         "up_proj.weight",
     ];
-    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+    if is_vocab_split(name) {
         return Some(0);
     }
     if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
@@ -744,7 +792,10 @@ impl<B: ParallelBackend> CausalLm<B> {
                         2 => t.to_tensor::<2>().expect("rank checked"),
                         _ => t.values.clone().unsqueeze_dim::<2>(1),
                     };
-                    let full = self.tp.collective(shard, Collective::AllGather(dim));
+                    let mut full = self.tp.collective(shard, Collective::AllGather(dim));
+                    if is_vocab_split(&t.name) {
+                        full = full.narrow(0, 0, self.vocab_size);
+                    }
                     match t.shape.len() {
                         2 => NamedTensor::new(t.name, full),
                         _ => NamedTensor::new(t.name, full.flatten::<1>(0, 1)),
@@ -764,6 +815,23 @@ impl<B: ParallelBackend> CausalLm<B> {
         let Some(dim) = split else {
             return self.load_shard(tensor);
         };
+        if is_vocab_split(&tensor.name) {
+            let full = tensor
+                .to_tensor::<2>()
+                .map_err(|_| MegatronError::WeightShape {
+                    name: tensor.name.clone(),
+                    expected: vec![self.vocab_size, 0],
+                    found: tensor.shape.clone(),
+                })?;
+            let [vocab, hidden] = full.dims();
+            let (start, real, per) = self.tp.vocab_part(vocab);
+            let pad = Tensor::<B, 2>::zeros([per - real, hidden], &full.device());
+            let rows = match real {
+                0 => pad,
+                _ => Tensor::cat(vec![full.narrow(0, start, real), pad], 0),
+            };
+            return self.load_shard(NamedTensor::new(tensor.name, rows));
+        }
         let mut shape = tensor.shape.clone();
         if dim >= shape.len() || !shape[dim].is_multiple_of(self.tp.size) {
             return Err(MegatronError::WeightShape {

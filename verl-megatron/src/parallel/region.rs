@@ -396,6 +396,15 @@ impl TpGroup {
         }
     }
 
+    /// This rank's rows of a vocabulary of `vocab` ids padded to a multiple of the group size:
+    /// `(start, real, per_rank)`, the rank holding ids `start..start + per_rank` of which the
+    /// first `real` exist (the rest is padding).
+    pub fn vocab_part(&self, vocab: usize) -> (usize, usize, usize) {
+        let per = vocab.div_ceil(self.size);
+        let start = per * self.rank;
+        (start, vocab.saturating_sub(start).min(per), per)
+    }
+
     /// This rank's part `[start, start + len)` of a dimension of `full` elements.
     pub fn part(&self, full: usize) -> (usize, usize) {
         let per = full / self.size;

@@ -155,7 +155,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let (model, report) = optim.step(model, acc.grads());
         self.model = Some(model);
         let report = report?;
-        metrics.push("sft/loss", total);
+        // Each rank's loss is its share of the batch loss.
+        metrics.push("sft/loss", self.dp_sum(&[total])?[0]);
         metrics.push("sft/grad_norm", report.grad_norm);
         metrics.push("sft/lr", report.lr);
         Ok(metrics)

@@ -23,9 +23,8 @@ use super::actor::MegatronActor;
 use super::batch::{micro_batches, ModelInputs};
 use super::critic::MegatronCritic;
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
-use crate::models::CausalLm;
+use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
-use verl_core::algorithms::logits::log_probs_from_logits;
 
 /// Streams the actor's weights into the rollout engine before generation and puts the engine
 /// to sleep after it, as verl's Megatron sharding manager (at tp = 1 the stream is the full
@@ -213,21 +212,27 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         dist.save(&req.dist(), &state, req.contents).await?;
         if let Some(reference) = &self.reference {
             let r = CheckpointState {
-                model: reference.export_weights(),
+                model: reference.export_shards(),
                 optimizer: Vec::new(),
                 extra: serde_json::Value::Null,
             };
             dist.save(&req.dir.join("ref"), &r, CheckpointContents::MODEL)
                 .await?;
         }
-        if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
-            state.optimizer.clear();
-            hf.save(
-                &req.dir.join("huggingface"),
-                &state,
-                CheckpointContents::MODEL,
-            )
-            .await?;
+        if req.hf.is_some() {
+            // Full tensors: gathered over the tensor-parallel group (every rank takes part),
+            // written once.
+            let full = burn::module::AutodiffModule::valid(self.actor.model()).export_weights();
+            if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
+                state.optimizer.clear();
+                state.model = full;
+                hf.save(
+                    &req.dir.join("huggingface"),
+                    &state,
+                    CheckpointContents::MODEL,
+                )
+                .await?;
+            }
         }
         Ok(())
     }
@@ -247,7 +252,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
                 .load(&req.dir.join("ref"), CheckpointContents::MODEL, &device)
                 .await?;
             for t in saved.model {
-                reference.load_weight(t)?;
+                reference.load_shard(t)?;
             }
         }
         Ok(())
@@ -302,14 +307,18 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         DistCheckpoint::new(self.coords.rank)
             .save(&req.dist(), &state, req.contents)
             .await?;
-        if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
-            state.optimizer.clear();
-            hf.save(
-                &req.dir.join("huggingface"),
-                &state,
-                CheckpointContents::MODEL,
-            )
-            .await?;
+        if req.hf.is_some() {
+            let full = burn::module::AutodiffModule::valid(self.critic.model()).export_weights();
+            if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
+                state.optimizer.clear();
+                state.model = full;
+                hf.save(
+                    &req.dir.join("huggingface"),
+                    &state,
+                    CheckpointContents::MODEL,
+                )
+                .await?;
+            }
         }
         Ok(())
     }
@@ -353,7 +362,10 @@ fn reference_log_probs<B: ParallelBackend>(
         let micro = data.slice(range.start, range.end)?;
         let inputs = ModelInputs::from_batch(&micro)?;
         let logits = inputs.response_outputs(model) / temperature;
-        parts.push(log_probs_from_logits(logits, micro.int::<2>("responses")?));
+        let labels = micro.int::<2>("responses")?;
+        let (log_probs, _) =
+            vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
+        parts.push(log_probs);
     }
     let mut result = DataProto::new();
     result.insert_float("ref_log_prob", Tensor::cat(parts, 0))?;

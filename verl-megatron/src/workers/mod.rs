@@ -15,5 +15,5 @@ pub use actor_rollout_ref::{
     ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
 };
 pub use critic::{CriticSettings, MegatronCritic};
-pub use optim::{LrSchedule, ModelOptimizer};
+pub use optim::{LrSchedule, ModelOptimizer, DEFAULT_GRAD_BUCKET_ELEMS};
 pub use reward_model::RewardModelWorker;

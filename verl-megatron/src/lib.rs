@@ -3,7 +3,8 @@
 //! - [`hf`]: the Hugging Face bridge — `config.json` in the transformers 4 or 5 dialect, a
 //!   memory-mapped safetensors reader (single file or shards), the per-architecture tensor table
 //!   shared by load / save / export, saving back in HF layout, the tokenizer and chat template.
-//! - [`layers`]: parallel-aware linear, embedding, RMSNorm and rotary layers (tp = 1 for now).
+//! - [`layers`]: column / row-parallel linear, vocab-parallel embedding, RMSNorm and rotary
+//!   layers.
 //! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3 and Qwen2-MoE with
 //!   LM, value and score heads; KV caches (a growing one and the rollout engine's slot cache);
 //!   random init; weights replaced one tensor at a time by HF name; a plain generation loop.
@@ -14,11 +15,11 @@
 //! - [`checkpoint`]: sharded checkpoints with optimizer state for exact resume, and HF-format
 //!   model checkpoints, behind `CheckpointBackend`.
 //!
-//! - [`parallel`]: the in-process `LocalCommunicator` (ranks as threads) and the process
-//!   groups of a topology.
+//! - [`parallel`]: the in-process `LocalCommunicator` (ranks as threads), the process groups
+//!   of a topology, and the tensor / sequence-parallel region operators (custom autodiff
+//!   operations running the conjugate collective backward).
 //!
-//! Planned here (see the issue tracker): tensor / sequence / pipeline / context / expert
-//! parallel layers over the `Communicator`.
+//! Planned here (see the issue tracker): pipeline, context and expert parallel.
 
 pub mod checkpoint;
 pub mod error;

@@ -1,9 +1,10 @@
 //! Parallelism over the `Communicator` trait: the in-process communicator that simulates ranks
-//! on CPU, the process groups of a topology, and the tensor-parallel region operators whose
-//! backward passes run the conjugate collectives.
+//! on CPU, the process groups of a topology, the tensor-parallel region operators whose
+//! backward passes run the conjugate collectives, and the pipeline schedule.
 
 mod groups;
 mod local;
+pub mod pipeline;
 mod region;
 
 pub use groups::ProcessGroups;

@@ -131,7 +131,11 @@ struct ToyStage {
 }
 
 impl PipelineStage<A> for ToyStage {
-    fn forward(&mut self, mb: usize, input: Option<Tensor<A, 3>>) -> StageOutput<A> {
+    fn forward(
+        &mut self,
+        mb: usize,
+        input: Option<Tensor<A, 3>>,
+    ) -> verl_core::Result<StageOutput<A>> {
         let mut h = match input {
             Some(x) => x,
             None => {
@@ -142,11 +146,11 @@ impl PipelineStage<A> for ToyStage {
         for w in &self.stack.weights {
             h = tanh(h.matmul(w.val().unsqueeze_dim(0)));
         }
-        if self.last {
+        Ok(if self.last {
             StageOutput::Loss(loss_of(h, mb, self.micro_batches))
         } else {
             StageOutput::Activation(h)
-        }
+        })
     }
 
     fn input_shape(&self, _mb: usize) -> [usize; 3] {
@@ -202,7 +206,7 @@ fn check_pipeline(stages: usize, layers: usize, micro_batches: usize) {
     };
     let mut single_losses = Vec::new();
     for mb in 0..micro_batches {
-        let StageOutput::Loss(loss) = single.forward(mb, None) else {
+        let Ok(StageOutput::Loss(loss)) = single.forward(mb, None) else {
             unreachable!()
         };
         single_losses.push(loss.clone().into_scalar());

@@ -140,9 +140,12 @@ pub struct DecoderLayer<B: Backend> {
 /// replicated and their outputs whole.
 #[derive(Module, Debug)]
 pub struct CausalLm<B: Backend> {
-    pub embed_tokens: VocabParallelEmbedding<B>,
+    /// On the first pipeline stage (and, with tied embeddings, a copy on the last one).
+    pub embed_tokens: Option<VocabParallelEmbedding<B>>,
+    /// This pipeline stage's decoder layers (HF layer `stage.layers.start + i`).
     pub layers: Vec<DecoderLayer<B>>,
-    pub norm: RmsNorm<B>,
+    /// On the last pipeline stage.
+    pub norm: Option<RmsNorm<B>>,
     /// `None` when the output projection is tied to the embedding (or a score head replaces it).
     pub lm_head: Option<ColumnParallelLinear<B>>,
     /// The value head (token classification) or reward score head (sequence classification),
@@ -155,6 +158,45 @@ pub struct CausalLm<B: Backend> {
     /// The real vocabulary size; with tp > 1 the vocabulary-split weights are padded to a
     /// multiple of tp and the padded ids' logits masked.
     pub vocab_size: usize,
+    #[module(skip)]
+    pub stage: PipelineStageLayout,
+    /// The LM head is the word embedding (tied weights).
+    pub tie_word_embeddings: bool,
+}
+
+/// Which part of the model a pipeline stage holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineStageLayout {
+    pub stage: usize,
+    pub stages: usize,
+    /// The HF indices of the stage's decoder layers.
+    pub layers: std::ops::Range<usize>,
+}
+
+impl PipelineStageLayout {
+    /// The whole model on one stage.
+    pub fn whole(num_layers: usize) -> Self {
+        Self {
+            stage: 0,
+            stages: 1,
+            layers: 0..num_layers,
+        }
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+}
+
+/// What enters a forward pass: token ids (the first pipeline stage) or the previous stage's
+/// hidden states `[batch, seq, hidden]` (a sequence shard with sequence parallelism).
+pub enum StageInput<B: Backend> {
+    Ids(Tensor<B, 2, Int>),
+    Hidden(Tensor<B, 3>),
 }
 
 /// The logit given to padded vocabulary ids: exp() of it is 0 and, being finite, so is its
@@ -181,7 +223,20 @@ impl<B: ParallelBackend> CausalLm<B> {
         tp: &TpGroup,
     ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
-        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp)
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp, &whole)
+    }
+
+    /// This tensor- and pipeline-parallel rank's part of the checkpoint's model.
+    pub fn from_checkpoint_stage(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+        tp: &TpGroup,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
+        ckpt.verify(cfg)?;
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp, stage)
     }
 
     /// A freshly initialised model (training from scratch): weights drawn from
@@ -201,6 +256,19 @@ impl<B: ParallelBackend> CausalLm<B> {
         device: &B::Device,
         tp: &TpGroup,
     ) -> Result<Self, MegatronError> {
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        Self::init_stage(cfg, std, seed, device, tp, &whole)
+    }
+
+    /// This tensor- and pipeline-parallel rank's part of [`Self::init`]'s model.
+    pub fn init_stage(
+        cfg: &HfModelConfig,
+        std: f64,
+        seed: u64,
+        device: &B::Device,
+        tp: &TpGroup,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
         let shapes = hf_tensor_specs(cfg)
             .into_iter()
             .map(|s| (s.name, s.shape))
@@ -214,6 +282,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 device,
             },
             tp,
+            stage,
         )
     }
 
@@ -240,7 +309,13 @@ impl<B: ParallelBackend> CausalLm<B> {
                 });
             }
         }
-        Self::from_source(cfg, &NamedSource(RefCell::new(tensors)), &TpGroup::none())
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        Self::from_source(
+            cfg,
+            &NamedSource(RefCell::new(tensors)),
+            &TpGroup::none(),
+            &whole,
+        )
     }
 
     /// Builds this tensor-parallel rank's model taking each tensor (or its shard), by HF name,
@@ -250,8 +325,18 @@ impl<B: ParallelBackend> CausalLm<B> {
         cfg: &HfModelConfig,
         source: &S,
         tp: &TpGroup,
+        stage: &PipelineStageLayout,
     ) -> Result<Self, MegatronError> {
         cfg.check_tensor_parallel(tp.size)?;
+        if stage.layers.end > cfg.num_hidden_layers || stage.stage >= stage.stages {
+            return Err(MegatronError::Setting {
+                field: "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size".into(),
+                message: format!(
+                    "stage {} of {} cannot hold layers {:?} of a {}-layer model",
+                    stage.stage, stage.stages, stage.layers, cfg.num_hidden_layers
+                ),
+            });
+        }
         let shapes: HashMap<String, Vec<usize>> = hf_tensor_specs(cfg)
             .into_iter()
             .map(|s| (s.name, s.shape))
@@ -335,8 +420,8 @@ impl<B: ParallelBackend> CausalLm<B> {
                 None => pad,
             })
         };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
+        let mut layers = Vec::with_capacity(stage.layers.len());
+        for l in stage.layers.clone() {
             let p = format!("model.layers.{l}");
             let a = format!("{p}.self_attn");
             let qk_norm = cfg.architecture == Architecture::Qwen3;
@@ -382,6 +467,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             });
         }
         let (lm_head, score) = match cfg.head {
+            _ if !stage.is_last() => (None, None),
             HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
             HeadKind::CausalLm => (
                 Some(ColumnParallelLinear::new(
@@ -393,21 +479,110 @@ impl<B: ParallelBackend> CausalLm<B> {
             HeadKind::TokenClassification { .. } => (None, Some(replicated("score", true)?)),
             HeadKind::SequenceClassification { .. } => (None, Some(replicated("score", false)?)),
         };
+        // The last stage computes tied logits with its own copy of the embedding (its gradient
+        // is summed with the first stage's, as Megatron's embedding group does).
+        let tied_head =
+            stage.is_last() && cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings;
         Ok(Self {
-            embed_tokens: VocabParallelEmbedding::new(vocab_rows("model.embed_tokens.weight")?, tp),
+            embed_tokens: if stage.is_first() || tied_head {
+                Some(VocabParallelEmbedding::new(
+                    vocab_rows("model.embed_tokens.weight")?,
+                    tp,
+                ))
+            } else {
+                None
+            },
             layers,
-            norm: norm("model.norm.weight")?,
+            norm: if stage.is_last() {
+                Some(norm("model.norm.weight")?)
+            } else {
+                None
+            },
             lm_head,
             score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
             tp: tp.clone(),
             vocab_size: cfg.vocab_size,
+            stage: stage.clone(),
+            tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
         })
     }
 
     /// The first vocabulary id of this rank's shard of the logits.
     pub fn vocab_start(&self) -> usize {
-        self.embed_tokens.vocab_start()
+        self.tp.vocab_part(self.vocab_size).0
+    }
+
+    fn embedding(&self) -> &VocabParallelEmbedding<B> {
+        self.embed_tokens
+            .as_ref()
+            .expect("the embedding lives on the first pipeline stage")
+    }
+
+    fn device(&self) -> B::Device {
+        self.devices()
+            .into_iter()
+            .next()
+            .expect("a model has parameters")
+    }
+
+    /// With pipeline stages, the tied word embedding this stage holds (the first stage's input
+    /// embedding or the last stage's output layer), whose gradient the two stages sum.
+    pub fn pipeline_tied_embedding(&self) -> Option<ParamId> {
+        let shared = self.stage.stages > 1 && self.tie_word_embeddings;
+        self.embed_tokens
+            .as_ref()
+            .filter(|_| shared)
+            .map(|e| e.weight.id)
+    }
+
+    /// The shape of the hidden states entering this stage for a micro-batch of `batch` rows of
+    /// `seq` tokens (this rank's sequence shard with sequence parallelism).
+    pub fn stage_input_shape(&self, batch: usize, seq: usize) -> [usize; 3] {
+        let hidden = self.layers[0].input_layernorm.weight.dims()[0];
+        if self.tp.sequence_parallel {
+            [batch, seq.div_ceil(self.tp.size), hidden]
+        } else {
+            [batch, seq, hidden]
+        }
+    }
+
+    /// One pipeline stage's forward: token ids on the first stage, the previous stage's
+    /// hidden states elsewhere. Returns the hidden states for the next stage, or on the last
+    /// stage the outputs of positions `start..start + len` (as [`Self::forward_window`]).
+    /// `input_ids` (for its shape), `attention_mask` and `position_ids` are the micro-batch's
+    /// on every stage.
+    pub fn forward_stage(
+        &self,
+        input: StageInput<B>,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        position_ids: Option<Tensor<B, 2, Int>>,
+        start: usize,
+        len: usize,
+    ) -> Tensor<B, 3> {
+        let [b, t] = input_ids.dims();
+        let device = input_ids.device();
+        let positions = position_ids.unwrap_or_else(|| {
+            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
+                .unsqueeze_dim::<2>(0)
+                .repeat_dim(0, b)
+        });
+        let (input_ids, attention_mask, positions) =
+            self.pad_for_sequence_parallel(input_ids, attention_mask, positions);
+        let padded = input_ids.dims()[1];
+        let (cos, sin) = self.rope.tables(&positions);
+        let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
+        let input = match input {
+            StageInput::Ids(_) => StageInput::Ids(input_ids),
+            hidden => hidden,
+        };
+        let h = self.decoder(input, &bias, &cos, &sin, CacheMode::None);
+        if self.stage.is_last() {
+            self.head(h, Some((start, len)))
+        } else {
+            h
+        }
     }
 
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]` (with a score head:
@@ -446,7 +621,13 @@ impl<B: ParallelBackend> CausalLm<B> {
         let padded = input_ids.dims()[1];
         let (cos, sin) = self.rope.tables(&positions);
         let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
-        let h = self.decoder(input_ids, &bias, &cos, &sin, CacheMode::None);
+        let h = self.decoder(
+            StageInput::Ids(input_ids),
+            &bias,
+            &cos,
+            &sin,
+            CacheMode::None,
+        );
         self.head(h, Some((start, len)))
     }
 
@@ -497,7 +678,13 @@ impl<B: ParallelBackend> CausalLm<B> {
         let past = cache.len;
         let (cos, sin) = self.rope.tables(&position_ids);
         let bias = self.attention_bias(b, t, past, Some(attention_mask), &device);
-        let h = self.decoder(input_ids, &bias, &cos, &sin, CacheMode::Grow(cache));
+        let h = self.decoder(
+            StageInput::Ids(input_ids),
+            &bias,
+            &cos,
+            &sin,
+            CacheMode::Grow(cache),
+        );
         cache.len += t;
         self.head(h, None)
     }
@@ -534,10 +721,11 @@ impl<B: ParallelBackend> CausalLm<B> {
         bias
     }
 
-    /// Embedding, decoder layers and the final norm: hidden states `[batch, seq, hidden]`.
+    /// Embedding (first stage), this stage's decoder layers and the final norm (last stage):
+    /// hidden states `[batch, seq, hidden]`.
     fn decoder(
         &self,
-        input_ids: Tensor<B, 2, Int>,
+        input: StageInput<B>,
         bias: &Tensor<B, 4>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
@@ -547,7 +735,10 @@ impl<B: ParallelBackend> CausalLm<B> {
             !self.tp.sequence_parallel || matches!(mode, CacheMode::None),
             "sequence parallelism is for training passes; generation runs without it"
         );
-        let mut h = self.embed_tokens.forward(input_ids);
+        let mut h = match input {
+            StageInput::Ids(ids) => self.embedding().forward(ids),
+            StageInput::Hidden(h) => h,
+        };
         for (l, layer) in self.layers.iter().enumerate() {
             let attn_cache = match &mut mode {
                 CacheMode::None => AttnCache::None,
@@ -576,7 +767,10 @@ impl<B: ParallelBackend> CausalLm<B> {
                 .forward(layer.post_attention_layernorm.forward(h.clone()));
             h = h + ff;
         }
-        self.norm.forward(h)
+        match &self.norm {
+            Some(norm) => norm.forward(h),
+            None => h,
+        }
     }
 
     /// The output projection of hidden states `[batch, seq, hidden]` (with sequence
@@ -603,7 +797,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             Some(head) => head.forward(h),
             None => {
                 let [b, t, hidden] = h.dims();
-                let w = self.embed_tokens.weight.val();
+                let w = self.embedding().weight.val();
                 let [vocab, _] = w.dims();
                 h.reshape([b * t, hidden])
                     .matmul(w.transpose())
@@ -633,7 +827,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         cache: &mut SlotKvCache<B>,
     ) -> Tensor<B, 2> {
         assert_eq!(prompts.len(), slots.len(), "one slot per prompt");
-        let device = self.embed_tokens.weight.device();
+        let device = self.device();
         let n = prompts.len();
         let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
         assert!(t > 0 && t <= cache.capacity(), "prompt length 1..=capacity");
@@ -653,7 +847,13 @@ impl<B: ParallelBackend> CausalLm<B> {
             .repeat_dim(0, n);
         let (cos, sin) = self.rope.tables(&positions);
         let bias = causal_bias::<B>(t, 0, &device).repeat_dim(0, n);
-        let h = self.decoder(ids, &bias, &cos, &sin, CacheMode::Grow(&mut tmp));
+        let h = self.decoder(
+            StageInput::Ids(ids),
+            &bias,
+            &cos,
+            &sin,
+            CacheMode::Grow(&mut tmp),
+        );
         let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
         for (l, kv) in tmp.layers.into_iter().enumerate() {
             let (k, v) = kv.expect("every layer cached its keys");
@@ -686,7 +886,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             "one token per slot"
         );
         assert!(window <= cache.capacity(), "window within capacity");
-        let device = self.embed_tokens.weight.device();
+        let device = self.device();
         let ids = Tensor::<B, 2, Int>::from_data(
             TensorData::new(tokens.iter().map(|&t| t as i64).collect(), [s, 1]),
             &device,
@@ -709,7 +909,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             positions,
             window,
         };
-        let h = self.decoder(ids, &bias, &cos, &sin, mode);
+        let h = self.decoder(StageInput::Ids(ids), &bias, &cos, &sin, mode);
         let logits = self.head(h, None);
         let vocab = logits.dims()[2];
         logits.reshape([s, vocab])
@@ -861,10 +1061,11 @@ impl<B: Backend> CausalLm<B> {
     /// This rank's shard of every weight under its Hugging Face name (the whole weights at
     /// tp = 1): what a sharded checkpoint stores per rank.
     pub fn export_shards(&self) -> Vec<NamedTensor<B>> {
-        let mut out = vec![NamedTensor::new(
-            "model.embed_tokens.weight",
-            self.embed_tokens.weight.val(),
-        )];
+        let mut out: Vec<NamedTensor<B>> = self
+            .embed_tokens
+            .iter()
+            .map(|e| NamedTensor::new("model.embed_tokens.weight", e.weight.val()))
+            .collect();
         let lin = |out: &mut Vec<NamedTensor<B>>,
                    name: String,
                    w: Tensor<B, 2>,
@@ -888,7 +1089,7 @@ impl<B: Backend> CausalLm<B> {
                 m.down_proj.weight.val(),
             ));
         };
-        for (l, layer) in self.layers.iter().enumerate() {
+        for (l, layer) in self.stage.layers.clone().zip(&self.layers) {
             let p = format!("model.layers.{l}");
             out.push(NamedTensor::new(
                 format!("{p}.input_layernorm.weight"),
@@ -945,10 +1146,9 @@ impl<B: Backend> CausalLm<B> {
                 }
             }
         }
-        out.push(NamedTensor::new(
-            "model.norm.weight",
-            self.norm.weight.val(),
-        ));
+        if let Some(norm) = &self.norm {
+            out.push(NamedTensor::new("model.norm.weight", norm.weight.val()));
+        }
         if let Some(head) = &self.lm_head {
             out.push(NamedTensor::new("lm_head.weight", head.weight.val()));
         }
@@ -1089,8 +1289,10 @@ impl<B: Backend> CausalLm<B> {
     fn param_mut(&mut self, name: &str) -> Option<ParamMut<'_, B>> {
         use ParamMut::{Matrix, Vector};
         match name {
-            "model.embed_tokens.weight" => return Some(Matrix(&mut self.embed_tokens.weight)),
-            "model.norm.weight" => return Some(Vector(&mut self.norm.weight)),
+            "model.embed_tokens.weight" => {
+                return self.embed_tokens.as_mut().map(|e| Matrix(&mut e.weight))
+            }
+            "model.norm.weight" => return self.norm.as_mut().map(|n| Vector(&mut n.weight)),
             "lm_head.weight" => return self.lm_head.as_mut().map(|h| Matrix(&mut h.weight)),
             "score.weight" => return self.score.as_mut().map(|h| Matrix(&mut h.weight)),
             "score.bias" => {
@@ -1104,7 +1306,11 @@ impl<B: Backend> CausalLm<B> {
         }
         let rest = name.strip_prefix("model.layers.")?;
         let (index, rest) = rest.split_once('.')?;
-        let layer = self.layers.get_mut(index.parse::<usize>().ok()?)?;
+        let index = index
+            .parse::<usize>()
+            .ok()?
+            .checked_sub(self.stage.layers.start)?;
+        let layer = self.layers.get_mut(index)?;
         if let Some(attn) = rest.strip_prefix("self_attn.") {
             let a = &mut layer.self_attn;
             let (module, kind) = attn.split_once('.')?;

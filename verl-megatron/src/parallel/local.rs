@@ -13,7 +13,13 @@ use verl_core::error::CommError;
 use verl_core::traits::{Communicator, ReduceOp};
 
 /// A rank waiting longer than this for its peers reports them gone rather than hanging.
-const PEER_TIMEOUT: Duration = Duration::from_secs(600);
+/// `VERL_COMM_TIMEOUT_S` overrides it (tests that might deadlock fail fast with it).
+fn peer_timeout() -> Duration {
+    std::env::var("VERL_COMM_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(Duration::from_secs(600), Duration::from_secs)
+}
 
 type Payload = Arc<Vec<Vec<f32>>>;
 
@@ -109,9 +115,10 @@ impl LocalCommunicator {
                     "rank {r} left before collective #{seq}"
                 )));
             }
-            if start.elapsed() > PEER_TIMEOUT {
+            if start.elapsed() > peer_timeout() {
                 return Err(CommError::PeerGone(format!(
-                    "collective #{seq}: waited {PEER_TIMEOUT:?} for the other ranks (do all ranks make the same calls?)"
+                    "collective #{seq}: waited {:?} for the other ranks (do all ranks make the same calls?)",
+                    peer_timeout()
                 )));
             }
             st = self
@@ -286,9 +293,10 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
                     "rank {src} left without sending"
                 )));
             }
-            if start.elapsed() > PEER_TIMEOUT {
+            if start.elapsed() > peer_timeout() {
                 return Err(CommError::PeerGone(format!(
-                    "waited {PEER_TIMEOUT:?} for rank {src} to send"
+                    "waited {:?} for rank {src} to send",
+                    peer_timeout()
                 )));
             }
             st = self

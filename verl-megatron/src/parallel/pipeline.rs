@@ -12,6 +12,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use verl_core::error::CommError;
 use verl_core::traits::Communicator;
+use verl_core::Result;
 
 use crate::error::MegatronError;
 
@@ -133,7 +134,11 @@ pub enum StageOutput<B: AutodiffBackend> {
 pub trait PipelineStage<B: AutodiffBackend> {
     /// The forward of micro-batch `micro_batch`; `input` is the previous stage's activation
     /// (a leaf to take gradients for), `None` on the first stage.
-    fn forward(&mut self, micro_batch: usize, input: Option<Tensor<B, 3>>) -> StageOutput<B>;
+    fn forward(
+        &mut self,
+        micro_batch: usize,
+        input: Option<Tensor<B, 3>>,
+    ) -> Result<StageOutput<B>>;
 
     /// The shape of the activation entering this stage for `micro_batch` (what `recv` waits
     /// for; every stage knows the micro-batch's rows and length).
@@ -141,6 +146,17 @@ pub trait PipelineStage<B: AutodiffBackend> {
 
     /// The gradients of one micro-batch's backward, to accumulate.
     fn accumulate(&mut self, grads: B::Gradients);
+
+    /// Called once this stage holds everything a micro-batch's backward needs, just before
+    /// it: a stage whose backward runs collectives (tensor parallel) synchronises its group
+    /// here. Why: burn's autodiff holds a graph's lock through its backward and, at the end of
+    /// every backward, briefly locks every graph of the process; a rank blocked in a collective
+    /// inside its backward must therefore never wait for a peer that still waits on another
+    /// stage (the pipeline's gradient), or that stage's clean-up and this rank wait on each
+    /// other forever.
+    fn before_backward(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Runs `micro_batches` through this rank's `stage` of the pipeline group `comm` (stage index
@@ -152,7 +168,7 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
     comm: &dyn Communicator<B::InnerBackend>,
     micro_batches: usize,
     device: &burn::tensor::Device<B::InnerBackend>,
-) -> Result<Vec<f64>, CommError> {
+) -> Result<Vec<f64>> {
     let (me, stages) = (comm.rank(), comm.world_size());
     let (first, last) = (me == 0, me + 1 == stages);
     // Per micro-batch in flight: the input leaf (to send its gradient back) and the output.
@@ -172,7 +188,7 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                     inputs.insert(mb, leaf.clone());
                     Some(leaf)
                 };
-                let out = stage.forward(mb, input);
+                let out = stage.forward(mb, input)?;
                 match &out {
                     StageOutput::Activation(a) if !last => {
                         comm.send(a.clone().inner().flatten(0, 2), me + 1)?;
@@ -184,7 +200,8 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                         return Err(CommError::Shape(format!(
                             "stage {me} of {stages} returned the wrong kind of output for \
                              micro-batch {mb}"
-                        )))
+                        ))
+                        .into())
                     }
                 }
                 outputs.insert(mb, out);
@@ -192,12 +209,16 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
             PipelineOp::Backward(mb) => {
                 let out = outputs.remove(&mb).expect("forward ran before backward");
                 let grads = match out {
-                    StageOutput::Loss(loss) => loss.backward(),
+                    StageOutput::Loss(loss) => {
+                        stage.before_backward()?;
+                        loss.backward()
+                    }
                     StageOutput::Activation(a) => {
                         // The next stage's gradient of our output seeds our backward.
                         let shape = a.dims();
                         let n = shape.iter().product();
                         let g = comm.recv(me + 1, n, device)?.reshape(shape);
+                        stage.before_backward()?;
                         (a * Tensor::from_inner(g)).sum().backward()
                     }
                 };

@@ -21,8 +21,9 @@ use verl_core::traits::{
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
-use super::optim::ModelOptimizer;
+use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
+use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// The actor's update settings, resolved from `actor_rollout_ref.actor` (row counts per rank).
@@ -58,6 +59,8 @@ pub struct MegatronActor<B: ParallelAutodiffBackend> {
     sft_optim: Option<ModelOptimizer<B, CausalLm<B>>>,
     /// The data-parallel group: batch-wide counts and gradients are summed over it.
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
+    /// The pipeline group, when the model is one stage of several.
+    pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
 fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
@@ -83,6 +86,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             updates: 0,
             sft_optim: None,
             dp: None,
+            pp: None,
         }
     }
 
@@ -99,6 +103,24 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             .sft_optim
             .map(|o| o.with_data_parallel(comm.clone(), bucket_elems));
         self.dp = Some(comm);
+        self
+    }
+
+    /// Trains one pipeline stage (the model built for its stage) with the pipeline group
+    /// `comm`: each mini-batch runs through the stages in the 1F1B schedule, the gradient norm
+    /// adds up over the stages and a tied embedding's gradient is summed between the first and
+    /// the last stage. Losses and metrics come from the last stage.
+    pub fn with_pipeline_parallel(mut self, comm: Arc<dyn Communicator<B::InnerBackend>>) -> Self {
+        let tied_embedding = self.model().pipeline_tied_embedding();
+        let pp = || PipelineParallelGrads {
+            comm: comm.clone(),
+            tied_embedding,
+        };
+        self.optim = self.optim.with_pipeline_parallel(pp());
+        if let Some(sft) = self.sft_optim.take() {
+            self.sft_optim = Some(sft.with_pipeline_parallel(pp()));
+        }
+        self.pp = Some(comm);
         self
     }
 
@@ -132,6 +154,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
     /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        if self.pp.is_some() {
+            return Err(verl_core::Error::backend(
+                "actor",
+                "the supervised warm-up does not run on pipeline stages yet; use \
+                 trainer.sft_warmup_steps=0 with pipeline_model_parallel_size > 1",
+            ));
+        }
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
         let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
@@ -187,7 +216,36 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             let micro = data.slice(range.start, range.end)?;
             let inputs = ModelInputs::from_batch(&micro)?;
             let labels = micro.int::<2>("responses")?;
-            let logits = inputs.response_outputs(&model) / temperature;
+            let logits = match &self.pp {
+                None => inputs.response_outputs(&model),
+                // Forward only through the stages: hidden states in from the previous stage,
+                // out to the next; the last stage has the logits.
+                Some(pp) => {
+                    let (me, stages) = (pp.rank(), pp.world_size());
+                    let [b, t] = inputs.input_ids.dims();
+                    let input = if me == 0 {
+                        None
+                    } else {
+                        let shape = model.stage_input_shape(b, t);
+                        let n = shape.iter().product();
+                        let device = inputs.input_ids.device();
+                        Some(pp.recv(me - 1, n, &device)?.reshape(shape))
+                    };
+                    let out = inputs.stage_outputs(&model, input);
+                    if me + 1 < stages {
+                        pp.send(out.flatten(0, 2), me + 1)?;
+                        // Not collected (MegatronCompute reads the last stage): zeros of the
+                        // right shape keep the output well-formed.
+                        let zeros = Tensor::zeros([b, inputs.response_len], &labels.device());
+                        lps.push(zeros.clone());
+                        if calculate_entropy {
+                            ents.push(zeros);
+                        }
+                        continue;
+                    }
+                    out
+                }
+            } / temperature;
             let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
             lps.push(lp);
             ents.extend(ent);
@@ -198,12 +256,69 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         })
     }
 
+    /// The loss of one micro-batch from the model's response-window logits: the policy loss,
+    /// minus the entropy bonus, plus the KL loss, each aggregated with the mini-batch's global
+    /// normalisers. Pushes the micro-batch's metrics; returns the loss and the policy loss.
+    fn micro_batch_loss(
+        &self,
+        micro: &DataProto<B::InnerBackend>,
+        logits: Tensor<B, 3>,
+        scale: AggScale,
+        metrics: &mut Metrics,
+    ) -> Result<(Tensor<B, 1>, f64)> {
+        let s = &self.settings;
+        let loss_fn = self.losses.get(&s.policy_loss)?;
+        let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
+        let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
+        let old = Tensor::<B, 2>::from_inner(float_col(micro, "old_log_probs")?);
+        let adv = Tensor::<B, 2>::from_inner(float_col(micro, "advantages")?);
+        let (log_prob, entropy) = self.log_probs_of(self.model(), logits, labels, true);
+        let entropy = entropy.expect("asked for");
+        let input = PolicyLossInput {
+            old_log_prob: old,
+            log_prob: log_prob.clone(),
+            advantages: adv,
+            response_mask: mask.clone(),
+            loss_agg_mode: s.loss_agg_mode,
+            agg_scale: scale,
+            params: s.loss_params,
+        };
+        let out = loss_fn(&input)?;
+        let mut loss = out.loss.clone();
+        let pg = out.loss.into_scalar().elem::<f64>();
+        metrics.push("actor/pg_clipfrac", out.pg_clipfrac);
+        metrics.push("actor/ppo_kl", out.ppo_kl);
+        metrics.push("actor/pg_clipfrac_lower", out.pg_clipfrac_lower);
+        metrics.push(
+            "actor/entropy",
+            masked_mean(entropy.clone().inner(), mask.clone().inner())
+                .into_scalar()
+                .elem::<f64>(),
+        );
+        if s.entropy_coeff != 0.0 {
+            let ent = agg_loss(entropy, mask.clone(), s.loss_agg_mode, scale);
+            loss = loss - ent * s.entropy_coeff;
+        }
+        if s.use_kl_loss {
+            let reference = Tensor::<B, 2>::from_inner(float_col(micro, "ref_log_prob")?);
+            let kld = kl_penalty(log_prob, reference, s.kl_loss_type);
+            metrics.push(
+                "actor/kl_loss",
+                masked_mean(kld.clone().inner(), mask.clone().inner())
+                    .into_scalar()
+                    .elem::<f64>(),
+            );
+            let kl = agg_loss(kld, mask, s.loss_agg_mode, scale);
+            loss = loss + kl * s.kl_loss_coef;
+        }
+        Ok((loss, pg))
+    }
+
     fn update(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let s = self.settings.clone();
         let rows = data.len();
         let temperature = temperature_of(data, s.temperature);
         let mut metrics = Metrics::default();
-        let loss_fn = self.losses.get(&s.policy_loss)?;
         for epoch in 0..s.ppo_epochs {
             let mut order: Vec<usize> = (0..rows).collect();
             if s.shuffle {
@@ -224,72 +339,113 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     global_sequences: Some(counts[1]),
                     ..Default::default()
                 };
-                let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
-                let mut pg_total = 0.0;
-                for range in micro_batches(mini.len(), s.micro_batch_rows) {
-                    let micro = mini.slice(range.start, range.end)?;
-                    let inputs = ModelInputs::from_batch(&micro)?
-                        .map(Tensor::from_inner, Tensor::from_inner);
-                    let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
-                    let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
-                    let old = Tensor::<B, 2>::from_inner(float_col(&micro, "old_log_probs")?);
-                    let adv = Tensor::<B, 2>::from_inner(float_col(&micro, "advantages")?);
-                    let logits = inputs.response_outputs(self.model()) / temperature;
-                    let (log_prob, entropy) = self.log_probs_of(self.model(), logits, labels, true);
-                    let entropy = entropy.expect("asked for");
-                    let input = PolicyLossInput {
-                        old_log_prob: old,
-                        log_prob: log_prob.clone(),
-                        advantages: adv,
-                        response_mask: mask.clone(),
-                        loss_agg_mode: s.loss_agg_mode,
-                        agg_scale: scale,
-                        params: s.loss_params,
-                    };
-                    let out = loss_fn(&input)?;
-                    let mut loss = out.loss.clone();
-                    pg_total += out.loss.into_scalar().elem::<f64>();
-                    metrics.push("actor/pg_clipfrac", out.pg_clipfrac);
-                    metrics.push("actor/ppo_kl", out.ppo_kl);
-                    metrics.push("actor/pg_clipfrac_lower", out.pg_clipfrac_lower);
-                    metrics.push(
-                        "actor/entropy",
-                        masked_mean(entropy.clone().inner(), mask.clone().inner())
-                            .into_scalar()
-                            .elem::<f64>(),
-                    );
-                    if s.entropy_coeff != 0.0 {
-                        let ent = agg_loss(entropy, mask.clone(), s.loss_agg_mode, scale);
-                        loss = loss - ent * s.entropy_coeff;
+                let micros = micro_batches(mini.len(), s.micro_batch_rows)
+                    .into_iter()
+                    .map(|r| mini.slice(r.start, r.end))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let (grads, pg_total) = match self.pp.clone() {
+                    None => {
+                        let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
+                        let mut pg_total = 0.0;
+                        for micro in &micros {
+                            let inputs = ModelInputs::from_batch(micro)?
+                                .map(Tensor::from_inner, Tensor::from_inner);
+                            let logits = inputs.response_outputs(self.model()) / temperature;
+                            let (loss, pg) =
+                                self.micro_batch_loss(micro, logits, scale, &mut metrics)?;
+                            pg_total += pg;
+                            let grads = GradientsParams::from_grads(loss.backward(), self.model());
+                            acc.accumulate(self.model(), grads);
+                        }
+                        (acc.grads(), pg_total)
                     }
-                    if s.use_kl_loss {
-                        let reference =
-                            Tensor::<B, 2>::from_inner(float_col(&micro, "ref_log_prob")?);
-                        let kld = kl_penalty(log_prob, reference, s.kl_loss_type);
-                        metrics.push(
-                            "actor/kl_loss",
-                            masked_mean(kld.clone().inner(), mask.clone().inner())
-                                .into_scalar()
-                                .elem::<f64>(),
-                        );
-                        let kl = agg_loss(kld, mask, s.loss_agg_mode, scale);
-                        loss = loss + kl * s.kl_loss_coef;
+                    Some(pp) => {
+                        let mut stage = ActorStage {
+                            actor: self,
+                            micros: &micros,
+                            temperature,
+                            scale,
+                            metrics: Metrics::default(),
+                            pg_total: 0.0,
+                            acc: GradientsAccumulator::new(),
+                        };
+                        let device = micros[0].int::<2>("input_ids")?.device();
+                        run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
+                        let (grads, pg) = (stage.acc.grads(), stage.pg_total);
+                        metrics.extend(stage.metrics);
+                        (grads, pg)
                     }
-                    let grads = GradientsParams::from_grads(loss.backward(), self.model());
-                    acc.accumulate(self.model(), grads);
-                }
+                };
                 let model = self.model.take().expect("model present");
-                let (model, report) = self.optim.step(model, acc.grads());
+                let (model, report) = self.optim.step(model, grads);
                 self.model = Some(model);
                 let report = report?;
-                // Each rank's loss is its share of the mini-batch loss.
-                metrics.push("actor/pg_loss", self.dp_sum(&[pg_total])?[0]);
-                metrics.push("actor/grad_norm", report.grad_norm);
-                metrics.push("actor/lr", report.lr);
+                if self.is_last_stage() {
+                    // Each rank's loss is its share of the mini-batch loss.
+                    metrics.push("actor/pg_loss", self.dp_sum(&[pg_total])?[0]);
+                    metrics.push("actor/grad_norm", report.grad_norm);
+                    metrics.push("actor/lr", report.lr);
+                }
             }
         }
         self.updates += 1;
         Ok(metrics)
+    }
+
+    /// Whether this rank computes the losses (the last pipeline stage; always without one).
+    fn is_last_stage(&self) -> bool {
+        self.model().stage.is_last()
+    }
+}
+
+/// The actor's model as one stage of the 1F1B schedule over a mini-batch's micro-batches.
+struct ActorStage<'a, B: ParallelAutodiffBackend> {
+    actor: &'a MegatronActor<B>,
+    micros: &'a [DataProto<B::InnerBackend>],
+    temperature: f64,
+    scale: AggScale,
+    metrics: Metrics,
+    pg_total: f64,
+    acc: GradientsAccumulator<CausalLm<B>>,
+}
+
+impl<B: ParallelAutodiffBackend> PipelineStage<B> for ActorStage<'_, B> {
+    fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
+        let micro = &self.micros[mb];
+        let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
+        let model = self.actor.model();
+        let out = inputs.stage_outputs(model, input);
+        if !model.stage.is_last() {
+            return Ok(StageOutput::Activation(out));
+        }
+        let (loss, pg) = self.actor.micro_batch_loss(
+            micro,
+            out / self.temperature,
+            self.scale,
+            &mut self.metrics,
+        )?;
+        self.pg_total += pg;
+        Ok(StageOutput::Loss(loss.reshape([1])))
+    }
+
+    fn input_shape(&self, mb: usize) -> [usize; 3] {
+        let dims = self.micros[mb]
+            .int::<2>("input_ids")
+            .map(|t| t.dims())
+            .unwrap_or([0, 0]);
+        self.actor.model().stage_input_shape(dims[0], dims[1])
+    }
+
+    fn before_backward(&mut self) -> Result<()> {
+        match self.actor.model().tp.comm::<B::InnerBackend>() {
+            Some(tp) if tp.world_size() > 1 => Ok(tp.barrier()?),
+            _ => Ok(()),
+        }
+    }
+
+    fn accumulate(&mut self, grads: B::Gradients) {
+        let grads = GradientsParams::from_grads(grads, self.actor.model());
+        self.acc.accumulate(self.actor.model(), grads);
     }
 }
 

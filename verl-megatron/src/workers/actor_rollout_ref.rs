@@ -260,10 +260,10 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
 
     fn actor_device(&self) -> burn::tensor::Device<B::InnerBackend> {
         burn::module::AutodiffModule::valid(self.actor.model())
-            .embed_tokens
-            .weight
-            .val()
-            .device()
+            .devices()
+            .into_iter()
+            .next()
+            .expect("a model has parameters")
     }
 
     /// A supervised step on the responses (warm-up); metrics in `meta_info`.

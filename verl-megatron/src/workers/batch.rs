@@ -5,6 +5,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use verl_core::DataProto;
 
+use crate::models::causal_lm::StageInput;
 use crate::models::CausalLm;
 use crate::parallel::ParallelBackend;
 
@@ -74,6 +75,27 @@ impl<B: ParallelBackend> ModelInputs<B> {
         let t = self.input_ids.dims()[1];
         let r = self.response_len;
         model.forward_window(
+            self.input_ids.clone(),
+            Some(self.attention_mask.clone()),
+            Some(self.position_ids.clone()),
+            t - r - 1,
+            r,
+        )
+    }
+}
+
+impl<B: ParallelBackend> ModelInputs<B> {
+    /// [`Self::response_outputs`] for one pipeline stage: hidden states for the next stage,
+    /// or on the last stage the response-window outputs.
+    pub fn stage_outputs(&self, model: &CausalLm<B>, input: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
+        let t = self.input_ids.dims()[1];
+        let r = self.response_len;
+        let input = match input {
+            Some(h) => StageInput::Hidden(h),
+            None => StageInput::Ids(self.input_ids.clone()),
+        };
+        model.forward_stage(
+            input,
             self.input_ids.clone(),
             Some(self.attention_mask.clone()),
             Some(self.position_ids.clone()),

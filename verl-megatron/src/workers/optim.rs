@@ -104,12 +104,17 @@ impl LrSchedule {
 struct SquaredNorm<'a> {
     grads: &'a GradientsParams,
     sharded: Option<&'a HashSet<ParamId>>,
+    /// A parameter another stage counts (the last stage's copy of a tied embedding).
+    exclude: Option<ParamId>,
     total: f64,
     sharded_total: f64,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.exclude == Some(param.id) {
+            return;
+        }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let sq = g.powi_scalar(2).sum().into_scalar().elem::<f64>();
             match self.sharded {
@@ -250,6 +255,7 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut v = SquaredNorm {
         grads,
         sharded: None,
+        exclude: None,
         total: 0.0,
         sharded_total: 0.0,
     };
@@ -257,29 +263,81 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     v.total.sqrt()
 }
 
-/// The global L2 norm of a tensor-parallel model's gradients: the shards' squares summed over
-/// the group, the replicated parameters' counted once (as Megatron counts only non-duplicated
-/// parameters). The same on every rank of the group.
-pub fn tp_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+/// The global L2 norm of a model-parallel model's gradients: tensor-parallel shards' squares
+/// summed over the tp group and replicated parameters counted once, then the pipeline stages'
+/// sums added over the pp group (a tied embedding counted on the first stage only), as Megatron
+/// counts each parameter once. The same on every rank of the model-parallel group.
+pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
-    tp: &TensorParallelGrads<B::InnerBackend>,
+    tp: Option<&TensorParallelGrads<B::InnerBackend>>,
+    pp: Option<&PipelineParallelGrads<B::InnerBackend>>,
 ) -> Result<f64, MegatronError> {
+    let exclude = pp.and_then(|p| (p.comm.rank() != 0).then_some(p.tied_embedding).flatten());
     let mut v = SquaredNorm {
         grads,
-        sharded: Some(&tp.sharded),
+        sharded: tp.map(|t| &t.sharded),
+        exclude,
         total: 0.0,
         sharded_total: 0.0,
     };
     model.visit(&mut v);
-    let sharded =
-        Tensor::<B::InnerBackend, 1>::from_floats([v.sharded_total as f32], &Default::default());
-    let sharded = tp
-        .comm
-        .all_reduce(sharded, ReduceOp::Sum)?
-        .into_scalar()
-        .elem::<f64>();
-    Ok((sharded + v.total).sqrt())
+    let sum = |comm: &GroupHandle<B::InnerBackend>, x: f64| -> Result<f64, MegatronError> {
+        let t = Tensor::<B::InnerBackend, 1>::from_floats([x as f32], &Default::default());
+        Ok(comm
+            .all_reduce(t, ReduceOp::Sum)?
+            .into_scalar()
+            .elem::<f64>())
+    };
+    let mut stage = v.total;
+    stage += match tp {
+        Some(tp) => sum(&tp.comm, v.sharded_total)?,
+        None => v.sharded_total,
+    };
+    let total = match pp {
+        Some(pp) => sum(&pp.comm, stage)?,
+        None => stage,
+    };
+    Ok(total.sqrt())
+}
+
+/// Sums the tied embedding's gradient between the first and the last pipeline stage (both hold
+/// the weight: the input embedding and the output layer).
+fn sum_tied_embedding<B: AutodiffBackend>(
+    grads: &mut GradientsParams,
+    pp: &PipelineParallelGrads<B::InnerBackend>,
+) -> Result<(), MegatronError> {
+    let (rank, stages) = (pp.comm.rank(), pp.comm.world_size());
+    let Some(id) = pp.tied_embedding else {
+        return Ok(());
+    };
+    if stages < 2 || (rank != 0 && rank + 1 != stages) {
+        return Ok(());
+    }
+    let Some(g) = grads.remove::<B::InnerBackend, 2>(id) else {
+        return Ok(());
+    };
+    let dims = g.dims();
+    let n = dims[0] * dims[1];
+    let peer = if rank == 0 { stages - 1 } else { 0 };
+    let mine = g.clone().reshape([n]);
+    // First sends then receives, last the reverse: a pairing blocking transports accept.
+    let theirs = if rank == 0 {
+        pp.comm.send(mine, peer)?;
+        pp.comm.recv(peer, n, &g.device())?
+    } else {
+        let t = pp.comm.recv(peer, n, &g.device())?;
+        pp.comm.send(mine, peer)?;
+        t
+    };
+    // The same order of addition on both stages, so both apply the same update.
+    let total = if rank == 0 {
+        g + theirs.reshape(dims)
+    } else {
+        theirs.reshape(dims) + g
+    };
+    grads.register(id, total);
+    Ok(())
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (Megatron's `clip_grad`);
@@ -404,6 +462,13 @@ impl DistributedOptimizer {
     }
 }
 
+/// A pipeline stage's group, for the optimizer: the gradient norm adds up over it, and the tied
+/// embedding (held by the first and the last stage) gets the sum of both stages' gradients.
+pub struct PipelineParallelGrads<I: Backend> {
+    pub comm: GroupHandle<I>,
+    pub tied_embedding: Option<ParamId>,
+}
+
 /// How a tensor-parallel model holds its parameters, for the optimizer: which are shards
 /// (their squares are summed over the group in the gradient norm) and which are replicated
 /// but get only this rank's part of their gradient (layer norms under sequence parallelism,
@@ -425,6 +490,7 @@ pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     /// size in elements.
     data_parallel: Option<(GroupHandle<B::InnerBackend>, usize)>,
     tensor_parallel: Option<TensorParallelGrads<B::InnerBackend>>,
+    pipeline_parallel: Option<PipelineParallelGrads<B::InnerBackend>>,
     /// `use_distributed_optimizer`: set once the parameters are known (first step).
     distributed: Option<Option<DistributedOptimizer>>,
 }
@@ -465,6 +531,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             step: 0,
             data_parallel: None,
             tensor_parallel: None,
+            pipeline_parallel: None,
             distributed: None,
         })
     }
@@ -583,15 +650,26 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         if let Some(tp) = &self.tensor_parallel {
             all_reduce_grads(model, grads, tp.comm.as_ref(), bucket, Some(&tp.partial))?;
         }
+        if let Some(pp) = &self.pipeline_parallel {
+            sum_tied_embedding::<B>(grads, pp)?;
+        }
         if let Some((comm, bucket)) = &self.data_parallel {
             if comm.world_size() > 1 {
                 all_reduce_grads(model, grads, comm.as_ref(), *bucket, None)?;
             }
         }
-        match &self.tensor_parallel {
-            Some(tp) => tp_grad_norm(model, grads, tp),
-            None => Ok(grad_norm(model, grads)),
-        }
+        model_parallel_grad_norm(
+            model,
+            grads,
+            self.tensor_parallel.as_ref(),
+            self.pipeline_parallel.as_ref(),
+        )
+    }
+
+    /// Steps one pipeline stage: see [`PipelineParallelGrads`].
+    pub fn with_pipeline_parallel(mut self, pp: PipelineParallelGrads<B::InnerBackend>) -> Self {
+        self.pipeline_parallel = (pp.comm.world_size() > 1).then_some(pp);
+        self
     }
 
     /// Sums `grads` over the tensor- and data-parallel groups (if any), clips them, then

@@ -1,8 +1,13 @@
-//! Tensor (+ sequence) parallel on simulated ranks: one PPO update of the actor and of the
-//! critic on tp ∈ {2, 4}, with and without sequence parallelism, alone and combined with data
-//! parallelism, gives the single rank's losses, gradient norms and updated (gathered) weights —
-//! for a dense Qwen2 model with tied embeddings, a Qwen3 model (per-head q/k norms, untied LM
-//! head) and a Qwen2-MoE model (replicated router, split experts).
+//! Model parallelism on simulated ranks, against the single rank.
+//!
+//! Tensor (+ sequence) parallel: one PPO update of the actor and of the critic on tp ∈ {2, 4},
+//! with and without sequence parallelism, alone and combined with data parallelism, gives the
+//! single rank's losses, gradient norms and updated (gathered) weights — for a dense Qwen2 model
+//! with tied embeddings, a Qwen3 model (per-head q/k norms, untied LM head) and a Qwen2-MoE
+//! model (replicated router, split experts).
+//!
+//! Pipeline parallel: the actor's update on pp ∈ {2, 4} stages (1F1B over the micro-batches),
+//! with tp, sequence and data parallelism, tied and untied embeddings, likewise.
 
 use std::sync::Arc;
 
@@ -17,11 +22,26 @@ use verl_core::topology::{ParallelConfig, Topology};
 use verl_core::traits::{Actor, Communicator, Critic};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::hf::{Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims};
+use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
+use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{LocalCommunicator, ProcessGroups, TpGroup};
 use verl_megatron::workers::{
     ActorSettings, CriticSettings, MegatronActor, MegatronCritic, ModelOptimizer,
 };
+
+/// burn's autodiff briefly locks every graph of the process at the end of each backward, and a
+/// rank blocked in a tensor-parallel collective inside its backward holds its graph's lock: two
+/// independent groups training at once in one process can wait on each other (see
+/// `PipelineStage::before_backward`). The test harness runs tests on parallel threads, so the
+/// layouts here run one at a time.
+static ONE_LAYOUT_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    ONE_LAYOUT_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 const ROWS: usize = 8;
 const PROMPT: usize = 3;
@@ -128,6 +148,25 @@ fn batch() -> DataProto<CpuBackend> {
 
 /// As in the data-parallel test: a larger Adam `eps` keeps the update linear in gradients
 /// that nearly cancel, so the weights compare the parallel sums rather than rounding signs.
+fn actor_settings(rows: usize) -> ActorSettings {
+    ActorSettings {
+        mini_batch_rows: rows,
+        micro_batch_rows: 2,
+        log_prob_micro_batch_rows: 2,
+        ppo_epochs: 2,
+        shuffle: false,
+        seed: 0,
+        policy_loss: "vanilla".into(),
+        loss_params: Default::default(),
+        loss_agg_mode: LossAggMode::TokenMean,
+        entropy_coeff: 0.01,
+        use_kl_loss: false,
+        kl_loss_coef: 0.0,
+        kl_loss_type: "low_var_kl".parse().unwrap(),
+        temperature: 1.0,
+    }
+}
+
 fn optim() -> OptimConfig {
     OptimConfig {
         lr: 1e-2,
@@ -157,22 +196,7 @@ fn update(
     dp: Option<Arc<dyn Communicator<CpuBackend>>>,
 ) -> Outcome {
     let device = Default::default();
-    let settings = ActorSettings {
-        mini_batch_rows: rows,
-        micro_batch_rows: 2,
-        log_prob_micro_batch_rows: 2,
-        ppo_epochs: 2,
-        shuffle: false,
-        seed: 0,
-        policy_loss: "vanilla".into(),
-        loss_params: Default::default(),
-        loss_agg_mode: LossAggMode::TokenMean,
-        entropy_coeff: 0.01,
-        use_kl_loss: false,
-        kl_loss_coef: 0.0,
-        kl_loss_type: "low_var_kl".parse().unwrap(),
-        temperature: 1.0,
-    };
+    let settings = actor_settings(rows);
     let cfg = model_cfg(flavour);
     let model = CausalLm::<CpuAutodiff>::init_sharded(&cfg, 0.2, 7, &device, &tp).unwrap();
     let mut actor = MegatronActor::new(model, ModelOptimizer::new(&optim(), 10).unwrap(), settings);
@@ -324,6 +348,7 @@ fn check_layout(flavour: Flavour, tp: usize, dp: usize, sequence_parallel: bool)
 
 #[test]
 fn tensor_parallel_updates_equal_the_single_rank() {
+    let _serial = serial();
     for tp in [2, 4] {
         check_layout(Flavour::Qwen2Tied, tp, 1, false);
     }
@@ -331,6 +356,7 @@ fn tensor_parallel_updates_equal_the_single_rank() {
 
 #[test]
 fn sequence_parallel_updates_equal_the_single_rank() {
+    let _serial = serial();
     for tp in [2, 4] {
         check_layout(Flavour::Qwen2Tied, tp, 1, true);
     }
@@ -338,18 +364,21 @@ fn sequence_parallel_updates_equal_the_single_rank() {
 
 #[test]
 fn tensor_and_data_parallel_together_equal_the_single_rank() {
+    let _serial = serial();
     check_layout(Flavour::Qwen2Tied, 2, 2, false);
     check_layout(Flavour::Qwen2Tied, 2, 2, true);
 }
 
 #[test]
 fn qwen3_norms_and_an_untied_head_split_exactly() {
+    let _serial = serial();
     check_layout(Flavour::Qwen3Untied, 2, 1, false);
     check_layout(Flavour::Qwen3Untied, 4, 1, true);
 }
 
 #[test]
 fn an_odd_vocabulary_is_padded_and_masked_exactly() {
+    let _serial = serial();
     // 23 ids: tp = 2 pads to 24 (12 per rank), tp = 4 to 24 (the last rank 5 real, 1 pad).
     check_layout(Flavour::OddVocabulary, 2, 1, false);
     check_layout(Flavour::OddVocabulary, 4, 1, true);
@@ -357,6 +386,7 @@ fn an_odd_vocabulary_is_padded_and_masked_exactly() {
 
 #[test]
 fn moe_experts_split_exactly_with_a_replicated_router() {
+    let _serial = serial();
     check_layout(Flavour::Qwen2Moe, 2, 1, false);
     check_layout(Flavour::Qwen2Moe, 2, 1, true);
 }
@@ -365,6 +395,7 @@ fn moe_experts_split_exactly_with_a_replicated_router() {
 /// functions (hand-sized: 2 ranks, 6 ids, labels on both shards).
 #[test]
 fn vocab_parallel_log_probs_and_entropy_match_the_full_vocabulary() {
+    let _serial = serial();
     let device = Default::default();
     let logits: Vec<f32> = (0..2 * 3 * 6)
         .map(|i| ((i * 7) % 11) as f32 / 3.0 - 1.5)
@@ -431,6 +462,7 @@ fn vocab_parallel_log_probs_and_entropy_match_the_full_vocabulary() {
 
 #[test]
 fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
+    let _serial = serial();
     let cfg = model_cfg(Flavour::Qwen2Tied);
     // 3 does not divide the 8 heads.
     let err = cfg.check_tensor_parallel(3).unwrap_err().to_string();
@@ -450,4 +482,169 @@ fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
     );
     let refused = CausalLm::<CpuBackend>::init_sharded(&cfg, 0.02, 0, &Default::default(), &tp);
     assert!(refused.is_err());
+}
+
+/// Metrics, log-probs and named weights.
+type StageOutcome = (Metrics, Vec<f32>, Vec<(String, Vec<f32>)>);
+
+/// The actor's metrics, log-probs (last stage; empty elsewhere) and this stage's weights after
+/// one update on this rank's stage of a pipeline layout.
+fn update_actor_stage(
+    flavour: Flavour,
+    layers: usize,
+    data: DataProto<CpuBackend>,
+    rows: usize,
+    groups: Option<(ProcessGroups<CpuBackend>, usize, usize, bool)>,
+) -> StageOutcome {
+    let device = Default::default();
+    let mut cfg = model_cfg(flavour);
+    cfg.num_hidden_layers = layers;
+    let (tp, stage) = match &groups {
+        None => (TpGroup::none(), PipelineStageLayout::whole(layers)),
+        Some((g, pp_rank, pp, sp)) => {
+            let split = stage_layers(layers, *pp, None, None).unwrap();
+            (
+                TpGroup::new(g.tp().clone(), *sp),
+                PipelineStageLayout {
+                    stage: *pp_rank,
+                    stages: *pp,
+                    layers: split[*pp_rank].clone(),
+                },
+            )
+        }
+    };
+    let model = CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7, &device, &tp, &stage).unwrap();
+    let mut actor = MegatronActor::new(
+        model,
+        ModelOptimizer::new(&optim(), 10).unwrap(),
+        actor_settings(rows),
+    );
+    if let Some((g, _, pp, _)) = &groups {
+        if *pp > 1 {
+            actor = actor.with_pipeline_parallel(g.pp().clone());
+        }
+        if g.dp().world_size() > 1 {
+            actor = actor.with_data_parallel(g.dp().clone(), 700);
+        }
+    }
+    let (metrics, after) = futures::executor::block_on(async {
+        let m = actor.update_policy(&data).await.unwrap();
+        (m, actor.compute_log_prob(&data, false).await.unwrap())
+    });
+    let log_probs = if stage.is_last() {
+        after.log_probs.into_data().to_vec::<f32>().unwrap()
+    } else {
+        Vec::new()
+    };
+    let weights = actor
+        .model()
+        .valid()
+        .export_weights()
+        .into_iter()
+        .map(|t| (t.name, t.values.into_data().to_vec::<f32>().unwrap()))
+        .collect();
+    (metrics, log_probs, weights)
+}
+
+fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usize, sp: bool) {
+    let label = format!("{flavour:?} layers={layers} pp={pp} tp={tp} dp={dp} sp={sp}");
+    let data = batch();
+    let (single, single_lp, single_w) =
+        update_actor_stage(flavour, layers, data.clone(), ROWS, None);
+    let single_w: std::collections::HashMap<_, _> = single_w.into_iter().collect();
+    let scale = single_w
+        .values()
+        .flatten()
+        .fold(0f32, |m, v| m.max(v.abs()));
+    let topo = Topology::new(
+        ParallelConfig {
+            tp,
+            pp,
+            sequence_parallel: sp,
+            ..Default::default()
+        },
+        tp * pp * dp,
+    )
+    .unwrap();
+    let share = ROWS / dp;
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = ProcessGroups::<CpuBackend>::local(&topo)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, g)| {
+                let c = topo.coords(rank).unwrap();
+                let part = data
+                    .slice(c.dp_rank * share, (c.dp_rank + 1) * share)
+                    .unwrap();
+                s.spawn(move || {
+                    (
+                        c,
+                        update_actor_stage(
+                            flavour,
+                            layers,
+                            part,
+                            share,
+                            Some((g, c.pp_rank, pp, sp)),
+                        ),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut seen = std::collections::HashSet::new();
+    for (c, (metrics, lp, weights)) in &results {
+        if c.pp_rank + 1 == pp {
+            for key in ["actor/pg_loss", "actor/grad_norm"] {
+                assert_eq!(single.0[key].len(), metrics.0[key].len(), "{label} {key}");
+                for (x, y) in single.0[key].iter().zip(&metrics.0[key]) {
+                    rel_close(*x, *y, &format!("{label} rank {} {key}", c.rank));
+                }
+            }
+            let rows = c.dp_rank * share * RESPONSE..(c.dp_rank + 1) * share * RESPONSE;
+            for (x, y) in single_lp[rows].iter().zip(lp) {
+                rel_close(
+                    *x as f64,
+                    *y as f64,
+                    &format!("{label} rank {} log_prob", c.rank),
+                );
+            }
+        } else {
+            assert!(
+                !metrics.0.contains_key("actor/pg_loss"),
+                "{label}: losses on the last stage only"
+            );
+        }
+        for (name, w) in weights {
+            seen.insert(name.clone());
+            let x = &single_w[name];
+            assert_eq!(x.len(), w.len(), "{label}: {name} size");
+            for (p, q) in x.iter().zip(w) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * scale,
+                    "{label} rank {} {name}: single rank {p} vs layout {q}",
+                    c.rank
+                );
+            }
+        }
+    }
+    // Every weight lives on some stage.
+    assert_eq!(seen.len(), single_w.len(), "{label}: weights covered");
+}
+
+#[test]
+fn pipeline_stages_update_as_the_single_rank() {
+    let _serial = serial();
+    check_pipeline(Flavour::Qwen3Untied, 2, 2, 1, 1, false);
+    check_pipeline(Flavour::Qwen2Tied, 4, 2, 1, 1, false);
+    check_pipeline(Flavour::Qwen2Tied, 4, 4, 1, 1, false);
+}
+
+#[test]
+fn pipeline_with_tensor_sequence_and_data_parallel_updates_as_the_single_rank() {
+    let _serial = serial();
+    check_pipeline(Flavour::Qwen2Tied, 4, 2, 2, 1, true);
+    check_pipeline(Flavour::Qwen2Tied, 4, 2, 2, 1, false);
+    check_pipeline(Flavour::Qwen2Tied, 4, 2, 1, 2, false);
+    check_pipeline(Flavour::OddVocabulary, 2, 2, 2, 1, false);
 }

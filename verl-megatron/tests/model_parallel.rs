@@ -6,8 +6,9 @@
 //! with tied embeddings, a Qwen3 model (per-head q/k norms, untied LM head) and a Qwen2-MoE
 //! model (replicated router, split experts).
 //!
-//! Pipeline parallel: the actor's update on pp ∈ {2, 4} stages (1F1B over the micro-batches),
-//! with tp, sequence and data parallelism, tied and untied embeddings, likewise.
+//! Pipeline parallel: the actor's supervised step and PPO update and the critic's update on
+//! pp ∈ {2, 4} stages (1F1B over the micro-batches), with tp, sequence and data parallelism,
+//! tied and untied embeddings, likewise; so are the log-probs and values after.
 
 use std::sync::Arc;
 
@@ -487,9 +488,10 @@ fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
 /// Metrics, log-probs and named weights.
 type StageOutcome = (Metrics, Vec<f32>, Vec<(String, Vec<f32>)>);
 
-/// The actor's metrics, log-probs (last stage; empty elsewhere) and this stage's weights after
-/// one update on this rank's stage of a pipeline layout.
-fn update_actor_stage(
+/// A supervised step and a PPO update of the actor, and an update of the critic, on this
+/// rank's stage of a layout: the metrics, the updated log-probs then values (last stage; empty
+/// elsewhere) and this stage's weights.
+fn update_stage(
     flavour: Flavour,
     layers: usize,
     data: DataProto<CpuBackend>,
@@ -519,20 +521,54 @@ fn update_actor_stage(
         ModelOptimizer::new(&optim(), 10).unwrap(),
         actor_settings(rows),
     );
+    let mut vcfg = cfg.clone();
+    vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
+    vcfg.tie_word_embeddings = false;
+    let value_model =
+        CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8, &device, &tp, &stage).unwrap();
+    let mut critic = MegatronCritic::new(
+        value_model,
+        ModelOptimizer::new(&optim(), 10).unwrap(),
+        CriticSettings {
+            mini_batch_rows: rows,
+            micro_batch_rows: 2,
+            forward_micro_batch_rows: 2,
+            ppo_epochs: 2,
+            shuffle: false,
+            seed: 0,
+            cliprange_value: 0.2,
+            loss_agg_mode: LossAggMode::TokenMean,
+        },
+    );
     if let Some((g, _, pp, _)) = &groups {
         if *pp > 1 {
             actor = actor.with_pipeline_parallel(g.pp().clone());
+            critic = critic.with_pipeline_parallel(g.pp().clone());
         }
         if g.dp().world_size() > 1 {
             actor = actor.with_data_parallel(g.dp().clone(), 700);
+            critic = critic.with_data_parallel(g.dp().clone(), 700);
         }
     }
-    let (metrics, after) = futures::executor::block_on(async {
-        let m = actor.update_policy(&data).await.unwrap();
-        (m, actor.compute_log_prob(&data, false).await.unwrap())
+    let (metrics, after, values) = futures::executor::block_on(async {
+        // A supervised step, the PPO update, then the updated model's log-probs; the critic's
+        // update, then its values.
+        let mut m = actor.sft_step(&data).unwrap();
+        m.extend(actor.update_policy(&data).await.unwrap());
+        m.extend(critic.update_critic(&data).await.unwrap());
+        let lp = actor.compute_log_prob(&data, false).await.unwrap();
+        let values = critic.compute_values(&data).await.unwrap();
+        (m, lp, values)
     });
     let log_probs = if stage.is_last() {
-        after.log_probs.into_data().to_vec::<f32>().unwrap()
+        after
+            .log_probs
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .chain(values.into_data().to_vec::<f32>().unwrap())
+            .collect()
     } else {
         Vec::new()
     };
@@ -541,7 +577,25 @@ fn update_actor_stage(
         .valid()
         .export_weights()
         .into_iter()
-        .map(|t| (t.name, t.values.into_data().to_vec::<f32>().unwrap()))
+        .map(|t| {
+            (
+                format!("actor/{}", t.name),
+                t.values.into_data().to_vec::<f32>().unwrap(),
+            )
+        })
+        .chain(
+            critic
+                .model()
+                .valid()
+                .export_weights()
+                .into_iter()
+                .map(|t| {
+                    (
+                        format!("critic/{}", t.name),
+                        t.values.into_data().to_vec::<f32>().unwrap(),
+                    )
+                }),
+        )
         .collect();
     (metrics, log_probs, weights)
 }
@@ -549,8 +603,7 @@ fn update_actor_stage(
 fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usize, sp: bool) {
     let label = format!("{flavour:?} layers={layers} pp={pp} tp={tp} dp={dp} sp={sp}");
     let data = batch();
-    let (single, single_lp, single_w) =
-        update_actor_stage(flavour, layers, data.clone(), ROWS, None);
+    let (single, single_lp, single_w) = update_stage(flavour, layers, data.clone(), ROWS, None);
     let single_w: std::collections::HashMap<_, _> = single_w.into_iter().collect();
     let scale = single_w
         .values()
@@ -579,13 +632,7 @@ fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usi
                 s.spawn(move || {
                     (
                         c,
-                        update_actor_stage(
-                            flavour,
-                            layers,
-                            part,
-                            share,
-                            Some((g, c.pp_rank, pp, sp)),
-                        ),
+                        update_stage(flavour, layers, part, share, Some((g, c.pp_rank, pp, sp))),
                     )
                 })
             })
@@ -595,7 +642,14 @@ fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usi
     let mut seen = std::collections::HashSet::new();
     for (c, (metrics, lp, weights)) in &results {
         if c.pp_rank + 1 == pp {
-            for key in ["actor/pg_loss", "actor/grad_norm"] {
+            for key in [
+                "sft/loss",
+                "sft/grad_norm",
+                "actor/pg_loss",
+                "actor/grad_norm",
+                "critic/vf_loss",
+                "critic/grad_norm",
+            ] {
                 assert_eq!(single.0[key].len(), metrics.0[key].len(), "{label} {key}");
                 for (x, y) in single.0[key].iter().zip(&metrics.0[key]) {
                     rel_close(*x, *y, &format!("{label} rank {} {key}", c.rank));

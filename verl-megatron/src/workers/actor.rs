@@ -154,41 +154,87 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
     /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        if self.pp.is_some() {
-            return Err(verl_core::Error::backend(
-                "actor",
-                "the supervised warm-up does not run on pipeline stages yet; use \
-                 trainer.sft_warmup_steps=0 with pipeline_model_parallel_size > 1",
-            ));
-        }
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
         let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
-        let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
-        let mut total = 0.0;
-        for range in micro_batches(data.len(), self.settings.micro_batch_rows) {
-            let micro = data.slice(range.start, range.end)?;
-            let inputs =
-                ModelInputs::from_batch(&micro)?.map(Tensor::from_inner, Tensor::from_inner);
-            let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
-            let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
-            let logits = inputs.response_outputs(self.model());
-            let (log_probs, _) = self.log_probs_of(self.model(), logits, labels, false);
-            let nll = -(log_probs * mask).sum() / tokens;
-            total += nll.clone().into_scalar().elem::<f64>();
-            let grads = GradientsParams::from_grads(nll.backward(), self.model());
-            acc.accumulate(self.model(), grads);
-        }
+        let micros = micro_batches(data.len(), self.settings.micro_batch_rows)
+            .into_iter()
+            .map(|r| data.slice(r.start, r.end))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let (grads, total) =
+            self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
         let model = self.model.take().expect("model present");
         let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
-        let (model, report) = optim.step(model, acc.grads());
+        let (model, report) = optim.step(model, grads);
         self.model = Some(model);
         let report = report?;
-        // Each rank's loss is its share of the batch loss.
-        metrics.push("sft/loss", self.dp_sum(&[total])?[0]);
-        metrics.push("sft/grad_norm", report.grad_norm);
-        metrics.push("sft/lr", report.lr);
+        if self.is_last_stage() {
+            // Each rank's loss is its share of the batch loss.
+            metrics.push("sft/loss", self.dp_sum(&[total])?[0]);
+            metrics.push("sft/grad_norm", report.grad_norm);
+            metrics.push("sft/lr", report.lr);
+        }
         Ok(metrics)
+    }
+
+    /// The loss of one micro-batch from its response-window logits, by `kind`; pushes the
+    /// micro-batch's metrics and returns the loss with the value the step reports (the policy
+    /// loss, or the negative log-likelihood).
+    fn stage_loss(
+        &self,
+        micro: &DataProto<B::InnerBackend>,
+        logits: Tensor<B, 3>,
+        kind: StageLoss,
+        metrics: &mut Metrics,
+    ) -> Result<(Tensor<B, 1>, f64)> {
+        match kind {
+            StageLoss::Ppo { scale, temperature } => {
+                self.micro_batch_loss(micro, logits / temperature, scale, metrics)
+            }
+            StageLoss::Sft { tokens } => {
+                let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
+                let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
+                let (log_probs, _) = self.log_probs_of(self.model(), logits, labels, false);
+                let nll = -(log_probs * mask).sum() / tokens;
+                let value = nll.clone().into_scalar().elem::<f64>();
+                Ok((nll.reshape([1]), value))
+            }
+        }
+    }
+
+    /// Forward and backward over `micros` (in the 1F1B schedule through the pipeline group
+    /// when there is one): the summed gradients and the summed reported loss (last stage);
+    /// the micro-batches' metrics go to `metrics`.
+    fn run_micro_batches(
+        &self,
+        micros: &[DataProto<B::InnerBackend>],
+        kind: StageLoss,
+        metrics: &mut Metrics,
+    ) -> Result<(GradientsParams, f64)> {
+        let mut stage = ActorStage {
+            actor: self,
+            micros,
+            kind,
+            metrics: Metrics::default(),
+            total: 0.0,
+            acc: GradientsAccumulator::new(),
+        };
+        match self.pp.clone() {
+            None => {
+                for mb in 0..micros.len() {
+                    let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
+                        unreachable!("a whole model ends in a loss")
+                    };
+                    stage.accumulate(loss.backward());
+                }
+            }
+            Some(pp) => {
+                let device = micros[0].int::<2>("input_ids")?.device();
+                run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
+            }
+        }
+        metrics.extend(stage.metrics);
+        Ok((stage.acc.grads(), stage.total))
     }
 
     /// Log-probs of `labels` (and entropy) from `model`'s logits, vocabulary-parallel when the
@@ -216,36 +262,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             let micro = data.slice(range.start, range.end)?;
             let inputs = ModelInputs::from_batch(&micro)?;
             let labels = micro.int::<2>("responses")?;
-            let logits = match &self.pp {
-                None => inputs.response_outputs(&model),
-                // Forward only through the stages: hidden states in from the previous stage,
-                // out to the next; the last stage has the logits.
-                Some(pp) => {
-                    let (me, stages) = (pp.rank(), pp.world_size());
-                    let [b, t] = inputs.input_ids.dims();
-                    let input = if me == 0 {
-                        None
-                    } else {
-                        let shape = model.stage_input_shape(b, t);
-                        let n = shape.iter().product();
-                        let device = inputs.input_ids.device();
-                        Some(pp.recv(me - 1, n, &device)?.reshape(shape))
-                    };
-                    let out = inputs.stage_outputs(&model, input);
-                    if me + 1 < stages {
-                        pp.send(out.flatten(0, 2), me + 1)?;
-                        // Not collected (MegatronCompute reads the last stage): zeros of the
-                        // right shape keep the output well-formed.
-                        let zeros = Tensor::zeros([b, inputs.response_len], &labels.device());
-                        lps.push(zeros.clone());
-                        if calculate_entropy {
-                            ents.push(zeros);
-                        }
-                        continue;
-                    }
-                    out
+            let Some(logits) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
+                // Not collected (MegatronCompute reads the last stage): zeros of the right
+                // shape keep this stage's output well-formed.
+                let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
+                lps.push(zeros.clone());
+                if calculate_entropy {
+                    ents.push(zeros);
                 }
-            } / temperature;
+                continue;
+            };
+            let logits = logits / temperature;
             let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
             lps.push(lp);
             ents.extend(ent);
@@ -343,39 +370,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     .into_iter()
                     .map(|r| mini.slice(r.start, r.end))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
-                let (grads, pg_total) = match self.pp.clone() {
-                    None => {
-                        let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
-                        let mut pg_total = 0.0;
-                        for micro in &micros {
-                            let inputs = ModelInputs::from_batch(micro)?
-                                .map(Tensor::from_inner, Tensor::from_inner);
-                            let logits = inputs.response_outputs(self.model()) / temperature;
-                            let (loss, pg) =
-                                self.micro_batch_loss(micro, logits, scale, &mut metrics)?;
-                            pg_total += pg;
-                            let grads = GradientsParams::from_grads(loss.backward(), self.model());
-                            acc.accumulate(self.model(), grads);
-                        }
-                        (acc.grads(), pg_total)
-                    }
-                    Some(pp) => {
-                        let mut stage = ActorStage {
-                            actor: self,
-                            micros: &micros,
-                            temperature,
-                            scale,
-                            metrics: Metrics::default(),
-                            pg_total: 0.0,
-                            acc: GradientsAccumulator::new(),
-                        };
-                        let device = micros[0].int::<2>("input_ids")?.device();
-                        run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
-                        let (grads, pg) = (stage.acc.grads(), stage.pg_total);
-                        metrics.extend(stage.metrics);
-                        (grads, pg)
-                    }
-                };
+                let kind = StageLoss::Ppo { scale, temperature };
+                let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, grads);
                 self.model = Some(model);
@@ -398,14 +394,23 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     }
 }
 
-/// The actor's model as one stage of the 1F1B schedule over a mini-batch's micro-batches.
+/// What a micro-batch's loss is.
+#[derive(Clone, Copy)]
+enum StageLoss {
+    /// The PPO loss, normalised by the mini-batch's global counts, on logits / temperature.
+    Ppo { scale: AggScale, temperature: f64 },
+    /// The supervised warm-up: negative log-likelihood over `tokens` response tokens.
+    Sft { tokens: f64 },
+}
+
+/// The actor's model as one stage of the 1F1B schedule over a mini-batch's micro-batches (the
+/// whole model, and so the loss, without pipeline parallelism).
 struct ActorStage<'a, B: ParallelAutodiffBackend> {
     actor: &'a MegatronActor<B>,
     micros: &'a [DataProto<B::InnerBackend>],
-    temperature: f64,
-    scale: AggScale,
+    kind: StageLoss,
     metrics: Metrics,
-    pg_total: f64,
+    total: f64,
     acc: GradientsAccumulator<CausalLm<B>>,
 }
 
@@ -418,13 +423,10 @@ impl<B: ParallelAutodiffBackend> PipelineStage<B> for ActorStage<'_, B> {
         if !model.stage.is_last() {
             return Ok(StageOutput::Activation(out));
         }
-        let (loss, pg) = self.actor.micro_batch_loss(
-            micro,
-            out / self.temperature,
-            self.scale,
-            &mut self.metrics,
-        )?;
-        self.pg_total += pg;
+        let (loss, value) = self
+            .actor
+            .stage_loss(micro, out, self.kind, &mut self.metrics)?;
+        self.total += value;
         Ok(StageOutput::Loss(loss.reshape([1])))
     }
 
@@ -438,7 +440,7 @@ impl<B: ParallelAutodiffBackend> PipelineStage<B> for ActorStage<'_, B> {
 
     fn before_backward(&mut self) -> Result<()> {
         match self.actor.model().tp.comm::<B::InnerBackend>() {
-            Some(tp) if tp.world_size() > 1 => Ok(tp.barrier()?),
+            Some(tp) if tp.world_size() > 1 && self.actor.pp.is_some() => Ok(tp.barrier()?),
             _ => Ok(()),
         }
     }

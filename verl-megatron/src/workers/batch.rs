@@ -3,6 +3,7 @@
 
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
+use verl_core::traits::Communicator;
 use verl_core::DataProto;
 
 use crate::models::causal_lm::StageInput;
@@ -102,6 +103,37 @@ impl<B: ParallelBackend> ModelInputs<B> {
             t - r - 1,
             r,
         )
+    }
+}
+
+impl<B: ParallelBackend> ModelInputs<B> {
+    /// [`Self::response_outputs`] through the pipeline group `pp` (forward only): hidden states
+    /// come in from the previous stage and go out to the next; the last stage returns the
+    /// outputs, the others `None`. Without a group, the whole model's outputs.
+    pub fn pipelined_outputs(
+        &self,
+        model: &CausalLm<B>,
+        pp: Option<&dyn Communicator<B>>,
+    ) -> verl_core::Result<Option<Tensor<B, 3>>> {
+        let Some(pp) = pp.filter(|p| p.world_size() > 1) else {
+            return Ok(Some(self.response_outputs(model)));
+        };
+        let (me, stages) = (pp.rank(), pp.world_size());
+        let [b, t] = self.input_ids.dims();
+        let input = if me == 0 {
+            None
+        } else {
+            let shape = model.stage_input_shape(b, t);
+            let n = shape.iter().product();
+            let device = self.input_ids.device();
+            Some(pp.recv(me - 1, n, &device)?.reshape(shape))
+        };
+        let out = self.stage_outputs(model, input);
+        if me + 1 < stages {
+            pp.send(out.flatten(0, 2), me + 1)?;
+            return Ok(None);
+        }
+        Ok(Some(out))
     }
 }
 

@@ -17,9 +17,10 @@ use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Criti
 use verl_core::{DataProto, Metrics, Result};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
-use super::optim::ModelOptimizer;
+use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use crate::models::CausalLm;
-use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
+use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
+use crate::parallel::ParallelAutodiffBackend;
 
 /// The critic's update settings (row counts per rank).
 #[derive(Debug, Clone, PartialEq)]
@@ -42,6 +43,8 @@ pub struct MegatronCritic<B: ParallelAutodiffBackend> {
     updates: u64,
     /// The data-parallel group: batch-wide counts and gradients are summed over it.
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
+    /// The pipeline group, when the model is one stage of several.
+    pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
 }
 
 impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
@@ -57,6 +60,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
             settings,
             updates: 0,
             dp: None,
+            pp: None,
         }
     }
 
@@ -64,6 +68,18 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         self.model
             .as_ref()
             .expect("the model is only out during a step")
+    }
+
+    /// Trains one pipeline stage with the pipeline group `comm` (see
+    /// `MegatronActor::with_pipeline_parallel`).
+    pub fn with_pipeline_parallel(mut self, comm: Arc<dyn Communicator<B::InnerBackend>>) -> Self {
+        let tied_embedding = self.model().pipeline_tied_embedding();
+        self.optim = self.optim.with_pipeline_parallel(PipelineParallelGrads {
+            comm: comm.clone(),
+            tied_embedding,
+        });
+        self.pp = Some(comm);
+        self
     }
 
     /// Trains data-parallel over `comm` (see `MegatronActor::with_data_parallel`).
@@ -109,12 +125,6 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         }
         Ok(())
     }
-
-    fn values<C: ParallelBackend>(model: &CausalLm<C>, inputs: &ModelInputs<C>) -> Tensor<C, 2> {
-        let out = inputs.response_outputs(model);
-        let [b, r, _] = out.dims();
-        out.reshape([b, r])
-    }
 }
 
 #[async_trait(?Send)]
@@ -129,7 +139,14 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
             let micro = data.slice(range.start, range.end)?;
             let inputs = ModelInputs::from_batch(&micro)?;
             let mask = float_col(&micro, "response_mask")?;
-            parts.push(Self::values(&model, &inputs) * mask);
+            match inputs.pipelined_outputs(&model, self.pp.as_deref())? {
+                Some(out) => {
+                    let [b, r, _] = out.dims();
+                    parts.push(out.reshape([b, r]) * mask);
+                }
+                // Not collected (MegatronCompute reads the last stage).
+                None => parts.push(mask.zeros_like()),
+            }
         }
         Ok(Tensor::cat(parts, 0))
     }
@@ -160,49 +177,116 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
                     global_sequences: Some(counts[1]),
                     ..Default::default()
                 };
-                let mut acc = GradientsAccumulator::<CausalLm<B>>::new();
-                let mut total = 0.0;
-                for range in micro_batches(mini.len(), s.micro_batch_rows) {
-                    let micro = mini.slice(range.start, range.end)?;
-                    let inputs = ModelInputs::from_batch(&micro)?
-                        .map(Tensor::from_inner, Tensor::from_inner);
-                    let mask = Tensor::<B, 2>::from_inner(float_col(&micro, "response_mask")?);
-                    let values = Tensor::<B, 2>::from_inner(float_col(&micro, "values")?);
-                    let returns = Tensor::<B, 2>::from_inner(float_col(&micro, "returns")?);
-                    let vpreds = Self::values(self.model(), &inputs);
-                    metrics.push(
-                        "critic/vpred_mean",
-                        masked_mean(vpreds.clone().inner(), mask.clone().inner())
-                            .into_scalar()
-                            .elem::<f64>(),
-                    );
-                    let (loss, clipfrac) = value_loss(
-                        vpreds,
-                        returns,
-                        values,
-                        mask,
-                        s.cliprange_value,
-                        s.loss_agg_mode,
-                        scale,
-                    )?;
-                    total += loss.clone().into_scalar().elem::<f64>();
-                    metrics.push("critic/vf_clipfrac", clipfrac);
-                    let grads = GradientsParams::from_grads(loss.backward(), self.model());
-                    acc.accumulate(self.model(), grads);
+                let micros = micro_batches(mini.len(), s.micro_batch_rows)
+                    .into_iter()
+                    .map(|r| mini.slice(r.start, r.end))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let mut stage = CriticStage {
+                    critic: self,
+                    micros: &micros,
+                    scale,
+                    metrics: Metrics::default(),
+                    total: 0.0,
+                    acc: GradientsAccumulator::new(),
+                };
+                match self.pp.clone() {
+                    None => {
+                        for mb in 0..micros.len() {
+                            let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
+                                unreachable!("a whole model ends in a loss")
+                            };
+                            stage.accumulate(loss.backward());
+                        }
+                    }
+                    Some(pp) => {
+                        let device = micros[0].int::<2>("input_ids")?.device();
+                        run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
+                    }
                 }
+                let (mut acc, total) = (stage.acc, stage.total);
+                metrics.extend(stage.metrics);
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, acc.grads());
                 self.model = Some(model);
                 let report = report?;
-                metrics.push(
-                    "critic/vf_loss",
-                    super::state::dp_sum(self.dp.as_deref(), &[total])?[0],
-                );
-                metrics.push("critic/grad_norm", report.grad_norm);
-                metrics.push("critic/lr", report.lr);
+                if self.model().stage.is_last() {
+                    metrics.push(
+                        "critic/vf_loss",
+                        super::state::dp_sum(self.dp.as_deref(), &[total])?[0],
+                    );
+                    metrics.push("critic/grad_norm", report.grad_norm);
+                    metrics.push("critic/lr", report.lr);
+                }
             }
         }
         self.updates += 1;
         Ok(metrics)
+    }
+}
+
+/// The critic's model as one stage of the 1F1B schedule (the whole model without pipeline
+/// parallelism): the clipped value loss on the last stage.
+struct CriticStage<'a, B: ParallelAutodiffBackend> {
+    critic: &'a MegatronCritic<B>,
+    micros: &'a [DataProto<B::InnerBackend>],
+    scale: AggScale,
+    metrics: Metrics,
+    total: f64,
+    acc: GradientsAccumulator<CausalLm<B>>,
+}
+
+impl<B: ParallelAutodiffBackend> PipelineStage<B> for CriticStage<'_, B> {
+    fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
+        let micro = &self.micros[mb];
+        let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
+        let model = self.critic.model();
+        let out = inputs.stage_outputs(model, input);
+        if !model.stage.is_last() {
+            return Ok(StageOutput::Activation(out));
+        }
+        let [b, r, _] = out.dims();
+        let vpreds = out.reshape([b, r]);
+        let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
+        let values = Tensor::<B, 2>::from_inner(float_col(micro, "values")?);
+        let returns = Tensor::<B, 2>::from_inner(float_col(micro, "returns")?);
+        self.metrics.push(
+            "critic/vpred_mean",
+            masked_mean(vpreds.clone().inner(), mask.clone().inner())
+                .into_scalar()
+                .elem::<f64>(),
+        );
+        let s = &self.critic.settings;
+        let (loss, clipfrac) = value_loss(
+            vpreds,
+            returns,
+            values,
+            mask,
+            s.cliprange_value,
+            s.loss_agg_mode,
+            self.scale,
+        )?;
+        self.total += loss.clone().into_scalar().elem::<f64>();
+        self.metrics.push("critic/vf_clipfrac", clipfrac);
+        Ok(StageOutput::Loss(loss.reshape([1])))
+    }
+
+    fn input_shape(&self, mb: usize) -> [usize; 3] {
+        let dims = self.micros[mb]
+            .int::<2>("input_ids")
+            .map(|t| t.dims())
+            .unwrap_or([0, 0]);
+        self.critic.model().stage_input_shape(dims[0], dims[1])
+    }
+
+    fn before_backward(&mut self) -> Result<()> {
+        match self.critic.model().tp.comm::<B::InnerBackend>() {
+            Some(tp) if tp.world_size() > 1 && self.critic.pp.is_some() => Ok(tp.barrier()?),
+            _ => Ok(()),
+        }
+    }
+
+    fn accumulate(&mut self, grads: B::Gradients) {
+        let grads = GradientsParams::from_grads(grads, self.critic.model());
+        self.acc.accumulate(self.critic.model(), grads);
     }
 }

@@ -485,8 +485,14 @@ fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
     assert!(refused.is_err());
 }
 
-/// Metrics, log-probs and named weights.
-type StageOutcome = (Metrics, Vec<f32>, Vec<(String, Vec<f32>)>);
+/// Metrics, log-probs and values, this stage's named weights, and the actor's whole model as
+/// every rank receives it (`full_weights`).
+type StageOutcome = (
+    Metrics,
+    Vec<f32>,
+    Vec<(String, Vec<f32>)>,
+    Vec<(String, Vec<f32>)>,
+);
 
 /// A supervised step and a PPO update of the actor, and an update of the critic, on this
 /// rank's stage of a layout: the metrics, the updated log-probs then values (last stage; empty
@@ -507,11 +513,7 @@ fn update_stage(
             let split = stage_layers(layers, *pp, None, None).unwrap();
             (
                 TpGroup::new(g.tp().clone(), *sp),
-                PipelineStageLayout {
-                    stage: *pp_rank,
-                    stages: *pp,
-                    layers: split[*pp_rank].clone(),
-                },
+                PipelineStageLayout::of(*pp_rank, split),
             )
         }
     };
@@ -572,6 +574,14 @@ fn update_stage(
     } else {
         Vec::new()
     };
+    // By name: the stages' tensors arrive in the HF table's order.
+    let mut full: Vec<(String, Vec<f32>)> = actor
+        .full_weights()
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name, t.values.into_data().to_vec::<f32>().unwrap()))
+        .collect();
+    full.sort_by(|a, b| a.0.cmp(&b.0));
     let weights = actor
         .model()
         .valid()
@@ -597,13 +607,14 @@ fn update_stage(
                 }),
         )
         .collect();
-    (metrics, log_probs, weights)
+    (metrics, log_probs, weights, full)
 }
 
 fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usize, sp: bool) {
     let label = format!("{flavour:?} layers={layers} pp={pp} tp={tp} dp={dp} sp={sp}");
     let data = batch();
-    let (single, single_lp, single_w) = update_stage(flavour, layers, data.clone(), ROWS, None);
+    let (single, single_lp, single_w, single_full) =
+        update_stage(flavour, layers, data.clone(), ROWS, None);
     let single_w: std::collections::HashMap<_, _> = single_w.into_iter().collect();
     let scale = single_w
         .values()
@@ -640,7 +651,23 @@ fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usi
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     let mut seen = std::collections::HashSet::new();
-    for (c, (metrics, lp, weights)) in &results {
+    for (c, (metrics, lp, weights, full)) in &results {
+        // The whole model reaches every rank (what the hybrid engine gives the rollout).
+        assert_eq!(
+            full.len(),
+            single_full.len(),
+            "{label}: full model tensor count"
+        );
+        for ((name, x), (other, y)) in single_full.iter().zip(full) {
+            assert_eq!(name, other, "{label}: full model names");
+            for (p, q) in x.iter().zip(y) {
+                assert!(
+                    (p - q).abs() <= 1e-5 * scale,
+                    "{label} rank {} full {name}: {p} vs {q}",
+                    c.rank
+                );
+            }
+        }
         if c.pp_rank + 1 == pp {
             for key in [
                 "sft/loss",

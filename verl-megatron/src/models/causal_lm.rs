@@ -20,6 +20,7 @@ use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
 use crate::parallel::{Collective, ParallelBackend, Region, TpGroup};
+use verl_core::traits::Communicator;
 
 /// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
 pub trait TensorSource<B: Backend> {
@@ -162,6 +163,8 @@ pub struct CausalLm<B: Backend> {
     pub stage: PipelineStageLayout,
     /// The LM head is the word embedding (tied weights).
     pub tie_word_embeddings: bool,
+    #[module(skip)]
+    pub config: HfModelConfig,
 }
 
 /// Which part of the model a pipeline stage holds.
@@ -171,15 +174,45 @@ pub struct PipelineStageLayout {
     pub stages: usize,
     /// The HF indices of the stage's decoder layers.
     pub layers: std::ops::Range<usize>,
+    /// Every stage's layers, in stage order.
+    pub split: Vec<std::ops::Range<usize>>,
 }
 
 impl PipelineStageLayout {
     /// The whole model on one stage.
     pub fn whole(num_layers: usize) -> Self {
+        Self::of(0, std::iter::once(0..num_layers).collect())
+    }
+
+    /// Stage `stage` of the layer split `split` (see `parallel::pipeline::stage_layers`).
+    pub fn of(stage: usize, split: Vec<std::ops::Range<usize>>) -> Self {
         Self {
-            stage: 0,
-            stages: 1,
-            layers: 0..num_layers,
+            stage,
+            stages: split.len(),
+            layers: split.get(stage).cloned().unwrap_or(0..0),
+            split,
+        }
+    }
+
+    /// The stage holding the weight called `name` (HF naming): a layer's stage, the first for
+    /// the embedding, the last for the final norm and the heads.
+    pub fn owner_of(&self, name: &str) -> usize {
+        if let Some(rest) = name.strip_prefix("model.layers.") {
+            let layer: usize = rest
+                .split('.')
+                .next()
+                .and_then(|i| i.parse().ok())
+                .unwrap_or(0);
+            return self
+                .split
+                .iter()
+                .position(|r| r.contains(&layer))
+                .unwrap_or(0);
+        }
+        if name == "model.embed_tokens.weight" {
+            0
+        } else {
+            self.stages - 1
         }
     }
 
@@ -505,6 +538,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             vocab_size: cfg.vocab_size,
             stage: stage.clone(),
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
+            config: cfg.clone(),
         })
     }
 
@@ -1004,6 +1038,47 @@ impl<B: ParallelBackend> CausalLm<B> {
                 None => t,
             })
             .collect()
+    }
+
+    /// Every weight of the whole model, full, on every rank of a pipeline-parallel model: each
+    /// stage's tensors (gathered over tp, as [`Self::export_weights`]) broadcast from their
+    /// stage over `pp`, one tensor at a time, in the HF table's order. Every rank of the tp and
+    /// pp groups must call this together.
+    pub fn export_all_stages(
+        &self,
+        pp: &dyn Communicator<B>,
+    ) -> Result<Vec<NamedTensor<B>>, MegatronError> {
+        if pp.world_size() == 1 {
+            return Ok(self.export_weights());
+        }
+        let me = pp.rank();
+        let mut mine: HashMap<String, NamedTensor<B>> = self
+            .export_weights()
+            .into_iter()
+            .filter(|t| self.stage.owner_of(&t.name) == me)
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        let device = self.device();
+        let mut out = Vec::new();
+        // Optional tensors (a tied model's `lm_head.weight`) are not the model's own.
+        for spec in hf_tensor_specs(&self.config)
+            .into_iter()
+            .filter(|s| !s.optional)
+        {
+            let owner = self.stage.owner_of(&spec.name);
+            let n: usize = spec.shape.iter().product();
+            let local = match mine.remove(&spec.name) {
+                Some(t) if owner == me => t.values,
+                _ => Tensor::zeros([n], &device),
+            };
+            let values = pp.broadcast(local, owner)?;
+            out.push(NamedTensor {
+                name: spec.name,
+                shape: spec.shape,
+                values,
+            });
+        }
+        Ok(out)
     }
 
     /// Replaces one weight from its full tensor (named as in Hugging Face checkpoints), keeping

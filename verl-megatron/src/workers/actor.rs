@@ -388,6 +388,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok(metrics)
     }
 
+    /// Every weight of the model, full (gathered over tp, and over pp stages), on every rank:
+    /// what the hybrid engine hands the rollout and what HF export writes. A collective over
+    /// the model-parallel group.
+    pub fn full_weights(&self) -> Result<Vec<NamedTensor<B::InnerBackend>>> {
+        let model = self.model().valid();
+        Ok(match &self.pp {
+            Some(pp) => model.export_all_stages(pp.as_ref())?,
+            None => model.export_weights(),
+        })
+    }
+
     /// Whether this rank computes the losses (the last pipeline stage; always without one).
     fn is_last_stage(&self) -> bool {
         self.model().stage.is_last()
@@ -508,7 +519,9 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
 
 impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronActor<B> {
     fn export_weights(&self) -> WeightStream<'_, B::InnerBackend> {
-        let weights: Vec<NamedTensor<B::InnerBackend>> = self.model().valid().export_weights();
-        Box::pin(futures::stream::iter(weights.into_iter().map(Ok)))
+        match self.full_weights() {
+            Ok(weights) => Box::pin(futures::stream::iter(weights.into_iter().map(Ok))),
+            Err(e) => Box::pin(futures::stream::iter([Err(e)])),
+        }
     }
 }

@@ -222,7 +222,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         if req.hf.is_some() {
             // Full tensors: gathered over the tensor-parallel group (every rank takes part),
             // written once.
-            let full = burn::module::AutodiffModule::valid(self.actor.model()).export_weights();
+            let full = self.actor.full_weights()?;
             if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
                 state.optimizer.clear();
                 state.model = full;
@@ -308,7 +308,7 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
             .save(&req.dist(), &state, req.contents)
             .await?;
         if req.hf.is_some() {
-            let full = burn::module::AutodiffModule::valid(self.critic.model()).export_weights();
+            let full = self.critic.full_weights()?;
             if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
                 state.optimizer.clear();
                 state.model = full;

@@ -70,6 +70,16 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
             .expect("the model is only out during a step")
     }
 
+    /// Every weight of the value model, full, on every rank (see
+    /// `MegatronActor::full_weights`).
+    pub fn full_weights(&self) -> Result<Vec<verl_core::NamedTensor<B::InnerBackend>>> {
+        let model = self.model().valid();
+        Ok(match &self.pp {
+            Some(pp) => model.export_all_stages(pp.as_ref())?,
+            None => model.export_weights(),
+        })
+    }
+
     /// Trains one pipeline stage with the pipeline group `comm` (see
     /// `MegatronActor::with_pipeline_parallel`).
     pub fn with_pipeline_parallel(mut self, comm: Arc<dyn Communicator<B::InnerBackend>>) -> Self {

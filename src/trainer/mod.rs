@@ -27,7 +27,9 @@ use verl_core::worker::WorkerGroup;
 use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
+use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::CausalLm;
+use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{ProcessGroups, TpGroup};
 use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
@@ -187,6 +189,8 @@ pub struct PpoTrainer {
     advantages: AdvantageRegistry<Infer>,
     log: RunLog,
     needs_ref: bool,
+    /// The actor is split into pipeline stages.
+    actor_pipelined: bool,
     total_steps: u64,
     /// The step being run (validation seeds its sampling with it).
     global_step: u64,
@@ -205,6 +209,33 @@ fn rank_groups(topo: &Topology) -> RankGroups {
     std::sync::Arc::new(std::sync::Mutex::new(
         ProcessGroups::local(topo).into_iter().map(Some).collect(),
     ))
+}
+
+/// The layers of each pipeline stage, with the `override_transformer_config` keys
+/// `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`.
+fn pipeline_split(
+    megatron: &verl_core::config::MegatronConfig,
+    model: &HfModelConfig,
+    pp: usize,
+) -> Result<Vec<std::ops::Range<usize>>, TrainError> {
+    let key = |k: &str| -> Result<Option<usize>, TrainError> {
+        match megatron.override_transformer_config.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                setup(format!(
+                    "megatron.override_transformer_config.{k} = {v}: must be a whole number of \
+                     layers"
+                ))
+            }),
+        }
+    };
+    stage_layers(
+        model.num_hidden_layers,
+        pp,
+        key("num_layers_in_first_pipeline_stage")?,
+        key("num_layers_in_last_pipeline_stage")?,
+    )
+    .map_err(setup)
 }
 
 fn take_groups(groups: &RankGroups, rank: usize) -> verl_core::Result<ProcessGroups<Infer>> {
@@ -433,13 +464,15 @@ impl PpoTrainer {
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;
         let layout = actor_cfg.megatron.parallel();
-        if layout.pp > 1 || layout.cp > 1 || layout.ep > 1 {
+        if layout.cp > 1 || layout.ep > 1 {
             return Err(setup(
-                "actor_rollout_ref.actor.megatron: pipeline, context and expert parallel sizes \
-                 must be 1 for now (tensor, sequence and data parallel are supported)"
+                "actor_rollout_ref.actor.megatron: context and expert parallel sizes must be 1 \
+                 for now (tensor, sequence, pipeline and data parallel are supported)"
                     .to_string(),
             ));
         }
+        let actor_split = pipeline_split(&actor_cfg.megatron, &model_cfg, layout.pp)?;
+        let actor_pipelined = actor_split.len() > 1;
         let topo = Topology::new(layout.clone(), world).map_err(setup)?;
         model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
         let sequence_parallel = layout.sequence_parallel_active();
@@ -456,15 +489,16 @@ impl PpoTrainer {
             let device = Default::default();
             let groups = take_groups(&actor_groups, ctx.rank)?;
             let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
+            let stage = PipelineStageLayout::of(groups.pp().rank(), actor_split.clone());
             let ckpt = path.as_ref().map(HfCheckpoint::open).transpose()?;
             let model: CausalLm<Train> = match &ckpt {
-                None => CausalLm::init_sharded(&mcfg, 0.02, seed, &device, &tp)?,
-                Some(c) => CausalLm::from_checkpoint_sharded(&mcfg, c, &device, &tp)?,
+                None => CausalLm::init_stage(&mcfg, 0.02, seed, &device, &tp, &stage)?,
+                Some(c) => CausalLm::from_checkpoint_stage(&mcfg, c, &device, &tp, &stage)?,
             };
             let inner = burn::module::AutodiffModule::valid(&model);
             // The rollout engine runs the whole model on each rank (rollout tp = 1): the
             // hybrid engine gathers the actor's shards into it before every generation.
-            let rollout_model = if tp.is_parallel() {
+            let rollout_model = if tp.is_parallel() || stage.stages > 1 {
                 match &ckpt {
                     None => CausalLm::<Infer>::init(&mcfg, 0.02, seed, &device),
                     Some(c) => CausalLm::from_checkpoint(&mcfg, c, &device)?,
@@ -486,6 +520,9 @@ impl PpoTrainer {
                     ModelOptimizer::new(&o, sft_steps.max(1))?
                         .with_distributed_optimizer(distributed_actor),
                 );
+            }
+            if stage.stages > 1 {
+                actor = actor.with_pipeline_parallel(groups.pp().clone());
             }
             if groups.dp().world_size() > 1 {
                 actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
@@ -525,13 +562,14 @@ impl PpoTrainer {
                 * settings.ppo_epochs as u64
                 * (batch * n / mini.max(1)).max(1) as u64;
             let layout = c.megatron.parallel();
-            if layout.pp > 1 || layout.cp > 1 || layout.ep > 1 {
+            if layout.cp > 1 || layout.ep > 1 {
                 return Err(setup(
-                    "critic.megatron: pipeline, context and expert parallel sizes must be 1 \
-                     for now (tensor, sequence and data parallel are supported)"
+                    "critic.megatron: context and expert parallel sizes must be 1 for now \
+                     (tensor, sequence, pipeline and data parallel are supported)"
                         .to_string(),
                 ));
             }
+            let critic_split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
             let topo = Topology::new(layout.clone(), world).map_err(setup)?;
             vcfg.check_tensor_parallel(layout.tp).map_err(setup)?;
             let sequence_parallel = layout.sequence_parallel_active();
@@ -541,14 +579,24 @@ impl PpoTrainer {
                 let device = Default::default();
                 let groups = take_groups(&critic_groups, ctx.rank)?;
                 let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
-                let model =
-                    CausalLm::<Train>::init_sharded(&vcfg, 0.02, seed ^ 0xc41c, &device, &tp)?;
+                let stage = PipelineStageLayout::of(groups.pp().rank(), critic_split.clone());
+                let model = CausalLm::<Train>::init_stage(
+                    &vcfg,
+                    0.02,
+                    seed ^ 0xc41c,
+                    &device,
+                    &tp,
+                    &stage,
+                )?;
                 let mut critic = MegatronCritic::new(
                     model,
                     ModelOptimizer::new(&optim_cfg, critic_steps)?
                         .with_distributed_optimizer(distributed_critic),
                     settings.clone(),
                 );
+                if stage.stages > 1 {
+                    critic = critic.with_pipeline_parallel(groups.pp().clone());
+                }
                 if groups.dp().world_size() > 1 {
                     critic =
                         critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
@@ -575,6 +623,7 @@ impl PpoTrainer {
             train,
             val,
             needs_ref,
+            actor_pipelined,
             total_steps,
             global_step: 0,
             out_dir,
@@ -713,6 +762,13 @@ impl PpoTrainer {
             &device,
         )?;
         batch.meta_info.insert("global_steps".into(), step.into());
+        if self.actor_pipelined {
+            // The stages generate different prompts (pipeline ranks act as data parallel for
+            // the rollout), so the old log-probs are a separate pass through the pipeline.
+            batch
+                .meta_info
+                .insert("recompute_log_prob".into(), Value::Bool(false));
+        }
 
         let t = Instant::now();
         let mut gen = self
@@ -735,6 +791,20 @@ impl PpoTrainer {
             .unwrap_or(0.0);
         metrics.extend(worker_metrics);
         metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
+        if self.actor_pipelined {
+            let t = Instant::now();
+            let old = self
+                .actor
+                .call_proto(
+                    &DispatchMode::MegatronCompute,
+                    "compute_log_prob",
+                    gen.clone(),
+                    |w, _, d| Box::pin(w.compute_log_prob(d)),
+                )
+                .await?;
+            gen = gen.union(old)?;
+            metrics.push("timing_s/old_log_prob", t.elapsed().as_secs_f64());
+        }
 
         let mask = verl_megatron::workers::batch::float_col(&gen, "response_mask")?;
         let inputs = gen.select(

@@ -388,6 +388,11 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok(metrics)
     }
 
+    /// The pipeline group, when the model is one stage of several.
+    pub fn pipeline_group(&self) -> Option<&Arc<dyn Communicator<B::InnerBackend>>> {
+        self.pp.as_ref()
+    }
+
     /// Every weight of the model, full (gathered over tp, and over pp stages), on every rank:
     /// what the hybrid engine hands the rollout and what HF export writes. A collective over
     /// the model-parallel group.

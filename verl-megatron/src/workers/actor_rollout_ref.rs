@@ -186,6 +186,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             &data,
             self.actor.settings().temperature,
             self.actor.settings().log_prob_micro_batch_rows,
+            self.actor.pipeline_group().map(|g| g.as_ref()),
         )
     }
 
@@ -350,6 +351,7 @@ fn reference_log_probs<B: ParallelBackend>(
     data: &DataProto<B>,
     default_temperature: f64,
     micro_batch_rows: usize,
+    pp: Option<&dyn verl_core::traits::Communicator<B>>,
 ) -> Result<DataProto<B>> {
     let temperature = data
         .meta_info
@@ -361,10 +363,19 @@ fn reference_log_probs<B: ParallelBackend>(
     for range in micro_batches(data.len(), micro_batch_rows) {
         let micro = data.slice(range.start, range.end)?;
         let inputs = ModelInputs::from_batch(&micro)?;
-        let logits = inputs.response_outputs(model) / temperature;
         let labels = micro.int::<2>("responses")?;
-        let (log_probs, _) =
-            vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
+        let Some(logits) = inputs.pipelined_outputs(model, pp)? else {
+            // Not collected (MegatronCompute reads the last stage).
+            parts.push(Tensor::zeros(labels.dims(), &labels.device()));
+            continue;
+        };
+        let (log_probs, _) = vocab_parallel_log_probs(
+            logits / temperature,
+            labels,
+            &model.tp,
+            model.vocab_start(),
+            false,
+        );
         parts.push(log_probs);
     }
     let mut result = DataProto::new();
@@ -392,6 +403,12 @@ impl<B: ParallelBackend> Worker for ReferenceWorker<B> {
 impl<B: ParallelBackend> ReferenceWorker<B> {
     /// `ref_log_prob` of the responses (MegatronCompute).
     pub async fn compute_ref_log_prob(&mut self, data: DataProto<B>) -> Result<DataProto<B>> {
-        reference_log_probs(&self.model, &data, self.temperature, self.micro_batch_rows)
+        reference_log_probs(
+            &self.model,
+            &data,
+            self.temperature,
+            self.micro_batch_rows,
+            None,
+        )
     }
 }

@@ -729,3 +729,73 @@ fn pipeline_with_tensor_sequence_and_data_parallel_updates_as_the_single_rank() 
     check_pipeline(Flavour::Qwen2Tied, 4, 2, 1, 2, false);
     check_pipeline(Flavour::OddVocabulary, 2, 2, 2, 1, false);
 }
+
+/// Every layout loads an HF checkpoint by shard (each rank reads only its stage's tensors, and
+/// only its tp shard of each) and gives back the checkpoint's tensors whole on every rank.
+#[test]
+fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
+    let _serial = serial();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for (name, tp, pp) in [
+        ("qwen2", 2, 2),
+        ("qwen2_moe", 2, 2),
+        ("qwen3", 2, 1),
+        ("qwen2", 1, 2),
+    ] {
+        let dir = fixtures.join(name);
+        let cfg = HfModelConfig::from_dir(&dir).unwrap();
+        let ckpt = verl_megatron::hf::HfCheckpoint::open(&dir).unwrap();
+        let topo = Topology::new(
+            ParallelConfig {
+                tp,
+                pp,
+                ..Default::default()
+            },
+            tp * pp,
+        )
+        .unwrap();
+        let split = stage_layers(cfg.num_hidden_layers, pp, None, None).unwrap();
+        let results: Vec<Vec<(String, Vec<f32>)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ProcessGroups::<CpuBackend>::local(&topo)
+                .into_iter()
+                .map(|g| {
+                    let (cfg, ckpt, split) = (&cfg, &ckpt, split.clone());
+                    s.spawn(move || {
+                        let tp = TpGroup::new(g.tp().clone(), false);
+                        let stage = PipelineStageLayout::of(g.pp().rank(), split);
+                        let model = CausalLm::<CpuBackend>::from_checkpoint_stage(
+                            cfg,
+                            ckpt,
+                            &Default::default(),
+                            &tp,
+                            &stage,
+                        )
+                        .unwrap();
+                        model
+                            .export_all_stages(g.pp().as_ref())
+                            .unwrap()
+                            .into_iter()
+                            .map(|t| (t.name, t.values.into_data().to_vec::<f32>().unwrap()))
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, tensors) in results.iter().enumerate() {
+            let expected = ckpt.names().count();
+            assert_eq!(
+                tensors.len(),
+                expected,
+                "{name} tp={tp} pp={pp} rank {rank}"
+            );
+            for (tensor, values) in tensors {
+                let (want, _) = ckpt.read_f32(tensor).unwrap();
+                assert_eq!(
+                    &want, values,
+                    "{name} tp={tp} pp={pp} rank {rank}: {tensor}"
+                );
+            }
+        }
+    }
+}

@@ -16,10 +16,11 @@
 //!   model checkpoints, behind `CheckpointBackend`.
 //!
 //! - [`parallel`]: the in-process `LocalCommunicator` (ranks as threads), the process groups
-//!   of a topology, and the tensor / sequence-parallel region operators (custom autodiff
-//!   operations running the conjugate collective backward).
+//!   of a topology, the tensor / sequence-parallel region operators (custom autodiff
+//!   operations running the conjugate collective backward), and the pipeline stage split and
+//!   1F1B schedule.
 //!
-//! Planned here (see the issue tracker): pipeline, context and expert parallel.
+//! Planned here (see the issue tracker): context and expert parallel.
 
 pub mod checkpoint;
 pub mod error;

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use verl::backend::CpuBackend;
+use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
 use verl::megatron::models::CausalLm;
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler, SamplingParams};
@@ -44,7 +44,7 @@ pub fn rollout(
     let cfg = HfModelConfig::qwen2(dims);
     let device = Default::default();
     let start = Instant::now();
-    let model = CausalLm::<CpuBackend>::init(&cfg, 0.02, 0, &device);
+    let model = CausalLm::<DefaultBackend>::init(&cfg, 0.02, 0, &device);
     let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
     println!(
         "preset {preset_name}: {:.1}M parameters, prompt {prompt_len}, {new_tokens} new tokens, \

@@ -226,15 +226,15 @@ fn generate_cmd(
     raw: bool,
     json: bool,
 ) -> Result<(), String> {
-    use verl::backend::CpuBackend;
+    use verl::backend::DefaultBackend;
     use verl::megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
     use verl::megatron::models::CausalLm;
     use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler};
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
-    let lm =
-        CausalLm::<CpuBackend>::from_checkpoint(&cfg, &ckpt, &device).map_err(|e| e.to_string())?;
+    let lm = CausalLm::<DefaultBackend>::from_checkpoint(&cfg, &ckpt, &device)
+        .map_err(|e| e.to_string())?;
     let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
     let mut texts = Vec::new();
     let mut ids = Vec::new();

@@ -18,7 +18,7 @@ use verl_core::algorithms::advantage::{AdvantageInput, AdvantageRegistry};
 use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::algorithms::kl::{kl_controller, KlController, KlPenalty};
 use verl_core::algorithms::reward::{apply_kl_penalty, token_level_rewards};
-use verl_core::backend::{CpuAutodiff, CpuBackend};
+use verl_core::backend::{DefaultAutodiff, DefaultBackend};
 use verl_core::config::{ValidatedConfig, VerlConfig};
 use verl_core::dispatch::DispatchMode;
 use verl_core::reward_score::default_compute_score;
@@ -73,8 +73,8 @@ pub const MAIN_JOB: &[&str] = &[
     "actor_rollout_ref.actor.optim.clip_grad=1.0",
 ];
 
-type Train = CpuAutodiff;
-type Infer = CpuBackend;
+type Train = DefaultAutodiff;
+type Infer = DefaultBackend;
 
 /// A trainer error: a message naming the setting or file to fix.
 #[derive(Debug, thiserror::Error)]

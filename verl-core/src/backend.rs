@@ -20,3 +20,16 @@ pub type CudaBackend = burn::backend::Cuda<f32, i32>;
 /// [`CudaBackend`] with automatic differentiation.
 #[cfg(feature = "cuda")]
 pub type CudaAutodiff = Autodiff<CudaBackend>;
+
+/// The backend the `verl` binary runs on: burn-cuda when built with the `cuda` feature, else
+/// the CPU default.
+#[cfg(not(feature = "cuda"))]
+pub type DefaultBackend = CpuBackend;
+
+/// The backend the `verl` binary runs on: burn-cuda when built with the `cuda` feature, else
+/// the CPU default.
+#[cfg(feature = "cuda")]
+pub type DefaultBackend = CudaBackend;
+
+/// [`DefaultBackend`] with automatic differentiation.
+pub type DefaultAutodiff = Autodiff<DefaultBackend>;

@@ -227,7 +227,7 @@ impl PipelineStageLayout {
 
 /// What enters a forward pass: token ids (the first pipeline stage) or the previous stage's
 /// hidden states `[batch, seq, hidden]` (a sequence shard with sequence parallelism).
-pub enum StageInput<B: Backend> {
+enum StageInput<B: Backend> {
     Ids(Tensor<B, 2, Int>),
     Hidden(Tensor<B, 3>),
 }
@@ -581,14 +581,14 @@ impl<B: ParallelBackend> CausalLm<B> {
         }
     }
 
-    /// One pipeline stage's forward: token ids on the first stage, the previous stage's
-    /// hidden states elsewhere. Returns the hidden states for the next stage, or on the last
-    /// stage the outputs of positions `start..start + len` (as [`Self::forward_window`]).
-    /// `input_ids` (for its shape), `attention_mask` and `position_ids` are the micro-batch's
-    /// on every stage.
+    /// One pipeline stage's forward: token ids on the first stage (`hidden` = `None`), the
+    /// previous stage's hidden states elsewhere. Returns the hidden states for the next stage,
+    /// or on the last stage (a whole model is one) the outputs of positions
+    /// `start..start + len`. `input_ids` (for its shape), `attention_mask` and `position_ids`
+    /// are the micro-batch's on every stage.
     pub fn forward_stage(
         &self,
-        input: StageInput<B>,
+        hidden: Option<Tensor<B, 3>>,
         input_ids: Tensor<B, 2, Int>,
         attention_mask: Option<Tensor<B, 2>>,
         position_ids: Option<Tensor<B, 2, Int>>,
@@ -607,9 +607,9 @@ impl<B: ParallelBackend> CausalLm<B> {
         let padded = input_ids.dims()[1];
         let (cos, sin) = self.rope.tables(&positions);
         let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
-        let input = match input {
-            StageInput::Ids(_) => StageInput::Ids(input_ids),
-            hidden => hidden,
+        let input = match hidden {
+            Some(h) => StageInput::Hidden(h),
+            None => StageInput::Ids(input_ids),
         };
         let h = self.decoder(input, &bias, &cos, &sin, CacheMode::None);
         if self.stage.is_last() {
@@ -643,26 +643,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         start: usize,
         len: usize,
     ) -> Tensor<B, 3> {
-        let [b, t] = input_ids.dims();
-        let device = input_ids.device();
-        let positions = position_ids.unwrap_or_else(|| {
-            Tensor::<B, 1, Int>::arange(0..t as i64, &device)
-                .unsqueeze_dim::<2>(0)
-                .repeat_dim(0, b)
-        });
-        let (input_ids, attention_mask, positions) =
-            self.pad_for_sequence_parallel(input_ids, attention_mask, positions);
-        let padded = input_ids.dims()[1];
-        let (cos, sin) = self.rope.tables(&positions);
-        let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
-        let h = self.decoder(
-            StageInput::Ids(input_ids),
-            &bias,
-            &cos,
-            &sin,
-            CacheMode::None,
-        );
-        self.head(h, Some((start, len)))
+        self.forward_stage(None, input_ids, attention_mask, position_ids, start, len)
     }
 
     /// With sequence parallelism the sequence must split evenly over the tp ranks: pads the

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -22,8 +22,8 @@ use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
+use super::stage::train_micro_batches;
 use crate::models::{vocab_parallel_log_probs, CausalLm};
-use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// The actor's update settings, resolved from `actor_rollout_ref.actor` (row counts per rank).
@@ -211,30 +211,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         kind: StageLoss,
         metrics: &mut Metrics,
     ) -> Result<(GradientsParams, f64)> {
-        let mut stage = ActorStage {
-            actor: self,
-            micros,
-            kind,
-            metrics: Metrics::default(),
-            total: 0.0,
-            acc: GradientsAccumulator::new(),
-        };
-        match self.pp.clone() {
-            None => {
-                for mb in 0..micros.len() {
-                    let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
-                        unreachable!("a whole model ends in a loss")
-                    };
-                    stage.accumulate(loss.backward());
-                }
-            }
-            Some(pp) => {
-                let device = micros[0].int::<2>("input_ids")?.device();
-                run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
-            }
-        }
-        metrics.extend(stage.metrics);
-        Ok((stage.acc.grads(), stage.total))
+        let mut total = 0.0;
+        let grads = train_micro_batches(self.model(), micros, self.pp.as_ref(), |micro, out| {
+            let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
+            total += value;
+            Ok(loss)
+        })?;
+        Ok((grads, total))
     }
 
     /// Log-probs of `labels` (and entropy) from `model`'s logits, vocabulary-parallel when the
@@ -417,54 +400,6 @@ enum StageLoss {
     Ppo { scale: AggScale, temperature: f64 },
     /// The supervised warm-up: negative log-likelihood over `tokens` response tokens.
     Sft { tokens: f64 },
-}
-
-/// The actor's model as one stage of the 1F1B schedule over a mini-batch's micro-batches (the
-/// whole model, and so the loss, without pipeline parallelism).
-struct ActorStage<'a, B: ParallelAutodiffBackend> {
-    actor: &'a MegatronActor<B>,
-    micros: &'a [DataProto<B::InnerBackend>],
-    kind: StageLoss,
-    metrics: Metrics,
-    total: f64,
-    acc: GradientsAccumulator<CausalLm<B>>,
-}
-
-impl<B: ParallelAutodiffBackend> PipelineStage<B> for ActorStage<'_, B> {
-    fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
-        let micro = &self.micros[mb];
-        let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
-        let model = self.actor.model();
-        let out = inputs.stage_outputs(model, input);
-        if !model.stage.is_last() {
-            return Ok(StageOutput::Activation(out));
-        }
-        let (loss, value) = self
-            .actor
-            .stage_loss(micro, out, self.kind, &mut self.metrics)?;
-        self.total += value;
-        Ok(StageOutput::Loss(loss.reshape([1])))
-    }
-
-    fn input_shape(&self, mb: usize) -> [usize; 3] {
-        let dims = self.micros[mb]
-            .int::<2>("input_ids")
-            .map(|t| t.dims())
-            .unwrap_or([0, 0]);
-        self.actor.model().stage_input_shape(dims[0], dims[1])
-    }
-
-    fn before_backward(&mut self) -> Result<()> {
-        match self.actor.model().tp.comm::<B::InnerBackend>() {
-            Some(tp) if tp.world_size() > 1 && self.actor.pp.is_some() => Ok(tp.barrier()?),
-            _ => Ok(()),
-        }
-    }
-
-    fn accumulate(&mut self, grads: B::Gradients) {
-        let grads = GradientsParams::from_grads(grads, self.actor.model());
-        self.acc.accumulate(self.actor.model(), grads);
-    }
 }
 
 #[async_trait(?Send)]

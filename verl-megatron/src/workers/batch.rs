@@ -6,7 +6,6 @@ use burn::tensor::{Int, TensorData};
 use verl_core::traits::Communicator;
 use verl_core::DataProto;
 
-use crate::models::causal_lm::StageInput;
 use crate::models::CausalLm;
 use crate::parallel::ParallelBackend;
 
@@ -91,10 +90,6 @@ impl<B: ParallelBackend> ModelInputs<B> {
     pub fn stage_outputs(&self, model: &CausalLm<B>, input: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
         let t = self.input_ids.dims()[1];
         let r = self.response_len;
-        let input = match input {
-            Some(h) => StageInput::Hidden(h),
-            None => StageInput::Ids(self.input_ids.clone()),
-        };
         model.forward_stage(
             input,
             self.input_ids.clone(),

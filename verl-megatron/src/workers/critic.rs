@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -18,8 +17,8 @@ use verl_core::{DataProto, Metrics, Result};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
+use super::stage::train_micro_batches;
 use crate::models::CausalLm;
-use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::ParallelAutodiffBackend;
 
 /// The critic's update settings (row counts per rank).
@@ -101,6 +100,41 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         self.optim = self.optim.with_data_parallel(comm.clone(), bucket_elems);
         self.dp = Some(comm);
         self
+    }
+
+    /// The clipped value loss of one micro-batch from its response-window outputs (the value
+    /// head's); pushes the micro-batch's metrics and returns the loss with its value.
+    fn value_loss_of(
+        &self,
+        micro: &DataProto<B::InnerBackend>,
+        out: Tensor<B, 3>,
+        scale: AggScale,
+        metrics: &mut Metrics,
+    ) -> Result<(Tensor<B, 1>, f64)> {
+        let [b, r, _] = out.dims();
+        let vpreds = out.reshape([b, r]);
+        let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
+        let values = Tensor::<B, 2>::from_inner(float_col(micro, "values")?);
+        let returns = Tensor::<B, 2>::from_inner(float_col(micro, "returns")?);
+        metrics.push(
+            "critic/vpred_mean",
+            masked_mean(vpreds.clone().inner(), mask.clone().inner())
+                .into_scalar()
+                .elem::<f64>(),
+        );
+        let s = &self.settings;
+        let (loss, clipfrac) = value_loss(
+            vpreds,
+            returns,
+            values,
+            mask,
+            s.cliprange_value,
+            s.loss_agg_mode,
+            scale,
+        )?;
+        metrics.push("critic/vf_clipfrac", clipfrac);
+        let value = loss.clone().into_scalar().elem::<f64>();
+        Ok((loss, value))
     }
 
     /// The critic's checkpoint state: weights, optimizer and update counter.
@@ -191,32 +225,15 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
                     .into_iter()
                     .map(|r| mini.slice(r.start, r.end))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
-                let mut stage = CriticStage {
-                    critic: self,
-                    micros: &micros,
-                    scale,
-                    metrics: Metrics::default(),
-                    total: 0.0,
-                    acc: GradientsAccumulator::new(),
-                };
-                match self.pp.clone() {
-                    None => {
-                        for mb in 0..micros.len() {
-                            let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
-                                unreachable!("a whole model ends in a loss")
-                            };
-                            stage.accumulate(loss.backward());
-                        }
-                    }
-                    Some(pp) => {
-                        let device = micros[0].int::<2>("input_ids")?.device();
-                        run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
-                    }
-                }
-                let (mut acc, total) = (stage.acc, stage.total);
-                metrics.extend(stage.metrics);
+                let mut total = 0.0;
+                let grads =
+                    train_micro_batches(self.model(), &micros, self.pp.as_ref(), |micro, out| {
+                        let (loss, value) = self.value_loss_of(micro, out, scale, &mut metrics)?;
+                        total += value;
+                        Ok(loss)
+                    })?;
                 let model = self.model.take().expect("model present");
-                let (model, report) = self.optim.step(model, acc.grads());
+                let (model, report) = self.optim.step(model, grads);
                 self.model = Some(model);
                 let report = report?;
                 if self.model().stage.is_last() {
@@ -231,72 +248,5 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
         }
         self.updates += 1;
         Ok(metrics)
-    }
-}
-
-/// The critic's model as one stage of the 1F1B schedule (the whole model without pipeline
-/// parallelism): the clipped value loss on the last stage.
-struct CriticStage<'a, B: ParallelAutodiffBackend> {
-    critic: &'a MegatronCritic<B>,
-    micros: &'a [DataProto<B::InnerBackend>],
-    scale: AggScale,
-    metrics: Metrics,
-    total: f64,
-    acc: GradientsAccumulator<CausalLm<B>>,
-}
-
-impl<B: ParallelAutodiffBackend> PipelineStage<B> for CriticStage<'_, B> {
-    fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
-        let micro = &self.micros[mb];
-        let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
-        let model = self.critic.model();
-        let out = inputs.stage_outputs(model, input);
-        if !model.stage.is_last() {
-            return Ok(StageOutput::Activation(out));
-        }
-        let [b, r, _] = out.dims();
-        let vpreds = out.reshape([b, r]);
-        let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
-        let values = Tensor::<B, 2>::from_inner(float_col(micro, "values")?);
-        let returns = Tensor::<B, 2>::from_inner(float_col(micro, "returns")?);
-        self.metrics.push(
-            "critic/vpred_mean",
-            masked_mean(vpreds.clone().inner(), mask.clone().inner())
-                .into_scalar()
-                .elem::<f64>(),
-        );
-        let s = &self.critic.settings;
-        let (loss, clipfrac) = value_loss(
-            vpreds,
-            returns,
-            values,
-            mask,
-            s.cliprange_value,
-            s.loss_agg_mode,
-            self.scale,
-        )?;
-        self.total += loss.clone().into_scalar().elem::<f64>();
-        self.metrics.push("critic/vf_clipfrac", clipfrac);
-        Ok(StageOutput::Loss(loss.reshape([1])))
-    }
-
-    fn input_shape(&self, mb: usize) -> [usize; 3] {
-        let dims = self.micros[mb]
-            .int::<2>("input_ids")
-            .map(|t| t.dims())
-            .unwrap_or([0, 0]);
-        self.critic.model().stage_input_shape(dims[0], dims[1])
-    }
-
-    fn before_backward(&mut self) -> Result<()> {
-        match self.critic.model().tp.comm::<B::InnerBackend>() {
-            Some(tp) if tp.world_size() > 1 && self.critic.pp.is_some() => Ok(tp.barrier()?),
-            _ => Ok(()),
-        }
-    }
-
-    fn accumulate(&mut self, grads: B::Gradients) {
-        let grads = GradientsParams::from_grads(grads, self.critic.model());
-        self.acc.accumulate(self.critic.model(), grads);
     }
 }

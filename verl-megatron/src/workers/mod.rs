@@ -8,6 +8,7 @@ pub mod batch;
 pub mod critic;
 pub mod optim;
 pub mod reward_model;
+mod stage;
 mod state;
 
 pub use actor::{ActorSettings, MegatronActor};

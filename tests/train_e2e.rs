@@ -93,8 +93,9 @@ fn grpo_raises_the_score() {
     let early = mean_of(&steps[..10], "critic/score/mean");
     let late = mean_of(&steps[70..], "critic/score/mean");
     assert!(late > early + 0.05, "training score {early:.3} → {late:.3}");
+    // Validation rises by a margin, or (when the warm-up already got close) ends at the ceiling.
     assert!(
-        after > before + 0.05,
+        after > before + 0.05 || (after >= 0.99 && after >= before),
         "validation score {before:.3} → {after:.3}"
     );
 }

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use burn::prelude::*;
@@ -89,11 +89,39 @@ impl LocalCommunicator {
             .collect()
     }
 
-    fn lock(&self) -> Result<std::sync::MutexGuard<'_, HubState>, CommError> {
+    fn lock(&self) -> Result<MutexGuard<'_, HubState>, CommError> {
         self.hub
             .state
             .lock()
             .map_err(|_| CommError::PeerGone("a rank panicked inside a collective".into()))
+    }
+
+    /// Waits on the hub until `ready` answers (a value, or a departed peer's error), at most the
+    /// peer timeout (then the error names `waiting_for`); returns the answer and the lock.
+    fn wait_for<'a, T>(
+        &'a self,
+        mut st: MutexGuard<'a, HubState>,
+        waiting_for: impl Fn() -> String,
+        mut ready: impl FnMut(&mut HubState) -> Option<Result<T, CommError>>,
+    ) -> Result<(T, MutexGuard<'a, HubState>), CommError> {
+        let (start, timeout) = (Instant::now(), peer_timeout());
+        loop {
+            if let Some(answer) = ready(&mut st) {
+                return answer.map(|v| (v, st));
+            }
+            if start.elapsed() > timeout {
+                return Err(CommError::PeerGone(format!(
+                    "waited {timeout:?} for {}",
+                    waiting_for()
+                )));
+            }
+            st = self
+                .hub
+                .changed
+                .wait_timeout(st, Duration::from_millis(200))
+                .map_err(|_| CommError::PeerGone("a rank panicked".into()))?
+                .0;
+        }
     }
 
     /// Deposits this rank's payload for the next collective and returns every rank's.
@@ -104,30 +132,21 @@ impl LocalCommunicator {
         st.rounds.entry(seq).or_insert_with(|| (vec![None; n], 0)).0[self.rank] =
             Some(Arc::new(payload));
         self.hub.changed.notify_all();
-        let start = Instant::now();
-        loop {
-            let (slots, _) = &st.rounds[&seq];
-            if slots.iter().all(Option::is_some) {
-                break;
-            }
-            if let Some(r) = (0..n).find(|&r| slots[r].is_none() && st.gone[r]) {
-                return Err(CommError::PeerGone(format!(
-                    "rank {r} left before collective #{seq}"
-                )));
-            }
-            if start.elapsed() > peer_timeout() {
-                return Err(CommError::PeerGone(format!(
-                    "collective #{seq}: waited {:?} for the other ranks (do all ranks make the same calls?)",
-                    peer_timeout()
-                )));
-            }
-            st = self
-                .hub
-                .changed
-                .wait_timeout(st, Duration::from_millis(200))
-                .map_err(|_| CommError::PeerGone("a rank panicked".into()))?
-                .0;
-        }
+        let ((), mut st) = self.wait_for(
+            st,
+            || format!("the other ranks in collective #{seq} (do all ranks make the same calls?)"),
+            |st| {
+                let (slots, _) = &st.rounds[&seq];
+                if slots.iter().all(Option::is_some) {
+                    return Some(Ok(()));
+                }
+                (0..n).find(|&r| slots[r].is_none() && st.gone[r]).map(|r| {
+                    Err(CommError::PeerGone(format!(
+                        "rank {r} left before collective #{seq}"
+                    )))
+                })
+            },
+        )?;
         let round = st.rounds.get_mut(&seq).expect("round present");
         let all: Vec<Payload> = round.0.iter().map(|p| p.clone().expect("full")).collect();
         round.1 += 1;
@@ -271,41 +290,30 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
 
     fn recv(&self, src: usize, len: usize, device: &B::Device) -> Result<Tensor<B, 1>, CommError> {
         self.check_rank(src)?;
-        let start = Instant::now();
-        let mut st = self.lock()?;
-        loop {
-            if let Some(v) = st
-                .mail
-                .get_mut(&(src, self.rank))
-                .and_then(VecDeque::pop_front)
-            {
-                if v.len() != len {
-                    return Err(CommError::Shape(format!(
-                        "rank {src} sent {} elements, rank {} expected {len}",
-                        v.len(),
-                        self.rank
-                    )));
+        let st = self.lock()?;
+        let me = self.rank;
+        let (v, st) = self.wait_for(
+            st,
+            || format!("rank {src} to send"),
+            |st| {
+                if let Some(v) = st.mail.get_mut(&(src, me)).and_then(VecDeque::pop_front) {
+                    return Some(Ok(v));
                 }
-                return Ok(device_tensor(v, device));
-            }
-            if st.gone[src] {
-                return Err(CommError::PeerGone(format!(
-                    "rank {src} left without sending"
-                )));
-            }
-            if start.elapsed() > peer_timeout() {
-                return Err(CommError::PeerGone(format!(
-                    "waited {:?} for rank {src} to send",
-                    peer_timeout()
-                )));
-            }
-            st = self
-                .hub
-                .changed
-                .wait_timeout(st, Duration::from_millis(200))
-                .map_err(|_| CommError::PeerGone("a rank panicked".into()))?
-                .0;
+                st.gone[src].then(|| {
+                    Err(CommError::PeerGone(format!(
+                        "rank {src} left without sending"
+                    )))
+                })
+            },
+        )?;
+        drop(st);
+        if v.len() != len {
+            return Err(CommError::Shape(format!(
+                "rank {src} sent {} elements, rank {me} expected {len}",
+                v.len()
+            )));
         }
+        Ok(device_tensor(v, device))
     }
 
     fn all_to_all(

@@ -220,22 +220,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             dist.save(&req.dir.join("ref"), &r, CheckpointContents::MODEL)
                 .await?;
         }
-        if req.hf.is_some() {
-            // Full tensors: gathered over the tensor-parallel group (every rank takes part),
-            // written once.
-            let full = self.actor.full_weights()?;
-            if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
-                state.optimizer.clear();
-                state.model = full;
-                hf.save(
-                    &req.dir.join("huggingface"),
-                    &state,
-                    CheckpointContents::MODEL,
-                )
-                .await?;
-            }
-        }
-        Ok(())
+        save_hf_copy(&req, self.coords.rank, state, || self.actor.full_weights()).await
     }
 
     /// Restores what [`Self::save_checkpoint`] wrote (OneToAll: each rank reads its shard).
@@ -304,24 +289,11 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
     /// Saves this rank's critic (weights, optimizer, counters) under `req.dir/dist_ckpt`, and
     /// on rank 0 the value model in HF layout when asked (OneToAll).
     pub async fn save_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
-        let mut state = self.critic.checkpoint_state(req.contents);
+        let state = self.critic.checkpoint_state(req.contents);
         DistCheckpoint::new(self.coords.rank)
             .save(&req.dist(), &state, req.contents)
             .await?;
-        if req.hf.is_some() {
-            let full = self.critic.full_weights()?;
-            if let (Some(hf), 0) = (&req.hf, self.coords.rank) {
-                state.optimizer.clear();
-                state.model = full;
-                hf.save(
-                    &req.dir.join("huggingface"),
-                    &state,
-                    CheckpointContents::MODEL,
-                )
-                .await?;
-            }
-        }
-        Ok(())
+        save_hf_copy(&req, self.coords.rank, state, || self.critic.full_weights()).await
     }
 
     /// Restores what [`Self::save_checkpoint`] wrote (OneToAll).
@@ -346,6 +318,31 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
 
 /// `ref_log_prob` of the responses under a frozen policy: logits over the response window,
 /// divided by the rollout temperature (`meta_info["temperature"]`, else `default_temperature`).
+/// When `req` asks for an HF copy: the full weights (`full`, a collective over the model-parallel
+/// group, so every rank computes them) written once, by rank 0, with `state`'s extra.
+async fn save_hf_copy<B: Backend>(
+    req: &CheckpointRequest,
+    rank: usize,
+    mut state: CheckpointState<B>,
+    full: impl FnOnce() -> Result<Vec<verl_core::NamedTensor<B>>>,
+) -> Result<()> {
+    let Some(hf) = &req.hf else {
+        return Ok(());
+    };
+    let full = full()?;
+    if rank == 0 {
+        state.optimizer.clear();
+        state.model = full;
+        hf.save(
+            &req.dir.join("huggingface"),
+            &state,
+            CheckpointContents::MODEL,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 fn reference_log_probs<B: ParallelBackend>(
     model: &CausalLm<B>,
     data: &DataProto<B>,

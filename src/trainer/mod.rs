@@ -27,6 +27,7 @@ use verl_core::worker::WorkerGroup;
 use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
+use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::pipeline::stage_layers;
@@ -85,6 +86,19 @@ pub enum TrainError {
     Core(#[from] verl_core::Error),
     #[error(transparent)]
     Data(#[from] verl_core::error::DataProtoError),
+}
+
+/// A `dtype` setting as the compute dtype of the binary's backend: `auto` is bfloat16 on
+/// burn-cuda and float32 on the CPU default (where bf16 is emulated, and slower).
+fn compute_dtype(value: &str, field: &str) -> Result<ComputeDtype, TrainError> {
+    let auto = if cfg!(feature = "cuda") {
+        ComputeDtype::Bf16
+    } else {
+        ComputeDtype::F32
+    };
+    Ok(ComputeDtype::parse(value, field)
+        .map_err(setup)?
+        .unwrap_or(auto))
 }
 
 fn setup(e: impl std::fmt::Display) -> TrainError {
@@ -478,6 +492,14 @@ impl PpoTrainer {
         let sequence_parallel = layout.sequence_parallel_active();
         let actor_groups = rank_groups(&topo);
         let distributed_actor = actor_cfg.megatron.use_distributed_optimizer;
+        let actor_dtype = compute_dtype(
+            &actor_cfg.megatron.dtype,
+            "actor_rollout_ref.actor.megatron.dtype",
+        )?;
+        let rollout_dtype = compute_dtype(
+            &cfg.actor_rollout_ref.rollout.dtype,
+            "actor_rollout_ref.rollout.dtype",
+        )?;
         let seed = cfg.trainer.seed;
         let actor_optim = actor_cfg.optim.clone();
         let free_cache = cfg.actor_rollout_ref.rollout.free_cache_engine;
@@ -494,7 +516,8 @@ impl PpoTrainer {
             let model: CausalLm<Train> = match &ckpt {
                 None => CausalLm::init_stage(&mcfg, 0.02, seed, &device, &tp, &stage)?,
                 Some(c) => CausalLm::from_checkpoint_stage(&mcfg, c, &device, &tp, &stage)?,
-            };
+            }
+            .with_compute_dtype(actor_dtype);
             let inner = burn::module::AutodiffModule::valid(&model);
             // The rollout engine runs the whole model on each rank (rollout tp = 1): the
             // hybrid engine gathers the actor's shards into it before every generation.
@@ -505,7 +528,8 @@ impl PpoTrainer {
                 }
             } else {
                 inner.clone()
-            };
+            }
+            .with_compute_dtype(rollout_dtype);
             let rollout = NativeRollout::new(mcfg.clone(), rollout_model, engine.clone(), device)
                 .map_err(verl_core::Error::from)?;
             let optim = ModelOptimizer::new(&actor_optim, optim_steps)?
@@ -575,6 +599,7 @@ impl PpoTrainer {
             let sequence_parallel = layout.sequence_parallel_active();
             let critic_groups = rank_groups(&topo);
             let distributed_critic = c.megatron.use_distributed_optimizer;
+            let critic_dtype = compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?;
             Some(WorkerGroup::spawn(world, move |ctx| {
                 let device = Default::default();
                 let groups = take_groups(&critic_groups, ctx.rank)?;
@@ -587,7 +612,8 @@ impl PpoTrainer {
                     &device,
                     &tp,
                     &stage,
-                )?;
+                )?
+                .with_compute_dtype(critic_dtype);
                 let mut critic = MegatronCritic::new(
                     model,
                     ModelOptimizer::new(&optim_cfg, critic_steps)?

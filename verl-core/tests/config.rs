@@ -54,11 +54,17 @@ fn overrides_parse_values_by_type() {
         "trainer.logger=[console, jsonl]",
         "actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B",
         "actor_rollout_ref.model.override_config.attention_dropout=0.0",
+        // A free-form map takes new keys after earlier ones (a preset's) filled it.
+        "actor_rollout_ref.model.override_config.hidden_size=896",
         "actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3",
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
     ])
     .unwrap();
     let a = &c.actor_rollout_ref.actor;
+    assert_eq!(
+        c.actor_rollout_ref.model.override_config["hidden_size"],
+        896
+    );
     assert_eq!(a.optim.lr, 1e-6);
     assert_eq!(a.optim.betas, [0.9, 0.95]);
     assert_eq!(c.trainer.logger, vec!["console", "jsonl"]);

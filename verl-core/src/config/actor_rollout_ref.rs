@@ -243,6 +243,8 @@ pub struct RolloutConfig {
     pub prompt_length: Option<usize>,
     /// `None`: `data.max_response_length`.
     pub response_length: Option<usize>,
+    /// The compute dtype of generation: `bfloat16`, `float32` or `auto` (bfloat16 on GPUs,
+    /// float32 on the CPU backend).
     pub dtype: String,
     /// Fraction of device memory the KV cache may use (on the CPU default: of the memory
     /// available when the engine starts). Ignored when `kv_cache_tokens` is set.
@@ -280,7 +282,7 @@ impl Default for RolloutConfig {
             top_p: 1.0,
             prompt_length: None,
             response_length: None,
-            dtype: "bfloat16".into(),
+            dtype: "auto".into(),
             gpu_memory_utilization: 0.5,
             kv_cache_tokens: None,
             ignore_eos: false,

@@ -26,6 +26,10 @@ pub struct MegatronConfig {
     pub override_transformer_config: Map<String, Value>,
     /// Load and save Hugging Face checkpoints directly (always on in verl-rs; kept for config compatibility).
     pub use_mbridge: bool,
+    /// The compute dtype of the matrix products: `bfloat16` (f32 master weights, f32 optimizer
+    /// state, f32 log-probs and losses), `float32`, or `auto` (bfloat16 on GPUs, float32 on the
+    /// CPU backend, where bf16 is emulated and slower).
+    pub dtype: String,
 }
 
 impl Default for MegatronConfig {
@@ -47,6 +51,7 @@ impl Default for MegatronConfig {
             seed: 42,
             override_transformer_config: Map::new(),
             use_mbridge: true,
+            dtype: "auto".into(),
         }
     }
 }

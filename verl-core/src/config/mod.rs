@@ -217,8 +217,11 @@ fn unknown_key(path: &str, key: &str, valid: &Map<String, Value>) -> ConfigError
     }
 }
 
-/// Refuses keys of `user` that the defaults tree does not have. An empty map in the defaults is
-/// free-form (e.g. `override_config`) and takes any keys.
+/// Maps that take any keys, whatever a preset (such as the main job's) already put in them.
+const FREE_FORM: &[&str] = &["override_config", "override_transformer_config"];
+
+/// Refuses keys of `user` that the defaults tree does not have. An empty map in the defaults, or
+/// one of the [`FREE_FORM`] maps, takes any keys.
 fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
     let (Value::Object(d), Value::Object(u)) = (defaults, user) else {
         return Ok(());
@@ -227,6 +230,9 @@ fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
         return Ok(());
     }
     for (k, v) in u {
+        if FREE_FORM.contains(&k.as_str()) {
+            continue;
+        }
         match d.get(k) {
             None => return Err(unknown_key(path, k, d)),
             Some(dv) => check_keys(
@@ -286,7 +292,9 @@ pub fn apply_override(tree: &mut Value, text: &str) -> Result<()> {
     let mut path = String::new();
     for (i, part) in parts.iter().enumerate() {
         let last = i + 1 == parts.len();
-        let free_form = matches!(node, Value::Object(m) if m.is_empty());
+        let free_form = matches!(node, Value::Object(m) if m.is_empty())
+            || i.checked_sub(1)
+                .is_some_and(|p| FREE_FORM.contains(&parts[p]));
         if node.is_null() {
             *node = Value::Object(Map::new());
         }

@@ -37,9 +37,7 @@ fn affine<B: Backend, const D: usize>(
     let in_features = dims[D - 1];
     let rows: usize = dims[..D - 1].iter().product();
     let [out_features, _] = weight.dims();
-    let mut y = x
-        .reshape([rows, in_features])
-        .matmul(weight.clone().transpose());
+    let mut y = super::precision::linear(x.reshape([rows, in_features]), weight.clone());
     if let Some(b) = bias {
         y = y + b.clone().unsqueeze_dim(0);
     }

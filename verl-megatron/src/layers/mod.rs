@@ -7,6 +7,7 @@
 mod embedding;
 mod linear;
 mod norm;
+pub mod precision;
 mod rope;
 
 pub use embedding::VocabParallelEmbedding;

@@ -5,7 +5,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
 use super::kv_cache::{LayerKv, SlotKvCache};
-use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
+use crate::layers::{precision, ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 use crate::parallel::{ParallelBackend, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
@@ -101,10 +101,9 @@ impl<B: ParallelBackend> Attention<B> {
                 .repeat_dim(2, rep)
                 .reshape([b, 1, rep * t, keys])
         };
-        let scores = q.matmul(k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
+        let scores = precision::matmul(q, k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
         let probs = softmax(scores, 3);
-        let out = probs
-            .matmul(v)
+        let out = precision::matmul(probs, v)
             .reshape([b, nh, t, hd])
             .swap_dims(1, 2)
             .reshape([b, t, nh * hd]);

@@ -16,6 +16,7 @@ use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
 use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
+use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
@@ -165,6 +166,10 @@ pub struct CausalLm<B: Backend> {
     pub tie_word_embeddings: bool,
     #[module(skip)]
     pub config: HfModelConfig,
+    /// The dtype of the matrix products (parameters stay f32): see
+    /// [`crate::layers::precision`].
+    #[module(skip)]
+    pub compute_dtype: ComputeDtype,
 }
 
 /// Which part of the model a pipeline stage holds.
@@ -270,6 +275,13 @@ impl<B: ParallelBackend> CausalLm<B> {
     ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
         Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp, stage)
+    }
+
+    /// Runs this model's matrix products in `dtype` (the weights stay f32): see
+    /// [`crate::layers::precision`].
+    pub fn with_compute_dtype(mut self, dtype: ComputeDtype) -> Self {
+        self.compute_dtype = dtype;
+        self
     }
 
     /// A freshly initialised model (training from scratch): weights drawn from
@@ -538,6 +550,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             vocab_size: cfg.vocab_size,
             stage: stage.clone(),
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
+            compute_dtype: ComputeDtype::F32,
             config: cfg.clone(),
         })
     }
@@ -750,6 +763,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             !self.tp.sequence_parallel || matches!(mode, CacheMode::None),
             "sequence parallelism is for training passes; generation runs without it"
         );
+        let _precision = precision::enter(self.compute_dtype);
         let mut h = match input {
             StageInput::Ids(ids) => self.embedding().forward(ids),
             StageInput::Hidden(h) => h,
@@ -793,6 +807,7 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// positions when given: the score head when present, else the LM head (or the tied
     /// embedding) on this rank's vocabulary shard.
     fn head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
+        let _precision = precision::enter(self.compute_dtype);
         let cut = |h: Tensor<B, 3>| match window {
             Some((start, len)) => h.narrow(1, start, len),
             None => h,
@@ -814,9 +829,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 let [b, t, hidden] = h.dims();
                 let w = self.embedding().weight.val();
                 let [vocab, _] = w.dims();
-                h.reshape([b * t, hidden])
-                    .matmul(w.transpose())
-                    .reshape([b, t, vocab])
+                precision::linear(h.reshape([b * t, hidden]), w).reshape([b, t, vocab])
             }
         };
         let (_, real, per) = self.tp.vocab_part(self.vocab_size);

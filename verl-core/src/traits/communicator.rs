@@ -82,7 +82,7 @@ pub trait CommunicatorExt<B: Backend>: Communicator<B> {
         tensor: Tensor<B, D>,
         dim: usize,
     ) -> Result<Tensor<B, D>, CommError> {
-        let shapes = self.all_gather_shapes(&tensor.dims())?;
+        let shapes = self.all_gather_shapes(&tensor.dims(), &tensor.device())?;
         let parts = self.all_gather(tensor.flatten(0, D - 1))?;
         let parts = parts
             .into_iter()
@@ -116,14 +116,14 @@ pub trait CommunicatorExt<B: Backend>: Communicator<B> {
     }
 
     /// Every rank's `dims` (to gather tensors whose sizes differ between ranks, pad to the
-    /// largest first).
+    /// largest first), exchanged through a small tensor on `device`.
     fn all_gather_shapes<const D: usize>(
         &self,
         dims: &[usize; D],
+        device: &B::Device,
     ) -> Result<Vec<[usize; D]>, CommError> {
-        let device = Default::default();
         let local: Vec<f32> = dims.iter().map(|&d| d as f32).collect();
-        let all = self.all_gather(Tensor::<B, 1>::from_floats(local.as_slice(), &device))?;
+        let all = self.all_gather(Tensor::<B, 1>::from_floats(local.as_slice(), device))?;
         Ok(all
             .into_iter()
             .map(|t| {

@@ -282,8 +282,10 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         sharded_total: 0.0,
     };
     model.visit(&mut v);
+    // On the model's device: a communicator may only reach its own GPU's memory.
+    let device = model.devices().into_iter().next().unwrap_or_default();
     let sum = |comm: &GroupHandle<B::InnerBackend>, x: f64| -> Result<f64, MegatronError> {
-        let t = Tensor::<B::InnerBackend, 1>::from_floats([x as f32], &Default::default());
+        let t = Tensor::<B::InnerBackend, 1>::from_floats([x as f32], &device);
         Ok(comm
             .all_reduce(t, ReduceOp::Sum)?
             .into_scalar()

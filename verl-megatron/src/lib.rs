@@ -23,6 +23,8 @@
 //! Planned here (see the issue tracker): context and expert parallel.
 
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod hf;
 pub mod layers;

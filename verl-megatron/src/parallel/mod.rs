@@ -1,11 +1,13 @@
 //! Parallelism over the `Communicator` trait: the in-process communicator that simulates ranks
 //! on CPU, the process groups of a topology, the tensor-parallel region operators whose
-//! backward passes run the conjugate collectives, and the pipeline schedule.
+//! backward passes run the conjugate collectives, the pipeline schedule, and the rendezvous
+//! through which the processes of a multi-process job meet.
 
 mod groups;
 mod local;
 pub mod pipeline;
 mod region;
+mod rendezvous;
 
 pub use groups::ProcessGroups;
 pub use local::LocalCommunicator;
@@ -13,3 +15,4 @@ pub use region::{
     run_collective, Collective, CommHandle, ParallelAutodiffBackend, ParallelBackend, Region,
     TpGroup,
 };
+pub use rendezvous::{Rendezvous, RENDEZVOUS_TIMEOUT};

@@ -1,0 +1,28 @@
+//! burn-cuda specifics (feature `cuda`): the GPUs of a node, raw access to burn-cuda buffers for
+//! libraries that take device pointers, the NCCL communicator, and a cuBLASLt matrix product.
+//!
+//! The ranks of one process each drive their own GPU ([`rank_device`]); everything here loads
+//! the CUDA driver and libraries at run time, so the `cuda` feature builds without CUDA.
+
+pub mod buffer;
+pub mod cublaslt;
+pub mod nccl;
+
+pub use buffer::DeviceBuffer;
+pub use cublaslt::CublasLt;
+pub use nccl::{NcclCommunicator, NcclId, NcclIdExchange};
+
+use burn::backend::cuda::CudaDevice;
+
+/// The CUDA devices visible to this process (0 when the driver is missing).
+pub fn device_count() -> usize {
+    cudarc::driver::CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+/// The GPU a local rank drives: rank `r` of a node uses device `r` modulo the devices visible,
+/// so a layout with more ranks than GPUs still runs (ranks then share devices).
+pub fn rank_device(local_rank: usize) -> CudaDevice {
+    CudaDevice::new(local_rank % device_count().max(1))
+}

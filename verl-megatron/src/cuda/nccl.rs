@@ -1,0 +1,452 @@
+//! [`NcclCommunicator`]: the [`Communicator`] trait over NCCL, on burn-cuda device buffers with
+//! no host copies.
+//!
+//! One communicator per rank and process group. Ranks may be threads of one process (one GPU
+//! each: [`NcclId::new`] once, shared with the members) or processes on one or more nodes
+//! ([`NcclIdExchange::from_env`]: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, with each
+//! group's id handed out over TCP by the job's rank 0).
+//!
+//! Each call follows [`super::buffer`]'s protocol: the buffers are resolved, burn's stream is
+//! waited for, the collective runs on the communicator's own stream, and that stream is waited
+//! for before the result goes back to burn. Calls block like the in-process communicator's.
+//!
+//! libnccl is loaded at run time by cudarc, which looks for `libnccl.so` (not NCCL's soname
+//! `libnccl.so.2`): on machines with only the latter, put a `libnccl.so` link to it on
+//! `LD_LIBRARY_PATH` (README: "GPUs"). NVLink multicast must stay off (`NCCL_NVLS_ENABLE=0`);
+//! [`NcclCommunicator::new`] sets it unless the environment already does.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use burn::backend::cuda::CudaDevice;
+use burn::prelude::*;
+use burn::tensor::DType;
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{result as nccl, sys};
+use verl_core::backend::CudaBackend;
+use verl_core::error::CommError;
+use verl_core::traits::{Communicator, ReduceOp};
+
+use super::buffer::DeviceBuffer;
+use crate::parallel::Rendezvous;
+
+fn err(what: &str, e: impl std::fmt::Debug) -> CommError {
+    CommError::Backend(format!("NCCL {what}: {e:?}"))
+}
+
+/// The 128-byte id every member of an NCCL group starts from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({:02x?}..)", &self.0[..8])
+    }
+}
+
+impl NcclId {
+    /// A fresh id (one member creates it; the others receive it).
+    pub fn new() -> Result<Self, CommError> {
+        require_libnccl()?;
+        let id = nccl::get_uniqueid().map_err(|e| err("get unique id", e))?;
+        Ok(Self(id.internal.map(|c| c as u8)))
+    }
+
+    fn raw(&self) -> sys::ncclUniqueId {
+        sys::ncclUniqueId {
+            internal: self.0.map(|b| b as std::ffi::c_char),
+        }
+    }
+}
+
+fn require_libnccl() -> Result<(), CommError> {
+    // SAFETY: only tries to load the library.
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CommError::Backend(
+            "libnccl.so could not be loaded: install NCCL, or put a `libnccl.so` link to \
+             libnccl.so.2 in a directory on LD_LIBRARY_PATH"
+                .into(),
+        ))
+    }
+}
+
+/// Hands NCCL ids from the members that create them to the others, across processes: the
+/// job's [`Rendezvous`] (rank 0 serves on `MASTER_ADDR:MASTER_PORT`).
+pub struct NcclIdExchange {
+    pub rendezvous: Rendezvous,
+}
+
+impl NcclIdExchange {
+    /// From torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+    /// `MASTER_PORT`): see [`Rendezvous::from_env`].
+    pub fn from_env() -> Result<Self, CommError> {
+        Ok(Self {
+            rendezvous: Rendezvous::from_env()?,
+        })
+    }
+
+    /// The id of group `key` (e.g. `tp3`): the member that calls with `create` makes it and
+    /// publishes it; the others wait for it.
+    pub fn id(&self, key: &str, create: bool) -> Result<NcclId, CommError> {
+        if create {
+            let id = NcclId::new()?;
+            self.rendezvous.publish(key, &id.0)?;
+            return Ok(id);
+        }
+        let bytes = self.rendezvous.get(key)?;
+        let id: [u8; 128] = bytes.try_into().map_err(|b: Vec<u8>| {
+            CommError::Backend(format!(
+                "the NCCL id of `{key}` has {} bytes, not 128",
+                b.len()
+            ))
+        })?;
+        Ok(NcclId(id))
+    }
+}
+
+struct RawComm(sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time, which the
+// mutex around it ensures.
+unsafe impl Send for RawComm {}
+
+/// One rank's NCCL communicator for one process group, on one GPU.
+pub struct NcclCommunicator {
+    rank: usize,
+    world: usize,
+    device: CudaDevice,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm: Mutex<RawComm>,
+}
+
+fn nccl_dtype(dtype: DType) -> Result<sys::ncclDataType_t, CommError> {
+    use sys::ncclDataType_t::*;
+    Ok(match dtype {
+        DType::F32 | DType::Flex32 => ncclFloat32,
+        DType::BF16 => ncclBfloat16,
+        DType::F16 => ncclFloat16,
+        DType::F64 => ncclFloat64,
+        DType::I32 => ncclInt32,
+        DType::I64 => ncclInt64,
+        other => {
+            return Err(CommError::Backend(format!(
+                "NCCL has no collective for {other:?} tensors"
+            )))
+        }
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+    }
+}
+
+impl NcclCommunicator {
+    /// Joins group `id` as `rank` of `world` on `device`; blocks until every member has joined.
+    pub fn new(
+        id: &NcclId,
+        rank: usize,
+        world: usize,
+        device: CudaDevice,
+    ) -> Result<Self, CommError> {
+        if rank >= world {
+            return Err(CommError::BadRank { rank, world });
+        }
+        require_libnccl()?;
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            // NVLink multicast can take a shared host's GPUs out of service; never use it.
+            std::env::set_var("NCCL_NVLS_ENABLE", "0");
+        }
+        // The device's primary context, the one burn-cuda uses: its pointers are valid here.
+        let ctx = CudaContext::new(device.index).map_err(|e| err("context", e))?;
+        let stream = ctx.new_stream().map_err(|e| err("stream", e))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success; the id is a valid unique id.
+        let comm = unsafe {
+            nccl::comm_init_rank(comm.as_mut_ptr(), world as i32, id.raw(), rank as i32)
+                .map_err(|e| err("init", e))?;
+            comm.assume_init()
+        };
+        Ok(Self {
+            rank,
+            world,
+            device,
+            ctx,
+            stream,
+            comm: Mutex::new(RawComm(comm)),
+        })
+    }
+
+    /// The GPU this rank's buffers live on.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    fn raw_stream(&self) -> sys::cudaStream_t {
+        self.stream.cu_stream() as sys::cudaStream_t
+    }
+
+    /// Runs `f` on the raw communicator after burn's work is done, then waits for it.
+    fn run(
+        &self,
+        what: &str,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        DeviceBuffer::sync_burn(&self.device).map_err(CommError::Backend)?;
+        let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+        self.ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+        f(comm.0, self.raw_stream())?;
+        self.stream.synchronize().map_err(|e| err(what, e))
+    }
+
+    /// The tensor's buffer on this rank's GPU. A tensor made on another GPU is copied over
+    /// through the host (burn-cuda's own device-to-device copy brings its own NCCL into play);
+    /// callers keep collective inputs on the rank's GPU, so this is only a safety net.
+    fn buffer(&self, t: Tensor<CudaBackend, 1>) -> Result<DeviceBuffer, CommError> {
+        let t = if t.device() == self.device {
+            t
+        } else {
+            tracing::warn!(from = ?t.device(), to = ?self.device, "collective input on another GPU");
+            Tensor::from_data(t.into_data(), &self.device)
+        };
+        DeviceBuffer::of(t).map_err(CommError::Backend)
+    }
+
+    fn empty(&self, len: usize, dtype: DType) -> Result<DeviceBuffer, CommError> {
+        DeviceBuffer::empty(len, dtype, &self.device).map_err(CommError::Backend)
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        let comm = self.comm.get_mut().unwrap_or_else(|p| p.into_inner());
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the communicator is not used after this.
+        unsafe {
+            let _ = nccl::comm_destroy(comm.0);
+        }
+    }
+}
+
+fn ptr(b: &DeviceBuffer) -> *const c_void {
+    b.ptr() as *const c_void
+}
+
+fn mut_ptr(b: &DeviceBuffer) -> *mut c_void {
+    b.ptr() as *mut c_void
+}
+
+impl Communicator<CudaBackend> for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_reduce(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        let send = self.buffer(tensor)?;
+        let recv = self.empty(send.len(), send.dtype())?;
+        let dtype = nccl_dtype(send.dtype())?;
+        self.run("all-reduce", |comm, stream| unsafe {
+            nccl::all_reduce(
+                ptr(&send),
+                mut_ptr(&recv),
+                send.len(),
+                dtype,
+                nccl_op(op),
+                comm,
+                stream,
+            )
+            .map(|_| ())
+            .map_err(|e| err("all-reduce", e))
+        })?;
+        Ok(recv.into_tensor())
+    }
+
+    fn all_gather(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+    ) -> Result<Vec<Tensor<CudaBackend, 1>>, CommError> {
+        let send = self.buffer(tensor)?;
+        let n = send.len();
+        let recv = self.empty(n * self.world, send.dtype())?;
+        let dtype = nccl_dtype(send.dtype())?;
+        self.run("all-gather", |comm, stream| unsafe {
+            nccl::all_gather(ptr(&send), mut_ptr(&recv), n, dtype, comm, stream)
+                .map(|_| ())
+                .map_err(|e| err("all-gather", e))
+        })?;
+        let all = recv.into_tensor();
+        Ok((0..self.world)
+            .map(|r| all.clone().narrow(0, r * n, n))
+            .collect())
+    }
+
+    fn reduce_scatter(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        let send = self.buffer(tensor)?;
+        if !send.len().is_multiple_of(self.world) {
+            return Err(CommError::Shape(format!(
+                "reduce-scatter of {} elements over {} ranks: the length must divide",
+                send.len(),
+                self.world
+            )));
+        }
+        let part = send.len() / self.world;
+        let recv = self.empty(part, send.dtype())?;
+        let dtype = nccl_dtype(send.dtype())?;
+        self.run("reduce-scatter", |comm, stream| unsafe {
+            nccl::reduce_scatter(
+                ptr(&send),
+                mut_ptr(&recv),
+                part,
+                dtype,
+                nccl_op(op),
+                comm,
+                stream,
+            )
+            .map(|_| ())
+            .map_err(|e| err("reduce-scatter", e))
+        })?;
+        Ok(recv.into_tensor())
+    }
+
+    fn broadcast(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+        root: usize,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        if root >= self.world {
+            return Err(CommError::BadRank {
+                rank: root,
+                world: self.world,
+            });
+        }
+        let send = self.buffer(tensor)?;
+        let recv = self.empty(send.len(), send.dtype())?;
+        let dtype = nccl_dtype(send.dtype())?;
+        self.run("broadcast", |comm, stream| unsafe {
+            nccl::broadcast(
+                ptr(&send),
+                mut_ptr(&recv),
+                send.len(),
+                dtype,
+                root as i32,
+                comm,
+                stream,
+            )
+            .map(|_| ())
+            .map_err(|e| err("broadcast", e))
+        })?;
+        Ok(recv.into_tensor())
+    }
+
+    /// Returns once `dst` has received (NCCL's send completes with its matching receive).
+    fn send(&self, tensor: Tensor<CudaBackend, 1>, dst: usize) -> Result<(), CommError> {
+        if dst >= self.world {
+            return Err(CommError::BadRank {
+                rank: dst,
+                world: self.world,
+            });
+        }
+        let send = self.buffer(tensor)?;
+        let dtype = nccl_dtype(send.dtype())?;
+        self.run("send", |comm, stream| unsafe {
+            nccl::send(ptr(&send), send.len(), dtype, dst as i32, comm, stream)
+                .map(|_| ())
+                .map_err(|e| err("send", e))
+        })
+    }
+
+    fn recv(
+        &self,
+        src: usize,
+        len: usize,
+        device: &CudaDevice,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        if src >= self.world {
+            return Err(CommError::BadRank {
+                rank: src,
+                world: self.world,
+            });
+        }
+        if device != &self.device {
+            return Err(CommError::Backend(format!(
+                "recv onto {device:?}, but this communicator's GPU is {:?}",
+                self.device
+            )));
+        }
+        let recv = self.empty(len, DType::F32)?;
+        let dtype = nccl_dtype(DType::F32)?;
+        self.run("recv", |comm, stream| unsafe {
+            nccl::recv(mut_ptr(&recv), len, dtype, src as i32, comm, stream)
+                .map(|_| ())
+                .map_err(|e| err("recv", e))
+        })?;
+        Ok(recv.into_tensor())
+    }
+
+    fn all_to_all(
+        &self,
+        chunks: Vec<Tensor<CudaBackend, 1>>,
+        recv_lens: &[usize],
+    ) -> Result<Vec<Tensor<CudaBackend, 1>>, CommError> {
+        if chunks.len() != self.world || recv_lens.len() != self.world {
+            return Err(CommError::Shape(format!(
+                "all-to-all over {} ranks needs one chunk and one receive length per rank \
+                 (got {} and {})",
+                self.world,
+                chunks.len(),
+                recv_lens.len()
+            )));
+        }
+        let sends = chunks
+            .into_iter()
+            .map(|c| self.buffer(c))
+            .collect::<Result<Vec<_>, _>>()?;
+        let dtype = sends.first().map_or(DType::F32, |b| b.dtype());
+        let recvs = recv_lens
+            .iter()
+            .map(|&n| self.empty(n, dtype))
+            .collect::<Result<Vec<_>, _>>()?;
+        let nd = nccl_dtype(dtype)?;
+        self.run("all-to-all", |comm, stream| unsafe {
+            nccl::group_start().map_err(|e| err("group start", e))?;
+            for (peer, (s, r)) in sends.iter().zip(&recvs).enumerate() {
+                if !s.is_empty() {
+                    nccl::send(ptr(s), s.len(), nd, peer as i32, comm, stream)
+                        .map_err(|e| err("all-to-all send", e))?;
+                }
+                if !r.is_empty() {
+                    nccl::recv(mut_ptr(r), r.len(), nd, peer as i32, comm, stream)
+                        .map_err(|e| err("all-to-all recv", e))?;
+                }
+            }
+            nccl::group_end()
+                .map(|_| ())
+                .map_err(|e| err("group end", e))
+        })?;
+        drop(sends);
+        Ok(recvs.into_iter().map(DeviceBuffer::into_tensor).collect())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        let one = Tensor::<CudaBackend, 1>::ones([1], &self.device);
+        self.all_reduce(one, ReduceOp::Sum).map(|_| ())
+    }
+}

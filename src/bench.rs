@@ -4,6 +4,7 @@ use std::time::Instant;
 
 use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
+use verl::megatron::layers::precision::ComputeDtype;
 use verl::megatron::models::CausalLm;
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler, SamplingParams};
 
@@ -39,16 +40,21 @@ pub fn rollout(
     batches: &[usize],
     prompt_len: usize,
     new_tokens: usize,
+    dtype: &str,
 ) -> Result<(), String> {
     let dims = preset(preset_name)?;
     let cfg = HfModelConfig::qwen2(dims);
     let device = Default::default();
     let start = Instant::now();
-    let model = CausalLm::<DefaultBackend>::init(&cfg, 0.02, 0, &device);
+    let compute: ComputeDtype = dtype
+        .parse()
+        .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
+    let model =
+        CausalLm::<DefaultBackend>::init(&cfg, 0.02, 0, &device).with_compute_dtype(compute);
     let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
     println!(
-        "preset {preset_name}: {:.1}M parameters, prompt {prompt_len}, {new_tokens} new tokens, \
-         init {:.1}s, {} threads",
+        "preset {preset_name}: {:.1}M parameters, {compute} products, prompt {prompt_len}, \
+         {new_tokens} new tokens, init {:.1}s, {} threads",
         params as f64 / 1e6,
         start.elapsed().as_secs_f64(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -106,4 +112,420 @@ pub fn rollout(
         );
     }
     Ok(())
+}
+
+/// Milliseconds since `t`, after the device has finished its queued work.
+fn synced_ms<B: burn::tensor::backend::Backend>(t: Instant, device: &B::Device) -> f64 {
+    let _ = B::sync(device);
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Median of a non-empty list.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Training FLOPs per token: 6 × the weights each token multiplies (the LM head included) plus
+/// causal attention's two products at the mean length, ×3 for forward and backward (the same
+/// count as `bench/peers/common.py`).
+pub fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
+    let head_dim = d.hidden_size / d.num_attention_heads;
+    let q = d.num_attention_heads * head_dim;
+    let kv = d.num_key_value_heads * head_dim;
+    let per_layer = d.hidden_size * q
+        + 2 * d.hidden_size * kv
+        + q * d.hidden_size
+        + 3 * d.hidden_size * d.intermediate_size;
+    let matmul_params = (d.num_hidden_layers * per_layer + d.vocab_size * d.hidden_size) as f64;
+    let attention = (d.num_hidden_layers * 2 * 2 * q) as f64 * (seq as f64 / 2.0) * 3.0;
+    6.0 * matmul_params + attention
+}
+
+/// One training step (forward, next-token loss, backward, clipped AdamW) of a random-init
+/// Qwen2 at `batch × seq` tokens, timed per phase with the device synchronised in between.
+pub fn train_step(
+    preset_name: &str,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    peak_tflops: f64,
+    dtype: &str,
+) -> Result<(), String> {
+    use burn::optim::GradientsParams;
+    use burn::prelude::*;
+    use verl::algorithms::logits::log_probs_from_logits;
+    use verl::backend::DefaultAutodiff;
+    use verl::config::OptimConfig;
+    use verl::megatron::workers::optim::ModelOptimizer;
+
+    type B = DefaultAutodiff;
+    let dims = preset(preset_name)?;
+    if seq < 2 || batch == 0 || steps == 0 {
+        return Err("--seq must be at least 2, --batch and --steps at least 1".into());
+    }
+    let cfg = HfModelConfig::qwen2(dims);
+    let device = Default::default();
+    let compute: ComputeDtype = dtype
+        .parse()
+        .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
+    let mut model = CausalLm::<B>::init(&cfg, 0.02, 0, &device).with_compute_dtype(compute);
+    let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
+    let mut optim = ModelOptimizer::<B, CausalLm<B>>::new(
+        &OptimConfig {
+            lr: 1e-5,
+            ..Default::default()
+        },
+        (steps + 3) as u64,
+    )
+    .map_err(|e| e.to_string())?;
+    let ids: Vec<i64> = (0..batch * seq)
+        .map(|i| ((i * 7919 + 13) % dims.vocab_size) as i64)
+        .collect();
+    let ids = Tensor::<B, 1, Int>::from_ints(ids.as_slice(), &device).reshape([batch, seq]);
+    println!(
+        "verl {preset_name}: {:.1}M parameters, batch {batch} x seq {seq}, {compute} products \
+         (f32 master weights and AdamW state)",
+        params as f64 / 1e6
+    );
+    let mut phases: Vec<[f64; 3]> = Vec::new();
+    let mut last_loss = f32::NAN;
+    for step in 0..steps + 3 {
+        let t = Instant::now();
+        let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
+        let labels = ids.clone().slice([0..batch, 1..seq]);
+        let loss = log_probs_from_logits(logits, labels).mean().neg();
+        let forward = synced_ms::<B>(t, &device);
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let backward = synced_ms::<B>(t, &device);
+        let t = Instant::now();
+        let (next, report) = optim.step(model, grads);
+        model = next;
+        report.map_err(|e| e.to_string())?;
+        let optimizer = synced_ms::<B>(t, &device);
+        if step >= 3 {
+            phases.push([forward, backward, optimizer]);
+        }
+        if step + 1 == steps + 3 {
+            last_loss = loss.into_scalar().elem::<f32>();
+        }
+    }
+    let step_ms = median(phases.iter().map(|p| p.iter().sum()).collect());
+    let part = |i: usize| median(phases.iter().map(|p| p[i]).collect());
+    let tokens_per_s = (batch * seq) as f64 / (step_ms / 1e3);
+    let mfu = tokens_per_s * train_flops_per_token(&dims, seq) / (peak_tflops * 1e12);
+    println!(
+        "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
+         tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}",
+        part(0),
+        part(1),
+        part(2),
+        100.0 * mfu
+    );
+    Ok(())
+}
+
+/// Square matrix-product TFLOP/s of backend `B` on random inputs (three input sets rotated so
+/// repeats do not measure a warm cache), the median of `repeat` timed products.
+fn gemm_on<B: burn::tensor::backend::Backend>(n: usize, repeat: usize) -> f64 {
+    use burn::prelude::*;
+    use burn::tensor::Distribution;
+    let device = Default::default();
+    let sets: Vec<_> = (0..3)
+        .map(|_| {
+            let r = || Tensor::<B, 2>::random([n, n], Distribution::Normal(0.0, 1.0), &device);
+            (r(), r())
+        })
+        .collect();
+    let mut times = Vec::new();
+    for i in 0..repeat + 3 {
+        let (a, b) = &sets[i % 3];
+        let _ = B::sync(&device);
+        let t = Instant::now();
+        let c = a.clone().matmul(b.clone());
+        let ms = synced_ms::<B>(t, &device);
+        drop(c);
+        if i >= 3 {
+            times.push(ms);
+        }
+    }
+    2.0 * (n as f64).powi(3) / (median(times) / 1e3) / 1e12
+}
+
+/// `verl bench gemm`: burn's matrix product TFLOP/s per size, f32 on the default backend and,
+/// on burn-cuda, bf16 too.
+pub fn gemm(sizes: &[usize], repeat: usize) -> Result<(), String> {
+    println!("{:>6} {:>6} {:>9}", "dtype", "n", "TFLOP/s");
+    for &n in sizes {
+        println!(
+            "{:>6} {n:>6} {:>9.1}",
+            "f32",
+            gemm_on::<DefaultBackend>(n, repeat)
+        );
+        #[cfg(feature = "cuda")]
+        println!(
+            "{:>6} {n:>6} {:>9.1}",
+            "bf16",
+            gemm_on::<burn::backend::Cuda<burn::tensor::bf16, i32>>(n, repeat)
+        );
+    }
+    #[cfg(feature = "cuda")]
+    gpu::cublaslt_vs_burn(sizes, repeat)?;
+    Ok(())
+}
+
+/// Multi-GPU figures (the `cuda` build): NCCL bus bandwidth, tensor parallel on two GPUs
+/// against one, and cuBLASLt against burn's own product.
+#[cfg(feature = "cuda")]
+pub mod gpu {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use burn::optim::GradientsParams;
+    use burn::prelude::*;
+    use burn::tensor::{DType, Distribution, FloatDType};
+    use verl::backend::{CudaAutodiff, CudaBackend};
+    use verl::config::OptimConfig;
+    use verl::megatron::cuda::{rank_device, CublasLt, NcclCommunicator, NcclId};
+    use verl::megatron::hf::HfModelConfig;
+    use verl::megatron::models::{vocab_parallel_log_probs, CausalLm};
+    use verl::megatron::parallel::TpGroup;
+    use verl::megatron::workers::optim::{ModelOptimizer, TensorParallelGrads};
+    use verl::traits::{Communicator, ReduceOp};
+
+    use super::{median, preset, synced_ms};
+
+    /// One NCCL communicator per GPU, each on its own thread, running `f(rank, comm)`.
+    fn on_gpus<T: Send>(
+        gpus: usize,
+        f: impl Fn(usize, Arc<NcclCommunicator>) -> Result<T, String> + Sync,
+    ) -> Result<Vec<T>, String> {
+        let id = NcclId::new().map_err(|e| e.to_string())?;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..gpus)
+                .map(|r| {
+                    let f = &f;
+                    s.spawn(move || {
+                        let comm = NcclCommunicator::new(&id, r, gpus, rank_device(r))
+                            .map_err(|e| e.to_string())?;
+                        eprintln!("[rank {r}] NCCL communicator ready");
+                        f(r, Arc::new(comm))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| "a GPU thread panicked".to_string())?)
+                .collect()
+        })
+    }
+
+    /// `verl bench nccl`: all-reduce bus bandwidth (NCCL's definition: algorithm bandwidth ×
+    /// 2(n−1)/n) of f32 buffers over `gpus` GPUs of this node, one thread each.
+    pub fn nccl_bandwidth(gpus: usize, sizes_mib: &[usize], repeat: usize) -> Result<(), String> {
+        let found = verl::megatron::cuda::device_count();
+        if gpus < 2 || gpus > found {
+            return Err(format!(
+                "--gpus {gpus}: this node has {found} GPUs; use 2..={found}"
+            ));
+        }
+        println!(
+            "{:>9} {:>10} {:>12} {:>12}",
+            "MiB", "ms", "algbw_GB/s", "busbw_GB/s"
+        );
+        let rows = on_gpus(gpus, |rank, comm| {
+            let device = rank_device(rank);
+            let mut rows = Vec::new();
+            for &mib in sizes_mib {
+                let len = mib * (1 << 20) / 4;
+                let x = Tensor::<CudaBackend, 1>::random([len], Distribution::Default, &device);
+                let mut times = Vec::new();
+                for i in 0..repeat + 3 {
+                    let t = Instant::now();
+                    let y = comm
+                        .all_reduce(x.clone(), ReduceOp::Sum)
+                        .map_err(|e| e.to_string())?;
+                    let ms = t.elapsed().as_secs_f64() * 1e3;
+                    if i == 0 {
+                        // The first result is checked against the sum of the gathered inputs.
+                        let parts = comm.all_gather(x.clone()).map_err(|e| e.to_string())?;
+                        let want = parts.into_iter().reduce(|a, b| a + b).expect("ranks");
+                        let err: f32 = (y - want).abs().max().into_scalar();
+                        if err > 1e-4 {
+                            return Err(format!("all-reduce is wrong by {err}"));
+                        }
+                    }
+                    if i >= 3 {
+                        times.push(ms);
+                    }
+                }
+                rows.push((mib, median(times)));
+            }
+            Ok(rows)
+        })?;
+        for &(mib, ms) in &rows[0] {
+            let algbw = (mib * (1 << 20)) as f64 / (ms / 1e3) / 1e9;
+            let busbw = algbw * 2.0 * (gpus - 1) as f64 / gpus as f64;
+            println!("{mib:>9} {ms:>10.3} {algbw:>12.1} {busbw:>12.1}");
+        }
+        Ok(())
+    }
+
+    /// The loss, gradient norm and loss after one AdamW step of one training step.
+    fn first_step(
+        cfg: &HfModelConfig,
+        tp: &TpGroup,
+        device: &burn::backend::cuda::CudaDevice,
+        ids: &[i64],
+        batch: usize,
+        seq: usize,
+    ) -> Result<[f64; 3], String> {
+        type B = CudaAutodiff;
+        let mut model =
+            CausalLm::<B>::init_sharded(cfg, 0.02, 7, device, tp).map_err(|e| e.to_string())?;
+        let ids = Tensor::<B, 1, Int>::from_ints(ids, device).reshape([batch, seq]);
+        let loss_of = |m: &CausalLm<B>| {
+            let logits = m.forward_window(ids.clone(), None, None, 0, seq - 1);
+            let labels = ids.clone().slice([0..batch, 1..seq]);
+            let (lp, _) = vocab_parallel_log_probs(logits, labels, tp, m.vocab_start(), false);
+            lp.mean().neg()
+        };
+        let mut optim = ModelOptimizer::<B, CausalLm<B>>::new(
+            &OptimConfig {
+                lr: 1e-3,
+                ..Default::default()
+            },
+            1,
+        )
+        .map_err(|e| e.to_string())?;
+        if let Some(comm) = tp.comm::<CudaBackend>() {
+            let (sharded, partial) = model.tp_param_sets();
+            optim = optim.with_tensor_parallel(TensorParallelGrads {
+                comm,
+                sharded,
+                partial,
+            });
+        }
+        let say = |what: &str| eprintln!("[{:?} {:?}] {what}", device, tp);
+        say("model and optimizer ready");
+        let loss = loss_of(&model);
+        say("forward done");
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        say("backward done");
+        let (next, report) = optim.step(model, grads);
+        say("optimizer step done");
+        model = next;
+        let report = report.map_err(|e| e.to_string())?;
+        let after = loss_of(&model);
+        let scalar = |t: Tensor<B, 1>| t.into_scalar().elem::<f32>() as f64;
+        Ok([scalar(loss), report.grad_norm, scalar(after)])
+    }
+
+    /// `verl bench tp-check`: one training step of a random-init Qwen2 with tensor parallel
+    /// over two GPUs (NCCL) and on one GPU: loss, gradient norm and the loss after the update.
+    pub fn tp_check(preset_name: &str, batch: usize, seq: usize) -> Result<(), String> {
+        let dims = preset(preset_name)?;
+        let cfg = HfModelConfig::qwen2(dims);
+        cfg.check_tensor_parallel(2).map_err(|e| e.to_string())?;
+        let ids: Vec<i64> = (0..batch * seq)
+            .map(|i| ((i * 7919 + 13) % dims.vocab_size) as i64)
+            .collect();
+        let one = first_step(&cfg, &TpGroup::none(), &rank_device(0), &ids, batch, seq)?;
+        let two = on_gpus(2, |rank, comm| {
+            let tp = TpGroup::new(comm as Arc<dyn Communicator<CudaBackend>>, false);
+            first_step(&cfg, &tp, &rank_device(rank), &ids, batch, seq)
+        })?;
+        println!(
+            "{:>14} {:>14} {:>14} {:>14}",
+            "", "loss", "grad_norm", "loss_after"
+        );
+        println!(
+            "{:>14} {:>14.7} {:>14.7} {:>14.7}",
+            "tp=1 (1 GPU)", one[0], one[1], one[2]
+        );
+        for (r, v) in two.iter().enumerate() {
+            println!(
+                "{:>14} {:>14.7} {:>14.7} {:>14.7}",
+                format!("tp=2 rank {r}"),
+                v[0],
+                v[1],
+                v[2]
+            );
+        }
+        let rel = |a: f64, b: f64| (a - b).abs() / a.abs().max(1e-12);
+        let worst = two
+            .iter()
+            .flat_map(|v| (0..3).map(move |i| rel(one[i], v[i])))
+            .fold(0.0, f64::max);
+        println!("worst relative difference tp=2 vs tp=1: {worst:.2e}");
+        // Sharded products sum in another order (and burn-cuda's tuned kernels may use tf32
+        // tensor cores), so equal means equal to well under a percent, not bit for bit.
+        if worst.is_finite() && worst < 5e-3 {
+            Ok(())
+        } else {
+            Err(format!(
+                "tp=2 differs from tp=1 by {worst:.2e} (relative), more than 5e-3"
+            ))
+        }
+    }
+
+    /// cuBLASLt's bf16 `x · wᵀ` on burn-cuda buffers against burn's own (cast) product: the
+    /// time of one product among back-to-back ones, and the difference from an f32 product.
+    pub fn cublaslt_vs_burn(sizes: &[usize], repeat: usize) -> Result<(), String> {
+        let device = rank_device(0);
+        let blas = CublasLt::new(device.clone())?;
+        println!(
+            "{:>6} {:>14} {:>16} {:>12}",
+            "n", "burn_TFLOP/s", "cublaslt_TFLOP/s", "rel_err"
+        );
+        for &n in sizes {
+            let r = || {
+                Tensor::<CudaBackend, 2>::random([n, n], Distribution::Normal(0.0, 1.0), &device)
+            };
+            let sets: Vec<_> = (0..3)
+                .map(|_| (r().cast(FloatDType::BF16), r().cast(FloatDType::BF16)))
+                .collect();
+            // Correctness first: both against the f32 product of the same bf16 values.
+            let (x, w) = &sets[0];
+            let exact = x
+                .clone()
+                .cast(FloatDType::F32)
+                .matmul(w.clone().cast(FloatDType::F32).transpose());
+            let lt = blas.linear_bf16(x.clone(), w.clone(), true)?;
+            assert_eq!(lt.dtype(), DType::BF16);
+            let lt = lt.cast(FloatDType::F32);
+            let num: f32 = (lt - exact.clone())
+                .powf_scalar(2.0)
+                .sum()
+                .sqrt()
+                .into_scalar();
+            let den: f32 = exact.powf_scalar(2.0).sum().sqrt().into_scalar();
+            let flops = 2.0 * (n as f64).powi(3);
+            let time = |f: &dyn Fn(usize) -> Result<(), String>| -> Result<f64, String> {
+                f(0)?;
+                let mut times = Vec::new();
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    for i in 0..repeat {
+                        f(i)?;
+                    }
+                    times.push(synced_ms::<CudaBackend>(t, &device) / repeat as f64);
+                }
+                Ok(flops / (median(times) / 1e3) / 1e12)
+            };
+            let burn = time(&|i| {
+                let (x, w) = &sets[i % 3];
+                let _ = x.clone().matmul(w.clone().transpose());
+                Ok(())
+            })?;
+            let lt = time(&|i| {
+                let (x, w) = &sets[i % 3];
+                blas.linear_bf16(x.clone(), w.clone(), i + 1 == repeat)
+                    .map(|_| ())
+            })?;
+            println!("{n:>6} {burn:>14.1} {lt:>16.1} {:>12.2e}", num / den);
+        }
+        Ok(())
+    }
 }

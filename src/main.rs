@@ -105,6 +105,57 @@ enum BenchCommand {
         prompt_len: usize,
         #[arg(long, default_value_t = 64)]
         new_tokens: usize,
+        /// Compute dtype of the products: float32 or bfloat16.
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+    },
+    /// One training step (forward, loss, backward, AdamW) of a random-init Qwen2: tokens/s, MFU
+    /// and the time per phase (peer: bench/peers/train_step.py).
+    TrainStep {
+        /// Model size: tiny, small or qwen2-0.5b.
+        #[arg(long, default_value = "small")]
+        preset: String,
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        #[arg(long, default_value_t = 512)]
+        seq: usize,
+        /// Timed steps (after 3 warm-up steps); the median is reported.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// The peak TFLOP/s MFU is counted against (H100 SXM: 989 bf16 dense, 67 fp32).
+        #[arg(long, default_value_t = 989.0)]
+        peak_tflops: f64,
+        /// Compute dtype of the products: float32 or bfloat16 (master weights stay f32).
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+    },
+    /// Square matrix-product TFLOP/s of the backend (peer: bench/peers/gemm.py).
+    Gemm {
+        /// Matrix sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 20)]
+        repeat: usize,
+    },
+    /// NCCL all-reduce bus bandwidth over this node's GPUs (`cuda` build).
+    Nccl {
+        #[arg(long, default_value_t = 2)]
+        gpus: usize,
+        /// Buffer sizes in MiB, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024")]
+        sizes: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        repeat: usize,
+    },
+    /// One training step with tensor parallel over two GPUs (NCCL) against one GPU (`cuda`
+    /// build): loss, gradient norm, loss after the update.
+    TpCheck {
+        #[arg(long, default_value = "small")]
+        preset: String,
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
     },
 }
 
@@ -149,8 +200,40 @@ fn run(cli: Cli) -> Result<(), String> {
                     batch,
                     prompt_len,
                     new_tokens,
+                    dtype,
                 },
-        } => bench::rollout(&preset, &batch, prompt_len, new_tokens),
+        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype),
+        Command::Bench {
+            what:
+                BenchCommand::TrainStep {
+                    preset,
+                    batch,
+                    seq,
+                    steps,
+                    peak_tflops,
+                    dtype,
+                },
+        } => bench::train_step(&preset, batch, seq, steps, peak_tflops, &dtype),
+        Command::Bench {
+            what: BenchCommand::Gemm { sizes, repeat },
+        } => bench::gemm(&sizes, repeat),
+        #[cfg(feature = "cuda")]
+        Command::Bench {
+            what:
+                BenchCommand::Nccl {
+                    gpus,
+                    sizes,
+                    repeat,
+                },
+        } => bench::gpu::nccl_bandwidth(gpus, &sizes, repeat),
+        #[cfg(feature = "cuda")]
+        Command::Bench {
+            what: BenchCommand::TpCheck { preset, batch, seq },
+        } => bench::gpu::tp_check(&preset, batch, seq),
+        #[cfg(not(feature = "cuda"))]
+        Command::Bench {
+            what: BenchCommand::Nccl { .. } | BenchCommand::TpCheck { .. },
+        } => Err("this command needs GPUs: build with `--features cuda`".into()),
         Command::Generate {
             model,
             prompt,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue #8's GPU figures, verl-rs and its PyTorch peers side by side on the same GPU(s), in one
 # invocation. Part 1: GEMM, training step, NCCL bandwidth, tp=2 vs tp=1. Part 2: decode and the
-# Qwen2.5-0.5B-shaped main job. Usage: bash bench/gpu/side_by_side.sh 1|2 (needs gpu-bin/verl,
+# Qwen2.5-0.5B-shaped main job. Part 3: the training step with cuBLASLt linear layers.
+# Usage: bash bench/gpu/side_by_side.sh 1|2|3 (needs gpu-bin/verl,
 # a stripped `cargo build --release --features cuda` binary).
 set -u
 source "$(dirname "$0")/env.sh"
@@ -24,6 +25,13 @@ if [ "$part" = 1 ]; then
   done
   T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype f32 --steps 5
   T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+elif [ "$part" = 3 ]; then
+  # The cuBLASLt prototype in a training step: the same bf16 step with burn's products and with
+  # the linear layers routed to cuBLASLt (VERL_CUBLASLT=1), and PyTorch's, back to back.
+  T=120 run $VERL bench gemm --sizes 4096 --repeat 10
+  T=120 run $VERL bench train-step --preset qwen2-0.5b --batch 4 --seq 512 --dtype bfloat16 --steps 5
+  VERL_CUBLASLT=1 T=120 run $VERL bench train-step --preset qwen2-0.5b --batch 4 --seq 512 --dtype bfloat16 --steps 5
+  T=100 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
 else
   for d in float32 bfloat16; do
     T=120 run $VERL bench rollout --preset small --dtype $d

@@ -4,9 +4,9 @@
 //!
 //! burn-cuda 0.21's own bf16 product reaches about a quarter of cuBLAS's rate on an H100
 //! (`verl bench gemm`; docs/PERFORMANCE.md); this measures what handing the hot products to
-//! cuBLASLt gains, buffer to buffer, with no copies. It is not yet wired into the layers: that
-//! needs a custom autodiff op for the two backward products, and a way to order cuBLASLt's
-//! stream after burn's without a host wait per product (burn-cuda does not expose its stream).
+//! cuBLASLt gains, buffer to buffer, with no copies. [`super::linear`] routes the linear layers'
+//! bf16 products here when switched on; each product still waits on the host for burn's stream
+//! and for its own (burn-cuda does not expose its stream to order them on the device).
 
 use std::sync::Arc;
 
@@ -49,30 +49,48 @@ impl CublasLt {
         w: Tensor<CudaBackend, 2>,
         wait: bool,
     ) -> Result<Tensor<CudaBackend, 2>, String> {
-        let [m, k] = x.dims();
-        let [n, kw] = w.dims();
-        if k != kw {
-            return Err(format!("x·wᵀ: x is [{m}, {k}] but w is [{n}, {kw}]"));
+        self.gemm_bf16(x, false, w, true, wait)
+    }
+
+    /// `op(a) · op(b)` for row-major bf16 matrices, `op` transposing where `ta` / `tb` say:
+    /// the three products of a linear layer (`x·wᵀ`, `dy·w`, `dyᵀ·x`) with no copies.
+    pub fn gemm_bf16(
+        &self,
+        a: Tensor<CudaBackend, 2>,
+        ta: bool,
+        b: Tensor<CudaBackend, 2>,
+        tb: bool,
+        wait: bool,
+    ) -> Result<Tensor<CudaBackend, 2>, String> {
+        let ([ar, ac], [br, bc]) = (a.dims(), b.dims());
+        let (m, k) = if ta { (ac, ar) } else { (ar, ac) };
+        let (kb, n) = if tb { (bc, br) } else { (br, bc) };
+        if k != kb {
+            return Err(format!(
+                "cuBLASLt product: op(a) is [{m}, {k}] but op(b) is [{kb}, {n}]"
+            ));
         }
-        if x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
-            return Err("cuBLASLt linear: x and w must be bf16".into());
+        if a.dtype() != DType::BF16 || b.dtype() != DType::BF16 {
+            return Err("cuBLASLt product: both operands must be bf16".into());
         }
-        let x = DeviceBuffer::of(x)?;
-        let w = DeviceBuffer::of(w)?;
-        let y = DeviceBuffer::empty(m * n, DType::BF16, &self.device)?;
+        let a = DeviceBuffer::of(a)?;
+        let b = DeviceBuffer::of(b)?;
+        let c = DeviceBuffer::empty(m * n, DType::BF16, &self.device)?;
         DeviceBuffer::sync_burn(&self.device)?;
-        // Row-major y [m, n] is column-major yᵀ [n, m] = w · xᵀ, where the row-major w [n, k]
-        // read column-major is wᵀ (so it is transposed back) and x [m, k] is xᵀ [k, m].
+        // cuBLASLt is column-major: row-major C [m, n] is column-major Cᵀ [n, m] = op(b)ᵀ · op(a)ᵀ.
+        // A row-major buffer read column-major is its transpose, so op(b)ᵀ is b's buffer as is
+        // when b is not transposed (leading dimension n) and transposed when it is (leading
+        // dimension k); likewise for a with m.
         let cfg = MatmulConfig {
-            transa: true,
-            transb: false,
+            transa: tb,
+            transb: ta,
             transc: false,
             m: n as u64,
             n: m as u64,
             k: k as u64,
             alpha: 1.0,
-            lda: k as i64,
-            ldb: k as i64,
+            lda: if tb { k } else { n } as i64,
+            ldb: if ta { m } else { k } as i64,
             beta: 0.0,
             ldc: n as i64,
             stride_a: None,
@@ -81,15 +99,15 @@ impl CublasLt {
             stride_bias: None,
             batch_size: None,
         };
-        let (a, b) = (w.view::<bf16>(&self.stream), x.view::<bf16>(&self.stream));
-        let mut c = y.view::<bf16>(&self.stream);
+        let (first, second) = (b.view::<bf16>(&self.stream), a.view::<bf16>(&self.stream));
+        let mut out = c.view::<bf16>(&self.stream);
         // SAFETY: the three buffers are held, contiguous and of the sizes the layout names.
-        unsafe { self.blas.matmul(cfg, &a, &b, &mut c, None, None) }
+        unsafe { self.blas.matmul(cfg, &first, &second, &mut out, None, None) }
             .map_err(|e| format!("cuBLASLt matmul: {e:?}"))?;
         if wait {
             self.wait()?;
         }
-        Ok(y.into_tensor().reshape([m, n]))
+        Ok(c.into_tensor().reshape([m, n]))
     }
 
     /// Waits for every product queued on this handle's stream.

@@ -6,6 +6,7 @@
 
 pub mod buffer;
 pub mod cublaslt;
+pub mod linear;
 pub mod nccl;
 
 pub use buffer::DeviceBuffer;

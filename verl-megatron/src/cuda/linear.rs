@@ -1,0 +1,198 @@
+//! The linear layers' bf16 products through cuBLASLt (a prototype, off by default): forward
+//! `x · wᵀ` and, under autodiff, a custom backward whose two products (`dy · w`, `dyᵀ · x`) go
+//! through cuBLASLt too.
+//!
+//! Switched on by `VERL_CUBLASLT=1` in the environment or [`set_enabled`]. It applies where
+//! [`crate::layers::precision::linear`] runs in bf16 on burn-cuda (`CudaBackend` or
+//! `Autodiff<CudaBackend>`); any other backend, or a failure of cuBLASLt (logged once, after
+//! which it stays off), falls back to burn's own product.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::{DType, FloatDType, TensorPrimitive};
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{binary, Backward, Ops, OpsKind};
+use verl_core::backend::CudaBackend;
+
+use super::CublasLt;
+
+/// burn-cuda's float tensor, as autodiff stores it.
+type Primitive = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;
+
+/// 0: not read yet, 1: off, 2: on.
+static ENABLED: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the linear layers' bf16 products go to cuBLASLt.
+pub fn enabled() -> bool {
+    match ENABLED.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("VERL_CUBLASLT").is_ok_and(|v| v == "1" || v == "true");
+            ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Switches the routing on or off for the whole process.
+pub fn set_enabled(on: bool) {
+    ENABLED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+thread_local! {
+    /// One handle per GPU and thread (a handle owns a stream and a workspace).
+    static HANDLES: RefCell<HashMap<usize, Rc<CublasLt>>> = RefCell::new(HashMap::new());
+}
+
+fn handle(device: &burn::backend::cuda::CudaDevice) -> Result<Rc<CublasLt>, String> {
+    HANDLES.with(|h| {
+        if let Some(found) = h.borrow().get(&device.index) {
+            return Ok(found.clone());
+        }
+        let made = Rc::new(CublasLt::new(device.clone())?);
+        h.borrow_mut().insert(device.index, made.clone());
+        Ok(made)
+    })
+}
+
+/// `op(a) · op(b)` in bf16 through cuBLASLt (operands cast to bf16 if they are not).
+fn gemm(
+    a: Tensor<CudaBackend, 2>,
+    ta: bool,
+    b: Tensor<CudaBackend, 2>,
+    tb: bool,
+) -> Result<Tensor<CudaBackend, 2>, String> {
+    let bf = |t: Tensor<CudaBackend, 2>| {
+        if t.dtype() == DType::BF16 {
+            t
+        } else {
+            t.cast(FloatDType::BF16)
+        }
+    };
+    handle(&a.device())?.gemm_bf16(bf(a), ta, bf(b), tb, true)
+}
+
+fn downcast<A: 'static, T: 'static>(a: A) -> Result<T, A> {
+    let boxed: Box<dyn Any> = Box::new(a);
+    match boxed.downcast::<T>() {
+        Ok(t) => Ok(*t),
+        Err(back) => Err(*back
+            .downcast::<A>()
+            .expect("a box holds the type it was made from")),
+    }
+}
+
+/// A value whose type is known to be `T` (checked by an earlier downcast of its operands).
+fn same<A: 'static, T: 'static>(a: A) -> T {
+    match downcast(a) {
+        Ok(t) => t,
+        Err(_) => unreachable!("the operands' backend was checked"),
+    }
+}
+
+fn give_up(e: String) {
+    tracing::warn!("cuBLASLt linear switched off, burn's product takes over: {e}");
+    set_enabled(false);
+}
+
+/// `x · wᵀ` for bf16 `x` `[rows, in]` and `w` `[out, in]` through cuBLASLt, or the operands
+/// back when it does not apply (switched off, another backend, or cuBLASLt failed).
+#[allow(clippy::type_complexity)]
+pub fn try_linear<B: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>)> {
+    if !enabled() {
+        return Err((x, w));
+    }
+    // Inference (the rollout engine): the plain backend.
+    let (x, w) = match (
+        downcast::<_, Tensor<CudaBackend, 2>>(x),
+        downcast::<_, Tensor<CudaBackend, 2>>(w),
+    ) {
+        (Ok(x), Ok(w)) => {
+            return match gemm(x.clone(), false, w.clone(), true) {
+                Ok(y) => Ok(same(y)),
+                Err(e) => {
+                    give_up(e);
+                    Err((same(x), same(w)))
+                }
+            };
+        }
+        (Err(x), Err(w)) => (x, w),
+        _ => unreachable!("x and w share one backend"),
+    };
+    // Training: autodiff with the custom backward.
+    match (
+        downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(x),
+        downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(w),
+    ) {
+        (Ok(x), Ok(w)) => match linear_autodiff(x.clone(), w.clone()) {
+            Ok(y) => Ok(same(y)),
+            Err(e) => {
+                give_up(e);
+                Err((same(x), same(w)))
+            }
+        },
+        (Err(x), Err(w)) => Err((x, w)),
+        _ => unreachable!("x and w share one backend"),
+    }
+}
+
+/// The backward step of `y = x · wᵀ`: `dx = dy · w`, `dw = dyᵀ · x`.
+#[derive(Debug)]
+struct LinearBackward;
+
+impl Backward<CudaBackend, 2> for LinearBackward {
+    type State = (Primitive, Primitive);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (x, w) = ops.state;
+        let wrap =
+            |p: Primitive| Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p));
+        let unwrap = |t: Tensor<CudaBackend, 2>| t.into_primitive().tensor();
+        // burn's Backward has no error path: a failure here after a forward that worked is a
+        // broken device, so it panics with the reason.
+        let run = |r: Result<Tensor<CudaBackend, 2>, String>| {
+            r.unwrap_or_else(|e| panic!("cuBLASLt linear backward: {e}"))
+        };
+        let (x_dtype, w_dtype) = (wrap(x.clone()).dtype(), wrap(w.clone()).dtype());
+        binary::<CudaBackend, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            |dy| unwrap(run(gemm(wrap(dy), false, wrap(w), false)).cast(x_dtype)),
+            |dy| unwrap(run(gemm(wrap(dy), true, wrap(x), false)).cast(w_dtype)),
+        );
+    }
+}
+
+fn linear_autodiff(
+    x: Tensor<Autodiff<CudaBackend>, 2>,
+    w: Tensor<Autodiff<CudaBackend>, 2>,
+) -> Result<Tensor<Autodiff<CudaBackend>, 2>, String> {
+    let x = x.into_primitive().tensor();
+    let w = w.into_primitive().tensor();
+    let inner =
+        |p: &Primitive| Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p.clone()));
+    let y = gemm(inner(&x.primitive), false, inner(&w.primitive), true)?
+        .into_primitive()
+        .tensor();
+    let prep = <LinearBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
+        LinearBackward,
+        [x.node.clone(), w.node.clone()],
+    );
+    let y = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+}

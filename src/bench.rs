@@ -298,7 +298,7 @@ pub mod gpu {
     use burn::tensor::{DType, Distribution, FloatDType};
     use verl::backend::{CudaAutodiff, CudaBackend};
     use verl::config::OptimConfig;
-    use verl::megatron::cuda::{rank_device, CublasLt, NcclCommunicator, NcclId};
+    use verl::megatron::cuda::{rank_device, CublasLt, NcclCommunicator, NcclId, NcclIdExchange};
     use verl::megatron::hf::HfModelConfig;
     use verl::megatron::models::{vocab_parallel_log_probs, CausalLm};
     use verl::megatron::parallel::TpGroup;
@@ -332,54 +332,85 @@ pub mod gpu {
         })
     }
 
+    /// One rank's all-reduce timings: `(MiB, median ms)` per size, the first result of each
+    /// size checked against the sum of the gathered inputs.
+    fn all_reduce_rows(
+        comm: &NcclCommunicator,
+        sizes_mib: &[usize],
+        repeat: usize,
+    ) -> Result<Vec<(usize, f64)>, String> {
+        let device = comm.device().clone();
+        let mut rows = Vec::new();
+        for &mib in sizes_mib {
+            let len = mib * (1 << 20) / 4;
+            let x = Tensor::<CudaBackend, 1>::random([len], Distribution::Default, &device);
+            let mut times = Vec::new();
+            for i in 0..repeat + 3 {
+                let t = Instant::now();
+                let y = comm
+                    .all_reduce(x.clone(), ReduceOp::Sum)
+                    .map_err(|e| e.to_string())?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                if i == 0 {
+                    let parts = comm.all_gather(x.clone()).map_err(|e| e.to_string())?;
+                    let want = parts.into_iter().reduce(|a, b| a + b).expect("ranks");
+                    let err: f32 = (y - want).abs().max().into_scalar();
+                    if err > 1e-4 {
+                        return Err(format!("all-reduce is wrong by {err}"));
+                    }
+                }
+                if i >= 3 {
+                    times.push(ms);
+                }
+            }
+            rows.push((mib, median(times)));
+        }
+        Ok(rows)
+    }
+
+    fn print_bandwidth(rows: &[(usize, f64)], ranks: usize) {
+        println!(
+            "{:>9} {:>10} {:>12} {:>12}",
+            "MiB", "ms", "algbw_GB/s", "busbw_GB/s"
+        );
+        for &(mib, ms) in rows {
+            let algbw = (mib * (1 << 20)) as f64 / (ms / 1e3) / 1e9;
+            let busbw = algbw * 2.0 * (ranks - 1) as f64 / ranks as f64;
+            println!("{mib:>9} {ms:>10.3} {algbw:>12.1} {busbw:>12.1}");
+        }
+    }
+
     /// `verl bench nccl`: all-reduce bus bandwidth (NCCL's definition: algorithm bandwidth ×
-    /// 2(n−1)/n) of f32 buffers over `gpus` GPUs of this node, one thread each.
+    /// 2(n−1)/n) of f32 buffers. With torchrun's `RANK` and `WORLD_SIZE` set, this process is
+    /// one rank of a multi-process job (GPU `LOCAL_RANK`; the NCCL id comes from rank 0 over
+    /// `MASTER_ADDR:MASTER_PORT`) and rank 0 prints; otherwise `gpus` GPUs of this node, one
+    /// thread each.
     pub fn nccl_bandwidth(gpus: usize, sizes_mib: &[usize], repeat: usize) -> Result<(), String> {
+        if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
+            let exchange = NcclIdExchange::from_env().map_err(|e| e.to_string())?;
+            let r = &exchange.rendezvous;
+            let (rank, world) = (r.rank, r.world_size);
+            let id = exchange
+                .id("bench-nccl", rank == 0)
+                .map_err(|e| e.to_string())?;
+            let comm = NcclCommunicator::new(&id, rank, world, rank_device(r.local_rank))
+                .map_err(|e| e.to_string())?;
+            let rows = all_reduce_rows(&comm, sizes_mib, repeat)?;
+            if rank == 0 {
+                println!("{world} processes, one GPU each");
+                print_bandwidth(&rows, world);
+            }
+            return Ok(());
+        }
         let found = verl::megatron::cuda::device_count();
         if gpus < 2 || gpus > found {
             return Err(format!(
                 "--gpus {gpus}: this node has {found} GPUs; use 2..={found}"
             ));
         }
-        println!(
-            "{:>9} {:>10} {:>12} {:>12}",
-            "MiB", "ms", "algbw_GB/s", "busbw_GB/s"
-        );
-        let rows = on_gpus(gpus, |rank, comm| {
-            let device = rank_device(rank);
-            let mut rows = Vec::new();
-            for &mib in sizes_mib {
-                let len = mib * (1 << 20) / 4;
-                let x = Tensor::<CudaBackend, 1>::random([len], Distribution::Default, &device);
-                let mut times = Vec::new();
-                for i in 0..repeat + 3 {
-                    let t = Instant::now();
-                    let y = comm
-                        .all_reduce(x.clone(), ReduceOp::Sum)
-                        .map_err(|e| e.to_string())?;
-                    let ms = t.elapsed().as_secs_f64() * 1e3;
-                    if i == 0 {
-                        // The first result is checked against the sum of the gathered inputs.
-                        let parts = comm.all_gather(x.clone()).map_err(|e| e.to_string())?;
-                        let want = parts.into_iter().reduce(|a, b| a + b).expect("ranks");
-                        let err: f32 = (y - want).abs().max().into_scalar();
-                        if err > 1e-4 {
-                            return Err(format!("all-reduce is wrong by {err}"));
-                        }
-                    }
-                    if i >= 3 {
-                        times.push(ms);
-                    }
-                }
-                rows.push((mib, median(times)));
-            }
-            Ok(rows)
-        })?;
-        for &(mib, ms) in &rows[0] {
-            let algbw = (mib * (1 << 20)) as f64 / (ms / 1e3) / 1e9;
-            let busbw = algbw * 2.0 * (gpus - 1) as f64 / gpus as f64;
-            println!("{mib:>9} {ms:>10.3} {algbw:>12.1} {busbw:>12.1}");
-        }
+        let rows = on_gpus(gpus, |_, comm| all_reduce_rows(&comm, sizes_mib, repeat))?;
+        println!("{gpus} threads of one process, one GPU each");
+        print_bandwidth(&rows[0], gpus);
         Ok(())
     }
 

@@ -137,7 +137,9 @@ enum BenchCommand {
         #[arg(long, default_value_t = 20)]
         repeat: usize,
     },
-    /// NCCL all-reduce bus bandwidth over this node's GPUs (`cuda` build).
+    /// NCCL all-reduce bus bandwidth over this node's GPUs (`cuda` build): threads of this
+    /// process, or, with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, one rank
+    /// of a multi-process job.
     Nccl {
         #[arg(long, default_value_t = 2)]
         gpus: usize,

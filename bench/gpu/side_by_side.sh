@@ -17,6 +17,13 @@ if [ "$part" = 1 ]; then
   if [ "$gpus" -ge 2 ]; then
     NCCL_DEBUG=WARN T=150 run $VERL bench tp-check --preset small --batch 4 --seq 128
     T=60  run $VERL bench nccl --gpus "$gpus" --sizes 1,16,256,1024,4096
+    # The same over processes, from torchrun's environment (ids through the rendezvous).
+    echo "\$ (one process per GPU) $VERL bench nccl" | tee -a "$log"
+    for r in $(seq 0 $((gpus - 1))); do
+      RANK=$r LOCAL_RANK=$r WORLD_SIZE=$gpus MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+        timeout 60 $VERL bench nccl --sizes 1,16,256,1024,4096 2>&1 | tee -a "$log" &
+    done
+    wait
   fi
   T=120 run $VERL bench gemm --sizes 4096,8192
   T=90  run python3 bench/peers/gemm.py --sizes 4096 8192

@@ -192,17 +192,30 @@ impl NcclCommunicator {
         self.stream.cu_stream() as sys::cudaStream_t
     }
 
-    /// Runs `f` on the raw communicator after burn's work is done, then waits for it.
-    fn run(
+    /// Runs the NCCL call(s) `f` on the raw communicator after burn's work is done, then waits
+    /// for them; a failure is reported as `what`'s.
+    fn run<T>(
         &self,
         what: &str,
-        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), CommError>,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<T, nccl::NcclError>,
     ) -> Result<(), CommError> {
         DeviceBuffer::sync_burn(&self.device).map_err(CommError::Backend)?;
         let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
         self.ctx.bind_to_thread().map_err(|e| err("bind", e))?;
-        f(comm.0, self.raw_stream())?;
+        f(comm.0, self.raw_stream()).map_err(|e| err(what, e))?;
         self.stream.synchronize().map_err(|e| err(what, e))
+    }
+
+    /// `rank` as NCCL's peer index, refused when it is not in the group.
+    fn peer(&self, rank: usize) -> Result<i32, CommError> {
+        if rank < self.world {
+            Ok(rank as i32)
+        } else {
+            Err(CommError::BadRank {
+                rank,
+                world: self.world,
+            })
+        }
     }
 
     /// The tensor's buffer on this rank's GPU. A tensor made on another GPU is copied over
@@ -269,8 +282,6 @@ impl Communicator<CudaBackend> for NcclCommunicator {
                 comm,
                 stream,
             )
-            .map(|_| ())
-            .map_err(|e| err("all-reduce", e))
         })?;
         Ok(recv.into_tensor())
     }
@@ -285,8 +296,6 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let dtype = nccl_dtype(send.dtype())?;
         self.run("all-gather", |comm, stream| unsafe {
             nccl::all_gather(ptr(&send), mut_ptr(&recv), n, dtype, comm, stream)
-                .map(|_| ())
-                .map_err(|e| err("all-gather", e))
         })?;
         let all = recv.into_tensor();
         Ok((0..self.world)
@@ -320,8 +329,6 @@ impl Communicator<CudaBackend> for NcclCommunicator {
                 comm,
                 stream,
             )
-            .map(|_| ())
-            .map_err(|e| err("reduce-scatter", e))
         })?;
         Ok(recv.into_tensor())
     }
@@ -331,12 +338,7 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         tensor: Tensor<CudaBackend, 1>,
         root: usize,
     ) -> Result<Tensor<CudaBackend, 1>, CommError> {
-        if root >= self.world {
-            return Err(CommError::BadRank {
-                rank: root,
-                world: self.world,
-            });
-        }
+        let root_peer = self.peer(root)?;
         let send = self.buffer(tensor)?;
         let recv = self.empty(send.len(), send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
@@ -346,30 +348,21 @@ impl Communicator<CudaBackend> for NcclCommunicator {
                 mut_ptr(&recv),
                 send.len(),
                 dtype,
-                root as i32,
+                root_peer,
                 comm,
                 stream,
             )
-            .map(|_| ())
-            .map_err(|e| err("broadcast", e))
         })?;
         Ok(recv.into_tensor())
     }
 
     /// Returns once `dst` has received (NCCL's send completes with its matching receive).
     fn send(&self, tensor: Tensor<CudaBackend, 1>, dst: usize) -> Result<(), CommError> {
-        if dst >= self.world {
-            return Err(CommError::BadRank {
-                rank: dst,
-                world: self.world,
-            });
-        }
+        let dst_peer = self.peer(dst)?;
         let send = self.buffer(tensor)?;
         let dtype = nccl_dtype(send.dtype())?;
         self.run("send", |comm, stream| unsafe {
-            nccl::send(ptr(&send), send.len(), dtype, dst as i32, comm, stream)
-                .map(|_| ())
-                .map_err(|e| err("send", e))
+            nccl::send(ptr(&send), send.len(), dtype, dst_peer, comm, stream)
         })
     }
 
@@ -379,12 +372,7 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         len: usize,
         device: &CudaDevice,
     ) -> Result<Tensor<CudaBackend, 1>, CommError> {
-        if src >= self.world {
-            return Err(CommError::BadRank {
-                rank: src,
-                world: self.world,
-            });
-        }
+        let src_peer = self.peer(src)?;
         if device != &self.device {
             return Err(CommError::Backend(format!(
                 "recv onto {device:?}, but this communicator's GPU is {:?}",
@@ -394,9 +382,7 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let recv = self.empty(len, DType::F32)?;
         let dtype = nccl_dtype(DType::F32)?;
         self.run("recv", |comm, stream| unsafe {
-            nccl::recv(mut_ptr(&recv), len, dtype, src as i32, comm, stream)
-                .map(|_| ())
-                .map_err(|e| err("recv", e))
+            nccl::recv(mut_ptr(&recv), len, dtype, src_peer, comm, stream)
         })?;
         Ok(recv.into_tensor())
     }
@@ -426,20 +412,16 @@ impl Communicator<CudaBackend> for NcclCommunicator {
             .collect::<Result<Vec<_>, _>>()?;
         let nd = nccl_dtype(dtype)?;
         self.run("all-to-all", |comm, stream| unsafe {
-            nccl::group_start().map_err(|e| err("group start", e))?;
+            nccl::group_start()?;
             for (peer, (s, r)) in sends.iter().zip(&recvs).enumerate() {
                 if !s.is_empty() {
-                    nccl::send(ptr(s), s.len(), nd, peer as i32, comm, stream)
-                        .map_err(|e| err("all-to-all send", e))?;
+                    nccl::send(ptr(s), s.len(), nd, peer as i32, comm, stream)?;
                 }
                 if !r.is_empty() {
-                    nccl::recv(mut_ptr(r), r.len(), nd, peer as i32, comm, stream)
-                        .map_err(|e| err("all-to-all recv", e))?;
+                    nccl::recv(mut_ptr(r), r.len(), nd, peer as i32, comm, stream)?;
                 }
             }
             nccl::group_end()
-                .map(|_| ())
-                .map_err(|e| err("group end", e))
         })?;
         drop(sends);
         Ok(recvs.into_iter().map(DeviceBuffer::into_tensor).collect())

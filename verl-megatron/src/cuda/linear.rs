@@ -103,47 +103,45 @@ fn give_up(e: String) {
     set_enabled(false);
 }
 
+/// The operands handed back: burn's own product takes over.
+type Operands<B> = (Tensor<B, 2>, Tensor<B, 2>);
+
 /// `x · wᵀ` for bf16 `x` `[rows, in]` and `w` `[out, in]` through cuBLASLt, or the operands
 /// back when it does not apply (switched off, another backend, or cuBLASLt failed).
-#[allow(clippy::type_complexity)]
 pub fn try_linear<B: Backend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
-) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>)> {
+) -> Result<Tensor<B, 2>, Operands<B>> {
     if !enabled() {
         return Err((x, w));
     }
-    // Inference (the rollout engine): the plain backend.
+    // Inference (the rollout engine) on the plain backend; training under autodiff, with the
+    // custom backward.
+    routed::<B, CudaBackend>(x, w, |x, w| gemm(x, false, w, true))
+        .or_else(|(x, w)| routed::<B, Autodiff<CudaBackend>>(x, w, linear_autodiff))
+}
+
+/// `product(x, w)` when `B` is `C`; the operands back when it is not, or when the product
+/// failed (which switches the routing off).
+fn routed<B: Backend, C: Backend>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    product: impl FnOnce(Tensor<C, 2>, Tensor<C, 2>) -> Result<Tensor<C, 2>, String>,
+) -> Result<Tensor<B, 2>, Operands<B>> {
     let (x, w) = match (
-        downcast::<_, Tensor<CudaBackend, 2>>(x),
-        downcast::<_, Tensor<CudaBackend, 2>>(w),
+        downcast::<_, Tensor<C, 2>>(x),
+        downcast::<_, Tensor<C, 2>>(w),
     ) {
-        (Ok(x), Ok(w)) => {
-            return match gemm(x.clone(), false, w.clone(), true) {
-                Ok(y) => Ok(same(y)),
-                Err(e) => {
-                    give_up(e);
-                    Err((same(x), same(w)))
-                }
-            };
-        }
-        (Err(x), Err(w)) => (x, w),
+        (Ok(x), Ok(w)) => (x, w),
+        (Err(x), Err(w)) => return Err((x, w)),
         _ => unreachable!("x and w share one backend"),
     };
-    // Training: autodiff with the custom backward.
-    match (
-        downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(x),
-        downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(w),
-    ) {
-        (Ok(x), Ok(w)) => match linear_autodiff(x.clone(), w.clone()) {
-            Ok(y) => Ok(same(y)),
-            Err(e) => {
-                give_up(e);
-                Err((same(x), same(w)))
-            }
-        },
-        (Err(x), Err(w)) => Err((x, w)),
-        _ => unreachable!("x and w share one backend"),
+    match product(x.clone(), w.clone()) {
+        Ok(y) => Ok(same(y)),
+        Err(e) => {
+            give_up(e);
+            Err((same(x), same(w)))
+        }
     }
 }
 

@@ -512,6 +512,12 @@ pub mod gpu {
         }
     }
 
+    /// ‖a − b‖ / ‖b‖.
+    fn relative_error(a: Tensor<CudaBackend, 2>, b: Tensor<CudaBackend, 2>) -> f32 {
+        let norm = |t: Tensor<CudaBackend, 2>| t.powf_scalar(2.0).sum().sqrt().into_scalar();
+        norm(a - b.clone()) / norm(b)
+    }
+
     /// The linear layer's bf16 product and both of its gradients through cuBLASLt
     /// (`verl_megatron::cuda::linear`) against burn's own, on the shapes of a Qwen2-0.5B MLP.
     pub fn cublaslt_linear_grads() -> Result<(), String> {
@@ -537,12 +543,11 @@ pub mod gpu {
         let (y0, dx0, dw0) = run(false);
         let (y1, dx1, dw1) = run(true);
         set_enabled(was);
-        let rel = |a: Tensor<CudaBackend, 2>, b: Tensor<CudaBackend, 2>| -> f32 {
-            let num: f32 = (a - b.clone()).powf_scalar(2.0).sum().sqrt().into_scalar();
-            let den: f32 = b.powf_scalar(2.0).sum().sqrt().into_scalar();
-            num / den
-        };
-        let (ey, ex, ew) = (rel(y1, y0), rel(dx1, dx0), rel(dw1, dw0));
+        let (ey, ex, ew) = (
+            relative_error(y1, y0),
+            relative_error(dx1, dx0),
+            relative_error(dw1, dw0),
+        );
         println!(
             "cuBLASLt linear vs burn (bf16, x [2048, 896], w [4864, 896]): relative difference \
              y {ey:.2e}, dx {ex:.2e}, dw {ew:.2e}"
@@ -579,13 +584,7 @@ pub mod gpu {
                 .matmul(w.clone().cast(FloatDType::F32).transpose());
             let lt = blas.linear_bf16(x.clone(), w.clone(), true)?;
             assert_eq!(lt.dtype(), DType::BF16);
-            let lt = lt.cast(FloatDType::F32);
-            let num: f32 = (lt - exact.clone())
-                .powf_scalar(2.0)
-                .sum()
-                .sqrt()
-                .into_scalar();
-            let den: f32 = exact.powf_scalar(2.0).sum().sqrt().into_scalar();
+            let err = relative_error(lt.cast(FloatDType::F32), exact);
             let flops = 2.0 * (n as f64).powi(3);
             let time = |f: &dyn Fn(usize) -> Result<(), String>| -> Result<f64, String> {
                 f(0)?;
@@ -609,7 +608,7 @@ pub mod gpu {
                 blas.linear_bf16(x.clone(), w.clone(), i + 1 == repeat)
                     .map(|_| ())
             })?;
-            println!("{n:>6} {burn:>14.1} {lt:>16.1} {:>12.2e}", num / den);
+            println!("{n:>6} {burn:>14.1} {lt:>16.1} {err:>12.2e}");
         }
         Ok(())
     }

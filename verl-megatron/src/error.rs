@@ -46,6 +46,17 @@ pub enum MegatronError {
     Comm(#[from] verl_core::error::CommError),
     #[error("checkpoint: {message}")]
     Checkpoint { message: String },
+    #[error(
+        "{missing} of {trainable} trainable parameters got no gradient from micro-batch \
+         {micro_batch}'s backward; the step is refused rather than applied with a partial \
+         gradient (burn-autodiff 0.21 can drop a gradient while ranks run backward on several \
+         threads at once, tracel-ai/burn#5573: resume from the last checkpoint)"
+    )]
+    LostGradients {
+        missing: usize,
+        trainable: usize,
+        micro_batch: usize,
+    },
     #[error("{path}: architecture `{found}` is not supported; supported: {supported}")]
     UnsupportedArchitecture {
         path: PathBuf,

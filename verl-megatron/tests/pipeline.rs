@@ -157,9 +157,14 @@ impl PipelineStage<A> for ToyStage {
         [ROWS, SEQ, WIDTH]
     }
 
-    fn accumulate(&mut self, grads: <A as burn::tensor::backend::AutodiffBackend>::Gradients) {
+    fn accumulate(
+        &mut self,
+        _mb: usize,
+        grads: <A as burn::tensor::backend::AutodiffBackend>::Gradients,
+    ) -> verl_core::Result<()> {
         self.grads
             .push(GradientsParams::from_grads(grads, &self.stack));
+        Ok(())
     }
 }
 
@@ -211,7 +216,7 @@ fn check_pipeline(stages: usize, layers: usize, micro_batches: usize) {
         };
         single_losses.push(loss.clone().into_scalar());
         let grads = loss.backward();
-        single.accumulate(grads);
+        single.accumulate(mb, grads).unwrap();
     }
     let single_grads = stage_grads(&single);
     let split = stage_layers(layers, stages, None, None).unwrap();

@@ -144,8 +144,9 @@ pub trait PipelineStage<B: AutodiffBackend> {
     /// for; every stage knows the micro-batch's rows and length).
     fn input_shape(&self, micro_batch: usize) -> [usize; 3];
 
-    /// The gradients of one micro-batch's backward, to accumulate.
-    fn accumulate(&mut self, grads: B::Gradients);
+    /// The gradients of micro-batch `micro_batch`'s backward, to accumulate (or an error
+    /// when they cannot be, which ends the schedule).
+    fn accumulate(&mut self, micro_batch: usize, grads: B::Gradients) -> Result<()>;
 
     /// Called once this stage holds everything a micro-batch's backward needs, just before
     /// it: a stage whose backward runs collectives (tensor parallel) synchronises its group
@@ -230,7 +231,7 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                     })?;
                     comm.send(g.flatten(0, 2), me - 1)?;
                 }
-                stage.accumulate(grads);
+                stage.accumulate(mb, grads)?;
             }
         }
     }

@@ -3,12 +3,15 @@
 
 use std::sync::Arc;
 
+use burn::module::{ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use verl_core::traits::Communicator;
 use verl_core::{DataProto, Result};
 
 use super::batch::ModelInputs;
+use crate::error::MegatronError;
 use crate::models::CausalLm;
 use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::ParallelAutodiffBackend;
@@ -53,9 +56,46 @@ where
         }
     }
 
-    fn accumulate(&mut self, grads: B::Gradients) {
+    fn accumulate(&mut self, mb: usize, grads: B::Gradients) -> Result<()> {
         let grads = GradientsParams::from_grads(grads, self.model);
+        // Every trainable parameter of a stage is on its loss's path, so each backward must
+        // give all of them a gradient. One missing would also leave the data-parallel buckets
+        // of this rank shorter than its peers'. Checked, because burn's autodiff can lose one.
+        let mut check = GradientCoverage {
+            grads: &grads,
+            trainable: 0,
+            missing: 0,
+        };
+        self.model.visit(&mut check);
+        if check.missing > 0 {
+            return Err(MegatronError::LostGradients {
+                missing: check.missing,
+                trainable: check.trainable,
+                micro_batch: mb,
+            }
+            .into());
+        }
         self.acc.accumulate(self.model, grads);
+        Ok(())
+    }
+}
+
+/// Counts the trainable parameters of a model and those `grads` has no gradient for.
+struct GradientCoverage<'a> {
+    grads: &'a GradientsParams,
+    trainable: usize,
+    missing: usize,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradientCoverage<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !param.val().is_require_grad() {
+            return;
+        }
+        self.trainable += 1;
+        if self.grads.get::<B::InnerBackend, D>(param.id).is_none() {
+            self.missing += 1;
+        }
     }
 }
 
@@ -85,7 +125,7 @@ where
                 let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
                     unreachable!("a whole model ends in a loss")
                 };
-                stage.accumulate(loss.backward());
+                stage.accumulate(mb, loss.backward())?;
             }
         }
         Some(pp) => {
@@ -94,4 +134,78 @@ where
         }
     }
     Ok(stage.acc.grads())
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Distribution, TensorData};
+    use verl_core::backend::{CpuAutodiff, CpuBackend};
+
+    use super::*;
+    use crate::hf::{HfModelConfig, Qwen2Dims};
+
+    fn model() -> CausalLm<CpuAutodiff> {
+        let cfg = HfModelConfig::qwen2(Qwen2Dims {
+            vocab_size: 16,
+            hidden_size: 16,
+            intermediate_size: 16,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            max_position_embeddings: 16,
+        });
+        CausalLm::init(&cfg, 0.2, 1, &Default::default())
+    }
+
+    /// Two rows of 5 tokens, the last 2 the response.
+    fn micro() -> DataProto<CpuBackend> {
+        let device = Default::default();
+        let int = |v: Vec<i64>, w: usize| {
+            Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(v, [2, w]), &device)
+        };
+        let mut d = DataProto::new();
+        d.insert_int("input_ids", int(vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 5))
+            .unwrap();
+        d.insert_int("attention_mask", int(vec![1; 10], 5)).unwrap();
+        d.insert_int("position_ids", int(vec![0, 1, 2, 3, 4, 0, 1, 2, 3, 4], 5))
+            .unwrap();
+        d.insert_int("responses", int(vec![4, 5, 9, 10], 2))
+            .unwrap();
+        d
+    }
+
+    #[test]
+    fn every_trainable_parameter_gets_its_gradient() {
+        let model = model();
+        let grads = train_micro_batches(&model, &[micro(), micro()], None, |_, out| {
+            Ok(out.powi_scalar(2).mean().reshape([1]))
+        })
+        .unwrap();
+        let mut check = GradientCoverage {
+            grads: &grads,
+            trainable: 0,
+            missing: 0,
+        };
+        model.visit(&mut check);
+        assert!(check.trainable > 0);
+        assert_eq!(check.missing, 0);
+    }
+
+    /// A backward that reaches none of the model's parameters stands in for the gradients
+    /// burn's autodiff can drop: the micro-batch is refused, never summed short.
+    #[test]
+    fn a_micro_batch_without_gradients_is_refused() {
+        let model = model();
+        let elsewhere =
+            Tensor::<CpuAutodiff, 1>::random([3], Distribution::Default, &Default::default())
+                .require_grad();
+        let e = train_micro_batches(&model, &[micro()], None, |_, _| Ok(elsewhere.clone().sum()))
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("got no gradient from micro-batch 0"),
+            "{text}"
+        );
+        assert!(text.contains("burn#5573"), "{text}");
+    }
 }

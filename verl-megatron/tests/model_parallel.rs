@@ -901,6 +901,37 @@ fn deep_odd_vocabulary_on_tp_and_pp_updates_as_the_single_rank() {
     check_layout_seeded(Flavour::OddVocabulary, 274, 4, 2, 2, 1, false);
 }
 
+/// Ranks are threads, and burn's autodiff ends every backward with a sweep over all threads'
+/// graphs that could free the first steps of a rank's forward (tracel-ai/burn#5573). Here two
+/// more threads run backwards without pause while layouts train: before the actor and critic
+/// re-leafed their parameters per micro-batch (`with_fresh_leaves`), 13 of 20 such runs lost
+/// every gradient of their second micro-batch (`LostGradients`, 51 of 51 parameters).
+#[test]
+fn layouts_keep_every_gradient_while_other_threads_run_backward() {
+    let _serial = serial();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                let device = Default::default();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let x = Tensor::<CpuAutodiff, 1>::ones([4], &device).require_grad();
+                    let _ = (x.clone() * x).sum().backward();
+                }
+            });
+        }
+        let outcome = std::panic::catch_unwind(|| {
+            for seed in 272..277 {
+                check_layout_seeded(Flavour::OddVocabulary, seed, 4, 1, 2, 2, false);
+            }
+        });
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+    });
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 10, ..Default::default() })]
 

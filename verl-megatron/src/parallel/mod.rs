@@ -1,14 +1,17 @@
 //! Parallelism over the `Communicator` trait: the in-process communicator that simulates ranks
 //! on CPU, the process groups of a topology, the tensor-parallel region operators whose
-//! backward passes run the conjugate collectives, the pipeline schedule, and the rendezvous
-//! through which the processes of a multi-process job meet.
+//! backward passes run the conjugate collectives, the pipeline schedule, the rendezvous
+//! through which the processes of a multi-process job meet, and the fresh parameter leaves that
+//! let ranks train as threads of one process.
 
+mod fresh_leaves;
 mod groups;
 mod local;
 pub mod pipeline;
 mod region;
 mod rendezvous;
 
+pub use fresh_leaves::with_fresh_leaves;
 pub use groups::ProcessGroups;
 pub use local::LocalCommunicator;
 pub use region::{

@@ -1,6 +1,7 @@
 //! A role's model as one stage of the 1F1B schedule (the whole model, and so the loss, without
 //! pipeline parallelism): how the actor and the critic run a mini-batch's micro-batches.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::{ModuleVisitor, Param};
@@ -14,12 +15,15 @@ use super::batch::ModelInputs;
 use crate::error::MegatronError;
 use crate::models::CausalLm;
 use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
-use crate::parallel::ParallelAutodiffBackend;
+use crate::parallel::{with_fresh_leaves, ParallelAutodiffBackend};
 
 /// `model` over `micros`; the last stage turns a micro-batch's outputs into its loss with
 /// `loss`.
 struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     model: &'a CausalLm<B>,
+    /// The model each micro-batch in flight ran its forward with: `model` with its parameters
+    /// as fresh leaves (see [`with_fresh_leaves`] for why), read again for its gradients.
+    in_flight: HashMap<usize, CausalLm<B>>,
     micros: &'a [DataProto<B::InnerBackend>],
     pipelined: bool,
     loss: L,
@@ -34,7 +38,9 @@ where
     fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
         let micro = &self.micros[mb];
         let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
-        let out = inputs.stage_outputs(self.model, input);
+        let model = with_fresh_leaves(self.model.clone());
+        let out = inputs.stage_outputs(&model, input);
+        self.in_flight.insert(mb, model);
         if !self.model.stage.is_last() {
             return Ok(StageOutput::Activation(out));
         }
@@ -57,16 +63,21 @@ where
     }
 
     fn accumulate(&mut self, mb: usize, grads: B::Gradients) -> Result<()> {
-        let grads = GradientsParams::from_grads(grads, self.model);
+        let model = self
+            .in_flight
+            .remove(&mb)
+            .expect("the schedule runs a micro-batch's forward before its backward");
+        let grads = GradientsParams::from_grads(grads, &model);
         // Every trainable parameter of a stage is on its loss's path, so each backward must
         // give all of them a gradient. One missing would also leave the data-parallel buckets
-        // of this rank shorter than its peers'. Checked, because burn's autodiff can lose one.
+        // of this rank shorter than its peers'. Checked, as a last line should burn's autodiff
+        // lose one anyway.
         let mut check = GradientCoverage {
             grads: &grads,
             trainable: 0,
             missing: 0,
         };
-        self.model.visit(&mut check);
+        model.visit(&mut check);
         if check.missing > 0 {
             return Err(MegatronError::LostGradients {
                 missing: check.missing,
@@ -75,7 +86,7 @@ where
             }
             .into());
         }
-        self.acc.accumulate(self.model, grads);
+        self.acc.accumulate(&model, grads);
         Ok(())
     }
 }
@@ -114,6 +125,7 @@ where
 {
     let mut stage = ModelStage {
         model,
+        in_flight: HashMap::new(),
         micros,
         pipelined: pp.is_some(),
         loss,

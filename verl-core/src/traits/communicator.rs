@@ -22,6 +22,23 @@ pub enum ReduceOp {
     Max,
 }
 
+/// The chunk each rank gets from a reduce-scatter of `len` elements over `world` ranks, or the
+/// error every implementation gives when the length does not divide.
+///
+/// ```
+/// use verl_core::traits::reduce_scatter_chunk;
+/// assert_eq!(reduce_scatter_chunk(12, 4).unwrap(), 3);
+/// assert!(reduce_scatter_chunk(10, 4).unwrap_err().to_string().contains("must divide"));
+/// ```
+pub fn reduce_scatter_chunk(len: usize, world: usize) -> Result<usize, CommError> {
+    if !len.is_multiple_of(world) {
+        return Err(CommError::Shape(format!(
+            "reduce-scatter of {len} elements over {world} ranks: the length must divide"
+        )));
+    }
+    Ok(len / world)
+}
+
 /// One rank's handle on a process group.
 pub trait Communicator<B: Backend>: Send + Sync {
     /// This rank's index in the group, `0..world_size()`.

@@ -15,7 +15,7 @@ mod sharding;
 
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};
-pub use communicator::{Communicator, CommunicatorExt, ReduceOp};
+pub use communicator::{reduce_scatter_chunk, Communicator, CommunicatorExt, ReduceOp};
 pub use critic::Critic;
 pub use profiler::{ProfileRange, Profiler};
 pub use reward::{RewardFn, RewardInput, RewardScore};

@@ -25,7 +25,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys};
 use verl_core::backend::CudaBackend;
 use verl_core::error::CommError;
-use verl_core::traits::{Communicator, ReduceOp};
+use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
 
 use super::buffer::DeviceBuffer;
 use crate::parallel::Rendezvous;
@@ -309,14 +309,7 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         op: ReduceOp,
     ) -> Result<Tensor<CudaBackend, 1>, CommError> {
         let send = self.buffer(tensor)?;
-        if !send.len().is_multiple_of(self.world) {
-            return Err(CommError::Shape(format!(
-                "reduce-scatter of {} elements over {} ranks: the length must divide",
-                send.len(),
-                self.world
-            )));
-        }
-        let part = send.len() / self.world;
+        let part = reduce_scatter_chunk(send.len(), self.world)?;
         let recv = self.empty(part, send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
         self.run("reduce-scatter", |comm, stream| unsafe {

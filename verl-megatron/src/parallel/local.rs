@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 use verl_core::error::CommError;
-use verl_core::traits::{Communicator, ReduceOp};
+use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
 
 /// A rank waiting longer than this for its peers reports them gone rather than hanging.
 /// `VERL_COMM_TIMEOUT_S` overrides it (tests that might deadlock fail fast with it).
@@ -44,7 +44,7 @@ struct Hub {
 ///
 /// ```
 /// use burn::prelude::*;
-/// use verl_core::traits::{Communicator, ReduceOp};
+/// use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
 /// use verl_megatron::parallel::LocalCommunicator;
 /// type B = verl_core::backend::CpuBackend;
 ///
@@ -255,13 +255,7 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
         let device = tensor.device();
         let n = self.hub.world;
         let all = self.exchange(vec![host(tensor)])?;
-        let len = same_lengths(&all)?;
-        if !len.is_multiple_of(n) {
-            return Err(CommError::Shape(format!(
-                "reduce-scatter of {len} elements over {n} ranks: the length must divide"
-            )));
-        }
-        let chunk = len / n;
+        let chunk = reduce_scatter_chunk(same_lengths(&all)?, n)?;
         let range = self.rank * chunk..(self.rank + 1) * chunk;
         let out = Self::reduce(all.iter().map(|p| p[0][range.clone()].to_vec()), op, n);
         Ok(device_tensor(out, &device))

@@ -316,8 +316,6 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
     }
 }
 
-/// `ref_log_prob` of the responses under a frozen policy: logits over the response window,
-/// divided by the rollout temperature (`meta_info["temperature"]`, else `default_temperature`).
 /// When `req` asks for an HF copy: the full weights (`full`, a collective over the model-parallel
 /// group, so every rank computes them) written once, by rank 0, with `state`'s extra.
 async fn save_hf_copy<B: Backend>(
@@ -343,6 +341,8 @@ async fn save_hf_copy<B: Backend>(
     Ok(())
 }
 
+/// `ref_log_prob` of the responses under a frozen policy: logits over the response window,
+/// divided by the rollout temperature (`meta_info["temperature"]`, else `default_temperature`).
 fn reference_log_probs<B: ParallelBackend>(
     model: &CausalLm<B>,
     data: &DataProto<B>,

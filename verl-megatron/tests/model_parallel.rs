@@ -259,9 +259,14 @@ const REL_TOL: f64 = 1e-4;
 /// sum of terms of either sign, and its rounding is relative to those terms, not to the sum.
 fn rel_close(a: f64, b: f64, what: &str) {
     assert!(
-        (a - b).abs() <= REL_TOL * a.abs().max(b.abs()).max(0.1),
+        rel_error(a, b) <= REL_TOL,
         "{what}: single rank {a} vs layout {b}"
     );
+}
+
+/// `|a − b|` relative to the larger of `|a|`, `|b|` and 0.1 (see [`rel_close`]).
+fn rel_error(a: f64, b: f64) -> f64 {
+    (a - b).abs() / a.abs().max(b.abs()).max(0.1)
 }
 
 /// The metrics a layout must reproduce: one value per optimizer step (or mini-batch), whatever
@@ -278,16 +283,18 @@ const COMPARED_METRICS: [&str; 6] = [
 /// The largest relative difference between two runs' metrics and log-probs (as [`rel_close`]
 /// measures it) and the largest weight difference relative to the largest weight.
 fn drift(a: &StageOutcome, b: &StageOutcome) -> (f64, f64) {
-    let rel = |x: f64, y: f64| (x - y).abs() / x.abs().max(y.abs()).max(0.1);
     let metrics = COMPARED_METRICS.iter().flat_map(|key| {
         assert_eq!(a.0 .0[*key].len(), b.0 .0[*key].len(), "{key}");
         a.0 .0[*key]
             .iter()
             .zip(&b.0 .0[*key])
-            .map(|(x, y)| rel(*x, *y))
+            .map(|(x, y)| rel_error(*x, *y))
             .collect::<Vec<_>>()
     });
-    let log_probs = a.1.iter().zip(&b.1).map(|(x, y)| rel(*x as f64, *y as f64));
+    let log_probs =
+        a.1.iter()
+            .zip(&b.1)
+            .map(|(x, y)| rel_error(*x as f64, *y as f64));
     let scale =
         a.2.iter()
             .flat_map(|(_, v)| v)

@@ -7,7 +7,6 @@
 //! `Autodiff<CudaBackend>`); any other backend, or a failure of cuBLASLt (logged once, after
 //! which it stays off), falls back to burn's own product.
 
-use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -22,6 +21,7 @@ use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{binary, Backward, Ops, OpsKind};
 use verl_core::backend::CudaBackend;
 
+use super::kernels::{downcast, same};
 use super::CublasLt;
 
 /// burn-cuda's float tensor, as autodiff stores it.
@@ -78,24 +78,6 @@ fn gemm(
         }
     };
     handle(&a.device())?.gemm_bf16(bf(a), ta, bf(b), tb, true)
-}
-
-fn downcast<A: 'static, T: 'static>(a: A) -> Result<T, A> {
-    let boxed: Box<dyn Any> = Box::new(a);
-    match boxed.downcast::<T>() {
-        Ok(t) => Ok(*t),
-        Err(back) => Err(*back
-            .downcast::<A>()
-            .expect("a box holds the type it was made from")),
-    }
-}
-
-/// A value whose type is known to be `T` (checked by an earlier downcast of its operands).
-fn same<A: 'static, T: 'static>(a: A) -> T {
-    match downcast(a) {
-        Ok(t) => t,
-        Err(_) => unreachable!("the operands' backend was checked"),
-    }
 }
 
 fn give_up(e: String) {

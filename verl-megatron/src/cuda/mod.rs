@@ -6,6 +6,7 @@
 
 pub mod buffer;
 pub mod cublaslt;
+pub mod kernels;
 pub mod linear;
 pub mod nccl;
 
@@ -26,4 +27,14 @@ pub fn device_count() -> usize {
 /// so a layout with more ranks than GPUs still runs (ranks then share devices).
 pub fn rank_device(local_rank: usize) -> CudaDevice {
     CudaDevice::new(local_rank % device_count().max(1))
+}
+
+/// Bytes of burn-cuda's memory pool in use and reserved on `device` for the calling thread's
+/// stream (burn 0.21 has no peak counter: callers sample this where usage is highest).
+pub fn memory_usage(device: &CudaDevice) -> Option<(u64, u64)> {
+    use cubecl::Runtime;
+    let usage = cubecl::cuda::CudaRuntime::client(device)
+        .memory_usage()
+        .ok()?;
+    Some((usage.bytes_in_use, usage.bytes_reserved))
 }

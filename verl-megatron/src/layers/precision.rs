@@ -114,8 +114,19 @@ fn low<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match current() {
         ComputeDtype::F32 => a.matmul(b),
-        ComputeDtype::Bf16 => low(a).matmul(low(b)).cast(FloatDType::F32),
+        ComputeDtype::Bf16 => product(low(a), low(b)).cast(FloatDType::F32),
     }
+}
+
+/// `a · b` of bf16 operands: through the GPU products' seam on burn-cuda
+/// (`crate::cuda::kernels::gemm`), burn's `matmul` everywhere else.
+fn product<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+    #[cfg(feature = "cuda")]
+    let (a, b) = match crate::cuda::kernels::gemm::try_matmul(a, b) {
+        Ok(c) => return c,
+        Err(operands) => operands,
+    };
+    a.matmul(b)
 }
 
 /// `x · wᵀ` for `x` `[rows, in]` and a weight in the HF layout `[out, in]`, in the current
@@ -132,7 +143,7 @@ pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
                 Ok(y) => return y.cast(FloatDType::F32),
                 Err(operands) => operands,
             };
-            x.matmul(w.transpose()).cast(FloatDType::F32)
+            product(x, w.transpose()).cast(FloatDType::F32)
         }
     }
 }

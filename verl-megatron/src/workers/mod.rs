@@ -4,6 +4,7 @@
 
 pub mod actor;
 pub mod actor_rollout_ref;
+pub mod adamw;
 pub mod batch;
 pub mod critic;
 pub mod optim;

@@ -6,10 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::record::AdaptorRecord;
-use burn::optim::{
-    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, GradientsParams, Optimizer,
-};
+use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde_json::{json, Value};
@@ -17,6 +14,7 @@ use verl_core::config::OptimConfig;
 use verl_core::traits::{Communicator, ReduceOp};
 use verl_core::NamedTensor;
 
+use super::adamw::{AdamW, AdamWHyper, Moments};
 use crate::error::MegatronError;
 
 /// The learning rate at each optimizer step.
@@ -101,26 +99,65 @@ impl LrSchedule {
 }
 
 /// Sums the squares of every parameter's gradient, those of `sharded` parameters apart.
-struct SquaredNorm<'a> {
+///
+/// Each gradient's sum of squares stays on its device until [`Self::totals`] reads them all in
+/// one transfer: one host synchronisation per step instead of one per parameter.
+struct SquaredNorm<'a, I: Backend> {
     grads: &'a GradientsParams,
     sharded: Option<&'a HashSet<ParamId>>,
     /// A parameter another stage counts (the last stage's copy of a tied embedding).
     exclude: Option<ParamId>,
-    total: f64,
-    sharded_total: f64,
+    /// Each gradient's sum of squares, with whether it is a tensor-parallel shard.
+    sums: Vec<(Tensor<I, 1>, bool)>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_> {
+impl<'a, I: Backend> SquaredNorm<'a, I> {
+    fn new(
+        grads: &'a GradientsParams,
+        sharded: Option<&'a HashSet<ParamId>>,
+        exclude: Option<ParamId>,
+    ) -> Self {
+        Self {
+            grads,
+            sharded,
+            exclude,
+            sums: Vec::new(),
+        }
+    }
+
+    /// The sums of squares of the replicated and of the sharded gradients, added in the model's
+    /// order in f64.
+    fn totals(self) -> (f64, f64) {
+        if self.sums.is_empty() {
+            return (0.0, 0.0);
+        }
+        let (sums, sharded): (Vec<_>, Vec<_>) = self.sums.into_iter().unzip();
+        let values = Tensor::cat(sums, 0)
+            .into_data()
+            .convert::<f64>()
+            .to_vec::<f64>()
+            .expect("f64 data");
+        let (mut total, mut sharded_total) = (0.0, 0.0);
+        for (v, s) in values.into_iter().zip(sharded) {
+            if s {
+                sharded_total += v;
+            } else {
+                total += v;
+            }
+        }
+        (total, sharded_total)
+    }
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.exclude == Some(param.id) {
             return;
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let sq = g.powi_scalar(2).sum().into_scalar().elem::<f64>();
-            match self.sharded {
-                Some(s) if s.contains(&param.id) => self.sharded_total += sq,
-                _ => self.total += sq,
-            }
+            let sq = g.powi_scalar(2).sum();
+            let sharded = self.sharded.is_some_and(|s| s.contains(&param.id));
+            self.sums.push((sq, sharded));
         }
     }
 }
@@ -252,15 +289,9 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> f64 {
-    let mut v = SquaredNorm {
-        grads,
-        sharded: None,
-        exclude: None,
-        total: 0.0,
-        sharded_total: 0.0,
-    };
+    let mut v = SquaredNorm::<B::InnerBackend>::new(grads, None, None);
     model.visit(&mut v);
-    v.total.sqrt()
+    v.totals().0.sqrt()
 }
 
 /// The global L2 norm of a model-parallel model's gradients: tensor-parallel shards' squares
@@ -274,14 +305,9 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     pp: Option<&PipelineParallelGrads<B::InnerBackend>>,
 ) -> Result<f64, MegatronError> {
     let exclude = pp.and_then(|p| (p.comm.rank() != 0).then_some(p.tied_embedding).flatten());
-    let mut v = SquaredNorm {
-        grads,
-        sharded: tp.map(|t| &t.sharded),
-        exclude,
-        total: 0.0,
-        sharded_total: 0.0,
-    };
+    let mut v = SquaredNorm::<B::InnerBackend>::new(grads, tp.map(|t| &t.sharded), exclude);
     model.visit(&mut v);
+    let (total, sharded_total) = v.totals();
     // On the model's device: a communicator may only reach its own GPU's memory.
     let device = model.devices().into_iter().next().unwrap_or_default();
     let sum = |comm: &GroupHandle<B::InnerBackend>, x: f64| -> Result<f64, MegatronError> {
@@ -291,10 +317,10 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
             .into_scalar()
             .elem::<f64>())
     };
-    let mut stage = v.total;
+    let mut stage = total;
     stage += match tp {
-        Some(tp) => sum(&tp.comm, v.sharded_total)?,
-        None => v.sharded_total,
+        Some(tp) => sum(&tp.comm, sharded_total)?,
+        None => sharded_total,
     };
     let total = match pp {
         Some(pp) => sum(&pp.comm, stage)?,
@@ -362,12 +388,19 @@ fn scale_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     norm: f64,
     max_norm: f64,
 ) {
+    let factor = clip_factor(norm, max_norm);
+    if factor != 1.0 {
+        model.visit(&mut ScaleGrads { grads, factor });
+    }
+}
+
+/// The factor that brings gradients of global norm `norm` to at most `max_norm` (1 when they
+/// are within it, when clipping is off, or when the norm is not finite).
+pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
     if norm.is_finite() && max_norm > 0.0 && norm > max_norm {
-        let mut s = ScaleGrads {
-            grads,
-            factor: max_norm / (norm + 1e-6),
-        };
-        model.visit(&mut s);
+        max_norm / (norm + 1e-6)
+    } else {
+        1.0
     }
 }
 
@@ -483,7 +516,8 @@ pub struct TensorParallelGrads<I: Backend> {
 
 /// AdamW with clipping and the schedule, stepping one model.
 pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
-    inner: burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, M, B>,
+    adamw: AdamW<B::InnerBackend>,
+    model: std::marker::PhantomData<fn(M)>,
     pub schedule: LrSchedule,
     pub clip_grad: f64,
     /// Optimizer steps taken.
@@ -520,14 +554,15 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
                 message: format!("`{}` is not supported; use adam (AdamW)", cfg.optimizer),
             });
         }
-        let inner = AdamWConfig::new()
-            .with_beta_1(cfg.betas[0] as f32)
-            .with_beta_2(cfg.betas[1] as f32)
-            .with_epsilon(cfg.eps as f32)
-            .with_weight_decay(cfg.weight_decay as f32)
-            .init();
+        let adamw = AdamW::new(AdamWHyper {
+            beta_1: cfg.betas[0] as f32,
+            beta_2: cfg.betas[1] as f32,
+            epsilon: cfg.eps as f32,
+            weight_decay: cfg.weight_decay as f32,
+        });
         Ok(Self {
-            inner,
+            adamw,
+            model: std::marker::PhantomData,
             schedule: LrSchedule::from_config(cfg, total_steps)?,
             clip_grad: cfg.clip_grad,
             step: 0,
@@ -554,6 +589,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     /// than one rank this changes nothing.
     pub fn with_distributed_optimizer(mut self, enabled: bool) -> Self {
         self.distributed = enabled.then_some(None);
+        self
+    }
+
+    /// Whether burn-cuda parameters are updated by the fused AdamW kernel (the default) or by
+    /// burn's chain of tensor operations (to compare the two).
+    pub fn with_fused_adamw(mut self, fused: bool) -> Self {
+        self.adamw.set_fused(fused);
         self
     }
 
@@ -687,7 +729,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             Err(e) => return (model, Err(e)),
         };
         let lr = self.schedule.lr(self.step);
-        scale_to_norm(&model, &mut grads, norm, self.clip_grad);
+        // Clipping is folded into the update (one pass over the gradients, not two).
+        let grad_scale = clip_factor(norm, self.clip_grad);
         if norm.is_finite() {
             self.keep_owned_grads(&model, &mut grads);
         }
@@ -699,7 +742,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             };
             return (model, Ok(report));
         }
-        let model = self.inner.step(lr, model, grads);
+        let model = self.adamw.step(lr, grad_scale, model, grads);
         self.step += 1;
         let (model, gathered) = self.gather_updated(model);
         if let Err(e) = gathered {
@@ -723,31 +766,21 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     /// names them) and the counters (optimizer step, each moment's update count) as JSON.
     /// Parameters not yet stepped have no moments.
     pub fn state(&self, params: &[NamedParam]) -> (Vec<NamedTensor<B::InnerBackend>>, Value) {
-        let mut records = self.inner.to_record();
+        let moments: HashMap<&ParamId, &Moments<B::InnerBackend>> = self.adamw.moments().collect();
         let mut tensors = Vec::new();
         let mut times = serde_json::Map::new();
-        for (name, id, matrix) in params {
-            let Some(record) = records.remove(id) else {
+        for (name, id, _) in params {
+            let Some(m) = moments.get(id) else {
                 continue;
             };
-            let (time, m1, m2) = if *matrix {
-                let s = record.into_state::<2>().momentum;
-                (
-                    s.time,
-                    NamedTensor::new(format!("{name}.exp_avg"), s.moment_1),
-                    NamedTensor::new(format!("{name}.exp_avg_sq"), s.moment_2),
-                )
-            } else {
-                let s = record.into_state::<1>().momentum;
-                (
-                    s.time,
-                    NamedTensor::new(format!("{name}.exp_avg"), s.moment_1),
-                    NamedTensor::new(format!("{name}.exp_avg_sq"), s.moment_2),
-                )
+            let named = |suffix: &str, values: &Tensor<B::InnerBackend, 1>| NamedTensor {
+                name: format!("{name}.{suffix}"),
+                shape: m.shape.clone(),
+                values: values.clone(),
             };
-            times.insert(name.clone(), json!(time));
-            tensors.push(m1);
-            tensors.push(m2);
+            times.insert(name.clone(), json!(m.time));
+            tensors.push(named("exp_avg", &m.exp_avg));
+            tensors.push(named("exp_avg_sq", &m.exp_avg_sq));
         }
         (
             tensors,
@@ -774,44 +807,34 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             .ok_or_else(|| bad("optimizer state has no `moment_updates`".into()))?;
         let mut by_name: HashMap<String, NamedTensor<B::InnerBackend>> =
             tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
-        // Burn's record map type, emptied.
-        let mut records = self.inner.to_record();
-        records.clear();
+        let mut moments = HashMap::new();
         for (name, id, matrix) in params {
             let Some(time) = times.get(name).and_then(Value::as_u64) else {
                 continue;
             };
             let mut take = |suffix: &str| {
                 let key = format!("{name}.{suffix}");
-                by_name
+                let t = by_name
                     .remove(&key)
-                    .ok_or_else(|| bad(format!("optimizer state lacks `{key}`")))
+                    .ok_or_else(|| bad(format!("optimizer state lacks `{key}`")))?;
+                let rank = if *matrix { 2 } else { 1 };
+                if t.shape.len() != rank || t.values.dims()[0] != t.shape.iter().product::<usize>()
+                {
+                    return Err(bad(format!(
+                        "optimizer state `{}` has shape {:?}, which does not fit the model",
+                        t.name, t.shape
+                    )));
+                }
+                Ok(t)
             };
             let (m1, m2) = (take("exp_avg")?, take("exp_avg_sq")?);
-            let shape_err = |t: &NamedTensor<B::InnerBackend>| {
-                bad(format!(
-                    "optimizer state `{}` has shape {:?}, which does not fit the model",
-                    t.name, t.shape
-                ))
+            let state = Moments {
+                time: time as usize,
+                shape: m1.shape,
+                exp_avg: m1.values,
+                exp_avg_sq: m2.values,
             };
-            let record = if *matrix {
-                let state = AdaptiveMomentumState {
-                    time: time as usize,
-                    moment_1: m1.to_tensor::<2>().map_err(|_| shape_err(&m1))?,
-                    moment_2: m2.to_tensor::<2>().map_err(|_| shape_err(&m2))?,
-                    max_moment_2: None,
-                };
-                AdaptorRecord::<AdamW, B>::from_state::<2>(AdamWState { momentum: state })
-            } else {
-                let state = AdaptiveMomentumState {
-                    time: time as usize,
-                    moment_1: m1.to_tensor::<1>().map_err(|_| shape_err(&m1))?,
-                    moment_2: m2.to_tensor::<1>().map_err(|_| shape_err(&m2))?,
-                    max_moment_2: None,
-                };
-                AdaptorRecord::<AdamW, B>::from_state::<1>(AdamWState { momentum: state })
-            };
-            records.insert(*id, record);
+            moments.insert(*id, state);
         }
         if let Some(name) = times
             .keys()
@@ -821,8 +844,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
                 "optimizer state has moments for `{name}`, which this model does not have"
             )));
         }
-        let inner = std::mem::replace(&mut self.inner, AdamWConfig::new().init());
-        self.inner = inner.load_record(records);
+        self.adamw.set_moments(moments);
         self.step = step;
         Ok(())
     }

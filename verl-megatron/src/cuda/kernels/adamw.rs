@@ -1,0 +1,134 @@
+//! Fused AdamW: one kernel per parameter tensor reads the parameter, its gradient and both
+//! moments once and writes the parameter and the moments in place. burn's optimizer runs about
+//! fifteen element-wise kernels per tensor for the same update, each a full pass over memory.
+//!
+//! The fallback is [`crate::workers::adamw`]'s chain of burn operations (the same formula);
+//! results differ from it only by rounding (the kernel may contract a multiply and an add into
+//! one fused multiply-add), which `verl bench kernels` measures on a GPU.
+
+use burn::prelude::*;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
+use cubecl::calculate_cube_count_elemwise;
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::CubeDim;
+use verl_core::backend::CudaBackend;
+
+use super::{is_cuda, same, CudaPrimitive};
+use crate::workers::adamw::AdamWStep;
+
+/// What [`try_step`] hands back when it does not apply: the parameter, the gradient and the
+/// moments, unchanged.
+pub type NotApplied<B> = (
+    Tensor<B, 1>,
+    Tensor<B, 1>,
+    Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+);
+
+/// The updated parameter and moments.
+pub type Updated<B> = (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>);
+
+mod kernel {
+    use cubecl::prelude::*;
+
+    #[allow(clippy::too_many_arguments)]
+    #[cube(launch_unchecked)]
+    pub fn adamw_kernel(
+        param: &mut Array<f32>,
+        grad: &Array<f32>,
+        exp_avg: &mut Array<f32>,
+        exp_avg_sq: &mut Array<f32>,
+        grad_scale: f32,
+        beta_1: f32,
+        beta_2: f32,
+        bias_correction_1: f32,
+        bias_correction_2: f32,
+        epsilon: f32,
+        decay: f32,
+        lr: f32,
+    ) {
+        let i = ABSOLUTE_POS;
+        if i < param.len() {
+            let g = grad[i] * grad_scale;
+            let m = exp_avg[i] * beta_1 + g * (1.0 - beta_1);
+            let v = exp_avg_sq[i] * beta_2 + g * g * (1.0 - beta_2);
+            exp_avg[i] = m;
+            exp_avg_sq[i] = v;
+            let denom = f32::sqrt(v / bias_correction_2) + epsilon;
+            param[i] = param[i] * decay - (m / bias_correction_1) / denom * lr;
+        }
+    }
+}
+use kernel::adamw_kernel;
+
+/// A contiguous primitive this kernel may write (a copy when the buffer is shared).
+fn writable(t: Tensor<CudaBackend, 1>) -> CudaPrimitive {
+    let p = into_contiguous(t.into_primitive().tensor());
+    if p.can_mut() {
+        p
+    } else {
+        p.copy()
+    }
+}
+
+fn wrap(p: CudaPrimitive) -> Tensor<CudaBackend, 1> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// One AdamW update of a flat f32 parameter on burn-cuda, by the fused kernel; `moments` is
+/// `None` before the first update. Any other backend or dtype gets its inputs back.
+pub fn try_step<B: Backend>(
+    param: Tensor<B, 1>,
+    grad: Tensor<B, 1>,
+    moments: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+    s: &AdamWStep,
+) -> Result<Updated<B>, NotApplied<B>> {
+    let all_f32 = param.dtype() == DType::F32
+        && grad.dtype() == DType::F32
+        && moments
+            .as_ref()
+            .is_none_or(|(a, b)| a.dtype() == DType::F32 && b.dtype() == DType::F32);
+    if !is_cuda::<B>() || !all_f32 {
+        return Err((param, grad, moments));
+    }
+    let param: Tensor<CudaBackend, 1> = same(param);
+    let grad: Tensor<CudaBackend, 1> = same(grad);
+    let n = param.dims()[0];
+    let device = param.device();
+    let (exp_avg, exp_avg_sq) = match moments {
+        Some((a, b)) => (same(a), same(b)),
+        None => (
+            Tensor::<CudaBackend, 1>::zeros([n], &device),
+            Tensor::<CudaBackend, 1>::zeros([n], &device),
+        ),
+    };
+    let (p, m1, m2) = (writable(param), writable(exp_avg), writable(exp_avg_sq));
+    let g = into_contiguous(grad.into_primitive().tensor());
+    if n > 0 {
+        let client = p.client.clone();
+        let cube_dim = CubeDim::new_1d(256);
+        let count = calculate_cube_count_elemwise(&client, n, cube_dim);
+        // SAFETY: the four arrays have n elements each (flat tensors of one shape), and the
+        // kernel indexes them only below param.len().
+        unsafe {
+            adamw_kernel::launch_unchecked::<CudaRuntime>(
+                &client,
+                count,
+                cube_dim,
+                p.clone().into_array_arg(),
+                g.into_array_arg(),
+                m1.clone().into_array_arg(),
+                m2.clone().into_array_arg(),
+                s.grad_scale,
+                s.beta_1,
+                s.beta_2,
+                s.bias_correction_1,
+                s.bias_correction_2,
+                s.epsilon,
+                s.decay,
+                s.lr,
+            );
+        }
+    }
+    Ok((same(wrap(p)), same(wrap(m1)), same(wrap(m2))))
+}

@@ -1,0 +1,324 @@
+//! The one seam the model's bf16 matrix products go through on burn-cuda: the linear layers,
+//! the LM head and attention's two batched products, forward and both backward products.
+//!
+//! burn 0.21 without autotune runs every product with one generic cubek strategy
+//! (`SimpleCyclicCmma`: single stage, no TMA). Here each product runs a fixed cubek strategy
+//! chosen per shape class by [`table_strategy`] (measured once by `verl bench kernels`; no
+//! autotune, whose candidates can fail or hang). A strategy that cannot run a shape (a setup
+//! error) is remembered and that shape class falls back to burn's own product, which is also
+//! the path on every other backend and under `VERL_GEMM=burn`.
+//!
+//! Under autodiff the product is one custom operation whose backward (`dA = dC·Bᵀ`,
+//! `dB = Aᵀ·dC`, transposes as views) goes through the same seam, so the backward products
+//! get the fixed strategies too.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::TensorPrimitive;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{binary, Backward, Ops, OpsKind};
+use burn_cubecl::kernel::matmul::init_matmul_output;
+use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+use cubek::matmul::launch::Strategy;
+use cubek::std::InputBinding;
+use verl_core::backend::CudaBackend;
+
+use super::{downcast, same, CudaPrimitive};
+
+/// Which implementation runs the seam's products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmKind {
+    /// burn's own `matmul` (cubek's default strategy).
+    Burn,
+    /// cubek with a fixed strategy per shape class.
+    Cubek,
+}
+
+/// 0: not read yet, 1: burn, 2: cubek.
+static KIND: AtomicU8 = AtomicU8::new(0);
+
+/// The implementation in use: `VERL_GEMM=burn|cubek` in the environment, else cubek.
+pub fn kind() -> GemmKind {
+    match KIND.load(Ordering::Relaxed) {
+        0 => {
+            let k = match std::env::var("VERL_GEMM").as_deref() {
+                Ok("burn") => GemmKind::Burn,
+                _ => GemmKind::Cubek,
+            };
+            set_kind(k);
+            k
+        }
+        1 => GemmKind::Burn,
+        _ => GemmKind::Cubek,
+    }
+}
+
+/// Switches the implementation for the whole process.
+pub fn set_kind(kind: GemmKind) {
+    KIND.store(
+        match kind {
+            GemmKind::Burn => 1,
+            GemmKind::Cubek => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// The cubek strategies `verl bench kernels` compares, by name.
+pub const STRATEGY_NAMES: [&str; 7] = [
+    "simple_cyclic_cmma",
+    "simple_cyclic_mma",
+    "double_tma_mma",
+    "specialized_tma_mma",
+    "specialized_tma_cmma",
+    "specialized_cyclic_mma",
+    "ordered_double_mma",
+];
+
+/// The strategy of a name in [`STRATEGY_NAMES`].
+pub fn strategy(name: &str) -> Option<Strategy> {
+    Some(match name {
+        "simple_cyclic_cmma" => Strategy::SimpleCyclicCmma(Default::default()),
+        "simple_cyclic_mma" => Strategy::SimpleCyclicMma(Default::default()),
+        "double_tma_mma" => Strategy::DoubleTmaMma(Default::default()),
+        "specialized_tma_mma" => Strategy::SpecializedTmaMma(Default::default()),
+        "specialized_tma_cmma" => Strategy::SpecializedTmaCmma(Default::default()),
+        "specialized_cyclic_mma" => Strategy::SpecializedCyclicMma(Default::default()),
+        "ordered_double_mma" => Strategy::OrderedDoubleMma(Default::default()),
+        _ => return None,
+    })
+}
+
+/// A product's shape class: batched or not, and which operands are transposed views.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ShapeClass {
+    pub batched: bool,
+    pub lhs_transposed: bool,
+    pub rhs_transposed: bool,
+    /// An output side of at least [`WIDE`] (the LM head's vocabulary).
+    pub wide_m: bool,
+    pub wide_n: bool,
+}
+
+/// Where an output side counts as wide (the vocabulary of an LM head, not a hidden size).
+pub const WIDE: usize = 32_768;
+
+/// The strategy per shape class. Measured on an H100 (docs/PERFORMANCE.md, "GPU products"):
+/// the warp-specialised TMA kernel with `mma.sync` tiles is the fastest or within 20 % of the
+/// fastest on every product of the 0.5B step (the LM head 9.2 → 2.9 ms), and the only one
+/// checked equal to burn's product on all of them, gradients included. Faster on a few
+/// shapes but left out: WMMA tiles (`specialized_tma_cmma`), which failed at launch on the
+/// LM head's `dC · Bᵀ` ("tile shape must be non-zero and <= 256", leaving the device unusable),
+/// and double-buffered TMA on the LM head's weight gradient (6 % faster, not checked yet).
+/// `VERL_GEMM_STRATEGY=<name>` overrides it for every class.
+pub fn table_strategy(_class: ShapeClass) -> &'static str {
+    "specialized_tma_mma"
+}
+
+fn strategy_for(class: ShapeClass) -> (String, Strategy) {
+    let name = std::env::var("VERL_GEMM_STRATEGY")
+        .ok()
+        .unwrap_or_else(|| table_strategy(class).to_string());
+    match strategy(&name) {
+        Some(s) => (name, s),
+        None => {
+            let fallback = table_strategy(class);
+            tracing::warn!(
+                "VERL_GEMM_STRATEGY={name} is not one of {STRATEGY_NAMES:?}; using {fallback}"
+            );
+            let s = strategy(fallback).expect("the table names listed strategies");
+            (fallback.into(), s)
+        }
+    }
+}
+
+/// Shapes (with their strategy) that failed to set up once: they go to burn's product.
+static FAILED: Mutex<Option<HashSet<FailedShape>>> = Mutex::new(None);
+
+/// A strategy's name with the operand shapes it could not set up.
+type FailedShape = (String, Vec<usize>, Vec<usize>);
+
+fn is_transposed(p: &CudaPrimitive) -> bool {
+    let strides = p.meta.strides();
+    let n = strides.len();
+    n >= 2 && strides[n - 2] == 1 && strides[n - 1] != 1
+}
+
+/// Whether an operand has a layout the TMA kernels take: contiguous, or the transpose of a
+/// contiguous matrix (batch dimensions contiguous either way), its rows 16-byte aligned and its
+/// first element at a 16-byte aligned offset (TMA descriptors need both). Anything else goes
+/// to burn's product.
+fn tma_friendly(p: &CudaPrimitive) -> bool {
+    let shape = p.meta.shape();
+    let strides = p.meta.strides();
+    let n = shape.num_dims();
+    if n < 2 {
+        return false;
+    }
+    let (rows, cols) = (shape[n - 2], shape[n - 1]);
+    let elem = p.dtype.size();
+    let row_major = strides[n - 1] == 1 && strides[n - 2] == cols;
+    let transposed = strides[n - 2] == 1 && strides[n - 1] == rows;
+    let inner = if row_major { cols } else { rows };
+    let mut batch_stride = rows * cols;
+    let mut batch_ok = true;
+    for d in (0..n - 2).rev() {
+        batch_ok &= shape[d] == 1 || strides[d] == batch_stride;
+        batch_stride *= shape[d];
+    }
+    let offset_ok = p.handle.offset_start.unwrap_or(0).is_multiple_of(16);
+    (row_major || transposed) && batch_ok && (inner * elem).is_multiple_of(16) && offset_ok
+}
+
+fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    let (m, n) = (ls[ls.num_dims() - 2], rs[rs.num_dims() - 1]);
+    ShapeClass {
+        batched: ls.num_dims() > 2 && ls[..ls.num_dims() - 2].iter().product::<usize>() > 1,
+        lhs_transposed: is_transposed(lhs),
+        rhs_transposed: is_transposed(rhs),
+        wide_m: m >= WIDE,
+        wide_n: n >= WIDE,
+    }
+}
+
+/// `lhs · rhs` with the strategy named, on burn-cuda primitives; a setup error comes back as
+/// text. Public for `verl bench kernels`, which times every strategy.
+pub fn launch_strategy(
+    name: &str,
+    lhs: CudaPrimitive,
+    rhs: CudaPrimitive,
+) -> Result<CudaPrimitive, String> {
+    let strategy = strategy(name).ok_or_else(|| format!("no strategy `{name}`"))?;
+    launch(&strategy, lhs, rhs)
+}
+
+fn launch(
+    strategy: &Strategy,
+    lhs: CudaPrimitive,
+    rhs: CudaPrimitive,
+) -> Result<CudaPrimitive, String> {
+    let out = init_matmul_output(&lhs, &rhs, lhs.dtype);
+    let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems {
+        lhs: lhs.dtype.into(),
+        rhs: rhs.dtype.into(),
+        out: out.dtype.into(),
+    });
+    let client = out.client.clone();
+    let (lhs_dtype, rhs_dtype) = (lhs.dtype.into(), rhs.dtype.into());
+    cubek::matmul::launch::launch_ref(
+        strategy,
+        &client,
+        InputBinding::new(lhs.binding(), lhs_dtype),
+        InputBinding::new(rhs.binding(), rhs_dtype),
+        out.clone().binding(),
+        &mut dtypes,
+    )
+    .map_err(|e| format!("{e:?}"))?;
+    Ok(out)
+}
+
+/// `lhs · rhs` on burn-cuda primitives through the seam: the fixed strategy, or burn's product
+/// when the seam is off or the strategy cannot run this shape.
+pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
+    if kind() == GemmKind::Cubek && tma_friendly(&lhs) && tma_friendly(&rhs) {
+        let (name, strategy) = strategy_for(class_of(&lhs, &rhs));
+        let key = (name, lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
+        let failed = FAILED
+            .lock()
+            .map(|f| f.as_ref().is_some_and(|f| f.contains(&key)))
+            .unwrap_or(false);
+        if !failed {
+            match launch(&strategy, lhs.clone(), rhs.clone()) {
+                Ok(out) => return out,
+                Err(e) => {
+                    tracing::warn!(
+                        "cubek {} cannot run {:?} x {:?} ({e}); burn's product takes this shape",
+                        key.0,
+                        key.1,
+                        key.2
+                    );
+                    if let Ok(mut f) = FAILED.lock() {
+                        f.get_or_insert_with(HashSet::new).insert(key);
+                    }
+                }
+            }
+        }
+    }
+    CudaBackend::float_matmul(lhs, rhs)
+}
+
+fn transpose(p: CudaPrimitive) -> CudaPrimitive {
+    let n = p.meta.shape().num_dims();
+    CudaBackend::float_swap_dims(p, n - 2, n - 1)
+}
+
+/// The backward step of `C = A · B`: `dA = dC · Bᵀ`, `dB = Aᵀ · dC`.
+#[derive(Debug)]
+struct MatmulBackward;
+
+impl Backward<CudaBackend, 2> for MatmulBackward {
+    type State = (CudaPrimitive, CudaPrimitive);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (a, b) = ops.state;
+        binary::<CudaBackend, _, _>(
+            ops.parents,
+            ops.node,
+            grads,
+            |dc| matmul_primitive(dc, transpose(b)),
+            |dc| matmul_primitive(transpose(a), dc),
+        );
+    }
+}
+
+fn matmul_autodiff<const D: usize>(
+    a: Tensor<Autodiff<CudaBackend>, D>,
+    b: Tensor<Autodiff<CudaBackend>, D>,
+) -> Tensor<Autodiff<CudaBackend>, D> {
+    let a = a.into_primitive().tensor();
+    let b = b.into_primitive().tensor();
+    let c = matmul_primitive(a.primitive.clone(), b.primitive.clone());
+    let prep = <MatmulBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
+        MatmulBackward,
+        [a.node.clone(), b.node.clone()],
+    );
+    let c = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((a.primitive, b.primitive), c),
+        OpsKind::UnTracked(prep) => prep.finish(c),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(c))
+}
+
+/// `a · b` through the seam when `B` is burn-cuda (plain or autodiff) and both operands have
+/// the same batch dimensions; the operands back otherwise (the caller multiplies with burn).
+pub fn try_matmul<B: Backend, const D: usize>(
+    a: Tensor<B, D>,
+    b: Tensor<B, D>,
+) -> Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B, D>)> {
+    let (da, db) = (a.dims(), b.dims());
+    if kind() == GemmKind::Burn || D < 2 || da[..D - 2] != db[..D - 2] {
+        return Err((a, b));
+    }
+    let a = match downcast::<_, Tensor<CudaBackend, D>>(a) {
+        Ok(a) => {
+            let b: Tensor<CudaBackend, D> = same(b);
+            let c = matmul_primitive(a.into_primitive().tensor(), b.into_primitive().tensor());
+            return Ok(same(Tensor::<CudaBackend, D>::from_primitive(
+                TensorPrimitive::Float(c),
+            )));
+        }
+        Err(a) => a,
+    };
+    match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(a) {
+        Ok(a) => Ok(same(matmul_autodiff(a, same(b)))),
+        Err(a) => Err((a, b)),
+    }
+}

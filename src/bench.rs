@@ -2,6 +2,9 @@
 
 use std::time::Instant;
 
+#[cfg(feature = "cuda")]
+pub mod kernels;
+
 use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
 use verl::megatron::layers::precision::ComputeDtype;
@@ -26,9 +29,11 @@ pub fn preset(name: &str) -> Result<Qwen2Dims, String> {
         "small" => d(32_000, 512, 1408, 8, 8, 2),
         // Qwen2.5-0.5B's dimensions (~494M parameters), randomly initialised.
         "qwen2-0.5b" => d(151_936, 896, 4864, 24, 14, 2),
+        // Qwen2.5-1.5B's dimensions (~1.54B parameters).
+        "qwen2-1.5b" => d(151_936, 1536, 8960, 28, 12, 2),
         other => {
             return Err(format!(
-                "unknown --preset `{other}`; use tiny, small or qwen2-0.5b"
+                "unknown --preset `{other}`; use tiny, small, qwen2-0.5b or qwen2-1.5b"
             ))
         }
     })
@@ -120,6 +125,18 @@ fn synced_ms<B: burn::tensor::backend::Backend>(t: Instant, device: &B::Device) 
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// Bytes of burn-cuda's pool in use on `device` (0 on other backends).
+fn memory_in_use<D: 'static>(device: &D) -> u64 {
+    #[cfg(feature = "cuda")]
+    if let Some(device) =
+        (device as &dyn std::any::Any).downcast_ref::<burn::backend::cuda::CudaDevice>()
+    {
+        return verl::megatron::cuda::memory_usage(device).map_or(0, |(in_use, _)| in_use);
+    }
+    let _ = device;
+    0
+}
+
 /// Median of a non-empty list.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -144,6 +161,40 @@ pub fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
 
 /// One training step (forward, next-token loss, backward, clipped AdamW) of a random-init
 /// Qwen2 at `batch × seq` tokens, timed per phase with the device synchronised in between.
+/// The GPU levers a training-step run uses: `gemm` is `cubek` (fixed strategies per shape,
+/// the default) or `burn` (burn's own product); `adamw` is `fused` (one kernel per tensor, the
+/// default) or `chain` (burn's tensor operations). Both only act on burn-cuda.
+#[derive(Debug, Clone)]
+pub struct StepLevers {
+    pub gemm: String,
+    pub adamw: String,
+}
+
+impl StepLevers {
+    fn fused_adamw(&self) -> Result<bool, String> {
+        match self.adamw.as_str() {
+            "fused" => Ok(true),
+            "chain" => Ok(false),
+            other => Err(format!("--adamw `{other}`: use fused or chain")),
+        }
+    }
+
+    /// Applies the product choice to the process (burn-cuda builds).
+    fn apply_gemm(&self) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        {
+            use verl::megatron::cuda::kernels::gemm::{set_kind, GemmKind};
+            set_kind(match self.gemm.as_str() {
+                "cubek" => GemmKind::Cubek,
+                "burn" => GemmKind::Burn,
+                other => return Err(format!("--gemm `{other}`: use cubek or burn")),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 pub fn train_step(
     preset_name: &str,
     batch: usize,
@@ -151,6 +202,7 @@ pub fn train_step(
     steps: usize,
     peak_tflops: f64,
     dtype: &str,
+    levers: &StepLevers,
 ) -> Result<(), String> {
     use burn::optim::GradientsParams;
     use burn::prelude::*;
@@ -178,7 +230,9 @@ pub fn train_step(
         },
         (steps + 3) as u64,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| e.to_string())?
+    .with_fused_adamw(levers.fused_adamw()?);
+    levers.apply_gemm()?;
     let ids: Vec<i64> = (0..batch * seq)
         .map(|i| ((i * 7919 + 13) % dims.vocab_size) as i64)
         .collect();
@@ -193,30 +247,45 @@ pub fn train_step(
     let routed = "";
     println!(
         "verl {preset_name}: {:.1}M parameters, batch {batch} x seq {seq}, {compute} products \
-         (f32 master weights and AdamW state{routed})",
-        params as f64 / 1e6
+         (f32 master weights and AdamW state{routed}); products {}, AdamW {}",
+        params as f64 / 1e6,
+        levers.gemm,
+        levers.adamw
     );
     let mut phases: Vec<[f64; 3]> = Vec::new();
     let mut last_loss = f32::NAN;
+    let mut peak_in_use = 0u64;
     for step in 0..steps + 3 {
         let t = Instant::now();
         let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
         let labels = ids.clone().slice([0..batch, 1..seq]);
         let loss = log_probs_from_logits(logits, labels).mean().neg();
         let forward = synced_ms::<B>(t, &device);
+        peak_in_use = peak_in_use.max(memory_in_use(&device));
         let t = Instant::now();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let backward = synced_ms::<B>(t, &device);
+        peak_in_use = peak_in_use.max(memory_in_use(&device));
         let t = Instant::now();
         let (next, report) = optim.step(model, grads);
         model = next;
-        report.map_err(|e| e.to_string())?;
+        let report = report.map_err(|e| e.to_string())?;
         let optimizer = synced_ms::<B>(t, &device);
         if step >= 3 {
             phases.push([forward, backward, optimizer]);
         }
-        if step + 1 == steps + 3 {
-            last_loss = loss.into_scalar().elem::<f32>();
+        // Every step's loss and gradient norm, to compare the levers' numerics.
+        let loss = loss.into_scalar().elem::<f32>();
+        println!(
+            "  step {step}: loss {loss:.6} grad_norm {:.6} ({:.1} ms)",
+            report.grad_norm,
+            forward + backward + optimizer
+        );
+        last_loss = loss;
+        if !loss.is_finite() {
+            return Err(format!(
+                "step {step}: the loss is {loss} (out of GPU memory? see the messages above)"
+            ));
         }
     }
     let step_ms = median(phases.iter().map(|p| p.iter().sum()).collect());
@@ -225,11 +294,13 @@ pub fn train_step(
     let mfu = tokens_per_s * train_flops_per_token(&dims, seq) / (peak_tflops * 1e12);
     println!(
         "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
-         tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}",
+         tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
+         use {:.1} GiB (sampled after forward and backward)",
         part(0),
         part(1),
         part(2),
-        100.0 * mfu
+        100.0 * mfu,
+        peak_in_use as f64 / (1u64 << 30) as f64
     );
     Ok(())
 }

@@ -93,9 +93,19 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Our GPU kernels against their plain-burn fallbacks (fails on a mismatch), then each
+    /// cubek strategy's time on the training step's product shapes (the `cuda` build).
+    Kernels {
+        /// Timed repeats per product.
+        #[arg(long, default_value_t = 10)]
+        repeat: usize,
+        /// Only the checks, no strategy timing.
+        #[arg(long)]
+        no_timing: bool,
+    },
     /// Decode tokens/s of the native rollout engine per batch size (random-init Qwen2).
     Rollout {
-        /// Model size: tiny, small or qwen2-0.5b.
+        /// Model size: tiny, small, qwen2-0.5b or qwen2-1.5b.
         #[arg(long, default_value = "small")]
         preset: String,
         /// Batch sizes, comma-separated.
@@ -112,7 +122,7 @@ enum BenchCommand {
     /// One training step (forward, loss, backward, AdamW) of a random-init Qwen2: tokens/s, MFU
     /// and the time per phase (peer: bench/peers/train_step.py).
     TrainStep {
-        /// Model size: tiny, small or qwen2-0.5b.
+        /// Model size: tiny, small, qwen2-0.5b or qwen2-1.5b.
         #[arg(long, default_value = "small")]
         preset: String,
         #[arg(long, default_value_t = 4)]
@@ -128,6 +138,12 @@ enum BenchCommand {
         /// Compute dtype of the products: float32 or bfloat16 (master weights stay f32).
         #[arg(long, default_value = "float32")]
         dtype: String,
+        /// GPU products: cubek (fixed strategy per shape) or burn (burn's own product).
+        #[arg(long, default_value = "cubek")]
+        gemm: String,
+        /// GPU AdamW: fused (one kernel per tensor) or chain (burn's tensor operations).
+        #[arg(long, default_value = "fused")]
+        adamw: String,
     },
     /// Square matrix-product TFLOP/s of the backend (peer: bench/peers/gemm.py).
     Gemm {
@@ -214,8 +230,18 @@ fn run(cli: Cli) -> Result<(), String> {
                     steps,
                     peak_tflops,
                     dtype,
+                    gemm,
+                    adamw,
                 },
-        } => bench::train_step(&preset, batch, seq, steps, peak_tflops, &dtype),
+        } => bench::train_step(
+            &preset,
+            batch,
+            seq,
+            steps,
+            peak_tflops,
+            &dtype,
+            &bench::StepLevers { gemm, adamw },
+        ),
         Command::Bench {
             what: BenchCommand::Gemm { sizes, repeat },
         } => bench::gemm(&sizes, repeat),
@@ -232,9 +258,14 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Bench {
             what: BenchCommand::TpCheck { preset, batch, seq },
         } => bench::gpu::tp_check(&preset, batch, seq),
+        #[cfg(feature = "cuda")]
+        Command::Bench {
+            what: BenchCommand::Kernels { repeat, no_timing },
+        } => bench::kernels::kernels(repeat, !no_timing),
         #[cfg(not(feature = "cuda"))]
         Command::Bench {
-            what: BenchCommand::Nccl { .. } | BenchCommand::TpCheck { .. },
+            what:
+                BenchCommand::Nccl { .. } | BenchCommand::TpCheck { .. } | BenchCommand::Kernels { .. },
         } => Err("this command needs GPUs: build with `--features cuda`".into()),
         Command::Generate {
             model,

@@ -13,6 +13,7 @@ PRESETS = {
     "tiny": (64, 128, 384, 4, 4, 2),
     "small": (32_000, 512, 1408, 8, 8, 2),
     "qwen2-0.5b": (151_936, 896, 4864, 24, 14, 2),
+    "qwen2-1.5b": (151_936, 1536, 8960, 28, 12, 2),
 }
 
 # H100 SXM dense peaks (NVIDIA datasheet), used for MFU: bf16 tensor cores and plain fp32.

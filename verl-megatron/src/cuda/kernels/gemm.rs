@@ -122,28 +122,32 @@ pub fn table_strategy(_class: ShapeClass) -> &'static str {
     "specialized_tma_mma"
 }
 
-fn strategy_for(class: ShapeClass) -> (String, Strategy) {
-    let name = std::env::var("VERL_GEMM_STRATEGY")
-        .ok()
-        .unwrap_or_else(|| table_strategy(class).to_string());
-    match strategy(&name) {
-        Some(s) => (name, s),
-        None => {
-            let fallback = table_strategy(class);
+/// `VERL_GEMM_STRATEGY`, read once (a name not in [`STRATEGY_NAMES`] is reported and ignored).
+fn forced_strategy() -> Option<&'static str> {
+    static FORCED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let name = std::env::var("VERL_GEMM_STRATEGY").ok()?;
+        let known = STRATEGY_NAMES.iter().copied().find(|n| *n == name);
+        if known.is_none() {
             tracing::warn!(
-                "VERL_GEMM_STRATEGY={name} is not one of {STRATEGY_NAMES:?}; using {fallback}"
+                "VERL_GEMM_STRATEGY={name} is not one of {STRATEGY_NAMES:?}; using the table"
             );
-            let s = strategy(fallback).expect("the table names listed strategies");
-            (fallback.into(), s)
         }
-    }
+        known
+    })
+}
+
+fn strategy_for(class: ShapeClass) -> (&'static str, Strategy) {
+    let name = forced_strategy().unwrap_or_else(|| table_strategy(class));
+    let s = strategy(name).expect("the table and STRATEGY_NAMES name known strategies");
+    (name, s)
 }
 
 /// Shapes (with their strategy) that failed to set up once: they go to burn's product.
 static FAILED: Mutex<Option<HashSet<FailedShape>>> = Mutex::new(None);
 
 /// A strategy's name with the operand shapes it could not set up.
-type FailedShape = (String, Vec<usize>, Vec<usize>);
+type FailedShape = (&'static str, Vec<usize>, Vec<usize>);
 
 fn is_transposed(p: &CudaPrimitive) -> bool {
     let strides = p.meta.strides();

@@ -168,8 +168,8 @@ fn parquet_and_jsonl_read_to_the_same_rows() {
     );
     write_parquet(&pq, &rows());
     write_jsonl(&jl, &rows());
-    let from_parquet = file_rows(&pq, &codec(), "prompt").unwrap();
-    let from_jsonl = file_rows(&jl, &codec(), "prompt").unwrap();
+    let from_parquet = file_rows(&pq, &codec(), "prompt", "data_source").unwrap();
+    let from_jsonl = file_rows(&jl, &codec(), "prompt", "data_source").unwrap();
     assert_eq!(from_parquet, from_jsonl);
 
     assert_eq!(from_parquet.len(), 3);
@@ -187,6 +187,23 @@ fn parquet_and_jsonl_read_to_the_same_rows() {
     assert_eq!(from_parquet[2].extra_info["index"], json!(2));
 }
 
+/// `data.reward_fn_key` names the column that picks each row's scorer.
+#[test]
+fn reward_fn_key_names_the_data_source_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let jl = dir.path().join("train.jsonl");
+    write_jsonl(&jl, &rows());
+    let text = std::fs::read_to_string(&jl)
+        .unwrap()
+        .replace("\"data_source\"", "\"ability\"");
+    std::fs::write(&jl, text).unwrap();
+    let by_ability = file_rows(&jl, &codec(), "prompt", "ability").unwrap();
+    assert_eq!(by_ability[2].data_source, "openai/gsm8k");
+    // The default column is gone from this file: the source is unknown.
+    let by_default = file_rows(&jl, &codec(), "prompt", "data_source").unwrap();
+    assert_eq!(by_default[2].data_source, "unknown");
+}
+
 #[test]
 fn a_bad_row_is_named_by_its_index() {
     let dir = tempfile::tempdir().unwrap();
@@ -195,28 +212,28 @@ fn a_bad_row_is_named_by_its_index() {
     let (pq, jl) = (dir.path().join("bad.parquet"), dir.path().join("bad.jsonl"));
     write_parquet(&pq, &bad);
     write_jsonl(&jl, &bad);
-    let err = file_rows(&pq, &codec(), "prompt").unwrap_err();
+    let err = file_rows(&pq, &codec(), "prompt", "data_source").unwrap_err();
     assert!(
         err.contains("row 1") && err.contains("reward_model.ground_truth"),
         "{err}"
     );
-    let err = file_rows(&jl, &codec(), "prompt").unwrap_err();
+    let err = file_rows(&jl, &codec(), "prompt", "data_source").unwrap_err();
     assert!(
         err.contains("line 2") && err.contains("reward_model.ground_truth"),
         "{err}"
     );
 
     // A prompt column under another name: the error says which key to set.
-    let err = file_rows(&pq, &codec(), "question").unwrap_err();
+    let err = file_rows(&pq, &codec(), "question", "data_source").unwrap_err();
     assert!(err.contains("data.prompt_key"), "{err}");
     // A character the tokenizer lacks is refused with the row.
     let mut odd = rows();
     odd[2].messages = vec![("user", "what is 1+1?")];
     write_jsonl(&jl, &odd);
-    let err = file_rows(&jl, &codec(), "prompt").unwrap_err();
+    let err = file_rows(&jl, &codec(), "prompt", "data_source").unwrap_err();
     assert!(err.contains("line 3"), "{err}");
     // Unknown extensions are refused.
-    let err = file_rows(&dir.path().join("x.csv"), &codec(), "prompt").unwrap_err();
+    let err = file_rows(&dir.path().join("x.csv"), &codec(), "prompt", "data_source").unwrap_err();
     assert!(err.contains(".parquet or .jsonl"), "{err}");
 }
 

@@ -115,7 +115,12 @@ pub fn arithmetic_rows(
 
 /// Rows of a data file in verl's layout, chosen by extension: `.parquet` (what verl's
 /// preprocessing scripts write) or `.jsonl` / `.json` (one row object per line).
-pub fn file_rows(path: &Path, codec: &Codec, prompt_key: &str) -> Result<Vec<PromptRow>, String> {
+pub fn file_rows(
+    path: &Path,
+    codec: &Codec,
+    prompt_key: &str,
+    reward_fn_key: &str,
+) -> Result<Vec<PromptRow>, String> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let values = match ext {
         "parquet" => parquet_values(path)?,
@@ -133,7 +138,7 @@ pub fn file_rows(path: &Path, codec: &Codec, prompt_key: &str) -> Result<Vec<Pro
     values
         .iter()
         .map(|(at, v)| {
-            row_from_value(v, codec, prompt_key)
+            row_from_value(v, codec, prompt_key, reward_fn_key)
                 .map_err(|e| format!("{}: {at}: {e}", path.display()))
         })
         .collect()
@@ -171,9 +176,15 @@ fn parquet_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
         .collect()
 }
 
-/// One row of verl's layout: `prompt` (chat messages, or a string), `data_source`,
-/// `reward_model.ground_truth`, `extra_info`.
-fn row_from_value(v: &Value, codec: &Codec, prompt_key: &str) -> Result<PromptRow, String> {
+/// One row of verl's layout: `prompt` (chat messages, or a string; the column `prompt_key`),
+/// `data_source` (the column `reward_fn_key`, which picks the scorer), `reward_model.ground_truth`,
+/// `extra_info`.
+fn row_from_value(
+    v: &Value,
+    codec: &Codec,
+    prompt_key: &str,
+    reward_fn_key: &str,
+) -> Result<PromptRow, String> {
     let messages: Vec<ChatMessage> = match v.get(prompt_key) {
         Some(Value::String(s)) => vec![ChatMessage::user(s.clone())],
         Some(Value::Array(msgs)) => msgs
@@ -214,7 +225,7 @@ fn row_from_value(v: &Value, codec: &Codec, prompt_key: &str) -> Result<PromptRo
         prompt_ids: codec.encode_chat(&messages)?,
         prompt,
         data_source: v
-            .get("data_source")
+            .get(reward_fn_key)
             .and_then(Value::as_str)
             .unwrap_or("unknown")
             .to_string(),

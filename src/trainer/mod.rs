@@ -313,7 +313,13 @@ impl PpoTrainer {
                     let mut rows = Vec::new();
                     for p in paths {
                         rows.extend(
-                            file_rows(Path::new(p), &codec, &cfg.data.prompt_key).map_err(setup)?,
+                            file_rows(
+                                Path::new(p),
+                                &codec,
+                                &cfg.data.prompt_key,
+                                &cfg.data.reward_fn_key,
+                            )
+                            .map_err(setup)?,
                         );
                     }
                     Ok(rows)

@@ -74,7 +74,7 @@ impl Default for DataConfig {
             seed: 1,
             filter_overlong_prompts: false,
             truncation: Truncation::Error,
-            dataloader_num_workers: 8,
+            dataloader_num_workers: 0,
         }
     }
 }

@@ -33,6 +33,7 @@ mod data;
 mod megatron;
 mod profiler;
 mod trainer;
+mod unsupported;
 mod validate;
 
 use std::path::Path;

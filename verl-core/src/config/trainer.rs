@@ -43,7 +43,7 @@ pub struct TrainerConfig {
 impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
-            balance_batch: true,
+            balance_batch: false,
             total_epochs: 30,
             total_training_steps: None,
             project_name: "verl_examples".into(),

@@ -144,6 +144,7 @@ impl VerlConfig {
             .collect();
         let mut cfg = self.clone();
         cfg.resolve();
+        super::unsupported::refuse_unsupported(&cfg)?;
         let t = &cfg.trainer;
         let world = t.world_size();
         if world == 0 {

@@ -1,0 +1,485 @@
+//! verl keys that verl-rs accepts for compatibility with verl's YAML but does not act on: each is
+//! refused at validation when set to anything but the value whose behaviour verl-rs has, with
+//! what to do instead. A key that parses but changes nothing would be a silent lie; a key that
+//! starts to be honoured leaves this list.
+
+use super::{MegatronConfig, VerlConfig};
+use crate::error::ConfigError;
+
+/// Refuses `key` = `value` when `supported` is false.
+fn require(
+    supported: bool,
+    key: &str,
+    value: impl std::fmt::Debug,
+    message: &str,
+    fix: &str,
+) -> Result<(), ConfigError> {
+    if supported {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            key: key.to_string(),
+            value: format!("{value:?}"),
+            message: format!("is not supported by verl-rs: {message}"),
+            fix: fix.to_string(),
+        })
+    }
+}
+
+/// A role's Megatron memory and checkpoint options.
+fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
+    let offload = "parameter, gradient and optimizer offload to host memory is not implemented yet";
+    for (key, on) in [
+        ("param_offload", m.param_offload),
+        ("grad_offload", m.grad_offload),
+        ("optimizer_offload", m.optimizer_offload),
+    ] {
+        require(
+            !on,
+            &format!("{prefix}.megatron.{key}"),
+            on,
+            offload,
+            "set it to false",
+        )?;
+    }
+    require(
+        !m.use_dist_checkpointing,
+        &format!("{prefix}.megatron.use_dist_checkpointing"),
+        m.use_dist_checkpointing,
+        "Megatron dist-checkpoint files are not read; models load from Hugging Face safetensors",
+        "set it to false and point the model path at a Hugging Face directory",
+    )?;
+    require(
+        m.dist_checkpointing_path.is_none(),
+        &format!("{prefix}.megatron.dist_checkpointing_path"),
+        &m.dist_checkpointing_path,
+        "Megatron dist-checkpoint files are not read",
+        "remove it; models load from Hugging Face safetensors",
+    )?;
+    require(
+        m.use_mbridge,
+        &format!("{prefix}.megatron.use_mbridge"),
+        m.use_mbridge,
+        "verl-rs always loads and saves Hugging Face checkpoints directly (what mbridge does)",
+        "set it to true or remove it",
+    )
+}
+
+/// A model block's options that need Python or recomputation.
+fn model_options(
+    prefix: &str,
+    external_lib: &Option<String>,
+    trust_remote_code: bool,
+    gradient_checkpointing: Option<bool>,
+) -> Result<(), ConfigError> {
+    require(
+        external_lib.is_none(),
+        &format!("{prefix}.external_lib"),
+        external_lib,
+        "no Python modules are imported",
+        "remove it; Qwen2, Llama, Qwen3 and Qwen2-MoE load natively",
+    )?;
+    require(
+        !trust_remote_code,
+        &format!("{prefix}.trust_remote_code"),
+        trust_remote_code,
+        "no model code from the checkpoint is run",
+        "set it to false; Qwen2, Llama, Qwen3 and Qwen2-MoE load natively",
+    )?;
+    if let Some(on) = gradient_checkpointing {
+        require(
+            !on,
+            &format!("{prefix}.enable_gradient_checkpointing"),
+            on,
+            "activation recomputation is not implemented yet",
+            "set it to false",
+        )?;
+    }
+    Ok(())
+}
+
+/// `strategy` of a role: only the Megatron backend exists.
+fn strategy(key: &str, value: &str) -> Result<(), ConfigError> {
+    require(
+        value == "megatron",
+        key,
+        value,
+        "the only backend is the Megatron one",
+        "set it to megatron",
+    )
+}
+
+/// Dynamic batch size: its token budgets would be ignored, so it is refused with them named.
+fn dynamic_batch(
+    prefix: &str,
+    on: bool,
+    budget_key: &str,
+    budget: usize,
+) -> Result<(), ConfigError> {
+    require(
+        !on,
+        &format!("{prefix}.use_dynamic_bsz"),
+        on,
+        &format!(
+            "dynamic batch size is not implemented yet, so {prefix}.{budget_key} = {budget} \
+             would be ignored"
+        ),
+        "set use_dynamic_bsz to false and size micro-batches with *_micro_batch_size_per_gpu",
+    )
+}
+
+/// Refuses every key of `cfg` that is set to a value verl-rs does not act on.
+pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    let d = &cfg.data;
+    for (key, on) in [
+        ("data.return_raw_input_ids", d.return_raw_input_ids),
+        ("data.return_raw_chat", d.return_raw_chat),
+        ("data.return_full_prompt", d.return_full_prompt),
+    ] {
+        require(
+            !on,
+            key,
+            on,
+            "batches carry token ids only",
+            "set it to false",
+        )?;
+    }
+    require(
+        !d.filter_overlong_prompts,
+        "data.filter_overlong_prompts",
+        d.filter_overlong_prompts,
+        "over-long prompts are not dropped",
+        "set it to false and choose data.truncation (error, left, right or middle)",
+    )?;
+    require(
+        d.dataloader_num_workers == 0,
+        "data.dataloader_num_workers",
+        d.dataloader_num_workers,
+        "data files are read by the trainer itself, with no loader workers",
+        "set it to 0 or remove it",
+    )?;
+
+    let t = &cfg.trainer;
+    require(
+        !t.balance_batch,
+        "trainer.balance_batch",
+        t.balance_batch,
+        "samples are not reordered by length across data-parallel ranks",
+        "set it to false",
+    )?;
+    for logger in &t.logger {
+        require(
+            logger == "console" || logger == "jsonl",
+            "trainer.logger",
+            &t.logger,
+            &format!(
+                "`{logger}` is not a logger here: metrics always go to metrics.jsonl and a \
+                 progress bar"
+            ),
+            "use [console] or [console, jsonl]",
+        )?;
+    }
+    require(
+        t.log_val_generations == 0,
+        "trainer.log_val_generations",
+        t.log_val_generations,
+        "validation generations are not logged",
+        "set it to 0",
+    )?;
+    require(
+        !t.val_only,
+        "trainer.val_only",
+        t.val_only,
+        "a run always trains",
+        "set it to false (validation runs every trainer.test_freq steps)",
+    )?;
+
+    let arr = &cfg.actor_rollout_ref;
+    require(
+        arr.hybrid_engine,
+        "actor_rollout_ref.hybrid_engine",
+        arr.hybrid_engine,
+        "the actor and the rollout always share their ranks",
+        "set it to true",
+    )?;
+    let m = &arr.model;
+    model_options(
+        "actor_rollout_ref.model",
+        &m.external_lib,
+        m.trust_remote_code,
+        Some(m.enable_gradient_checkpointing),
+    )?;
+    require(
+        !m.use_remove_padding,
+        "actor_rollout_ref.model.use_remove_padding",
+        m.use_remove_padding,
+        "sequences are padded, not packed (sequence packing is not implemented yet)",
+        "set it to false",
+    )?;
+    require(
+        !m.use_fused_kernels,
+        "actor_rollout_ref.model.use_fused_kernels",
+        m.use_fused_kernels,
+        "the fused log-prob / entropy kernels are not implemented yet",
+        "set it to false",
+    )?;
+    require(
+        m.custom_chat_template.is_none(),
+        "actor_rollout_ref.model.custom_chat_template",
+        &m.custom_chat_template,
+        "the chat template comes from the tokenizer's files",
+        "remove it, or put the template in the model's tokenizer_config.json",
+    )?;
+    let actor = &arr.actor;
+    strategy("actor_rollout_ref.actor.strategy", &actor.strategy)?;
+    dynamic_batch(
+        "actor_rollout_ref.actor",
+        actor.use_dynamic_bsz,
+        "ppo_max_token_len_per_gpu",
+        actor.ppo_max_token_len_per_gpu,
+    )?;
+    megatron("actor_rollout_ref.actor", &actor.megatron)?;
+    let reference = &arr.reference;
+    strategy("actor_rollout_ref.ref.strategy", &reference.strategy)?;
+    dynamic_batch(
+        "actor_rollout_ref.ref",
+        reference.log_prob_use_dynamic_bsz,
+        "log_prob_max_token_len_per_gpu",
+        reference.log_prob_max_token_len_per_gpu,
+    )?;
+    if let Some(mc) = &reference.megatron {
+        megatron("actor_rollout_ref.ref", mc)?;
+    }
+    let rollout = &arr.rollout;
+    dynamic_batch(
+        "actor_rollout_ref.rollout",
+        rollout.log_prob_use_dynamic_bsz,
+        "log_prob_max_token_len_per_gpu",
+        rollout.log_prob_max_token_len_per_gpu,
+    )?;
+    require(
+        rollout.enforce_eager,
+        "actor_rollout_ref.rollout.enforce_eager",
+        rollout.enforce_eager,
+        "the native rollout engine always runs eagerly (no CUDA graphs)",
+        "set it to true",
+    )?;
+
+    if cfg.critic_enabled() {
+        let c = &cfg.critic;
+        strategy("critic.strategy", &c.strategy)?;
+        model_options(
+            "critic.model",
+            &c.model.external_lib,
+            c.model.trust_remote_code,
+            Some(c.model.enable_gradient_checkpointing),
+        )?;
+        dynamic_batch(
+            "critic",
+            c.use_dynamic_bsz,
+            "ppo_max_token_len_per_gpu",
+            c.ppo_max_token_len_per_gpu,
+        )?;
+        megatron("critic", &c.megatron)?;
+    }
+
+    let rm = &cfg.reward_model;
+    if rm.enable {
+        strategy("reward_model.strategy", &rm.strategy)?;
+        model_options(
+            "reward_model.model",
+            &rm.model.external_lib,
+            rm.model.trust_remote_code,
+            None,
+        )?;
+        dynamic_batch(
+            "reward_model",
+            rm.use_dynamic_bsz,
+            "forward_max_token_len_per_gpu",
+            rm.forward_max_token_len_per_gpu,
+        )?;
+        require(
+            rm.micro_batch_size.is_none(),
+            "reward_model.micro_batch_size",
+            rm.micro_batch_size,
+            "it is the deprecated global micro-batch size",
+            "set reward_model.micro_batch_size_per_gpu instead",
+        )?;
+        require(
+            rm.max_length.is_none(),
+            "reward_model.max_length",
+            rm.max_length,
+            "the reward model scores the whole prompt and response",
+            "remove it",
+        )?;
+        megatron("reward_model", &rm.megatron)?;
+    }
+    require(
+        rm.reward_manager == "naive",
+        "reward_model.reward_manager",
+        &rm.reward_manager,
+        "rewards are scored one sample at a time (verl's naive manager)",
+        "set it to naive",
+    )?;
+    require(
+        !rm.launch_reward_fn_async,
+        "reward_model.launch_reward_fn_async",
+        rm.launch_reward_fn_async,
+        "rewards are scored in the training step",
+        "set it to false",
+    )?;
+    require(
+        cfg.custom_reward_function.path.is_none(),
+        "custom_reward_function.path",
+        &cfg.custom_reward_function.path,
+        "Python reward functions cannot be loaded",
+        "remove it and register a RewardFn in your program through verl's embedding API",
+    )?;
+    require(
+        !cfg.algorithm.use_pf_ppo,
+        "algorithm.use_pf_ppo",
+        cfg.algorithm.use_pf_ppo,
+        "policy-filtration PPO is not implemented",
+        "set it to false",
+    )?;
+
+    let p = &cfg.global_profiler;
+    let tools = &p.tool_config;
+    let profiling = "the profiler is not implemented yet (verl-profiler is empty)";
+    require(
+        p.tool.is_none(),
+        "global_profiler.tool",
+        p.tool,
+        profiling,
+        "remove it",
+    )?;
+    for (role, profiler) in [
+        ("actor_rollout_ref.actor", &arr.actor.profiler),
+        ("actor_rollout_ref.ref", &arr.reference.profiler),
+        ("critic", &cfg.critic.profiler),
+        ("reward_model", &rm.profiler),
+    ] {
+        require(
+            !profiler.enable,
+            &format!("{role}.profiler.enable"),
+            profiler.enable,
+            profiling,
+            "set it to false",
+        )?;
+    }
+    require(
+        !p.profile_continuous_steps,
+        "global_profiler.profile_continuous_steps",
+        p.profile_continuous_steps,
+        profiling,
+        "set it to false",
+    )?;
+    require(
+        !tools.nsys.discrete && !tools.npu.discrete,
+        "global_profiler.tool_config.*.discrete",
+        tools.nsys.discrete || tools.npu.discrete,
+        profiling,
+        "set it to false",
+    )?;
+    let npu_default = super::profiler::NpuToolConfig::default();
+    require(
+        tools.npu.level == npu_default.level && tools.npu.analysis == npu_default.analysis,
+        "global_profiler.tool_config.npu",
+        (&tools.npu.level, tools.npu.analysis),
+        profiling,
+        "remove the npu settings",
+    )?;
+    require(
+        tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
+        "global_profiler.tool_config.torch",
+        (tools.torch.step_start, tools.torch.step_end),
+        profiling,
+        "remove step_start and step_end",
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(overrides: &[&str]) -> String {
+        let cfg = VerlConfig::from_layers(None, overrides).expect("parses");
+        match refuse_unsupported(&cfg) {
+            Err(ConfigError::Invalid { key, message, .. }) => {
+                assert!(message.contains("not supported"), "{message}");
+                key
+            }
+            other => panic!("{overrides:?} should be refused, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_defaults_are_supported() {
+        refuse_unsupported(&VerlConfig::default()).expect("defaults are honoured");
+    }
+
+    #[test]
+    fn each_unsupported_setting_is_refused_by_name() {
+        for (set, key) in [
+            (
+                "actor_rollout_ref.actor.megatron.param_offload=true",
+                "actor_rollout_ref.actor.megatron.param_offload",
+            ),
+            ("trainer.balance_batch=true", "trainer.balance_batch"),
+            ("trainer.logger=[console, wandb]", "trainer.logger"),
+            (
+                "data.dataloader_num_workers=8",
+                "data.dataloader_num_workers",
+            ),
+            (
+                "actor_rollout_ref.model.use_remove_padding=true",
+                "actor_rollout_ref.model.use_remove_padding",
+            ),
+            (
+                "actor_rollout_ref.actor.strategy=fsdp",
+                "actor_rollout_ref.actor.strategy",
+            ),
+            (
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.use_dynamic_bsz",
+            ),
+            (
+                "actor_rollout_ref.rollout.enforce_eager=false",
+                "actor_rollout_ref.rollout.enforce_eager",
+            ),
+            (
+                "reward_model.reward_manager=prime",
+                "reward_model.reward_manager",
+            ),
+            (
+                "custom_reward_function.path=my_reward.py",
+                "custom_reward_function.path",
+            ),
+            (
+                "global_profiler.tool_config.torch.step_start=2",
+                "global_profiler.tool_config.torch",
+            ),
+        ] {
+            assert_eq!(refused(&[set]), key, "{set}");
+        }
+    }
+
+    #[test]
+    fn the_critic_is_checked_only_when_it_runs() {
+        let off = VerlConfig::from_layers(
+            None,
+            &[
+                "algorithm.adv_estimator=grpo",
+                "critic.megatron.grad_offload=true",
+            ],
+        )
+        .unwrap();
+        refuse_unsupported(&off).expect("grpo runs no critic");
+        let on = &[
+            "algorithm.adv_estimator=gae",
+            "critic.megatron.grad_offload=true",
+        ];
+        assert_eq!(refused(on), "critic.megatron.grad_offload");
+    }
+}

@@ -2,6 +2,8 @@
 
 use std::time::Instant;
 
+#[cfg(feature = "host-profile")]
+pub mod host_profile;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 
@@ -125,6 +127,17 @@ fn synced_ms<B: burn::tensor::backend::Backend>(t: Instant, device: &B::Device) 
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// `(enqueued, synced)` milliseconds since `t`: the first is the host's time to issue the work
+/// (read before waiting), the second includes the device finishing it. When the two are close,
+/// the phase is bound by the host (launch and bookkeeping cost), not by the GPU.
+fn enqueued_and_synced_ms<B: burn::tensor::backend::Backend>(
+    t: Instant,
+    device: &B::Device,
+) -> (f64, f64) {
+    let enqueued = t.elapsed().as_secs_f64() * 1e3;
+    (enqueued, synced_ms::<B>(t, device))
+}
+
 /// Bytes of burn-cuda's pool in use on `device` (0 on other backends).
 fn memory_in_use<D: 'static>(device: &D) -> u64 {
     #[cfg(feature = "cuda")]
@@ -161,13 +174,20 @@ pub fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
 
 /// One training step (forward, next-token loss, backward, clipped AdamW) of a random-init
 /// Qwen2 at `batch × seq` tokens, timed per phase with the device synchronised in between.
-/// The GPU levers a training-step run uses: `gemm` is `cubek` (fixed strategies per shape,
-/// the default) or `burn` (burn's own product); `adamw` is `fused` (one kernel per tensor, the
-/// default) or `chain` (burn's tensor operations). Both only act on burn-cuda.
+/// The GPU levers a training-step run uses: `gemm` is `own` (our CUDA kernel, the default),
+/// `cubek` (fixed strategies per shape) or `burn` (burn's own product); `adamw` is `fused` (one kernel per tensor, the
+/// default) or `chain` (burn's tensor operations); `attention` is `fused` (our kernel, the
+/// default) or `decomposed` (burn's operations); `vocab` is `fused` (our log-prob kernel, the
+/// default) or `decomposed` (burn's log_softmax + gather chain). All only act on burn-cuda.
 #[derive(Debug, Clone)]
 pub struct StepLevers {
     pub gemm: String,
     pub adamw: String,
+    pub attention: String,
+    pub vocab: String,
+    /// Sample the host threads over the timed steps and print where their time goes (needs
+    /// the `host-profile` feature).
+    pub host_profile: bool,
 }
 
 impl StepLevers {
@@ -179,15 +199,30 @@ impl StepLevers {
         }
     }
 
-    /// Applies the product choice to the process (burn-cuda builds).
+    /// Applies the product and attention choices to the process (burn-cuda builds).
     fn apply_gemm(&self) -> Result<(), String> {
+        let fused_attention = match self.attention.as_str() {
+            "fused" => true,
+            "decomposed" => false,
+            other => return Err(format!("--attention `{other}`: use fused or decomposed")),
+        };
+        let fused_vocab = match self.vocab.as_str() {
+            "fused" => true,
+            "decomposed" => false,
+            other => return Err(format!("--vocab `{other}`: use fused or decomposed")),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = (fused_attention, fused_vocab);
         #[cfg(feature = "cuda")]
         {
+            verl::megatron::cuda::kernels::attention::SWITCH.set(fused_attention);
+            verl::megatron::cuda::kernels::vocab::SWITCH.set(fused_vocab);
             use verl::megatron::cuda::kernels::gemm::{set_kind, GemmKind};
             set_kind(match self.gemm.as_str() {
                 "cubek" => GemmKind::Cubek,
                 "burn" => GemmKind::Burn,
-                other => return Err(format!("--gemm `{other}`: use cubek or burn")),
+                "own" => GemmKind::Own,
+                other => return Err(format!("--gemm `{other}`: use own, cubek or burn")),
             });
         }
         Ok(())
@@ -206,9 +241,9 @@ pub fn train_step(
 ) -> Result<(), String> {
     use burn::optim::GradientsParams;
     use burn::prelude::*;
-    use verl::algorithms::logits::log_probs_from_logits;
     use verl::backend::DefaultAutodiff;
     use verl::config::OptimConfig;
+    use verl::megatron::models::vocab_parallel_log_probs;
     use verl::megatron::workers::optim::ModelOptimizer;
 
     type B = DefaultAutodiff;
@@ -247,24 +282,39 @@ pub fn train_step(
     let routed = "";
     println!(
         "verl {preset_name}: {:.1}M parameters, batch {batch} x seq {seq}, {compute} products \
-         (f32 master weights and AdamW state{routed}); products {}, AdamW {}",
+         (f32 master weights and AdamW state{routed}); products {}, AdamW {}, attention {}, log-probs {}",
         params as f64 / 1e6,
         levers.gemm,
-        levers.adamw
+        levers.adamw,
+        levers.attention,
+        levers.vocab
     );
     let mut phases: Vec<[f64; 3]> = Vec::new();
+    let mut enqueued: Vec<[f64; 2]> = Vec::new();
     let mut last_loss = f32::NAN;
     let mut peak_in_use = 0u64;
+    #[cfg(feature = "host-profile")]
+    let mut profile = None;
+    #[cfg(not(feature = "host-profile"))]
+    if levers.host_profile {
+        return Err("--host-profile needs a build with the host-profile feature".into());
+    }
     for step in 0..steps + 3 {
+        #[cfg(feature = "host-profile")]
+        if step == 3 && levers.host_profile {
+            profile = Some(host_profile::start(997)?);
+        }
         let t = Instant::now();
         let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
         let labels = ids.clone().slice([0..batch, 1..seq]);
-        let loss = log_probs_from_logits(logits, labels).mean().neg();
-        let forward = synced_ms::<B>(t, &device);
+        let (log_probs, _) =
+            vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
+        let loss = log_probs.mean().neg();
+        let (forward_host, forward) = enqueued_and_synced_ms::<B>(t, &device);
         peak_in_use = peak_in_use.max(memory_in_use(&device));
         let t = Instant::now();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let backward = synced_ms::<B>(t, &device);
+        let (backward_host, backward) = enqueued_and_synced_ms::<B>(t, &device);
         peak_in_use = peak_in_use.max(memory_in_use(&device));
         let t = Instant::now();
         let (next, report) = optim.step(model, grads);
@@ -273,11 +323,14 @@ pub fn train_step(
         let optimizer = synced_ms::<B>(t, &device);
         if step >= 3 {
             phases.push([forward, backward, optimizer]);
+            enqueued.push([forward_host, backward_host]);
         }
         // Every step's loss and gradient norm, to compare the levers' numerics.
         let loss = loss.into_scalar().elem::<f32>();
         println!(
-            "  step {step}: loss {loss:.6} grad_norm {:.6} ({:.1} ms)",
+            "  step {step}: loss {loss:.6} grad_norm {:.6} ({:.1} ms; host issued the forward in \
+             {forward_host:.1} of {forward:.1} ms, the backward in {backward_host:.1} of \
+             {backward:.1} ms)",
             report.grad_norm,
             forward + backward + optimizer
         );
@@ -288,6 +341,10 @@ pub fn train_step(
             ));
         }
     }
+    #[cfg(feature = "host-profile")]
+    if let Some(profile) = profile {
+        println!("host profile of the timed steps:{}", profile.report(30)?);
+    }
     let step_ms = median(phases.iter().map(|p| p.iter().sum()).collect());
     let part = |i: usize| median(phases.iter().map(|p| p[i]).collect());
     let tokens_per_s = (batch * seq) as f64 / (step_ms / 1e3);
@@ -295,12 +352,15 @@ pub fn train_step(
     println!(
         "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
          tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
-         use {:.1} GiB (sampled after forward and backward)",
+         use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
+         backward {:.1} ms",
         part(0),
         part(1),
         part(2),
         100.0 * mfu,
-        peak_in_use as f64 / (1u64 << 30) as f64
+        peak_in_use as f64 / (1u64 << 30) as f64,
+        median(enqueued.iter().map(|p| p[0]).collect()),
+        median(enqueued.iter().map(|p| p[1]).collect()),
     );
     Ok(())
 }

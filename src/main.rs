@@ -138,12 +138,25 @@ enum BenchCommand {
         /// Compute dtype of the products: float32 or bfloat16 (master weights stay f32).
         #[arg(long, default_value = "float32")]
         dtype: String,
-        /// GPU products: cubek (fixed strategy per shape) or burn (burn's own product).
-        #[arg(long, default_value = "cubek")]
+        /// GPU products: own (our CUDA kernel, cubek where it does not apply), cubek (fixed
+        /// strategy per shape) or burn (burn's own product).
+        #[arg(long, default_value = "own")]
         gemm: String,
         /// GPU AdamW: fused (one kernel per tensor) or chain (burn's tensor operations).
         #[arg(long, default_value = "fused")]
         adamw: String,
+        /// GPU attention: fused (our kernel, forward and backward) or decomposed (burn's
+        /// operations).
+        #[arg(long, default_value = "fused")]
+        attention: String,
+        /// GPU log-probs over the vocabulary: fused (our kernel, forward and backward) or
+        /// decomposed (burn's log_softmax + gather).
+        #[arg(long, default_value = "fused")]
+        vocab: String,
+        /// Print where the host threads' time goes over the timed steps (a build with the
+        /// host-profile feature).
+        #[arg(long)]
+        host_profile: bool,
     },
     /// Square matrix-product TFLOP/s of the backend (peer: bench/peers/gemm.py).
     Gemm {
@@ -232,6 +245,9 @@ fn run(cli: Cli) -> Result<(), String> {
                     dtype,
                     gemm,
                     adamw,
+                    attention,
+                    vocab,
+                    host_profile,
                 },
         } => bench::train_step(
             &preset,
@@ -240,7 +256,13 @@ fn run(cli: Cli) -> Result<(), String> {
             steps,
             peak_tflops,
             &dtype,
-            &bench::StepLevers { gemm, adamw },
+            &bench::StepLevers {
+                gemm,
+                adamw,
+                attention,
+                vocab,
+                host_profile,
+            },
         ),
         Command::Bench {
             what: BenchCommand::Gemm { sizes, repeat },

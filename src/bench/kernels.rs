@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use burn::module::ParamId;
 use burn::prelude::*;
-use burn::tensor::{Distribution, FloatDType, TensorPrimitive};
+use burn::tensor::{Distribution, FloatDType, TensorData, TensorPrimitive};
 use verl::backend::{CudaAutodiff, CudaBackend};
 use verl::megatron::cuda::kernels::gemm::{self, GemmKind, STRATEGY_NAMES};
 use verl::megatron::cuda::rank_device;
@@ -198,10 +198,12 @@ fn strip<const D: usize>(
 
 /// The seam's products (forward, and both gradients under autodiff) against burn's product.
 fn check_gemm(device: &Device, failures: &mut Vec<String>) {
-    println!("\nproducts: cubek seam vs burn's product (bf16 in, f32 accumulate)");
     println!(
-        "{:<20} {:>12} {:>12} {:>12}",
-        "shape", "out rel", "dA rel", "dB rel"
+        "\nproducts: the seam's cubek and own kernels vs burn's product (bf16 in, f32 accumulate)"
+    );
+    println!(
+        "{:<20} {:>12} {:>12} {:>12} {:>12} {:>12} {:>12}",
+        "shape", "cubek out", "cubek dA", "cubek dB", "own out", "own dA", "own dB"
     );
     for s in products() {
         let (a, b) = operands(&s, 7, device);
@@ -225,22 +227,74 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
             (c.inner(), grad(&x), grad(&y))
         };
         let (c0, da0, db0) = run(GemmKind::Burn);
-        let (c1, da1, db1) = run(GemmKind::Cubek);
-        let e = [
-            relative_error(c1, c0),
-            relative_error(da1, da0),
-            relative_error(db1, db0),
-        ];
-        println!(
-            "{:<20} {:>12.3e} {:>12.3e} {:>12.3e}",
-            s.label, e[0], e[1], e[2]
-        );
-        // Both are bf16 products of the same operands, rounded to bf16: rounding apart.
-        if !e.iter().all(|e| e.is_finite() && *e < 1e-2) {
-            failures.push(format!("product {}: {e:?}", s.label));
+        print!("{:<20}", s.label);
+        for kind in [GemmKind::Cubek, GemmKind::Own] {
+            let (c1, da1, db1) = run(kind);
+            let e = [
+                relative_error(c1, c0.clone()),
+                relative_error(da1, da0.clone()),
+                relative_error(db1, db0.clone()),
+            ];
+            print!(" {:>12.3e} {:>12.3e} {:>12.3e}", e[0], e[1], e[2]);
+            // All are bf16 products of the same operands, rounded to bf16: rounding apart.
+            if !e.iter().all(|e| e.is_finite() && *e < 1e-2) {
+                failures.push(format!("product {} ({kind:?}): {e:?}", s.label));
+            }
         }
+        println!();
     }
     gemm::set_kind(GemmKind::Cubek);
+}
+
+/// Our GEMM against burn's product on every stored layout (A and B row-major or transposed)
+/// and edge sizes, operands given directly (no autodiff).
+fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
+    println!("\nown GEMM vs burn's product, by layout (relative error)");
+    let sizes = [
+        (2044, 896, 896),
+        (2044, 128, 896),
+        (2044, 4864, 896),
+        (2044, 896, 128),
+        (896, 2044, 4864),
+        (130, 72, 200),
+        (1, 8, 3),
+    ];
+    for (m, k, n) in sizes {
+        print!("({m:>5}, {k:>5}, {n:>5})");
+        for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+            let make = |rows: usize, cols: usize, t: bool, seed| {
+                if t {
+                    random([1, 1, cols, rows], seed, device)
+                        .cast(FloatDType::BF16)
+                        .swap_dims(2, 3)
+                } else {
+                    random([1, 1, rows, cols], seed, device).cast(FloatDType::BF16)
+                }
+            };
+            let (a, b) = (make(m, k, a_t, 21), make(k, n, b_t, 22));
+            let reference = a.clone().matmul(b.clone());
+            match gemm::launch_strategy("own", strip(a), strip(b)) {
+                Ok(c) => {
+                    let c = Tensor::<CudaBackend, 4>::from_primitive(TensorPrimitive::Float(c));
+                    let e = relative_error(c, reference);
+                    print!(
+                        "  {}{}: {e:>9.2e}",
+                        if a_t { "T" } else { "N" },
+                        if b_t { "T" } else { "N" }
+                    );
+                    if !(e.is_finite() && e < 1e-2) {
+                        failures.push(format!("own GEMM ({m}, {k}, {n}) a_t {a_t} b_t {b_t}: {e}"));
+                    }
+                }
+                Err(e) => print!(
+                    "  {}{}: not taken ({e})",
+                    if a_t { "T" } else { "N" },
+                    if b_t { "T" } else { "N" }
+                ),
+            }
+        }
+        println!();
+    }
 }
 
 /// Milliseconds per product of each cubek strategy (and burn's default) on each shape.
@@ -249,7 +303,18 @@ fn time_strategies(device: &Device, repeat: usize) {
         "\nproduct time per strategy (ms, median of {repeat}; TFLOP/s in brackets; - = cannot run)"
     );
     print!("{:<20}", "shape");
-    for name in ["burn"].iter().chain(STRATEGY_NAMES.iter()) {
+    // `VERL_BENCH_STRATEGIES=a,b` times only those cubek strategies (some fail at launch on
+    // some shapes and leave the device unusable for the rest of the run).
+    let only = std::env::var("VERL_BENCH_STRATEGIES").ok();
+    let strategies: Vec<&str> = STRATEGY_NAMES
+        .iter()
+        .copied()
+        .filter(|n| {
+            only.as_deref()
+                .is_none_or(|o| o.split(',').any(|x| x == *n))
+        })
+        .collect();
+    for name in ["burn", "own"].iter().chain(strategies.iter()) {
         print!(" {name:>22}");
     }
     println!();
@@ -259,8 +324,13 @@ fn time_strategies(device: &Device, repeat: usize) {
             2.0 * (s.m * s.k * s.n) as f64 * s.batch.iter().product::<usize>().max(1) as f64;
         print!("{:<20}", s.label);
         let burn = |a: Tensor<CudaBackend, 4>, b: Tensor<CudaBackend, 4>| Ok(strip(a.matmul(b)));
-        let mut cells = vec![time_product(device, repeat, &a, &b, burn)];
-        for name in STRATEGY_NAMES {
+        let mut cells = vec![
+            time_product(device, repeat, &a, &b, burn),
+            time_product(device, repeat, &a, &b, |a, b| {
+                gemm::launch_strategy("own", strip(a), strip(b))
+            }),
+        ];
+        for &name in &strategies {
             cells.push(time_product(device, repeat, &a, &b, |a, b| {
                 gemm::launch_strategy(name, strip(a), strip(b))
             }));
@@ -303,12 +373,664 @@ fn time_product(
     Some(median(times))
 }
 
+/// One attention shape of the checks: batch, sequence, query heads, kv heads, head size, and
+/// the left padding of each row (0: none).
+struct AttentionCase {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    padding: Vec<usize>,
+}
+
+fn attention_cases() -> Vec<AttentionCase> {
+    let c = |batch, seq, heads, kv_heads, head_dim, padding: &[usize]| AttentionCase {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim,
+        padding: padding.to_vec(),
+    };
+    vec![
+        c(4, 511, 14, 2, 64, &[]),
+        c(2, 37, 4, 2, 64, &[0, 9]),
+        c(1, 130, 14, 2, 64, &[]),
+        c(2, 64, 2, 2, 128, &[3, 0]),
+        c(3, 200, 12, 2, 128, &[0, 70, 150]),
+        c(1, 1, 2, 1, 16, &[]),
+        c(2, 65, 8, 8, 32, &[64, 1]),
+    ]
+}
+
+/// Fused attention against the decomposed path: output and the gradients of q, k and v, under
+/// a random probe of the output; causal, grouped-query, left padding.
+fn check_attention(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::models::attention::{
+        attention_bias, decomposed_attention, fused_attention,
+    };
+    type A = CudaAutodiff;
+    println!("\nattention: fused kernel vs the decomposed path (bf16 products)");
+    println!(
+        "{:<28} {:>10} {:>10} {:>10} {:>10}",
+        "batch x seq, heads/kv, dim", "out rel", "dq rel", "dk rel", "dv rel"
+    );
+    let _bf16 = precision::enter(ComputeDtype::Bf16);
+    for (n, c) in attention_cases().into_iter().enumerate() {
+        let seed = 1000 + 10 * n as u64;
+        let q = random([c.batch, c.seq, c.heads, c.head_dim], seed, device);
+        let k = random([c.batch, c.seq, c.kv_heads, c.head_dim], seed + 1, device);
+        let v = random([c.batch, c.seq, c.kv_heads, c.head_dim], seed + 2, device);
+        let probe = random([c.batch, c.seq, c.heads * c.head_dim], seed + 3, device);
+        let mut mask = vec![1.0f32; c.batch * c.seq];
+        for (row, &pad) in c.padding.iter().enumerate() {
+            for m in &mut mask[row * c.seq..row * c.seq + pad.min(c.seq)] {
+                *m = 0.0;
+            }
+        }
+        let key_mask = (!c.padding.is_empty()).then(|| {
+            Tensor::<A, 2>::from_data(TensorData::new(mask.clone(), [c.batch, c.seq]), device)
+        });
+        let lift =
+            |t: &Tensor<CudaBackend, 4>| Tensor::<A, 4>::from_inner(t.clone()).require_grad();
+        let run = |fused: bool| {
+            let (qa, ka, va) = (lift(&q), lift(&k), lift(&v));
+            let out = if fused {
+                let out = fused_attention(
+                    qa.clone(),
+                    ka.clone(),
+                    va.clone(),
+                    key_mask.clone(),
+                    1.0 / (c.head_dim as f32).sqrt(),
+                )
+                .map_err(|_| "the fused kernel did not take the call".to_string())?;
+                out.reshape([c.batch, c.seq, c.heads * c.head_dim])
+            } else {
+                let bias = attention_bias(c.batch, c.seq, 0, key_mask.clone(), device);
+                decomposed_attention(
+                    qa.clone().swap_dims(1, 2),
+                    ka.clone().swap_dims(1, 2),
+                    va.clone().swap_dims(1, 2),
+                    &bias,
+                )
+            };
+            let grads = (out.clone() * Tensor::from_inner(probe.clone()))
+                .sum()
+                .backward();
+            let g = |t: &Tensor<A, 4>| t.grad(&grads).ok_or("no gradient".to_string());
+            Ok::<_, String>((out.inner(), g(&qa)?, g(&ka)?, g(&va)?))
+        };
+        let label = format!(
+            "{} x {}, {}/{}, {}{}",
+            c.batch,
+            c.seq,
+            c.heads,
+            c.kv_heads,
+            c.head_dim,
+            if c.padding.is_empty() { "" } else { ", padded" }
+        );
+        match (run(true), run(false)) {
+            (Ok((o1, q1, k1, v1)), Ok((o0, q0, k0, v0))) => {
+                let e = [
+                    relative_error(o1, o0),
+                    relative_error(q1, q0),
+                    relative_error(k1, k0),
+                    relative_error(v1, v0),
+                ];
+                println!(
+                    "{label:<28} {:>10.3e} {:>10.3e} {:>10.3e} {:>10.3e}",
+                    e[0], e[1], e[2], e[3]
+                );
+                // bf16 operands on both sides, rounded at different points.
+                if !e.iter().all(|e| e.is_finite() && *e < 2e-2) {
+                    failures.push(format!("attention {label}: {e:?}"));
+                }
+            }
+            (a, b) => failures.push(format!(
+                "attention {label}: fused {:?}, decomposed {:?}",
+                a.err(),
+                b.err()
+            )),
+        }
+    }
+}
+
+/// Milliseconds and host issue time of one attention forward + backward at the step's shape.
+fn time_attention(device: &Device, repeat: usize) {
+    use verl::megatron::models::attention::{
+        attention_bias, decomposed_attention, fused_attention,
+    };
+    type A = CudaAutodiff;
+    let (b, t, h, kv, d) = (4, 511, 14, 2, 64);
+    let _bf16 = precision::enter(ComputeDtype::Bf16);
+    let q = random([b, t, h, d], 5, device);
+    let k = random([b, t, kv, d], 6, device);
+    let v = random([b, t, kv, d], 7, device);
+    let bias = attention_bias::<A>(b, t, 0, None, device);
+    println!(
+        "\nattention forward + backward, {b} x {t}, {h}/{kv} heads, dim {d} (median of {repeat}):"
+    );
+    for fused in [false, true] {
+        let mut times = Vec::new();
+        let mut issued = Vec::new();
+        for i in 0..repeat + 2 {
+            let lift =
+                |x: &Tensor<CudaBackend, 4>| Tensor::<A, 4>::from_inner(x.clone()).require_grad();
+            let (qa, ka, va) = (lift(&q), lift(&k), lift(&v));
+            let _ = CudaBackend::sync(device);
+            let start = Instant::now();
+            let out = if fused {
+                match fused_attention(qa, ka, va, None, 1.0 / (d as f32).sqrt()) {
+                    Ok(o) => o.reshape([b, t, h * d]),
+                    Err(_) => return,
+                }
+            } else {
+                decomposed_attention(
+                    qa.swap_dims(1, 2),
+                    ka.swap_dims(1, 2),
+                    va.swap_dims(1, 2),
+                    &bias,
+                )
+            };
+            let _grads = out.sum().backward();
+            let host = start.elapsed().as_secs_f64() * 1e3;
+            let _ = CudaBackend::sync(device);
+            if i >= 2 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+                issued.push(host);
+            }
+        }
+        println!(
+            "  {:<11} {:>8.3} ms ({:.3} ms to issue)",
+            if fused { "fused" } else { "decomposed" },
+            median(times),
+            median(issued)
+        );
+    }
+}
+
+/// RMSNorm output and the gradients of its input and weight, through the fused kernel or
+/// burn's chain, under a random probe.
+fn norm_run<const D: usize>(
+    x: &Tensor<CudaBackend, D>,
+    weight: &Tensor<CudaBackend, 1>,
+    probe: &Tensor<CudaBackend, D>,
+    fused: bool,
+) -> Result<[Tensor<CudaBackend, 1>; 3], String> {
+    use verl::megatron::cuda::kernels::norm;
+    use verl::megatron::layers::RmsNorm;
+    norm::SWITCH.set(fused);
+    let xa = Tensor::<CudaAutodiff, D>::from_inner(x.clone()).require_grad();
+    let layer = RmsNorm::new(
+        Tensor::<CudaAutodiff, 1>::from_inner(weight.clone()).require_grad(),
+        1e-6,
+    );
+    let y = layer.forward(xa.clone());
+    let grads = (y.clone() * Tensor::from_inner(probe.clone()))
+        .sum()
+        .backward();
+    norm::SWITCH.set(true);
+    let dx = xa.grad(&grads).ok_or("no gradient for x")?;
+    let dw = layer
+        .weight
+        .grad(&grads)
+        .ok_or("no gradient for the weight")?;
+    Ok([y.inner().flatten(0, D - 1), dx.flatten(0, D - 1), dw])
+}
+
+/// The fused RMSNorm against burn's chain: output and both gradients.
+fn check_norm(device: &Device, failures: &mut Vec<String>) {
+    println!(
+        "
+RMSNorm: fused kernel vs burn's chain"
+    );
+    println!(
+        "{:<26} {:>10} {:>10} {:>10}",
+        "rows x hidden", "y rel", "dx rel", "dw rel"
+    );
+    type Run = Result<[Tensor<CudaBackend, 1>; 3], String>;
+    let mut compare = |label: String, fused: Run, chain: Run| {
+        match (fused, chain) {
+            (Ok([y1, dx1, dw1]), Ok([y0, dx0, dw0])) => {
+                let e = [
+                    relative_error(y1, y0),
+                    relative_error(dx1, dx0),
+                    relative_error(dw1, dw0),
+                ];
+                println!(
+                    "{label:<26} {:>10.3e} {:>10.3e} {:>10.3e}",
+                    e[0], e[1], e[2]
+                );
+                // f32 on both sides, sums in another order.
+                if !e.iter().all(|e| e.is_finite() && *e < 1e-4) {
+                    failures.push(format!("RMSNorm {label}: {e:?}"));
+                }
+            }
+            (a, b) => failures.push(format!(
+                "RMSNorm {label}: fused {:?}, chain {:?}",
+                a.err(),
+                b.err()
+            )),
+        }
+    };
+    // No hidden size of 1: there x̂ = ±1 and dx = rstd·g·w·ε/(x² + ε) cancels to rounding noise
+    // on both sides, so a relative error compares noise (0.17 measured).
+    for (n, &(rows, hidden)) in [(2044, 896), (33, 17), (1, 7), (7, 4096), (300, 1536)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 4000 + 10 * n as u64;
+        let x = random([rows, hidden], seed, device) * 3.0;
+        let w = random([hidden], seed + 1, device) + 1.0;
+        let probe = random([rows, hidden], seed + 2, device);
+        compare(
+            format!("{rows} x {hidden}"),
+            norm_run(&x, &w, &probe, true),
+            norm_run(&x, &w, &probe, false),
+        );
+    }
+    // Per-head norms (Qwen3's q/k norm) over a 4-D [batch, seq, heads, head_dim] view.
+    let x = random([3, 5, 14, 64], 4100, device);
+    let w = random([64], 4101, device) + 1.0;
+    let probe = random([3, 5, 14, 64], 4102, device);
+    compare(
+        "3 x 5 x 14 x 64 (per head)".into(),
+        norm_run(&x, &w, &probe, true),
+        norm_run(&x, &w, &probe, false),
+    );
+}
+
+/// The fused SwiGLU gate against burn's `silu(g) · u`: output and both gradients.
+fn check_swiglu(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::swiglu;
+    use verl::megatron::models::mlp::swiglu as gate;
+    println!("\nSwiGLU gate: fused kernel vs burn's silu(g) * u");
+    for (n, &(rows, cols)) in [(2044, 4864), (33, 17), (1, 1)].iter().enumerate() {
+        let seed = 5000 + 10 * n as u64;
+        let g = random([rows, cols], seed, device) * 4.0;
+        let u = random([rows, cols], seed + 1, device);
+        let probe = random([rows, cols], seed + 2, device);
+        let run = |fused: bool| {
+            swiglu::SWITCH.set(fused);
+            let ga = Tensor::<CudaAutodiff, 2>::from_inner(g.clone()).require_grad();
+            let ua = Tensor::<CudaAutodiff, 2>::from_inner(u.clone()).require_grad();
+            let out = gate(ga.clone(), ua.clone());
+            let grads = (out.clone() * Tensor::from_inner(probe.clone()))
+                .sum()
+                .backward();
+            swiglu::SWITCH.set(true);
+            (out.inner(), ga.grad(&grads), ua.grad(&grads))
+        };
+        let label = format!("{rows} x {cols}");
+        match (run(true), run(false)) {
+            ((o1, Some(g1), Some(u1)), (o0, Some(g0), Some(u0))) => {
+                let e = [
+                    relative_error(o1, o0),
+                    relative_error(g1, g0),
+                    relative_error(u1, u0),
+                ];
+                println!(
+                    "{label:<26} out {:.3e}  dg {:.3e}  du {:.3e}",
+                    e[0], e[1], e[2]
+                );
+                if !e.iter().all(|e| e.is_finite() && *e < 1e-5) {
+                    failures.push(format!("SwiGLU {label}: {e:?}"));
+                }
+            }
+            _ => failures.push(format!("SwiGLU {label}: a gradient is missing")),
+        }
+    }
+}
+
+/// The fused rotary embedding against burn's operations: output and the input's gradient, for
+/// x `[batch, seq, heads, dim]` and tables `[batch, seq, 1, dim]`.
+fn check_rope(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::rope;
+    use verl::megatron::layers::RotaryEmbedding;
+    println!("\nRoPE: fused kernel vs burn's operations");
+    for (n, &(b, t, h, d)) in [
+        (4, 511, 14, 64),
+        (2, 37, 2, 128),
+        (1, 1, 1, 2),
+        (3, 5, 7, 18),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = 6000 + 10 * n as u64;
+        let x = random([b, t, h, d], seed, device);
+        let angles = random([b, t, 1, d], seed + 1, device) * 3.0;
+        let (cos, sin) = (angles.clone().cos(), angles.sin());
+        let probe = random([b, t, h, d], seed + 2, device);
+        let run = |fused: bool| {
+            rope::SWITCH.set(fused);
+            let xa = Tensor::<CudaAutodiff, 4>::from_inner(x.clone()).require_grad();
+            let lift =
+                |c: &Tensor<CudaBackend, 4>| Tensor::<CudaAutodiff, 4>::from_inner(c.clone());
+            let y = RotaryEmbedding::apply(xa.clone(), &lift(&cos), &lift(&sin));
+            let grads = (y.clone() * Tensor::from_inner(probe.clone()))
+                .sum()
+                .backward();
+            rope::SWITCH.set(true);
+            (y.inner(), xa.grad(&grads))
+        };
+        let label = format!("{b} x {t} x {h} x {d}");
+        match (run(true), run(false)) {
+            ((y1, Some(g1)), (y0, Some(g0))) => {
+                let e = [relative_error(y1, y0), relative_error(g1, g0)];
+                println!("{label:<26} y {:.3e}  dx {:.3e}", e[0], e[1]);
+                if !e.iter().all(|e| e.is_finite() && *e < 1e-5) {
+                    failures.push(format!("RoPE {label}: {e:?}"));
+                }
+            }
+            _ => failures.push(format!("RoPE {label}: no gradient for x")),
+        }
+    }
+}
+
+/// Log-probs, entropy and the logits' gradient of `[batch, len, vocab]` logits, through the
+/// fused kernel or burn's chain (`vocab_parallel_log_probs` at tp = 1), under a random probe.
+fn vocab_run(
+    logits: &Tensor<CudaBackend, 3>,
+    labels: &Tensor<CudaBackend, 2, Int>,
+    probe: &Tensor<CudaBackend, 2>,
+    fused: bool,
+) -> (
+    Tensor<CudaBackend, 2>,
+    Tensor<CudaBackend, 2>,
+    Option<Tensor<CudaBackend, 3>>,
+) {
+    use verl::megatron::cuda::kernels::vocab;
+    use verl::megatron::models::vocab_parallel_log_probs;
+    use verl::megatron::parallel::TpGroup;
+    vocab::SWITCH.set(fused);
+    let x = Tensor::<CudaAutodiff, 3>::from_inner(logits.clone()).require_grad();
+    let labels = Tensor::<CudaAutodiff, 2, Int>::from_inner(labels.clone());
+    let (lp, entropy) = vocab_parallel_log_probs(x.clone(), labels, &TpGroup::none(), 0, true);
+    let entropy = entropy.expect("asked for");
+    let probe = Tensor::<CudaAutodiff, 2>::from_inner(probe.clone());
+    let loss = (lp.clone() * probe.clone()).sum() + (entropy.clone() * probe.sqrt()).sum();
+    let grads = loss.backward();
+    let dx = x.grad(&grads);
+    vocab::SWITCH.set(true);
+    (lp.inner(), entropy.inner(), dx)
+}
+
+/// The fused vocabulary statistics against burn's chain: log-probs, entropy and the logits'
+/// gradient (f32 logits, and bf16 logits against the chain on their f32 values), then the
+/// raw statistics with labels outside the shard against the same formulas in burn.
+fn check_vocab(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::vocab::try_vocab_stats;
+    println!(
+        "
+vocabulary log-probs: fused kernel vs burn's log_softmax + gather chain"
+    );
+    println!(
+        "{:<26} {:>10} {:>10} {:>10}",
+        "batch x len x vocab", "logp rel", "entr rel", "dx rel"
+    );
+    let cases = [
+        (2, 511, 151_936, false),
+        (3, 7, 1000, false),
+        (1, 1, 5, false),
+        (2, 33, 4097, false),
+        (2, 65, 32_003, true),
+    ];
+    for (n, &(b, len, vocab, bf16)) in cases.iter().enumerate() {
+        let seed = 3000 + 10 * n as u64;
+        // Logits of a trained model's size (a few units), with one large outlier per row.
+        let logits = random([b, len, vocab], seed, device) * 4.0;
+        let logits = if bf16 {
+            logits.cast(FloatDType::BF16)
+        } else {
+            logits
+        };
+        let labels = Tensor::<CudaBackend, 2, Int>::random(
+            [b, len],
+            Distribution::Uniform(0.0, vocab as f64),
+            device,
+        );
+        let probe = random([b, len], seed + 1, device).abs();
+        let reference = if bf16 {
+            logits.clone().cast(FloatDType::F32)
+        } else {
+            logits.clone()
+        };
+        let (lp1, h1, dx1) = vocab_run(&logits, &labels, &probe, true);
+        let (lp0, h0, dx0) = vocab_run(&reference, &labels, &probe, false);
+        let label = format!("{b} x {len} x {vocab}{}", if bf16 { " bf16" } else { "" });
+        match (dx1, dx0) {
+            (Some(dx1), Some(dx0)) => {
+                let e = [
+                    relative_error(lp1, lp0),
+                    relative_error(h1, h0),
+                    relative_error(dx1.cast(FloatDType::F32), dx0),
+                ];
+                println!(
+                    "{label:<26} {:>10.3e} {:>10.3e} {:>10.3e}",
+                    e[0], e[1], e[2]
+                );
+                // f32: the same sums in another order; bf16: the gradient is rounded to bf16.
+                let bound = if bf16 { 1e-2 } else { 1e-4 };
+                if !e.iter().all(|e| e.is_finite() && *e < bound) {
+                    failures.push(format!("vocab {label}: {e:?}"));
+                }
+            }
+            _ => failures.push(format!("vocab {label}: no gradient for the logits")),
+        }
+    }
+    // Labels outside the shard (negative) give a label logit of 0.
+    let (rows, vocab) = (37, 3001);
+    let x = random([rows, vocab], 77, device) * 4.0;
+    let labels: Vec<i32> = (0..rows as i32)
+        .map(|r| {
+            if r % 3 == 0 {
+                -1
+            } else {
+                (r * 97) % vocab as i32
+            }
+        })
+        .collect();
+    let labels_t =
+        Tensor::<CudaBackend, 1, Int>::from_data(TensorData::new(labels.clone(), [rows]), device);
+    match try_vocab_stats(x.clone(), labels_t) {
+        Ok(stats) => {
+            let m = x.clone().max_dim(1);
+            let e = (x.clone() - m.clone()).exp();
+            let s = e.clone().sum_dim(1);
+            let w = (e * x.clone()).sum_dim(1);
+            let picked: Vec<f32> = {
+                let xs = x.into_data().to_vec::<f32>().unwrap_or_default();
+                labels
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &l)| {
+                        if l < 0 {
+                            0.0
+                        } else {
+                            xs[r * vocab + l as usize]
+                        }
+                    })
+                    .collect()
+            };
+            let p = Tensor::<CudaBackend, 1>::from_data(TensorData::new(picked, [rows]), device)
+                .reshape([rows, 1]);
+            let reference = Tensor::cat(vec![m, s, p, w], 1);
+            let e = relative_error(stats, reference);
+            println!(
+                "{:<26} {e:>10.3e} (m, s, p, w; a third of the labels outside)",
+                "stats 37 x 3001"
+            );
+            if !(e.is_finite() && e < 1e-5) {
+                failures.push(format!("vocab stats with outside labels: {e}"));
+            }
+        }
+        Err(_) => failures.push("vocab stats: the kernel did not take f32 logits".into()),
+    }
+}
+
+/// Forward + backward of the step's log-probs (2044 x 151 936 f32 logits), fused and chained.
+fn time_vocab(device: &Device, repeat: usize) {
+    let (b, len, vocab) = (4, 511, 151_936);
+    let logits = random([b, len, vocab], 9, device) * 4.0;
+    let labels = Tensor::<CudaBackend, 2, Int>::random(
+        [b, len],
+        Distribution::Uniform(0.0, vocab as f64),
+        device,
+    );
+    let probe = random([b, len], 10, device).abs();
+    println!(
+        "
+log-probs + entropy forward and backward, {b} x {len} x {vocab} f32 (median of {repeat}):"
+    );
+    for fused in [false, true] {
+        let mut times = Vec::new();
+        for i in 0..repeat + 2 {
+            let _ = CudaBackend::sync(device);
+            let start = Instant::now();
+            let out = vocab_run(&logits, &labels, &probe, fused);
+            drop(out);
+            let _ = CudaBackend::sync(device);
+            if i >= 2 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        println!(
+            "  {:<11} {:>8.3} ms",
+            if fused { "fused" } else { "chain" },
+            median(times)
+        );
+    }
+}
+
+/// Host microseconds to issue one operation (read before waiting) and microseconds per operation
+/// once the device has finished, over `n` back-to-back calls of `op` with no sync between them.
+fn launch_cost(device: &Device, n: usize, mut op: impl FnMut()) -> (f64, f64) {
+    op();
+    let _ = CudaBackend::sync(device);
+    let t = Instant::now();
+    for _ in 0..n {
+        op();
+    }
+    let issued = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let _ = CudaBackend::sync(device);
+    (issued, t.elapsed().as_secs_f64() * 1e6 / n as f64)
+}
+
+/// What one burn operation costs the host on burn-cuda: the training step is bound by issuing
+/// thousands of small operations, not by the GPU running them.
+fn time_launches(device: &Device) {
+    println!(
+        "
+launch cost: µs per operation, host issue / finished (1000 calls, no sync between)"
+    );
+    let rows = 4 * 511;
+    let x32 = random([rows, 896], 1, device);
+    let y32 = random([rows, 896], 2, device);
+    let (x16, y16) = (
+        x32.clone().cast(FloatDType::BF16),
+        y32.clone().cast(FloatDType::BF16),
+    );
+    let w16 = random([896, 896], 3, device).cast(FloatDType::BF16);
+    let report =
+        |label: &str, (issued, done): (f64, f64)| println!("{label:<44} {issued:>9.1} {done:>9.1}");
+    let n = 1000;
+    report(
+        "add f32 [2044, 896]",
+        launch_cost(device, n, || {
+            let _ = x32.clone() + y32.clone();
+        }),
+    );
+    report(
+        "add bf16 [2044, 896]",
+        launch_cost(device, n, || {
+            let _ = x16.clone() + y16.clone();
+        }),
+    );
+    report(
+        "mul_scalar bf16 [2044, 896]",
+        launch_cost(device, n, || {
+            let _ = x16.clone() * 0.5;
+        }),
+    );
+    report(
+        "cast f32 -> bf16 [2044, 896]",
+        launch_cost(device, n, || {
+            let _ = x32.clone().cast(FloatDType::BF16);
+        }),
+    );
+    report(
+        "sum_dim f32 [2044, 896] -> [2044, 1]",
+        launch_cost(device, n, || {
+            let _ = x32.clone().sum_dim(1);
+        }),
+    );
+    report("add f32 [1, 8]", {
+        let (a, b) = (random([1, 8], 4, device), random([1, 8], 5, device));
+        launch_cost(device, n, || {
+            let _ = a.clone() + b.clone();
+        })
+    });
+    report(
+        "burn matmul bf16 x·Wᵀ (2044, 896, 896)",
+        launch_cost(device, n, || {
+            let _ = x16.clone().matmul(w16.clone().transpose());
+        }),
+    );
+    report(
+        "cubek seam x·Wᵀ (2044, 896, 896)",
+        launch_cost(device, n, || {
+            let _ = gemm::launch_strategy(
+                "specialized_tma_mma",
+                strip(x16.clone()),
+                strip(w16.clone().transpose()),
+            );
+        }),
+    );
+    let xa = Tensor::<CudaAutodiff, 2>::from_inner(x32.clone()).require_grad();
+    let ya = Tensor::<CudaAutodiff, 2>::from_inner(y32.clone()).require_grad();
+    report(
+        "autodiff add f32 (graph recorded)",
+        launch_cost(device, n, || {
+            let _ = xa.clone() + ya.clone();
+        }),
+    );
+    report(
+        "autodiff add + backward f32",
+        launch_cost(device, 200, || {
+            let _ = (xa.clone() + ya.clone()).sum().backward();
+        }),
+    );
+    // The step keeps ~16 GiB in thousands of buffers: does a full pool make allocation slower?
+    let held: Vec<_> = (0..3000)
+        .map(|i| random([896, 896], 100 + i, device))
+        .collect();
+    let _ = CudaBackend::sync(device);
+    report(
+        "add f32 [2044, 896], 3000 buffers held",
+        launch_cost(device, n, || {
+            let _ = x32.clone() + y32.clone();
+        }),
+    );
+    drop(held);
+}
+
 /// `verl bench kernels`.
 pub fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     let device = rank_device(0);
     let mut failures = Vec::new();
     check_adamw(&device, &mut failures);
+    check_own_gemm(&device, &mut failures);
     check_gemm(&device, &mut failures);
+    check_attention(&device, &mut failures);
+    check_vocab(&device, &mut failures);
+    check_norm(&device, &mut failures);
+    check_swiglu(&device, &mut failures);
+    check_rope(&device, &mut failures);
+    time_launches(&device);
+    time_attention(&device, repeat);
+    time_vocab(&device, repeat);
     if time {
         time_strategies(&device, repeat);
     }

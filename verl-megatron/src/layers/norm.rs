@@ -17,6 +17,12 @@ impl<B: Backend> RmsNorm<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        // On burn-cuda, one fused kernel each way (crate::cuda::kernels::norm).
+        #[cfg(feature = "cuda")]
+        let x = match crate::cuda::kernels::norm::try_rms_norm(x, self.weight.val(), self.eps) {
+            Ok(y) => return y,
+            Err((x, _)) => x,
+        };
         let ms = x.clone().powf_scalar(2.0).mean_dim(D - 1);
         let normed = x / (ms + self.eps).sqrt();
         let mut shape = [1; D];

@@ -66,12 +66,21 @@ impl RotaryEmbedding {
         )
     }
 
-    /// Applies the rotation to `[batch, heads, seq, head_dim]`.
+    /// Applies the rotation to `x` `[..., head_dim]`, the tables broadcast over it:
+    /// `[batch, heads, seq, head_dim]` with [`Self::tables`]' `[batch, 1, seq, head_dim]`, or
+    /// `[batch, seq, heads, head_dim]` with the tables reshaped to `[batch, seq, 1, head_dim]`.
     pub fn apply<B: Backend>(
         x: Tensor<B, 4>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
     ) -> Tensor<B, 4> {
+        // On burn-cuda, x [batch, seq, heads, dim] with tables [batch, seq, 1, dim] (the fused
+        // attention's layout) takes one kernel each way (crate::cuda::kernels::rope).
+        #[cfg(feature = "cuda")]
+        let x = match crate::cuda::kernels::rope::try_rope(x, cos, sin) {
+            Ok(y) => return y,
+            Err(x) => x,
+        };
         let d = x.dims()[3];
         let x1 = x.clone().narrow(3, 0, d / 2);
         let x2 = x.clone().narrow(3, d / 2, d / 2);

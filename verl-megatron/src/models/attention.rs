@@ -1,11 +1,15 @@
 //! Causal self-attention with grouped-query heads.
 
+use std::cell::OnceCell;
+
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burn::tensor::TensorData;
 
 use super::kv_cache::{LayerKv, SlotKvCache};
-use crate::layers::{precision, ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
+use crate::layers::precision::{self, ComputeDtype};
+use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 use crate::parallel::{ParallelBackend, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
@@ -22,6 +26,118 @@ pub enum AttnCache<'a, B: Backend> {
         positions: &'a [usize],
         window: usize,
     },
+}
+
+/// Which keys each query may attend to, in the two forms the attention paths read: the additive
+/// bias `[batch, 1, queries, keys]` (0 allowed, −∞ not) of the decomposed path, and, for a pass
+/// with no cache, the keys' mask `[batch, seq]` the fused kernel reads. The bias is built on
+/// first use, so a pass that runs the fused kernel never builds it.
+pub struct AttentionMask<B: Backend> {
+    bias: OnceCell<Tensor<B, 4>>,
+    causal: Option<CausalKeys<B>>,
+}
+
+/// A pass with no cache: causal over its own tokens, keys masked by `key_mask` (1 = token;
+/// `None`: every key is a token).
+struct CausalKeys<B: Backend> {
+    batch: usize,
+    seq: usize,
+    key_mask: Option<Tensor<B, 2>>,
+    device: B::Device,
+}
+
+impl<B: Backend> AttentionMask<B> {
+    /// A mask given as its additive bias (passes over a cache).
+    pub fn from_bias(bias: Tensor<B, 4>) -> Self {
+        Self {
+            bias: OnceCell::from(bias),
+            causal: None,
+        }
+    }
+
+    /// Causal attention over `seq` tokens per row with no cache; `key_mask` `[batch, seq]`
+    /// (1 = token, 0 = padding) masks padded keys, and a padded query attends to itself so
+    /// its softmax stays finite.
+    pub fn causal(
+        batch: usize,
+        seq: usize,
+        key_mask: Option<Tensor<B, 2>>,
+        device: &B::Device,
+    ) -> Self {
+        Self {
+            bias: OnceCell::new(),
+            causal: Some(CausalKeys {
+                batch,
+                seq,
+                key_mask,
+                device: device.clone(),
+            }),
+        }
+    }
+
+    /// The additive bias `[batch, 1, queries, keys]`.
+    pub fn bias(&self) -> &Tensor<B, 4> {
+        self.bias.get_or_init(|| {
+            let c = self
+                .causal
+                .as_ref()
+                .expect("a mask is built from a bias or from its keys");
+            attention_bias(c.batch, c.seq, 0, c.key_mask.clone(), &c.device)
+        })
+    }
+
+    /// For a causal pass with no cache, the keys' mask (`Some(None)`: no padding).
+    fn causal_keys(&self) -> Option<Option<Tensor<B, 2>>> {
+        self.causal.as_ref().map(|c| c.key_mask.clone())
+    }
+}
+
+/// `[1, 1, t, past + t]`: 0 where new query i (absolute index past + i) may attend key j
+/// (j ≤ past + i), −∞ elsewhere.
+pub fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4> {
+    let keys = past + t;
+    let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
+    for i in 0..t {
+        for j in 0..keys {
+            allowed.push(if j <= past + i {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            });
+        }
+    }
+    Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
+}
+
+/// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =
+/// token); a padded query attends to itself so its softmax stays finite.
+pub fn attention_bias<B: Backend>(
+    b: usize,
+    t: usize,
+    past: usize,
+    attention_mask: Option<Tensor<B, 2>>,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let keys = past + t;
+    let mut bias = causal_bias::<B>(t, past, device).repeat_dim(0, b);
+    if let Some(mask) = attention_mask {
+        let masked_keys = mask
+            .reshape([b, 1, 1, keys])
+            .lower_elem(0.5)
+            .repeat_dim(2, t);
+        bias = bias.mask_fill(masked_keys, f32::NEG_INFINITY);
+        // A padded query row would be all −∞: let it attend to itself so softmax stays finite.
+        let mut own: Vec<f32> = vec![0.0; t * keys];
+        for i in 0..t {
+            own[i * keys + past + i] = 1.0;
+        }
+        let diag = Tensor::<B, 2>::from_data(TensorData::new(own, [t, keys]), device)
+            .reshape([1, 1, t, keys])
+            .repeat_dim(0, b)
+            .greater_elem(0.5);
+        bias = bias.mask_fill(diag, 0.0);
+    }
+    bias
 }
 
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
@@ -45,13 +161,13 @@ pub struct Attention<B: Backend> {
 }
 
 impl<B: ParallelBackend> Attention<B> {
-    /// `x` `[batch, seq, hidden]`; `bias` `[batch, 1, seq, keys]` is 0 where attention is allowed
-    /// and −∞ elsewhere (causal and padding); cos/sin from [`RotaryEmbedding::tables`]. `cache`
-    /// says which keys are attended to besides this call's ([`AttnCache`]).
+    /// `x` `[batch, seq, hidden]`; `mask` says which keys each query attends to (causal and
+    /// padding); cos/sin from [`RotaryEmbedding::tables`]. `cache` says which keys are attended
+    /// to besides this call's ([`AttnCache`]).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
-        bias: &Tensor<B, 4>,
+        mask: &AttentionMask<B>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
         cache: AttnCache<'_, B>,
@@ -60,17 +176,44 @@ impl<B: ParallelBackend> Attention<B> {
         let x = self.tp.enter(x);
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
-        let heads = |y: Tensor<B, 3>, n: usize| y.reshape([b, t, n, hd]).swap_dims(1, 2);
-        let mut q = heads(self.q_proj.forward(x.clone()), nh);
-        let mut k = heads(self.k_proj.forward(x.clone()), nkv);
-        let v = heads(self.v_proj.forward(x), nkv);
+        // Projections as [batch, seq, heads, head_dim]; the per-head norms act on the last dim.
+        let mut q = self.q_proj.forward(x.clone()).reshape([b, t, nh, hd]);
+        let mut k = self.k_proj.forward(x.clone()).reshape([b, t, nkv, hd]);
+        let v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(q);
             k = kn.forward(k);
         }
-        let q = RotaryEmbedding::apply(q, cos, sin);
-        let mut k = RotaryEmbedding::apply(k, cos, sin);
-        let mut v = v;
+        // A pass with no cache and bf16 products may take the fused kernel, which reads this
+        // layout directly (RoPE applied in it, cos/sin seen as [batch, seq, 1, head_dim]).
+        let fused_keys = match (&cache, mask.causal_keys()) {
+            (AttnCache::None, Some(keys))
+                if precision::current() == ComputeDtype::Bf16
+                    && fused_attention_applies::<B>(hd) =>
+            {
+                Some(keys)
+            }
+            _ => None,
+        };
+        let (q, mut k, mut v) = match fused_keys {
+            Some(key_mask) => {
+                let (cos, sin) = (
+                    cos.clone().reshape([b, t, 1, hd]),
+                    sin.clone().reshape([b, t, 1, hd]),
+                );
+                let q = RotaryEmbedding::apply(q, &cos, &sin);
+                let k = RotaryEmbedding::apply(k, &cos, &sin);
+                match fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
+                    Ok(out) => return self.o_proj.forward(out.reshape([b, t, nh * hd])),
+                    Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
+                }
+            }
+            None => {
+                let q = RotaryEmbedding::apply(q.swap_dims(1, 2), cos, sin);
+                let k = RotaryEmbedding::apply(k.swap_dims(1, 2), cos, sin);
+                (q, k, v.swap_dims(1, 2))
+            }
+        };
         match cache {
             AttnCache::None => {}
             // The new keys and values (after RoPE) extend the cached ones.
@@ -88,25 +231,78 @@ impl<B: ParallelBackend> Attention<B> {
                 window,
             } => (k, v) = cache.write_step(layer, k, v, positions, window),
         }
-        let keys = k.dims()[2];
-        // Grouped-query attention: query heads g·rep .. (g+1)·rep share kv head g. Folding those
-        // heads into the query rows lets them read the kv head directly, with no copies of it.
-        let rep = nh / nkv;
-        let q = q.reshape([b, nkv, rep * t, hd]);
-        let bias = if rep == 1 {
-            bias.clone()
-        } else {
-            bias.clone()
-                .unsqueeze_dim::<5>(2)
-                .repeat_dim(2, rep)
-                .reshape([b, 1, rep * t, keys])
-        };
-        let scores = precision::matmul(q, k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
-        let probs = softmax(scores, 3);
-        let out = precision::matmul(probs, v)
-            .reshape([b, nh, t, hd])
-            .swap_dims(1, 2)
-            .reshape([b, t, nh * hd]);
-        self.o_proj.forward(out)
+        let bias = mask.bias();
+        self.o_proj.forward(decomposed_attention(q, k, v, bias))
     }
+}
+
+/// Whether the fused attention kernel can take backend `B` and head size `head_dim`.
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+fn fused_attention_applies<B: Backend>(head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::cuda::kernels::attention;
+        attention::SWITCH.enabled()
+            && attention::supports_head_dim(head_dim)
+            && crate::cuda::kernels::is_cuda_or_autodiff::<B>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = head_dim;
+        false
+    }
+}
+
+/// The fused kernel's attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
+/// `[batch, seq, kv_heads, head_dim]` (see `cuda::kernels::attention::try_attention`), or the
+/// inputs back where it does not apply (every backend but burn-cuda).
+#[allow(clippy::type_complexity)]
+pub fn fused_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    key_mask: Option<Tensor<B, 2>>,
+    scale: f32,
+) -> Result<Tensor<B, 4>, (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::attention::try_attention(q, k, v, key_mask, scale)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (key_mask, scale);
+        Err((q, k, v))
+    }
+}
+
+/// Softmax attention of `q` `[batch, heads, seq, head_dim]` over `k`, `v`
+/// `[batch, kv_heads, keys, head_dim]` with the additive `bias` `[batch, 1, seq, keys]`, products
+/// in the current compute dtype: `[batch, seq, heads · head_dim]`. The path every backend runs,
+/// and the reference for the fused kernel.
+pub fn decomposed_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: &Tensor<B, 4>,
+) -> Tensor<B, 3> {
+    let [b, nh, t, hd] = q.dims();
+    let [_, nkv, keys, _] = k.dims();
+    // Grouped-query attention: query heads g·rep .. (g+1)·rep share kv head g. Folding those
+    // heads into the query rows lets them read the kv head directly, with no copies of it.
+    let rep = nh / nkv;
+    let q = q.reshape([b, nkv, rep * t, hd]);
+    let bias = if rep == 1 {
+        bias.clone()
+    } else {
+        bias.clone()
+            .unsqueeze_dim::<5>(2)
+            .repeat_dim(2, rep)
+            .reshape([b, 1, rep * t, keys])
+    };
+    let scores = precision::matmul(q, k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
+    let probs = softmax(scores, 3);
+    precision::matmul(probs, v)
+        .reshape([b, nh, t, hd])
+        .swap_dims(1, 2)
+        .reshape([b, t, nh * hd])
 }

@@ -10,7 +10,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use verl_core::NamedTensor;
 
-use super::attention::{Attention, AttnCache};
+use super::attention::{attention_bias, causal_bias, Attention, AttentionMask, AttnCache};
 use super::kv_cache::{KvCache, SlotKvCache};
 use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
@@ -619,12 +619,12 @@ impl<B: ParallelBackend> CausalLm<B> {
             self.pad_for_sequence_parallel(input_ids, attention_mask, positions);
         let padded = input_ids.dims()[1];
         let (cos, sin) = self.rope.tables(&positions);
-        let bias = self.attention_bias(b, padded, 0, attention_mask, &device);
+        let mask = AttentionMask::causal(b, padded, attention_mask, &device);
         let input = match hidden {
             Some(h) => StageInput::Hidden(h),
             None => StageInput::Ids(input_ids),
         };
-        let h = self.decoder(input, &bias, &cos, &sin, CacheMode::None);
+        let h = self.decoder(input, &mask, &cos, &sin, CacheMode::None);
         if self.stage.is_last() {
             self.head(h, Some((start, len)))
         } else {
@@ -705,10 +705,11 @@ impl<B: ParallelBackend> CausalLm<B> {
         let device = input_ids.device();
         let past = cache.len;
         let (cos, sin) = self.rope.tables(&position_ids);
-        let bias = self.attention_bias(b, t, past, Some(attention_mask), &device);
+        let mask =
+            AttentionMask::from_bias(attention_bias(b, t, past, Some(attention_mask), &device));
         let h = self.decoder(
             StageInput::Ids(input_ids),
-            &bias,
+            &mask,
             &cos,
             &sin,
             CacheMode::Grow(cache),
@@ -717,44 +718,12 @@ impl<B: ParallelBackend> CausalLm<B> {
         self.head(h, None)
     }
 
-    /// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =
-    /// token); a padded query attends to itself so its softmax stays finite.
-    fn attention_bias(
-        &self,
-        b: usize,
-        t: usize,
-        past: usize,
-        attention_mask: Option<Tensor<B, 2>>,
-        device: &B::Device,
-    ) -> Tensor<B, 4> {
-        let keys = past + t;
-        let mut bias = causal_bias::<B>(t, past, device).repeat_dim(0, b);
-        if let Some(mask) = attention_mask {
-            let masked_keys = mask
-                .reshape([b, 1, 1, keys])
-                .lower_elem(0.5)
-                .repeat_dim(2, t);
-            bias = bias.mask_fill(masked_keys, f32::NEG_INFINITY);
-            // A padded query row would be all −∞: let it attend to itself so softmax stays finite.
-            let mut own: Vec<f32> = vec![0.0; t * keys];
-            for i in 0..t {
-                own[i * keys + past + i] = 1.0;
-            }
-            let diag = Tensor::<B, 2>::from_data(TensorData::new(own, [t, keys]), device)
-                .reshape([1, 1, t, keys])
-                .repeat_dim(0, b)
-                .greater_elem(0.5);
-            bias = bias.mask_fill(diag, 0.0);
-        }
-        bias
-    }
-
     /// Embedding (first stage), this stage's decoder layers and the final norm (last stage):
     /// hidden states `[batch, seq, hidden]`.
     fn decoder(
         &self,
         input: StageInput<B>,
-        bias: &Tensor<B, 4>,
+        mask: &AttentionMask<B>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
         mut mode: CacheMode<'_, B>,
@@ -785,7 +754,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             };
             let attn = layer.self_attn.forward(
                 layer.input_layernorm.forward(h.clone()),
-                bias,
+                mask,
                 cos,
                 sin,
                 attn_cache,
@@ -874,10 +843,10 @@ impl<B: ParallelBackend> CausalLm<B> {
             .unsqueeze_dim::<2>(0)
             .repeat_dim(0, n);
         let (cos, sin) = self.rope.tables(&positions);
-        let bias = causal_bias::<B>(t, 0, &device).repeat_dim(0, n);
+        let mask = AttentionMask::from_bias(causal_bias::<B>(t, 0, &device).repeat_dim(0, n));
         let h = self.decoder(
             StageInput::Ids(ids),
-            &bias,
+            &mask,
             &cos,
             &sin,
             CacheMode::Grow(&mut tmp),
@@ -931,13 +900,16 @@ impl<B: ParallelBackend> CausalLm<B> {
                 bias.push(if j <= p { 0.0f32 } else { f32::NEG_INFINITY });
             }
         }
-        let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [s, 1, 1, window]), &device);
+        let mask = AttentionMask::from_bias(Tensor::<B, 4>::from_data(
+            TensorData::new(bias, [s, 1, 1, window]),
+            &device,
+        ));
         let mode = CacheMode::Slots {
             cache,
             positions,
             window,
         };
-        let h = self.decoder(StageInput::Ids(ids), &bias, &cos, &sin, mode);
+        let h = self.decoder(StageInput::Ids(ids), &mask, &cos, &sin, mode);
         let logits = self.head(h, None);
         let vocab = logits.dims()[2];
         logits.reshape([s, vocab])
@@ -956,23 +928,6 @@ enum CacheMode<'a, B: Backend> {
         positions: &'a [usize],
         window: usize,
     },
-}
-
-/// `[1, 1, t, past + t]`: 0 where new query i (absolute index past + i) may attend key j
-/// (j ≤ past + i), −∞ elsewhere.
-fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4> {
-    let keys = past + t;
-    let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
-    for i in 0..t {
-        for j in 0..keys {
-            allowed.push(if j <= past + i {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            });
-        }
-    }
-    Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
 }
 
 /// Whether `name` is split over the vocabulary (and so padded with tp > 1).

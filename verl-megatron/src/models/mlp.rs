@@ -30,9 +30,21 @@ impl<B: ParallelBackend> SwiGlu<B> {
     /// This rank's partial output for an input already in the tensor-parallel region: what a
     /// mixture of experts sums before its one reduction.
     pub fn forward_partial<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.down_proj
-            .forward_partial(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        let gate = self.gate_proj.forward(x.clone());
+        let up = self.up_proj.forward(x);
+        self.down_proj.forward_partial(swiglu(gate, up))
     }
+}
+
+/// `silu(gate) · up`: one fused kernel each way on burn-cuda (`cuda::kernels::swiglu`), burn's
+/// operations elsewhere.
+pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    #[cfg(feature = "cuda")]
+    let (gate, up) = match crate::cuda::kernels::swiglu::try_swiglu(gate, up) {
+        Ok(out) => return out,
+        Err(inputs) => inputs,
+    };
+    silu(gate) * up
 }
 
 /// A decoder layer's feed-forward block.

@@ -2,6 +2,10 @@
 //! parallel rank), never gathering the full vocabulary: each rank reduces its shard to a few
 //! numbers per position and the group sums those (Megatron's vocab-parallel cross entropy,
 //! here with autodiff doing the backward through the region operators).
+//!
+//! On burn-cuda a fused kernel (`cuda::kernels::vocab`) reduces each row of the shard to four
+//! numbers in one pass, and its backward writes the logits' gradient in one pass; the chain of
+//! burn operations below is the fallback and what every other backend runs.
 
 use burn::prelude::*;
 use burn::tensor::Int;
@@ -20,6 +24,10 @@ pub fn vocab_parallel_log_probs<B: ParallelBackend>(
     vocab_start: usize,
     with_entropy: bool,
 ) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+    let (logits, labels) = match fused_log_probs(logits, labels, tp, vocab_start, with_entropy) {
+        Ok(out) => return out,
+        Err(inputs) => inputs,
+    };
     if !tp.is_parallel() {
         let entropy = with_entropy.then(|| entropy_from_logits(logits.clone()));
         return (log_probs_from_logits(logits, labels), entropy);
@@ -49,4 +57,77 @@ pub fn vocab_parallel_log_probs<B: ParallelBackend>(
         log_sum_exp.clone() - (weighted / sum_exp).reshape([b, len])
     });
     (label_logit - log_sum_exp, entropy)
+}
+
+/// The fused kernel's path: per-row statistics of this rank's shard (`[m, s, p, w]`, see
+/// `cuda::kernels::vocab`), combined over the group on `[batch, len]` tensors. The inputs come
+/// back where the kernel does not apply.
+#[allow(clippy::type_complexity)]
+fn fused_log_probs<B: ParallelBackend>(
+    logits: Tensor<B, 3>,
+    labels: Tensor<B, 2, Int>,
+    tp: &TpGroup,
+    vocab_start: usize,
+    with_entropy: bool,
+) -> Result<(Tensor<B, 2>, Option<Tensor<B, 2>>), (Tensor<B, 3>, Tensor<B, 2, Int>)> {
+    if !fused_applies::<B>() {
+        return Err((logits, labels));
+    }
+    let [b, len, per] = logits.dims();
+    // Labels outside this shard become -1 (the kernel then reports a label logit of 0).
+    let local = labels.clone() - vocab_start as i64;
+    let outside = local
+        .clone()
+        .lower_elem(0)
+        .bool_or(local.clone().greater_equal_elem(per as i64));
+    let local = local.mask_fill(outside, -1).reshape([b * len]);
+    let stats = match vocab_stats(logits.reshape([b * len, per]), local) {
+        Ok(stats) => stats,
+        Err((logits, _)) => return Err((logits.reshape([b, len, per]), labels)),
+    };
+    let column = |i: usize| stats.clone().narrow(1, i, 1).reshape([b, len]);
+    // The shard's maximum is a shift only: a constant to autodiff, as the kernel's backward
+    // assumes.
+    let shard_max = column(0).detach();
+    let max = tp.collective(shard_max.clone(), Collective::AllReduceMax);
+    let rescale = (shard_max - max.clone()).exp();
+    let sum_exp = tp.region(column(1) * rescale.clone(), Region::ReduceFrom);
+    let label_logit = tp.region(column(2), Region::ReduceFrom);
+    let log_sum_exp = sum_exp.clone().log() + max;
+    let entropy = with_entropy.then(|| {
+        // H = logsumexp(x) − Σ softmax(x)·x.
+        let weighted = tp.region(column(3) * rescale, Region::ReduceFrom);
+        log_sum_exp.clone() - weighted / sum_exp
+    });
+    Ok((label_logit - log_sum_exp, entropy))
+}
+
+/// Whether the fused kernel can take backend `B` (burn-cuda, plain or under autodiff).
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+fn fused_applies<B: Backend>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::vocab::SWITCH.enabled()
+            && crate::cuda::kernels::is_cuda_or_autodiff::<B>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// `cuda::kernels::vocab::try_vocab_stats`, or the inputs back (every backend but burn-cuda).
+#[allow(clippy::type_complexity)]
+fn vocab_stats<B: Backend>(
+    logits: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 1, Int>)> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::vocab::try_vocab_stats(logits, labels)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err((logits, labels))
+    }
 }

@@ -2,11 +2,14 @@
 //! the LM head and attention's two batched products, forward and both backward products.
 //!
 //! burn 0.21 without autotune runs every product with one generic cubek strategy
-//! (`SimpleCyclicCmma`: single stage, no TMA). Here each product runs a fixed cubek strategy
-//! chosen per shape class by [`table_strategy`] (measured once by `verl bench kernels`; no
-//! autotune, whose candidates can fail or hang). A strategy that cannot run a shape (a setup
-//! error) is remembered and that shape class falls back to burn's own product, which is also
-//! the path on every other backend and under `VERL_GEMM=burn`.
+//! (`SimpleCyclicCmma`: single stage, no TMA). Here a 2-D product whose operands are row-major
+//! or plain transposes with 16-byte row pitches runs our own CUDA C++ kernel (`gemm.cu`:
+//! tensor cores, a three-stage `cp.async` pipeline; the default, [`GemmKind::Own`]); the
+//! others (batched products) run a fixed cubek strategy chosen per shape class by
+//! [`table_strategy`] (measured once by `verl bench kernels`; no autotune, whose candidates
+//! can fail or hang). A strategy that cannot run a shape (a setup error) is remembered and
+//! that shape class falls back to burn's own product, which is also the path on every other
+//! backend and under `VERL_GEMM=burn`.
 //!
 //! Under autodiff the product is one custom operation whose backward (`dA = dC·Bᵀ`,
 //! `dB = Aᵀ·dC`, transposes as views) goes through the same seam, so the backward products
@@ -19,7 +22,7 @@ use std::sync::Mutex;
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::TensorPrimitive;
+use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
@@ -30,6 +33,7 @@ use cubek::matmul::launch::Strategy;
 use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
+use super::source::{pack_words, CudaSource};
 use super::{downcast, same, CudaPrimitive};
 
 /// Which implementation runs the seam's products.
@@ -39,23 +43,29 @@ pub enum GemmKind {
     Burn,
     /// cubek with a fixed strategy per shape class.
     Cubek,
+    /// Our CUDA C++ kernel (`gemm.cu`: tensor cores, three-stage `cp.async` pipeline) for the
+    /// 2-D products whose operand layouts it takes; cubek for the rest.
+    Own,
 }
 
-/// 0: not read yet, 1: burn, 2: cubek.
+/// 0: not read yet, 1: burn, 2: cubek, 3: own.
 static KIND: AtomicU8 = AtomicU8::new(0);
 
-/// The implementation in use: `VERL_GEMM=burn|cubek` in the environment, else cubek.
+/// The implementation in use: `VERL_GEMM=burn|cubek|own` in the environment, else our own
+/// kernel (cubek where it does not apply, burn's product where neither does).
 pub fn kind() -> GemmKind {
     match KIND.load(Ordering::Relaxed) {
         0 => {
             let k = match std::env::var("VERL_GEMM").as_deref() {
                 Ok("burn") => GemmKind::Burn,
-                _ => GemmKind::Cubek,
+                Ok("cubek") => GemmKind::Cubek,
+                _ => GemmKind::Own,
             };
             set_kind(k);
             k
         }
         1 => GemmKind::Burn,
+        3 => GemmKind::Own,
         _ => GemmKind::Cubek,
     }
 }
@@ -66,9 +76,100 @@ pub fn set_kind(kind: GemmKind) {
         match kind {
             GemmKind::Burn => 1,
             GemmKind::Cubek => 2,
+            GemmKind::Own => 3,
         },
         Ordering::Relaxed,
     );
+}
+
+const OWN_SOURCE: &str = include_str!("gemm.cu");
+
+/// Whether our kernel takes `lhs · rhs`: bf16, one matrix each (no batch), each operand
+/// row-major or a plain transpose with 16-byte rows and a 16-byte-aligned start.
+fn own_applies(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> bool {
+    let single = |p: &CudaPrimitive| {
+        let s = p.meta.shape();
+        s[..s.num_dims() - 2].iter().product::<usize>() == 1
+    };
+    let fits = |p: &CudaPrimitive| p.meta.shape().iter().all(|&d| d > 0 && d < (1 << 31));
+    lhs.dtype == DType::BF16
+        && rhs.dtype == DType::BF16
+        && copies_in_16_bytes(lhs)
+        && copies_in_16_bytes(rhs)
+        && single(lhs)
+        && single(rhs)
+        && fits(lhs)
+        && fits(rhs)
+}
+
+/// Whether our kernel can copy a matrix operand in 16-byte pieces: its last two dimensions
+/// row-major or a plain transpose, with any row pitch (burn-cuda pads rows, e.g. 896 bf16
+/// columns to a stride of 1 024) that is a multiple of 16 bytes, and a 16-byte-aligned start.
+fn copies_in_16_bytes(p: &CudaPrimitive) -> bool {
+    let shape = p.meta.shape();
+    let strides = p.meta.strides();
+    let n = shape.num_dims();
+    if n < 2 {
+        return false;
+    }
+    let (rows, cols) = (shape[n - 2], shape[n - 1]);
+    let pitch = if strides[n - 1] == 1 && strides[n - 2] >= cols {
+        strides[n - 2]
+    } else if strides[n - 2] == 1 && strides[n - 1] >= rows {
+        strides[n - 1]
+    } else {
+        return false;
+    };
+    let elem = p.dtype.size();
+    let offset_ok = p.handle.offset_start.unwrap_or(0).is_multiple_of(16);
+    (pitch * elem).is_multiple_of(16) && offset_ok
+}
+
+/// Whether an operand is stored transposed, and its leading dimension (elements between rows
+/// of what is stored).
+fn stored_layout(p: &CudaPrimitive) -> (bool, usize) {
+    let strides = p.meta.strides();
+    let n = strides.len();
+    if is_transposed(p) {
+        (true, strides[n - 1])
+    } else {
+        (false, strides[n - 2])
+    }
+}
+
+/// Dynamic shared memory of a layout variant, as `gemm.cu` lays it out.
+fn own_shared_bytes(a_t: bool, b_t: bool) -> usize {
+    let (bm, bn, bk, stages) = (128, 128, 32, 3);
+    let a = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
+    let b = if b_t { bn * (bk + 8) } else { bk * (bn + 8) };
+    stages * (a + b) * 2
+}
+
+/// `lhs · rhs` by our kernel (see [`own_applies`]).
+fn launch_own(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
+    let out = init_matmul_output(&lhs, &rhs, lhs.dtype);
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    let nd = ls.num_dims();
+    let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
+    let (a_t, lda) = stored_layout(&lhs);
+    let (b_t, ldb) = stored_layout(&rhs);
+    let kernel = CudaSource {
+        entry: "verl_gemm_bf16",
+        text: OWN_SOURCE,
+        defines: vec![("A_T", a_t as u32), ("B_T", b_t as u32)],
+        block: 256,
+        shared_bytes: own_shared_bytes(a_t, b_t),
+    };
+    // The output may be pitched too.
+    let ldc = out.meta.strides()[nd - 2];
+    let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
+    kernel.launch(
+        &out.client,
+        (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+        &[&lhs, &rhs, &out],
+        pack_words(&words),
+    );
+    out
 }
 
 /// The cubek strategies `verl bench kernels` compares, by name.
@@ -200,6 +301,21 @@ pub fn launch_strategy(
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
+    if name == "own" {
+        return if own_applies(&lhs, &rhs) {
+            Ok(launch_own(lhs, rhs))
+        } else {
+            Err(format!(
+                "our kernel does not take {:?}/{:?} x {:?}/{:?} ({:?}, {:?})",
+                lhs.meta.shape(),
+                lhs.meta.strides(),
+                rhs.meta.shape(),
+                rhs.meta.strides(),
+                lhs.dtype,
+                rhs.dtype
+            ))
+        };
+    }
     let strategy = strategy(name).ok_or_else(|| format!("no strategy `{name}`"))?;
     launch(&strategy, lhs, rhs)
 }
@@ -232,7 +348,11 @@ fn launch(
 /// `lhs · rhs` on burn-cuda primitives through the seam: the fixed strategy, or burn's product
 /// when the seam is off or the strategy cannot run this shape.
 pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
-    if kind() == GemmKind::Cubek && tma_friendly(&lhs) && tma_friendly(&rhs) {
+    let kind = kind();
+    if kind == GemmKind::Own && own_applies(&lhs, &rhs) {
+        return launch_own(lhs, rhs);
+    }
+    if kind != GemmKind::Burn && tma_friendly(&lhs) && tma_friendly(&rhs) {
         let (name, strategy) = strategy_for(class_of(&lhs, &rhs));
         let key = (name, lhs.meta.shape().to_vec(), rhs.meta.shape().to_vec());
         let failed = FAILED

@@ -5,9 +5,19 @@
 //! launch that fails) and that `verl bench kernels` compares it against on a GPU.
 
 pub mod adamw;
+pub mod attention;
 pub mod gemm;
+pub mod norm;
+pub mod rope;
+pub mod source;
+pub mod swiglu;
+pub mod vocab;
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use burn::tensor::DType;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use verl_core::backend::CudaBackend;
 
@@ -36,4 +46,57 @@ pub(crate) fn same<A: 'static, T: 'static>(a: A) -> T {
 /// Whether tensors of backend `B` are burn-cuda's plain (not autodiff) tensors.
 pub(crate) fn is_cuda<B: 'static>() -> bool {
     std::any::TypeId::of::<B>() == std::any::TypeId::of::<CudaBackend>()
+}
+
+/// Whether tensors of backend `B` are burn-cuda's, plain or under autodiff.
+pub(crate) fn is_cuda_or_autodiff<B: 'static>() -> bool {
+    is_cuda::<B>()
+        || std::any::TypeId::of::<B>()
+            == std::any::TypeId::of::<burn::backend::Autodiff<CudaBackend>>()
+}
+
+/// An on/off switch for one kernel family, read from an environment variable the first time
+/// (`VAR=decomposed` turns the kernel off) and settable for the process (benchmarks compare
+/// a kernel with its fallback).
+pub struct KernelSwitch {
+    /// 0: not read yet, 1: off, 2: on.
+    state: AtomicU8,
+    var: &'static str,
+}
+
+impl KernelSwitch {
+    pub const fn new(var: &'static str) -> Self {
+        Self {
+            state: AtomicU8::new(0),
+            var,
+        }
+    }
+
+    /// Whether the kernel is on.
+    pub fn enabled(&self) -> bool {
+        match self.state.load(Ordering::Relaxed) {
+            0 => {
+                let on = std::env::var(self.var).as_deref() != Ok("decomposed");
+                self.set(on);
+                on
+            }
+            1 => false,
+            _ => true,
+        }
+    }
+
+    /// Turns the kernel on or off for the process.
+    pub fn set(&self, on: bool) {
+        self.state.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    }
+}
+
+/// A new contiguous f32 tensor of `shape` on `like`'s device and stream, uninitialised.
+pub(crate) fn empty_f32(like: &CudaPrimitive, shape: Vec<usize>) -> CudaPrimitive {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        shape.into(),
+        DType::F32,
+    )
 }

@@ -1,0 +1,339 @@
+//! Fused causal attention with grouped-query heads (`attention.cu`): one kernel for the
+//! forward, two for the backward, in place of the decomposed path's ~30 burn operations per
+//! layer (scores, bias, softmax, products, their casts and their gradients), and with no
+//! `[batch, heads, seq, seq]` tensor kept for the backward: what makes long sequences fit.
+//!
+//! It applies to training and log-prob passes (no KV cache) on burn-cuda with bf16 products
+//! and a head size that is a multiple of 16 up to 128. Everything else, and every backend but
+//! burn-cuda, runs the decomposed path in `models::attention`, which `verl bench kernels`
+//! compares this kernel against (outputs and the three gradients, odd lengths, padding, GQA).
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_cubecl::kernel::into_contiguous;
+use verl_core::backend::CudaBackend;
+
+use super::source::{pack_words, CudaSource};
+use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+
+const SOURCE: &str = include_str!("attention.cu");
+/// Rows per block (queries or keys) and threads per block, as in `attention.cu`.
+const TILE: usize = 64;
+const THREADS: u32 = 128;
+
+/// Whether the fused kernel is used where it applies: on unless `VERL_ATTENTION=decomposed` in the
+/// environment, or `SWITCH.set(false)` (benchmarks compare the kernel with its fallback).
+pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_ATTENTION");
+
+/// Whether a head size has a compiled variant.
+pub fn supports_head_dim(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim <= 128 && head_dim.is_multiple_of(16)
+}
+
+/// Bytes of shared memory of each kernel for head size `d`, the regions laid out as in
+/// `attention.cu` (each rounded up to 128 bytes).
+fn shared_bytes(entry: &str, d: usize) -> usize {
+    let r = |x: usize| x.div_ceil(128) * 128;
+    let (ldh, lds, ldp, ldo) = (d + 8, TILE + 4, TILE + 8, d + 4);
+    let tile_h = r(TILE * ldh * 2);
+    let (tile_s, tile_p, tile_o) = (r(TILE * lds * 4), r(TILE * ldp * 2), r(TILE * ldo * 4));
+    match entry {
+        "verl_attention_forward" => 3 * tile_h + tile_s + tile_p + tile_o + TILE * 4,
+        "verl_attention_backward_dq" => 4 * tile_h + 2 * tile_s + tile_p + tile_o + TILE * 4,
+        _ => 4 * tile_h + 2 * tile_s + 2 * tile_p + 2 * tile_o + r(TILE * 4) + TILE * 4,
+    }
+}
+
+/// Shape of a call: batch, sequence, query heads, kv heads, head size.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Dims {
+    fn kernel(&self, entry: &'static str) -> CudaSource {
+        CudaSource {
+            entry,
+            text: SOURCE,
+            defines: vec![("HEAD_DIM", self.head_dim as u32)],
+            block: THREADS,
+            shared_bytes: shared_bytes(entry, self.head_dim),
+        }
+    }
+
+    /// The kernels' `AttnParams`.
+    fn params(&self, scale: f32) -> Vec<u64> {
+        pack_words(&[
+            self.batch as u32,
+            self.seq as u32,
+            self.heads as u32,
+            self.kv_heads as u32,
+            scale.to_bits(),
+            0,
+            0,
+            0,
+        ])
+    }
+
+    fn grid(&self, heads: usize) -> (u32, u32, u32) {
+        (
+            self.seq.div_ceil(TILE) as u32,
+            heads as u32,
+            self.batch as u32,
+        )
+    }
+}
+
+/// Output `[batch, seq, heads, head_dim]` and log-sum-exp `[batch, heads, seq]`.
+fn forward_primitive(
+    d: Dims,
+    scale: f32,
+    q: &CudaPrimitive,
+    k: &CudaPrimitive,
+    v: &CudaPrimitive,
+    mask: &CudaPrimitive,
+) -> (CudaPrimitive, CudaPrimitive) {
+    let out = empty_f32(q, vec![d.batch, d.seq, d.heads, d.head_dim]);
+    let lse = empty_f32(q, vec![d.batch, d.heads, d.seq]);
+    d.kernel("verl_attention_forward").launch(
+        &q.client,
+        d.grid(d.heads),
+        &[q, k, v, mask, &out, &lse],
+        d.params(scale),
+    );
+    (out, lse)
+}
+
+/// What the backward needs: the inputs, the output and its log-sum-exp.
+#[derive(Debug, Clone)]
+struct Saved {
+    d: Dims,
+    scale: f32,
+    q: CudaPrimitive,
+    k: CudaPrimitive,
+    v: CudaPrimitive,
+    mask: CudaPrimitive,
+    out: CudaPrimitive,
+    lse: CudaPrimitive,
+}
+
+/// Gradients of q, k and v for the output's gradient `dout`.
+fn backward_primitive(s: &Saved, dout: CudaPrimitive) -> [CudaPrimitive; 3] {
+    let d = s.d;
+    let dout = into_contiguous(dout);
+    let dq = empty_f32(&s.q, vec![d.batch, d.seq, d.heads, d.head_dim]);
+    let delta = empty_f32(&s.q, vec![d.batch, d.heads, d.seq]);
+    // Per query head; each group's heads are summed below.
+    let dk = empty_f32(&s.q, vec![d.batch, d.seq, d.heads, d.head_dim]);
+    let dv = empty_f32(&s.q, vec![d.batch, d.seq, d.heads, d.head_dim]);
+    let client = &s.q.client;
+    d.kernel("verl_attention_backward_dq").launch(
+        client,
+        d.grid(d.heads),
+        &[
+            &s.q, &s.k, &s.v, &s.mask, &s.out, &dout, &s.lse, &dq, &delta,
+        ],
+        d.params(s.scale),
+    );
+    d.kernel("verl_attention_backward_dkv").launch(
+        client,
+        d.grid(d.heads),
+        &[&s.q, &s.k, &s.v, &s.mask, &dout, &s.lse, &delta, &dk, &dv],
+        d.params(s.scale),
+    );
+    let rep = d.heads / d.kv_heads;
+    let per_kv_head = |g: CudaPrimitive| -> CudaPrimitive {
+        if rep == 1 {
+            return g;
+        }
+        let g = wrap::<4>(g).reshape([d.batch, d.seq, d.kv_heads, rep, d.head_dim]);
+        g.sum_dim(3)
+            .reshape([d.batch, d.seq, d.kv_heads, d.head_dim])
+            .into_primitive()
+            .tensor()
+    };
+    [dq, per_kv_head(dk), per_kv_head(dv)]
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl Backward<CudaBackend, 3> for AttentionBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dout = grads.consume::<CudaBackend>(&ops.node);
+        let parents = ops.parents;
+        if parents.iter().all(Option::is_none) {
+            return;
+        }
+        let g = backward_primitive(&ops.state, dout);
+        for (parent, grad) in parents.into_iter().zip(g) {
+            if let Some(node) = parent {
+                grads.register::<CudaBackend>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// The inputs handed back when the kernel does not apply.
+pub type NotApplied<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+fn contiguous<const D: usize>(t: Tensor<CudaBackend, D>) -> CudaPrimitive {
+    into_contiguous(t.into_primitive().tensor())
+}
+
+fn wrap<const D: usize>(p: CudaPrimitive) -> Tensor<CudaBackend, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// Causal attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
+/// `[batch, seq, kv_heads, head_dim]` (f32; query head `h` reads kv head
+/// `h / (heads / kv_heads)`), scores scaled by `scale`; `key_mask` `[batch, seq]` (1 = token)
+/// masks padded keys, a padded query attending to itself. Returns `[batch, seq, heads,
+/// head_dim]` f32, differentiable in q, k and v, on burn-cuda when the fused kernel applies;
+/// otherwise the inputs come back for the decomposed path.
+pub fn try_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    key_mask: Option<Tensor<B, 2>>,
+    scale: f32,
+) -> Result<Tensor<B, 4>, NotApplied<B>> {
+    let [batch, seq, heads, head_dim] = q.dims();
+    let [kb, ks, kv_heads, kd] = k.dims();
+    let applies = SWITCH.enabled()
+        && supports_head_dim(head_dim)
+        && [kb, ks, kd] == [batch, seq, head_dim]
+        && v.dims() == k.dims()
+        && kv_heads > 0
+        && heads.is_multiple_of(kv_heads)
+        && seq > 0
+        && [q.dtype(), k.dtype(), v.dtype()]
+            .iter()
+            .all(|t| *t == DType::F32);
+    if !applies {
+        return Err((q, k, v));
+    }
+    let d = Dims {
+        batch,
+        seq,
+        heads,
+        kv_heads,
+        head_dim,
+    };
+    let mask = key_mask.unwrap_or_else(|| Tensor::ones([batch, seq], &q.device()));
+    // Inference (no autodiff): the forward kernel alone.
+    let q = match downcast::<_, Tensor<CudaBackend, 4>>(q) {
+        Ok(q) => {
+            let mask: Tensor<CudaBackend, 2> = same(mask);
+            let (k, v): (Tensor<CudaBackend, 4>, Tensor<CudaBackend, 4>) = (same(k), same(v));
+            let (out, _) = forward_primitive(
+                d,
+                scale,
+                &contiguous(q),
+                &contiguous(k),
+                &contiguous(v),
+                &contiguous(mask),
+            );
+            return Ok(same(wrap::<4>(out)));
+        }
+        Err(q) => q,
+    };
+    match downcast::<_, Tensor<Autodiff<CudaBackend>, 4>>(q) {
+        Ok(q) => {
+            let mask: Tensor<Autodiff<CudaBackend>, 2> = same(mask);
+            Ok(same(attention_autodiff(
+                d,
+                scale,
+                q,
+                same(k),
+                same(v),
+                mask.inner(),
+            )))
+        }
+        Err(q) => Err((q, k, v)),
+    }
+}
+
+fn attention_autodiff(
+    d: Dims,
+    scale: f32,
+    q: Tensor<Autodiff<CudaBackend>, 4>,
+    k: Tensor<Autodiff<CudaBackend>, 4>,
+    v: Tensor<Autodiff<CudaBackend>, 4>,
+    mask: Tensor<CudaBackend, 2>,
+) -> Tensor<Autodiff<CudaBackend>, 4> {
+    let (q, k, v) = (
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+    );
+    let (qp, kp, vp) = (
+        into_contiguous(q.primitive.clone()),
+        into_contiguous(k.primitive.clone()),
+        into_contiguous(v.primitive.clone()),
+    );
+    let mask = contiguous(mask);
+    let (out, lse) = forward_primitive(d, scale, &qp, &kp, &vp, &mask);
+    let prep = <AttentionBackward as Backward<CudaBackend, 3>>::prepare::<NoCheckpointing>(
+        AttentionBackward,
+        [q.node.clone(), k.node.clone(), v.node.clone()],
+    );
+    let out = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(
+            Saved {
+                d,
+                scale,
+                q: qp,
+                k: kp,
+                v: vp,
+                mask,
+                out: out.clone(),
+                lse,
+            },
+            out,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(out),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The largest head size must fit the H100's 227 KiB of shared memory per block.
+    #[test]
+    fn shared_memory_fits_hopper() {
+        for d in [16, 64, 128] {
+            for entry in [
+                "verl_attention_forward",
+                "verl_attention_backward_dq",
+                "verl_attention_backward_dkv",
+            ] {
+                let bytes = shared_bytes(entry, d);
+                assert!(
+                    bytes <= 227 * 1024,
+                    "{entry} at head_dim {d}: {bytes} bytes"
+                );
+            }
+        }
+        assert_eq!(shared_bytes("verl_attention_forward", 64), 71_936);
+    }
+
+    #[test]
+    fn head_dims() {
+        assert!(supports_head_dim(64) && supports_head_dim(128) && supports_head_dim(16));
+        assert!(!supports_head_dim(0) && !supports_head_dim(72) && !supports_head_dim(256));
+    }
+}

@@ -1,0 +1,224 @@
+// C = A · B for bf16 operands with f32 accumulation and a bf16 result, on tensor cores (wmma
+// 16x16x16), fed by a three-stage cp.async pipeline: a 128 x 128 tile of C per block of 8
+// warps, each warp 64 x 32.
+//
+// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
+// by nvcc on a GPU machine for a standalone check.
+//   A_T = 0: A is stored row-major [M][K] (row stride lda); 1: stored as A^T, [K][M].
+//   B_T = 0: B is stored row-major [K][N] (row stride ldb); 1: stored as B^T, [N][K].
+// C is row-major [M][N] with row stride ldc. Every operand's row pitch is a multiple of 8
+// elements and its base 16-byte aligned (the caller checks), so each copy is one 16-byte
+// cp.async; the parts of tiles past the matrix edges (rows, and the last piece of a row whose
+// length is not a multiple of 8) are zero-filled.
+
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#ifndef A_T
+#define A_T 0
+#endif
+#ifndef B_T
+#define B_T 0
+#endif
+
+using namespace nvcuda;
+typedef __nv_bfloat16 bf16;
+
+#define BM 128
+#define BN 128
+#define BK 32
+#define STAGES 3
+#define THREADS 256
+// Shared tiles keep the operand's own orientation (so copies stay 16-byte vectors), padded by 8
+// elements against bank conflicts.
+#if A_T
+#define A_ROWS BK
+#define A_LD (BM + 8)
+#else
+#define A_ROWS BM
+#define A_LD (BK + 8)
+#endif
+#if B_T
+#define B_ROWS BN
+#define B_LD (BK + 8)
+#else
+#define B_ROWS BK
+#define B_LD (BN + 8)
+#endif
+#define A_STAGE (A_ROWS * A_LD)
+#define B_STAGE (B_ROWS * B_LD)
+
+struct GemmParams {
+    unsigned int m;
+    unsigned int n;
+    unsigned int k;
+    unsigned int lda;
+    unsigned int ldb;
+    unsigned int ldc;
+    unsigned int unused0;
+    unsigned int unused1;
+};
+
+// Copies `valid` (0..8) elements from `src` and zero-fills the rest of the 16 bytes: a row
+// out of range copies none, and the last piece of a row whose length is not a multiple of 8
+// copies only what lies inside it (reading on would take the next row's values).
+__device__ __forceinline__ void copy16(bf16* dst, const bf16* src, unsigned int valid) {
+    const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
+    const int bytes = (int)(valid < 8u ? valid : 8u) * 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
+}
+
+// Elements of a piece of 8 starting at `at` inside a dimension of `extent` (0 past the end).
+__device__ __forceinline__ unsigned int inside(unsigned int at, unsigned int extent) {
+    return at < extent ? extent - at : 0u;
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void wait_groups() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Copies k-tile `kt` of A and B into stage buffers `as`, `bs`.
+__device__ __forceinline__ void load_stage(bf16* as, bf16* bs, const bf16* a, const bf16* b,
+                                           const GemmParams& p, unsigned int m0, unsigned int n0,
+                                           unsigned int kt) {
+    const unsigned int k0 = kt * BK;
+    // 512 chunks of 8 elements per operand tile; two per thread.
+    for (unsigned int c = threadIdx.x; c < 512; c += THREADS) {
+#if A_T
+        const unsigned int r = c / 16, col = (c % 16) * 8;  // r: k, col: m
+        const unsigned int n_ok = k0 + r < p.k ? inside(m0 + col, p.m) : 0u;
+        const bf16* src = n_ok ? a + (unsigned long long)(k0 + r) * p.lda + m0 + col : a;
+#else
+        const unsigned int r = c / 4, col = (c % 4) * 8;  // r: m, col: k
+        const unsigned int n_ok = m0 + r < p.m ? inside(k0 + col, p.k) : 0u;
+        const bf16* src = n_ok ? a + (unsigned long long)(m0 + r) * p.lda + k0 + col : a;
+#endif
+        copy16(as + r * A_LD + col, src, n_ok);
+    }
+    for (unsigned int c = threadIdx.x; c < 512; c += THREADS) {
+#if B_T
+        const unsigned int r = c / 4, col = (c % 4) * 8;  // r: n, col: k
+        const unsigned int n_ok = n0 + r < p.n ? inside(k0 + col, p.k) : 0u;
+        const bf16* src = n_ok ? b + (unsigned long long)(n0 + r) * p.ldb + k0 + col : b;
+#else
+        const unsigned int r = c / 16, col = (c % 16) * 8;  // r: k, col: n
+        const unsigned int n_ok = k0 + r < p.k ? inside(n0 + col, p.n) : 0u;
+        const bf16* src = n_ok ? b + (unsigned long long)(k0 + r) * p.ldb + n0 + col : b;
+#endif
+        copy16(bs + r * B_LD + col, src, n_ok);
+    }
+}
+
+#if A_T
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major> FragA;
+#else
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
+#endif
+#if B_T
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragB;
+#else
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
+#endif
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
+
+// Grid (ceil(n / 128), ceil(m / 128)).
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ c,
+               GemmParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16* a_tiles = (bf16*)smem;
+    bf16* b_tiles = a_tiles + STAGES * A_STAGE;
+
+    const unsigned int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps, 64 x 32 each
+
+    FragC acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+    const unsigned int k_tiles = (p.k + BK - 1) / BK;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < k_tiles) load_stage(a_tiles + s * A_STAGE, b_tiles + s * B_STAGE, a, b, p, m0, n0, s);
+        commit();
+    }
+
+    for (unsigned int kt = 0; kt < k_tiles; ++kt) {
+        wait_groups<STAGES - 2>();
+        __syncthreads();
+        // The stage refilled here was read in the previous iteration, which every warp has
+        // finished (the barrier above).
+        const unsigned int next = kt + STAGES - 1;
+        if (next < k_tiles) {
+            const unsigned int s = next % STAGES;
+            load_stage(a_tiles + s * A_STAGE, b_tiles + s * B_STAGE, a, b, p, m0, n0, next);
+        }
+        commit();
+
+        const bf16* as = a_tiles + (kt % STAGES) * A_STAGE;
+        const bf16* bs = b_tiles + (kt % STAGES) * B_STAGE;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            FragA fa[4];
+            FragB fb[2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const unsigned int row = wm * 64 + i * 16;
+#if A_T
+                wmma::load_matrix_sync(fa[i], as + kk * A_LD + row, A_LD);
+#else
+                wmma::load_matrix_sync(fa[i], as + row * A_LD + kk, A_LD);
+#endif
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const unsigned int col = wn * 32 + j * 16;
+#if B_T
+                wmma::load_matrix_sync(fb[j], bs + col * B_LD + kk, B_LD);
+#else
+                wmma::load_matrix_sync(fb[j], bs + kk * B_LD + col, B_LD);
+#endif
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+    }
+    wait_groups<0>();
+    __syncthreads();
+
+    // Epilogue through a 16 x 16 f32 scratch per warp (the pipeline's memory, now free): each
+    // lane converts and writes 8 consecutive elements of one row.
+    float* scratch = (float*)smem + warp * 16 * 20;
+    const unsigned int r = lane / 2, c8 = (lane % 2) * 8;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            wmma::store_matrix_sync(scratch, acc[i][j], 20, wmma::mem_row_major);
+            __syncwarp();
+            const unsigned int gm = m0 + wm * 64 + i * 16 + r;
+            const unsigned int gn = n0 + wn * 32 + j * 16 + c8;
+            if (gm < p.m) {
+                bf16* dst = c + (unsigned long long)gm * p.ldc + gn;
+                if (gn + 8 <= p.n && p.ldc % 8 == 0) {
+                    __align__(16) bf16 v[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v[e] = __float2bfloat16(scratch[r * 20 + c8 + e]);
+                    *(uint4*)dst = *(const uint4*)v;
+                } else {
+                    for (unsigned int e = 0; e < 8 && gn + e < p.n; ++e)
+                        dst[e] = __float2bfloat16(scratch[r * 20 + c8 + e]);
+                }
+            }
+            __syncwarp();
+        }
+    }
+}

@@ -1,0 +1,78 @@
+// RMSNorm forward and backward over the last dimension of f32 rows, one launch each way in
+// place of burn's chain (square, mean, add, sqrt, divide, multiply, and about twice as many
+// operations backward).
+//
+// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::norm), and by nvcc on a GPU
+// machine for a standalone check.
+//
+// Forward, per row r of x [rows][hidden]: rstd = 1 / sqrt(mean(x^2) + eps), y = x * rstd * w;
+// rstd [rows] is kept for the backward. Backward, with x^ = x * rstd and g = dy * w:
+//   dx = rstd * (g - x^ * mean(g * x^)),   dw = sum over rows of dy * x^,
+// dw as one partial sum per block ([blocks][hidden]), summed by the caller, so the result does
+// not depend on the order blocks run in.
+
+#define THREADS 256
+#define ROWS_PER_BLOCK 16
+
+struct NormParams {
+    unsigned int rows;
+    unsigned int hidden;
+    float eps;
+    unsigned int unused;
+};
+
+// Sum over the block; every thread gets the result. `scratch` holds THREADS / 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();  // scratch may still be read from the previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < THREADS / 32 ? scratch[lane] : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+// Grid (rows).
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_rms_norm_forward(const float* __restrict__ x, const float* __restrict__ w,
+                      float* __restrict__ y, float* __restrict__ rstd, NormParams p) {
+    __shared__ float scratch[THREADS / 32];
+    const unsigned int row = blockIdx.x;
+    const float* xr = x + (unsigned long long)row * p.hidden;
+    float* yr = y + (unsigned long long)row * p.hidden;
+    float ss = 0.0f;
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) ss += xr[i] * xr[i];
+    const float r = rsqrtf(block_sum(ss, scratch) / (float)p.hidden + p.eps);
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) yr[i] = xr[i] * r * w[i];
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// Grid (ceil(rows / ROWS_PER_BLOCK)); dynamic shared memory: hidden floats (this block's dw).
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_rms_norm_backward(const float* __restrict__ x, const float* __restrict__ w,
+                       const float* __restrict__ rstd, const float* __restrict__ dy,
+                       float* __restrict__ dx, float* __restrict__ dw_partial, NormParams p) {
+    extern __shared__ float dw[];
+    __shared__ float scratch[THREADS / 32];
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) dw[i] = 0.0f;
+    const unsigned int first = blockIdx.x * ROWS_PER_BLOCK;
+    for (unsigned int row = first; row < first + ROWS_PER_BLOCK && row < p.rows; ++row) {
+        const unsigned long long at = (unsigned long long)row * p.hidden;
+        const float r = rstd[row];
+        float dot = 0.0f;
+        for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS)
+            dot += dy[at + i] * w[i] * x[at + i] * r;
+        const float mean = block_sum(dot, scratch) / (float)p.hidden;
+        // Each thread touches the same columns of dw in every row: no other thread's.
+        for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) {
+            const float xh = x[at + i] * r, g = dy[at + i];
+            dx[at + i] = r * (g * w[i] - xh * mean);
+            dw[i] += g * xh;
+        }
+    }
+    float* out = dw_partial + (unsigned long long)blockIdx.x * p.hidden;
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) out[i] = dw[i];
+}

@@ -1,0 +1,227 @@
+//! Fused RMSNorm (`norm.cu`): one kernel forward (saving each row's reciprocal RMS) and one
+//! backward (the input's gradient and per-block partial sums of the weight's), in place of
+//! burn's ~7 operations forward and ~15 backward per norm: two norms per decoder layer make
+//! this one of the step's larger sources of launches.
+//!
+//! It applies on burn-cuda to f32 rows. The fallback, and every other backend, is
+//! [`crate::layers::RmsNorm`]'s chain of burn operations, which `verl bench kernels` compares
+//! this kernel against (output and both gradients, odd sizes).
+
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_cubecl::kernel::into_contiguous;
+use verl_core::backend::CudaBackend;
+
+use super::source::{pack_words, CudaSource};
+use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+
+const SOURCE: &str = include_str!("norm.cu");
+/// Threads per block and rows per backward block, as in `norm.cu`.
+const THREADS: u32 = 256;
+const ROWS_PER_BLOCK: usize = 16;
+/// The backward keeps one block's weight gradient in shared memory.
+const MAX_HIDDEN: usize = 16_384;
+
+/// Whether the fused kernel is used where it applies: on unless `VERL_NORM=decomposed` in the
+/// environment, or `SWITCH.set(false)` (benchmarks compare the kernel with its fallback).
+pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_NORM");
+
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+}
+
+impl Dims {
+    fn kernel(&self, entry: &'static str, shared_bytes: usize) -> CudaSource {
+        CudaSource {
+            entry,
+            text: SOURCE,
+            defines: Vec::new(),
+            block: THREADS,
+            shared_bytes,
+        }
+    }
+
+    fn params(&self) -> Vec<u64> {
+        pack_words(&[self.rows as u32, self.hidden as u32, self.eps.to_bits(), 0])
+    }
+
+    fn blocks_backward(&self) -> usize {
+        self.rows.div_ceil(ROWS_PER_BLOCK)
+    }
+}
+
+/// `y` `[rows, hidden]` and `rstd` `[rows]`.
+fn forward_primitive(
+    d: Dims,
+    x: &CudaPrimitive,
+    w: &CudaPrimitive,
+) -> (CudaPrimitive, CudaPrimitive) {
+    let y = empty_f32(x, vec![d.rows, d.hidden]);
+    let rstd = empty_f32(x, vec![d.rows]);
+    d.kernel("verl_rms_norm_forward", 0).launch(
+        &x.client,
+        (d.rows as u32, 1, 1),
+        &[x, w, &y, &rstd],
+        d.params(),
+    );
+    (y, rstd)
+}
+
+#[derive(Debug, Clone)]
+struct Saved {
+    d: Dims,
+    x: CudaPrimitive,
+    w: CudaPrimitive,
+    rstd: CudaPrimitive,
+}
+
+/// `dx` `[rows, hidden]` and `dw` `[hidden]`.
+fn backward_primitive(s: &Saved, dy: CudaPrimitive) -> (CudaPrimitive, CudaPrimitive) {
+    let d = s.d;
+    let dy = into_contiguous(dy);
+    let dx = empty_f32(&s.x, vec![d.rows, d.hidden]);
+    let blocks = d.blocks_backward();
+    let partial = empty_f32(&s.x, vec![blocks, d.hidden]);
+    d.kernel("verl_rms_norm_backward", d.hidden * 4).launch(
+        &s.x.client,
+        (blocks as u32, 1, 1),
+        &[&s.x, &s.w, &s.rstd, &dy, &dx, &partial],
+        d.params(),
+    );
+    let dw = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(partial))
+        .sum_dim(0)
+        .reshape([d.hidden]);
+    (dx, dw.into_primitive().tensor())
+}
+
+#[derive(Debug)]
+struct NormBackward;
+
+impl Backward<CudaBackend, 2> for NormBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<CudaBackend>(&ops.node);
+        let [x_node, w_node] = ops.parents;
+        if x_node.is_none() && w_node.is_none() {
+            return;
+        }
+        let (dx, dw) = backward_primitive(&ops.state, dy);
+        if let Some(node) = x_node {
+            grads.register::<CudaBackend>(node.id, dx);
+        }
+        if let Some(node) = w_node {
+            grads.register::<CudaBackend>(node.id, dw);
+        }
+    }
+}
+
+/// What [`try_rms_norm`] hands back when it does not apply.
+pub type NotApplied<B, const D: usize> = (Tensor<B, D>, Tensor<B, 1>);
+
+/// `x / sqrt(mean(x², last dim) + eps) · weight` for f32 `x` `[..., hidden]` and `weight`
+/// `[hidden]`, differentiable in both, on burn-cuda when the kernel applies; otherwise the
+/// inputs come back for the chain of burn operations.
+pub fn try_rms_norm<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Result<Tensor<B, D>, NotApplied<B, D>> {
+    let dims = x.dims();
+    let hidden = dims[D - 1];
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let applies = SWITCH.enabled()
+        && super::is_cuda_or_autodiff::<B>()
+        && hidden > 0
+        && hidden <= MAX_HIDDEN
+        && rows > 0
+        && rows < (1 << 31)
+        && weight.dims() == [hidden]
+        && x.dtype() == DType::F32
+        && weight.dtype() == DType::F32;
+    if !applies {
+        return Err((x, weight));
+    }
+    let d = Dims {
+        rows,
+        hidden,
+        eps: eps as f32,
+    };
+    let x = match downcast::<_, Tensor<CudaBackend, D>>(x) {
+        Ok(x) => {
+            let w: Tensor<CudaBackend, 1> = same(weight);
+            let x = into_contiguous(x.reshape([rows, hidden]).into_primitive().tensor());
+            let w = into_contiguous(w.into_primitive().tensor());
+            let (y, _) = forward_primitive(d, &x, &w);
+            let y = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(y));
+            return Ok(same(y.reshape(dims)));
+        }
+        Err(x) => x,
+    };
+    match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(x) {
+        Ok(x) => {
+            let w: Tensor<Autodiff<CudaBackend>, 1> = same(weight);
+            let y = norm_autodiff(d, x.reshape([rows, hidden]), w);
+            Ok(same(y.reshape(dims)))
+        }
+        Err(x) => Err((x, weight)),
+    }
+}
+
+fn norm_autodiff(
+    d: Dims,
+    x: Tensor<Autodiff<CudaBackend>, 2>,
+    w: Tensor<Autodiff<CudaBackend>, 1>,
+) -> Tensor<Autodiff<CudaBackend>, 2> {
+    let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+    let (xp, wp) = (
+        into_contiguous(x.primitive.clone()),
+        into_contiguous(w.primitive.clone()),
+    );
+    let (y, rstd) = forward_primitive(d, &xp, &wp);
+    let prep = <NormBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
+        NormBackward,
+        [x.node.clone(), w.node.clone()],
+    );
+    let out = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(
+            Saved {
+                d,
+                x: xp,
+                w: wp,
+                rstd,
+            },
+            y,
+        ),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backward's shared memory (one f32 per column; cubecl raises the kernel's limit past
+    /// the default 48 KiB) stays within what every GPU since Volta allows, and the launch
+    /// shape covers every row.
+    #[test]
+    fn backward_shared_memory_fits() {
+        assert!(MAX_HIDDEN * 4 <= 96 * 1024);
+        let d = Dims {
+            rows: 33,
+            hidden: 896,
+            eps: 1e-6,
+        };
+        assert_eq!(d.blocks_backward(), 3);
+        assert_eq!(d.params().len(), 2);
+    }
+}

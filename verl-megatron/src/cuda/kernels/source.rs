@@ -1,0 +1,186 @@
+//! Hand-written CUDA C++ kernels launched on burn's own stream: a [`CudaSource`] is a cubecl
+//! `CubeTask` whose "compilation" hands cubecl-cuda our source text, which it compiles with
+//! NVRTC (for `sm_90a` on Hopper) once per kernel id and launches in order with burn's
+//! operations, with no host synchronisation.
+//!
+//! cubecl-cuda reads one thing from the compiled kernel's representation: its dynamic
+//! shared-memory size (it sets the function attribute from it). So the representation is an
+//! empty cubecl-cpp kernel whose only content is one byte array of that size. Kernel
+//! parameters arrive in order: one device pointer per buffer, then the `info` words (`u64`s)
+//! by value as a single struct, which the CUDA side declares with the same layout.
+
+use cubecl::cuda::{CudaCompiler, CudaComputeKernel, CudaRuntime};
+use cubecl::prelude::*;
+use cubecl::server::{KernelArguments, MetadataBindingInfo};
+use cubecl::{CompilationError, CubeTask};
+use cubecl_cpp::shared::{Body, Elem, Flags, Item, SharedMemory};
+
+use super::CudaPrimitive;
+
+/// One entry point of a CUDA C++ source, specialised by `#define`s.
+#[derive(Debug, Clone)]
+pub struct CudaSource {
+    /// The `extern "C" __global__` function's name.
+    pub entry: &'static str,
+    /// The source text (with `include_str!`, the `.cu` file next to the module).
+    pub text: &'static str,
+    /// `(name, value)` pairs prepended as `#define name value`; part of the kernel id.
+    pub defines: Vec<(&'static str, u32)>,
+    /// Threads per block.
+    pub block: u32,
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_bytes: usize,
+}
+
+impl CudaSource {
+    fn cube_dim(&self) -> CubeDim {
+        CubeDim {
+            x: self.block,
+            y: 1,
+            z: 1,
+        }
+    }
+
+    /// The full source NVRTC compiles.
+    pub fn source(&self) -> String {
+        let mut s = String::new();
+        for (name, value) in &self.defines {
+            s.push_str(&format!("#define {name} {value}\n"));
+        }
+        s.push_str(self.text);
+        s
+    }
+
+    /// The stand-in representation: an empty kernel with `shared_bytes` of shared memory.
+    fn representation(&self) -> CudaComputeKernel {
+        let body = Body {
+            instructions: Vec::new(),
+            shared_memories: vec![SharedMemory::Array {
+                index: 0,
+                item: Item::scalar(Elem::U8, true),
+                length: self.shared_bytes,
+                align: 128,
+                offset: 0,
+            }],
+            pipelines: Vec::new(),
+            barriers: Vec::new(),
+            const_arrays: Vec::new(),
+            local_arrays: Vec::new(),
+            info_by_ptr: false,
+            has_dynamic_meta: false,
+            address_type: Item::scalar(Elem::U32, true),
+        };
+        let flags = Flags {
+            use_grid_constants: true,
+            has_info: true,
+            ..Default::default()
+        };
+        CudaComputeKernel {
+            tensor_maps: Vec::new(),
+            buffers: Vec::new(),
+            scalars: Vec::new(),
+            info: Default::default(),
+            meta_static_len: 0,
+            body,
+            cube_dim: self.cube_dim(),
+            cluster_dim: None,
+            extensions: Vec::new(),
+            flags,
+            items: Default::default(),
+            kernel_name: self.entry.to_string(),
+        }
+    }
+
+    /// Launches on `client` (burn's stream for the calling thread) over `grid` blocks with
+    /// `buffers` as the pointer parameters, in order, and `info` as the trailing struct.
+    pub fn launch(
+        self,
+        client: &ComputeClient<CudaRuntime>,
+        grid: (u32, u32, u32),
+        buffers: &[&CudaPrimitive],
+        info: Vec<u64>,
+    ) {
+        let mut args = KernelArguments::new();
+        for b in buffers {
+            args = args.with_buffer(b.handle.clone().binding());
+        }
+        let len = info.len();
+        let args = args.with_info(MetadataBindingInfo::new(info, len));
+        client.launch(
+            Box::new(self),
+            CubeCount::Static(grid.0, grid.1, grid.2),
+            args,
+        );
+    }
+}
+
+impl KernelMetadata for CudaSource {
+    fn name(&self) -> &'static str {
+        self.entry
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>()
+            .info((self.entry, self.defines.clone(), self.shared_bytes))
+            .cube_dim(self.cube_dim())
+    }
+
+    fn address_type(&self) -> StorageType {
+        u32::as_type_native_unchecked().storage_type()
+    }
+}
+
+impl CubeTask<CudaCompiler> for CudaSource {
+    fn compile(
+        &self,
+        _compiler: &mut CudaCompiler,
+        _options: &<CudaCompiler as cubecl::Compiler>::CompilationOptions,
+        _mode: ExecutionMode,
+        _address_type: StorageType,
+    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
+        Ok(CompiledKernel {
+            entrypoint_name: self.entry.to_string(),
+            debug_name: Some(self.entry),
+            source: self.source(),
+            repr: Some(self.representation()),
+            cube_dim: self.cube_dim(),
+            debug_info: None,
+        })
+    }
+}
+
+/// 32-bit words packed two to a `u64`, low word first (the CUDA struct's field order on a
+/// little-endian GPU).
+pub fn pack_words(words: &[u32]) -> Vec<u64> {
+    words
+        .chunks(2)
+        .map(|w| w[0] as u64 | (w.get(1).copied().unwrap_or(0) as u64) << 32)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_pack_low_first() {
+        assert_eq!(pack_words(&[1, 2, 3]), vec![1 | 2 << 32, 3]);
+        assert_eq!(pack_words(&[]), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn defines_come_first_and_name_the_kernel() {
+        let k = CudaSource {
+            entry: "f",
+            text: "extern \"C\" __global__ void f() {}",
+            defines: vec![("HEAD_DIM", 64)],
+            block: 128,
+            shared_bytes: 1024,
+        };
+        assert!(k.source().starts_with("#define HEAD_DIM 64\n"));
+        assert_eq!(k.representation().shared_memory_size(), 1024);
+        let mut other = k.clone();
+        other.defines = vec![("HEAD_DIM", 128)];
+        assert_ne!(k.id(), other.id());
+    }
+}

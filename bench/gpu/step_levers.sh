@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #28's figures: our kernels against their fallbacks, the cubek strategy table, and the
 # training step with each lever on and off, side by side with PyTorch eager, in one invocation.
-# Usage: bash bench/gpu/step_levers.sh [check|step|big|all]  (needs gpu-bin/verl, a stripped
+# Usage: bash bench/gpu/step_levers.sh [check|step|attention|gemm|vocab|fused|big|all]  (needs gpu-bin/verl, a stripped
 # `cargo build --release --features cuda` binary).
 set -u
 source "$(dirname "$0")/env.sh"
@@ -21,11 +21,33 @@ if [ "$what" = step ] || [ "$what" = all ]; then
   T=120 run $step --gemm cubek --adamw fused
   T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
 fi
+if [ "$what" = attention ] || [ "$what" = all ]; then
+  T=150 run $step --attention decomposed
+  T=150 run $step --attention fused
+  T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+fi
+if [ "$what" = gemm ] || [ "$what" = all ]; then
+  T=150 run $step --gemm cubek
+  T=150 run $step --gemm own
+  T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+fi
+if [ "$what" = vocab ] || [ "$what" = all ]; then
+  T=150 run $step --vocab decomposed
+  T=150 run $step --vocab fused
+  T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+fi
+if [ "$what" = fused ] || [ "$what" = all ]; then
+  # Each element-wise kernel off in turn, then every lever off (plain burn), beside torch.
+  T=150 run $step
+  T=150 run env VERL_NORM=decomposed $step
+  T=150 run env VERL_SWIGLU=decomposed $step
+  T=150 run env VERL_ROPE=decomposed $step
+  T=200 run env VERL_NORM=decomposed VERL_SWIGLU=decomposed VERL_ROPE=decomposed $step \
+    --gemm burn --adamw chain --attention decomposed --vocab decomposed
+  T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+fi
 if [ "$what" = big ] || [ "$what" = all ]; then
-  # burn's attention keeps the [batch, heads, seq, seq] scores and probabilities of every layer:
-  # batch 8 x 1024 ran out of the H100's memory (74 GiB in use), so batch 2 is measured beside
-  # torch at both sizes.
-  T=180 run $VERL bench train-step --preset qwen2-1.5b --batch 2 --seq 1024 --dtype bfloat16 --steps 3
-  T=120 run python3 bench/peers/train_step.py --preset qwen2-1.5b --batch 2 --seq 1024 --dtype bf16 --steps 3
-  T=120 run python3 bench/peers/train_step.py --preset qwen2-1.5b --batch 8 --seq 1024 --dtype bf16 --steps 3
+  # Batch 8 x 1024 fits since the fused attention and log-probs (53.6 GiB in use).
+  T=240 run $VERL bench train-step --preset qwen2-1.5b --batch 8 --seq 1024 --dtype bfloat16 --steps 3
+  T=150 run python3 bench/peers/train_step.py --preset qwen2-1.5b --batch 8 --seq 1024 --dtype bf16 --steps 3
 fi

@@ -1,6 +1,8 @@
 // C = A · B for bf16 operands with f32 accumulation and a bf16 result, on tensor cores (wmma
-// 16x16x16), fed by a three-stage cp.async pipeline: a 128 x 128 tile of C per block of 8
-// warps, each warp 64 x 32.
+// 16x16x16), fed by a STAGES-deep cp.async pipeline: a BM x BN tile of C per block of
+// WARPS_M x WARPS_N warps, each warp (BM / WARPS_M) x (BN / WARPS_N), k in steps of BK. The
+// caller passes them as defines; the defaults here are its choice (128 x 128 x 32, 4 stages,
+// 2 x 2 warps of 64 x 64: the fastest of bench/gpu/gemm_sweep.sh's configurations on an H100).
 //
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
 // by nvcc on a GPU machine for a standalone check.
@@ -24,11 +26,30 @@
 using namespace nvcuda;
 typedef __nv_bfloat16 bf16;
 
+#ifndef BM
 #define BM 128
+#endif
+#ifndef BN
 #define BN 128
+#endif
+#ifndef BK
 #define BK 32
-#define STAGES 3
-#define THREADS 256
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef WARPS_M
+#define WARPS_M 2
+#endif
+#ifndef WARPS_N
+#define WARPS_N 2
+#endif
+#define THREADS (32 * WARPS_M * WARPS_N)
+// Each warp's tile, in 16 x 16 fragments.
+#define WARP_M (BM / WARPS_M)
+#define WARP_N (BN / WARPS_N)
+#define FRAGS_M (WARP_M / 16)
+#define FRAGS_N (WARP_N / 16)
 // Shared tiles keep the operand's own orientation (so copies stay 16-byte vectors), padded by 8
 // elements against bank conflicts.
 #if A_T
@@ -85,26 +106,26 @@ __device__ __forceinline__ void load_stage(bf16* as, bf16* bs, const bf16* a, co
                                            const GemmParams& p, unsigned int m0, unsigned int n0,
                                            unsigned int kt) {
     const unsigned int k0 = kt * BK;
-    // 512 chunks of 8 elements per operand tile; two per thread.
-    for (unsigned int c = threadIdx.x; c < 512; c += THREADS) {
+    // Each operand tile in pieces of 8 elements along its stored rows.
+    for (unsigned int c = threadIdx.x; c < BM * BK / 8; c += THREADS) {
 #if A_T
-        const unsigned int r = c / 16, col = (c % 16) * 8;  // r: k, col: m
+        const unsigned int r = c / (BM / 8), col = (c % (BM / 8)) * 8;  // r: k, col: m
         const unsigned int n_ok = k0 + r < p.k ? inside(m0 + col, p.m) : 0u;
         const bf16* src = n_ok ? a + (unsigned long long)(k0 + r) * p.lda + m0 + col : a;
 #else
-        const unsigned int r = c / 4, col = (c % 4) * 8;  // r: m, col: k
+        const unsigned int r = c / (BK / 8), col = (c % (BK / 8)) * 8;  // r: m, col: k
         const unsigned int n_ok = m0 + r < p.m ? inside(k0 + col, p.k) : 0u;
         const bf16* src = n_ok ? a + (unsigned long long)(m0 + r) * p.lda + k0 + col : a;
 #endif
         copy16(as + r * A_LD + col, src, n_ok);
     }
-    for (unsigned int c = threadIdx.x; c < 512; c += THREADS) {
+    for (unsigned int c = threadIdx.x; c < BN * BK / 8; c += THREADS) {
 #if B_T
-        const unsigned int r = c / 4, col = (c % 4) * 8;  // r: n, col: k
+        const unsigned int r = c / (BK / 8), col = (c % (BK / 8)) * 8;  // r: n, col: k
         const unsigned int n_ok = n0 + r < p.n ? inside(k0 + col, p.k) : 0u;
         const bf16* src = n_ok ? b + (unsigned long long)(n0 + r) * p.ldb + k0 + col : b;
 #else
-        const unsigned int r = c / 16, col = (c % 16) * 8;  // r: k, col: n
+        const unsigned int r = c / (BN / 8), col = (c % (BN / 8)) * 8;  // r: k, col: n
         const unsigned int n_ok = k0 + r < p.k ? inside(n0 + col, p.n) : 0u;
         const bf16* src = n_ok ? b + (unsigned long long)(k0 + r) * p.ldb + n0 + col : b;
 #endif
@@ -124,7 +145,7 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
 #endif
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
-// Grid (ceil(n / 128), ceil(m / 128)).
+// Grid (ceil(n / BN), ceil(m / BM)).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ c,
                GemmParams p) {
@@ -134,13 +155,13 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
 
     const unsigned int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned int wm = warp / 4, wn = warp % 4;  // 2 x 4 warps, 64 x 32 each
+    const unsigned int wm = warp / WARPS_N, wn = warp % WARPS_N;
 
-    FragC acc[4][2];
+    FragC acc[FRAGS_M][FRAGS_N];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < FRAGS_M; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+        for (int j = 0; j < FRAGS_N; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
     const unsigned int k_tiles = (p.k + BK - 1) / BK;
 #pragma unroll
@@ -165,11 +186,11 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
         const bf16* bs = b_tiles + (kt % STAGES) * B_STAGE;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
-            FragA fa[4];
-            FragB fb[2];
+            FragA fa[FRAGS_M];
+            FragB fb[FRAGS_N];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const unsigned int row = wm * 64 + i * 16;
+            for (int i = 0; i < FRAGS_M; ++i) {
+                const unsigned int row = wm * WARP_M + i * 16;
 #if A_T
                 wmma::load_matrix_sync(fa[i], as + kk * A_LD + row, A_LD);
 #else
@@ -177,8 +198,8 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
 #endif
             }
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const unsigned int col = wn * 32 + j * 16;
+            for (int j = 0; j < FRAGS_N; ++j) {
+                const unsigned int col = wn * WARP_N + j * 16;
 #if B_T
                 wmma::load_matrix_sync(fb[j], bs + col * B_LD + kk, B_LD);
 #else
@@ -186,9 +207,9 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
 #endif
             }
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+            for (int i = 0; i < FRAGS_M; ++i)
 #pragma unroll
-                for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+                for (int j = 0; j < FRAGS_N; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
         }
     }
     wait_groups<0>();
@@ -199,13 +220,13 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
     float* scratch = (float*)smem + warp * 16 * 20;
     const unsigned int r = lane / 2, c8 = (lane % 2) * 8;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < FRAGS_M; ++i) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < FRAGS_N; ++j) {
             wmma::store_matrix_sync(scratch, acc[i][j], 20, wmma::mem_row_major);
             __syncwarp();
-            const unsigned int gm = m0 + wm * 64 + i * 16 + r;
-            const unsigned int gn = n0 + wn * 32 + j * 16 + c8;
+            const unsigned int gm = m0 + wm * WARP_M + i * 16 + r;
+            const unsigned int gn = n0 + wn * WARP_N + j * 16 + c8;
             if (gm < p.m) {
                 bf16* dst = c + (unsigned long long)gm * p.ldc + gn;
                 if (gn + 8 <= p.n && p.ldc % 8 == 0) {

@@ -137,12 +137,56 @@ fn stored_layout(p: &CudaPrimitive) -> (bool, usize) {
     }
 }
 
-/// Dynamic shared memory of a layout variant, as `gemm.cu` lays it out.
-fn own_shared_bytes(a_t: bool, b_t: bool) -> usize {
-    let (bm, bn, bk, stages) = (128, 128, 32, 3);
-    let a = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
-    let b = if b_t { bn * (bk + 8) } else { bk * (bn + 8) };
-    stages * (a + b) * 2
+/// Our kernel's tile configuration, passed to `gemm.cu` as defines: a `bm × bn` tile of the
+/// product per block of `warps_m × warps_n` warps, `bk` deep, a `stages`-deep copy pipeline.
+/// Chosen by `bash bench/gpu/gemm_sweep.sh` on an H100 over the step's product shapes in all
+/// three layouts (docs/PERFORMANCE.md): 128 × 128 × 32, 4 stages, 2 × 2 warps of 64 × 64 was
+/// the fastest of 13 configurations on every layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OwnTiles {
+    bm: usize,
+    bn: usize,
+    bk: usize,
+    stages: usize,
+    warps_m: usize,
+    warps_n: usize,
+}
+
+const OWN_TILES: OwnTiles = OwnTiles {
+    bm: 128,
+    bn: 128,
+    bk: 32,
+    stages: 4,
+    warps_m: 2,
+    warps_n: 2,
+};
+
+impl OwnTiles {
+    fn threads(&self) -> u32 {
+        (32 * self.warps_m * self.warps_n) as u32
+    }
+
+    /// Dynamic shared memory of a layout variant, as `gemm.cu` lays it out (tiles in the
+    /// operands' stored orientation, rows padded by 8 elements).
+    fn shared_bytes(&self, a_t: bool, b_t: bool) -> usize {
+        let (bm, bn, bk) = (self.bm, self.bn, self.bk);
+        let a = if a_t { bk * (bm + 8) } else { bm * (bk + 8) };
+        let b = if b_t { bn * (bk + 8) } else { bk * (bn + 8) };
+        self.stages * (a + b) * 2
+    }
+
+    fn defines(&self, a_t: bool, b_t: bool) -> Vec<(&'static str, u32)> {
+        vec![
+            ("A_T", a_t as u32),
+            ("B_T", b_t as u32),
+            ("BM", self.bm as u32),
+            ("BN", self.bn as u32),
+            ("BK", self.bk as u32),
+            ("STAGES", self.stages as u32),
+            ("WARPS_M", self.warps_m as u32),
+            ("WARPS_N", self.warps_n as u32),
+        ]
+    }
 }
 
 /// `lhs · rhs` by our kernel (see [`own_applies`]).
@@ -153,19 +197,20 @@ fn launch_own(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
     let (a_t, lda) = stored_layout(&lhs);
     let (b_t, ldb) = stored_layout(&rhs);
+    let tiles = OWN_TILES;
     let kernel = CudaSource {
         entry: "verl_gemm_bf16",
         text: OWN_SOURCE,
-        defines: vec![("A_T", a_t as u32), ("B_T", b_t as u32)],
-        block: 256,
-        shared_bytes: own_shared_bytes(a_t, b_t),
+        defines: tiles.defines(a_t, b_t),
+        block: tiles.threads(),
+        shared_bytes: tiles.shared_bytes(a_t, b_t),
     };
     // The output may be pitched too.
     let ldc = out.meta.strides()[nd - 2];
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
     kernel.launch(
         &out.client,
-        (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1),
+        (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, 1),
         &[&lhs, &rhs, &out],
         pack_words(&words),
     );
@@ -444,5 +489,27 @@ pub fn try_matmul<B: Backend, const D: usize>(
     match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(a) {
         Ok(a) => Ok(same(matmul_autodiff(a, same(b)))),
         Err(a) => Err((a, b)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tiles split into whole 16 × 16 fragments per warp and whole 16-byte copies, and every
+    /// layout's pipeline fits the H100's 227 KiB of shared memory per block.
+    #[test]
+    fn tile_configuration_is_consistent() {
+        let t = OWN_TILES;
+        assert_eq!(t.bm % (16 * t.warps_m), 0);
+        assert_eq!(t.bn % (16 * t.warps_n), 0);
+        assert!(t.bk % 16 == 0 && t.stages >= 2);
+        for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
+            assert!(t.shared_bytes(a_t, b_t) <= 227 * 1024);
+        }
+        // A: 128 rows of 32 + 8, B stored transposed: 128 rows of 32 + 8; 4 stages of bf16.
+        assert_eq!(t.shared_bytes(false, true), 4 * (128 * 40 + 128 * 40) * 2);
+        assert_eq!(t.threads(), 128);
+        assert_eq!(t.defines(true, false)[..2], [("A_T", 1), ("B_T", 0)]);
     }
 }

@@ -1,0 +1,109 @@
+// Standalone check and timing of verl-megatron's GEMM kernel (gemm.cu) against cuBLAS, built
+// with nvcc on a GPU machine with its tile defines (see gemm_sweep.sh): for each shape, the
+// relative error against cublasGemmEx (bf16 in, f32 compute) and both kernels' times.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "../../verl-megatron/src/cuda/kernels/gemm.cu"
+
+#define CHECK(x)                                                                     \
+    do {                                                                             \
+        cudaError_t e = (x);                                                         \
+        if (e != cudaSuccess) {                                                      \
+            printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+
+static unsigned int pad8(unsigned int x) { return (x + 7) / 8 * 8; }
+
+static bf16* random_matrix(size_t rows, size_t ld, unsigned int seed) {
+    std::vector<bf16> h(rows * ld);
+    unsigned int s = seed * 2654435761u + 1;
+    for (auto& v : h) {
+        s = s * 1664525u + 1013904223u;
+        v = __float2bfloat16(((s >> 8) & 0xffff) / 32768.0f - 1.0f);
+    }
+    bf16* d;
+    CHECK(cudaMalloc(&d, h.size() * sizeof(bf16)));
+    CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static double max_abs(const std::vector<bf16>& v) {
+    double m = 0;
+    for (auto x : v) m = fmax(m, fabs((double)__bfloat162float(x)));
+    return m;
+}
+
+int main() {
+    const unsigned int shapes[][3] = {
+        {2048, 896, 4864},  {2048, 4864, 896},   {2048, 896, 896},    {2044, 896, 151936},
+        {8192, 1536, 8960}, {8192, 8960, 1536},  {8192, 1536, 1536},
+        {1536, 8192, 8960}, {896, 2044, 4864},
+    };
+    cublasHandle_t handle;
+    cublasCreate(&handle);
+    const size_t smem = (size_t)STAGES * (A_STAGE + B_STAGE) * sizeof(bf16);
+    CHECK(cudaFuncSetAttribute(verl_gemm_bf16, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    cudaEvent_t t0, t1;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    for (auto& s : shapes) {
+        const unsigned int m = s[0], k = s[1], n = s[2];
+        // Stored shapes: A [M][K] or A^T [K][M]; B [K][N] or B^T [N][K]; rows padded to 8.
+        const unsigned int a_rows = A_T ? k : m, a_cols = A_T ? m : k;
+        const unsigned int b_rows = B_T ? n : k, b_cols = B_T ? k : n;
+        GemmParams p = {m, n, k, pad8(a_cols), pad8(b_cols), pad8(n), 0, 0};
+        bf16* a = random_matrix(a_rows, p.lda, 1);
+        bf16* b = random_matrix(b_rows, p.ldb, 2);
+        bf16 *c, *c_ref;
+        CHECK(cudaMalloc(&c, (size_t)m * p.ldc * sizeof(bf16)));
+        CHECK(cudaMalloc(&c_ref, (size_t)m * p.ldc * sizeof(bf16)));
+        dim3 grid((n + BN - 1) / BN, (m + BM - 1) / BM);
+        auto ours = [&]() { verl_gemm_bf16<<<grid, THREADS, smem>>>(a, b, c, p); };
+        // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ.
+        const float one = 1.0f, zero = 0.0f;
+        auto theirs = [&]() {
+            cublasGemmEx(handle, B_T ? CUBLAS_OP_T : CUBLAS_OP_N, A_T ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                         &one, b, CUDA_R_16BF, p.ldb, a, CUDA_R_16BF, p.lda, &zero, c_ref, CUDA_R_16BF,
+                         p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        };
+        ours();
+        theirs();
+        CHECK(cudaDeviceSynchronize());
+        std::vector<bf16> hc((size_t)m * p.ldc), hr((size_t)m * p.ldc);
+        CHECK(cudaMemcpy(hc.data(), c, hc.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hr.data(), c_ref, hr.size() * 2, cudaMemcpyDeviceToHost));
+        double err = 0;
+        // Every 7th row (and the last): the whole of the LM head's product is 300M values.
+        for (unsigned int i = 0; i < m; i = (i + 7 < m || i == m - 1) ? i + 7 : m - 1)
+            for (unsigned int j = 0; j < n; ++j) {
+                const size_t at = (size_t)i * p.ldc + j;
+                err = fmax(err, fabs((double)__bfloat162float(hc[at]) - __bfloat162float(hr[at])));
+            }
+        err /= max_abs(hr);
+        float ms[2];
+        for (int which = 0; which < 2; ++which) {
+            const int reps = 20;
+            cudaEventRecord(t0);
+            for (int r = 0; r < reps; ++r) which ? theirs() : ours();
+            cudaEventRecord(t1);
+            CHECK(cudaEventSynchronize(t1));
+            cudaEventElapsedTime(&ms[which], t0, t1);
+            ms[which] /= reps;
+        }
+        const double flop = 2.0 * m * n * (double)k;
+        printf("BM%d BN%d BK%d S%d W%dx%d %s%s (%5u,%5u,%6u): ours %.3f ms %5.0f TF, cublas %.3f ms %5.0f TF, %4.0f%%, rel err %.1e\n",
+               BM, BN, BK, STAGES, WARPS_M, WARPS_N, A_T ? "T" : "N", B_T ? "T" : "N", m, k, n, ms[0],
+               flop / ms[0] / 1e9, ms[1], flop / ms[1] / 1e9, 100.0 * ms[1] / ms[0], err);
+        cudaFree(a);
+        cudaFree(b);
+        cudaFree(c);
+        cudaFree(c_ref);
+    }
+    return 0;
+}

@@ -5,7 +5,8 @@
 set -u
 cd "$(dirname "$0")"
 out=${OUT:-/tmp}/gemm_sweep
-mkdir -p /tmp/gemm_bins
+# A warm machine keeps /tmp between calls: start from no binaries, so only these run.
+rm -rf /tmp/gemm_bins && mkdir -p /tmp/gemm_bins
 configs=("$@")
 [ ${#configs[@]} -eq 0 ] && configs=("128 128 32 3 2 4")
 for c in "${configs[@]}"; do

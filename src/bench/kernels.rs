@@ -729,6 +729,37 @@ fn check_rope(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
+/// The multi-tensor sums of squares against burn's square and sum per tensor: 37 tensors (three
+/// launches) of odd sizes, a vector, a transposed view and a [151 936, 896] matrix.
+fn check_sum_squares(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::sum_squares::try_sums_of_squares;
+    println!("\nsums of squares: one launch per 16 tensors vs burn's square and sum per tensor");
+    let mut tensors: Vec<Tensor<CudaBackend, 2>> = (0..34)
+        .map(|i| random([1 + 37 * i, 1 + (i * 53) % 900], 7000 + i as u64, device))
+        .collect();
+    tensors.push(random([1, 4097], 7100, device));
+    tensors.push(random([300, 896], 7101, device).swap_dims(0, 1));
+    tensors.push(random([151_936, 896], 7102, device) * 0.01);
+    let reference: Vec<f64> = tensors
+        .iter()
+        .map(|t| t.clone().powi_scalar(2).sum().into_scalar() as f64)
+        .collect();
+    match try_sums_of_squares(&tensors) {
+        Some(sums) if sums.len() == reference.len() => {
+            let worst = sums
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-30))
+                .fold(0.0f64, f64::max);
+            println!("37 tensors: worst relative difference {worst:.3e}");
+            if !(worst.is_finite() && worst < 1e-5) {
+                failures.push(format!("sums of squares: {worst:e}"));
+            }
+        }
+        other => failures.push(format!("sums of squares: {other:?}")),
+    }
+}
+
 /// Log-probs, entropy and the logits' gradient of `[batch, len, vocab]` logits, through the
 /// fused kernel or burn's chain (`vocab_parallel_log_probs` at tp = 1), under a random probe.
 fn vocab_run(
@@ -1028,6 +1059,7 @@ pub fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     check_norm(&device, &mut failures);
     check_swiglu(&device, &mut failures);
     check_rope(&device, &mut failures);
+    check_sum_squares(&device, &mut failures);
     time_launches(&device);
     time_attention(&device, repeat);
     time_vocab(&device, repeat);

@@ -109,6 +109,10 @@ struct SquaredNorm<'a, I: Backend> {
     exclude: Option<ParamId>,
     /// Each gradient's sum of squares, with whether it is a tensor-parallel shard.
     sums: Vec<(Tensor<I, 1>, bool)>,
+    /// On burn-cuda, the gradients themselves (as matrices), summed in a few launches by
+    /// `cuda::kernels::sum_squares` when the totals are read.
+    #[cfg(feature = "cuda")]
+    deferred: Vec<(Tensor<I, 2>, bool)>,
 }
 
 impl<'a, I: Backend> SquaredNorm<'a, I> {
@@ -122,12 +126,27 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
             sharded,
             exclude,
             sums: Vec::new(),
+            #[cfg(feature = "cuda")]
+            deferred: Vec::new(),
         }
     }
 
     /// The sums of squares of the replicated and of the sharded gradients, added in the model's
     /// order in f64.
     fn totals(self) -> (f64, f64) {
+        #[cfg(feature = "cuda")]
+        if !self.deferred.is_empty() {
+            let (grads, sharded): (Vec<_>, Vec<_>) = self.deferred.into_iter().unzip();
+            let values = crate::cuda::kernels::sum_squares::try_sums_of_squares(&grads)
+                .unwrap_or_else(|| {
+                    // Not taken (a dtype the kernel lacks): burn's square and sum per tensor.
+                    grads
+                        .into_iter()
+                        .map(|g| g.powi_scalar(2).sum().into_scalar().elem::<f64>())
+                        .collect()
+                });
+            return split_totals(values, sharded);
+        }
         if self.sums.is_empty() {
             return (0.0, 0.0);
         }
@@ -137,16 +156,21 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
             .convert::<f64>()
             .to_vec::<f64>()
             .expect("f64 data");
-        let (mut total, mut sharded_total) = (0.0, 0.0);
-        for (v, s) in values.into_iter().zip(sharded) {
-            if s {
-                sharded_total += v;
-            } else {
-                total += v;
-            }
-        }
-        (total, sharded_total)
+        split_totals(values, sharded)
     }
+}
+
+/// The sums of squares of the replicated and of the sharded gradients, added in order.
+fn split_totals(values: Vec<f64>, sharded: Vec<bool>) -> (f64, f64) {
+    let (mut total, mut sharded_total) = (0.0, 0.0);
+    for (v, s) in values.into_iter().zip(sharded) {
+        if s {
+            sharded_total += v;
+        } else {
+            total += v;
+        }
+    }
+    (total, sharded_total)
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
@@ -155,8 +179,21 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
             return;
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let sq = g.powi_scalar(2).sum();
             let sharded = self.sharded.is_some_and(|s| s.contains(&param.id));
+            #[cfg(feature = "cuda")]
+            if D <= 2 && crate::cuda::kernels::sum_squares::applies::<B::InnerBackend>() {
+                let dims = g.dims();
+                // A matrix as it is (its primitive carries its shape and pitch), a vector as
+                // one row.
+                let matrix = if D == 2 {
+                    Tensor::<B::InnerBackend, 2>::from_primitive(g.into_primitive())
+                } else {
+                    g.reshape([1, dims[0]])
+                };
+                self.deferred.push((matrix, sharded));
+                return;
+            }
+            let sq = g.powi_scalar(2).sum();
             self.sums.push((sq, sharded));
         }
     }

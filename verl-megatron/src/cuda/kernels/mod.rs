@@ -10,6 +10,7 @@ pub mod gemm;
 pub mod norm;
 pub mod rope;
 pub mod source;
+pub mod sum_squares;
 pub mod swiglu;
 pub mod vocab;
 

@@ -189,6 +189,7 @@ impl<B: ParallelBackend> Attention<B> {
         let fused_keys = match (&cache, mask.causal_keys()) {
             (AttnCache::None, Some(keys))
                 if precision::current() == ComputeDtype::Bf16
+                    && cos.dims() == [b, 1, t, hd]
                     && fused_attention_applies::<B>(hd) =>
             {
                 Some(keys)

@@ -181,14 +181,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             let sharded = self.sharded.is_some_and(|s| s.contains(&param.id));
             #[cfg(feature = "cuda")]
-            if D <= 2 && crate::cuda::kernels::sum_squares::applies::<B::InnerBackend>() {
+            if crate::cuda::kernels::sum_squares::applies::<B::InnerBackend>() {
                 let dims = g.dims();
-                // A matrix as it is (its primitive carries its shape and pitch), a vector as
-                // one row.
+                // A matrix as it is (its primitive carries its shape and pitch); anything else
+                // as rows of its last dimension.
                 let matrix = if D == 2 {
                     Tensor::<B::InnerBackend, 2>::from_primitive(g.into_primitive())
                 } else {
-                    g.reshape([1, dims[0]])
+                    let cols = dims[D - 1];
+                    g.reshape([dims.iter().product::<usize>() / cols.max(1), cols])
                 };
                 self.deferred.push((matrix, sharded));
                 return;

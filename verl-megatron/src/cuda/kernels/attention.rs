@@ -218,9 +218,16 @@ pub fn try_attention<B: Backend>(
         && kv_heads > 0
         && heads.is_multiple_of(kv_heads)
         && seq > 0
+        // The grid is (query tiles, heads, batch): y and z may not pass 65 535.
+        && (1..=65_535).contains(&heads)
+        && (1..=65_535).contains(&batch)
         && [q.dtype(), k.dtype(), v.dtype()]
             .iter()
-            .all(|t| *t == DType::F32);
+            .all(|t| *t == DType::F32)
+        // The kernel reads the keys' mask as dense f32 [batch, seq].
+        && key_mask
+            .as_ref()
+            .is_none_or(|m| m.dtype() == DType::F32 && m.dims() == [batch, seq]);
     if !applies {
         return Err((q, k, v));
     }

@@ -4,7 +4,7 @@
 //! burn 0.21 without autotune runs every product with one generic cubek strategy
 //! (`SimpleCyclicCmma`: single stage, no TMA). Here a 2-D product whose operands are row-major
 //! or plain transposes with 16-byte row pitches runs our own CUDA C++ kernel (`gemm.cu`:
-//! tensor cores, a three-stage `cp.async` pipeline; the default, [`GemmKind::Own`]); the
+//! tensor cores, a multi-stage `cp.async` pipeline; the default, [`GemmKind::Own`]); the
 //! others (batched products) run a fixed cubek strategy chosen per shape class by
 //! [`table_strategy`] (measured once by `verl bench kernels`; no autotune, whose candidates
 //! can fail or hang). A strategy that cannot run a shape (a setup error) is remembered and
@@ -43,7 +43,7 @@ pub enum GemmKind {
     Burn,
     /// cubek with a fixed strategy per shape class.
     Cubek,
-    /// Our CUDA C++ kernel (`gemm.cu`: tensor cores, three-stage `cp.async` pipeline) for the
+    /// Our CUDA C++ kernel (`gemm.cu`: tensor cores, multi-stage `cp.async` pipeline) for the
     /// 2-D products whose operand layouts it takes; cubek for the rest.
     Own,
 }
@@ -92,7 +92,10 @@ fn own_applies(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> bool {
         s[..s.num_dims() - 2].iter().product::<usize>() == 1
     };
     let fits = |p: &CudaPrimitive| p.meta.shape().iter().all(|&d| d > 0 && d < (1 << 31));
+    // The grid's y dimension counts row tiles of the product and may not pass 65 535.
+    let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
     lhs.dtype == DType::BF16
+        && rows.div_ceil(OWN_TILES.bm) <= 65_535
         && rhs.dtype == DType::BF16
         && copies_in_16_bytes(lhs)
         && copies_in_16_bytes(rhs)

@@ -9,6 +9,9 @@
 //! parameters arrive in order: one device pointer per buffer, then the `info` words (`u64`s)
 //! by value as a single struct, which the CUDA side declares with the same layout.
 
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Mutex;
+
 use cubecl::cuda::{CudaCompiler, CudaComputeKernel, CudaRuntime};
 use cubecl::prelude::*;
 use cubecl::server::{KernelArguments, MetadataBindingInfo};
@@ -121,7 +124,12 @@ impl KernelMetadata for CudaSource {
 
     fn id(&self) -> KernelId {
         KernelId::new::<Self>()
-            .info((self.entry, self.defines.clone(), self.shared_bytes))
+            .info((
+                self.entry,
+                self.defines.clone(),
+                self.shared_bytes,
+                text_hash(self.text),
+            ))
             .cube_dim(self.cube_dim())
     }
 
@@ -147,6 +155,25 @@ impl CubeTask<CudaCompiler> for CudaSource {
             debug_info: None,
         })
     }
+}
+
+/// A hash of a kernel's source text, part of its id: cubecl's on-disk cache (when a user turns
+/// it on) must not hand back the compiled code of an older version of the same file. Computed
+/// once per text (keyed by its address: the texts are `include_str!` statics).
+fn text_hash(text: &'static str) -> u64 {
+    static HASHES: Mutex<Vec<(usize, u64)>> = Mutex::new(Vec::new());
+    let key = text.as_ptr() as usize;
+    let mut hashes = HASHES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(_, h)) = hashes.iter().find(|(k, _)| *k == key) {
+        return h;
+    }
+    let mut hasher = DefaultHasher::new();
+    text.hash(&mut hasher);
+    let h = hasher.finish();
+    hashes.push((key, h));
+    h
 }
 
 /// 32-bit words packed two to a `u64`, low word first (the CUDA struct's field order on a
@@ -182,5 +209,10 @@ mod tests {
         let mut other = k.clone();
         other.defines = vec![("HEAD_DIM", 128)];
         assert_ne!(k.id(), other.id());
+        // Another source text with the same entry and defines is another kernel.
+        let mut edited = k.clone();
+        edited.text = "extern \"C\" __global__ void f() { }";
+        assert_ne!(k.id(), edited.id());
+        assert_eq!(text_hash(k.text), text_hash(k.text));
     }
 }

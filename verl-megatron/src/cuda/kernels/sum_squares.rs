@@ -5,10 +5,10 @@
 //! of burn-cuda's padded rows), and each launch writes per-block partial sums that the host
 //! adds in a fixed order.
 //!
-//! It applies on burn-cuda to f32 tensors of one or two dimensions. The fallback, and every
-//! other backend, is the square-and-sum per tensor in `workers::optim` (the CPU default's
-//! gradient norm is unchanged bit for bit), which `verl bench kernels` compares this kernel
-//! against.
+//! It applies on burn-cuda to f32 tensors (a matrix as it is, any other rank as rows of its
+//! last dimension). The fallback, and every other backend, is the square-and-sum per tensor in
+//! `workers::optim` (the CPU default's gradient norm is unchanged bit for bit), which
+//! `verl bench kernels` compares this kernel against.
 
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};

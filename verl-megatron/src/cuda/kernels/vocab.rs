@@ -157,7 +157,9 @@ pub fn try_vocab_stats<B: Backend>(
         DType::BF16 => true,
         _ => return Err((logits, labels)),
     };
-    let fits = rows > 0 && vocab > 0 && rows < (1 << 31) && vocab < (1 << 30);
+    // The backward's grid is (rows, vocabulary chunks): y may not pass 65 535.
+    let chunks = vocab.div_ceil(BACKWARD_THREADS as usize * BACKWARD_UNROLL);
+    let fits = rows > 0 && vocab > 0 && rows < (1 << 31) && chunks <= 65_535;
     if !SWITCH.enabled() || !fits || labels.dims() != [rows] {
         return Err((logits, labels));
     }

@@ -237,9 +237,12 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
             ];
             print!(" {:>12.3e} {:>12.3e} {:>12.3e}", e[0], e[1], e[2]);
             // All are bf16 products of the same operands, rounded to bf16: rounding apart.
-            if !e.iter().all(|e| e.is_finite() && *e < 1e-2) {
-                failures.push(format!("product {} ({kind:?}): {e:?}", s.label));
-            }
+            require_below(
+                failures,
+                format!("product {} ({kind:?})", s.label),
+                &e,
+                1e-2,
+            );
         }
         println!();
     }
@@ -294,6 +297,14 @@ fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
             }
         }
         println!();
+    }
+}
+
+/// Records a failure named `what` unless every relative error in `errors` is finite and below
+/// `bound`.
+fn require_below(failures: &mut Vec<String>, what: String, errors: &[f64], bound: f64) {
+    if !errors.iter().all(|e| e.is_finite() && *e < bound) {
+        failures.push(format!("{what}: {errors:?}"));
     }
 }
 
@@ -483,9 +494,7 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
                     e[0], e[1], e[2], e[3]
                 );
                 // bf16 operands on both sides, rounded at different points.
-                if !e.iter().all(|e| e.is_finite() && *e < 2e-2) {
-                    failures.push(format!("attention {label}: {e:?}"));
-                }
+                require_below(failures, format!("attention {label}"), &e, 2e-2);
             }
             (a, b) => failures.push(format!(
                 "attention {label}: fused {:?}, decomposed {:?}",
@@ -603,9 +612,7 @@ RMSNorm: fused kernel vs burn's chain"
                     e[0], e[1], e[2]
                 );
                 // f32 on both sides, sums in another order.
-                if !e.iter().all(|e| e.is_finite() && *e < 1e-4) {
-                    failures.push(format!("RMSNorm {label}: {e:?}"));
-                }
+                require_below(failures, format!("RMSNorm {label}"), &e, 1e-4);
             }
             (a, b) => failures.push(format!(
                 "RMSNorm {label}: fused {:?}, chain {:?}",
@@ -674,9 +681,7 @@ fn check_swiglu(device: &Device, failures: &mut Vec<String>) {
                     "{label:<26} out {:.3e}  dg {:.3e}  du {:.3e}",
                     e[0], e[1], e[2]
                 );
-                if !e.iter().all(|e| e.is_finite() && *e < 1e-5) {
-                    failures.push(format!("SwiGLU {label}: {e:?}"));
-                }
+                require_below(failures, format!("SwiGLU {label}"), &e, 1e-5);
             }
             _ => failures.push(format!("SwiGLU {label}: a gradient is missing")),
         }
@@ -720,9 +725,7 @@ fn check_rope(device: &Device, failures: &mut Vec<String>) {
             ((y1, Some(g1)), (y0, Some(g0))) => {
                 let e = [relative_error(y1, y0), relative_error(g1, g0)];
                 println!("{label:<26} y {:.3e}  dx {:.3e}", e[0], e[1]);
-                if !e.iter().all(|e| e.is_finite() && *e < 1e-5) {
-                    failures.push(format!("RoPE {label}: {e:?}"));
-                }
+                require_below(failures, format!("RoPE {label}"), &e, 1e-5);
             }
             _ => failures.push(format!("RoPE {label}: no gradient for x")),
         }
@@ -844,9 +847,7 @@ vocabulary log-probs: fused kernel vs burn's log_softmax + gather chain"
                 );
                 // f32: the same sums in another order; bf16: the gradient is rounded to bf16.
                 let bound = if bf16 { 1e-2 } else { 1e-4 };
-                if !e.iter().all(|e| e.is_finite() && *e < bound) {
-                    failures.push(format!("vocab {label}: {e:?}"));
-                }
+                require_below(failures, format!("vocab {label}"), &e, bound);
             }
             _ => failures.push(format!("vocab {label}: no gradient for the logits")),
         }

@@ -16,12 +16,11 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{binary, Backward, Ops, OpsKind};
+use burn_autodiff::ops::{binary, Backward, Ops};
 use verl_core::backend::CudaBackend;
 
-use super::kernels::{downcast, same};
+use super::kernels::{downcast, record, same};
 use super::CublasLt;
 
 /// burn-cuda's float tensor, as autodiff stores it.
@@ -166,13 +165,6 @@ fn linear_autodiff(
     let y = gemm(inner(&x.primitive), false, inner(&w.primitive), true)?
         .into_primitive()
         .tensor();
-    let prep = <LinearBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
-        LinearBackward,
-        [x.node.clone(), w.node.clone()],
-    );
-    let y = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive), y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+    let saved = (x.primitive.clone(), w.primitive.clone());
+    Ok(record(LinearBackward, [&x, &w], saved, y))
 }

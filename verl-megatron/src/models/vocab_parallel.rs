@@ -40,11 +40,7 @@ pub fn vocab_parallel_log_probs<B: ParallelBackend>(
     let sum_exp = tp.region(exp.clone().sum_dim(2), Region::ReduceFrom);
     let log_sum_exp = sum_exp.clone().log().reshape([b, len]);
     // The label's shifted logit lives on one rank; the others contribute 0.
-    let local = labels - vocab_start as i64;
-    let outside = local
-        .clone()
-        .lower_elem(0)
-        .bool_or(local.clone().greater_equal_elem(per as i64));
+    let (local, outside) = shard_labels(labels, vocab_start, per);
     let picked = z
         .clone()
         .gather(2, local.mask_fill(outside.clone(), 0).unsqueeze_dim(2))
@@ -57,6 +53,21 @@ pub fn vocab_parallel_log_probs<B: ParallelBackend>(
         log_sum_exp.clone() - (weighted / sum_exp).reshape([b, len])
     });
     (label_logit - log_sum_exp, entropy)
+}
+
+/// Labels as indices into this rank's shard of `per` ids from `vocab_start`, and which of them
+/// lie outside it.
+fn shard_labels<B: Backend>(
+    labels: Tensor<B, 2, Int>,
+    vocab_start: usize,
+    per: usize,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
+    let local = labels - vocab_start as i64;
+    let outside = local
+        .clone()
+        .lower_elem(0)
+        .bool_or(local.clone().greater_equal_elem(per as i64));
+    (local, outside)
 }
 
 /// The fused kernel's path: per-row statistics of this rank's shard (`[m, s, p, w]`, see
@@ -75,11 +86,7 @@ fn fused_log_probs<B: ParallelBackend>(
     }
     let [b, len, per] = logits.dims();
     // Labels outside this shard become -1 (the kernel then reports a label logit of 0).
-    let local = labels.clone() - vocab_start as i64;
-    let outside = local
-        .clone()
-        .lower_elem(0)
-        .bool_or(local.clone().greater_equal_elem(per as i64));
+    let (local, outside) = shard_labels(labels.clone(), vocab_start, per);
     let local = local.mask_fill(outside, -1).reshape([b * len]);
     let stats = match vocab_stats(logits.reshape([b * len, per]), local) {
         Ok(stats) => stats,

@@ -12,14 +12,13 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("attention.cu");
 /// Rows per block (queries or keys) and threads per block, as in `attention.cu`.
@@ -292,27 +291,17 @@ fn attention_autodiff(
     );
     let mask = contiguous(mask);
     let (out, lse) = forward_primitive(d, scale, &qp, &kp, &vp, &mask);
-    let prep = <AttentionBackward as Backward<CudaBackend, 3>>::prepare::<NoCheckpointing>(
-        AttentionBackward,
-        [q.node.clone(), k.node.clone(), v.node.clone()],
-    );
-    let out = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(
-            Saved {
-                d,
-                scale,
-                q: qp,
-                k: kp,
-                v: vp,
-                mask,
-                out: out.clone(),
-                lse,
-            },
-            out,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(out),
+    let saved = Saved {
+        d,
+        scale,
+        q: qp,
+        k: kp,
+        v: vp,
+        mask,
+        out: out.clone(),
+        lse,
     };
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    record(AttentionBackward, [&q, &k, &v], saved, out)
 }
 
 #[cfg(test)]

@@ -24,9 +24,8 @@ use burn::prelude::*;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{binary, Backward, Ops, OpsKind};
+use burn_autodiff::ops::{binary, Backward, Ops};
 use burn_cubecl::kernel::matmul::init_matmul_output;
 use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
 use cubek::matmul::launch::Strategy;
@@ -34,7 +33,7 @@ use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, same, CudaPrimitive};
+use super::{downcast, record, same, CudaPrimitive};
 
 /// Which implementation runs the seam's products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,9 +83,9 @@ pub fn set_kind(kind: GemmKind) {
 
 const OWN_SOURCE: &str = include_str!("gemm.cu");
 
-/// Whether our kernel takes `lhs · rhs`: bf16, one matrix each (no batch), each operand
-/// row-major or a plain transpose with 16-byte rows and a 16-byte-aligned start.
-fn own_applies(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> bool {
+/// How our kernel reads `lhs · rhs` when it takes them: bf16, one matrix each (no batch), each
+/// operand row-major or a plain transpose with 16-byte rows and a 16-byte-aligned start.
+fn own_layouts(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> Option<[StoredLayout; 2]> {
     let single = |p: &CudaPrimitive| {
         let s = p.meta.shape();
         s[..s.num_dims() - 2].iter().product::<usize>() == 1
@@ -94,50 +93,53 @@ fn own_applies(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> bool {
     let fits = |p: &CudaPrimitive| p.meta.shape().iter().all(|&d| d > 0 && d < (1 << 31));
     // The grid's y dimension counts row tiles of the product and may not pass 65 535.
     let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
-    lhs.dtype == DType::BF16
-        && rows.div_ceil(OWN_TILES.bm) <= 65_535
+    let applies = lhs.dtype == DType::BF16
         && rhs.dtype == DType::BF16
-        && copies_in_16_bytes(lhs)
-        && copies_in_16_bytes(rhs)
+        && rows.div_ceil(OWN_TILES.bm) <= 65_535
         && single(lhs)
         && single(rhs)
         && fits(lhs)
-        && fits(rhs)
+        && fits(rhs);
+    if !applies {
+        return None;
+    }
+    Some([stored_layout(lhs)?, stored_layout(rhs)?])
 }
 
-/// Whether our kernel can copy a matrix operand in 16-byte pieces: its last two dimensions
-/// row-major or a plain transpose, with any row pitch (burn-cuda pads rows, e.g. 896 bf16
-/// columns to a stride of 1 024) that is a multiple of 16 bytes, and a 16-byte-aligned start.
-fn copies_in_16_bytes(p: &CudaPrimitive) -> bool {
+/// How a matrix operand is stored: transposed or not, and its row pitch in elements (burn-cuda
+/// pads rows, e.g. 896 bf16 columns to a stride of 1 024).
+#[derive(Debug, Clone, Copy)]
+struct StoredLayout {
+    transposed: bool,
+    pitch: usize,
+}
+
+/// The layout of a matrix operand our kernel can copy in 16-byte pieces: its last two
+/// dimensions row-major or a plain transpose, with a row pitch that is a multiple of 16 bytes,
+/// and a 16-byte-aligned start; `None` otherwise.
+fn stored_layout(p: &CudaPrimitive) -> Option<StoredLayout> {
     let shape = p.meta.shape();
     let strides = p.meta.strides();
     let n = shape.num_dims();
     if n < 2 {
-        return false;
+        return None;
     }
     let (rows, cols) = (shape[n - 2], shape[n - 1]);
-    let pitch = if strides[n - 1] == 1 && strides[n - 2] >= cols {
-        strides[n - 2]
+    let layout = if strides[n - 1] == 1 && strides[n - 2] >= cols {
+        StoredLayout {
+            transposed: false,
+            pitch: strides[n - 2],
+        }
     } else if strides[n - 2] == 1 && strides[n - 1] >= rows {
-        strides[n - 1]
+        StoredLayout {
+            transposed: true,
+            pitch: strides[n - 1],
+        }
     } else {
-        return false;
+        return None;
     };
-    let elem = p.dtype.size();
     let offset_ok = p.handle.offset_start.unwrap_or(0).is_multiple_of(16);
-    (pitch * elem).is_multiple_of(16) && offset_ok
-}
-
-/// Whether an operand is stored transposed, and its leading dimension (elements between rows
-/// of what is stored).
-fn stored_layout(p: &CudaPrimitive) -> (bool, usize) {
-    let strides = p.meta.strides();
-    let n = strides.len();
-    if is_transposed(p) {
-        (true, strides[n - 1])
-    } else {
-        (false, strides[n - 2])
-    }
+    ((layout.pitch * p.dtype.size()).is_multiple_of(16) && offset_ok).then_some(layout)
 }
 
 /// Our kernel's tile configuration, passed to `gemm.cu` as defines: a `bm × bn` tile of the
@@ -192,14 +194,14 @@ impl OwnTiles {
     }
 }
 
-/// `lhs · rhs` by our kernel (see [`own_applies`]).
-fn launch_own(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
+/// `lhs · rhs` by our kernel, the operands read as [`own_layouts`] found them.
+fn launch_own(lhs: CudaPrimitive, rhs: CudaPrimitive, [a, b]: [StoredLayout; 2]) -> CudaPrimitive {
     let out = init_matmul_output(&lhs, &rhs, lhs.dtype);
     let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
     let nd = ls.num_dims();
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
-    let (a_t, lda) = stored_layout(&lhs);
-    let (b_t, ldb) = stored_layout(&rhs);
+    let (a_t, lda) = (a.transposed, a.pitch);
+    let (b_t, ldb) = (b.transposed, b.pitch);
     let tiles = OWN_TILES;
     let kernel = CudaSource {
         entry: "verl_gemm_bf16",
@@ -350,8 +352,8 @@ pub fn launch_strategy(
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
     if name == "own" {
-        return if own_applies(&lhs, &rhs) {
-            Ok(launch_own(lhs, rhs))
+        return if let Some(layouts) = own_layouts(&lhs, &rhs) {
+            Ok(launch_own(lhs, rhs, layouts))
         } else {
             Err(format!(
                 "our kernel does not take {:?}/{:?} x {:?}/{:?} ({:?}, {:?})",
@@ -397,8 +399,10 @@ fn launch(
 /// when the seam is off or the strategy cannot run this shape.
 pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
     let kind = kind();
-    if kind == GemmKind::Own && own_applies(&lhs, &rhs) {
-        return launch_own(lhs, rhs);
+    if kind == GemmKind::Own {
+        if let Some(layouts) = own_layouts(&lhs, &rhs) {
+            return launch_own(lhs, rhs, layouts);
+        }
     }
     if kind != GemmKind::Burn && tma_friendly(&lhs) && tma_friendly(&rhs) {
         let (name, strategy) = strategy_for(class_of(&lhs, &rhs));
@@ -458,15 +462,8 @@ fn matmul_autodiff<const D: usize>(
     let a = a.into_primitive().tensor();
     let b = b.into_primitive().tensor();
     let c = matmul_primitive(a.primitive.clone(), b.primitive.clone());
-    let prep = <MatmulBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
-        MatmulBackward,
-        [a.node.clone(), b.node.clone()],
-    );
-    let c = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish((a.primitive, b.primitive), c),
-        OpsKind::UnTracked(prep) => prep.finish(c),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(c))
+    let saved = (a.primitive.clone(), b.primitive.clone());
+    record(MatmulBackward, [&a, &b], saved, c)
 }
 
 /// `a · b` through the seam when `B` is burn-cuda (plain or autodiff) and both operands have

@@ -17,7 +17,11 @@ pub mod vocab;
 use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use burn::tensor::DType;
+use burn::backend::Autodiff;
+use burn::prelude::Tensor;
+use burn::tensor::{DType, TensorPrimitive};
+use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::ops::{Backward, OpsKind};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use verl_core::backend::CudaBackend;
@@ -100,4 +104,26 @@ pub(crate) fn empty_f32(like: &CudaPrimitive, shape: Vec<usize>) -> CudaPrimitiv
         shape.into(),
         DType::F32,
     )
+}
+
+/// burn-cuda's float tensor primitive under autodiff (the values and their graph node).
+pub(crate) type AutodiffPrimitive = burn::tensor::ops::FloatTensor<Autodiff<CudaBackend>>;
+
+/// `output`, computed by our kernel from `parents`, as a node of burn's autodiff graph whose
+/// backward is `op` (given `state` when some parent is tracked).
+pub(crate) fn record<Op, const N: usize, const D: usize>(
+    op: Op,
+    parents: [&AutodiffPrimitive; N],
+    state: Op::State,
+    output: CudaPrimitive,
+) -> Tensor<Autodiff<CudaBackend>, D>
+where
+    Op: Backward<CudaBackend, N>,
+{
+    let prep = op.prepare::<NoCheckpointing>(parents.map(|p| p.node.clone()));
+    let output = match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(state, output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(output))
 }

@@ -11,14 +11,13 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("norm.cu");
 /// Threads per block and rows per backward block, as in `norm.cu`.
@@ -187,23 +186,13 @@ fn norm_autodiff(
         into_contiguous(w.primitive.clone()),
     );
     let (y, rstd) = forward_primitive(d, &xp, &wp);
-    let prep = <NormBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
-        NormBackward,
-        [x.node.clone(), w.node.clone()],
-    );
-    let out = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(
-            Saved {
-                d,
-                x: xp,
-                w: wp,
-                rstd,
-            },
-            y,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(y),
+    let saved = Saved {
+        d,
+        x: xp,
+        w: wp,
+        rstd,
     };
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    record(NormBackward, [&x, &w], saved, y)
 }
 
 #[cfg(test)]

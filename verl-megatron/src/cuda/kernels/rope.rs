@@ -11,14 +11,13 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("rope.cu");
 /// Threads per block, as in `rope.cu`.
@@ -135,15 +134,10 @@ pub fn try_rope<B: Backend>(
     let x = x.into_primitive().tensor();
     let xp = into_contiguous(x.primitive.clone());
     let y = launch(d, false, &xp, &cos, &sin);
-    let prep = <RopeBackward as Backward<CudaBackend, 1>>::prepare::<NoCheckpointing>(
+    Ok(same(record::<_, 1, 4>(
         RopeBackward,
-        [x.node.clone()],
-    );
-    let y = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(Saved { d, cos, sin }, y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Ok(same(Tensor::<Autodiff<CudaBackend>, 4>::from_primitive(
-        TensorPrimitive::Float(y),
+        [&x],
+        Saved { d, cos, sin },
+        y,
     )))
 }

@@ -9,14 +9,13 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, same, CudaPrimitive, KernelSwitch};
+use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("swiglu.cu");
 /// Threads per block, as in `swiglu.cu`.
@@ -133,13 +132,5 @@ fn swiglu_autodiff<const D: usize>(
         into_contiguous(u.primitive.clone()),
     );
     let out = forward_primitive(&gp, &up);
-    let prep = <SwigluBackward as Backward<CudaBackend, 2>>::prepare::<NoCheckpointing>(
-        SwigluBackward,
-        [g.node.clone(), u.node.clone()],
-    );
-    let out = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(Saved { g: gp, u: up }, out),
-        OpsKind::UnTracked(prep) => prep.finish(out),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    record(SwigluBackward, [&g, &u], Saved { g: gp, u: up }, out)
 }

@@ -15,15 +15,14 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, IntDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, same, CudaPrimitive, KernelSwitch};
+use super::{downcast, record, same, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("vocab.cu");
 /// Threads per block and elements per backward thread, as in `vocab.cu`.
@@ -197,21 +196,11 @@ fn stats_autodiff(
     let x = logits.into_primitive().tensor();
     let xp = rows_contiguous(x.primitive.clone());
     let stats = stats_primitive(d, &xp, &labels);
-    let prep = <StatsBackward as Backward<CudaBackend, 1>>::prepare::<NoCheckpointing>(
-        StatsBackward,
-        [x.node.clone()],
-    );
-    let out = match prep.compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(
-            Saved {
-                d,
-                logits: xp,
-                labels,
-                stats: stats.clone(),
-            },
-            stats,
-        ),
-        OpsKind::UnTracked(prep) => prep.finish(stats),
+    let saved = Saved {
+        d,
+        logits: xp,
+        labels,
+        stats: stats.clone(),
     };
-    Tensor::from_primitive(TensorPrimitive::Float(out))
+    record(StatsBackward, [&x], saved, stats)
 }

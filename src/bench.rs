@@ -222,7 +222,8 @@ impl StepLevers {
                 "cubek" => GemmKind::Cubek,
                 "burn" => GemmKind::Burn,
                 "own" => GemmKind::Own,
-                other => return Err(format!("--gemm `{other}`: use own, cubek or burn")),
+                "wmma" => GemmKind::Wmma,
+                other => return Err(format!("--gemm `{other}`: use own, wmma, cubek or burn")),
             });
         }
         Ok(())

@@ -138,8 +138,9 @@ enum BenchCommand {
         /// Compute dtype of the products: float32 or bfloat16 (master weights stay f32).
         #[arg(long, default_value = "float32")]
         dtype: String,
-        /// GPU products: own (our CUDA kernel, cubek where it does not apply), cubek (fixed
-        /// strategy per shape) or burn (burn's own product).
+        /// GPU products: own (our CUDA kernel, wgmma on Hopper; cubek where it does not
+        /// apply), wmma (our wmma kernel on every GPU), cubek (fixed strategy per shape) or burn
+        /// (burn's own product).
         #[arg(long, default_value = "own")]
         gemm: String,
         /// GPU AdamW: fused (one kernel per tensor) or chain (burn's tensor operations).

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #28's figures: our kernels against their fallbacks, the cubek strategy table, and the
 # training step with each lever on and off, side by side with PyTorch eager, in one invocation.
-# Usage: bash bench/gpu/step_levers.sh [check|step|attention|gemm|vocab|fused|big|all]  (needs gpu-bin/verl, a stripped
+# Usage: bash bench/gpu/step_levers.sh [check|step|attention|gemm|wgmma|vocab|fused|big|all]  (needs gpu-bin/verl, a stripped
 # `cargo build --release --features cuda` binary).
 set -u
 source "$(dirname "$0")/env.sh"
@@ -30,6 +30,14 @@ if [ "$what" = gemm ] || [ "$what" = all ]; then
   T=150 run $step --gemm cubek
   T=150 run $step --gemm own
   T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+fi
+if [ "$what" = wgmma ] || [ "$what" = all ]; then
+  # Our wmma GEMM against the wgmma one (the default on Hopper) and torch, twice over.
+  for _ in 1 2; do
+    T=150 run $step --gemm wmma
+    T=150 run $step --gemm own
+    T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
+  done
 fi
 if [ "$what" = vocab ] || [ "$what" = all ]; then
   T=150 run $step --vocab decomposed

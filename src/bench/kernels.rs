@@ -252,7 +252,15 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
 /// Our GEMM against burn's product on every stored layout (A and B row-major or transposed)
 /// and edge sizes, operands given directly (no autodiff).
 fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
-    println!("\nown GEMM vs burn's product, by layout (relative error)");
+    for kernel in ["own", "wmma"] {
+        check_gemm_kernel(kernel, device, failures);
+    }
+}
+
+/// Our GEMM kernel `kernel` (`own`: wgmma on Hopper; `wmma`) against burn's product, in every
+/// operand layout and on odd sizes.
+fn check_gemm_kernel(kernel: &str, device: &Device, failures: &mut Vec<String>) {
+    println!("\n{kernel} GEMM vs burn's product, by layout (relative error)");
     let sizes = [
         (2044, 896, 896),
         (2044, 128, 896),
@@ -276,7 +284,7 @@ fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
             };
             let (a, b) = (make(m, k, a_t, 21), make(k, n, b_t, 22));
             let reference = a.clone().matmul(b.clone());
-            match gemm::launch_strategy("own", strip(a), strip(b)) {
+            match gemm::launch_strategy(kernel, strip(a), strip(b)) {
                 Ok(c) => {
                     let c = Tensor::<CudaBackend, 4>::from_primitive(TensorPrimitive::Float(c));
                     let e = relative_error(c, reference);
@@ -286,7 +294,9 @@ fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
                         if b_t { "T" } else { "N" }
                     );
                     if !(e.is_finite() && e < 1e-2) {
-                        failures.push(format!("own GEMM ({m}, {k}, {n}) a_t {a_t} b_t {b_t}: {e}"));
+                        failures.push(format!(
+                            "{kernel} GEMM ({m}, {k}, {n}) a_t {a_t} b_t {b_t}: {e}"
+                        ));
                     }
                 }
                 Err(e) => print!(
@@ -325,7 +335,7 @@ fn time_strategies(device: &Device, repeat: usize) {
                 .is_none_or(|o| o.split(',').any(|x| x == *n))
         })
         .collect();
-    for name in ["burn", "own"].iter().chain(strategies.iter()) {
+    for name in ["burn", "own", "wmma"].iter().chain(strategies.iter()) {
         print!(" {name:>22}");
     }
     println!();
@@ -339,6 +349,9 @@ fn time_strategies(device: &Device, repeat: usize) {
             time_product(device, repeat, &a, &b, burn),
             time_product(device, repeat, &a, &b, |a, b| {
                 gemm::launch_strategy("own", strip(a), strip(b))
+            }),
+            time_product(device, repeat, &a, &b, |a, b| {
+                gemm::launch_strategy("wmma", strip(a), strip(b))
             }),
         ];
         for &name in &strategies {

@@ -3,8 +3,10 @@
 //!
 //! burn 0.21 without autotune runs every product with one generic cubek strategy
 //! (`SimpleCyclicCmma`: single stage, no TMA). Here a 2-D product whose operands are row-major
-//! or plain transposes with 16-byte row pitches runs our own CUDA C++ kernel (`gemm.cu`:
-//! tensor cores, a multi-stage `cp.async` pipeline; the default, [`GemmKind::Own`]); the
+//! or plain transposes with 16-byte row pitches runs our own CUDA C++ kernel (the default,
+//! [`GemmKind::Own`]): on Hopper `gemm_wgmma.cu` (warpgroup `wgmma` instructions over
+//! 128-byte-swizzled shared tiles), elsewhere `gemm.cu` (`wmma` tensor-core fragments); both
+//! fed by a multi-stage `cp.async` pipeline. The
 //! others (batched products) run a fixed cubek strategy chosen per shape class by
 //! [`table_strategy`] (measured once by `verl bench kernels`; no autotune, whose candidates
 //! can fail or hang). A strategy that cannot run a shape (a setup error) is remembered and
@@ -42,22 +44,25 @@ pub enum GemmKind {
     Burn,
     /// cubek with a fixed strategy per shape class.
     Cubek,
-    /// Our CUDA C++ kernel (`gemm.cu`: tensor cores, multi-stage `cp.async` pipeline) for the
-    /// 2-D products whose operand layouts it takes; cubek for the rest.
+    /// Our CUDA C++ kernel for the 2-D products whose operand layouts it takes (`wgmma` on
+    /// Hopper, `wmma` elsewhere); cubek for the rest.
     Own,
+    /// As [`GemmKind::Own`] but the `wmma` kernel on every GPU (for comparison on Hopper).
+    Wmma,
 }
 
-/// 0: not read yet, 1: burn, 2: cubek, 3: own.
+/// 0: not read yet, 1: burn, 2: cubek, 3: own, 4: wmma.
 static KIND: AtomicU8 = AtomicU8::new(0);
 
-/// The implementation in use: `VERL_GEMM=burn|cubek|own` in the environment, else our own
-/// kernel (cubek where it does not apply, burn's product where neither does).
+/// The implementation in use: `VERL_GEMM=burn|cubek|own|wmma` in the environment, else our
+/// own kernel (cubek where it does not apply, burn's product where neither does).
 pub fn kind() -> GemmKind {
     match KIND.load(Ordering::Relaxed) {
         0 => {
             let k = match std::env::var("VERL_GEMM").as_deref() {
                 Ok("burn") => GemmKind::Burn,
                 Ok("cubek") => GemmKind::Cubek,
+                Ok("wmma") => GemmKind::Wmma,
                 _ => GemmKind::Own,
             };
             set_kind(k);
@@ -65,6 +70,7 @@ pub fn kind() -> GemmKind {
         }
         1 => GemmKind::Burn,
         3 => GemmKind::Own,
+        4 => GemmKind::Wmma,
         _ => GemmKind::Cubek,
     }
 }
@@ -76,12 +82,42 @@ pub fn set_kind(kind: GemmKind) {
             GemmKind::Burn => 1,
             GemmKind::Cubek => 2,
             GemmKind::Own => 3,
+            GemmKind::Wmma => 4,
         },
         Ordering::Relaxed,
     );
 }
 
 const OWN_SOURCE: &str = include_str!("gemm.cu");
+const WGMMA_SOURCE: &str = include_str!("gemm_wgmma.cu");
+
+/// Whether CUDA device `index` is a Hopper GPU (compute capability 9.x), the only one with
+/// `wgmma` (Blackwell's sm_100a has no such instruction). Asked of the driver once per device.
+fn hopper(index: usize) -> bool {
+    static KNOWN: Mutex<Vec<(usize, bool)>> = Mutex::new(Vec::new());
+    let mut known = KNOWN
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&(_, h)) = known.iter().find(|(i, _)| *i == index) {
+        return h;
+    }
+    let major = (|| {
+        use cudarc::driver::{result, sys};
+        result::init().ok()?;
+        let device = result::device::get(index as i32).ok()?;
+        // SAFETY: `device` is a valid handle just returned by the driver.
+        unsafe {
+            result::device::get_attribute(
+                device,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            )
+        }
+        .ok()
+    })();
+    let h = major == Some(9);
+    known.push((index, h));
+    h
+}
 
 /// How our kernel reads `lhs · rhs` when it takes them: bf16, one matrix each (no batch), each
 /// operand row-major or a plain transpose with 16-byte rows and a 16-byte-aligned start.
@@ -194,28 +230,96 @@ impl OwnTiles {
     }
 }
 
-/// `lhs · rhs` by our kernel, the operands read as [`own_layouts`] found them.
-fn launch_own(lhs: CudaPrimitive, rhs: CudaPrimitive, [a, b]: [StoredLayout; 2]) -> CudaPrimitive {
+/// The `wgmma` kernel's configuration (`gemm_wgmma.cu`'s defines): a 128 × `bn` tile per block
+/// of two computing warpgroups, k in steps of 64, a `stages`-deep `cp.async` pipeline, and
+/// whether a third warpgroup does the copies. Chosen by `WGMMA=1 bash bench/gpu/gemm_sweep.sh`
+/// on an H100 (docs/PERFORMANCE.md): 128 × 128, 3 stages, no copying warpgroup was the fastest
+/// of 9 configurations on every layout (a copying warpgroup of 128 threads cannot issue the
+/// `cp.async` copies fast enough; more stages did not help).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WgmmaTiles {
+    bn: usize,
+    stages: usize,
+    specialized: bool,
+}
+
+const WGMMA_TILES: WgmmaTiles = WgmmaTiles {
+    bn: 128,
+    stages: 3,
+    specialized: false,
+};
+
+/// Rows of the product per block in `gemm_wgmma.cu` (two warpgroups of 64) and its k step.
+const WGMMA_BM: usize = 128;
+const WGMMA_BK: usize = 64;
+
+impl WgmmaTiles {
+    fn threads(&self) -> u32 {
+        if self.specialized {
+            384
+        } else {
+            256
+        }
+    }
+
+    /// The pipeline's stages (both operands' tiles, bf16) plus 1 KiB to align its start to the
+    /// 128-byte swizzle's 1 KiB period, as `gemm_wgmma.cu` lays it out.
+    fn shared_bytes(&self) -> usize {
+        self.stages * (WGMMA_BM + self.bn) * WGMMA_BK * 2 + 1024
+    }
+
+    fn defines(&self, a_t: bool, b_t: bool) -> Vec<(&'static str, u32)> {
+        vec![
+            ("A_T", a_t as u32),
+            ("B_T", b_t as u32),
+            ("BN", self.bn as u32),
+            ("STAGES", self.stages as u32),
+            ("SPECIALIZED", self.specialized as u32),
+        ]
+    }
+}
+
+/// `lhs · rhs` by our kernel, the operands read as [`own_layouts`] found them: the `wgmma` one
+/// on Hopper unless `wmma` is asked for.
+fn launch_own(
+    lhs: CudaPrimitive,
+    rhs: CudaPrimitive,
+    [a, b]: [StoredLayout; 2],
+    wmma: bool,
+) -> CudaPrimitive {
     let out = init_matmul_output(&lhs, &rhs, lhs.dtype);
     let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
     let nd = ls.num_dims();
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
-    let tiles = OWN_TILES;
-    let kernel = CudaSource {
-        entry: "verl_gemm_bf16",
-        text: OWN_SOURCE,
-        defines: tiles.defines(a_t, b_t),
-        block: tiles.threads(),
-        shared_bytes: tiles.shared_bytes(a_t, b_t),
+    let (kernel, (bm, bn)) = if !wmma && hopper(lhs.device.index) {
+        let tiles = WGMMA_TILES;
+        let kernel = CudaSource {
+            entry: "verl_gemm_bf16_wgmma",
+            text: WGMMA_SOURCE,
+            defines: tiles.defines(a_t, b_t),
+            block: tiles.threads(),
+            shared_bytes: tiles.shared_bytes(),
+        };
+        (kernel, (WGMMA_BM, tiles.bn))
+    } else {
+        let tiles = OWN_TILES;
+        let kernel = CudaSource {
+            entry: "verl_gemm_bf16",
+            text: OWN_SOURCE,
+            defines: tiles.defines(a_t, b_t),
+            block: tiles.threads(),
+            shared_bytes: tiles.shared_bytes(a_t, b_t),
+        };
+        (kernel, (tiles.bm, tiles.bn))
     };
     // The output may be pitched too.
     let ldc = out.meta.strides()[nd - 2];
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
     kernel.launch(
         &out.client,
-        (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, 1),
+        (n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1),
         &[&lhs, &rhs, &out],
         pack_words(&words),
     );
@@ -344,16 +448,17 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
     }
 }
 
-/// `lhs · rhs` with the strategy named, on burn-cuda primitives; a setup error comes back as
-/// text. Public for `verl bench kernels`, which times every strategy.
+/// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
+/// kernel even on Hopper), on burn-cuda primitives; a setup error comes back as text. Public
+/// for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
-    if name == "own" {
+    if name == "own" || name == "wmma" {
         return if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            Ok(launch_own(lhs, rhs, layouts))
+            Ok(launch_own(lhs, rhs, layouts, name == "wmma"))
         } else {
             Err(format!(
                 "our kernel does not take {:?}/{:?} x {:?}/{:?} ({:?}, {:?})",
@@ -399,9 +504,9 @@ fn launch(
 /// when the seam is off or the strategy cannot run this shape.
 pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
     let kind = kind();
-    if kind == GemmKind::Own {
+    if kind == GemmKind::Own || kind == GemmKind::Wmma {
         if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            return launch_own(lhs, rhs, layouts);
+            return launch_own(lhs, rhs, layouts, kind == GemmKind::Wmma);
         }
     }
     if kind != GemmKind::Burn && tma_friendly(&lhs) && tma_friendly(&rhs) {
@@ -511,5 +616,20 @@ mod tests {
         assert_eq!(t.shared_bytes(false, true), 4 * (128 * 40 + 128 * 40) * 2);
         assert_eq!(t.threads(), 128);
         assert_eq!(t.defines(true, false)[..2], [("A_T", 1), ("B_T", 0)]);
+    }
+
+    /// The `wgmma` kernel's pipeline fits the 227 KiB a Hopper block may have, its tile is whole
+    /// n128 instructions, and the sizes match `gemm_wgmma.cu`'s `GEMM_SMEM_BYTES`.
+    #[test]
+    fn wgmma_configuration_is_consistent() {
+        let t = WGMMA_TILES;
+        assert!(t.bn % 128 == 0 && t.bn <= 256);
+        assert!(t.stages >= if t.specialized { 2 } else { 3 });
+        assert!(t.shared_bytes() <= 227 * 1024);
+        // 3 stages of (128 + 128) rows of 64 bf16, plus the alignment slack.
+        assert_eq!(t.shared_bytes(), 3 * 256 * 64 * 2 + 1024);
+        assert_eq!(t.threads(), 256);
+        assert!(WGMMA_SOURCE.contains("#define BM 128") && WGMMA_SOURCE.contains("#define BK 64"));
+        assert_eq!(t.defines(false, true)[..2], [("A_T", 0), ("B_T", 1)]);
     }
 }

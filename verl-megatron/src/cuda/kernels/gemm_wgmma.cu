@@ -1,0 +1,352 @@
+// C = A · B for bf16 operands with f32 accumulation and a bf16 result on Hopper's warpgroup
+// tensor-core instruction (wgmma.mma_async, sm_90a only): a BM x BN tile of C per block of two
+// warpgroups, each warpgroup 64 rows of it with BN / 128 instructions of m64n128k16 per k step.
+// The operands reach shared memory by a STAGES-deep cp.async pipeline (no TMA: the tensor-map
+// descriptor would need a driver call per operand and launch), laid out as wgmma reads them
+// with the 128-byte swizzle, so any row pitch and a transpose of either operand need no copy:
+//   A_T = 0: A stored row-major [M][K] (row stride lda), read K-major; 1: stored as A^T [K][M],
+//            read M-major (wgmma's transpose bit).
+//   B_T = 1: B stored as B^T [N][K], read K-major; 0: stored row-major [K][N], read N-major.
+// C is row-major [M][N] with row stride ldc. Every operand's row pitch is a multiple of 8
+// elements and its base 16-byte aligned (the caller checks); the parts of tiles past the matrix
+// edges are zero-filled. Same parameters as gemm.cu's kernel, which stays the path on other GPUs.
+//
+// Shared layout of one stage, each tile in rows of 64 bf16 (128 bytes), the 16-byte pieces of
+// row r stored at piece (p ^ (r % 8)) -- the 128-byte swizzle wgmma's descriptors name:
+//   K-major tile (R rows of the M or N side x 64 of K): row r at r * 128 bytes.
+//   MN-major tile (64 of K x R of the M or N side): R / 64 blocks of 64 rows (one per k) x 64
+//   elements, block b at b * 8 KiB, row k at k * 128 bytes inside it.
+// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
+// by nvcc on a GPU machine for a standalone check (bench/gpu/gemm_check.cu -DWGMMA).
+
+#include <cuda_bf16.h>
+
+#ifndef A_T
+#define A_T 0
+#endif
+#ifndef B_T
+#define B_T 1
+#endif
+#ifndef BN
+#define BN 128
+#endif
+#ifndef STAGES
+#define STAGES 5
+#endif
+#ifndef SPECIALIZED
+#define SPECIALIZED 1
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+#define BM 128
+#define BK 64
+// Two warpgroups compute (64 rows each); SPECIALIZED = 1 adds a third that only copies, the
+// stages handed over by mbarriers, so the computing warpgroups issue products back to back.
+#define THREADS (SPECIALIZED ? 384 : 256)
+#define CONSUMERS 256
+#define NI (BN / 128)
+#define TILE_A_BYTES (BM * BK * 2)
+#define TILE_B_BYTES (BN * BK * 2)
+#define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
+// The pipeline plus 1 KiB to align the start to the swizzle's 1 KiB period; the epilogue reuses
+// the pipeline's memory for a BM x (BN + 8) bf16 tile.
+#define GEMM_SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
+#if SPECIALIZED && STAGES < 2
+#error "SPECIALIZED needs at least 2 stages"
+#endif
+#if !SPECIALIZED && STAGES < 3
+#error "the single-role pipeline needs at least 3 stages"
+#endif
+#define MN_BLOCK_BYTES (64 * 128)
+
+typedef __nv_bfloat16 bf16;
+
+struct GemmParams {
+    unsigned int m;
+    unsigned int n;
+    unsigned int k;
+    unsigned int lda;
+    unsigned int ldb;
+    unsigned int ldc;
+    unsigned int unused0;
+    unsigned int unused1;
+};
+
+__device__ __forceinline__ void copy16(unsigned int dst, const bf16* src, unsigned int valid) {
+    const int bytes = (int)(valid < 8u ? valid : 8u) * 2;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ unsigned int inside(unsigned int at, unsigned int extent) {
+    return at < extent ? extent - at : 0u;
+}
+
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void wait_copies() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// A K-major tile: `rows` rows (from `row0`, of `row_extent`) x 64 of K (from k0, of k_extent),
+// the stored matrix [row][k] with pitch `ld`.
+template <int ROWS, int LOADERS>
+__device__ __forceinline__ void load_k_major(unsigned int tid, unsigned int dst, const bf16* src, unsigned int ld,
+                                             unsigned int row0, unsigned int row_extent,
+                                             unsigned int k0, unsigned int k_extent) {
+#pragma unroll
+    for (unsigned int c = tid; c < ROWS * 8; c += LOADERS) {
+        const unsigned int r = c / 8, p = c % 8;
+        const unsigned int ok = row0 + r < row_extent ? inside(k0 + p * 8, k_extent) : 0u;
+        const bf16* from = ok ? src + (unsigned long long)(row0 + r) * ld + k0 + p * 8 : src;
+        copy16(dst + r * 128 + ((p ^ (r % 8)) * 16), from, ok);
+    }
+}
+
+// An MN-major tile: 64 of K (rows of the stored matrix [k][mn], pitch `ld`) x `cols` of M or N.
+template <int COLS, int LOADERS>
+__device__ __forceinline__ void load_mn_major(unsigned int tid, unsigned int dst, const bf16* src, unsigned int ld,
+                                              unsigned int col0, unsigned int col_extent,
+                                              unsigned int k0, unsigned int k_extent) {
+#pragma unroll
+    for (unsigned int c = tid; c < COLS * 8; c += LOADERS) {
+        const unsigned int kr = c / (COLS / 8), q = c % (COLS / 8);
+        const unsigned int block = q / 8, p = q % 8;
+        const unsigned int ok = k0 + kr < k_extent ? inside(col0 + q * 8, col_extent) : 0u;
+        const bf16* from = ok ? src + (unsigned long long)(k0 + kr) * ld + col0 + q * 8 : src;
+        copy16(dst + block * MN_BLOCK_BYTES + kr * 128 + ((p ^ (kr % 8)) * 16), from, ok);
+    }
+}
+
+template <int LOADERS>
+__device__ __forceinline__ void load_stage(unsigned int tid, unsigned int a_dst, unsigned int b_dst, const bf16* a,
+                                           const bf16* b, const GemmParams& p, unsigned int m0,
+                                           unsigned int n0, unsigned int kt) {
+    const unsigned int k0 = kt * BK;
+#if A_T
+    load_mn_major<BM, LOADERS>(tid, a_dst, a, p.lda, m0, p.m, k0, p.k);
+#else
+    load_k_major<BM, LOADERS>(tid, a_dst, a, p.lda, m0, p.m, k0, p.k);
+#endif
+#if B_T
+    load_k_major<BN, LOADERS>(tid, b_dst, b, p.ldb, n0, p.n, k0, p.k);
+#else
+    load_mn_major<BN, LOADERS>(tid, b_dst, b, p.ldb, n0, p.n, k0, p.k);
+#endif
+}
+
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and
+// stride byte offsets (in 16-byte units, 14 bits each), layout type 1 (128B) in bits 62-63.
+__device__ __forceinline__ unsigned long long descriptor(unsigned int addr, unsigned int lbo,
+                                                         unsigned int sbo) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) |
+           ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// K-major: 8-row groups 1 KiB apart (SBO), the leading offset unused inside the swizzle span;
+// a k step of 16 is 32 bytes along the row. MN-major: 64-element blocks 8 KiB apart (LBO),
+// 8-row (k) groups 1 KiB apart (SBO); a k step of 16 is 16 rows, 2 KiB.
+__device__ __forceinline__ unsigned long long k_major(unsigned int base, unsigned int kk) {
+    return descriptor(base + kk * 32, 16, 1024);
+}
+__device__ __forceinline__ unsigned long long mn_major(unsigned int base, unsigned int kk) {
+    return descriptor(base + kk * 2048, MN_BLOCK_BYTES, 1024);
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n128k16(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{" 
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, 1, 1, 1, %66, %67;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void barrier_init(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(unsigned int bar) {
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (the barrier's count
+// includes this arrival).
+__device__ __forceinline__ void barrier_arrive_copies(unsigned int bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(unsigned int bar, unsigned int parity) {
+    asm volatile(
+        "{\n"
+        " .reg .pred done;\n"
+        "wait_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait_%=;\n"
+        "}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// A barrier over the computing warpgroups only (the copying one may have left).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
+
+// This warpgroup's products over one stage: 4 k steps of 16, NI instructions of n128 each.
+__device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned int a_tile, unsigned int group) {
+    const unsigned int b_tile = a_tile + TILE_A_BYTES;
+#pragma unroll
+    for (unsigned int kk = 0; kk < BK / 16; ++kk) {
+#if A_T
+        const unsigned long long da = mn_major(a_tile + group * MN_BLOCK_BYTES, kk);
+#else
+        const unsigned long long da = k_major(a_tile + group * 64 * 128, kk);
+#endif
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+#if B_T
+            const unsigned long long db = k_major(b_tile + j * 128 * 128, kk);
+#else
+            const unsigned long long db = mn_major(b_tile + j * 2 * MN_BLOCK_BYTES, kk);
+#endif
+            wgmma_m64n128k16<A_T, 1 - B_T>(acc[j], da, db);
+        }
+    }
+}
+
+// Grid (ceil(n / BN), ceil(m / BM)).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ c,
+                     GemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - ((unsigned int)__cvta_generic_to_shared(smem_raw) % 1024)) % 1024);
+    const unsigned int base = (unsigned int)__cvta_generic_to_shared(smem);
+
+    const unsigned int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const unsigned int k_tiles = (p.k + BK - 1) / BK;
+    float acc[NI][64];
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[j][i] = 0.0f;
+
+#if SPECIALIZED
+    // full[s]: the copying warpgroup's 128 threads arrive when their copies of stage s landed;
+    // empty[s]: each computing warpgroup arrives once its products have read stage s.
+    __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+    const unsigned int full = (unsigned int)__cvta_generic_to_shared(bars);
+    const unsigned int empty = full + STAGES * 8;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(full + s * 8, 128);
+            barrier_init(empty + s * 8, 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    const unsigned int role = threadIdx.x / 128;  // 0, 1: computing warpgroups; 2: copying
+    if (role == 2) {
+        const unsigned int tid = threadIdx.x - CONSUMERS;
+        for (unsigned int kt = 0; kt < k_tiles; ++kt) {
+            const unsigned int s = kt % STAGES;
+            // The stage's previous tile (kt - STAGES) must have been read by both warpgroups.
+            if (kt >= STAGES) barrier_wait(empty + s * 8, ((kt / STAGES) + 1) & 1);
+            load_stage<128>(tid, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES, a, b, p, m0, n0, kt);
+            barrier_arrive_copies(full + s * 8);
+        }
+        wait_copies<0>();
+        return;
+    }
+    const unsigned int group = role;
+    for (unsigned int kt = 0; kt < k_tiles; ++kt) {
+        const unsigned int s = kt % STAGES;
+        barrier_wait(full + s * 8, (kt / STAGES) & 1);
+        proxy_fence();  // the copies (generic proxy) before wgmma's reads (async proxy)
+        wgmma_fence();
+        stage_products(acc, base + s * STAGE_BYTES, group);
+        wgmma_commit();
+        // Keep this step's products in flight; the previous step's are done, so its stage
+        // goes back to the copying warpgroup.
+        wgmma_wait<1>();
+        if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(empty + ((kt - 1) % STAGES) * 8);
+    }
+    wgmma_wait<0>();
+    consumers_sync();
+#else
+    const unsigned int group = threadIdx.x / 128;  // this warpgroup's 64 rows of the tile
+    // Tile kt sits in stage kt % STAGES; tiles run STAGES - 2 ahead of the products, so the
+    // stage refilled at step kt was read at step kt - 2, whose products every warpgroup has
+    // waited for (wgmma_wait<1> at step kt - 1) before this step's barrier.
+#pragma unroll
+    for (int s = 0; s < STAGES - 2; ++s) {
+        if (s < k_tiles) load_stage<THREADS>(threadIdx.x, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES, a, b, p, m0, n0, s);
+        commit();
+    }
+    for (unsigned int kt = 0; kt < k_tiles; ++kt) {
+        wait_copies<STAGES - 3>();
+        proxy_fence();  // this thread's copies, visible to wgmma's (async) reads
+        __syncthreads();
+        const unsigned int next = kt + STAGES - 2;
+        if (next < k_tiles) {
+            const unsigned int s = next % STAGES;
+            load_stage<THREADS>(threadIdx.x, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES, a, b, p, m0, n0, next);
+        }
+        commit();
+        wgmma_fence();
+        stage_products(acc, base + (kt % STAGES) * STAGE_BYTES, group);
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    wait_copies<0>();
+    __syncthreads();
+#endif
+
+    // Epilogue (computing warpgroups only): the accumulators as bf16 into a BM x (BN + 8)
+    // shared tile over the pipeline's memory, then out in 16-byte pieces of rows. Accumulator
+    // i of instruction j of thread t (warp w, lane l of its warpgroup): row
+    // 16 w + l / 4 + 8 ((i / 2) % 2), column 128 j + 8 (i / 4) + 2 (l % 4) + i % 2.
+    bf16* tile = (bf16*)smem;
+    const unsigned int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const unsigned int row = group * 64 + 16 * w + l / 4 + 8 * ((i / 2) % 2);
+            const unsigned int col = 128 * j + 8 * (i / 4) + 2 * (l % 4);
+            *(__nv_bfloat162*)(tile + row * (BN + 8) + col) = __floats2bfloat162_rn(acc[j][i], acc[j][i + 1]);
+        }
+    consumers_sync();
+    for (unsigned int q = threadIdx.x; q < BM * BN / 8; q += CONSUMERS) {
+        const unsigned int r = q / (BN / 8), c8 = (q % (BN / 8)) * 8;
+        const unsigned int gm = m0 + r, gn = n0 + c8;
+        if (gm >= p.m || gn >= p.n) continue;
+        bf16* dst = c + (unsigned long long)gm * p.ldc + gn;
+        const bf16* from = tile + r * (BN + 8) + c8;
+        if (gn + 8 <= p.n && p.ldc % 8 == 0) {
+            *(uint4*)dst = *(const uint4*)from;
+        } else {
+            for (unsigned int e = 0; e < 8 && gn + e < p.n; ++e) dst[e] = from[e];
+        }
+    }
+#endif
+}

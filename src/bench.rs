@@ -294,6 +294,7 @@ pub fn train_step(
     let mut enqueued: Vec<[f64; 2]> = Vec::new();
     let mut last_loss = f32::NAN;
     let mut peak_in_use = 0u64;
+    let mut host_reads = Vec::new();
     #[cfg(feature = "host-profile")]
     let mut profile = None;
     #[cfg(not(feature = "host-profile"))]
@@ -306,6 +307,7 @@ pub fn train_step(
             profile = Some(host_profile::start(997)?);
         }
         let t = Instant::now();
+        let reads_before = verl::megatron::host_reads::count();
         let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
         let labels = ids.clone().slice([0..batch, 1..seq]);
         let (log_probs, _) =
@@ -322,16 +324,18 @@ pub fn train_step(
         model = next;
         let report = report.map_err(|e| e.to_string())?;
         let optimizer = synced_ms::<B>(t, &device);
+        let reads = verl::megatron::host_reads::count() - reads_before;
         if step >= 3 {
             phases.push([forward, backward, optimizer]);
             enqueued.push([forward_host, backward_host]);
+            host_reads.push(reads as f64);
         }
         // Every step's loss and gradient norm, to compare the levers' numerics.
         let loss = loss.into_scalar().elem::<f32>();
         println!(
             "  step {step}: loss {loss:.6} grad_norm {:.6} ({:.1} ms; host issued the forward in \
              {forward_host:.1} of {forward:.1} ms, the backward in {backward_host:.1} of \
-             {backward:.1} ms)",
+             {backward:.1} ms; {reads} host reads of device memory)",
             report.grad_norm,
             forward + backward + optimizer
         );
@@ -354,7 +358,7 @@ pub fn train_step(
         "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
          tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
          use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
-         backward {:.1} ms",
+         backward {:.1} ms; host reads of device memory per step {}",
         part(0),
         part(1),
         part(2),
@@ -362,6 +366,7 @@ pub fn train_step(
         peak_in_use as f64 / (1u64 << 30) as f64,
         median(enqueued.iter().map(|p| p[0]).collect()),
         median(enqueued.iter().map(|p| p[1]).collect()),
+        median(host_reads),
     );
     Ok(())
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #28's figures: our kernels against their fallbacks, the cubek strategy table, and the
 # training step with each lever on and off, side by side with PyTorch eager, in one invocation.
-# Usage: bash bench/gpu/step_levers.sh [check|step|attention|gemm|wgmma|vocab|fused|big|all]  (needs gpu-bin/verl, a stripped
+# Usage: bash bench/gpu/step_levers.sh [check|step|attention|gemm|wgmma|bias|vocab|fused|big|all]  (needs gpu-bin/verl, a stripped
 # `cargo build --release --features cuda` binary).
 set -u
 source "$(dirname "$0")/env.sh"
@@ -38,6 +38,13 @@ if [ "$what" = wgmma ] || [ "$what" = all ]; then
     T=150 run $step --gemm own
     T=120 run python3 bench/peers/train_step.py --preset qwen2-0.5b --batch 4 --seq 512 --dtype bf16 --steps 5
   done
+fi
+if [ "$what" = bias ] || [ "$what" = all ]; then
+  # The bias and RMSNorm weight gradients by our column sum against burn's reduction, at 1.5B.
+  big="$VERL bench train-step --preset qwen2-1.5b --batch 8 --seq 1024 --dtype bfloat16 --steps 3"
+  T=240 run env VERL_BIAS=decomposed $big
+  T=240 run $big
+  T=150 run $step
 fi
 if [ "$what" = vocab ] || [ "$what" = all ]; then
   T=150 run $step --vocab decomposed

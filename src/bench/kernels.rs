@@ -701,11 +701,86 @@ fn check_swiglu(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
+/// The bias add with our column-sum gradient against burn's broadcast add: output and both
+/// gradients, on long, wide, odd and single-row shapes.
+fn check_bias(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::bias;
+    println!("\nbias add: column-sum gradient kernel vs burn's broadcast add");
+    for (n, &(rows, cols)) in [(8192, 256), (2044, 896), (70_001, 3), (33, 17), (1, 5)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 5500 + 10 * n as u64;
+        let y = random([rows, cols], seed, device);
+        let b = random([cols], seed + 1, device);
+        let probe = random([rows, cols], seed + 2, device);
+        let run = |fused: bool| {
+            let ya = Tensor::<CudaAutodiff, 2>::from_inner(y.clone()).require_grad();
+            let ba = Tensor::<CudaAutodiff, 1>::from_inner(b.clone()).require_grad();
+            let out = if fused {
+                match bias::try_add_bias(ya.clone(), ba.clone()) {
+                    Ok(out) => out,
+                    Err(_) => return None,
+                }
+            } else {
+                ya.clone() + ba.clone().unsqueeze_dim(0)
+            };
+            let grads = (out.clone() * Tensor::from_inner(probe.clone()))
+                .sum()
+                .backward();
+            Some((out.inner(), ya.grad(&grads)?, ba.grad(&grads)?))
+        };
+        let label = format!("{rows} x {cols}");
+        match (run(true), run(false)) {
+            (Some((o1, y1, b1)), Some((o0, y0, b0))) => {
+                let e = [
+                    relative_error(o1, o0),
+                    relative_error(y1, y0),
+                    relative_error(b1, b0),
+                ];
+                println!(
+                    "{label:<26} out {:.3e}  dy {:.3e}  db {:.3e}",
+                    e[0], e[1], e[2]
+                );
+                require_below(failures, format!("bias add {label}"), &e, 1e-5);
+            }
+            _ => failures.push(format!(
+                "bias add {label}: not taken, or a gradient is missing"
+            )),
+        }
+    }
+}
+
 /// The fused rotary embedding against burn's operations: output and the input's gradient, for
 /// x `[batch, seq, heads, dim]` and tables `[batch, seq, 1, dim]`.
 fn check_rope(device: &Device, failures: &mut Vec<String>) {
     use verl::megatron::cuda::kernels::rope;
+    use verl::megatron::hf::RopeScaling;
     use verl::megatron::layers::RotaryEmbedding;
+    // The cos/sin tables computed on the GPU against the host's, positions up to 32 767.
+    println!("\nRoPE tables: on the GPU vs on the host (max abs difference)");
+    for (head_dim, theta) in [(64, 1_000_000.0), (128, 10_000.0)] {
+        let rope = RotaryEmbedding::new(head_dim, theta, RopeScaling::Default);
+        let positions: Vec<i64> = (0..2 * 4096).map(|i| (i * 4) % 32_768).collect();
+        let positions =
+            Tensor::<CudaBackend, 2, Int>::from_data(TensorData::new(positions, [2, 4096]), device);
+        let (cos_gpu, sin_gpu) = rope.tables(&positions);
+        let (cos_host, sin_host) = rope.tables_on_host(&positions);
+        let diff = |a: Tensor<CudaBackend, 4>, b: Tensor<CudaBackend, 4>| {
+            (a - b).abs().max().into_scalar().elem::<f64>()
+        };
+        let e = [diff(cos_gpu, cos_host), diff(sin_gpu, sin_host)];
+        println!(
+            "head dim {head_dim}, theta {theta}: cos {:.2e}, sin {:.2e}",
+            e[0], e[1]
+        );
+        require_below(
+            failures,
+            format!("RoPE tables head dim {head_dim}"),
+            &e,
+            1e-5,
+        );
+    }
     println!("\nRoPE: fused kernel vs burn's operations");
     for (n, &(b, t, h, d)) in [
         (4, 511, 14, 64),
@@ -1072,6 +1147,7 @@ pub fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     check_vocab(&device, &mut failures);
     check_norm(&device, &mut failures);
     check_swiglu(&device, &mut failures);
+    check_bias(&device, &mut failures);
     check_rope(&device, &mut failures);
     check_sum_squares(&device, &mut failures);
     time_launches(&device);

@@ -27,6 +27,7 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod error;
 pub mod hf;
+pub mod host_reads;
 pub mod layers;
 pub mod models;
 pub mod parallel;

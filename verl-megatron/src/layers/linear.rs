@@ -28,6 +28,17 @@ pub struct RowParallelLinear<B: Backend> {
     pub tp: TpGroup,
 }
 
+/// `y + b` on every row; on burn-cuda under autodiff the bias's gradient is summed by our
+/// kernel (`crate::cuda::kernels::bias`).
+fn add_bias<B: Backend>(y: Tensor<B, 2>, b: Tensor<B, 1>) -> Tensor<B, 2> {
+    #[cfg(feature = "cuda")]
+    let (y, b) = match crate::cuda::kernels::bias::try_add_bias(y, b) {
+        Ok(out) => return out,
+        Err(operands) => operands,
+    };
+    y + b.unsqueeze_dim(0)
+}
+
 fn affine<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: &Tensor<B, 2>,
@@ -39,7 +50,7 @@ fn affine<B: Backend, const D: usize>(
     let [out_features, _] = weight.dims();
     let mut y = super::precision::linear(x.reshape([rows, in_features]), weight.clone());
     if let Some(b) = bias {
-        y = y + b.clone().unsqueeze_dim(0);
+        y = add_bias(y, b.clone());
     }
     let mut out = dims;
     out[D - 1] = out_features;

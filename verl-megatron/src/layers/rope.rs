@@ -43,8 +43,34 @@ impl RotaryEmbedding {
         &self,
         positions: &Tensor<B, 2, Int>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        // On burn-cuda the angles are computed on the device (reading the positions back would
+        // wait for the GPU once per forward): the same f32 products, CUDA's full-precision
+        // cos and sin.
+        #[cfg(feature = "cuda")]
+        if crate::cuda::kernels::is_cuda_or_autodiff::<B>() {
+            let [b, t] = positions.dims();
+            let half = self.inv_freq.len();
+            let device = positions.device();
+            let freqs: Vec<f32> = (0..2)
+                .flat_map(|_| self.inv_freq.iter().map(|f| *f as f32))
+                .collect();
+            let freqs = Tensor::<B, 1>::from_data(TensorData::new(freqs, [half * 2]), &device)
+                .reshape([1, 1, 1, half * 2]);
+            let angles = positions.clone().float().reshape([b, 1, t, 1]) * freqs;
+            return (angles.clone().cos(), angles.sin());
+        }
+        self.tables_on_host(positions)
+    }
+
+    /// [`Self::tables`] computed on the host from the positions read back (the path of every
+    /// backend but burn-cuda; public so the GPU path can be checked against it).
+    pub fn tables_on_host<B: Backend>(
+        &self,
+        positions: &Tensor<B, 2, Int>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let [b, t] = positions.dims();
         let half = self.inv_freq.len();
+        crate::host_reads::note(1);
         let pos: Vec<f64> = positions.to_data().iter::<f64>().collect();
         let mut cos = Vec::with_capacity(b * t * half * 2);
         let mut sin = Vec::with_capacity(b * t * half * 2);

@@ -137,9 +137,12 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
         #[cfg(feature = "cuda")]
         if !self.deferred.is_empty() {
             let (grads, sharded): (Vec<_>, Vec<_>) = self.deferred.into_iter().unzip();
+            let n = grads.len();
             let values = crate::cuda::kernels::sum_squares::try_sums_of_squares(&grads)
+                .inspect(|_| crate::host_reads::note(1))
                 .unwrap_or_else(|| {
                     // Not taken (a dtype the kernel lacks): burn's square and sum per tensor.
+                    crate::host_reads::note(n);
                     grads
                         .into_iter()
                         .map(|g| g.powi_scalar(2).sum().into_scalar().elem::<f64>())
@@ -151,6 +154,7 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
             return (0.0, 0.0);
         }
         let (sums, sharded): (Vec<_>, Vec<_>) = self.sums.into_iter().unzip();
+        crate::host_reads::note(1);
         let values = Tensor::cat(sums, 0)
             .into_data()
             .convert::<f64>()
@@ -230,6 +234,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
         }
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             self.device.get_or_insert_with(|| g.device());
+            crate::host_reads::note(1);
             let v = g
                 .into_data()
                 .convert::<f32>()
@@ -300,6 +305,7 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
             burn::tensor::TensorData::new(flat, [elems]),
             device,
         );
+        crate::host_reads::note(1);
         let sum: Vec<f32> = comm
             .all_reduce(t, ReduceOp::Sum)?
             .into_data()
@@ -350,6 +356,7 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     let device = model.devices().into_iter().next().unwrap_or_default();
     let sum = |comm: &GroupHandle<B::InnerBackend>, x: f64| -> Result<f64, MegatronError> {
         let t = Tensor::<B::InnerBackend, 1>::from_floats([x as f32], &device);
+        crate::host_reads::note(1);
         Ok(comm
             .all_reduce(t, ReduceOp::Sum)?
             .into_scalar()

@@ -6,6 +6,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod bias;
 pub mod gemm;
 pub mod norm;
 pub mod rope;

@@ -95,6 +95,11 @@ fn backward_primitive(s: &Saved, dy: CudaPrimitive) -> (CudaPrimitive, CudaPrimi
         &[&s.x, &s.w, &s.rstd, &dy, &dx, &partial],
         d.params(),
     );
+    // The partials' column sums in two launches (burn's sum over the first dimension gives
+    // each column to one thread); burn's where the column-sum kernel is switched off.
+    if super::bias::SWITCH.enabled() {
+        return (dx, super::bias::sum_rows(partial));
+    }
     let dw = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(partial))
         .sum_dim(0)
         .reshape([d.hidden]);

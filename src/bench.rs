@@ -6,6 +6,8 @@ use std::time::Instant;
 pub mod host_profile;
 #[cfg(feature = "cuda")]
 pub mod kernels;
+#[cfg(feature = "cuda")]
+pub mod rollout_kernels;
 
 use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
@@ -83,8 +85,15 @@ pub fn rollout(
     let mut engine =
         NativeRollout::new(cfg.clone(), model, engine_cfg, device).map_err(|e| e.to_string())?;
     println!(
-        "{:>6} {:>12} {:>14} {:>12}",
-        "batch", "prefill_s", "decode_tok/s", "total_s"
+        "{:>6} {:>10} {:>14} {:>9} {:>13} {:>8} {:>9} {:>8}",
+        "batch",
+        "prefill_s",
+        "prefill_tok/s",
+        "ttft_ms",
+        "decode_tok/s",
+        "step_ms",
+        "total_s",
+        "sampling"
     );
     for &batch in batches {
         let make = |seed: u64| -> Vec<Request> {
@@ -110,12 +119,21 @@ pub fn rollout(
         engine.generate(make(1)).map_err(|e| e.to_string())?;
         engine.generate(make(2)).map_err(|e| e.to_string())?;
         let s = engine.last_stats();
+        let decode_seconds = s.seconds - s.prefill_seconds;
         println!(
-            "{:>6} {:>12.3} {:>14.1} {:>12.3}",
+            "{:>6} {:>10.3} {:>14.0} {:>9.1} {:>13.1} {:>8.2} {:>9.3} {:>8}",
             batch,
             s.prefill_seconds,
+            s.prompt_tokens as f64 / s.prefill_seconds.max(1e-9),
+            s.first_token_seconds * 1e3,
             s.decode_tokens_per_second(),
-            s.seconds
+            decode_seconds * 1e3 / s.decode_steps.max(1) as f64,
+            s.seconds,
+            if s.sampled_on_device {
+                "device"
+            } else {
+                "host"
+            }
         );
     }
     Ok(())

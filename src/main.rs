@@ -77,6 +77,9 @@ enum Command {
         top_k: i64,
         #[arg(long, default_value_t = 1.0)]
         top_p: f64,
+        /// Keep tokens at least min-p times as likely as the most likely one (0: off).
+        #[arg(long, default_value_t = 0.0)]
+        min_p: f64,
         /// Samples per prompt.
         #[arg(long, default_value_t = 1)]
         n: usize,
@@ -297,6 +300,7 @@ fn run(cli: Cli) -> Result<(), String> {
             temperature,
             top_k,
             top_p,
+            min_p,
             n,
             seed,
             raw,
@@ -309,6 +313,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 temperature,
                 top_k,
                 top_p,
+                min_p,
                 seed,
             },
             n,
@@ -490,6 +495,7 @@ fn sampling_flag(e: &verl::rollout::SamplingError) -> &'static str {
     match *field {
         "top_k" => "top-k",
         "top_p" => "top-p",
+        "min_p" => "min-p",
         other => other,
     }
 }

@@ -33,7 +33,8 @@ vocab, hidden, inter, layers, heads, kv = PRESETS[args.preset]
 elem = 2 if args.dtype == "bf16" else 4
 print(f"peer transformers generate, {args.preset} {params / 1e6:.1f}M params, {args.dtype}, "
       f"prompt {args.prompt_len}, {args.new_tokens} new tokens; HBM {hbm_gbs:.0f} GB/s")
-print(f"{'batch':>6} {'prefill_s':>10} {'decode_tok/s':>13} {'hbm_bound_tok/s':>16}")
+print(f"{'batch':>6} {'prefill_s':>10} {'prefill_tok/s':>14} {'decode_tok/s':>13} "
+      f"{'step_ms':>8} {'hbm_bound_tok/s':>16}")
 
 
 def gen(ids, new):
@@ -57,4 +58,6 @@ for b in args.batch:
     kv_bytes = b * layers * 2 * kv * (hidden // heads) * (args.prompt_len + args.new_tokens / 2) * elem
     step_bytes = params * elem + kv_bytes
     bound = b * hbm_gbs * 1e9 / step_bytes
-    print(f"{b:>6} {prefill:>10.3f} {decode:>13.1f} {bound:>16.0f}")
+    step_ms = (total - prefill) * 1e3 / max(args.new_tokens - 1, 1)
+    print(f"{b:>6} {prefill:>10.3f} {b * args.prompt_len / prefill:>14.0f} {decode:>13.1f} "
+          f"{step_ms:>8.2f} {bound:>16.0f}")

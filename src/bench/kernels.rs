@@ -19,7 +19,10 @@ use super::median;
 type Device = burn::backend::cuda::CudaDevice;
 
 /// ‖a − b‖ / ‖b‖ (0 when both are zero).
-fn relative_error<const D: usize>(a: Tensor<CudaBackend, D>, b: Tensor<CudaBackend, D>) -> f64 {
+pub(super) fn relative_error<const D: usize>(
+    a: Tensor<CudaBackend, D>,
+    b: Tensor<CudaBackend, D>,
+) -> f64 {
     let norm = |t: Tensor<CudaBackend, D>| {
         t.cast(FloatDType::F32)
             .powf_scalar(2.0)
@@ -252,7 +255,7 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
 /// Our GEMM against burn's product on every stored layout (A and B row-major or transposed)
 /// and edge sizes, operands given directly (no autodiff).
 fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
-    for kernel in ["own", "wmma"] {
+    for kernel in ["own", "own_f32", "wmma"] {
         check_gemm_kernel(kernel, device, failures);
     }
 }
@@ -312,7 +315,7 @@ fn check_gemm_kernel(kernel: &str, device: &Device, failures: &mut Vec<String>) 
 
 /// Records a failure named `what` unless every relative error in `errors` is finite and below
 /// `bound`.
-fn require_below(failures: &mut Vec<String>, what: String, errors: &[f64], bound: f64) {
+pub(super) fn require_below(failures: &mut Vec<String>, what: String, errors: &[f64], bound: f64) {
     if !errors.iter().all(|e| e.is_finite() && *e < bound) {
         failures.push(format!("{what}: {errors:?}"));
     }
@@ -1150,6 +1153,8 @@ pub fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     check_bias(&device, &mut failures);
     check_rope(&device, &mut failures);
     check_sum_squares(&device, &mut failures);
+    super::rollout_kernels::check_sampling(&device, &mut failures);
+    super::rollout_kernels::check_decode(&device, &mut failures);
     time_launches(&device);
     time_attention(&device, repeat);
     time_vocab(&device, repeat);

@@ -31,6 +31,7 @@ pub mod host_reads;
 pub mod layers;
 pub mod models;
 pub mod parallel;
+pub mod sampling;
 pub mod workers;
 
 pub use error::MegatronError;

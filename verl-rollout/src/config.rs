@@ -129,6 +129,7 @@ impl EngineConfig {
             },
             top_k: rollout.top_k,
             top_p: rollout.top_p,
+            min_p: rollout.min_p,
             seed: rollout.seed,
         };
         let val = &rollout.val_kwargs;
@@ -136,6 +137,7 @@ impl EngineConfig {
             temperature: if val.do_sample { val.temperature } else { 0.0 },
             top_k: val.top_k,
             top_p: val.top_p,
+            min_p: 0.0,
             seed: rollout.seed,
         };
         let cfg = Self {

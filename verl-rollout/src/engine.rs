@@ -12,8 +12,10 @@ use std::time::Instant;
 
 use burn::prelude::*;
 use verl_megatron::hf::HfModelConfig;
+use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::ParallelBackend;
+use verl_megatron::sampling::{sample_rows, RowSampling};
 
 use crate::config::EngineConfig;
 use crate::error::RolloutError;
@@ -59,6 +61,10 @@ pub struct GenerationStats {
     /// Wall time of the whole call, and of its prefills.
     pub seconds: f64,
     pub prefill_seconds: f64,
+    /// From the call's start to the first tokens (the first prefill's) on the host.
+    pub first_token_seconds: f64,
+    /// Whether tokens were sampled on the device (only ids and log-probs read back).
+    pub sampled_on_device: bool,
 }
 
 struct Active {
@@ -78,6 +84,8 @@ pub struct NativeRollout<B: ParallelBackend> {
     pub(crate) model: Option<CausalLm<B>>,
     pub(crate) config: EngineConfig,
     pub(crate) device: B::Device,
+    /// The model's compute dtype, kept for rebuilding it after `sleep(All)`.
+    pub(crate) compute_dtype: ComputeDtype,
     cache: Option<SlotKvCache<B>>,
     /// The most slots the KV budget allows.
     max_slots: usize,
@@ -117,11 +125,13 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 ),
             });
         }
+        let compute_dtype = model.compute_dtype;
         Ok(Self {
             model_config,
-            model: Some(model),
+            model: Some(model.with_generation_matrices()),
             config,
             device,
+            compute_dtype,
             cache: None,
             max_slots,
             slots_before_sleep: 0,
@@ -259,19 +269,28 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 let prefill_start = Instant::now();
                 let logits = model.prefill_slots(&prompts, &slot_ids, &mut cache);
                 stats.prefill_steps += 1;
-                let rows = host_rows(logits);
-                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
-                for ((slot, id, req), row) in admitted.into_iter().zip(rows) {
-                    let mut active = Active {
-                        request: id,
+                let mut fresh: Vec<Active> = admitted
+                    .iter()
+                    .map(|(_, id, req)| Active {
+                        request: *id,
                         pos: req.prompt.len(),
                         last: 0,
                         tokens: Vec::new(),
                         log_probs: Vec::new(),
-                        sampler: req.sampler,
+                        sampler: req.sampler.clone(),
                         max_new_tokens: req.max_new_tokens,
-                    };
-                    if let Some(c) = self.advance(&mut active, &row, &stop) {
+                    })
+                    .collect();
+                let picks = self.choose(logits, fresh.iter_mut().map(Some).collect(), &mut stats);
+                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
+                if stats.prefill_steps == 1 {
+                    stats.first_token_seconds = start.elapsed().as_secs_f64();
+                }
+                for (((slot, id, _), mut active), pick) in
+                    admitted.into_iter().zip(fresh).zip(picks)
+                {
+                    let (tok, log_prob) = pick.expect("every admitted row is sampled");
+                    if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
                         done[id] = Some(c);
                     } else {
                         slots[slot] = Some(active);
@@ -304,12 +323,17 @@ impl<B: ParallelBackend> NativeRollout<B> {
             debug_assert!(window <= capacity);
             let logits = model.decode_slots(&tokens, &positions, window, &mut cache);
             stats.decode_steps += 1;
-            for (state, row) in slots.iter_mut().zip(host_rows(logits)) {
-                let Some(active) = state.as_mut() else {
+            let picks = self.choose(
+                logits,
+                slots.iter_mut().map(Option::as_mut).collect(),
+                &mut stats,
+            );
+            for (state, pick) in slots.iter_mut().zip(picks) {
+                let (Some(active), Some((tok, log_prob))) = (state.as_mut(), pick) else {
                     continue;
                 };
                 active.pos += 1;
-                if let Some(c) = self.advance(active, &row, &stop) {
+                if let Some(c) = self.advance(active, tok, log_prob, &stop) {
                     done[active.request] = Some(c);
                     *state = None;
                 }
@@ -327,20 +351,73 @@ impl<B: ParallelBackend> NativeRollout<B> {
         Ok(done)
     }
 
-    /// Samples the next token of `active` from its logits row; returns the completion when the
-    /// sequence ends.
+    /// The next token (and its log-prob, at the sampling temperature) of each busy row of
+    /// `logits` `[rows, vocab]`; `None` for idle rows. On the device where a sampling kernel
+    /// exists (only ids and log-probs are read back), else from the logits read back, with
+    /// each request's host sampler.
+    fn choose(
+        &self,
+        logits: Tensor<B, 2>,
+        mut rows: Vec<Option<&mut Active>>,
+        stats: &mut GenerationStats,
+    ) -> Vec<Option<(u32, f32)>> {
+        let settings: Vec<RowSampling> = rows
+            .iter()
+            .map(|row| match row {
+                Some(a) => {
+                    let p = a.sampler.params();
+                    RowSampling {
+                        temperature: p.temperature as f32,
+                        top_k: p.top_k.clamp(-1, i32::MAX as i64) as i32,
+                        top_p: p.top_p as f32,
+                        min_p: p.min_p as f32,
+                        seed: a.sampler.stream_seed(),
+                        step: a.tokens.len() as u32,
+                    }
+                }
+                // Idle rows: the cheapest draw, ignored.
+                None => RowSampling {
+                    temperature: 0.0,
+                    ..RowSampling::default()
+                },
+            })
+            .collect();
+        let logits = match sample_rows(logits, &settings) {
+            Ok(picks) => {
+                stats.sampled_on_device = true;
+                return rows
+                    .iter()
+                    .zip(picks)
+                    .map(|(row, p)| row.as_ref().map(|_| (p.token, p.log_prob)))
+                    .collect();
+            }
+            Err(logits) => logits,
+        };
+        rows.iter_mut()
+            .zip(host_rows(logits))
+            .map(|(row, logits)| {
+                let active = row.as_mut()?;
+                let (tok, _) = active.sampler.sample(&logits);
+                let t = active.sampler.params().temperature;
+                let log_prob = match self.config.calculate_log_probs {
+                    true => log_prob_at(&logits, tok, if t > 0.0 { t } else { 1.0 }),
+                    false => 0.0,
+                };
+                Some((tok, log_prob))
+            })
+            .collect()
+    }
+
+    /// Appends the chosen token to `active`; returns the completion when the sequence ends.
     fn advance(
         &self,
         active: &mut Active,
-        logits: &[f32],
+        tok: u32,
+        log_prob: f32,
         stop: &impl Fn(&EngineConfig, u32) -> bool,
     ) -> Option<Completion> {
-        let (tok, _) = active.sampler.sample(logits);
         if self.config.calculate_log_probs {
-            let t = active.sampler.params().temperature;
-            active
-                .log_probs
-                .push(log_prob_at(logits, tok, if t > 0.0 { t } else { 1.0 }));
+            active.log_probs.push(log_prob);
         }
         active.tokens.push(tok);
         active.last = tok;

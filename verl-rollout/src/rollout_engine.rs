@@ -150,7 +150,10 @@ impl<B: ParallelBackend> NativeRollout<B> {
                     staged.insert(t.name.clone(), t);
                     count += 1;
                 }
-                self.model = Some(CausalLm::from_named_tensors(&self.model_config, staged)?);
+                let model = CausalLm::from_named_tensors(&self.model_config, staged)?
+                    .with_compute_dtype(self.compute_dtype)
+                    .with_generation_matrices();
+                self.model = Some(model);
             }
         }
         Ok(count)

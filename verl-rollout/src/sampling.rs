@@ -1,7 +1,12 @@
 //! Choosing the next token from logits, as vLLM / SGLang do for verl's rollout settings:
-//! temperature scaling, then top-k, then top-p (nucleus) filtering, then a draw from the
-//! renormalised distribution. Temperature 0 is greedy. Each request owns a seeded generator, so a
-//! run is reproducible whatever the batch composition.
+//! temperature scaling, then min-p, then top-k, then top-p (nucleus) filtering, then a draw from
+//! the renormalised distribution. Temperature 0 is greedy. Each request owns a seeded generator,
+//! so a run is reproducible whatever the batch composition.
+//!
+//! This is the host sampler (the CPU default, and any backend without a sampling kernel). On
+//! burn-cuda the engine samples on the device instead (`verl_megatron::sampling`): the same
+//! distribution from the request's [`Sampler::stream_seed`], drawn by the Gumbel-max trick, so
+//! the same seed gives other tokens there than here.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -15,6 +20,8 @@ pub struct SamplingParams {
     pub top_k: i64,
     /// Keep the smallest set of most likely tokens whose probability reaches top_p; 1: off.
     pub top_p: f64,
+    /// Keep tokens at least `min_p` times as likely as the most likely one; 0: off.
+    pub min_p: f64,
     pub seed: u64,
 }
 
@@ -24,6 +31,7 @@ impl Default for SamplingParams {
             temperature: 1.0,
             top_k: -1,
             top_p: 1.0,
+            min_p: 0.0,
             seed: 0,
         }
     }
@@ -57,6 +65,13 @@ impl SamplingParams {
                 message: "must be -1 or 0 (off) or a positive count",
             });
         }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::Invalid {
+                field: "min_p",
+                value: self.min_p.to_string(),
+                message: "must be in [0, 1] (0 is off)",
+            });
+        }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(SamplingError::Invalid {
                 field: "top_p",
@@ -67,7 +82,7 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// The distribution tokens are drawn from (after temperature, top-k and top-p), for
+    /// The distribution tokens are drawn from (after temperature, min-p, top-k and top-p), for
     /// temperature > 0. Masked-out tokens get probability 0.
     pub fn distribution(&self, logits: &[f32]) -> Vec<f64> {
         let t = self.temperature.max(f64::MIN_POSITIVE);
@@ -82,9 +97,14 @@ impl SamplingParams {
         // Sorting the whole vocabulary every token would dominate decode time: top-k only
         // partitions, and only top-p sorts (the kept set).
         let mut kept: Option<Vec<usize>> = None;
-        if self.top_k > 0 && (self.top_k as usize) < n {
+        if self.min_p > 0.0 {
+            // p is relative to the most likely token (which has 1).
+            kept = Some((0..n).filter(|&i| p[i] >= self.min_p).collect());
+        }
+        let candidates = kept.as_ref().map_or(n, Vec::len);
+        if self.top_k > 0 && (self.top_k as usize) < candidates {
             let k = self.top_k as usize;
-            let mut order: Vec<usize> = (0..n).collect();
+            let mut order: Vec<usize> = kept.take().unwrap_or_else(|| (0..n).collect());
             order.select_nth_unstable_by(k - 1, by_prob);
             order.truncate(k);
             kept = Some(order);
@@ -124,6 +144,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// The stream's seed, from (params.seed, request).
+    stream_seed: u64,
 }
 
 impl Sampler {
@@ -139,11 +161,18 @@ impl Sampler {
         Ok(Self {
             params,
             rng: StdRng::seed_from_u64(z),
+            stream_seed: z,
         })
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
+    }
+
+    /// The seed of this request's random stream: what the device sampler hashes with the draw's
+    /// step and the token id.
+    pub fn stream_seed(&self) -> u64 {
+        self.stream_seed
     }
 
     /// The next token and its log-probability under the sampling distribution.

@@ -211,6 +211,7 @@ fn sampled_tokens_follow_the_target_distribution() {
         temperature: 1.5,
         top_k: 4,
         top_p: 1.0,
+        min_p: 0.0,
         seed: 1234,
     };
     let mut cfg = greedy_config(64);
@@ -305,6 +306,7 @@ async fn generate_sequences_writes_verls_layout_and_log_probs_match_recompute() 
         temperature: 0.8,
         top_k: -1,
         top_p: 0.95,
+        min_p: 0.0,
         seed: 9,
     };
     cfg.n = n;

@@ -62,7 +62,15 @@ fn samples_follow_the_target_distribution() {
             temperature: 2.0,
             top_k: 4,
             top_p: 0.9,
+            min_p: 0.0,
             seed: 11,
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 5,
+            min_p: 0.1,
+            seed: 13,
+            ..Default::default()
         },
     ] {
         let p = params.distribution(&LOGITS);
@@ -112,7 +120,7 @@ proptest! {
         k in -1i64..10,
         top_p in 0.05f64..1.0,
     ) {
-        let p = SamplingParams { temperature: t, top_k: k, top_p, seed: 0 }.distribution(&logits);
+        let p = SamplingParams { temperature: t, top_k: k, top_p, min_p: 0.0, seed: 0 }.distribution(&logits);
         prop_assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9);
         let kept = p.iter().filter(|&&x| x > 0.0).count();
         prop_assert!(kept >= 1);
@@ -163,4 +171,36 @@ fn bad_settings_are_refused_by_field() {
         }),
         "top_p"
     );
+}
+
+/// Hand-checked min-p: logits ln 4, ln 2, 0, 0 are probabilities .5 .25 .125 .125; min-p 0.3
+/// keeps tokens at least 0.3 × 0.5 = 0.15 likely (the first two, renormalised to 2/3, 1/3), and
+/// min-p applies before top-p (0.6 of the kept mass: the first token alone, 2/3 ≥ 0.6).
+#[test]
+fn min_p_keeps_tokens_relative_to_the_most_likely() {
+    let logits = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+    let p = SamplingParams {
+        min_p: 0.3,
+        ..Default::default()
+    }
+    .distribution(&logits);
+    let want = [2.0 / 3.0, 1.0 / 3.0, 0.0, 0.0];
+    for (a, b) in p.iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{p:?}");
+    }
+    let p = SamplingParams {
+        min_p: 0.3,
+        top_p: 0.6,
+        ..Default::default()
+    }
+    .distribution(&logits);
+    assert_eq!(p, vec![1.0, 0.0, 0.0, 0.0]);
+    let bad = SamplingParams {
+        min_p: 1.5,
+        ..Default::default()
+    };
+    assert!(matches!(
+        Sampler::new(bad, 0),
+        Err(SamplingError::Invalid { field: "min_p", .. })
+    ));
 }

@@ -239,6 +239,9 @@ pub struct RolloutConfig {
     /// `-1` (or 0): no top-k filtering.
     pub top_k: i64,
     pub top_p: f64,
+    /// Keep tokens at least `min_p` times as likely as the most likely one (vLLM's `min_p`);
+    /// 0: off.
+    pub min_p: f64,
     /// `None`: `data.max_prompt_length`.
     pub prompt_length: Option<usize>,
     /// `None`: `data.max_response_length`.
@@ -280,6 +283,7 @@ impl Default for RolloutConfig {
             temperature: 1.0,
             top_k: -1,
             top_p: 1.0,
+            min_p: 0.0,
             prompt_length: None,
             response_length: None,
             dtype: "auto".into(),

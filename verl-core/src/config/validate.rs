@@ -230,6 +230,14 @@ impl VerlConfig {
                 "use 1.0 to turn it off",
             ));
         }
+        if !(0.0..=1.0).contains(&rollout.min_p) {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.min_p",
+                rollout.min_p,
+                "must be in [0, 1]",
+                "use 0 to turn it off",
+            ));
+        }
         if rollout.top_k < -1 {
             return Err(invalid(
                 "actor_rollout_ref.rollout.top_k",

@@ -110,6 +110,15 @@ fn low<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     x.cast(FloatDType::BF16)
 }
 
+/// `x` as the products of the current compute dtype read it: cast once when several products
+/// share an input (q/k/v, gate/up), so [`linear`]'s own cast of it is a no-op.
+pub fn operand<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    match current() {
+        ComputeDtype::F32 => x,
+        ComputeDtype::Bf16 => low(x),
+    }
+}
+
 /// `a · b` in the current compute dtype, returned as f32.
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match current() {

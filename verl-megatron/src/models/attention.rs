@@ -25,6 +25,9 @@ pub enum AttnCache<'a, B: Backend> {
         layer: usize,
         positions: &'a [usize],
         window: usize,
+        /// The positions uploaded for the decode kernel ([`SlotKvCache::step_positions`]), when
+        /// it applies.
+        on_device: Option<&'a Tensor<B, 1>>,
     },
 }
 
@@ -35,6 +38,9 @@ pub enum AttnCache<'a, B: Backend> {
 pub struct AttentionMask<B: Backend> {
     bias: OnceCell<Tensor<B, 4>>,
     causal: Option<CausalKeys<B>>,
+    /// A bias given as host values, uploaded on first use (a decode step whose attention runs
+    /// in the decode kernel never needs it).
+    host: Option<(Vec<f32>, [usize; 4], B::Device)>,
 }
 
 /// A pass with no cache: causal over its own tokens, keys masked by `key_mask` (1 = token;
@@ -52,6 +58,17 @@ impl<B: Backend> AttentionMask<B> {
         Self {
             bias: OnceCell::from(bias),
             causal: None,
+            host: None,
+        }
+    }
+
+    /// A mask given as the additive bias's host values `shape` = `[batch, 1, queries, keys]`,
+    /// uploaded only if some attention reads it.
+    pub fn from_host_bias(values: Vec<f32>, shape: [usize; 4], device: &B::Device) -> Self {
+        Self {
+            bias: OnceCell::new(),
+            causal: None,
+            host: Some((values, shape, device.clone())),
         }
     }
 
@@ -72,12 +89,16 @@ impl<B: Backend> AttentionMask<B> {
                 key_mask,
                 device: device.clone(),
             }),
+            host: None,
         }
     }
 
     /// The additive bias `[batch, 1, queries, keys]`.
     pub fn bias(&self) -> &Tensor<B, 4> {
         self.bias.get_or_init(|| {
+            if let Some((values, shape, device)) = &self.host {
+                return Tensor::from_data(TensorData::new(values.clone(), *shape), device);
+            }
             let c = self
                 .causal
                 .as_ref()
@@ -173,16 +194,45 @@ impl<B: ParallelBackend> Attention<B> {
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
         // One entry into the tensor-parallel region for the three projections.
-        let x = self.tp.enter(x);
+        // One cast of x for the three products.
+        let x = precision::operand(self.tp.enter(x));
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         // Projections as [batch, seq, heads, head_dim]; the per-head norms act on the last dim.
         let mut q = self.q_proj.forward(x.clone()).reshape([b, t, nh, hd]);
         let mut k = self.k_proj.forward(x.clone()).reshape([b, t, nkv, hd]);
-        let v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
+        let mut v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(q);
             k = kn.forward(k);
+        }
+        // A decode step over the slot cache: RoPE, the cache write and attention in one kernel.
+        if let AttnCache::Slots {
+            cache: slots,
+            layer,
+            on_device: Some(on_device),
+            ..
+        } = &cache
+        {
+            if t == 1 && cos.dims() == [b, 1, 1, hd] {
+                let round = precision::current() == ComputeDtype::Bf16;
+                match decode_attention(
+                    q.reshape([b, nh * hd]),
+                    k.reshape([b, nkv * hd]),
+                    v.reshape([b, nkv * hd]),
+                    (cos.clone().reshape([b, hd]), sin.clone().reshape([b, hd])),
+                    on_device,
+                    slots.layer(*layer),
+                    round,
+                ) {
+                    Ok(out) => return self.o_proj.forward(out.reshape([b, 1, nh * hd])),
+                    Err((q2, k2, v2)) => {
+                        q = q2.reshape([b, t, nh, hd]);
+                        k = k2.reshape([b, t, nkv, hd]);
+                        v = v2.reshape([b, t, nkv, hd]);
+                    }
+                }
+            }
         }
         // A pass with no cache and bf16 products may take the fused kernel, which reads this
         // layout directly (RoPE applied in it, cos/sin seen as [batch, seq, 1, head_dim]).
@@ -230,6 +280,7 @@ impl<B: ParallelBackend> Attention<B> {
                 layer,
                 positions,
                 window,
+                ..
             } => (k, v) = cache.write_step(layer, k, v, positions, window),
         }
         let bias = mask.bias();
@@ -251,6 +302,47 @@ fn fused_attention_applies<B: Backend>(head_dim: usize) -> bool {
     {
         let _ = head_dim;
         false
+    }
+}
+
+/// Whether the decode-attention kernel takes `heads` query heads over `kv_heads` of size
+/// `head_dim` on backend `B` (burn-cuda without autodiff).
+#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+pub fn decode_kernel_applies<B: Backend>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::decode_attention::applies::<B>(heads, kv_heads, head_dim)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (heads, kv_heads, head_dim);
+        false
+    }
+}
+
+/// One decode step's attention through the slot cache's kernel (see
+/// `cuda::kernels::decode_attention::try_decode_attention`), or the operands back where it
+/// does not apply.
+#[allow(clippy::type_complexity)]
+fn decode_attention<B: Backend>(
+    q: Tensor<B, 2>,
+    k: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    (cos, sin): (Tensor<B, 2>, Tensor<B, 2>),
+    positions: &Tensor<B, 1>,
+    cache: (&Tensor<B, 4>, &Tensor<B, 4>),
+    round_bf16: bool,
+) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::decode_attention::try_decode_attention(
+            q, k, v, &cos, &sin, positions, cache, round_bf16,
+        )
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (cos, sin, positions, cache, round_bf16);
+        Err((q, k, v))
     }
 }
 

@@ -142,6 +142,21 @@ impl<B: Backend> SlotKvCache<B> {
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
+        // On burn-cuda, one kernel writes the rows in place (a scatter copies the whole layer).
+        #[cfg(feature = "cuda")]
+        let (k, v) = {
+            let (ck, cv) = &self.layers[layer];
+            match crate::cuda::kernels::decode_attention::try_write_prefix(
+                k,
+                v,
+                slots,
+                lens,
+                (ck, cv),
+            ) {
+                Ok(()) => return,
+                Err(kv) => kv,
+            }
+        };
         let [n, kh, t, hd] = k.dims();
         let mut at = Vec::new();
         let mut rows = Vec::new();
@@ -158,6 +173,24 @@ impl<B: Backend> SlotKvCache<B> {
         let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [count]), &device);
         let pick = |x: Tensor<B, 4>| x.reshape([n * kh * t, hd]).select(0, rows.clone());
         self.scatter(layer, at, pick(k), pick(v));
+    }
+
+    /// A decode step's positions (one per slot) as the u32 words the decode-attention kernel
+    /// reads, uploaded once per step for every layer.
+    pub fn step_positions(positions: &[usize], device: &B::Device) -> Tensor<B, 1> {
+        let bits: Vec<f32> = positions
+            .iter()
+            .map(|&p| f32::from_bits(p as u32))
+            .collect();
+        let n = bits.len();
+        Tensor::from_data(TensorData::new(bits, [n]), device)
+    }
+
+    /// This layer's keys and values `[slots, kv_heads, capacity, head_dim]` (kernels that
+    /// write the cache in place take them from here).
+    pub(crate) fn layer(&self, layer: usize) -> (&Tensor<B, 4>, &Tensor<B, 4>) {
+        let (k, v) = &self.layers[layer];
+        (k, v)
     }
 
     /// Writes each slot's new key / value `[slots, kv_heads, 1, head_dim]` at its own position

@@ -30,6 +30,8 @@ impl<B: ParallelBackend> SwiGlu<B> {
     /// This rank's partial output for an input already in the tensor-parallel region: what a
     /// mixture of experts sums before its one reduction.
     pub fn forward_partial<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        // One cast of x for both products.
+        let x = crate::layers::precision::operand(x);
         let gate = self.gate_proj.forward(x.clone());
         let up = self.up_proj.forward(x);
         self.down_proj.forward_partial(swiglu(gate, up))

@@ -286,8 +286,12 @@ fn launch_own(
     rhs: CudaPrimitive,
     [a, b]: [StoredLayout; 2],
     wmma: bool,
+    out_f32: bool,
 ) -> CudaPrimitive {
-    let out = init_matmul_output(&lhs, &rhs, lhs.dtype);
+    // Only the wgmma kernel writes f32 (`out_f32` is ignored by the wmma one).
+    let out_f32 = out_f32 && !wmma && hopper(lhs.device.index);
+    let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
+    let out = init_matmul_output(&lhs, &rhs, out_dtype);
     let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
     let nd = ls.num_dims();
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
@@ -295,10 +299,12 @@ fn launch_own(
     let (b_t, ldb) = (b.transposed, b.pitch);
     let (kernel, (bm, bn)) = if !wmma && hopper(lhs.device.index) {
         let tiles = WGMMA_TILES;
+        let mut defines = tiles.defines(a_t, b_t);
+        defines.push(("OUT_F32", out_f32 as u32));
         let kernel = CudaSource {
             entry: "verl_gemm_bf16_wgmma",
             text: WGMMA_SOURCE,
-            defines: tiles.defines(a_t, b_t),
+            defines,
             block: tiles.threads(),
             shared_bytes: tiles.shared_bytes(),
         };
@@ -449,16 +455,22 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
 }
 
 /// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
-/// kernel even on Hopper), on burn-cuda primitives; a setup error comes back as text. Public
+/// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper), on burn-cuda primitives; a setup error comes back as text. Public
 /// for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
-    if name == "own" || name == "wmma" {
+    if name == "own" || name == "wmma" || name == "own_f32" {
         return if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            Ok(launch_own(lhs, rhs, layouts, name == "wmma"))
+            Ok(launch_own(
+                lhs,
+                rhs,
+                layouts,
+                name == "wmma",
+                name == "own_f32",
+            ))
         } else {
             Err(format!(
                 "our kernel does not take {:?}/{:?} x {:?}/{:?} ({:?}, {:?})",
@@ -506,7 +518,7 @@ pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive
     let kind = kind();
     if kind == GemmKind::Own || kind == GemmKind::Wmma {
         if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            return launch_own(lhs, rhs, layouts, kind == GemmKind::Wmma);
+            return launch_own(lhs, rhs, layouts, kind == GemmKind::Wmma, false);
         }
     }
     if kind != GemmKind::Burn && tma_friendly(&lhs) && tma_friendly(&rhs) {
@@ -534,6 +546,18 @@ pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive
         }
     }
     CudaBackend::float_matmul(lhs, rhs)
+}
+
+/// `lhs · rhs` of bf16 operands with an f32 result where our Hopper kernel runs (its epilogue
+/// writes f32, so no cast follows), else [`matmul_primitive`]'s bf16 result: for products
+/// whose result goes on in f32 outside autodiff (generation).
+pub fn matmul_primitive_f32(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
+    if kind() == GemmKind::Own && hopper(lhs.device.index) {
+        if let Some(layouts) = own_layouts(&lhs, &rhs) {
+            return launch_own(lhs, rhs, layouts, false, true);
+        }
+    }
+    matmul_primitive(lhs, rhs)
 }
 
 fn transpose(p: CudaPrimitive) -> CudaPrimitive {
@@ -584,7 +608,8 @@ pub fn try_matmul<B: Backend, const D: usize>(
     let a = match downcast::<_, Tensor<CudaBackend, D>>(a) {
         Ok(a) => {
             let b: Tensor<CudaBackend, D> = same(b);
-            let c = matmul_primitive(a.into_primitive().tensor(), b.into_primitive().tensor());
+            // Outside autodiff the result may come as f32 (callers cast to f32 either way).
+            let c = matmul_primitive_f32(a.into_primitive().tensor(), b.into_primitive().tensor());
             return Ok(same(Tensor::<CudaBackend, D>::from_primitive(
                 TensorPrimitive::Float(c),
             )));

@@ -61,6 +61,15 @@
 #define MN_BLOCK_BYTES (64 * 128)
 
 typedef __nv_bfloat16 bf16;
+// OUT_F32 = 1: the result is written in f32 (generation's products, which go on in f32).
+#ifndef OUT_F32
+#define OUT_F32 0
+#endif
+#if OUT_F32
+typedef float out_t;
+#else
+typedef bf16 out_t;
+#endif
 
 struct GemmParams {
     unsigned int m;
@@ -234,7 +243,7 @@ __device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned in
 
 // Grid (ceil(n / BN), ceil(m / BM)).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ c,
+verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out_t* __restrict__ c,
                      GemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -321,6 +330,28 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, bf1
     __syncthreads();
 #endif
 
+#if OUT_F32
+    // Epilogue for an f32 result: each thread stores its accumulators' pairs of columns
+    // straight from registers (the layout below), so no cast follows the product.
+    {
+        const unsigned int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32;
+#pragma unroll
+        for (int j = 0; j < NI; ++j)
+#pragma unroll
+            for (int i = 0; i < 64; i += 2) {
+                const unsigned int gm = m0 + group * 64 + 16 * w + l / 4 + 8 * ((i / 2) % 2);
+                const unsigned int gn = n0 + 128 * j + 8 * (i / 4) + 2 * (l % 4);
+                if (gm >= p.m || gn >= p.n) continue;
+                float* dst = c + (unsigned long long)gm * p.ldc + gn;
+                if (gn + 1 < p.n && p.ldc % 2 == 0) {
+                    *(float2*)dst = make_float2(acc[j][i], acc[j][i + 1]);
+                } else {
+                    dst[0] = acc[j][i];
+                    if (gn + 1 < p.n) dst[1] = acc[j][i + 1];
+                }
+            }
+    }
+#else
     // Epilogue (computing warpgroups only): the accumulators as bf16 into a BM x (BN + 8)
     // shared tile over the pipeline's memory, then out in 16-byte pieces of rows. Accumulator
     // i of instruction j of thread t (warp w, lane l of its warpgroup): row
@@ -348,5 +379,6 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, bf1
             for (unsigned int e = 0; e < 8 && gn + e < p.n; ++e) dst[e] = from[e];
         }
     }
+#endif  // OUT_F32
 #endif
 }

@@ -7,9 +7,11 @@
 pub mod adamw;
 pub mod attention;
 pub mod bias;
+pub mod decode_attention;
 pub mod gemm;
 pub mod norm;
 pub mod rope;
+pub mod sampling;
 pub mod source;
 pub mod sum_squares;
 pub mod swiglu;

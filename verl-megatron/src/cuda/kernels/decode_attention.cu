@@ -1,0 +1,172 @@
+// The rollout engine's KV cache on the GPU, written in place, and attention over it.
+//
+// verl_decode_attention: one decode step of one layer. Each slot feeds one token at its own
+// position; one block per (kv head, slot) rotates that token's key (RoPE, rotate-half), writes
+// key and value into the cache at the slot's position, rotates its REP query heads (grouped-query
+// attention: query heads g*REP .. g*REP+REP-1 read kv head g), and attends over the slot's
+// positions 0..=position with an online softmax, the block's warps taking keys in turn and
+// merging at the end. No [slots, heads, 1, keys] score tensor, no mask, no copy of the cache.
+//
+// verl_cache_write_prefix: a prefill's keys and values [prompts][kv_heads][len][HEAD_DIM] into
+// slots of the cache (prompt i into slot slots[i], positions 0..lens[i]).
+//
+// f32 throughout; with ROUND_BF16 = 1 query, keys and values are rounded to bf16 before their
+// products, as the decomposed path's bf16 products see them. HEAD_DIM (a multiple of 32) and REP
+// are compile-time. Compiled at run time by NVRTC (verl_megatron::cuda::kernels::decode_attention).
+
+#define THREADS 128
+#define WARPS (THREADS / 32)
+#define PER_LANE (HEAD_DIM / 32)
+#define NEG_INF __int_as_float(0xff800000)
+
+#ifndef ROUND_BF16
+#define ROUND_BF16 0
+#endif
+
+struct DecodeParams {
+    unsigned int slots;
+    unsigned int heads;
+    unsigned int kv_heads;
+    unsigned int capacity;
+    float sqrt_head_dim;
+    unsigned int unused;
+};
+
+__device__ __forceinline__ float operand(float x) {
+#if ROUND_BF16
+    // Round to nearest even on the upper 16 bits (finite values).
+    unsigned int b = __float_as_uint(x);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return __uint_as_float(b & 0xffff0000u);
+#else
+    return x;
+#endif
+}
+
+// x * cos + rotate_half(x) * sin at element d of a HEAD_DIM row, unfused (as burn's separate
+// products and sum round it).
+__device__ __forceinline__ float rotary(const float* row, const float* c, const float* s, int d) {
+    const int h = HEAD_DIM / 2;
+    const float other = d < h ? -row[d + h] : row[d - h];
+    return __fadd_rn(__fmul_rn(row[d], c[d]), __fmul_rn(other, s[d]));
+}
+
+// Grid (kv_heads, slots). q [slots][heads * HEAD_DIM], k, v [slots][kv_heads * HEAD_DIM], cos,
+// sin [slots][HEAD_DIM], positions [slots] (u32), caches [slots][kv_heads][capacity][HEAD_DIM],
+// out [slots][heads * HEAD_DIM].
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_decode_attention(const float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ cos_t,
+                      const float* __restrict__ sin_t, const unsigned int* __restrict__ positions,
+                      float* __restrict__ k_cache, float* __restrict__ v_cache,
+                      float* __restrict__ out, DecodeParams p) {
+    __shared__ float q_rot[REP][HEAD_DIM];
+    __shared__ float warp_max[WARPS][REP];
+    __shared__ float warp_sum[WARPS][REP];
+    __shared__ float warp_acc[WARPS][REP][HEAD_DIM];
+
+    const unsigned int g = blockIdx.x, slot = blockIdx.y;
+    const unsigned int pos = positions[slot];
+    const float* c = cos_t + (unsigned long long)slot * HEAD_DIM;
+    const float* s = sin_t + (unsigned long long)slot * HEAD_DIM;
+    const unsigned long long cache_row =
+        (((unsigned long long)slot * p.kv_heads + g) * p.capacity) * HEAD_DIM;
+
+    // This token's key (rotated) and value into the cache, and the rotated queries.
+    const float* k_row = k + ((unsigned long long)slot * p.kv_heads + g) * HEAD_DIM;
+    const float* v_row = v + ((unsigned long long)slot * p.kv_heads + g) * HEAD_DIM;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
+        k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = rotary(k_row, c, s, d);
+        v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = v_row[d];
+    }
+    for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
+        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
+        const float* q_row = q + ((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM;
+        q_rot[r][d] = operand(rotary(q_row, c, s, d));
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float m[REP], l[REP], acc[REP][PER_LANE];
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < PER_LANE; ++t) acc[r][t] = 0.0f;
+    }
+    for (unsigned int j = warp; j <= pos; j += WARPS) {
+        const float* kj = k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+        const float* vj = v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+        float kr[PER_LANE], vr[PER_LANE];
+#pragma unroll
+        for (int t = 0; t < PER_LANE; ++t) {
+            kr[t] = operand(kj[lane + 32 * t]);
+            vr[t] = operand(vj[lane + 32 * t]);
+        }
+#pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int t = 0; t < PER_LANE; ++t) dot += q_rot[r][lane + 32 * t] * kr[t];
+            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+            const float score = dot / p.sqrt_head_dim;
+            const float m_new = fmaxf(m[r], score);
+            const float correction = expf(m[r] - m_new);
+            const float w = expf(score - m_new);
+            l[r] = l[r] * correction + w;
+#pragma unroll
+            for (int t = 0; t < PER_LANE; ++t) acc[r][t] = acc[r][t] * correction + w * vr[t];
+            m[r] = m_new;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) {
+            warp_max[warp][r] = m[r];
+            warp_sum[warp][r] = l[r];
+        }
+#pragma unroll
+        for (int t = 0; t < PER_LANE; ++t) warp_acc[warp][r][lane + 32 * t] = acc[r][t];
+    }
+    __syncthreads();
+    // Merge the warps' partial softmaxes (a warp with no key has max -inf and weight 0).
+    for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
+        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
+        float mx = NEG_INF;
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_max[w][r]);
+        float sum = 0.0f, value = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            if (warp_max[w][r] == NEG_INF) continue;
+            const float f = expf(warp_max[w][r] - mx);
+            sum += warp_sum[w][r] * f;
+            value += warp_acc[w][r][d] * f;
+        }
+        out[((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM + d] = value / sum;
+    }
+}
+
+struct PrefixParams {
+    unsigned int prompts;
+    unsigned int kv_heads;
+    unsigned int len;
+    unsigned int capacity;
+};
+
+// Grid (ceil(len * HEAD_DIM / THREADS), kv_heads, prompts). k, v [prompts][kv_heads][len][HEAD_DIM];
+// slots, lens [prompts] (u32).
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v,
+                        const unsigned int* __restrict__ slots,
+                        const unsigned int* __restrict__ lens, float* __restrict__ k_cache,
+                        float* __restrict__ v_cache, PrefixParams p) {
+    const unsigned int i = blockIdx.z, h = blockIdx.y;
+    const unsigned long long e = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
+    const unsigned int position = (unsigned int)(e / HEAD_DIM);
+    if (position >= lens[i] || position >= p.len) return;
+    const unsigned long long from = (((unsigned long long)i * p.kv_heads + h) * p.len) * HEAD_DIM + e;
+    const unsigned long long to =
+        (((unsigned long long)slots[i] * p.kv_heads + h) * p.capacity) * HEAD_DIM + e;
+    k_cache[to] = k[from];
+    v_cache[to] = v[from];
+}

@@ -1,0 +1,214 @@
+//! The rollout engine's KV cache written in place and read by one attention kernel per layer
+//! (`decode_attention.cu`): a decode step's RoPE on q and k, the cache write and grouped-query
+//! attention over each slot's positions are one launch, where the plain path takes two
+//! scatters (each copying the cache layer), a slice, a mask and a dozen attention operations.
+//!
+//! It applies on plain burn-cuda (generation has no autodiff) to f32 operands and contiguous
+//! caches. The fallback, and every other backend, is `SlotKvCache::write_step` with
+//! `decomposed_attention`, which `verl bench kernels` compares this against.
+
+use burn::prelude::*;
+use burn::tensor::{DType, TensorData, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
+use verl_core::backend::CudaBackend;
+
+use super::source::{pack_words, CudaSource};
+use super::{empty_f32, is_cuda, same, CudaPrimitive, KernelSwitch};
+
+const SOURCE: &str = include_str!("decode_attention.cu");
+/// Threads per block, as in `decode_attention.cu`.
+const THREADS: usize = 128;
+
+/// Whether the kernels are used where they apply: on unless `VERL_DECODE_ATTENTION=decomposed`.
+pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_DECODE_ATTENTION");
+
+/// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim` on backend
+/// `B`: whole groups, a head a multiple of one warp's lanes, the group's accumulators in
+/// registers.
+pub fn applies<B: 'static>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    SWITCH.enabled() && is_cuda::<B>() && shape_fits(heads, kv_heads, head_dim)
+}
+
+fn shape_fits(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    kv_heads > 0
+        && heads % kv_heads == 0
+        && head_dim % 32 == 0
+        && head_dim <= 256
+        && (heads / kv_heads) * head_dim <= 1024
+}
+
+/// Whether `t` is an f32 tensor laid out contiguously (the kernels address it by its shape
+/// alone; a binding starts at the tensor's offset).
+fn plain_f32(t: &CudaPrimitive) -> bool {
+    t.dtype == DType::F32 && t.is_contiguous()
+}
+
+/// `values` as a device buffer of u32 words.
+fn words<B: Backend>(values: &[usize], device: &B::Device) -> CudaPrimitive {
+    let bits: Vec<f32> = values.iter().map(|&v| f32::from_bits(v as u32)).collect();
+    let n = bits.len();
+    let t: Tensor<B, 1> = Tensor::from_data(TensorData::new(bits, [n]), device);
+    let t: Tensor<CudaBackend, 1> = same(t);
+    t.into_primitive().tensor()
+}
+
+fn primitive<B: Backend, const D: usize>(t: &Tensor<B, D>) -> CudaPrimitive {
+    let t: Tensor<CudaBackend, D> = same(t.clone());
+    t.into_primitive().tensor()
+}
+
+/// One layer's decode step: `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads ·
+/// head_dim]` (before RoPE), `cos`, `sin` `[slots, head_dim]`, `positions` `[slots]` (u32 words,
+/// `SlotKvCache::step_positions`); writes the rotated key and the
+/// value into `cache_k` / `cache_v` `[slots, kv_heads, capacity, head_dim]` at each slot's
+/// position, in place, and returns attention over positions `0..=position` `[slots, heads ·
+/// head_dim]`. `round_bf16` rounds the products' operands as bf16 products would. The
+/// operands come back where the kernel does not apply (checked by the caller with
+/// [`applies`]; here too for non-contiguous or non-f32 tensors).
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+pub fn try_decode_attention<B: Backend>(
+    q: Tensor<B, 2>,
+    k: Tensor<B, 2>,
+    v: Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    positions: &Tensor<B, 1>,
+    (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
+    round_bf16: bool,
+) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)> {
+    let [slots, kv_heads, capacity, head_dim] = cache_k.dims();
+    let heads = q.dims()[1] / head_dim.max(1);
+    let shapes_fit = q.dims() == [slots, heads * head_dim]
+        && k.dims() == [slots, kv_heads * head_dim]
+        && v.dims() == k.dims()
+        && cos.dims() == [slots, head_dim]
+        && sin.dims() == [slots, head_dim]
+        && cache_v.dims() == cache_k.dims()
+        && positions.dims() == [slots]
+        && slots < 65_536;
+    if !(shapes_fit && applies::<B>(heads, kv_heads, head_dim)) {
+        return Err((q, k, v));
+    }
+    let (ck, cv) = (primitive(cache_k), primitive(cache_v));
+    let operands = [&q, &k, &v].map(|t| into_contiguous(primitive(t)));
+    let (cos, sin) = (
+        into_contiguous(primitive(cos)),
+        into_contiguous(primitive(sin)),
+    );
+    let pos = primitive(positions);
+    if ![&ck, &cv, &cos, &sin].iter().all(|t| plain_f32(t))
+        || !operands.iter().all(|t| t.dtype == DType::F32)
+    {
+        return Err((q, k, v));
+    }
+    let [qp, kp, vp] = operands;
+    let out = empty_f32(&qp, vec![slots, heads * head_dim]);
+    CudaSource {
+        entry: "verl_decode_attention",
+        text: SOURCE,
+        defines: vec![
+            ("HEAD_DIM", head_dim as u32),
+            ("REP", (heads / kv_heads) as u32),
+            ("ROUND_BF16", round_bf16 as u32),
+        ],
+        block: THREADS as u32,
+        shared_bytes: 0,
+    }
+    .launch(
+        &qp.client,
+        (kv_heads as u32, slots as u32, 1),
+        &[&qp, &kp, &vp, &cos, &sin, &pos, &ck, &cv, &out],
+        pack_words(&[
+            slots as u32,
+            heads as u32,
+            kv_heads as u32,
+            capacity as u32,
+            (head_dim as f32).sqrt().to_bits(),
+            0,
+        ]),
+    );
+    let out = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(out));
+    Ok(same(out))
+}
+
+/// Writes a prefill's keys and values `[prompts, kv_heads, len, head_dim]` into the cache
+/// (prompt `i`, `lens[i]` positions, into slot `slots[i]` from position 0), in place; the
+/// operands come back where the kernel does not apply.
+#[allow(clippy::type_complexity)]
+pub fn try_write_prefix<B: Backend>(
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    slots: &[usize],
+    lens: &[usize],
+    (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
+) -> Result<(), (Tensor<B, 4>, Tensor<B, 4>)> {
+    let [prompts, kv_heads, len, head_dim] = k.dims();
+    let [cache_slots, cache_heads, capacity, cache_dim] = cache_k.dims();
+    let fits = SWITCH.enabled()
+        && is_cuda::<B>()
+        && v.dims() == k.dims()
+        && cache_v.dims() == cache_k.dims()
+        && cache_heads == kv_heads
+        && cache_dim == head_dim
+        && head_dim % 32 == 0
+        && len <= capacity
+        && slots.len() == prompts
+        && lens.len() == prompts
+        && slots.iter().all(|&s| s < cache_slots)
+        && lens.iter().all(|&l| l <= len)
+        && prompts < 65_536
+        && kv_heads < 65_536;
+    if !fits {
+        return Err((k, v));
+    }
+    let (ck, cv) = (primitive(cache_k), primitive(cache_v));
+    let (kp, vp) = (
+        into_contiguous(primitive(&k)),
+        into_contiguous(primitive(&v)),
+    );
+    if !plain_f32(&ck) || !plain_f32(&cv) || kp.dtype != DType::F32 || vp.dtype != DType::F32 {
+        return Err((k, v));
+    }
+    let device = k.device();
+    let (slot_words, len_words) = (words::<B>(slots, &device), words::<B>(lens, &device));
+    CudaSource {
+        entry: "verl_cache_write_prefix",
+        text: SOURCE,
+        // The attention entry's defines must be valid for the source to compile.
+        defines: vec![("HEAD_DIM", head_dim as u32), ("REP", 1)],
+        block: THREADS as u32,
+        shared_bytes: 0,
+    }
+    .launch(
+        &kp.client,
+        (
+            (len * head_dim).div_ceil(THREADS) as u32,
+            kv_heads as u32,
+            prompts as u32,
+        ),
+        &[&kp, &vp, &slot_words, &len_words, &ck, &cv],
+        pack_words(&[prompts as u32, kv_heads as u32, len as u32, capacity as u32]),
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_that_fit_the_registers() {
+        // Qwen2.5-0.5B (14 / 2 heads of 64), 1.5B (12 / 2 of 128), Llama-3-8B (32 / 8 of 128).
+        assert!(SOURCE.contains("#define THREADS 128"));
+        for (h, kv, d, ok) in [
+            (14, 2, 64, true),
+            (12, 2, 128, true),
+            (32, 8, 128, true),
+            (64, 2, 128, false),
+            (8, 8, 48, false),
+            (6, 4, 64, false),
+        ] {
+            assert_eq!(shape_fits(h, kv, d), ok, "{h}/{kv}/{d}");
+        }
+    }
+}

@@ -1,0 +1,263 @@
+// The next token of every row of a logits matrix, sampled on the GPU: temperature, min-p, top-k
+// and top-p (in vLLM's order), then one draw from what is kept; only the token, its log-prob and
+// the distribution's entropy leave the device. One block per row.
+//
+// Filtering keeps the tokens whose logit is at least a threshold. The top-k and top-p
+// thresholds are found by a radix select over the logits' order-preserving 32-bit keys, 8 bits
+// per pass: top-k counts tokens, top-p adds up their probabilities in 40-bit fixed point, so the
+// sums (and the result) do not depend on the order the threads add in.
+//
+// The draw is the Gumbel-max trick: argmax over kept tokens of s_i + g_i, g_i = -log(-log(u_i))
+// with u_i a counter-based hash of (row seed, step, token id), which samples exactly from the
+// renormalised kept distribution and makes a request's tokens independent of its batch mates.
+// `verl_megatron::cuda::kernels::sampling` holds the host-side reference of the same draw.
+//
+// Compiled at run time by NVRTC.
+
+#define THREADS 1024
+#define WARPS (THREADS / 32)
+#define NEG_INF __int_as_float(0xff800000)
+#define FIXED_ONE 1099511627776.0  // 2^40: a probability relative to the most likely token
+
+struct SampleParams {
+    unsigned int rows;
+    unsigned int vocab;
+    unsigned int row_pitch;
+    unsigned int unused;
+};
+
+// Per row, 8 words: temperature (0: greedy), top_k (<= 0: off), top_p (1: off), min_p (0: off),
+// seed (low, high), step, unused.
+struct RowParams {
+    float temperature;
+    int top_k;
+    float top_p;
+    float min_p;
+    unsigned int seed_lo;
+    unsigned int seed_hi;
+    unsigned int step;
+    unsigned int unused;
+};
+
+__device__ __forceinline__ unsigned int order_key(float f) {
+    unsigned int b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// A uniform in (0, 1) from (seed, step, token), 24 bits.
+__device__ __forceinline__ float uniform(unsigned long long seed, unsigned int step, unsigned int i) {
+    unsigned long long z = mix64(seed + 0x9E3779B97F4A7C15ull * ((unsigned long long)step + 1ull));
+    z = mix64(z ^ (0xD1B54A32D192ED03ull * ((unsigned long long)i + 1ull)));
+    return ((float)(z >> 40) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+struct Best {
+    float value;
+    unsigned int index;
+};
+
+// Larger value wins; ties go to the smaller index (the host sampler's rule).
+__device__ __forceinline__ Best better(Best a, Best b) {
+    if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
+    return a;
+}
+
+__device__ Best block_best(Best v, Best* scratch) {
+    for (int o = 16; o > 0; o >>= 1) {
+        Best other;
+        other.value = __shfl_xor_sync(0xffffffffu, v.value, o);
+        other.index = __shfl_xor_sync(0xffffffffu, v.index, o);
+        v = better(v, other);
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < WARPS ? scratch[lane] : Best{NEG_INF, 0xffffffffu};
+        for (int o = 16; o > 0; o >>= 1) {
+            Best other;
+            other.value = __shfl_xor_sync(0xffffffffu, v.value, o);
+            other.index = __shfl_xor_sync(0xffffffffu, v.index, o);
+            v = better(v, other);
+        }
+        if (lane == 0) scratch[0] = v;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// Sums in a fixed order (per thread, then a fixed tree), so every run gives the same value.
+__device__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < WARPS ? scratch[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) scratch[0] = v;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// Grid (rows). out[row] = {token (bits), log-prob, entropy, tokens kept}.
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_sample_rows(const float* __restrict__ logits, const RowParams* __restrict__ params,
+                 float* __restrict__ out, SampleParams p) {
+    __shared__ Best best_scratch[WARPS];
+    __shared__ float sum_scratch[WARPS];
+    __shared__ unsigned int counts[256];
+    __shared__ unsigned long long masses[256];
+    __shared__ unsigned int chosen_bin;
+    __shared__ unsigned long long carried;
+
+    const unsigned int row = blockIdx.x;
+    const float* x = logits + (unsigned long long)row * p.row_pitch;
+    const RowParams rp = params[row];
+    const unsigned int V = p.vocab;
+
+    // Pass 1: the largest logit (the greedy token).
+    Best local{NEG_INF, 0xffffffffu};
+    for (unsigned int i = threadIdx.x; i < V; i += THREADS) local = better(local, Best{x[i], i});
+    const Best top = block_best(local, best_scratch);
+    const float m = top.value;
+    const bool greedy = !(rp.temperature > 0.0f);
+    // The log-prob and entropy are of softmax(logits / T) over the whole vocabulary (T = 1 when
+    // greedy): what the actor recomputes.
+    const float inv_t = greedy ? 1.0f : 1.0f / rp.temperature;
+
+    // Pass 2: Z = sum exp(s), and sum exp(s) s for the entropy, s = (x - m) / T <= 0.
+    float z_local = 0.0f, zs_local = 0.0f;
+    for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
+        const float s = (x[i] - m) * inv_t;
+        const float e = expf(s);
+        z_local += e;
+        zs_local += e * s;
+    }
+    const float z = block_sum(z_local, sum_scratch);
+    const float zs = block_sum(zs_local, sum_scratch);
+    const float log_z = logf(z);
+
+    unsigned int token = top.index;
+    unsigned int kept = 1;
+    if (!greedy) {
+        // min-p: keep s >= log(min_p) (probability at least min_p times the largest).
+        const float min_s = rp.min_p > 0.0f ? logf(rp.min_p) : NEG_INF;
+        unsigned int threshold = 0;  // keep order_key(x) >= threshold
+        const bool top_k_on = rp.top_k > 0 && (unsigned int)rp.top_k < V;
+        const bool top_p_on = rp.top_p < 1.0f;
+        if (top_k_on) {
+            // Radix select: the key of the k-th largest kept logit.
+            unsigned int prefix = 0, mask = 0, remaining = (unsigned int)rp.top_k;
+            bool all = false;
+            for (int shift = 24; shift >= 0 && !all; shift -= 8) {
+                for (int b = threadIdx.x; b < 256; b += THREADS) counts[b] = 0;
+                __syncthreads();
+                for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
+                    const float xi = x[i];
+                    const unsigned int key = order_key(xi);
+                    if ((xi - m) * inv_t >= min_s && (key & mask) == prefix)
+                        atomicAdd(&counts[(key >> shift) & 255u], 1u);
+                }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    unsigned int acc = 0, bin = 256;
+                    for (int b = 255; b >= 0; --b) {
+                        if (acc + counts[b] >= remaining) { bin = b; break; }
+                        acc += counts[b];
+                    }
+                    chosen_bin = bin;
+                    carried = acc;
+                }
+                __syncthreads();
+                if (chosen_bin == 256) {
+                    all = true;  // fewer than k tokens pass min-p: keep them all
+                } else {
+                    remaining -= (unsigned int)carried;
+                    prefix |= chosen_bin << shift;
+                    mask |= 255u << shift;
+                }
+                __syncthreads();
+            }
+            if (!all) threshold = prefix;
+        }
+        if (top_p_on) {
+            // Radix select by probability mass: the largest key whose tokens at or above it
+            // (among those kept so far) hold at least top_p of the kept mass.
+            unsigned int prefix = 0, mask = 0;
+            for (int shift = 24; shift >= 0; shift -= 8) {
+                for (int b = threadIdx.x; b < 256; b += THREADS) masses[b] = 0ull;
+                __syncthreads();
+                for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
+                    const float xi = x[i];
+                    const float s = (xi - m) * inv_t;
+                    const unsigned int key = order_key(xi);
+                    if (s >= min_s && key >= threshold && (key & mask) == prefix) {
+                        const unsigned long long w =
+                            (unsigned long long)((double)expf(s) * FIXED_ONE + 0.5);
+                        if (w) atomicAdd(&masses[(key >> shift) & 255u], w);
+                    }
+                }
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    // What the bins from the top must hold: top_p of the kept mass first, then
+                    // what is left of it inside the bin chosen last.
+                    unsigned long long need = carried;
+                    if (shift == 24) {
+                        unsigned long long total = 0;
+                        for (int b = 0; b < 256; ++b) total += masses[b];
+                        need = (unsigned long long)ceil((double)rp.top_p * (double)total);
+                        if (need == 0) need = 1;
+                    }
+                    unsigned long long acc = 0;
+                    unsigned int bin = 0;  // not reached: keep the whole prefix
+                    for (int b = 255; b >= 0; --b) {
+                        if (acc + masses[b] >= need) { bin = b; break; }
+                        acc += masses[b];
+                    }
+                    chosen_bin = bin;
+                    carried = need > acc ? need - acc : 1ull;
+                }
+                __syncthreads();
+                prefix |= chosen_bin << shift;
+                mask |= 255u << shift;
+                __syncthreads();
+            }
+            threshold = threshold > prefix ? threshold : prefix;
+        }
+        // The draw: argmax of s + Gumbel noise over the kept tokens.
+        const unsigned long long seed = ((unsigned long long)rp.seed_hi << 32) | rp.seed_lo;
+        Best draw{NEG_INF, 0xffffffffu};
+        unsigned int kept_local = 0;
+        for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
+            const float xi = x[i];
+            const float s = (xi - m) * inv_t;
+            if (s >= min_s && order_key(xi) >= threshold) {
+                const float g = -logf(-logf(uniform(seed, rp.step, i)));
+                draw = better(draw, Best{s + g, i});
+                kept_local += 1;
+            }
+        }
+        const Best pick = block_best(draw, best_scratch);
+        kept = (unsigned int)block_sum((float)kept_local, sum_scratch);
+        // The most likely token always passes every filter, so a pick exists.
+        token = pick.index < V ? pick.index : top.index;
+    }
+    if (threadIdx.x == 0) {
+        const float s_tok = (x[token] - m) * inv_t;
+        float* o = out + (unsigned long long)row * 4;
+        o[0] = __uint_as_float(token);
+        o[1] = s_tok - log_z;
+        o[2] = log_z - zs / z;
+        o[3] = (float)kept;
+    }
+}

@@ -1,0 +1,314 @@
+//! The next token of every row of a logits matrix, chosen where the logits are: on burn-cuda
+//! one kernel launch samples every row and only the tokens, their log-probs and entropies come
+//! to the host (`cuda::kernels::sampling`); other backends get the logits back and sample on
+//! the host (the rollout engine's `Sampler`).
+//!
+//! The device draw is the Gumbel-max trick over the filtered distribution, with noise from a
+//! counter-based hash of (row seed, step, token id), so a request's tokens do not depend on its
+//! batch mates or on which slot it decodes in. [`reference_sample`] is the same draw on the host:
+//! the GPU check compares the kernel with it token for token, and the tests here check that it
+//! draws from the distribution the host sampler draws from.
+//!
+//! ```
+//! use verl_megatron::sampling::{reference_sample, RowSampling};
+//! let greedy = RowSampling { temperature: 0.0, ..RowSampling::default() };
+//! let pick = reference_sample(&[0.5, 2.0, -1.0], &greedy);
+//! assert_eq!(pick.token, 1);
+//! assert!(pick.log_prob < 0.0 && pick.entropy > 0.0);
+//! ```
+
+use burn::prelude::*;
+
+/// How one row is sampled: vLLM's order is temperature, then min-p, then top-k, then top-p
+/// over what min-p and top-k kept; then one draw from the renormalised rest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    /// 0: greedy (the first largest logit).
+    pub temperature: f32,
+    /// Keep the `top_k` largest logits (and any tied with the k-th); ≤ 0: off.
+    pub top_k: i32,
+    /// Keep the smallest most-likely set holding `top_p` of the probability; 1: off.
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the most likely one; 0: off.
+    pub min_p: f32,
+    /// The request's random stream.
+    pub seed: u64,
+    /// Which draw of the stream this is (tokens the request generated so far).
+    pub step: u32,
+}
+
+impl Default for RowSampling {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            step: 0,
+        }
+    }
+}
+
+/// One row's chosen token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampledToken {
+    pub token: u32,
+    /// `log softmax(logits / T)[token]` over the whole vocabulary (T = 1 when greedy): the
+    /// log-prob the actor recomputes.
+    pub log_prob: f32,
+    /// Entropy of `softmax(logits / T)` over the whole vocabulary.
+    pub entropy: f32,
+    /// Tokens left after the filters (1 when greedy).
+    pub kept: u32,
+}
+
+/// Samples every row of `logits` `[rows, vocab]` (f32) on the device, `rows[i]` for row `i`;
+/// the logits come back where no kernel applies (every backend but burn-cuda, the kernel
+/// switched off with `VERL_SAMPLING=decomposed`).
+pub fn sample_rows<B: Backend>(
+    logits: Tensor<B, 2>,
+    rows: &[RowSampling],
+) -> Result<Vec<SampledToken>, Tensor<B, 2>> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda::kernels::sampling::try_sample(logits, rows)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = rows;
+        Err(logits)
+    }
+}
+
+/// The logit's order-preserving unsigned key (larger float, larger key).
+fn order_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
+}
+
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The uniform in (0, 1) behind token `i`'s Gumbel noise at draw `step` of stream `seed` (24
+/// bits, as the kernel computes it).
+pub fn uniform(seed: u64, step: u32, i: u32) -> f32 {
+    let z = mix64(seed.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(step as u64 + 1)));
+    let z = mix64(z ^ 0xD1B5_4A32_D192_ED03u64.wrapping_mul(i as u64 + 1));
+    ((z >> 40) as f32 + 0.5) * (1.0 / 16_777_216.0)
+}
+
+/// A probability relative to the most likely token, in the 40-bit fixed point the top-p select
+/// adds up (integer sums do not depend on the order they are added in).
+fn fixed_mass(s: f32) -> u64 {
+    (s.exp() as f64 * (1u64 << 40) as f64 + 0.5) as u64
+}
+
+/// The kernel's draw for one row, on the host: the same filters, thresholds and noise.
+pub fn reference_sample(x: &[f32], p: &RowSampling) -> SampledToken {
+    let v = x.len();
+    let (mut top, mut m) = (0usize, f32::NEG_INFINITY);
+    for (i, &xi) in x.iter().enumerate() {
+        if xi > m {
+            (top, m) = (i, xi);
+        }
+    }
+    let greedy = p.temperature.is_nan() || p.temperature <= 0.0;
+    let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
+    let s = |i: usize| (x[i] - m) * inv_t;
+    let (mut z, mut zs) = (0f32, 0f32);
+    for i in 0..v {
+        let e = s(i).exp();
+        z += e;
+        zs += e * s(i);
+    }
+    let log_z = z.ln();
+    let (mut token, mut kept) = (top, 1u32);
+    if !greedy {
+        let min_s = if p.min_p > 0.0 {
+            p.min_p.ln()
+        } else {
+            f32::NEG_INFINITY
+        };
+        let mut order: Vec<usize> = (0..v).filter(|&i| s(i) >= min_s).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(order_key(x[i])));
+        let mut threshold = 0u32;
+        if p.top_k > 0 && (p.top_k as usize) < order.len() {
+            threshold = order_key(x[order[p.top_k as usize - 1]]);
+        }
+        if p.top_p < 1.0 {
+            let candidates: Vec<usize> = order
+                .iter()
+                .copied()
+                .filter(|&i| order_key(x[i]) >= threshold)
+                .collect();
+            let total: u64 = candidates.iter().map(|&i| fixed_mass(s(i))).sum();
+            let need = ((p.top_p as f64 * total as f64).ceil() as u64).max(1);
+            let mut acc = 0u64;
+            for &i in &candidates {
+                acc += fixed_mass(s(i));
+                if acc >= need {
+                    threshold = threshold.max(order_key(x[i]));
+                    break;
+                }
+            }
+        }
+        let (mut best, mut best_score) = (top, f32::NEG_INFINITY);
+        kept = 0;
+        for (i, &xi) in x.iter().enumerate() {
+            if s(i) >= min_s && order_key(xi) >= threshold {
+                let g = -(-uniform(p.seed, p.step, i as u32).ln()).ln();
+                if s(i) + g > best_score {
+                    (best, best_score) = (i, s(i) + g);
+                }
+                kept += 1;
+            }
+        }
+        token = best;
+    }
+    SampledToken {
+        token: token as u32,
+        log_prob: s(token) - log_z,
+        entropy: log_z - zs / z,
+        kept,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The distribution the filters leave, computed the plain way (sort, cut, renormalise).
+    fn filtered(x: &[f32], p: &RowSampling) -> Vec<f64> {
+        let t = p.temperature as f64;
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let w: Vec<f64> = x.iter().map(|&v| ((v as f64 - m) / t).exp()).collect();
+        let mut keep: Vec<usize> = (0..x.len()).filter(|&i| w[i] >= p.min_p as f64).collect();
+        keep.sort_by(|&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
+        if p.top_k > 0 {
+            keep.truncate(p.top_k as usize);
+        }
+        if p.top_p < 1.0 {
+            let total: f64 = keep.iter().map(|&i| w[i]).sum();
+            let mut acc = 0.0;
+            let mut n = 0;
+            for &i in &keep {
+                acc += w[i] / total;
+                n += 1;
+                if acc >= p.top_p as f64 - 1e-9 {
+                    break;
+                }
+            }
+            keep.truncate(n);
+        }
+        let total: f64 = keep.iter().map(|&i| w[i]).sum();
+        let mut out = vec![0.0; x.len()];
+        keep.iter().for_each(|&i| out[i] = w[i] / total);
+        out
+    }
+
+    #[test]
+    fn greedy_takes_the_first_largest_and_reports_the_full_softmax() {
+        let x = [1.0f32, 3.0, 3.0, -2.0];
+        let got = reference_sample(
+            &x,
+            &RowSampling {
+                temperature: 0.0,
+                ..Default::default()
+            },
+        );
+        assert_eq!(got.token, 1);
+        let lse = x.iter().map(|v| (v - 3.0).exp()).sum::<f32>().ln();
+        assert!((got.log_prob - (0.0 - lse)).abs() < 1e-6);
+        assert_eq!(got.kept, 1);
+    }
+
+    /// Hand-checked: logits ln(4), ln(2), ln(1), ln(1) are probabilities .5 .25 .125 .125;
+    /// top-p 0.7 keeps the first two, top-k 2 the first two and top-k 3 all four (the third and
+    /// fourth tie), min-p 0.3 those ≥ 0.15.
+    #[test]
+    fn filters_keep_the_hand_checked_sets() {
+        let x = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+        let kept = |p: RowSampling| reference_sample(&x, &p).kept;
+        let base = RowSampling::default();
+        assert_eq!(kept(base), 4);
+        assert_eq!(kept(RowSampling { top_p: 0.7, ..base }), 2);
+        assert_eq!(kept(RowSampling { top_k: 2, ..base }), 2);
+        assert_eq!(kept(RowSampling { top_k: 3, ..base }), 4);
+        assert_eq!(kept(RowSampling { min_p: 0.3, ..base }), 2);
+        assert_eq!(kept(RowSampling { top_p: 0.5, ..base }), 1);
+    }
+
+    /// Draws over many steps follow the filtered distribution (chi-square, 1 000 draws).
+    #[test]
+    fn draws_follow_the_filtered_distribution() {
+        // Distinct logits (with ties, top-k keeps every tied token).
+        let x: Vec<f32> = (0..12).map(|i| ((i * 7) % 12) as f32 * 0.3 - 1.5).collect();
+        for p in [
+            RowSampling::default(),
+            RowSampling {
+                temperature: 0.7,
+                top_k: 5,
+                ..Default::default()
+            },
+            RowSampling {
+                temperature: 1.3,
+                top_p: 0.8,
+                min_p: 0.05,
+                seed: 9,
+                ..Default::default()
+            },
+        ] {
+            let want = filtered(&x, &p);
+            let n = 1000;
+            let mut counts = vec![0usize; x.len()];
+            for step in 0..n {
+                let t = reference_sample(&x, &RowSampling { step, ..p }).token;
+                counts[t as usize] += 1;
+            }
+            let mut chi2 = 0.0;
+            let mut cells = 0;
+            for (c, q) in counts.iter().zip(&want) {
+                if *q == 0.0 {
+                    assert_eq!(*c, 0, "a filtered-out token was drawn ({p:?})");
+                    continue;
+                }
+                let e = q * n as f64;
+                chi2 += (*c as f64 - e).powi(2) / e;
+                cells += 1;
+            }
+            // Far above the 99.9 % quantile for ≤ 11 degrees of freedom (31.3).
+            assert!(chi2 < 40.0, "chi2 {chi2} over {cells} cells ({p:?})");
+        }
+    }
+
+    proptest! {
+        /// The kept set is what sorting and cutting keeps (ties aside: distinct logits here),
+        /// and the drawn token is in it.
+        #[test]
+        fn kept_set_matches_the_plain_filter(
+            raw in proptest::collection::btree_set(-400i32..400, 2..40),
+            t in 0.3f32..2.0, k in 0i32..12, top_p in 0.05f32..1.0, min_p in 0.0f32..0.5,
+            seed: u64,
+        ) {
+            let x: Vec<f32> = raw.iter().map(|&v| v as f32 / 37.0).collect();
+            let top_p = if top_p > 0.97 { 1.0 } else { top_p };
+            let p = RowSampling { temperature: t, top_k: k, top_p, min_p, seed, step: 3 };
+            let want = filtered(&x, &p);
+            let got = reference_sample(&x, &p);
+            let plain = want.iter().filter(|q| **q > 0.0).count() as u32;
+            // Fixed-point masses may move the top-p cut by one token at an exact boundary.
+            prop_assert!(got.kept.abs_diff(plain) <= 1, "kept {} vs {}", got.kept, plain);
+            prop_assert!(want[got.token as usize] > 0.0 || got.kept != plain);
+            prop_assert!(got.log_prob <= 1e-6 && got.entropy >= -1e-6);
+        }
+    }
+}

@@ -44,13 +44,17 @@ pub fn preset(name: &str) -> Result<Qwen2Dims, String> {
 }
 
 /// Decode throughput of the native rollout engine at each batch size.
+/// `samples` requests per prompt (the GRPO group size: with prefix caching they share one
+/// prefill).
 pub fn rollout(
     preset_name: &str,
     batches: &[usize],
     prompt_len: usize,
     new_tokens: usize,
     dtype: &str,
+    samples: usize,
 ) -> Result<(), String> {
+    let samples = samples.max(1);
     let dims = preset(preset_name)?;
     let cfg = HfModelConfig::qwen2(dims);
     let device = Default::default();
@@ -63,7 +67,7 @@ pub fn rollout(
     let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
     println!(
         "preset {preset_name}: {:.1}M parameters, {compute} products, prompt {prompt_len}, \
-         {new_tokens} new tokens, init {:.1}s, {} threads",
+         {new_tokens} new tokens, {samples} samples per prompt, init {:.1}s, {} threads",
         params as f64 / 1e6,
         start.elapsed().as_secs_f64(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -85,13 +89,14 @@ pub fn rollout(
     let mut engine =
         NativeRollout::new(cfg.clone(), model, engine_cfg, device).map_err(|e| e.to_string())?;
     println!(
-        "{:>6} {:>10} {:>14} {:>9} {:>13} {:>8} {:>9} {:>8}",
+        "{:>6} {:>10} {:>14} {:>9} {:>13} {:>8} {:>10} {:>9} {:>8}",
         "batch",
         "prefill_s",
         "prefill_tok/s",
         "ttft_ms",
         "decode_tok/s",
         "step_ms",
+        "enqueue_ms",
         "total_s",
         "sampling"
     );
@@ -100,7 +105,7 @@ pub fn rollout(
             (0..batch)
                 .map(|i| Request {
                     prompt: (0..prompt_len)
-                        .map(|j| ((i * 31 + j * 7) % dims.vocab_size) as u32)
+                        .map(|j| ((i / samples * 31 + j * 7) % dims.vocab_size) as u32)
                         .collect(),
                     sampler: Sampler::new(
                         SamplingParams {
@@ -120,14 +125,17 @@ pub fn rollout(
         engine.generate(make(2)).map_err(|e| e.to_string())?;
         let s = engine.last_stats();
         let decode_seconds = s.seconds - s.prefill_seconds;
+        // Prefill throughput counts every request's prompt tokens (shared ones included: what
+        // the caller got prefilled).
         println!(
-            "{:>6} {:>10.3} {:>14.0} {:>9.1} {:>13.1} {:>8.2} {:>9.3} {:>8}",
+            "{:>6} {:>10.3} {:>14.0} {:>9.1} {:>13.1} {:>8.2} {:>10.2} {:>9.3} {:>8}",
             batch,
             s.prefill_seconds,
             s.prompt_tokens as f64 / s.prefill_seconds.max(1e-9),
             s.first_token_seconds * 1e3,
             s.decode_tokens_per_second(),
             decode_seconds * 1e3 / s.decode_steps.max(1) as f64,
+            s.decode_enqueue_seconds * 1e3 / s.decode_steps.max(1) as f64,
             s.seconds,
             if s.sampled_on_device {
                 "device"

@@ -121,6 +121,9 @@ enum BenchCommand {
         /// Compute dtype of the products: float32 or bfloat16.
         #[arg(long, default_value = "float32")]
         dtype: String,
+        /// Requests per prompt (the GRPO group size; they share one prefill).
+        #[arg(long, default_value_t = 1)]
+        n: usize,
     },
     /// One training step (forward, loss, backward, AdamW) of a random-init Qwen2: tokens/s, MFU
     /// and the time per phase (peer: bench/peers/train_step.py).
@@ -236,8 +239,9 @@ fn run(cli: Cli) -> Result<(), String> {
                     prompt_len,
                     new_tokens,
                     dtype,
+                    n,
                 },
-        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype),
+        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype, n),
         Command::Bench {
             what:
                 BenchCommand::TrainStep {

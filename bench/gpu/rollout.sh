@@ -17,9 +17,12 @@ if [ "$what" = speed ] || [ "$what" = all ]; then
   T=200 run python3 bench/peers/decode.py --preset qwen2-0.5b --dtype bf16 --batch 1 16 64 256
   T=200 run $VERL bench rollout --preset qwen2-1.5b --dtype bfloat16 --batch 1,64,256
   T=200 run python3 bench/peers/decode.py --preset qwen2-1.5b --dtype bf16 --batch 1 64 256
+  # GRPO-style groups: 8 samples per prompt share one prefill.
+  T=150 run $VERL bench rollout --preset qwen2-0.5b --dtype bfloat16 --batch 64,256 --n 8
 fi
 if [ "$what" = levers ] || [ "$what" = all ]; then
   # Each lever off in turn (the kernels fall back to the plain path).
   VERL_SAMPLING=decomposed T=150 run $VERL bench rollout --preset qwen2-0.5b --dtype bfloat16 --batch 1,64
   VERL_DECODE_ATTENTION=decomposed T=150 run $VERL bench rollout --preset qwen2-0.5b --dtype bfloat16 --batch 1,64
+  VERL_FUSED_DECODE=off T=150 run $VERL bench rollout --preset qwen2-0.5b --dtype bfloat16 --batch 1,64,256
 fi

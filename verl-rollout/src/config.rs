@@ -78,6 +78,10 @@ pub struct EngineConfig {
     pub pad_token_id: u32,
     /// Return each sampled token's log-prob (`rollout_log_probs`).
     pub calculate_log_probs: bool,
+    /// Requests of one prompt admitted together (a prompt's `n` samples) share one prefill:
+    /// its keys and values are written to each of their slots
+    /// (`rollout.enable_prefix_caching`).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -101,6 +105,7 @@ impl Default for EngineConfig {
             ignore_eos: false,
             pad_token_id: 0,
             calculate_log_probs: false,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -159,6 +164,7 @@ impl EngineConfig {
             ignore_eos: rollout.ignore_eos,
             pad_token_id,
             calculate_log_probs: rollout.calculate_log_probs,
+            enable_prefix_caching: rollout.enable_prefix_caching,
         };
         cfg.validate()?;
         Ok(cfg)

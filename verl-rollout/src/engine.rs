@@ -7,10 +7,11 @@
 //! `max_num_seqs` streams through. When no request waits and fewer than half the slots are
 //! busy, the cache is compacted to the busy ones so the tail of a batch decodes cheaply.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use burn::prelude::*;
+use burn::tensor::TensorData;
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
@@ -55,6 +56,9 @@ pub struct GenerationStats {
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     pub prefill_steps: usize,
+    /// Prompt tokens run through prefills (less than `prompt_tokens` when samples of one
+    /// prompt shared its prefill).
+    pub prefilled_tokens: usize,
     pub decode_steps: usize,
     /// Most sequences decoded together.
     pub peak_batch: usize,
@@ -65,6 +69,9 @@ pub struct GenerationStats {
     pub first_token_seconds: f64,
     /// Whether tokens were sampled on the device (only ids and log-probs read back).
     pub sampled_on_device: bool,
+    /// Host time spent issuing the decode steps' model work (on a GPU the work runs
+    /// asynchronously: close to the decode time means the step is bound by launches).
+    pub decode_enqueue_seconds: f64,
 }
 
 struct Active {
@@ -243,8 +250,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 || cfg.stop_token_ids.contains(&tok)
         };
         loop {
-            // Admit waiting requests into free slots, within the prefill token budget.
-            let mut admitted: Vec<(usize, usize, Request)> = Vec::new();
+            // Admit waiting requests into free slots, within the prefill token budget. With
+            // prefix caching, requests of one prompt admitted together (a prompt's n samples)
+            // share one prefill, and only its first counts against the budget.
+            let mut admitted: Vec<(usize, usize, Request, usize)> = Vec::new();
+            let mut unique: Vec<Vec<u32>> = Vec::new();
+            let mut seen: HashMap<Vec<u32>, usize> = HashMap::new();
             let mut budget = 0;
             for (slot, state) in slots.iter().enumerate() {
                 if state.is_some() {
@@ -253,25 +264,50 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 let Some((_, next)) = waiting.front() else {
                     break;
                 };
-                if !admitted.is_empty()
-                    && budget + next.prompt.len() > self.config.max_num_batched_tokens
-                {
+                let shared = match self.config.enable_prefix_caching {
+                    true => seen.get(&next.prompt).copied(),
+                    false => None,
+                };
+                let cost = if shared.is_some() {
+                    0
+                } else {
+                    next.prompt.len()
+                };
+                if !admitted.is_empty() && budget + cost > self.config.max_num_batched_tokens {
                     break;
                 }
-                budget += next.prompt.len();
+                budget += cost;
                 let (id, req) = waiting.pop_front().expect("front exists");
-                admitted.push((slot, id, req));
+                let prompt = shared.unwrap_or_else(|| {
+                    seen.insert(req.prompt.clone(), unique.len());
+                    unique.push(req.prompt.clone());
+                    unique.len() - 1
+                });
+                admitted.push((slot, id, req, prompt));
             }
             if !admitted.is_empty() {
-                let prompts: Vec<Vec<u32>> =
-                    admitted.iter().map(|(_, _, r)| r.prompt.clone()).collect();
-                let slot_ids: Vec<usize> = admitted.iter().map(|(s, _, _)| *s).collect();
+                let targets: Vec<(usize, usize)> =
+                    admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
                 let prefill_start = Instant::now();
-                let logits = model.prefill_slots(&prompts, &slot_ids, &mut cache);
+                let logits = model.prefill_shared(&unique, &targets, &mut cache);
+                // One logits row per admitted request (shared prompts' rows repeated).
+                let logits = match unique.len() == admitted.len() {
+                    true => logits,
+                    false => {
+                        let rows: Vec<i64> = targets.iter().map(|&(p, _)| p as i64).collect();
+                        let n = rows.len();
+                        let idx = Tensor::<B, 1, Int>::from_data(
+                            TensorData::new(rows, [n]),
+                            &logits.device(),
+                        );
+                        logits.select(0, idx)
+                    }
+                };
                 stats.prefill_steps += 1;
+                stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
                 let mut fresh: Vec<Active> = admitted
                     .iter()
-                    .map(|(_, id, req)| Active {
+                    .map(|(_, id, req, _)| Active {
                         request: *id,
                         pos: req.prompt.len(),
                         last: 0,
@@ -286,7 +322,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 if stats.prefill_steps == 1 {
                     stats.first_token_seconds = start.elapsed().as_secs_f64();
                 }
-                for (((slot, id, _), mut active), pick) in
+                for (((slot, id, _, _), mut active), pick) in
                     admitted.into_iter().zip(fresh).zip(picks)
                 {
                     let (tok, log_prob) = pick.expect("every admitted row is sampled");
@@ -321,7 +357,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .collect();
             let window = positions.iter().max().copied().unwrap_or(0) + 1;
             debug_assert!(window <= capacity);
+            let enqueue = Instant::now();
             let logits = model.decode_slots(&tokens, &positions, window, &mut cache);
+            stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
             stats.decode_steps += 1;
             let picks = self.choose(
                 logits,

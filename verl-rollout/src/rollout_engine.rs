@@ -142,6 +142,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
                     model.load_weight(t?.to_device(&self.device))?;
                     count += 1;
                 }
+                // Loading cleared the fused decode weights: stack the new values.
+                model.prepare_generation();
             }
             None => {
                 let mut staged: HashMap<String, NamedTensor<B>> = HashMap::new();

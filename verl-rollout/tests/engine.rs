@@ -170,6 +170,47 @@ fn continuous_batching_streams_three_times_max_num_seqs_in_order() {
     }
 }
 
+/// A prompt's `n` samples admitted together share one prefill; what they generate (sampled,
+/// with log-probs) is what they generate when every sample prefills its own copy.
+#[test]
+fn samples_of_one_prompt_share_a_prefill_and_generate_the_same() {
+    let n = 4;
+    let ps = prompts(3, 21);
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        ..Default::default()
+    };
+    let reqs = || -> Vec<Request> {
+        ps.iter()
+            .flat_map(|p| std::iter::repeat_n(p, n))
+            .enumerate()
+            .map(|(i, p)| Request {
+                prompt: p.clone(),
+                sampler: Sampler::new(params, i as u64).unwrap(),
+                max_new_tokens: 8,
+            })
+            .collect()
+    };
+    let mut cfg = greedy_config(16);
+    cfg.ignore_eos = true;
+    cfg.calculate_log_probs = true;
+    cfg.sampling = params;
+    let mut shared = engine("qwen2", cfg.clone());
+    let with = shared.generate(reqs()).unwrap();
+    let stats = shared.last_stats();
+    let unique: usize = ps.iter().map(Vec::len).sum();
+    assert_eq!(stats.prompt_tokens, n * unique);
+    assert_eq!(stats.prefilled_tokens, unique, "each prompt prefilled once");
+    cfg.enable_prefix_caching = false;
+    let mut apart = engine("qwen2", cfg);
+    let without = apart.generate(reqs()).unwrap();
+    assert_eq!(apart.last_stats().prefilled_tokens, n * unique);
+    assert_eq!(with, without);
+    // The samples did differ from each other (they were sampled, not copied).
+    assert!(with[..n].iter().any(|c| c.tokens != with[0].tokens));
+}
+
 #[test]
 fn stop_tokens_and_length_limits_end_sequences_exactly() {
     let mut cfg = greedy_config(2);

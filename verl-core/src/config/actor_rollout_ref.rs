@@ -272,6 +272,9 @@ pub struct RolloutConfig {
     pub seed: u64,
     /// Return each sampled token's log-prob under the rollout engine.
     pub calculate_log_probs: bool,
+    /// Samples of one prompt admitted together share one prefill of it (vLLM's prefix
+    /// caching, within an admission batch).
+    pub enable_prefix_caching: bool,
     pub val_kwargs: ValKwargs,
 }
 
@@ -304,6 +307,7 @@ impl Default for RolloutConfig {
             n: 1,
             seed: 0,
             calculate_log_probs: false,
+            enable_prefix_caching: true,
             val_kwargs: ValKwargs::default(),
         }
     }

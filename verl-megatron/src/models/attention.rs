@@ -181,6 +181,23 @@ pub struct Attention<B: Backend> {
     pub tp: TpGroup,
 }
 
+/// A decode step's projections of one layer, as the decode-attention kernel reads them.
+pub enum DecodeProjections<B: Backend> {
+    /// `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads · head_dim]`, biases (if
+    /// any) already added.
+    Split {
+        q: Tensor<B, 2>,
+        k: Tensor<B, 2>,
+        v: Tensor<B, 2>,
+    },
+    /// The fused q/k/v product `[slots, (heads + 2 · kv_heads) · head_dim]` (q, then k, then
+    /// v) and its bias `[(heads + 2 · kv_heads) · head_dim]`, still to be added.
+    Packed {
+        qkv: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+    },
+}
+
 impl<B: ParallelBackend> Attention<B> {
     /// `x` `[batch, seq, hidden]`; `mask` says which keys each query attends to (causal and
     /// padding); cos/sin from [`RotaryEmbedding::tables`]. `cache` says which keys are attended
@@ -201,11 +218,91 @@ impl<B: ParallelBackend> Attention<B> {
         // Projections as [batch, seq, heads, head_dim]; the per-head norms act on the last dim.
         let mut q = self.q_proj.forward(x.clone()).reshape([b, t, nh, hd]);
         let mut k = self.k_proj.forward(x.clone()).reshape([b, t, nkv, hd]);
-        let mut v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
+        let v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(q);
             k = kn.forward(k);
         }
+        self.o_proj
+            .forward(self.attend(q, k, v, mask, cos, sin, cache))
+    }
+
+    /// A decode step (one token per slot of a [`AttnCache::Slots`] cache) from the fused q/k/v
+    /// product `qkv` `[slots, (heads + 2 · kv_heads) · head_dim]` whose `bias` is still to be
+    /// added (layers without per-head norms): the attention output `[slots, heads · head_dim]`
+    /// as the output projection reads it (bf16 with bf16 products), before that projection.
+    /// One kernel on burn-cuda (bias, RoPE, cache write, attention, rounding); elsewhere the
+    /// operands are split and take [`Self::forward`]'s path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_packed(
+        &self,
+        qkv: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+        mask: &AttentionMask<B>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: AttnCache<'_, B>,
+    ) -> Tensor<B, 2> {
+        let [b, _] = qkv.dims();
+        let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let low = precision::current() == ComputeDtype::Bf16;
+        let mut projections = DecodeProjections::Packed { qkv, bias };
+        if let AttnCache::Slots {
+            cache: slots,
+            layer,
+            on_device: Some(on_device),
+            ..
+        } = &cache
+        {
+            if cos.dims() == [b, 1, 1, hd] {
+                match decode_attention(
+                    projections,
+                    (cos.clone().reshape([b, hd]), sin.clone().reshape([b, hd])),
+                    on_device,
+                    slots.layer(*layer),
+                    (low, low),
+                ) {
+                    Ok(out) => return out,
+                    Err(back) => projections = back,
+                }
+            }
+        }
+        let DecodeProjections::Packed { qkv, bias } = projections else {
+            unreachable!("the packed operands come back as they went")
+        };
+        let qkv = match bias {
+            Some(bias) => qkv + bias.unsqueeze_dim(0),
+            None => qkv,
+        };
+        let q = qkv.clone().narrow(1, 0, nh * hd).reshape([b, 1, nh, hd]);
+        let k = qkv
+            .clone()
+            .narrow(1, nh * hd, nkv * hd)
+            .reshape([b, 1, nkv, hd]);
+        let v = qkv
+            .narrow(1, (nh + nkv) * hd, nkv * hd)
+            .reshape([b, 1, nkv, hd]);
+        let out = self.attend(q, k, v, mask, cos, sin, cache);
+        precision::operand(out.reshape([b, nh * hd]))
+    }
+
+    /// Attention of the projections `q` `[batch, seq, heads, head_dim]`, `k`, `v` `[batch,
+    /// seq, kv_heads, head_dim]` (before RoPE) through `cache`: `[batch, seq, heads ·
+    /// head_dim]`, before the output projection.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        mask: &AttentionMask<B>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: AttnCache<'_, B>,
+    ) -> Tensor<B, 3> {
+        let [b, t, _, _] = q.dims();
+        let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let (mut q, mut k, mut v) = (q, k, v);
         // A decode step over the slot cache: RoPE, the cache write and attention in one kernel.
         if let AttnCache::Slots {
             cache: slots,
@@ -217,19 +314,28 @@ impl<B: ParallelBackend> Attention<B> {
             if t == 1 && cos.dims() == [b, 1, 1, hd] {
                 let round = precision::current() == ComputeDtype::Bf16;
                 match decode_attention(
-                    q.reshape([b, nh * hd]),
-                    k.reshape([b, nkv * hd]),
-                    v.reshape([b, nkv * hd]),
+                    DecodeProjections::Split {
+                        q: q.reshape([b, nh * hd]),
+                        k: k.reshape([b, nkv * hd]),
+                        v: v.reshape([b, nkv * hd]),
+                    },
                     (cos.clone().reshape([b, hd]), sin.clone().reshape([b, hd])),
                     on_device,
                     slots.layer(*layer),
-                    round,
+                    (round, false),
                 ) {
-                    Ok(out) => return self.o_proj.forward(out.reshape([b, 1, nh * hd])),
-                    Err((q2, k2, v2)) => {
+                    Ok(out) => return out.reshape([b, 1, nh * hd]),
+                    Err(DecodeProjections::Split {
+                        q: q2,
+                        k: k2,
+                        v: v2,
+                    }) => {
                         q = q2.reshape([b, t, nh, hd]);
                         k = k2.reshape([b, t, nkv, hd]);
                         v = v2.reshape([b, t, nkv, hd]);
+                    }
+                    Err(DecodeProjections::Packed { .. }) => {
+                        unreachable!("the split operands come back as they went")
                     }
                 }
             }
@@ -255,7 +361,7 @@ impl<B: ParallelBackend> Attention<B> {
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
                 match fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
-                    Ok(out) => return self.o_proj.forward(out.reshape([b, t, nh * hd])),
+                    Ok(out) => return out.reshape([b, t, nh * hd]),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
             }
@@ -283,8 +389,7 @@ impl<B: ParallelBackend> Attention<B> {
                 ..
             } => (k, v) = cache.write_step(layer, k, v, positions, window),
         }
-        let bias = mask.bias();
-        self.o_proj.forward(decomposed_attention(q, k, v, bias))
+        decomposed_attention(q, k, v, mask.bias())
     }
 }
 
@@ -321,28 +426,32 @@ pub fn decode_kernel_applies<B: Backend>(heads: usize, kv_heads: usize, head_dim
 }
 
 /// One decode step's attention through the slot cache's kernel (see
-/// `cuda::kernels::decode_attention::try_decode_attention`), or the operands back where it
-/// does not apply.
-#[allow(clippy::type_complexity)]
+/// `cuda::kernels::decode_attention::try_decode_attention`), or the projections back where it
+/// does not apply. `(round_bf16, out_bf16)`: round the products' operands to bf16; write the
+/// output as bf16.
 fn decode_attention<B: Backend>(
-    q: Tensor<B, 2>,
-    k: Tensor<B, 2>,
-    v: Tensor<B, 2>,
+    projections: DecodeProjections<B>,
     (cos, sin): (Tensor<B, 2>, Tensor<B, 2>),
     positions: &Tensor<B, 1>,
     cache: (&Tensor<B, 4>, &Tensor<B, 4>),
-    round_bf16: bool,
-) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)> {
+    (round_bf16, out_bf16): (bool, bool),
+) -> Result<Tensor<B, 2>, DecodeProjections<B>> {
     #[cfg(feature = "cuda")]
     {
         crate::cuda::kernels::decode_attention::try_decode_attention(
-            q, k, v, &cos, &sin, positions, cache, round_bf16,
+            projections,
+            &cos,
+            &sin,
+            positions,
+            cache,
+            round_bf16,
+            out_bf16,
         )
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (cos, sin, positions, cache, round_bf16);
-        Err((q, k, v))
+        let _ = (cos, sin, positions, cache, round_bf16, out_bf16);
+        Err(projections)
     }
 }
 

@@ -13,6 +13,7 @@ use verl_core::NamedTensor;
 use super::attention::{
     attention_bias, causal_bias, decode_kernel_applies, Attention, AttentionMask, AttnCache,
 };
+use super::generation::{FusedWeights, GenerationWeights};
 use super::kv_cache::{KvCache, SlotKvCache};
 use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
@@ -172,6 +173,10 @@ pub struct CausalLm<B: Backend> {
     /// [`crate::layers::precision`].
     #[module(skip)]
     pub compute_dtype: ComputeDtype,
+    /// A generation-only model's fused weights ([`Self::with_generation_matrices`]); cleared by
+    /// any weight load and rebuilt by [`Self::prepare_generation`].
+    #[module(skip)]
+    generation: FusedWeights,
 }
 
 /// Which part of the model a pipeline stage holds.
@@ -291,9 +296,20 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// or router) in bf16, so a product reads its weight as it is instead of casting the f32
     /// matrix on every call: one launch and ~6 bytes of traffic per weight less per decode
     /// step. Weights loaded later keep that dtype ([`Self::load_shard`] casts them).
+    ///
+    /// It also stacks the matrices a decode step can multiply together (q/k/v, gate/up) for
+    /// the fused decode step of [`crate::models::generation`].
     pub fn with_generation_matrices(mut self) -> Self {
-        if self.compute_dtype != ComputeDtype::Bf16 {
-            return self;
+        self.prepare_generation();
+        self
+    }
+
+    /// [`Self::with_generation_matrices`] in place: after weights were loaded (which clears
+    /// the fused weights, as their values changed), rebuilds what is missing. A model without
+    /// bf16 products is left as it is.
+    pub fn prepare_generation(&mut self) {
+        if self.compute_dtype != ComputeDtype::Bf16 || self.generation().is_some() {
+            return;
         }
         let names: Vec<String> = self
             .export_shards()
@@ -307,7 +323,12 @@ impl<B: ParallelBackend> CausalLm<B> {
                 *p = Param::initialized(p.id, low);
             }
         }
-        self
+        self.generation = FusedWeights::of(GenerationWeights::build(self));
+    }
+
+    /// The fused weights of a generation-only model, when built.
+    pub fn generation(&self) -> Option<&GenerationWeights<B>> {
+        self.generation.get::<B>()
     }
 
     /// A freshly initialised model (training from scratch): weights drawn from
@@ -578,6 +599,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
             compute_dtype: ComputeDtype::F32,
             config: cfg.clone(),
+            generation: FusedWeights::default(),
         })
     }
 
@@ -824,7 +846,11 @@ impl<B: ParallelBackend> CausalLm<B> {
             Some(head) => head.forward(h),
             None => {
                 let [b, t, hidden] = h.dims();
-                let w = self.embedding().weight.val();
+                // A generation model's bf16 copy of the tied matrix, else the embedding.
+                let w = match self.generation().and_then(|g| g.tied_head.clone()) {
+                    Some(w) => w,
+                    None => self.embedding().weight.val(),
+                };
                 let [vocab, _] = w.dims();
                 precision::linear(h.reshape([b * t, hidden]), w).reshape([b, t, vocab])
             }
@@ -852,6 +878,24 @@ impl<B: ParallelBackend> CausalLm<B> {
         cache: &mut SlotKvCache<B>,
     ) -> Tensor<B, 2> {
         assert_eq!(prompts.len(), slots.len(), "one slot per prompt");
+        let targets: Vec<(usize, usize)> = slots.iter().copied().enumerate().collect();
+        self.prefill_shared(prompts, &targets, cache)
+    }
+
+    /// [`Self::prefill_slots`] where a prompt may fill several slots: each prompt runs once and
+    /// its keys and values are written to every slot of `targets` = `(prompt, slot)` pairs (the
+    /// `n` samples of one prompt sharing its prefill). Returns each prompt's last-token logits
+    /// `[prompts, vocab]`.
+    pub fn prefill_shared(
+        &self,
+        prompts: &[Vec<u32>],
+        targets: &[(usize, usize)],
+        cache: &mut SlotKvCache<B>,
+    ) -> Tensor<B, 2> {
+        assert!(
+            targets.iter().all(|&(p, _)| p < prompts.len()),
+            "targets name prompts"
+        );
         let device = self.device();
         let n = prompts.len();
         let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -879,10 +923,12 @@ impl<B: ParallelBackend> CausalLm<B> {
             &sin,
             CacheMode::Grow(&mut tmp),
         );
-        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        let sources: Vec<usize> = targets.iter().map(|&(p, _)| p).collect();
+        let slots: Vec<usize> = targets.iter().map(|&(_, s)| s).collect();
+        let lens: Vec<usize> = sources.iter().map(|&p| prompts[p].len()).collect();
         for (l, kv) in tmp.layers.into_iter().enumerate() {
             let (k, v) = kv.expect("every layer cached its keys");
-            cache.write_prefix(l, slots, &lens, k, v);
+            cache.write_prefix(l, (&sources, &slots, &lens), k, v);
         }
         let [_, _, hidden] = h.dims();
         let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
@@ -935,13 +981,22 @@ impl<B: ParallelBackend> CausalLm<B> {
             decode_kernel_applies::<B>(a.num_heads, a.num_kv_heads, a.head_dim)
                 .then(|| SlotKvCache::<B>::step_positions(positions, &device))
         });
-        let mode = CacheMode::Slots {
-            cache,
-            positions,
-            window,
-            on_device: on_device.as_ref(),
+        let h = match self.generation() {
+            Some(fused) => {
+                let _precision = precision::enter(self.compute_dtype);
+                let step = (positions, window, on_device.as_ref());
+                self.decode_fused(fused, ids, &mask, &cos, &sin, cache, step)
+            }
+            None => {
+                let mode = CacheMode::Slots {
+                    cache,
+                    positions,
+                    window,
+                    on_device: on_device.as_ref(),
+                };
+                self.decoder(StageInput::Ids(ids), &mask, &cos, &sin, mode)
+            }
         };
-        let h = self.decoder(StageInput::Ids(ids), &mask, &cos, &sin, mode);
         let logits = self.head(h, None);
         let vocab = logits.dims()[2];
         logits.reshape([s, vocab])
@@ -1268,6 +1323,8 @@ impl<B: Backend> CausalLm<B> {
     /// shape must match; otherwise the error names it.
     pub fn load_shard(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
         let name = tensor.name.clone();
+        // Fused copies of the old values must not outlive them (`prepare_generation` rebuilds).
+        self.generation = FusedWeights::default();
         let param = self
             .param_mut(&name)
             .ok_or_else(|| MegatronError::UnknownWeight { name: name.clone() })?;

@@ -133,12 +133,12 @@ impl<B: Backend> SlotKvCache<B> {
     }
 
     /// Writes prefilled keys / values `[prompts, kv_heads, len, head_dim]` of layer `layer`:
-    /// prompt `i` (of `lens[i]` tokens) into slot `slots[i]` at positions `0..lens[i]`.
+    /// target `i` copies prompt `sources[i]` (of `lens[i]` tokens) into slot `slots[i]` at
+    /// positions `0..lens[i]`. A prompt may fill several slots (its samples share a prefill).
     pub(crate) fn write_prefix(
         &mut self,
         layer: usize,
-        slots: &[usize],
-        lens: &[usize],
+        (sources, slots, lens): (&[usize], &[usize], &[usize]),
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
@@ -149,8 +149,7 @@ impl<B: Backend> SlotKvCache<B> {
             match crate::cuda::kernels::decode_attention::try_write_prefix(
                 k,
                 v,
-                slots,
-                lens,
+                (sources, slots, lens),
                 (ck, cv),
             ) {
                 Ok(()) => return,
@@ -160,7 +159,7 @@ impl<B: Backend> SlotKvCache<B> {
         let [n, kh, t, hd] = k.dims();
         let mut at = Vec::new();
         let mut rows = Vec::new();
-        for (i, (&slot, &len)) in slots.iter().zip(lens).enumerate() {
+        for ((&i, &slot), &len) in sources.iter().zip(slots).zip(lens) {
             for h in 0..kh {
                 for p in 0..len {
                     at.extend([slot as i64, h as i64, p as i64]);

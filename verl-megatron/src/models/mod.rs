@@ -7,6 +7,7 @@
 pub mod attention;
 pub mod causal_lm;
 pub mod generate;
+pub mod generation;
 pub mod kv_cache;
 pub mod mlp;
 pub mod qwen2_moe;
@@ -14,5 +15,6 @@ pub mod vocab_parallel;
 
 pub use causal_lm::{tp_split_dim, CausalLm};
 pub use generate::{generate, GenerateOptions};
+pub use generation::GenerationWeights;
 pub use kv_cache::{KvCache, LayerKv, SlotKvCache};
 pub use vocab_parallel::vocab_parallel_log_probs;

@@ -8,11 +8,16 @@
 // merging at the end. No [slots, heads, 1, keys] score tensor, no mask, no copy of the cache.
 //
 // verl_cache_write_prefix: a prefill's keys and values [prompts][kv_heads][len][HEAD_DIM] into
-// slots of the cache (prompt i into slot slots[i], positions 0..lens[i]).
+// slots of the cache (target i: prompt sources[i] into slot slots[i], positions 0..lens[i]; one
+// prompt may fill several slots, its n samples sharing one prefill).
 //
 // f32 throughout; with ROUND_BF16 = 1 query, keys and values are rounded to bf16 before their
-// products, as the decomposed path's bf16 products see them. HEAD_DIM (a multiple of 32) and REP
-// are compile-time. Compiled at run time by NVRTC (verl_megatron::cuda::kernels::decode_attention).
+// products, as the decomposed path's bf16 products see them. q, k and v are rows of any stride at
+// any element offset, so they can be three tensors or the one output of a fused q/k/v product;
+// with HAS_BIAS = 1 the projections' biases (laid out as one such row) are added as they are
+// read, and with OUT_BF16 = 1 the output is written as bf16 (the output projection's operand).
+// HEAD_DIM (a multiple of 32) and REP are compile-time. Compiled at run time by NVRTC
+// (verl_megatron::cuda::kernels::decode_attention).
 
 #define THREADS 128
 #define WARPS (THREADS / 32)
@@ -22,6 +27,12 @@
 #ifndef ROUND_BF16
 #define ROUND_BF16 0
 #endif
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#ifndef OUT_BF16
+#define OUT_BF16 0
+#endif
 
 struct DecodeParams {
     unsigned int slots;
@@ -29,7 +40,13 @@ struct DecodeParams {
     unsigned int kv_heads;
     unsigned int capacity;
     float sqrt_head_dim;
-    unsigned int unused;
+    // Row strides (elements) of q and of k / v, and where q, k and v start in their rows (and
+    // in the bias row).
+    unsigned int q_stride;
+    unsigned int kv_stride;
+    unsigned int q_offset;
+    unsigned int k_offset;
+    unsigned int v_offset;
 };
 
 __device__ __forceinline__ float operand(float x) {
@@ -43,23 +60,34 @@ __device__ __forceinline__ float operand(float x) {
 #endif
 }
 
-// x * cos + rotate_half(x) * sin at element d of a HEAD_DIM row, unfused (as burn's separate
-// products and sum round it).
-__device__ __forceinline__ float rotary(const float* row, const float* c, const float* s, int d) {
-    const int h = HEAD_DIM / 2;
-    const float other = d < h ? -row[d + h] : row[d - h];
-    return __fadd_rn(__fmul_rn(row[d], c[d]), __fmul_rn(other, s[d]));
+// Element i of a projection's head row, its bias added (one f32 add, as a separate bias add).
+__device__ __forceinline__ float at(const float* row, const float* bias, int i) {
+#if HAS_BIAS
+    return row[i] + bias[i];
+#else
+    return row[i];
+#endif
 }
 
-// Grid (kv_heads, slots). q [slots][heads * HEAD_DIM], k, v [slots][kv_heads * HEAD_DIM], cos,
-// sin [slots][HEAD_DIM], positions [slots] (u32), caches [slots][kv_heads][capacity][HEAD_DIM],
-// out [slots][heads * HEAD_DIM].
+// x * cos + rotate_half(x) * sin at element d of a HEAD_DIM row, unfused (as burn's separate
+// products and sum round it).
+__device__ __forceinline__ float rotary(const float* row, const float* bias, const float* c,
+                                        const float* s, int d) {
+    const int h = HEAD_DIM / 2;
+    const float other = d < h ? -at(row, bias, d + h) : at(row, bias, d - h);
+    return __fadd_rn(__fmul_rn(at(row, bias, d), c[d]), __fmul_rn(other, s[d]));
+}
+
+// Grid (kv_heads, slots). Slot r's query heads at q + r * q_stride + q_offset, its key and value
+// heads at k / v + r * kv_stride + k_offset / v_offset (heads of HEAD_DIM, contiguous); bias (with
+// HAS_BIAS) at the same offsets; cos, sin [slots][HEAD_DIM], positions [slots] (u32), caches
+// [slots][kv_heads][capacity][HEAD_DIM], out [slots][heads * HEAD_DIM] (f32, or bf16 bits).
+// q, k and v may be one buffer: none is written.
 extern "C" __global__ void __launch_bounds__(THREADS)
-verl_decode_attention(const float* __restrict__ q, const float* __restrict__ k,
-                      const float* __restrict__ v, const float* __restrict__ cos_t,
-                      const float* __restrict__ sin_t, const unsigned int* __restrict__ positions,
-                      float* __restrict__ k_cache, float* __restrict__ v_cache,
-                      float* __restrict__ out, DecodeParams p) {
+verl_decode_attention(const float* q, const float* k, const float* v, const float* bias,
+                      const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                      const unsigned int* __restrict__ positions, float* __restrict__ k_cache,
+                      float* __restrict__ v_cache, void* __restrict__ out, DecodeParams p) {
     __shared__ float q_rot[REP][HEAD_DIM];
     __shared__ float warp_max[WARPS][REP];
     __shared__ float warp_sum[WARPS][REP];
@@ -73,16 +101,19 @@ verl_decode_attention(const float* __restrict__ q, const float* __restrict__ k,
         (((unsigned long long)slot * p.kv_heads + g) * p.capacity) * HEAD_DIM;
 
     // This token's key (rotated) and value into the cache, and the rotated queries.
-    const float* k_row = k + ((unsigned long long)slot * p.kv_heads + g) * HEAD_DIM;
-    const float* v_row = v + ((unsigned long long)slot * p.kv_heads + g) * HEAD_DIM;
+    const unsigned int k_at = p.k_offset + g * HEAD_DIM, v_at = p.v_offset + g * HEAD_DIM;
+    const float* k_row = k + (unsigned long long)slot * p.kv_stride + k_at;
+    const float* v_row = v + (unsigned long long)slot * p.kv_stride + v_at;
     for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
-        k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = rotary(k_row, c, s, d);
-        v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = v_row[d];
+        k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] =
+            rotary(k_row, bias + k_at, c, s, d);
+        v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = at(v_row, bias + v_at, d);
     }
     for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
         const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-        const float* q_row = q + ((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM;
-        q_rot[r][d] = operand(rotary(q_row, c, s, d));
+        const unsigned int q_at = p.q_offset + (g * REP + r) * HEAD_DIM;
+        const float* q_row = q + (unsigned long long)slot * p.q_stride + q_at;
+        q_rot[r][d] = operand(rotary(q_row, bias + q_at, c, s, d));
     }
     __syncthreads();
 
@@ -142,21 +173,30 @@ verl_decode_attention(const float* __restrict__ q, const float* __restrict__ k,
             sum += warp_sum[w][r] * f;
             value += warp_acc[w][r][d] * f;
         }
-        out[((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM + d] = value / sum;
+        const unsigned long long o = ((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM + d;
+#if OUT_BF16
+        // Round to nearest even, as a cast to bf16 rounds.
+        unsigned int bits = __float_as_uint(value / sum);
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        ((unsigned short*)out)[o] = (unsigned short)(bits >> 16);
+#else
+        ((float*)out)[o] = value / sum;
+#endif
     }
 }
 
 struct PrefixParams {
-    unsigned int prompts;
+    unsigned int targets;
     unsigned int kv_heads;
     unsigned int len;
     unsigned int capacity;
 };
 
-// Grid (ceil(len * HEAD_DIM / THREADS), kv_heads, prompts). k, v [prompts][kv_heads][len][HEAD_DIM];
-// slots, lens [prompts] (u32).
+// Grid (ceil(len * HEAD_DIM / THREADS), kv_heads, targets). k, v [prompts][kv_heads][len][HEAD_DIM];
+// sources, slots, lens [targets] (u32).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v,
+                        const unsigned int* __restrict__ sources,
                         const unsigned int* __restrict__ slots,
                         const unsigned int* __restrict__ lens, float* __restrict__ k_cache,
                         float* __restrict__ v_cache, PrefixParams p) {
@@ -164,7 +204,8 @@ verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v
     const unsigned long long e = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
     const unsigned int position = (unsigned int)(e / HEAD_DIM);
     if (position >= lens[i] || position >= p.len) return;
-    const unsigned long long from = (((unsigned long long)i * p.kv_heads + h) * p.len) * HEAD_DIM + e;
+    const unsigned long long from =
+        (((unsigned long long)sources[i] * p.kv_heads + h) * p.len) * HEAD_DIM + e;
     const unsigned long long to =
         (((unsigned long long)slots[i] * p.kv_heads + h) * p.capacity) * HEAD_DIM + e;
     k_cache[to] = k[from];

@@ -13,7 +13,8 @@ use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{empty_f32, is_cuda, same, CudaPrimitive, KernelSwitch};
+use super::{is_cuda, same, CudaPrimitive, KernelSwitch};
+use crate::models::attention::DecodeProjections as Projections;
 
 const SOURCE: &str = include_str!("decode_attention.cu");
 /// Threads per block, as in `decode_attention.cu`.
@@ -57,52 +58,138 @@ fn primitive<B: Backend, const D: usize>(t: &Tensor<B, D>) -> CudaPrimitive {
     t.into_primitive().tensor()
 }
 
-/// One layer's decode step: `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads ·
-/// head_dim]` (before RoPE), `cos`, `sin` `[slots, head_dim]`, `positions` `[slots]` (u32 words,
-/// `SlotKvCache::step_positions`); writes the rotated key and the
-/// value into `cache_k` / `cache_v` `[slots, kv_heads, capacity, head_dim]` at each slot's
-/// position, in place, and returns attention over positions `0..=position` `[slots, heads ·
-/// head_dim]`. `round_bf16` rounds the products' operands as bf16 products would. The
-/// operands come back where the kernel does not apply (checked by the caller with
-/// [`applies`]; here too for non-contiguous or non-f32 tensors).
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+/// The kernel's pointer operands: q, k, v, bias (a stand-in when there is none).
+struct Bound {
+    q: CudaPrimitive,
+    k: CudaPrimitive,
+    v: CudaPrimitive,
+    bias: Option<CudaPrimitive>,
+    q_stride: usize,
+    kv_stride: usize,
+    offsets: [usize; 3],
+}
+
+/// `t` as a row-major matrix with unit column stride: its row stride, or `None`.
+fn row_stride(t: &CudaPrimitive) -> Option<usize> {
+    let strides = t.meta.strides();
+    (t.dtype == DType::F32 && strides.len() == 2 && strides[1] == 1).then(|| strides[0])
+}
+
+/// The kernel's operands for `projections`, or `None` where their dtype or layout does not
+/// fit.
+fn bind<B: Backend>(
+    projections: &Projections<B>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Option<Bound> {
+    match projections {
+        Projections::Split { q, k, v } => {
+            let [q, k, v] = [q, k, v].map(|t| into_contiguous(primitive(t)));
+            if ![&q, &k, &v].iter().all(|t| t.dtype == DType::F32) {
+                return None;
+            }
+            Some(Bound {
+                q,
+                k,
+                v,
+                bias: None,
+                q_stride: heads * head_dim,
+                kv_stride: kv_heads * head_dim,
+                offsets: [0; 3],
+            })
+        }
+        Projections::Packed { qkv, bias } => {
+            let qkv = primitive(qkv);
+            let stride = row_stride(&qkv)?;
+            let bias = match bias {
+                Some(b) => {
+                    let b = into_contiguous(primitive(b));
+                    if b.dtype != DType::F32 {
+                        return None;
+                    }
+                    Some(b)
+                }
+                None => None,
+            };
+            let (q_len, kv_len) = (heads * head_dim, kv_heads * head_dim);
+            Some(Bound {
+                q: qkv.clone(),
+                k: qkv.clone(),
+                v: qkv,
+                bias,
+                q_stride: stride,
+                kv_stride: stride,
+                offsets: [0, q_len, q_len + kv_len],
+            })
+        }
+    }
+}
+
+/// One layer's decode step: the projections (before RoPE), `cos`, `sin` `[slots, head_dim]`,
+/// `positions` `[slots]` (u32 words, `SlotKvCache::step_positions`); writes the rotated key
+/// and the value into `cache_k` / `cache_v` `[slots, kv_heads, capacity, head_dim]` at each
+/// slot's position, in place, and returns attention over positions `0..=position` `[slots,
+/// heads · head_dim]`, in bf16 when `out_bf16` (the output projection's operand), else f32.
+/// `round_bf16` rounds the products' operands as bf16 products would. The projections come
+/// back where the kernel does not apply (checked by the caller with [`applies`]; here too for
+/// tensors of other dtypes or layouts).
+#[allow(clippy::too_many_arguments)]
 pub fn try_decode_attention<B: Backend>(
-    q: Tensor<B, 2>,
-    k: Tensor<B, 2>,
-    v: Tensor<B, 2>,
+    projections: Projections<B>,
     cos: &Tensor<B, 2>,
     sin: &Tensor<B, 2>,
     positions: &Tensor<B, 1>,
     (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
     round_bf16: bool,
-) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 2>)> {
+    out_bf16: bool,
+) -> Result<Tensor<B, 2>, Projections<B>> {
     let [slots, kv_heads, capacity, head_dim] = cache_k.dims();
-    let heads = q.dims()[1] / head_dim.max(1);
-    let shapes_fit = q.dims() == [slots, heads * head_dim]
-        && k.dims() == [slots, kv_heads * head_dim]
-        && v.dims() == k.dims()
+    let (q_cols, kv_cols) = match &projections {
+        Projections::Split { q, k, v } => {
+            let fits = q.dims()[0] == slots && k.dims()[0] == slots && v.dims() == k.dims();
+            (fits.then_some(q.dims()[1]), k.dims()[1])
+        }
+        Projections::Packed { qkv, bias } => {
+            let total = qkv.dims()[1];
+            let kv = kv_heads * head_dim;
+            let fits = qkv.dims()[0] == slots
+                && total > 2 * kv
+                && bias.as_ref().is_none_or(|b| b.dims() == [total]);
+            (fits.then(|| total - 2 * kv), kv)
+        }
+    };
+    let heads = q_cols.unwrap_or(0) / head_dim.max(1);
+    let shapes_fit = q_cols == Some(heads * head_dim)
+        && kv_cols == kv_heads * head_dim
         && cos.dims() == [slots, head_dim]
         && sin.dims() == [slots, head_dim]
         && cache_v.dims() == cache_k.dims()
         && positions.dims() == [slots]
         && slots < 65_536;
     if !(shapes_fit && applies::<B>(heads, kv_heads, head_dim)) {
-        return Err((q, k, v));
+        return Err(projections);
     }
     let (ck, cv) = (primitive(cache_k), primitive(cache_v));
-    let operands = [&q, &k, &v].map(|t| into_contiguous(primitive(t)));
     let (cos, sin) = (
         into_contiguous(primitive(cos)),
         into_contiguous(primitive(sin)),
     );
     let pos = primitive(positions);
-    if ![&ck, &cv, &cos, &sin].iter().all(|t| plain_f32(t))
-        || !operands.iter().all(|t| t.dtype == DType::F32)
-    {
-        return Err((q, k, v));
+    let Some(bound) = bind(&projections, heads, kv_heads, head_dim) else {
+        return Err(projections);
+    };
+    if ![&ck, &cv, &cos, &sin].iter().all(|t| plain_f32(t)) {
+        return Err(projections);
     }
-    let [qp, kp, vp] = operands;
-    let out = empty_f32(&qp, vec![slots, heads * head_dim]);
+    let out = super::empty_of(
+        &bound.q,
+        vec![slots, heads * head_dim],
+        if out_bf16 { DType::BF16 } else { DType::F32 },
+    );
+    let has_bias = bound.bias.is_some();
+    let bias = bound.bias.as_ref().unwrap_or(&bound.q);
+    let [q_offset, k_offset, v_offset] = bound.offsets;
     CudaSource {
         entry: "verl_decode_attention",
         text: SOURCE,
@@ -110,21 +197,29 @@ pub fn try_decode_attention<B: Backend>(
             ("HEAD_DIM", head_dim as u32),
             ("REP", (heads / kv_heads) as u32),
             ("ROUND_BF16", round_bf16 as u32),
+            ("HAS_BIAS", has_bias as u32),
+            ("OUT_BF16", out_bf16 as u32),
         ],
         block: THREADS as u32,
         shared_bytes: 0,
     }
     .launch(
-        &qp.client,
+        &bound.q.client,
         (kv_heads as u32, slots as u32, 1),
-        &[&qp, &kp, &vp, &cos, &sin, &pos, &ck, &cv, &out],
+        &[
+            &bound.q, &bound.k, &bound.v, bias, &cos, &sin, &pos, &ck, &cv, &out,
+        ],
         pack_words(&[
             slots as u32,
             heads as u32,
             kv_heads as u32,
             capacity as u32,
             (head_dim as f32).sqrt().to_bits(),
-            0,
+            bound.q_stride as u32,
+            bound.kv_stride as u32,
+            q_offset as u32,
+            k_offset as u32,
+            v_offset as u32,
         ]),
     );
     let out = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(out));
@@ -132,18 +227,18 @@ pub fn try_decode_attention<B: Backend>(
 }
 
 /// Writes a prefill's keys and values `[prompts, kv_heads, len, head_dim]` into the cache
-/// (prompt `i`, `lens[i]` positions, into slot `slots[i]` from position 0), in place; the
-/// operands come back where the kernel does not apply.
+/// (target `i`: prompt `sources[i]`, `lens[i]` positions, into slot `slots[i]` from position
+/// 0), in place; the operands come back where the kernel does not apply.
 #[allow(clippy::type_complexity)]
 pub fn try_write_prefix<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    slots: &[usize],
-    lens: &[usize],
+    (sources, slots, lens): (&[usize], &[usize], &[usize]),
     (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
 ) -> Result<(), (Tensor<B, 4>, Tensor<B, 4>)> {
     let [prompts, kv_heads, len, head_dim] = k.dims();
     let [cache_slots, cache_heads, capacity, cache_dim] = cache_k.dims();
+    let targets = slots.len();
     let fits = SWITCH.enabled()
         && is_cuda::<B>()
         && v.dims() == k.dims()
@@ -152,11 +247,12 @@ pub fn try_write_prefix<B: Backend>(
         && cache_dim == head_dim
         && head_dim % 32 == 0
         && len <= capacity
-        && slots.len() == prompts
-        && lens.len() == prompts
+        && sources.len() == targets
+        && lens.len() == targets
+        && sources.iter().all(|&s| s < prompts)
         && slots.iter().all(|&s| s < cache_slots)
         && lens.iter().all(|&l| l <= len)
-        && prompts < 65_536
+        && targets < 65_536
         && kv_heads < 65_536;
     if !fits {
         return Err((k, v));
@@ -170,7 +266,8 @@ pub fn try_write_prefix<B: Backend>(
         return Err((k, v));
     }
     let device = k.device();
-    let (slot_words, len_words) = (words::<B>(slots, &device), words::<B>(lens, &device));
+    let [source_words, slot_words, len_words] =
+        [sources, slots, lens].map(|values| words::<B>(values, &device));
     CudaSource {
         entry: "verl_cache_write_prefix",
         text: SOURCE,
@@ -184,10 +281,10 @@ pub fn try_write_prefix<B: Backend>(
         (
             (len * head_dim).div_ceil(THREADS) as u32,
             kv_heads as u32,
-            prompts as u32,
+            targets as u32,
         ),
-        &[&kp, &vp, &slot_words, &len_words, &ck, &cv],
-        pack_words(&[prompts as u32, kv_heads as u32, len as u32, capacity as u32]),
+        &[&kp, &vp, &source_words, &slot_words, &len_words, &ck, &cv],
+        pack_words(&[targets as u32, kv_heads as u32, len as u32, capacity as u32]),
     );
     Ok(())
 }

@@ -101,11 +101,16 @@ impl KernelSwitch {
 
 /// A new contiguous f32 tensor of `shape` on `like`'s device and stream, uninitialised.
 pub(crate) fn empty_f32(like: &CudaPrimitive, shape: Vec<usize>) -> CudaPrimitive {
+    empty_of(like, shape, DType::F32)
+}
+
+/// A new contiguous tensor of `dtype` and `shape` on `like`'s device and stream, uninitialised.
+pub(crate) fn empty_of(like: &CudaPrimitive, shape: Vec<usize>, dtype: DType) -> CudaPrimitive {
     empty_device_contiguous_dtype(
         like.client.clone(),
         like.device.clone(),
         shape.into(),
-        DType::F32,
+        dtype,
     )
 }
 

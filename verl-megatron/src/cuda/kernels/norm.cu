@@ -10,6 +10,11 @@
 //   dx = rstd * (g - x^ * mean(g * x^)),   dw = sum over rows of dy * x^,
 // dw as one partial sum per block ([blocks][hidden]), summed by the caller, so the result does
 // not depend on the order blocks run in.
+//
+// verl_add_rms_norm_bf16 (decode steps, no backward): the residual sum s = h + delta and the
+// norm of s rounded to bf16 (the next products' operand) in one launch, where the plain path
+// takes an add, the norm and a cast. Same summation order as the forward above, so its output
+// is bit-identical to that chain.
 
 #define THREADS 256
 #define ROWS_PER_BLOCK 16
@@ -75,4 +80,41 @@ verl_rms_norm_backward(const float* __restrict__ x, const float* __restrict__ w,
     }
     float* out = dw_partial + (unsigned long long)blockIdx.x * p.hidden;
     for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) out[i] = dw[i];
+}
+
+struct AddNormParams {
+    unsigned int rows;
+    unsigned int hidden;
+    float eps;
+    // 1: s = h + delta (written to `sum`); 0: s = h (`delta` and `sum` unread / unwritten).
+    unsigned int add;
+};
+
+// Round to nearest even on the upper 16 bits (as a cast of a finite f32 to bf16 rounds).
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned int b = __float_as_uint(x);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (unsigned short)(b >> 16);
+}
+
+// Grid (rows). h, delta, sum [rows][hidden] f32; w [hidden] f32; y [rows][hidden] bf16.
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_add_rms_norm_bf16(const float* h, const float* delta, const float* __restrict__ w,
+                       float* sum, unsigned short* __restrict__ y, AddNormParams p) {
+    __shared__ float scratch[THREADS / 32];
+    const unsigned long long at = (unsigned long long)blockIdx.x * p.hidden;
+    float ss = 0.0f;
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) {
+        float s = h[at + i];
+        if (p.add) {
+            s = s + delta[at + i];
+            sum[at + i] = s;
+        }
+        ss += s * s;
+    }
+    const float r = rsqrtf(block_sum(ss, scratch) / (float)p.hidden + p.eps);
+    // Each thread reads back only what it wrote (or h itself).
+    const float* s = p.add ? sum : h;
+    for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS)
+        y[at + i] = bf16_bits(s[at + i] * r * w[i]);
 }

@@ -180,6 +180,74 @@ pub fn try_rms_norm<B: Backend, const D: usize>(
     }
 }
 
+/// What [`try_add_rms_norm_bf16`] hands back when it does not apply.
+pub type AddNormNotApplied<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Tensor<B, 1>);
+
+/// A decode step's residual sum and the next norm in one launch: `s = h + delta` (`h` itself
+/// without `delta`) and `rms_norm(s) · weight` rounded to bf16 (the next products' operand),
+/// for f32 `h`, `delta` `[rows, hidden]` and `weight` `[hidden]` on plain burn-cuda:
+/// `(s, y)`. Otherwise the inputs come back (the caller adds, norms and casts).
+pub fn try_add_rms_norm_bf16<B: Backend>(
+    h: Tensor<B, 2>,
+    delta: Option<Tensor<B, 2>>,
+    weight: Tensor<B, 1>,
+    eps: f64,
+) -> Result<(Tensor<B, 2>, Tensor<B, 2>), AddNormNotApplied<B>> {
+    let [rows, hidden] = h.dims();
+    let applies = SWITCH.enabled()
+        && super::is_cuda::<B>()
+        && hidden > 0
+        && rows > 0
+        && rows < (1 << 31)
+        && weight.dims() == [hidden]
+        && h.dtype() == DType::F32
+        && weight.dtype() == DType::F32
+        && delta
+            .as_ref()
+            .is_none_or(|d| d.dims() == [rows, hidden] && d.dtype() == DType::F32);
+    if !applies {
+        return Err((h, delta, weight));
+    }
+    let prim = |t: Tensor<B, 2>| {
+        let t: Tensor<CudaBackend, 2> = same(t);
+        into_contiguous(t.into_primitive().tensor())
+    };
+    let w: Tensor<CudaBackend, 1> = same(weight);
+    let w = into_contiguous(w.into_primitive().tensor());
+    let h = prim(h);
+    let add = delta.is_some();
+    let (delta, sum) = match delta {
+        Some(d) => (prim(d), empty_f32(&h, vec![rows, hidden])),
+        // Not read or written without a delta.
+        None => (h.clone(), h.clone()),
+    };
+    let y = super::empty_of(&h, vec![rows, hidden], DType::BF16);
+    CudaSource {
+        entry: "verl_add_rms_norm_bf16",
+        text: SOURCE,
+        defines: Vec::new(),
+        block: THREADS,
+        shared_bytes: 0,
+    }
+    .launch(
+        &h.client,
+        (rows as u32, 1, 1),
+        &[&h, &delta, &w, &sum, &y],
+        pack_words(&[
+            rows as u32,
+            hidden as u32,
+            (eps as f32).to_bits(),
+            add as u32,
+        ]),
+    );
+    let wrap = |p: CudaPrimitive| -> Tensor<B, 2> {
+        same(Tensor::<CudaBackend, 2>::from_primitive(
+            TensorPrimitive::Float(p),
+        ))
+    };
+    Ok((wrap(sum), wrap(y)))
+}
+
 fn norm_autodiff(
     d: Dims,
     x: Tensor<Autodiff<CudaBackend>, 2>,

@@ -122,6 +122,43 @@ pub fn try_swiglu<B: Backend, const D: usize>(
     }
 }
 
+/// A decode step's `silu(gate) · up` from the fused gate/up product `gu` `[rows, 2 · inter]`
+/// (gate columns first, f32), rounded to bf16 for the down projection: `[rows, inter]` bf16 in
+/// one launch, on plain burn-cuda; otherwise `gu` comes back (the caller splits it and takes
+/// [`try_swiglu`]'s path and a cast).
+pub fn try_swiglu_packed_bf16<B: Backend>(gu: Tensor<B, 2>) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+    let [rows, width] = gu.dims();
+    let inter = width / 2;
+    let applies = SWITCH.enabled()
+        && super::is_cuda::<B>()
+        && width.is_multiple_of(2)
+        && rows * inter > 0
+        && rows * width < (1 << 31)
+        && gu.dtype() == DType::F32;
+    if !applies {
+        return Err(gu);
+    }
+    let gu: Tensor<CudaBackend, 2> = same(gu);
+    let gu = into_contiguous(gu.into_primitive().tensor());
+    let out = super::empty_of(&gu, vec![rows, inter], DType::BF16);
+    CudaSource {
+        entry: "verl_swiglu_packed_bf16",
+        text: SOURCE,
+        defines: Vec::new(),
+        block: THREADS,
+        shared_bytes: 0,
+    }
+    .launch(
+        &gu.client,
+        ((rows * inter).div_ceil(THREADS as usize) as u32, 1, 1),
+        &[&gu, &out],
+        pack_words(&[rows as u32, inter as u32]),
+    );
+    Ok(same(Tensor::<CudaBackend, 2>::from_primitive(
+        TensorPrimitive::Float(out),
+    )))
+}
+
 fn swiglu_autodiff<const D: usize>(
     g: Tensor<Autodiff<CudaBackend>, D>,
     u: Tensor<Autodiff<CudaBackend>, D>,

@@ -1,0 +1,272 @@
+//! A generation-only model's fused weights and its decode step with fewer launches.
+//!
+//! A decode step feeds one token per slot; at rollout batch sizes each of its products reads a
+//! few MB of weights, so the step is bound by how many kernels it launches, not by arithmetic.
+//! With bf16 products the rollout engine's model ([`CausalLm::with_generation_matrices`])
+//! keeps, per dense decoder layer, q/k/v stacked into one matrix (one product instead of three,
+//! the biases added inside decode attention) and gate/up stacked into one (one product instead
+//! of two, SwiGLU reading both halves of its rows), plus a bf16 copy of a tied LM head. The
+//! separate q/k/v and gate/up weights become views of the stacked ones, so nothing is stored
+//! twice (where the backend can view them at their offsets).
+//!
+//! A decoder layer's step is then: residual add + RMSNorm + bf16 rounding (one kernel), the
+//! q/k/v product, decode attention (bias, RoPE, cache write, attention, rounding: one kernel),
+//! the output product, add + norm again, the gate/up product, SwiGLU to bf16, the down product:
+//! 8 launches where the layer-by-layer path takes about 20. Each fused kernel computes exactly
+//! what the chain it replaces computes (same operations in the same order), and falls back to
+//! that chain on every other backend, so on the CPU this path runs the plain operations and is
+//! checked against the model without fused weights.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use burn::module::Param;
+use burn::prelude::*;
+
+use super::attention::{AttentionMask, AttnCache};
+use super::causal_lm::CausalLm;
+use super::kv_cache::SlotKvCache;
+use super::mlp::{swiglu, FeedForward};
+use crate::layers::precision::{self, ComputeDtype};
+use crate::layers::RmsNorm;
+use crate::parallel::ParallelBackend;
+
+/// One dense decoder layer's stacked matrices (bf16).
+#[derive(Debug, Clone)]
+pub struct FusedLayer<B: Backend> {
+    /// `[q_out + 2 · kv_out, hidden]`: this rank's q, k and v rows, in that order.
+    pub qkv: Tensor<B, 2>,
+    /// q, k and v biases side by side (Qwen2), `None` for layers without.
+    pub qkv_bias: Option<Tensor<B, 1>>,
+    /// `[2 · intermediate, hidden]`: gate rows, then up rows.
+    pub gate_up: Tensor<B, 2>,
+}
+
+/// The fused weights of a generation-only model (see the module docs).
+#[derive(Debug, Clone)]
+pub struct GenerationWeights<B: Backend> {
+    pub layers: Vec<FusedLayer<B>>,
+    /// The tied embedding in bf16, read by the LM head (`None` with an untied head, whose own
+    /// matrix is already bf16).
+    pub tied_head: Option<Tensor<B, 2>>,
+}
+
+/// Where [`CausalLm`] keeps its [`GenerationWeights`]: type-erased, because burn's `Module`
+/// derive treats any field that names the backend as a module, skipped or not.
+#[derive(Clone, Default)]
+pub(crate) struct FusedWeights(Option<Arc<dyn Any + Send + Sync>>);
+
+impl FusedWeights {
+    pub(crate) fn of<B: Backend>(weights: Option<GenerationWeights<B>>) -> Self {
+        Self(weights.map(|w| Arc::new(w) as Arc<dyn Any + Send + Sync>))
+    }
+
+    pub(crate) fn get<B: Backend>(&self) -> Option<&GenerationWeights<B>> {
+        self.0.as_ref()?.downcast_ref()
+    }
+}
+
+impl std::fmt::Debug for FusedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "FusedWeights(built)"
+        } else {
+            "FusedWeights(none)"
+        })
+    }
+}
+
+impl<B: ParallelBackend> GenerationWeights<B> {
+    /// Stacks `model`'s matrices, pointing its separate q/k/v and gate/up weights at views of
+    /// the stacked ones. `None` (and the model untouched) unless the model has bf16 products,
+    /// its whole decoder (one pipeline stage holding embedding, layers and final norm), an LM
+    /// head, no sequence parallelism, and only dense layers without per-head q/k norms whose
+    /// q/k/v projections all have a bias or none has.
+    ///
+    /// `VERL_FUSED_DECODE=off` in the environment turns this off (benchmarks measure the
+    /// layer-by-layer step with it).
+    pub fn build(model: &mut CausalLm<B>) -> Option<Self> {
+        let switched_off = std::env::var("VERL_FUSED_DECODE")
+            .is_ok_and(|v| matches!(v.as_str(), "off" | "0" | "decomposed"));
+        let fits = !switched_off
+            && model.compute_dtype == ComputeDtype::Bf16
+            && model.embed_tokens.is_some()
+            && model.norm.is_some()
+            && model.score.is_none()
+            && !model.tp.sequence_parallel
+            && model.layers.iter().all(|l| {
+                let a = &l.self_attn;
+                let biases = [&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias]
+                    .iter()
+                    .filter(|b| b.is_some())
+                    .count();
+                matches!(l.mlp, FeedForward::Dense(_))
+                    && a.q_norm.is_none()
+                    && (biases == 0 || biases == 3)
+            });
+        if !fits {
+            return None;
+        }
+        let mut layers = Vec::with_capacity(model.layers.len());
+        for layer in &mut model.layers {
+            let a = &mut layer.self_attn;
+            let (qkv, parts) = stack(&mut [
+                &mut a.q_proj.weight,
+                &mut a.k_proj.weight,
+                &mut a.v_proj.weight,
+            ]);
+            let qkv_bias = match (&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias) {
+                (Some(q), Some(k), Some(v)) => {
+                    Some(Tensor::cat(vec![q.val(), k.val(), v.val()], 0))
+                }
+                _ => None,
+            };
+            debug_assert_eq!(parts.len(), 3);
+            let FeedForward::Dense(mlp) = &mut layer.mlp else {
+                unreachable!("checked above: dense layers only")
+            };
+            let (gate_up, _) = stack(&mut [&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight]);
+            layers.push(FusedLayer {
+                qkv,
+                qkv_bias,
+                gate_up,
+            });
+        }
+        let tied_head = match &model.lm_head {
+            Some(_) => None,
+            None => model
+                .embed_tokens
+                .as_ref()
+                .map(|e| e.weight.val().cast(burn::tensor::FloatDType::BF16)),
+        };
+        Some(Self { layers, tied_head })
+    }
+}
+
+/// The matrices `parts` stacked along their rows; each part's parameter becomes a view of its
+/// rows of the stack (same id, same values). Returns the stack and each part's row count.
+fn stack<B: Backend>(parts: &mut [&mut Param<Tensor<B, 2>>]) -> (Tensor<B, 2>, Vec<usize>) {
+    let rows: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
+    let stacked = Tensor::cat(parts.iter().map(|p| p.val()).collect(), 0);
+    let mut start = 0;
+    for (p, &n) in parts.iter_mut().zip(&rows) {
+        **p = Param::initialized(p.id, stacked.clone().narrow(0, start, n));
+        start += n;
+    }
+    (stacked, rows)
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// A decode step's residual sum `s = h + delta` (`h` itself without `delta`) and this norm
+    /// of `s` as the next products' operand (bf16 under bf16 products): `(s, operand)`. One
+    /// kernel on burn-cuda with bf16 products; elsewhere the add, [`Self::forward`] and the
+    /// cast.
+    pub fn add_then_forward(
+        &self,
+        h: Tensor<B, 2>,
+        delta: Option<Tensor<B, 2>>,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        #[cfg(feature = "cuda")]
+        let (h, delta) = match precision::current() {
+            ComputeDtype::Bf16 => {
+                match crate::cuda::kernels::norm::try_add_rms_norm_bf16(
+                    h,
+                    delta,
+                    self.weight.val(),
+                    self.eps,
+                ) {
+                    Ok(out) => return out,
+                    Err((h, delta, _)) => (h, delta),
+                }
+            }
+            ComputeDtype::F32 => (h, delta),
+        };
+        let s = match delta {
+            Some(d) => h + d,
+            None => h,
+        };
+        let y = precision::operand(self.forward(s.clone()));
+        (s, y)
+    }
+}
+
+/// `silu(gate) · up` from the fused gate/up product `gu` `[rows, 2 · inter]`, as the down
+/// projection's operand: one kernel on burn-cuda, else the halves through [`swiglu`] and a
+/// cast.
+fn swiglu_operand<B: Backend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
+    #[cfg(feature = "cuda")]
+    let gu = match precision::current() {
+        ComputeDtype::Bf16 => match crate::cuda::kernels::swiglu::try_swiglu_packed_bf16(gu) {
+            Ok(out) => return out,
+            Err(gu) => gu,
+        },
+        ComputeDtype::F32 => gu,
+    };
+    let [_, width] = gu.dims();
+    let inter = width / 2;
+    let gate = gu.clone().narrow(1, 0, inter);
+    let up = gu.narrow(1, inter, inter);
+    precision::operand(swiglu(gate, up))
+}
+
+impl<B: ParallelBackend> CausalLm<B> {
+    /// The decoder of one decode step over the slot cache through the fused weights `fused`:
+    /// embeddings of `ids` `[slots, 1]`, every layer, the final norm; returns the normed hidden
+    /// states `[slots, 1, hidden]` as the LM head's operand. Runs inside the model's compute
+    /// dtype (the caller entered it).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode_fused(
+        &self,
+        fused: &GenerationWeights<B>,
+        ids: Tensor<B, 2, Int>,
+        mask: &AttentionMask<B>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: &mut SlotKvCache<B>,
+        (positions, window, on_device): (&[usize], usize, Option<&Tensor<B, 1>>),
+    ) -> Tensor<B, 3> {
+        let embed = self
+            .embed_tokens
+            .as_ref()
+            .expect("fused weights exist only with the embedding");
+        let h = embed.forward(ids);
+        let [slots, _, hidden] = h.dims();
+        let mut h = h.reshape([slots, hidden]);
+        let mut delta = None;
+        for (l, (layer, f)) in self.layers.iter().zip(&fused.layers).enumerate() {
+            let (sum, x) = layer.input_layernorm.add_then_forward(h, delta.take());
+            let attn = &layer.self_attn;
+            let qkv = precision::linear(attn.tp.enter(x), f.qkv.clone());
+            let out = attn.decode_packed(
+                qkv,
+                f.qkv_bias.clone(),
+                mask,
+                cos,
+                sin,
+                AttnCache::Slots {
+                    cache,
+                    layer: l,
+                    positions,
+                    window,
+                    on_device,
+                },
+            );
+            let o = attn.o_proj.forward(out);
+            let (sum, x) = layer
+                .post_attention_layernorm
+                .add_then_forward(sum, Some(o));
+            h = sum;
+            let FeedForward::Dense(mlp) = &layer.mlp else {
+                unreachable!("fused weights exist only for dense layers")
+            };
+            let gu = precision::linear(mlp.tp.enter(x), f.gate_up.clone());
+            delta = Some(mlp.down_proj.forward(swiglu_operand(gu)));
+        }
+        let norm = self
+            .norm
+            .as_ref()
+            .expect("fused weights exist only with the final norm");
+        let (_, y) = norm.add_then_forward(h, delta);
+        y.reshape([slots, 1, hidden])
+    }
+}

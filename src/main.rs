@@ -85,6 +85,10 @@ enum Command {
         n: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// End a response at the token that completes this string (repeatable; the token is
+        /// kept).
+        #[arg(long)]
+        stop: Vec<String>,
         /// Use the prompt as is, without the chat template.
         #[arg(long)]
         raw: bool,
@@ -307,6 +311,7 @@ fn run(cli: Cli) -> Result<(), String> {
             min_p,
             n,
             seed,
+            stop,
             raw,
             json,
         } => generate_cmd(
@@ -320,7 +325,7 @@ fn run(cli: Cli) -> Result<(), String> {
                 min_p,
                 seed,
             },
-            n,
+            (n, stop),
             raw,
             json,
         ),
@@ -370,7 +375,7 @@ fn generate_cmd(
     prompts: &[String],
     max_new_tokens: usize,
     sampling: SamplingParams,
-    n: usize,
+    (n, stop): (usize, Vec<String>),
     raw: bool,
     json: bool,
 ) -> Result<(), String> {
@@ -409,16 +414,19 @@ fn generate_cmd(
         sampling,
         n,
         eos_token_ids: eos,
+        stop,
         ..EngineConfig::default()
     };
     if max_new_tokens == 0 {
         return Err("--max-new-tokens must be at least 1".into());
     }
-    let mut engine = NativeRollout::new(cfg, lm, engine_cfg, device).map_err(|e| {
-        e.to_string()
-            .replace("actor_rollout_ref.rollout.", "--")
-            .replace("response_length", "max-new-tokens")
-    })?;
+    let mut engine = NativeRollout::new(cfg, lm, engine_cfg, device)
+        .map_err(|e| {
+            e.to_string()
+                .replace("actor_rollout_ref.rollout.", "--")
+                .replace("response_length", "max-new-tokens")
+        })?
+        .with_detokenizer(std::sync::Arc::new(tok.clone()));
     let mut requests = Vec::new();
     for (i, p) in ids.iter().enumerate() {
         for k in 0..n.max(1) {

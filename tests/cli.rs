@@ -210,3 +210,52 @@ fn generate_batches_prompts_and_samples_n_per_prompt() {
     ]);
     assert!(!ok && err.contains("top_p"), "{err}");
 }
+
+#[test]
+fn generate_stops_at_the_token_completing_a_stop_string() {
+    let dir = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen2"
+    );
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir,
+            "--prompt",
+            "abc",
+            "--raw",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = verl(&args);
+        assert!(ok, "{err}");
+        serde_json::from_str(out.trim()).unwrap()
+    };
+    let ids = |v: &serde_json::Value| -> Vec<u64> {
+        v["response_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let free = run(&[]);
+    let text: Vec<char> = free["response"].as_str().unwrap().chars().collect();
+    assert!(
+        text.len() >= 4,
+        "the fixture's greedy response is long enough: {text:?}"
+    );
+    // Two characters from the middle of the free response.
+    let stop: String = text[text.len() / 2..text.len() / 2 + 2].iter().collect();
+    let stopped = run(&["--stop", &stop]);
+    let (all, cut) = (ids(&free), ids(&stopped));
+    assert!(cut.len() < all.len(), "{cut:?} vs {all:?}");
+    assert_eq!(cut, all[..cut.len()], "the stopped response is a prefix");
+    assert!(stopped["response"].as_str().unwrap().contains(&stop));
+    assert_eq!(stopped["finish_reason"], "stop");
+    let (ok, _, err) = verl(&["generate", "--model", dir, "--prompt", "abc", "--stop", ""]);
+    assert!(!ok && err.contains("stop"), "{err}");
+}

@@ -133,3 +133,9 @@ impl ArithmeticTask {
         }
     }
 }
+
+impl verl_rollout::Detokenizer for CharTokenizer {
+    fn decode(&self, ids: &[u32]) -> String {
+        CharTokenizer::decode(self, ids)
+    }
+}

@@ -1,12 +1,14 @@
 //! The prompt dataset of a run and the batches the trainer feeds the workers.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use serde_json::Value;
 use verl_core::DataProto;
 use verl_megatron::hf::{ChatMessage, HfTokenizer};
+use verl_rollout::Detokenizer;
 
 use crate::tasks::{ArithmeticTask, CharTokenizer};
 
@@ -30,6 +32,14 @@ impl Codec {
         match self {
             Codec::Char(_) => CharTokenizer::PAD,
             Codec::Hf(t) => t.eos_token_ids.first().copied().unwrap_or(0),
+        }
+    }
+
+    /// What the rollout engine reads stop strings with (`actor_rollout_ref.rollout.stop`).
+    pub fn detokenizer(&self) -> Arc<dyn Detokenizer> {
+        match self {
+            Codec::Char(t) => Arc::new(t.clone()),
+            Codec::Hf(t) => Arc::new(t.as_ref().clone()),
         }
     }
 

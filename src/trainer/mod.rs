@@ -513,6 +513,7 @@ impl PpoTrainer {
         let sft_steps = cfg.trainer.sft_warmup_steps;
         let path = model_path.clone();
         let mcfg = model_cfg.clone();
+        let detokenizer = codec.detokenizer();
         let actor = WorkerGroup::spawn(world, move |ctx| {
             let device = Default::default();
             let groups = take_groups(&actor_groups, ctx.rank)?;
@@ -537,7 +538,8 @@ impl PpoTrainer {
             }
             .with_compute_dtype(rollout_dtype);
             let rollout = NativeRollout::new(mcfg.clone(), rollout_model, engine.clone(), device)
-                .map_err(verl_core::Error::from)?;
+                .map_err(verl_core::Error::from)?
+                .with_detokenizer(detokenizer.clone());
             let optim = ModelOptimizer::new(&actor_optim, optim_steps)?
                 .with_distributed_optimizer(distributed_actor);
             let mut actor = MegatronActor::new(model, optim, settings.clone());

@@ -74,6 +74,9 @@ pub struct EngineConfig {
     pub eos_token_ids: Vec<u32>,
     /// Extra ids that end a response (kept in it, as EOS is).
     pub stop_token_ids: Vec<u32>,
+    /// Strings that end a response at the token completing one (kept in it); the engine needs
+    /// a detokenizer for them ([`crate::NativeRollout::with_detokenizer`]).
+    pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub pad_token_id: u32,
     /// Return each sampled token's log-prob (`rollout_log_probs`).
@@ -102,6 +105,7 @@ impl Default for EngineConfig {
             val_n: 1,
             eos_token_ids: Vec::new(),
             stop_token_ids: Vec::new(),
+            stop: Vec::new(),
             ignore_eos: false,
             pad_token_id: 0,
             calculate_log_probs: false,
@@ -161,6 +165,7 @@ impl EngineConfig {
             val_n: rollout.val_kwargs.n,
             eos_token_ids,
             stop_token_ids: Vec::new(),
+            stop: rollout.stop.clone(),
             ignore_eos: rollout.ignore_eos,
             pad_token_id,
             calculate_log_probs: rollout.calculate_log_probs,
@@ -231,6 +236,13 @@ impl EngineConfig {
                 ))
             }
             _ => {}
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.stop",
+                format!("{:?}", self.stop),
+                "an empty stop string would end every response at once; remove it",
+            ));
         }
         self.sampling.validate()?;
         self.val_sampling.validate()?;

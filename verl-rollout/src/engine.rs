@@ -8,6 +8,7 @@
 //! busy, the cache is compacted to the busy ones so the tail of a batch decodes cheaply.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::prelude::*;
@@ -21,6 +22,7 @@ use verl_megatron::sampling::{sample_rows, RowSampling};
 use crate::config::EngineConfig;
 use crate::error::RolloutError;
 use crate::sampling::Sampler;
+use crate::stop::{Detokenizer, StopStrings};
 
 /// One sequence to generate.
 #[derive(Debug, Clone)]
@@ -33,7 +35,8 @@ pub struct Request {
 /// Why a response ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An EOS or stop token was sampled (and kept as the last token).
+    /// An EOS or stop token was sampled, or a token completed a stop string (kept as the
+    /// last token).
     Stop,
     /// `max_new_tokens` were generated.
     Length,
@@ -102,6 +105,8 @@ pub struct NativeRollout<B: ParallelBackend> {
     /// Generation calls so far: part of each request's seed.
     pub(crate) calls: u64,
     last_stats: GenerationStats,
+    /// Reads the responses' text for stop strings ([`Self::with_detokenizer`]).
+    detokenizer: Option<Arc<dyn Detokenizer>>,
 }
 
 impl<B: ParallelBackend> NativeRollout<B> {
@@ -145,7 +150,15 @@ impl<B: ParallelBackend> NativeRollout<B> {
             sleeping: false,
             calls: 0,
             last_stats: GenerationStats::default(),
+            detokenizer: None,
         })
+    }
+
+    /// The engine with a detokenizer (the model's tokenizer), which stop strings
+    /// (`EngineConfig::stop`) need.
+    pub fn with_detokenizer(mut self, detokenizer: Arc<dyn Detokenizer>) -> Self {
+        self.detokenizer = Some(detokenizer);
+        self
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -231,6 +244,21 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 });
             }
         }
+        let stop_strings = match (&self.detokenizer, self.config.stop.is_empty()) {
+            (_, true) => None,
+            (Some(d), false) => StopStrings::new(&self.config.stop, d.clone()),
+            (None, false) => {
+                return Err(RolloutError::Config {
+                    field: "actor_rollout_ref.rollout.stop",
+                    value: format!("{:?}", self.config.stop),
+                    message: "stop strings are matched on text and this engine has no \
+                              tokenizer; give it one (NativeRollout::with_detokenizer) or \
+                              use stop_token_ids"
+                        .into(),
+                });
+            }
+        };
+        let stop_strings = stop_strings.as_ref();
         let mut stats = GenerationStats {
             requests: requests.len(),
             prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
@@ -245,9 +273,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
         let mut slots: Vec<Option<Active>> = (0..cache.slots()).map(|_| None).collect();
         let mut done: Vec<Option<Completion>> = (0..requests.len()).map(|_| None).collect();
         let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();
-        let stop = |cfg: &EngineConfig, tok: u32| {
+        // Whether the response `tokens` ends with its last token.
+        let stop = |cfg: &EngineConfig, tokens: &[u32]| {
+            let tok = *tokens.last().expect("called after a token was added");
             (!cfg.ignore_eos && cfg.eos_token_ids.contains(&tok))
                 || cfg.stop_token_ids.contains(&tok)
+                || stop_strings.is_some_and(|s| s.completed_by_last(tokens))
         };
         loop {
             // Admit waiting requests into free slots, within the prefill token budget. With
@@ -452,14 +483,14 @@ impl<B: ParallelBackend> NativeRollout<B> {
         active: &mut Active,
         tok: u32,
         log_prob: f32,
-        stop: &impl Fn(&EngineConfig, u32) -> bool,
+        stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
     ) -> Option<Completion> {
         if self.config.calculate_log_probs {
             active.log_probs.push(log_prob);
         }
         active.tokens.push(tok);
         active.last = tok;
-        let finish = if stop(&self.config, tok) {
+        let finish = if stop(&self.config, &active.tokens) {
             Some(FinishReason::Stop)
         } else if active.tokens.len() >= active.max_new_tokens {
             Some(FinishReason::Length)

@@ -4,6 +4,7 @@
 //! - [`config`]: the engine's settings ([`EngineConfig`]) and KV budget, from verl's config.
 //! - [`engine`]: [`NativeRollout`], batched prefill and decode over a preallocated slot KV
 //!   cache with continuous batching.
+//! - [`stop`]: stop strings, matched on the response's text through a [`Detokenizer`].
 //! - [`layout`]: verl's rollout batch layout in and out of a `DataProto`.
 //! - [`rollout_engine`]: the `RolloutEngine` trait: generation, per-tensor weight updates,
 //!   sleep / wake-up.
@@ -14,9 +15,11 @@ pub mod error;
 pub mod layout;
 pub mod rollout_engine;
 pub mod sampling;
+pub mod stop;
 
 pub use config::{EngineConfig, KvBudget};
 pub use engine::{Completion, FinishReason, GenerationStats, NativeRollout, Request};
 pub use error::RolloutError;
 pub use rollout_engine::PROMPT_INDEX_KEY;
 pub use sampling::{Sampler, SamplingError, SamplingParams};
+pub use stop::{Detokenizer, StopStrings};

@@ -13,8 +13,8 @@ use verl_core::{DataProto, NamedTensor};
 use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
 use verl_megatron::models::{generate, CausalLm, GenerateOptions};
 use verl_rollout::{
-    EngineConfig, FinishReason, KvBudget, NativeRollout, Request, RolloutError, Sampler,
-    SamplingParams,
+    Detokenizer, EngineConfig, FinishReason, KvBudget, NativeRollout, Request, RolloutError,
+    Sampler, SamplingParams,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -240,8 +240,31 @@ fn stop_tokens_and_length_limits_end_sequences_exactly() {
         free.tokens[..=first]
     );
     cfg.ignore_eos = true;
-    let mut e = engine("qwen2", cfg);
+    let mut e = engine("qwen2", cfg.clone());
     assert_eq!(e.generate(requests(&p, greedy(), 10)).unwrap()[0], free);
+    // A stop string spanning tokens 2 and 3 ends the response at the token completing it.
+    let text = |ids: &[u32]| -> String { ids.iter().map(|i| format!("<{i}>")).collect() };
+    let stop = format!("{}><{}", free.tokens[2], free.tokens[3]);
+    let end = (1..=free.tokens.len())
+        .find(|&n| text(&free.tokens[..n]).contains(&stop))
+        .unwrap();
+    cfg.stop = vec![stop];
+    let mut e = engine("qwen2", cfg.clone());
+    let err = e.generate(requests(&p, greedy(), 10)).unwrap_err();
+    assert!(
+        err.to_string().contains("actor_rollout_ref.rollout.stop"),
+        "{err}"
+    );
+    struct Angled;
+    impl Detokenizer for Angled {
+        fn decode(&self, ids: &[u32]) -> String {
+            ids.iter().map(|i| format!("<{i}>")).collect()
+        }
+    }
+    let mut e = engine("qwen2", cfg).with_detokenizer(std::sync::Arc::new(Angled));
+    let stopped = e.generate(requests(&p, greedy(), 10)).unwrap().remove(0);
+    assert_eq!(stopped.tokens, free.tokens[..end]);
+    assert_eq!(stopped.finish, FinishReason::Stop);
 }
 
 /// The first sampled token follows softmax(logits / T) restricted to the top-k (chi-square, fixed

@@ -256,6 +256,9 @@ pub struct RolloutConfig {
     /// addition, the reproducible alternative to `gpu_memory_utilization`.
     pub kv_cache_tokens: Option<usize>,
     pub ignore_eos: bool,
+    /// Strings that end a response at the token completing one (vLLM's `stop`; the token is
+    /// kept). Matched on the decoded text, so the run needs the model's tokenizer.
+    pub stop: Vec<String>,
     pub enforce_eager: bool,
     pub free_cache_engine: bool,
     pub tensor_model_parallel_size: usize,
@@ -293,6 +296,7 @@ impl Default for RolloutConfig {
             gpu_memory_utilization: 0.5,
             kv_cache_tokens: None,
             ignore_eos: false,
+            stop: Vec::new(),
             enforce_eager: true,
             free_cache_engine: true,
             tensor_model_parallel_size: 1,

@@ -27,6 +27,7 @@ impl ChatMessage {
 }
 
 /// Tokenizer, chat template and stop ids of a Hugging Face model directory.
+#[derive(Clone)]
 pub struct HfTokenizer {
     tokenizer: tokenizers::Tokenizer,
     chat_template: Option<String>,

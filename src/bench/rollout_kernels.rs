@@ -295,79 +295,90 @@ pub fn check_decode(device: &Device, failures: &mut Vec<String>) {
 }
 
 /// Greedy generation through the engine (device sampling, decode kernel, continuous batching
-/// over 2 slots for 3 requests) equals the cache-less model's, token for token: required with
-/// f32 products; with bf16 products (the engine's fused decode step against the cache-less
-/// pass's fused attention, different roundings of the same sums) the count is reported.
+/// over 2 slots; each of 3 prompts asked twice, the two copies sharing one prefill) equals the
+/// cache-less model's, token for token, with whole prefills and with prefills chunked by 5
+/// tokens: required with f32 products; with bf16 products (the engine's fused decode step
+/// against the cache-less pass's fused attention, different roundings of the same sums) the
+/// count is reported.
 fn check_greedy_engine(device: &Device, compute: ComputeDtype, failures: &mut Vec<String>) {
     let cfg = HfModelConfig::qwen2(model_dims(896, 14, 2));
     let model = CausalLm::<CudaBackend>::init(&cfg, 0.5, 3, device).with_compute_dtype(compute);
-    let reference = model.clone();
-    let engine_cfg = EngineConfig {
-        max_num_seqs: 2,
-        max_num_batched_tokens: 64,
-        prompt_length: 16,
-        response_length: 24,
-        kv_budget: KvBudget::Tokens(2 * 40),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut engine = match NativeRollout::new(cfg, model, engine_cfg, device.clone()) {
-        Ok(e) => e,
-        Err(e) => {
-            failures.push(format!("greedy engine: {e}"));
-            return;
-        }
-    };
     let prompts: Vec<Vec<u32>> = [3usize, 9, 14]
         .iter()
         .map(|&n| (0..n).map(|j| ((j * 53 + n) % 1000) as u32).collect())
+        .collect();
+    let options = GenerateOptions {
+        max_new_tokens: 24,
+        temperature: 0.0,
+        seed: 0,
+        eos_token_ids: Vec::new(),
+    };
+    let wants: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| generate(&model, p, &options, device))
         .collect();
     let greedy = SamplingParams {
         temperature: 0.0,
         ..Default::default()
     };
-    let requests = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| Request {
-            prompt: p.clone(),
-            sampler: Sampler::new(greedy, i as u64).expect("valid"),
-            max_new_tokens: 24,
-        })
-        .collect();
-    let out = match engine.generate(requests) {
-        Ok(o) => o,
-        Err(e) => {
-            failures.push(format!("greedy engine: {e}"));
-            return;
-        }
-    };
-    let mut equal = 0;
-    for (p, c) in prompts.iter().zip(&out) {
-        let options = GenerateOptions {
-            max_new_tokens: 24,
-            temperature: 0.0,
-            seed: 0,
-            eos_token_ids: Vec::new(),
+    for (label, budget) in [("whole prefills", 64), ("prefills chunked by 5", 5)] {
+        let engine_cfg = EngineConfig {
+            max_num_seqs: 2,
+            max_num_batched_tokens: budget,
+            prompt_length: 16,
+            response_length: 24,
+            kv_budget: KvBudget::Tokens(2 * 40),
+            sampling: greedy,
+            ignore_eos: true,
+            ..Default::default()
         };
-        let want = generate(&reference, p, &options, device);
-        if want == c.tokens {
-            equal += 1;
-        } else if compute == ComputeDtype::F32 {
-            failures.push(format!(
-                "greedy engine vs cache-less: {:?} vs {:?}",
-                c.tokens, want
-            ));
+        let mut engine =
+            match NativeRollout::new(cfg.clone(), model.clone(), engine_cfg, device.clone()) {
+                Ok(e) => e,
+                Err(e) => {
+                    failures.push(format!("greedy engine: {e}"));
+                    return;
+                }
+            };
+        let requests = prompts
+            .iter()
+            .flat_map(|p| [p, p])
+            .enumerate()
+            .map(|(i, p)| Request {
+                prompt: p.clone(),
+                sampler: Sampler::new(greedy, i as u64).expect("valid"),
+                max_new_tokens: 24,
+            })
+            .collect();
+        let out = match engine.generate(requests) {
+            Ok(o) => o,
+            Err(e) => {
+                failures.push(format!("greedy engine: {e}"));
+                return;
+            }
+        };
+        let mut equal = 0;
+        for (i, c) in out.iter().enumerate() {
+            let want = &wants[i / 2];
+            if *want == c.tokens {
+                equal += 1;
+            } else if compute == ComputeDtype::F32 {
+                failures.push(format!(
+                    "greedy engine ({label}) vs cache-less: {:?} vs {:?}",
+                    c.tokens, want
+                ));
+            }
         }
+        let s = engine.last_stats();
+        println!(
+            "  greedy engine ({compute}, {label}, device sampling: {}, fused weights: {}) vs \
+             cache-less model: {equal}/6 sequences equal token for token (24 tokens each; \
+             {} of {} prompt tokens prefilled, {} prefill steps)",
+            s.sampled_on_device,
+            engine.model().is_some_and(|m| m.generation().is_some()),
+            s.prefilled_tokens,
+            s.prompt_tokens,
+            s.prefill_steps,
+        );
     }
-    println!(
-        "  greedy engine ({compute}, device sampling: {}, fused weights: {}) vs cache-less \
-         model: {equal}/3 sequences equal token for token (24 tokens each)",
-        engine.last_stats().sampled_on_device,
-        engine.model().is_some_and(|m| m.generation().is_some()),
-    );
 }

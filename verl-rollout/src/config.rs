@@ -85,6 +85,10 @@ pub struct EngineConfig {
     /// its keys and values are written to each of their slots
     /// (`rollout.enable_prefix_caching`).
     pub enable_prefix_caching: bool,
+    /// A prompt longer than what is left of `max_num_batched_tokens` is prefilled in chunks
+    /// over several steps, decode steps of the other slots running in between
+    /// (`rollout.enable_chunked_prefill`); off, it waits for a step of its own.
+    pub enable_chunked_prefill: bool,
 }
 
 impl Default for EngineConfig {
@@ -110,6 +114,7 @@ impl Default for EngineConfig {
             pad_token_id: 0,
             calculate_log_probs: false,
             enable_prefix_caching: true,
+            enable_chunked_prefill: true,
         }
     }
 }
@@ -170,6 +175,7 @@ impl EngineConfig {
             pad_token_id,
             calculate_log_probs: rollout.calculate_log_probs,
             enable_prefix_caching: rollout.enable_prefix_caching,
+            enable_chunked_prefill: rollout.enable_chunked_prefill,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -81,6 +81,9 @@ struct Active {
     request: usize,
     /// Position the next fed token is written at (= tokens cached so far).
     pos: usize,
+    /// Prompt tokens not cached yet (a chunked prefill in progress): the slot decodes once
+    /// this is empty.
+    pending: Vec<u32>,
     last: u32,
     tokens: Vec<u32>,
     log_probs: Vec<f32>,
@@ -281,13 +284,31 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 || stop_strings.is_some_and(|s| s.completed_by_last(tokens))
         };
         loop {
-            // Admit waiting requests into free slots, within the prefill token budget. With
+            let limit = self.config.max_num_batched_tokens;
+            let mut budget = 0;
+            // Chunked prefills continue first, oldest slot first, within the token budget.
+            let mut continued: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+            for (slot, state) in slots.iter_mut().enumerate() {
+                let Some(a) = state.as_mut() else {
+                    continue;
+                };
+                if a.pending.is_empty() || budget >= limit {
+                    continue;
+                }
+                let take = a.pending.len().min(limit - budget);
+                continued.push((slot, a.pos, a.pending.drain(..take).collect()));
+                a.pos += take;
+                budget += take;
+            }
+            // Then waiting requests take free slots, within what is left of the budget. With
             // prefix caching, requests of one prompt admitted together (a prompt's n samples)
-            // share one prefill, and only its first counts against the budget.
+            // share one prefill, and only its first counts against the budget. With chunked
+            // prefill a prompt longer than what is left takes that much now and the rest in
+            // later steps; without, a prompt over the budget waits unless it is the step's
+            // only prefill.
             let mut admitted: Vec<(usize, usize, Request, usize)> = Vec::new();
             let mut unique: Vec<Vec<u32>> = Vec::new();
             let mut seen: HashMap<Vec<u32>, usize> = HashMap::new();
-            let mut budget = 0;
             for (slot, state) in slots.iter().enumerate() {
                 if state.is_some() {
                     continue;
@@ -304,64 +325,110 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 } else {
                     next.prompt.len()
                 };
-                if !admitted.is_empty() && budget + cost > self.config.max_num_batched_tokens {
-                    break;
+                let mut part = None;
+                if budget + cost > limit {
+                    if self.config.enable_chunked_prefill && shared.is_none() && budget < limit {
+                        part = Some(limit - budget);
+                    } else if !(admitted.is_empty() && continued.is_empty()) {
+                        break;
+                    }
                 }
-                budget += cost;
+                budget += part.unwrap_or(cost);
                 let (id, req) = waiting.pop_front().expect("front exists");
-                let prompt = shared.unwrap_or_else(|| {
-                    seen.insert(req.prompt.clone(), unique.len());
-                    unique.push(req.prompt.clone());
-                    unique.len() - 1
-                });
-                admitted.push((slot, id, req, prompt));
-            }
-            if !admitted.is_empty() {
-                let targets: Vec<(usize, usize)> =
-                    admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
-                let prefill_start = Instant::now();
-                let logits = model.prefill_shared(&unique, &targets, &mut cache);
-                // One logits row per admitted request (shared prompts' rows repeated).
-                let logits = match unique.len() == admitted.len() {
-                    true => logits,
-                    false => {
-                        let rows: Vec<i64> = targets.iter().map(|&(p, _)| p as i64).collect();
-                        let n = rows.len();
-                        let idx = Tensor::<B, 1, Int>::from_data(
-                            TensorData::new(rows, [n]),
-                            &logits.device(),
-                        );
-                        logits.select(0, idx)
+                let prompt = match (shared, part) {
+                    (Some(p), _) => p,
+                    // A first chunk: prefilled alone, not shared.
+                    (None, Some(len)) => {
+                        unique.push(req.prompt[..len].to_vec());
+                        unique.len() - 1
+                    }
+                    (None, None) => {
+                        seen.insert(req.prompt.clone(), unique.len());
+                        unique.push(req.prompt.clone());
+                        unique.len() - 1
                     }
                 };
-                stats.prefill_steps += 1;
-                stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
-                let mut fresh: Vec<Active> = admitted
-                    .iter()
-                    .map(|(_, id, req, _)| Active {
-                        request: *id,
-                        pos: req.prompt.len(),
-                        last: 0,
-                        tokens: Vec::new(),
-                        log_probs: Vec::new(),
-                        sampler: req.sampler.clone(),
-                        max_new_tokens: req.max_new_tokens,
-                    })
-                    .collect();
-                let picks = self.choose(logits, fresh.iter_mut().map(Some).collect(), &mut stats);
-                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
-                if stats.prefill_steps == 1 {
-                    stats.first_token_seconds = start.elapsed().as_secs_f64();
+                admitted.push((slot, id, req, prompt));
+                if part.is_some() {
+                    break;
                 }
-                for (((slot, id, _, _), mut active), pick) in
-                    admitted.into_iter().zip(fresh).zip(picks)
-                {
-                    let (tok, log_prob) = pick.expect("every admitted row is sampled");
-                    if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
-                        done[id] = Some(c);
-                    } else {
+            }
+            if !admitted.is_empty() || !continued.is_empty() {
+                let prefill_start = Instant::now();
+                let mut sampled = 0;
+                if !admitted.is_empty() {
+                    let targets: Vec<(usize, usize)> =
+                        admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
+                    let logits = model.prefill_shared(&unique, &targets, &mut cache);
+                    let logits = repeat_rows(logits, &targets);
+                    stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
+                    let mut fresh: Vec<Active> = admitted
+                        .iter()
+                        .map(|(_, id, req, p)| {
+                            let cached = unique[*p].len();
+                            Active {
+                                request: *id,
+                                pos: cached,
+                                pending: req.prompt[cached..].to_vec(),
+                                last: 0,
+                                tokens: Vec::new(),
+                                log_probs: Vec::new(),
+                                sampler: req.sampler.clone(),
+                                max_new_tokens: req.max_new_tokens,
+                            }
+                        })
+                        .collect();
+                    // Only requests whose whole prompt is cached sample their first token.
+                    let rows = fresh
+                        .iter_mut()
+                        .map(|a| Some(a).filter(|a| a.pending.is_empty()))
+                        .collect();
+                    let picks = self.choose(logits, rows, &mut stats);
+                    for (((slot, id, _, _), mut active), pick) in
+                        admitted.into_iter().zip(fresh).zip(picks)
+                    {
+                        let Some((tok, log_prob)) = pick else {
+                            slots[slot] = Some(active);
+                            continue;
+                        };
+                        sampled += 1;
+                        if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
+                            done[id] = Some(c);
+                        } else {
+                            slots[slot] = Some(active);
+                        }
+                    }
+                }
+                if !continued.is_empty() {
+                    let chunks: Vec<(usize, usize, &[u32])> = continued
+                        .iter()
+                        .map(|(slot, start, c)| (*slot, *start, c.as_slice()))
+                        .collect();
+                    let logits = model.prefill_chunks(&chunks, &mut cache);
+                    stats.prefilled_tokens += continued.iter().map(|c| c.2.len()).sum::<usize>();
+                    let mut states: Vec<Option<Active>> =
+                        continued.iter().map(|c| slots[c.0].take()).collect();
+                    let rows = states
+                        .iter_mut()
+                        .map(|a| a.as_mut().filter(|a| a.pending.is_empty()))
+                        .collect();
+                    let picks = self.choose(logits, rows, &mut stats);
+                    for ((&(slot, _, _), state), pick) in continued.iter().zip(states).zip(picks) {
+                        let mut active = state.expect("a continued slot is busy");
+                        if let Some((tok, log_prob)) = pick {
+                            sampled += 1;
+                            if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
+                                done[active.request] = Some(c);
+                                continue;
+                            }
+                        }
                         slots[slot] = Some(active);
                     }
+                }
+                stats.prefill_steps += 1;
+                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
+                if sampled > 0 && stats.first_token_seconds == 0.0 {
+                    stats.first_token_seconds = start.elapsed().as_secs_f64();
                 }
             }
             let busy = slots.iter().filter(|s| s.is_some()).count();
@@ -371,13 +438,22 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 }
                 continue;
             }
+            let decoding = slots
+                .iter()
+                .flatten()
+                .filter(|a| a.pending.is_empty())
+                .count();
+            if decoding == 0 {
+                // Only chunked prefills in flight: continue them.
+                continue;
+            }
             // Shrink the decode batch to the busy slots once nothing waits.
             if waiting.is_empty() && busy * 2 <= slots.len() {
                 let keep: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_some()).collect();
                 cache.retain(&keep);
                 slots.retain(|s| s.is_some());
             }
-            stats.peak_batch = stats.peak_batch.max(busy);
+            stats.peak_batch = stats.peak_batch.max(decoding);
             let tokens: Vec<u32> = slots
                 .iter()
                 .map(|s| s.as_ref().map_or(0, |a| a.last))
@@ -392,9 +468,14 @@ impl<B: ParallelBackend> NativeRollout<B> {
             let logits = model.decode_slots(&tokens, &positions, window, &mut cache);
             stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
             stats.decode_steps += 1;
+            // Slots still prefilling ran along (their step writes at the next chunk's first
+            // position, which that chunk overwrites) and sample nothing.
             let picks = self.choose(
                 logits,
-                slots.iter_mut().map(Option::as_mut).collect(),
+                slots
+                    .iter_mut()
+                    .map(|s| s.as_mut().filter(|a| a.pending.is_empty()))
+                    .collect(),
                 &mut stats,
             );
             for (state, pick) in slots.iter_mut().zip(picks) {
@@ -535,4 +616,18 @@ impl GenerationStats {
         let tokens = self.generated_tokens.saturating_sub(self.requests);
         tokens as f64 / (self.seconds - self.prefill_seconds).max(1e-9)
     }
+}
+
+/// `logits` `[prompts, vocab]` as one row per target `(prompt, slot)` (samples sharing a
+/// prompt's prefill get its row).
+fn repeat_rows<B: Backend>(logits: Tensor<B, 2>, targets: &[(usize, usize)]) -> Tensor<B, 2> {
+    let identity =
+        targets.len() == logits.dims()[0] && targets.iter().enumerate().all(|(i, &(p, _))| i == p);
+    if identity {
+        return logits;
+    }
+    let rows: Vec<i64> = targets.iter().map(|&(p, _)| p as i64).collect();
+    let n = rows.len();
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [n]), &logits.device());
+    logits.select(0, idx)
 }

@@ -278,6 +278,9 @@ pub struct RolloutConfig {
     /// Samples of one prompt admitted together share one prefill of it (vLLM's prefix
     /// caching, within an admission batch).
     pub enable_prefix_caching: bool,
+    /// Prefill a prompt longer than `max_num_batched_tokens` allows in chunks over several
+    /// steps, interleaved with the other sequences' decode steps.
+    pub enable_chunked_prefill: bool,
     pub val_kwargs: ValKwargs,
 }
 
@@ -312,6 +315,7 @@ impl Default for RolloutConfig {
             seed: 0,
             calculate_log_probs: false,
             enable_prefix_caching: true,
+            enable_chunked_prefill: true,
             val_kwargs: ValKwargs::default(),
         }
     }

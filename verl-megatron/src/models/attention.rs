@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use burn::tensor::TensorData;
 
-use super::kv_cache::{LayerKv, SlotKvCache};
+use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 use crate::parallel::{ParallelBackend, TpGroup};
@@ -18,6 +18,13 @@ pub enum AttnCache<'a, B: Backend> {
     None,
     /// Keys are the cached ones followed by this call's; the cache grows.
     Grow(&'a mut LayerKv<B>),
+    /// A chunked prefill's continuation: each chunk's tokens written into its slot after the
+    /// cached part; keys are the slots' first positions ([`ChunkLayout`]).
+    Chunk {
+        cache: &'a mut SlotKvCache<B>,
+        layer: usize,
+        chunks: &'a ChunkLayout,
+    },
     /// One new token per slot, written at each slot's own position; keys are the slot's first
     /// `window` positions.
     Slots {
@@ -388,6 +395,11 @@ impl<B: ParallelBackend> Attention<B> {
                 window,
                 ..
             } => (k, v) = cache.write_step(layer, k, v, positions, window),
+            AttnCache::Chunk {
+                cache,
+                layer,
+                chunks,
+            } => (k, v) = cache.write_chunks(layer, chunks, k, v),
         }
         decomposed_attention(q, k, v, mask.bias())
     }

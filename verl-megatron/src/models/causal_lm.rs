@@ -14,7 +14,7 @@ use super::attention::{
     attention_bias, causal_bias, decode_kernel_applies, Attention, AttentionMask, AttnCache,
 };
 use super::generation::{FusedWeights, GenerationWeights};
-use super::kv_cache::{KvCache, SlotKvCache};
+use super::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
 use super::mlp::{FeedForward, SwiGlu};
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
@@ -789,6 +789,11 @@ impl<B: ParallelBackend> CausalLm<B> {
             let attn_cache = match &mut mode {
                 CacheMode::None => AttnCache::None,
                 CacheMode::Grow(c) => AttnCache::Grow(&mut c.layers[l]),
+                CacheMode::Chunk { cache, chunks } => AttnCache::Chunk {
+                    cache,
+                    layer: l,
+                    chunks,
+                },
                 CacheMode::Slots {
                     cache,
                     positions,
@@ -928,10 +933,66 @@ impl<B: ParallelBackend> CausalLm<B> {
         let lens: Vec<usize> = sources.iter().map(|&p| prompts[p].len()).collect();
         for (l, kv) in tmp.layers.into_iter().enumerate() {
             let (k, v) = kv.expect("every layer cached its keys");
-            cache.write_prefix(l, (&sources, &slots, &lens), k, v);
+            let starts = vec![0; slots.len()];
+            cache.write_prefix(l, (&sources, &slots, &lens, &starts), k, v);
         }
         let [_, _, hidden] = h.dims();
         let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
+        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
+            .repeat_dim(2, hidden);
+        let logits = self.head(h.gather(1, idx), None);
+        let vocab = logits.dims()[2];
+        logits.reshape([n, vocab])
+    }
+
+    /// Continues prefills in chunks (chunked prefill): chunk `i` feeds `tokens` of slot `slot`
+    /// from position `start` (the slot holds the prompt's first `start` tokens), writes their
+    /// keys and values there and attends to the slot's positions up to each token. Returns
+    /// each chunk's last-token logits `[chunks, vocab]`. The chunks run as one right-padded
+    /// batch, as [`Self::prefill_slots`]'s prompts do.
+    pub fn prefill_chunks(
+        &self,
+        chunks: &[(usize, usize, &[u32])],
+        cache: &mut SlotKvCache<B>,
+    ) -> Tensor<B, 2> {
+        let device = self.device();
+        let n = chunks.len();
+        let t = chunks.iter().map(|c| c.2.len()).max().unwrap_or(0);
+        let layout = ChunkLayout {
+            slots: chunks.iter().map(|c| c.0).collect(),
+            starts: chunks.iter().map(|c| c.1).collect(),
+            lens: chunks.iter().map(|c| c.2.len()).collect(),
+        };
+        let window = layout.window();
+        assert!(
+            t > 0 && layout.lens.iter().all(|&l| l > 0) && window <= cache.capacity(),
+            "chunks of 1..=capacity tokens within the cache"
+        );
+        let mut ids = vec![0i64; n * t];
+        let mut pos = vec![0i64; n * t];
+        for (i, &(_, start, tokens)) in chunks.iter().enumerate() {
+            for j in 0..t {
+                ids[i * t + j] = tokens.get(j).map_or(0, |&x| x as i64);
+                // Padding takes the last real position (its rotary angle is never used).
+                pos[i * t + j] = (start + j.min(tokens.len() - 1)) as i64;
+            }
+        }
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
+        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(pos, [n, t]), &device);
+        let (cos, sin) = self.rope.tables(&positions);
+        let mask = AttentionMask::from_host_bias(layout.bias(t), [n, 1, t, window], &device);
+        let h = self.decoder(
+            StageInput::Ids(ids),
+            &mask,
+            &cos,
+            &sin,
+            CacheMode::Chunk {
+                cache,
+                chunks: &layout,
+            },
+        );
+        let [_, _, hidden] = h.dims();
+        let last: Vec<i64> = layout.lens.iter().map(|&l| l as i64 - 1).collect();
         let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
             .repeat_dim(2, hidden);
         let logits = self.head(h.gather(1, idx), None);
@@ -1010,6 +1071,10 @@ type ModelInputs<B> = (Tensor<B, 2, Int>, Option<Tensor<B, 2>>, Tensor<B, 2, Int
 enum CacheMode<'a, B: Backend> {
     None,
     Grow(&'a mut KvCache<B>),
+    Chunk {
+        cache: &'a mut SlotKvCache<B>,
+        chunks: &'a ChunkLayout,
+    },
     Slots {
         cache: &'a mut SlotKvCache<B>,
         positions: &'a [usize],

@@ -133,15 +133,18 @@ impl<B: Backend> SlotKvCache<B> {
     }
 
     /// Writes prefilled keys / values `[prompts, kv_heads, len, head_dim]` of layer `layer`:
-    /// target `i` copies prompt `sources[i]` (of `lens[i]` tokens) into slot `slots[i]` at
-    /// positions `0..lens[i]`. A prompt may fill several slots (its samples share a prefill).
+    /// target `i` copies the first `lens[i]` positions of prompt `sources[i]` into slot
+    /// `slots[i]` at positions `starts[i]..starts[i] + lens[i]`. A prompt may fill several
+    /// slots (its samples share a prefill); a chunk of a long prompt starts where the cached
+    /// part ends.
     pub(crate) fn write_prefix(
         &mut self,
         layer: usize,
-        (sources, slots, lens): (&[usize], &[usize], &[usize]),
+        targets: PrefixTargets<'_>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
+        let (sources, slots, lens, starts) = targets;
         // On burn-cuda, one kernel writes the rows in place (a scatter copies the whole layer).
         #[cfg(feature = "cuda")]
         let (k, v) = {
@@ -149,7 +152,7 @@ impl<B: Backend> SlotKvCache<B> {
             match crate::cuda::kernels::decode_attention::try_write_prefix(
                 k,
                 v,
-                (sources, slots, lens),
+                (sources, slots, lens, starts),
                 (ck, cv),
             ) {
                 Ok(()) => return,
@@ -159,10 +162,10 @@ impl<B: Backend> SlotKvCache<B> {
         let [n, kh, t, hd] = k.dims();
         let mut at = Vec::new();
         let mut rows = Vec::new();
-        for ((&i, &slot), &len) in sources.iter().zip(slots).zip(lens) {
+        for (((&i, &slot), &len), &start) in sources.iter().zip(slots).zip(lens).zip(starts) {
             for h in 0..kh {
                 for p in 0..len {
-                    at.extend([slot as i64, h as i64, p as i64]);
+                    at.extend([slot as i64, h as i64, (start + p) as i64]);
                     rows.push(((i * kh + h) * t + p) as i64);
                 }
             }
@@ -214,5 +217,78 @@ impl<B: Backend> SlotKvCache<B> {
         let ranges = [0..s, 0..kh, 0..window, 0..hd];
         let (ck, cv) = &self.layers[layer];
         (ck.clone().slice(ranges.clone()), cv.clone().slice(ranges))
+    }
+}
+
+/// Where [`SlotKvCache::write_prefix`] writes: per target, the prompt row it copies, the slot,
+/// the number of positions and the first position.
+pub(crate) type PrefixTargets<'a> = (&'a [usize], &'a [usize], &'a [usize], &'a [usize]);
+
+/// Where the chunks of a chunked prefill go: chunk `i` of `lens[i]` tokens continues slot
+/// `slots[i]` from position `starts[i]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkLayout {
+    pub slots: Vec<usize>,
+    pub starts: Vec<usize>,
+    pub lens: Vec<usize>,
+}
+
+impl ChunkLayout {
+    /// Positions the chunks' attention reads: up to the furthest chunk's end.
+    pub fn window(&self) -> usize {
+        self.starts
+            .iter()
+            .zip(&self.lens)
+            .map(|(s, l)| s + l)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The additive bias `[chunks, 1, t, window]` (flattened): chunk `i`'s token `q` sees
+    /// positions `0..=starts[i] + q`; a padded token (`q >= lens[i]`) sees position 0 only,
+    /// so its softmax stays finite.
+    pub fn bias(&self, t: usize) -> Vec<f32> {
+        let window = self.window();
+        let mut bias = Vec::with_capacity(self.lens.len() * t * window);
+        for (&start, &len) in self.starts.iter().zip(&self.lens) {
+            for q in 0..t {
+                let last = if q < len { start + q } else { 0 };
+                bias.extend((0..window).map(|j| if j <= last { 0.0 } else { f32::NEG_INFINITY }));
+            }
+        }
+        bias
+    }
+}
+
+impl<B: Backend> SlotKvCache<B> {
+    /// Writes a chunked prefill's keys and values `[chunks, kv_heads, t, head_dim]` of layer
+    /// `layer` where `chunks` says, and returns the chunks' slots' first `window()` positions of
+    /// keys and values `[chunks, kv_heads, window, head_dim]`, which their attention reads.
+    pub(crate) fn write_chunks(
+        &mut self,
+        layer: usize,
+        chunks: &ChunkLayout,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let sources: Vec<usize> = (0..chunks.slots.len()).collect();
+        self.write_prefix(
+            layer,
+            (&sources, &chunks.slots, &chunks.lens, &chunks.starts),
+            k,
+            v,
+        );
+        let (ck, cv) = &self.layers[layer];
+        let device = ck.device();
+        let n = chunks.slots.len();
+        let idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(chunks.slots.iter().map(|&s| s as i64).collect(), [n]),
+            &device,
+        );
+        let window = chunks.window();
+        (
+            ck.clone().select(0, idx.clone()).narrow(2, 0, window),
+            cv.clone().select(0, idx).narrow(2, 0, window),
+        )
     }
 }

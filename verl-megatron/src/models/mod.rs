@@ -16,5 +16,5 @@ pub mod vocab_parallel;
 pub use causal_lm::{tp_split_dim, CausalLm};
 pub use generate::{generate, GenerateOptions};
 pub use generation::GenerationWeights;
-pub use kv_cache::{KvCache, LayerKv, SlotKvCache};
+pub use kv_cache::{ChunkLayout, KvCache, LayerKv, SlotKvCache};
 pub use vocab_parallel::vocab_parallel_log_probs;

@@ -8,8 +8,9 @@
 // merging at the end. No [slots, heads, 1, keys] score tensor, no mask, no copy of the cache.
 //
 // verl_cache_write_prefix: a prefill's keys and values [prompts][kv_heads][len][HEAD_DIM] into
-// slots of the cache (target i: prompt sources[i] into slot slots[i], positions 0..lens[i]; one
-// prompt may fill several slots, its n samples sharing one prefill).
+// slots of the cache (target i: the first lens[i] positions of prompt sources[i] into slot
+// slots[i] from position starts[i]; one prompt may fill several slots, its n samples sharing one
+// prefill, and a chunk of a long prompt starts where the previous chunk ended).
 //
 // f32 throughout; with ROUND_BF16 = 1 query, keys and values are rounded to bf16 before their
 // products, as the decomposed path's bf16 products see them. q, k and v are rows of any stride at
@@ -193,12 +194,13 @@ struct PrefixParams {
 };
 
 // Grid (ceil(len * HEAD_DIM / THREADS), kv_heads, targets). k, v [prompts][kv_heads][len][HEAD_DIM];
-// sources, slots, lens [targets] (u32).
+// sources, slots, lens, starts [targets] (u32).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v,
                         const unsigned int* __restrict__ sources,
                         const unsigned int* __restrict__ slots,
-                        const unsigned int* __restrict__ lens, float* __restrict__ k_cache,
+                        const unsigned int* __restrict__ lens,
+                        const unsigned int* __restrict__ starts, float* __restrict__ k_cache,
                         float* __restrict__ v_cache, PrefixParams p) {
     const unsigned int i = blockIdx.z, h = blockIdx.y;
     const unsigned long long e = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
@@ -207,7 +209,7 @@ verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v
     const unsigned long long from =
         (((unsigned long long)sources[i] * p.kv_heads + h) * p.len) * HEAD_DIM + e;
     const unsigned long long to =
-        (((unsigned long long)slots[i] * p.kv_heads + h) * p.capacity) * HEAD_DIM + e;
+        (((unsigned long long)slots[i] * p.kv_heads + h) * p.capacity + starts[i]) * HEAD_DIM + e;
     k_cache[to] = k[from];
     v_cache[to] = v[from];
 }

@@ -227,13 +227,13 @@ pub fn try_decode_attention<B: Backend>(
 }
 
 /// Writes a prefill's keys and values `[prompts, kv_heads, len, head_dim]` into the cache
-/// (target `i`: prompt `sources[i]`, `lens[i]` positions, into slot `slots[i]` from position
-/// 0), in place; the operands come back where the kernel does not apply.
+/// (target `i`: the first `lens[i]` positions of prompt `sources[i]` into slot `slots[i]` from
+/// position `starts[i]`), in place; the operands come back where the kernel does not apply.
 #[allow(clippy::type_complexity)]
 pub fn try_write_prefix<B: Backend>(
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
-    (sources, slots, lens): (&[usize], &[usize], &[usize]),
+    (sources, slots, lens, starts): (&[usize], &[usize], &[usize], &[usize]),
     (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
 ) -> Result<(), (Tensor<B, 4>, Tensor<B, 4>)> {
     let [prompts, kv_heads, len, head_dim] = k.dims();
@@ -249,6 +249,8 @@ pub fn try_write_prefix<B: Backend>(
         && len <= capacity
         && sources.len() == targets
         && lens.len() == targets
+        && starts.len() == targets
+        && starts.iter().zip(lens).all(|(&s, &l)| s + l <= capacity)
         && sources.iter().all(|&s| s < prompts)
         && slots.iter().all(|&s| s < cache_slots)
         && lens.iter().all(|&l| l <= len)
@@ -266,8 +268,8 @@ pub fn try_write_prefix<B: Backend>(
         return Err((k, v));
     }
     let device = k.device();
-    let [source_words, slot_words, len_words] =
-        [sources, slots, lens].map(|values| words::<B>(values, &device));
+    let [source_words, slot_words, len_words, start_words] =
+        [sources, slots, lens, starts].map(|values| words::<B>(values, &device));
     CudaSource {
         entry: "verl_cache_write_prefix",
         text: SOURCE,
@@ -283,7 +285,16 @@ pub fn try_write_prefix<B: Backend>(
             kv_heads as u32,
             targets as u32,
         ),
-        &[&kp, &vp, &source_words, &slot_words, &len_words, &ck, &cv],
+        &[
+            &kp,
+            &vp,
+            &source_words,
+            &slot_words,
+            &len_words,
+            &start_words,
+            &ck,
+            &cv,
+        ],
         pack_words(&[targets as u32, kv_heads as u32, len as u32, capacity as u32]),
     );
     Ok(())

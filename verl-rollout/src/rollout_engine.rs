@@ -20,8 +20,9 @@ use crate::sampling::Sampler;
 pub const PROMPT_INDEX_KEY: &str = "prompt_index";
 
 /// Per-call settings read from `meta_info`, as verl's rollout reads them: `validate` (use
-/// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`; and
-/// `global_steps`, which seeds the call's requests.
+/// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`, `max_tokens`
+/// (at most `response_length` new tokens per response); and `global_steps`, which seeds the
+/// call's requests.
 ///
 /// A non-tensor column [`PROMPT_INDEX_KEY`] (integers) gives each prompt's index in the whole
 /// batch; samples are seeded by it (else by the row's place in this call), so splitting a batch
@@ -29,6 +30,7 @@ pub const PROMPT_INDEX_KEY: &str = "prompt_index";
 struct CallSettings {
     sampling: crate::SamplingParams,
     n: usize,
+    max_tokens: Option<u64>,
 }
 
 impl<B: ParallelBackend> NativeRollout<B> {
@@ -53,7 +55,11 @@ impl<B: ParallelBackend> NativeRollout<B> {
         if let Some(k) = meta.get("n").and_then(serde_json::Value::as_u64) {
             n = k as usize;
         }
-        CallSettings { sampling, n }
+        CallSettings {
+            sampling,
+            n,
+            max_tokens: meta.get("max_tokens").and_then(serde_json::Value::as_u64),
+        }
     }
 
     /// Generates for a batch in verl's layout (see [`crate::layout`]).
@@ -66,6 +72,20 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 message: "must be at least 1".into(),
             });
         }
+        let max_new_tokens = match settings.max_tokens {
+            None => self.config.response_length,
+            Some(m) if m >= 1 && m as usize <= self.config.response_length => m as usize,
+            Some(m) => {
+                return Err(RolloutError::Config {
+                    field: "meta_info.max_tokens",
+                    value: m.to_string(),
+                    message: format!(
+                        "1..={} new tokens fit (actor_rollout_ref.rollout.response_length)",
+                        self.config.response_length
+                    ),
+                })
+            }
+        };
         let (rows, width) =
             read_prompts(prompts, self.config.prompt_length, self.config.truncation)?;
         // Requests are seeded by the call: the trainer's step when it says (`global_steps`, as
@@ -94,7 +114,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 requests.push(Request {
                     prompt: p.clone(),
                     sampler: Sampler::new(settings.sampling, id)?,
-                    max_new_tokens: self.config.response_length,
+                    max_new_tokens,
                 });
             }
         }

@@ -530,6 +530,22 @@ async fn generate_sequences_writes_verls_layout_and_log_probs_match_recompute() 
         .insert("validate".into(), serde_json::json!(true));
     let out = e.generate_sequences(val).await.unwrap();
     assert_eq!(out.len(), 4);
+    // A call's `max_tokens` caps its responses (the layout keeps response_length columns).
+    let mut short = prompt_batch(&ps, width);
+    short
+        .meta_info
+        .insert("max_tokens".into(), serde_json::json!(3));
+    let out = e.generate_sequences(short).await.unwrap();
+    let mask = host(&out, "response_mask");
+    assert_eq!(mask.len(), 4 * n * r);
+    for row in mask.chunks(r) {
+        assert!(row[3..].iter().all(|&m| m == 0) && row[0] == 1);
+    }
+    let mut over = prompt_batch(&ps, width);
+    over.meta_info
+        .insert("max_tokens".into(), serde_json::json!(r + 1));
+    let err = e.generate_proto(&over).unwrap_err().to_string();
+    assert!(err.contains("meta_info.max_tokens"), "{err}");
 }
 
 #[test]

@@ -45,9 +45,12 @@ pub enum AttnCache<'a, B: Backend> {
 pub struct AttentionMask<B: Backend> {
     bias: OnceCell<Tensor<B, 4>>,
     causal: Option<CausalKeys<B>>,
-    /// A bias given as host values, uploaded on first use (a decode step whose attention runs
-    /// in the decode kernel never needs it).
+    /// A bias given as host values, uploaded on first use.
     host: Option<(Vec<f32>, [usize; 4], B::Device)>,
+    /// A decode step's slots: slot `s` attends to its positions `0..=positions[s]` of the
+    /// first `window`. The bias is built and uploaded only if some attention reads it (a step
+    /// whose attention runs in the decode kernel never does).
+    slots: Option<(Vec<usize>, usize, B::Device)>,
 }
 
 /// A pass with no cache: causal over its own tokens, keys masked by `key_mask` (1 = token;
@@ -66,6 +69,7 @@ impl<B: Backend> AttentionMask<B> {
             bias: OnceCell::from(bias),
             causal: None,
             host: None,
+            slots: None,
         }
     }
 
@@ -76,6 +80,22 @@ impl<B: Backend> AttentionMask<B> {
             bias: OnceCell::new(),
             causal: None,
             host: Some((values, shape, device.clone())),
+            slots: None,
+        }
+    }
+
+    /// A decode step's mask: slot `s` attends to its positions `0..=positions[s]`, keys being
+    /// the first `window` positions of each slot. Built only if some attention reads it.
+    pub fn decode_step(positions: &[usize], window: usize, device: &B::Device) -> Self {
+        assert!(
+            positions.iter().all(|&p| p < window),
+            "every position within the window {window}"
+        );
+        Self {
+            bias: OnceCell::new(),
+            causal: None,
+            host: None,
+            slots: Some((positions.to_vec(), window, device.clone())),
         }
     }
 
@@ -97,6 +117,7 @@ impl<B: Backend> AttentionMask<B> {
                 device: device.clone(),
             }),
             host: None,
+            slots: None,
         }
     }
 
@@ -105,6 +126,16 @@ impl<B: Backend> AttentionMask<B> {
         self.bias.get_or_init(|| {
             if let Some((values, shape, device)) = &self.host {
                 return Tensor::from_data(TensorData::new(values.clone(), *shape), device);
+            }
+            if let Some((positions, window, device)) = &self.slots {
+                let values: Vec<f32> = positions
+                    .iter()
+                    .flat_map(|&p| {
+                        (0..*window).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY })
+                    })
+                    .collect();
+                let shape = [positions.len(), 1, 1, *window];
+                return Tensor::from_data(TensorData::new(values, shape), device);
             }
             let c = self
                 .causal

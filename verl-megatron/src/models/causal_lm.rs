@@ -1028,14 +1028,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             &device,
         );
         let (cos, sin) = self.rope.tables(&pos);
-        let mut bias = Vec::with_capacity(s * window);
-        for &p in positions {
-            assert!(p < window, "position {p} outside the window {window}");
-            for j in 0..window {
-                bias.push(if j <= p { 0.0f32 } else { f32::NEG_INFINITY });
-            }
-        }
-        let mask = AttentionMask::from_host_bias(bias, [s, 1, 1, window], &device);
+        let mask = AttentionMask::decode_step(positions, window, &device);
         // Where the decode kernel applies, the positions go up once for every layer.
         let on_device = self.layers.first().and_then(|l| {
             let a = &l.self_attn;

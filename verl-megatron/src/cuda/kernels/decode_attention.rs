@@ -8,13 +8,14 @@
 //! `decomposed_attention`, which `verl bench kernels` compares this against.
 
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData, TensorPrimitive};
+use burn::tensor::{DType, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
 use super::{is_cuda, same, CudaPrimitive, KernelSwitch};
 use crate::models::attention::DecodeProjections as Projections;
+use crate::models::SlotKvCache;
 
 const SOURCE: &str = include_str!("decode_attention.cu");
 /// Threads per block, as in `decode_attention.cu`.
@@ -44,12 +45,9 @@ fn plain_f32(t: &CudaPrimitive) -> bool {
     t.dtype == DType::F32 && t.is_contiguous()
 }
 
-/// `values` as a device buffer of u32 words.
+/// `values` as a device buffer of u32 words (as a decode step's positions go up).
 fn words<B: Backend>(values: &[usize], device: &B::Device) -> CudaPrimitive {
-    let bits: Vec<f32> = values.iter().map(|&v| f32::from_bits(v as u32)).collect();
-    let n = bits.len();
-    let t: Tensor<B, 1> = Tensor::from_data(TensorData::new(bits, [n]), device);
-    let t: Tensor<CudaBackend, 1> = same(t);
+    let t: Tensor<CudaBackend, 1> = same(SlotKvCache::<B>::step_positions(values, device));
     t.into_primitive().tensor()
 }
 

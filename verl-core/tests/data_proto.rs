@@ -338,3 +338,34 @@ fn concat_gathers_per_part_metrics_into_lists() {
     // Other keys must still agree.
     assert_eq!(out.meta_info["temperature"], json!(1.0));
 }
+
+/// A batch crosses a process boundary as bytes (`to_wire` / `from_wire`) with every tensor's
+/// kind, shape and values, the non-tensor columns and meta_info; bad bytes are refused.
+#[test]
+fn wire_round_trip_keeps_kinds_shapes_and_columns() {
+    let d = Default::default();
+    let mut p = batch(5);
+    p.meta_info.insert("global_steps".into(), json!(7));
+    let q = DataProto::<B>::from_wire(&p.to_wire().unwrap(), &d).unwrap();
+    assert_eq!(q.len(), 5);
+    let keys: Vec<&str> = p.batch_keys().collect();
+    assert_eq!(q.batch_keys().collect::<Vec<_>>(), keys);
+    for key in keys {
+        let (a, b) = (p.column(key).unwrap(), q.column(key).unwrap());
+        assert_eq!(b.kind(), a.kind(), "{key}");
+        assert_eq!(b.shape(), a.shape(), "{key}");
+        assert_eq!(q.to_data(key).unwrap(), p.to_data(key).unwrap(), "{key}");
+    }
+    assert_eq!(q.non_tensor("uid").unwrap(), p.non_tensor("uid").unwrap());
+    assert_eq!(q.meta_info, p.meta_info);
+    // An empty batch crosses too; bytes that are not a batch are refused.
+    let empty = DataProto::<B>::new();
+    assert_eq!(
+        DataProto::<B>::from_wire(&empty.to_wire().unwrap(), &d)
+            .unwrap()
+            .len(),
+        0
+    );
+    let bad = DataProto::<B>::from_wire(b"not a batch", &d).unwrap_err();
+    assert!(matches!(bad, DataProtoError::Format { .. }), "{bad}");
+}

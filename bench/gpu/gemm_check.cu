@@ -6,6 +6,7 @@
 #include <vector>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include "../../verl-megatron/src/cuda/kernels/gemm_common.cuh"
 
 #ifdef WGMMA
 #include "../../verl-megatron/src/cuda/kernels/gemm_wgmma.cu"

@@ -4,8 +4,8 @@
 // caller passes them as defines; the defaults here are its choice (128 x 128 x 32, 4 stages,
 // 2 x 2 warps of 64 x 64: the fastest of bench/gpu/gemm_sweep.sh's configurations on an H100).
 //
-// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
-// by nvcc on a GPU machine for a standalone check.
+// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines and
+// gemm_common.cuh).
 //   A_T = 0: A is stored row-major [M][K] (row stride lda); 1: stored as A^T, [K][M].
 //   B_T = 0: B is stored row-major [K][N] (row stride ldb); 1: stored as B^T, [N][K].
 // C is row-major [M][N] with row stride ldc. Every operand's row pitch is a multiple of 8
@@ -13,7 +13,6 @@
 // cp.async; the parts of tiles past the matrix edges (rows, and the last piece of a row whose
 // length is not a multiple of 8) are zero-filled.
 
-#include <cuda_bf16.h>
 #include <mma.h>
 
 #ifndef A_T
@@ -24,7 +23,6 @@
 #endif
 
 using namespace nvcuda;
-typedef __nv_bfloat16 bf16;
 
 #ifndef BM
 #define BM 128
@@ -68,38 +66,6 @@ typedef __nv_bfloat16 bf16;
 #endif
 #define A_STAGE (A_ROWS * A_LD)
 #define B_STAGE (B_ROWS * B_LD)
-
-struct GemmParams {
-    unsigned int m;
-    unsigned int n;
-    unsigned int k;
-    unsigned int lda;
-    unsigned int ldb;
-    unsigned int ldc;
-    unsigned int unused0;
-    unsigned int unused1;
-};
-
-// Copies `valid` (0..8) elements from `src` and zero-fills the rest of the 16 bytes: a row
-// out of range copies none, and the last piece of a row whose length is not a multiple of 8
-// copies only what lies inside it (reading on would take the next row's values).
-__device__ __forceinline__ void copy16(bf16* dst, const bf16* src, unsigned int valid) {
-    const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
-    const int bytes = (int)(valid < 8u ? valid : 8u) * 2;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
-}
-
-// Elements of a piece of 8 starting at `at` inside a dimension of `extent` (0 past the end).
-__device__ __forceinline__ unsigned int inside(unsigned int at, unsigned int extent) {
-    return at < extent ? extent - at : 0u;
-}
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void wait_groups() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // Copies k-tile `kt` of A and B into stage buffers `as`, `bs`.
 __device__ __forceinline__ void load_stage(bf16* as, bf16* bs, const bf16* a, const bf16* b,

@@ -88,8 +88,12 @@ pub fn set_kind(kind: GemmKind) {
     );
 }
 
-const OWN_SOURCE: &str = include_str!("gemm.cu");
-const WGMMA_SOURCE: &str = include_str!("gemm_wgmma.cu");
+/// Each kernel's source after what both share (`gemm_common.cuh`: parameters, cp.async copies).
+const OWN_SOURCE: &str = concat!(include_str!("gemm_common.cuh"), include_str!("gemm.cu"));
+const WGMMA_SOURCE: &str = concat!(
+    include_str!("gemm_common.cuh"),
+    include_str!("gemm_wgmma.cu")
+);
 
 /// Whether CUDA device `index` is a Hopper GPU (compute capability 9.x), the only one with
 /// `wgmma` (Blackwell's sm_100a has no such instruction). Asked of the driver once per device.

@@ -19,7 +19,6 @@
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
 // by nvcc on a GPU machine for a standalone check (bench/gpu/gemm_check.cu -DWGMMA).
 
-#include <cuda_bf16.h>
 
 #ifndef A_T
 #define A_T 0
@@ -60,7 +59,6 @@
 #endif
 #define MN_BLOCK_BYTES (64 * 128)
 
-typedef __nv_bfloat16 bf16;
 // OUT_F32 = 1: the result is written in f32 (generation's products, which go on in f32).
 #ifndef OUT_F32
 #define OUT_F32 0
@@ -70,33 +68,6 @@ typedef float out_t;
 #else
 typedef bf16 out_t;
 #endif
-
-struct GemmParams {
-    unsigned int m;
-    unsigned int n;
-    unsigned int k;
-    unsigned int lda;
-    unsigned int ldb;
-    unsigned int ldc;
-    unsigned int unused0;
-    unsigned int unused1;
-};
-
-__device__ __forceinline__ void copy16(unsigned int dst, const bf16* src, unsigned int valid) {
-    const int bytes = (int)(valid < 8u ? valid : 8u) * 2;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ unsigned int inside(unsigned int at, unsigned int extent) {
-    return at < extent ? extent - at : 0u;
-}
-
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void wait_copies() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // A K-major tile: `rows` rows (from `row0`, of `row_extent`) x 64 of K (from k0, of k_extent),
 // the stored matrix [row][k] with pitch `ld`.
@@ -282,7 +253,7 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
             load_stage<128>(tid, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES, a, b, p, m0, n0, kt);
             barrier_arrive_copies(full + s * 8);
         }
-        wait_copies<0>();
+        wait_groups<0>();
         return;
     }
     const unsigned int group = role;
@@ -311,7 +282,7 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
         commit();
     }
     for (unsigned int kt = 0; kt < k_tiles; ++kt) {
-        wait_copies<STAGES - 3>();
+        wait_groups<STAGES - 3>();
         proxy_fence();  // this thread's copies, visible to wgmma's (async) reads
         __syncthreads();
         const unsigned int next = kt + STAGES - 2;
@@ -326,7 +297,7 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
         wgmma_wait<1>();
     }
     wgmma_wait<0>();
-    wait_copies<0>();
+    wait_groups<0>();
     __syncthreads();
 #endif
 

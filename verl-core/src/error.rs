@@ -19,6 +19,9 @@ pub enum CommError {
     PeerGone(String),
     #[error("{0}")]
     Backend(String),
+    /// The driver ↔ worker connection failed or carried something unreadable.
+    #[error("driver/worker connection: {0}")]
+    Transport(String),
 }
 
 /// Errors of [`crate::DataProto`] operations.

@@ -21,6 +21,7 @@ pub mod reward_score;
 pub mod topology;
 pub mod traits;
 pub mod weights;
+pub mod wire;
 pub mod worker;
 
 pub use data_proto::DataProto;

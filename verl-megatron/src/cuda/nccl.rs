@@ -79,8 +79,7 @@ pub struct NcclIdExchange {
 }
 
 impl NcclIdExchange {
-    /// From torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-    /// `MASTER_PORT`): see [`Rendezvous::from_env`].
+    /// From the launcher's environment (torchrun's or Slurm's): see [`Rendezvous::from_env`].
     pub fn from_env() -> Result<Self, CommError> {
         Ok(Self {
             rendezvous: Rendezvous::from_env()?,

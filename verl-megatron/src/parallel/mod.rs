@@ -6,6 +6,7 @@
 
 mod fresh_leaves;
 mod groups;
+mod launch;
 mod local;
 pub mod pipeline;
 mod region;
@@ -13,6 +14,7 @@ mod rendezvous;
 
 pub use fresh_leaves::with_fresh_leaves;
 pub use groups::ProcessGroups;
+pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{
     run_collective, Collective, CommHandle, ParallelAutodiffBackend, ParallelBackend, Region,

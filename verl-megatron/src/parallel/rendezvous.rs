@@ -1,5 +1,5 @@
-//! [`Rendezvous`]: how the processes of a multi-process job find each other, from torchrun's
-//! environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`).
+//! [`Rendezvous`]: how the processes of a multi-process job find each other, from the
+//! launcher's environment ([`LaunchEnv`]: torchrun's or Slurm's).
 //!
 //! The job's rank 0 serves a small key → value table over TCP on `MASTER_ADDR:MASTER_PORT`; a
 //! member publishes a value (an NCCL group's unique id, say) under a key and the others wait for
@@ -13,6 +13,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use verl_core::error::CommError;
+
+use super::LaunchEnv;
 
 /// How long a member waits for a key (and for rank 0 to start listening).
 pub const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
@@ -71,20 +73,6 @@ impl Table {
     }
 }
 
-fn env_usize(name: &str, default: Option<usize>) -> Result<usize, CommError> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map_err(|_| {
-            CommError::Backend(format!("environment variable {name}=`{v}` is not a number"))
-        }),
-        Err(_) => default.ok_or_else(|| {
-            CommError::Backend(format!(
-                "environment variable {name} is not set (a multi-process job needs RANK, \
-                 WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun sets them)"
-            ))
-        }),
-    }
-}
-
 fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -100,15 +88,19 @@ fn from_hex(s: &str) -> Option<Vec<u8>> {
 }
 
 impl Rendezvous {
-    /// From torchrun's environment: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (default: `RANK`),
-    /// `MASTER_ADDR` (default 127.0.0.1) and `MASTER_PORT`. Rank 0 starts serving here.
+    /// From the launcher's environment ([`LaunchEnv`]: torchrun's `RANK`, `WORLD_SIZE`,
+    /// `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or Slurm's under `srun`). Rank 0 starts
+    /// serving here.
     pub fn from_env() -> Result<Self, CommError> {
-        let rank = env_usize("RANK", None)?;
-        let world_size = env_usize("WORLD_SIZE", None)?;
-        let local_rank = env_usize("LOCAL_RANK", Some(rank))?;
-        let port = env_usize("MASTER_PORT", None)?;
-        let host = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
-        Self::new(rank, world_size, local_rank, &format!("{host}:{port}"))
+        let env = LaunchEnv::from_env()?.ok_or_else(|| {
+            CommError::Backend(
+                "no launcher environment: a multi-process job needs RANK, WORLD_SIZE, \
+                 MASTER_ADDR and MASTER_PORT (as torchrun sets them) or srun's SLURM_* \
+                 variables"
+                    .into(),
+            )
+        })?;
+        Self::new(env.rank, env.world_size, env.local_rank, &env.master)
     }
 
     /// As [`Self::from_env`] with explicit values. Rank 0 binds `addr` (port 0 picks a free

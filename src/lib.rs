@@ -26,6 +26,7 @@
 
 mod builder;
 
+pub mod launcher;
 pub mod tasks;
 pub mod trainer;
 

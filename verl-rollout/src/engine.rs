@@ -384,19 +384,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                         .map(|a| Some(a).filter(|a| a.pending.is_empty()))
                         .collect();
                     let picks = self.choose(logits, rows, &mut stats);
-                    for (((slot, id, _, _), mut active), pick) in
-                        admitted.into_iter().zip(fresh).zip(picks)
-                    {
-                        let Some((tok, log_prob)) = pick else {
-                            slots[slot] = Some(active);
-                            continue;
-                        };
-                        sampled += 1;
-                        if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
-                            done[id] = Some(c);
-                        } else {
-                            slots[slot] = Some(active);
-                        }
+                    for (((slot, ..), active), pick) in admitted.into_iter().zip(fresh).zip(picks) {
+                        let placed = (&mut slots[..], &mut done[..]);
+                        sampled += self.settle(active, slot, pick, &stop, placed) as usize;
                     }
                 }
                 if !continued.is_empty() {
@@ -413,16 +403,10 @@ impl<B: ParallelBackend> NativeRollout<B> {
                         .map(|a| a.as_mut().filter(|a| a.pending.is_empty()))
                         .collect();
                     let picks = self.choose(logits, rows, &mut stats);
-                    for ((&(slot, _, _), state), pick) in continued.iter().zip(states).zip(picks) {
-                        let mut active = state.expect("a continued slot is busy");
-                        if let Some((tok, log_prob)) = pick {
-                            sampled += 1;
-                            if let Some(c) = self.advance(&mut active, tok, log_prob, &stop) {
-                                done[active.request] = Some(c);
-                                continue;
-                            }
-                        }
-                        slots[slot] = Some(active);
+                    for ((&(slot, ..), state), pick) in continued.iter().zip(states).zip(picks) {
+                        let active = state.expect("a continued slot is busy");
+                        let placed = (&mut slots[..], &mut done[..]);
+                        sampled += self.settle(active, slot, pick, &stop, placed) as usize;
                     }
                 }
                 stats.prefill_steps += 1;
@@ -556,6 +540,28 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 Some((tok, log_prob))
             })
             .collect()
+    }
+
+    /// After a prefill: `active`, bound for slot `slot`, takes its sampled token if it has one
+    /// (`pick`); its completion goes to `done` when that token ends it, else it goes into its
+    /// slot. Returns whether a token was sampled.
+    fn settle(
+        &self,
+        mut active: Active,
+        slot: usize,
+        pick: Option<(u32, f32)>,
+        stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
+        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+    ) -> bool {
+        let Some((tok, log_prob)) = pick else {
+            slots[slot] = Some(active);
+            return false;
+        };
+        match self.advance(&mut active, tok, log_prob, stop) {
+            Some(c) => done[active.request] = Some(c),
+            None => slots[slot] = Some(active),
+        }
+        true
     }
 
     /// Appends the chosen token to `active`; returns the completion when the sequence ends.

@@ -128,12 +128,7 @@ impl<B: Backend> AttentionMask<B> {
                 return Tensor::from_data(TensorData::new(values.clone(), *shape), device);
             }
             if let Some((positions, window, device)) = &self.slots {
-                let values: Vec<f32> = positions
-                    .iter()
-                    .flat_map(|&p| {
-                        (0..*window).map(move |j| if j <= p { 0.0 } else { f32::NEG_INFINITY })
-                    })
-                    .collect();
+                let values = keys_up_to(positions.iter().copied(), *window);
                 let shape = [positions.len(), 1, 1, *window];
                 return Tensor::from_data(TensorData::new(values, shape), device);
             }
@@ -155,17 +150,17 @@ impl<B: Backend> AttentionMask<B> {
 /// (j ≤ past + i), −∞ elsewhere.
 pub fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Tensor<B, 4> {
     let keys = past + t;
-    let mut allowed: Vec<f32> = Vec::with_capacity(t * keys);
-    for i in 0..t {
-        for j in 0..keys {
-            allowed.push(if j <= past + i {
-                0.0
-            } else {
-                f32::NEG_INFINITY
-            });
-        }
-    }
+    let allowed = keys_up_to(past..past + t, keys);
     Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
+}
+
+/// Additive bias rows over `keys` keys, one per entry of `lasts`: 0 for keys `0..=last`, −∞
+/// after (every causal mask here is this, row by row).
+pub(crate) fn keys_up_to(lasts: impl IntoIterator<Item = usize>, keys: usize) -> Vec<f32> {
+    lasts
+        .into_iter()
+        .flat_map(|last| (0..keys).map(move |j| if j <= last { 0.0 } else { f32::NEG_INFINITY }))
+        .collect()
 }
 
 /// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =

@@ -931,14 +931,21 @@ impl<B: ParallelBackend> CausalLm<B> {
         let sources: Vec<usize> = targets.iter().map(|&(p, _)| p).collect();
         let slots: Vec<usize> = targets.iter().map(|&(_, s)| s).collect();
         let lens: Vec<usize> = sources.iter().map(|&p| prompts[p].len()).collect();
+        let starts = vec![0; slots.len()];
         for (l, kv) in tmp.layers.into_iter().enumerate() {
             let (k, v) = kv.expect("every layer cached its keys");
-            let starts = vec![0; slots.len()];
             cache.write_prefix(l, (&sources, &slots, &lens, &starts), k, v);
         }
-        let [_, _, hidden] = h.dims();
-        let last: Vec<i64> = prompts.iter().map(|p| p.len() as i64 - 1).collect();
-        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
+        let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
+        self.last_token_logits(h, &lens)
+    }
+
+    /// The logits at each row's last token: `h` `[rows, t, hidden]` with `lens[i]` real tokens
+    /// in row `i` (right padding after them); `[rows, vocab]`.
+    fn last_token_logits(&self, h: Tensor<B, 3>, lens: &[usize]) -> Tensor<B, 2> {
+        let [n, _, hidden] = h.dims();
+        let last: Vec<i64> = lens.iter().map(|&l| l as i64 - 1).collect();
+        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &h.device())
             .repeat_dim(2, hidden);
         let logits = self.head(h.gather(1, idx), None);
         let vocab = logits.dims()[2];
@@ -991,13 +998,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 chunks: &layout,
             },
         );
-        let [_, _, hidden] = h.dims();
-        let last: Vec<i64> = layout.lens.iter().map(|&l| l as i64 - 1).collect();
-        let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &device)
-            .repeat_dim(2, hidden);
-        let logits = self.head(h.gather(1, idx), None);
-        let vocab = logits.dims()[2];
-        logits.reshape([n, vocab])
+        self.last_token_logits(h, &layout.lens)
     }
 
     /// One decode step for every slot of `cache`: slot `s` feeds `tokens[s]` at position

@@ -110,7 +110,7 @@ impl<B: ParallelBackend> GenerationWeights<B> {
         let mut layers = Vec::with_capacity(model.layers.len());
         for layer in &mut model.layers {
             let a = &mut layer.self_attn;
-            let (qkv, parts) = stack(&mut [
+            let qkv = stack(&mut [
                 &mut a.q_proj.weight,
                 &mut a.k_proj.weight,
                 &mut a.v_proj.weight,
@@ -121,11 +121,10 @@ impl<B: ParallelBackend> GenerationWeights<B> {
                 }
                 _ => None,
             };
-            debug_assert_eq!(parts.len(), 3);
             let FeedForward::Dense(mlp) = &mut layer.mlp else {
                 unreachable!("checked above: dense layers only")
             };
-            let (gate_up, _) = stack(&mut [&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight]);
+            let gate_up = stack(&mut [&mut mlp.gate_proj.weight, &mut mlp.up_proj.weight]);
             layers.push(FusedLayer {
                 qkv,
                 qkv_bias,
@@ -144,16 +143,16 @@ impl<B: ParallelBackend> GenerationWeights<B> {
 }
 
 /// The matrices `parts` stacked along their rows; each part's parameter becomes a view of its
-/// rows of the stack (same id, same values). Returns the stack and each part's row count.
-fn stack<B: Backend>(parts: &mut [&mut Param<Tensor<B, 2>>]) -> (Tensor<B, 2>, Vec<usize>) {
-    let rows: Vec<usize> = parts.iter().map(|p| p.dims()[0]).collect();
+/// rows of the stack (same id, same values).
+fn stack<B: Backend>(parts: &mut [&mut Param<Tensor<B, 2>>]) -> Tensor<B, 2> {
     let stacked = Tensor::cat(parts.iter().map(|p| p.val()).collect(), 0);
     let mut start = 0;
-    for (p, &n) in parts.iter_mut().zip(&rows) {
+    for p in parts.iter_mut() {
+        let n = p.dims()[0];
         **p = Param::initialized(p.id, stacked.clone().narrow(0, start, n));
         start += n;
     }
-    (stacked, rows)
+    stacked
 }
 
 impl<B: Backend> RmsNorm<B> {

@@ -248,15 +248,12 @@ impl ChunkLayout {
     /// positions `0..=starts[i] + q`; a padded token (`q >= lens[i]`) sees position 0 only,
     /// so its softmax stays finite.
     pub fn bias(&self, t: usize) -> Vec<f32> {
-        let window = self.window();
-        let mut bias = Vec::with_capacity(self.lens.len() * t * window);
-        for (&start, &len) in self.starts.iter().zip(&self.lens) {
-            for q in 0..t {
-                let last = if q < len { start + q } else { 0 };
-                bias.extend((0..window).map(|j| if j <= last { 0.0 } else { f32::NEG_INFINITY }));
-            }
-        }
-        bias
+        let lasts = self
+            .starts
+            .iter()
+            .zip(&self.lens)
+            .flat_map(|(&start, &len)| (0..t).map(move |q| if q < len { start + q } else { 0 }));
+        super::attention::keys_up_to(lasts, self.window())
     }
 }
 

@@ -52,10 +52,7 @@ struct DecodeParams {
 
 __device__ __forceinline__ float operand(float x) {
 #if ROUND_BF16
-    // Round to nearest even on the upper 16 bits (finite values).
-    unsigned int b = __float_as_uint(x);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return __uint_as_float(b & 0xffff0000u);
+    return round_bf16(x);
 #else
     return x;
 #endif
@@ -176,10 +173,7 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
         }
         const unsigned long long o = ((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM + d;
 #if OUT_BF16
-        // Round to nearest even, as a cast to bf16 rounds.
-        unsigned int bits = __float_as_uint(value / sum);
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        ((unsigned short*)out)[o] = (unsigned short)(bits >> 16);
+        ((unsigned short*)out)[o] = bf16_bits(value / sum);
 #else
         ((float*)out)[o] = value / sum;
 #endif

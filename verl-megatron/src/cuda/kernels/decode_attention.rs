@@ -17,7 +17,11 @@ use super::{is_cuda, same, CudaPrimitive, KernelSwitch};
 use crate::models::attention::DecodeProjections as Projections;
 use crate::models::SlotKvCache;
 
-const SOURCE: &str = include_str!("decode_attention.cu");
+/// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
+const SOURCE: &str = concat!(
+    include_str!("bf16_round.cuh"),
+    include_str!("decode_attention.cu")
+);
 /// Threads per block, as in `decode_attention.cu`.
 const THREADS: usize = 128;
 

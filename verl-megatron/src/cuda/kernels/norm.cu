@@ -90,13 +90,6 @@ struct AddNormParams {
     unsigned int add;
 };
 
-// Round to nearest even on the upper 16 bits (as a cast of a finite f32 to bf16 rounds).
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int b = __float_as_uint(x);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (unsigned short)(b >> 16);
-}
-
 // Grid (rows). h, delta, sum [rows][hidden] f32; w [hidden] f32; y [rows][hidden] bf16.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_add_rms_norm_bf16(const float* h, const float* delta, const float* __restrict__ w,

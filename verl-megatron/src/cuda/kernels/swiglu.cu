@@ -47,7 +47,7 @@ struct SwigluPackedParams {
 
 // Decode steps (no backward): gate and up side by side in one row of the fused gate/up product,
 // gu [rows][2 * inter] (gate first), the result rounded to bf16 for the down projection,
-// out [rows][inter] bf16 (round to nearest even, as a cast rounds). Grid (ceil(rows * inter /
+// out [rows][inter] bf16 (bf16_round.cuh's rounding, as a cast rounds). Grid (ceil(rows * inter /
 // THREADS)).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_swiglu_packed_bf16(const float* __restrict__ gu, unsigned short* __restrict__ out,
@@ -56,7 +56,5 @@ verl_swiglu_packed_bf16(const float* __restrict__ gu, unsigned short* __restrict
     if (i >= (unsigned long long)p.rows * p.inter) return;
     const unsigned long long row = i / p.inter, col = i % p.inter;
     const float x = gu[row * 2 * p.inter + col];
-    unsigned int b = __float_as_uint(x * sigmoid(x) * gu[row * 2 * p.inter + p.inter + col]);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    out[i] = (unsigned short)(b >> 16);
+    out[i] = bf16_bits(x * sigmoid(x) * gu[row * 2 * p.inter + p.inter + col]);
 }

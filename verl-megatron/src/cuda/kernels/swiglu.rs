@@ -17,7 +17,8 @@ use verl_core::backend::CudaBackend;
 use super::source::{pack_words, CudaSource};
 use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
 
-const SOURCE: &str = include_str!("swiglu.cu");
+/// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
+const SOURCE: &str = concat!(include_str!("bf16_round.cuh"), include_str!("swiglu.cu"));
 /// Threads per block, as in `swiglu.cu`.
 const THREADS: u32 = 256;
 

@@ -1,6 +1,7 @@
-//! The in-process communicator: every collective equals its naive definition on 1–4 ranks
-//! (property tests over random data), point-to-point pairs in order, topology groups reduce
-//! over their own members only, and mismatches or departed peers are errors, not hangs.
+//! The in-process and TCP communicators: every collective equals its naive definition on 1–4
+//! ranks (property tests over random data, both implementations, bit-identical reductions),
+//! point-to-point pairs in order, topology groups reduce over their own members only, and
+//! mismatches or departed peers are errors, not hangs.
 
 use burn::prelude::*;
 use proptest::prelude::*;
@@ -8,7 +9,7 @@ use verl_core::backend::CpuBackend as B;
 use verl_core::error::CommError;
 use verl_core::topology::{ParallelConfig, Topology};
 use verl_core::traits::{Communicator, CommunicatorExt, ReduceOp};
-use verl_megatron::parallel::{LocalCommunicator, ProcessGroups};
+use verl_megatron::parallel::{LocalCommunicator, ProcessGroups, Rendezvous, TcpCommunicator};
 
 fn t(v: &[f32]) -> Tensor<B, 1> {
     Tensor::from_floats(v, &Default::default())
@@ -18,10 +19,38 @@ fn host<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().unwrap()
 }
 
-/// Runs `f` on every rank of a new group, one thread each; results in rank order.
-fn on_ranks<T: Send>(n: usize, f: impl Fn(LocalCommunicator) -> T + Sync) -> Vec<T> {
+type Comm = Box<dyn Communicator<B>>;
+
+/// A new group of `n` ranks: in-process handles, or TCP ones (real sockets on localhost, met
+/// through a rendezvous table, as rank processes meet).
+fn group(n: usize, tcp: bool) -> Vec<Comm> {
+    if !tcp {
+        return LocalCommunicator::group(n)
+            .into_iter()
+            .map(|c| Box::new(c) as Comm)
+            .collect();
+    }
+    let table = Rendezvous::serve("127.0.0.1:0").unwrap();
+    let addr = table.addr().to_string();
     std::thread::scope(|s| {
-        let handles: Vec<_> = LocalCommunicator::group(n)
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let r = Rendezvous::client(&addr);
+                    Box::new(TcpCommunicator::connect(&r, "test", rank, n, "127.0.0.1").unwrap())
+                        as Comm
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Runs `f` on every rank of a new group, one thread each; results in rank order.
+fn on_ranks<T: Send>(n: usize, tcp: bool, f: impl Fn(Comm) -> T + Sync) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = group(n, tcp)
             .into_iter()
             .map(|c| s.spawn(|| f(c)))
             .collect();
@@ -44,14 +73,14 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
-    fn collectives_equal_their_definitions((n, data) in data_strategy()) {
+    fn collectives_equal_their_definitions((n, data) in data_strategy(), tcp in any::<bool>()) {
         let len = data[0].len();
         let sum: Vec<f32> = (0..len).map(|i| data.iter().map(|d| d[i]).sum()).collect();
         let max: Vec<f32> = (0..len)
             .map(|i| data.iter().map(|d| d[i]).fold(f32::MIN, f32::max))
             .collect();
-        let out = on_ranks(n, |c| {
-            let r = Communicator::<B>::rank(&c);
+        let out = on_ranks(n, tcp, |c| {
+            let r = c.rank();
             let mine = &data[r];
             let s = host(c.all_reduce(t(mine), ReduceOp::Sum).unwrap());
             let a = host(c.all_reduce(t(mine), ReduceOp::Avg).unwrap());
@@ -69,7 +98,7 @@ proptest! {
                 .into_iter()
                 .map(host)
                 .collect();
-            Communicator::<B>::barrier(&c).unwrap();
+            c.barrier().unwrap();
             (s, a, m, g, rs, b, a2a)
         });
         let chunk = len / n;
@@ -89,11 +118,11 @@ proptest! {
     }
 
     #[test]
-    fn shaped_gather_and_scatter_follow_the_dimension(n in 1usize..=4, rows in 1usize..=3, dim in 0usize..2) {
+    fn shaped_gather_and_scatter_follow_the_dimension(n in 1usize..=4, rows in 1usize..=3, dim in 0usize..2, tcp in any::<bool>()) {
         // Rank r holds a [rows, 2n] matrix of r; gather along `dim` stacks them in rank order,
         // reduce-scatter along dim 1 returns this rank's columns of the sum.
-        let out = on_ranks(n, |c| {
-            let r = Communicator::<B>::rank(&c) as f32;
+        let out = on_ranks(n, tcp, |c| {
+            let r = c.rank() as f32;
             let m = Tensor::<B, 2>::full([rows, 2 * n], r, &Default::default());
             let g = c.all_gather_dim(m.clone(), dim).unwrap();
             let rs = c.reduce_scatter_dim(m, 1, ReduceOp::Sum).unwrap();
@@ -119,20 +148,22 @@ proptest! {
 #[test]
 fn send_and_recv_pair_in_order() {
     // A ring: each rank sends two messages to the next and receives the previous one's.
-    let out = on_ranks(3, |c| {
-        let r = Communicator::<B>::rank(&c);
-        let n = 3;
-        c.send(t(&[r as f32, 1.0]), (r + 1) % n).unwrap();
-        c.send(t(&[r as f32, 2.0, 2.0]), (r + 1) % n).unwrap();
-        let prev = (r + n - 1) % n;
-        let first = host(c.recv(prev, 2, &Default::default()).unwrap());
-        let second = host(c.recv(prev, 3, &Default::default()).unwrap());
-        (first, second)
-    });
-    for (r, (first, second)) in out.into_iter().enumerate() {
-        let prev = ((r + 2) % 3) as f32;
-        assert_eq!(first, vec![prev, 1.0]);
-        assert_eq!(second, vec![prev, 2.0, 2.0]);
+    for tcp in [false, true] {
+        let out = on_ranks(3, tcp, |c| {
+            let r = c.rank();
+            let n = 3;
+            c.send(t(&[r as f32, 1.0]), (r + 1) % n).unwrap();
+            c.send(t(&[r as f32, 2.0, 2.0]), (r + 1) % n).unwrap();
+            let prev = (r + n - 1) % n;
+            let first = host(c.recv(prev, 2, &Default::default()).unwrap());
+            let second = host(c.recv(prev, 3, &Default::default()).unwrap());
+            (first, second)
+        });
+        for (r, (first, second)) in out.into_iter().enumerate() {
+            let prev = ((r + 2) % 3) as f32;
+            assert_eq!(first, vec![prev, 1.0]);
+            assert_eq!(second, vec![prev, 2.0, 2.0]);
+        }
     }
 }
 
@@ -147,52 +178,76 @@ fn topology_groups_reduce_over_their_members() {
         4,
     )
     .unwrap();
-    let groups = ProcessGroups::<B>::local(&topo);
-    let out: Vec<(f32, f32, f32)> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(rank, g)| {
-                s.spawn(move || {
-                    let mine = t(&[rank as f32]);
-                    let tp = host(g.tp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
-                    let dp = host(g.dp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
-                    let world = host(g.world.all_reduce(mine, ReduceOp::Sum).unwrap())[0];
-                    (tp, dp, world)
+    let table = Rendezvous::serve("127.0.0.1:0").unwrap();
+    for tcp in [false, true] {
+        let groups: Vec<Option<ProcessGroups<B>>> = if tcp {
+            vec![None; 4]
+        } else {
+            ProcessGroups::<B>::local(&topo)
+                .into_iter()
+                .map(Some)
+                .collect()
+        };
+        let (topo, addr) = (&topo, table.addr().to_string());
+        let out: Vec<(f32, f32, f32)> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .enumerate()
+                .map(|(rank, g)| {
+                    let addr = addr.clone();
+                    s.spawn(move || {
+                        // As a rank process builds its groups: its own handles only.
+                        let g = g.unwrap_or_else(|| {
+                            let r = Rendezvous::client(&addr);
+                            ProcessGroups::tcp(topo, rank, &r, "127.0.0.1", "actor").unwrap()
+                        });
+                        let mine = t(&[rank as f32]);
+                        let tp = host(g.tp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
+                        let dp = host(g.dp().all_reduce(mine.clone(), ReduceOp::Sum).unwrap())[0];
+                        let world = host(g.world.all_reduce(mine, ReduceOp::Sum).unwrap())[0];
+                        (tp, dp, world)
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert_eq!(
-        out,
-        vec![
-            (1.0, 2.0, 6.0),
-            (1.0, 4.0, 6.0),
-            (5.0, 2.0, 6.0),
-            (5.0, 4.0, 6.0)
-        ]
-    );
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(
+            out,
+            vec![
+                (1.0, 2.0, 6.0),
+                (1.0, 4.0, 6.0),
+                (5.0, 2.0, 6.0),
+                (5.0, 4.0, 6.0)
+            ]
+        );
+    }
 }
 
 #[test]
 fn mismatches_and_departed_peers_are_errors() {
-    let out = on_ranks(2, |c| {
-        let r = Communicator::<B>::rank(&c);
-        c.all_reduce(t(&vec![1.0; r + 1]), ReduceOp::Sum).err()
-    });
-    assert!(out.iter().all(|e| matches!(e, Some(CommError::Shape(_)))));
+    for tcp in [false, true] {
+        let out = on_ranks(2, tcp, |c| {
+            let r = c.rank();
+            c.all_reduce(t(&vec![1.0; r + 1]), ReduceOp::Sum).err()
+        });
+        assert!(out.iter().all(|e| matches!(e, Some(CommError::Shape(_)))));
 
-    let mut group = LocalCommunicator::group(2);
-    let survivor = group.remove(0);
-    drop(group); // rank 1 is gone
-    let err = survivor.all_reduce(t(&[1.0]), ReduceOp::Sum).unwrap_err();
-    assert!(matches!(err, CommError::PeerGone(_)), "{err}");
-    let err = Communicator::<B>::recv(&survivor, 1, 1, &Default::default()).unwrap_err();
-    assert!(matches!(err, CommError::PeerGone(_)), "{err}");
-    let err = Communicator::<B>::send(&survivor, t(&[1.0]), 5).unwrap_err();
-    assert!(
-        matches!(err, CommError::BadRank { rank: 5, world: 2 }),
-        "{err}"
-    );
+        // A departed peer fails the survivor at once (a TCP peer's closed socket is seen
+        // without waiting for the timeout).
+        let start = std::time::Instant::now();
+        let mut group = group(2, tcp);
+        let survivor = group.remove(0);
+        drop(group); // rank 1 is gone
+        let err = survivor.all_reduce(t(&[1.0]), ReduceOp::Sum).unwrap_err();
+        assert!(matches!(err, CommError::PeerGone(_)), "{err}");
+        let err = survivor.recv(1, 1, &Default::default()).unwrap_err();
+        assert!(matches!(err, CommError::PeerGone(_)), "{err}");
+        assert!(err.to_string().contains("rank 1"), "{err}");
+        assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+        let err = survivor.send(t(&[1.0]), 5).unwrap_err();
+        assert!(
+            matches!(err, CommError::BadRank { rank: 5, world: 2 }),
+            "{err}"
+        );
+    }
 }

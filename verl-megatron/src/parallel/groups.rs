@@ -7,7 +7,9 @@ use burn::prelude::*;
 use verl_core::topology::{GroupKind, Topology};
 use verl_core::traits::Communicator;
 
-use super::LocalCommunicator;
+use verl_core::error::CommError;
+
+use super::{LocalCommunicator, Rendezvous, TcpCommunicator};
 
 /// A rank's communicators: the whole world and each group family of the topology
 /// (tensor, data, pipeline, context, expert, ...).
@@ -67,5 +69,41 @@ impl<B: Backend> ProcessGroups<B> {
                 groups,
             })
             .collect()
+    }
+
+    /// This rank's groups of `topo` when the ranks are processes: one [`TcpCommunicator`] per
+    /// group, met through `rendezvous` under names that start with `prefix` (a role's name, so
+    /// two roles' layouts never mix). `host` is an address the peers reach this process on.
+    /// Every rank of the job calls it with the same `topo` and `prefix`.
+    pub fn tcp(
+        topo: &Topology,
+        rank: usize,
+        rendezvous: &Rendezvous,
+        host: &str,
+        prefix: &str,
+    ) -> Result<ProcessGroups<B>, CommError> {
+        let world = topo.world_size();
+        let world_comm =
+            TcpCommunicator::connect(rendezvous, &format!("{prefix}.world"), rank, world, host)?;
+        let mut groups: BTreeMap<GroupKind, Arc<dyn Communicator<B>>> = BTreeMap::new();
+        for kind in GroupKind::ALL {
+            let (index, members) = topo
+                .groups(kind)
+                .iter()
+                .enumerate()
+                .find(|(_, m)| m.contains(&rank))
+                .ok_or(CommError::BadRank { rank, world })?;
+            let position = members
+                .iter()
+                .position(|&r| r == rank)
+                .expect("rank is a member");
+            let key = format!("{prefix}.{kind:?}{index}");
+            let comm = TcpCommunicator::connect(rendezvous, &key, position, members.len(), host)?;
+            groups.insert(kind, Arc::new(comm));
+        }
+        Ok(ProcessGroups {
+            world: Arc::new(world_comm),
+            groups,
+        })
     }
 }

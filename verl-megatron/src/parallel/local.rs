@@ -156,29 +156,6 @@ impl LocalCommunicator {
         Ok(all)
     }
 
-    fn reduce(parts: impl Iterator<Item = Vec<f32>>, op: ReduceOp, world: usize) -> Vec<f32> {
-        let mut out: Option<Vec<f32>> = None;
-        for p in parts {
-            out = Some(match out {
-                None => p,
-                Some(mut acc) => {
-                    for (a, b) in acc.iter_mut().zip(p) {
-                        *a = match op {
-                            ReduceOp::Max => a.max(b),
-                            _ => *a + b,
-                        };
-                    }
-                    acc
-                }
-            });
-        }
-        let mut out = out.unwrap_or_default();
-        if op == ReduceOp::Avg {
-            out.iter_mut().for_each(|v| *v /= world as f32);
-        }
-        out
-    }
-
     fn check_rank(&self, r: usize) -> Result<(), CommError> {
         if r >= self.hub.world {
             return Err(CommError::BadRank {
@@ -199,14 +176,43 @@ impl Drop for LocalCommunicator {
     }
 }
 
-fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+/// The element-wise reduction of the ranks' values, folded in rank order (so every rank, and
+/// every communicator that folds this way, gets bit-identical results).
+pub(super) fn reduce_in_rank_order(
+    parts: impl Iterator<Item = Vec<f32>>,
+    op: ReduceOp,
+    world: usize,
+) -> Vec<f32> {
+    let mut out: Option<Vec<f32>> = None;
+    for p in parts {
+        out = Some(match out {
+            None => p,
+            Some(mut acc) => {
+                for (a, b) in acc.iter_mut().zip(p) {
+                    *a = match op {
+                        ReduceOp::Max => a.max(b),
+                        _ => *a + b,
+                    };
+                }
+                acc
+            }
+        });
+    }
+    let mut out = out.unwrap_or_default();
+    if op == ReduceOp::Avg {
+        out.iter_mut().for_each(|v| *v /= world as f32);
+    }
+    out
+}
+
+pub(super) fn host<B: Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()
         .to_vec::<f32>()
         .expect("f32 data")
 }
 
-fn device_tensor<B: Backend>(v: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
+pub(super) fn device_tensor<B: Backend>(v: Vec<f32>, device: &B::Device) -> Tensor<B, 1> {
     let n = v.len();
     Tensor::from_data(TensorData::new(v, [n]), device)
 }
@@ -233,7 +239,7 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
         let device = tensor.device();
         let all = self.exchange(vec![host(tensor)])?;
         same_lengths(&all)?;
-        let out = Self::reduce(all.iter().map(|p| p[0].clone()), op, self.hub.world);
+        let out = reduce_in_rank_order(all.iter().map(|p| p[0].clone()), op, self.hub.world);
         Ok(device_tensor(out, &device))
     }
 
@@ -257,7 +263,7 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
         let all = self.exchange(vec![host(tensor)])?;
         let chunk = reduce_scatter_chunk(same_lengths(&all)?, n)?;
         let range = self.rank * chunk..(self.rank + 1) * chunk;
-        let out = Self::reduce(all.iter().map(|p| p[0][range.clone()].to_vec()), op, n);
+        let out = reduce_in_rank_order(all.iter().map(|p| p[0][range.clone()].to_vec()), op, n);
         Ok(device_tensor(out, &device))
     }
 

@@ -1,5 +1,5 @@
 //! Parallelism over the `Communicator` trait: the in-process communicator that simulates ranks
-//! on CPU, the process groups of a topology, the tensor-parallel region operators whose
+//! on CPU, the TCP one that joins rank processes, the process groups of a topology, the tensor-parallel region operators whose
 //! backward passes run the conjugate collectives, the pipeline schedule, the rendezvous
 //! through which the processes of a multi-process job meet, and the fresh parameter leaves that
 //! let ranks train as threads of one process.
@@ -11,6 +11,7 @@ mod local;
 pub mod pipeline;
 mod region;
 mod rendezvous;
+mod tcp;
 
 pub use fresh_leaves::with_fresh_leaves;
 pub use groups::ProcessGroups;
@@ -21,3 +22,4 @@ pub use region::{
     TpGroup,
 };
 pub use rendezvous::{Rendezvous, RENDEZVOUS_TIMEOUT};
+pub use tcp::TcpCommunicator;

@@ -140,6 +140,24 @@ impl Rendezvous {
         })
     }
 
+    /// Serves a job's table on `addr` from this process (the driver of
+    /// `trainer.launcher=processes`, which is none of the ranks); port 0 picks a free port.
+    pub fn serve(addr: &str) -> Result<Self, CommError> {
+        Self::new(0, 1, 0, addr)
+    }
+
+    /// A member of a job whose table another process serves on `addr`.
+    pub fn client(addr: &str) -> Self {
+        Self {
+            rank: 1,
+            world_size: 2,
+            local_rank: 0,
+            addr: addr.to_string(),
+            table: None,
+            timeout: RENDEZVOUS_TIMEOUT,
+        }
+    }
+
     /// How long [`Self::get`] waits (default [`RENDEZVOUS_TIMEOUT`]).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;

@@ -145,6 +145,20 @@ pub enum WorkerError {
     Poisoned { method: String },
     #[error("rank {rank}'s thread has exited")]
     RankGone { rank: usize },
+    #[error(
+        "rank {rank} (a process) was lost during `{method}`: {how}; the other ranks were stopped"
+    )]
+    Lost {
+        rank: usize,
+        method: String,
+        how: String,
+    },
+    #[error("rank {rank} failed in `{method}`: {message}; the other ranks were stopped")]
+    Remote {
+        rank: usize,
+        method: String,
+        message: String,
+    },
     #[error("could not start rank {rank}: {message}")]
     Spawn { rank: usize, message: String },
 }

@@ -1,34 +1,34 @@
 //! Messages between the single controller (the driver process) and rank worker processes.
 //!
-//! One TCP connection per worker. Each message is one length-delimited frame (tokio-util's
-//! codec): a 4-byte header length, a JSON header (the message kind and its small fields), then
-//! the payload bytes as they are (a `DataProto`'s [`crate::DataProto::to_wire`] form, say), so a
-//! batch is never re-encoded as JSON. A closed connection reads as `None`: how the driver sees a
-//! worker that died, and a worker sees a driver that went away.
+//! One TCP connection per worker, read by one thread and written by any. Each message is one
+//! frame (an 8-byte length, then a 4-byte header length, a JSON header with the message kind
+//! and its small fields, then the payload bytes as they are: a `DataProto`'s
+//! [`crate::DataProto::to_wire`] form, say), so a batch is never re-encoded as JSON. A closed
+//! connection reads as `None`: how the driver sees a worker that died, and a worker sees a
+//! driver that went away.
 //!
 //! ```
-//! use verl_core::wire::{Message, WireConnection};
-//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
-//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-//! let addr = listener.local_addr()?;
-//! let worker = tokio::spawn(async move {
-//!     let mut c = WireConnection::connect(&addr.to_string()).await?;
-//!     c.send(Message::Hello { rank: 3, pid: 42 }).await?;
-//!     c.recv().await
+//! use verl_core::wire::{connect, split, Message};
+//! let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+//! let addr = listener.local_addr()?.to_string();
+//! let worker = std::thread::spawn(move || {
+//!     let (mut rx, tx) = split(connect(&addr, std::time::Duration::from_secs(5))?)?;
+//!     tx.send(Message::Hello { rank: 3, pid: 42 })?;
+//!     rx.recv()
 //! });
-//! let mut driver = WireConnection::new(listener.accept().await?.0);
-//! assert_eq!(driver.recv().await?, Some(Message::Hello { rank: 3, pid: 42 }));
-//! driver.send(Message::Shutdown).await?;
-//! assert_eq!(worker.await.unwrap()?, Some(Message::Shutdown));
+//! let (mut rx, tx) = split(listener.accept()?.0)?;
+//! assert_eq!(rx.recv()?, Some(Message::Hello { rank: 3, pid: 42 }));
+//! tx.send(Message::Shutdown)?;
+//! assert_eq!(worker.join().unwrap()?, Some(Message::Shutdown));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
-//! # }).unwrap();
 //! ```
 
+use std::io::{BufReader, BufWriter, ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::sync::Mutex;
+
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpStream;
-use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 use crate::error::CommError;
 
@@ -144,47 +144,103 @@ impl Message {
     }
 }
 
-/// One end of a driver ↔ worker connection.
-pub struct WireConnection {
-    framed: Framed<TcpStream, LengthDelimitedCodec>,
-}
-
-impl WireConnection {
-    /// Over an accepted or connected stream (Nagle off: calls are small and latency-bound).
-    pub fn new(stream: TcpStream) -> Self {
-        let _ = stream.set_nodelay(true);
-        let codec = LengthDelimitedCodec::builder()
-            .max_frame_length(MAX_FRAME_BYTES)
-            .new_codec();
-        Self {
-            framed: Framed::new(stream, codec),
+/// Connects to `addr` (`host:port`), retrying while nothing listens there yet (the driver may
+/// still be starting) until `timeout`.
+pub fn connect(addr: &str, timeout: std::time::Duration) -> Result<TcpStream, CommError> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            Err(e) => return Err(wire_err(format!("connecting to {addr}: {e}"))),
         }
     }
+}
 
-    /// Connects to `addr` (`host:port`).
-    pub async fn connect(addr: &str) -> Result<Self, CommError> {
-        let stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| wire_err(format!("connecting to {addr}: {e}")))?;
-        Ok(Self::new(stream))
-    }
+/// The sending half of a connection; shared by the threads that send on it.
+pub struct WireWriter {
+    stream: Mutex<BufWriter<TcpStream>>,
+}
 
-    pub async fn send(&mut self, message: Message) -> Result<(), CommError> {
+/// The receiving half of a connection, owned by the one thread that reads it.
+pub struct WireReader {
+    stream: BufReader<TcpStream>,
+}
+
+/// Splits a connected stream into its halves (Nagle off: calls are small and latency-bound).
+pub fn split(stream: TcpStream) -> Result<(WireReader, WireWriter), CommError> {
+    let _ = stream.set_nodelay(true);
+    let reader = stream
+        .try_clone()
+        .map_err(|e| wire_err(format!("cloning a connection: {e}")))?;
+    Ok((
+        WireReader {
+            stream: BufReader::with_capacity(1 << 20, reader),
+        },
+        WireWriter {
+            stream: Mutex::new(BufWriter::with_capacity(1 << 20, stream)),
+        },
+    ))
+}
+
+impl WireWriter {
+    /// Sends one message: `[frame length: u64 LE][frame]`.
+    pub fn send(&self, message: Message) -> Result<(), CommError> {
         let frame = message.encode()?;
-        self.framed
-            .send(frame)
-            .await
+        let mut w = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        w.write_all(&(frame.len() as u64).to_le_bytes())
+            .and_then(|()| w.write_all(&frame))
+            .and_then(|()| w.flush())
             .map_err(|e| wire_err(format!("sending: {e}")))
     }
 
-    /// The next message, or `None` once the peer closed the connection (or died).
-    pub async fn recv(&mut self) -> Result<Option<Message>, CommError> {
-        match self.framed.next().await {
-            None => Ok(None),
-            Some(Ok(frame)) => Message::decode(frame).map(Some),
-            // A reset connection is a peer that died mid-frame: the same as a close to callers.
-            Some(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(None),
-            Some(Err(e)) => Err(wire_err(format!("receiving: {e}"))),
+    /// Closes both directions: the peer's reader sees the end at once.
+    pub fn close(&self) {
+        let w = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl WireReader {
+    /// The next message, or `None` once the peer closed the connection (or died: a reset
+    /// connection is the same to callers).
+    pub fn recv(&mut self) -> Result<Option<Message>, CommError> {
+        let mut len = [0u8; 8];
+        match self.stream.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset | ErrorKind::BrokenPipe
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(wire_err(format!("receiving: {e}"))),
+        }
+        let len = u64::from_le_bytes(len) as usize;
+        if len > MAX_FRAME_BYTES {
+            return Err(wire_err(format!(
+                "a frame of {len} bytes (the limit is {MAX_FRAME_BYTES}): not a verl peer?"
+            )));
+        }
+        let mut frame = vec![0u8; len];
+        match self.stream.read_exact(&mut frame) {
+            Ok(()) => Message::decode(BytesMut::from(&frame[..])).map(Some),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(wire_err(format!("receiving: {e}"))),
         }
     }
 }
@@ -246,23 +302,24 @@ mod tests {
     }
 
     /// A worker that goes away is seen as `None` by the driver, at once.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_closed_peer_reads_as_none() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    #[test]
+    fn a_closed_peer_reads_as_none() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let worker = tokio::spawn(async move {
-            let mut c = WireConnection::connect(&addr).await.unwrap();
-            c.send(Message::Hello { rank: 1, pid: 7 }).await.unwrap();
+        let worker = std::thread::spawn(move || {
+            let (_rx, tx) =
+                split(connect(&addr, std::time::Duration::from_secs(5)).unwrap()).unwrap();
+            tx.send(Message::Hello { rank: 1, pid: 7 }).unwrap();
             // Dropped here: the process "dies".
         });
-        let mut driver = WireConnection::new(listener.accept().await.unwrap().0);
+        let (mut driver, _tx) = split(listener.accept().unwrap().0).unwrap();
         assert_eq!(
-            driver.recv().await.unwrap(),
+            driver.recv().unwrap(),
             Some(Message::Hello { rank: 1, pid: 7 })
         );
-        worker.await.unwrap();
+        worker.join().unwrap();
         let start = std::time::Instant::now();
-        assert_eq!(driver.recv().await.unwrap(), None);
+        assert_eq!(driver.recv().unwrap(), None);
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 }

@@ -15,6 +15,10 @@ pub struct TrainerConfig {
     pub nnodes: usize,
     /// Ranks per node; on the CPU default these are simulated in-process.
     pub n_gpus_per_node: usize,
+    /// How the ranks run: `threads` (of the driver process), `processes` (one per GPU, started
+    /// by the driver on this node; other nodes' by `verl worker`, torchrun or srun), or `auto`
+    /// (processes for a multi-GPU CUDA run or several nodes, else threads).
+    pub launcher: String,
     /// Save a checkpoint every this many steps; -1: never.
     pub save_freq: i64,
     /// `auto`, `disable` or `resume_path`.
@@ -52,6 +56,7 @@ impl Default for TrainerConfig {
             log_val_generations: 0,
             nnodes: 1,
             n_gpus_per_node: 8,
+            launcher: "auto".into(),
             save_freq: -1,
             resume_mode: "auto".into(),
             resume_from_path: None,

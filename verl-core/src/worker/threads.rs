@@ -1,4 +1,4 @@
-//! [`Worker`] and [`WorkerGroup`]: the single controller's handle on its rank workers.
+//! [`WorkerGroup`]: a role's ranks as threads of this process.
 //!
 //! Each rank runs on its own OS thread, which builds and owns the worker (and so its device and
 //! memory) and drives the worker's async methods on a current-thread runtime. The controller calls
@@ -36,48 +36,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use burn::prelude::Backend;
-use futures::future::LocalBoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, watch};
 
+use super::{panic_message, MethodFuture, RankContext, Worker, AUTO_PADDING_KEY};
 use crate::dispatch::{DispatchInfo, DispatchMode, DispatchPlan};
 use crate::error::{DispatchError, Error, Result, WorkerError};
 use crate::DataProto;
-
-/// `meta_info` key that turns on auto-padding for one call, as verl's `_verl_auto_padding`.
-pub const AUTO_PADDING_KEY: &str = "_verl_auto_padding";
-
-/// A rank worker. Implementations hold a role (actor, critic, rollout, ...) on one rank.
-pub trait Worker: 'static {
-    /// This rank's dispatch info for `mesh` (see [`crate::dispatch`]); `None` if it is not part
-    /// of that mesh. Megatron workers usually answer with [`crate::dispatch::megatron_dispatch_info`].
-    fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo>;
-}
-
-/// What a rank knows about itself while running a method.
-#[derive(Debug, Clone)]
-pub struct RankContext {
-    pub rank: usize,
-    pub world_size: usize,
-    cancel: watch::Receiver<bool>,
-}
-
-impl RankContext {
-    /// True once another rank failed and this call should stop.
-    pub fn is_cancelled(&self) -> bool {
-        *self.cancel.borrow()
-    }
-
-    /// Resolves when the call is cancelled. Long waits (collectives) race against it.
-    pub async fn cancelled(&self) {
-        let mut rx = self.cancel.clone();
-        // An error means the controller dropped the call: treat it as cancelled.
-        let _ = rx.wait_for(|c| *c).await;
-    }
-}
-
-/// The boxed async body of a worker method, as run on a rank.
-pub type MethodFuture<'a, O> = LocalBoxFuture<'a, Result<O>>;
 
 type Job<W> = Box<dyn FnOnce(&mut W, &tokio::runtime::Runtime, watch::Receiver<bool>) + Send>;
 
@@ -99,13 +64,6 @@ pub struct WorkerGroup<W: Worker> {
     auto_padding: bool,
     poisoned: Mutex<Option<String>>,
     plans: Mutex<HashMap<String, DispatchPlan>>,
-}
-
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".into())
 }
 
 impl<W: Worker> WorkerGroup<W> {
@@ -149,11 +107,7 @@ impl<W: Worker> WorkerGroup<W> {
                         }
                     };
                     let (_never, cancel) = watch::channel(false);
-                    let ctx = RankContext {
-                        rank,
-                        world_size,
-                        cancel,
-                    };
+                    let ctx = RankContext::new(rank, world_size, cancel);
                     let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
                     let mut worker = match built {
                         Ok(Ok(w)) => {
@@ -282,11 +236,7 @@ impl<W: Worker> WorkerGroup<W> {
             let f = f.clone();
             let cancel = cancel_tx.subscribe();
             let job: Job<W> = Box::new(move |worker, runtime, _| {
-                let ctx = RankContext {
-                    rank,
-                    world_size,
-                    cancel: cancel.clone(),
-                };
+                let ctx = RankContext::new(rank, world_size, cancel.clone());
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     runtime.block_on(async {
                         let stop = ctx.clone();
@@ -440,43 +390,20 @@ impl<W: Worker> WorkerGroup<W> {
 
     /// The checked plan of a data-parallel mode, asking the ranks for their dispatch info once per mesh.
     pub async fn plan(&self, mode: &DispatchMode) -> Result<DispatchPlan> {
-        let name = mode.name();
         let Some(mesh) = mode.mesh() else {
-            return match mode {
-                DispatchMode::DpComputeProto => {
-                    let n = self.world_size();
-                    DispatchPlan::new(&name, (0..n).map(|r| DispatchInfo::per_rank(r, n)).collect())
-                }
-                other => Err(DispatchError::Plan {
-                    mode: other.name(),
-                    message: "is not a data-parallel DataProto mode; use execute_all / execute_per_rank / execute_rank_zero".into(),
-                }
-                .into()),
-            };
+            return plan_from_infos(mode, None, self.world_size());
         };
         if let Some(p) = self.plans.lock().ok().and_then(|p| p.get(mesh).cloned()) {
             return Ok(p);
         }
-        let mesh_owned = mesh.to_string();
         let infos = self
             .execute_all(
                 "dispatch_info",
-                mesh_owned,
+                mesh.to_string(),
                 |w: &mut W, _ctx, mesh: String| Box::pin(async move { Ok(w.dispatch_info(&mesh)) }),
             )
             .await?;
-        let infos = infos
-            .into_iter()
-            .enumerate()
-            .map(|(rank, i)| {
-                i.ok_or_else(|| DispatchError::NoMeshInfo {
-                    mode: name.clone(),
-                    mesh: mesh.to_string(),
-                    rank,
-                })
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        let plan = DispatchPlan::new(&name, infos)?;
+        let plan = plan_from_infos(mode, Some(infos), self.world_size())?;
         if let Ok(mut p) = self.plans.lock() {
             p.insert(mesh.to_string(), plan.clone());
         }
@@ -530,4 +457,41 @@ impl<W: Worker> Drop for WorkerGroup<W> {
             }
         }
     }
+}
+
+/// The plan of `mode` from the ranks' dispatch info for its mesh (`None` for the mesh-less
+/// `DpComputeProto`, which splits over all `world_size` ranks).
+pub(crate) fn plan_from_infos(
+    mode: &DispatchMode,
+    infos: Option<Vec<Option<DispatchInfo>>>,
+    world_size: usize,
+) -> Result<DispatchPlan> {
+    let name = mode.name();
+    let (Some(mesh), Some(infos)) = (mode.mesh(), infos) else {
+        return match mode {
+            DispatchMode::DpComputeProto => DispatchPlan::new(
+                &name,
+                (0..world_size)
+                    .map(|r| DispatchInfo::per_rank(r, world_size))
+                    .collect(),
+            ),
+            other => Err(DispatchError::Plan {
+                mode: other.name(),
+                message: "is not a data-parallel DataProto mode; use execute_all / execute_per_rank / execute_rank_zero".into(),
+            }
+            .into()),
+        };
+    };
+    let infos = infos
+        .into_iter()
+        .enumerate()
+        .map(|(rank, i)| {
+            i.ok_or_else(|| DispatchError::NoMeshInfo {
+                mode: name.clone(),
+                mesh: mesh.to_string(),
+                rank,
+            })
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    DispatchPlan::new(&name, infos)
 }

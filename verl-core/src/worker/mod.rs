@@ -1,0 +1,86 @@
+//! The single controller's handle on its rank workers, and the two ways ranks run.
+//!
+//! A [`Worker`] holds a role (actor, critic, rollout, ...) on one rank. A [`WorkerGroup`] runs
+//! a role's ranks as threads of this process and calls closures on them; a [`MethodTable`]
+//! names a role's methods so that a [`RoleGroup`] can call them by name on either transport:
+//! the thread ranks of a `WorkerGroup`, or rank processes (one per GPU) reached through
+//! [`ProcessRanks`], each of which serves its roles with [`serve_rank`]. `DataProto`s cross
+//! process boundaries in their [`crate::DataProto::to_wire`] form, other arguments as JSON.
+
+mod methods;
+mod processes;
+mod role_group;
+mod serve;
+mod threads;
+
+use futures::future::LocalBoxFuture;
+
+use crate::dispatch::DispatchInfo;
+use crate::error::Result;
+use tokio::sync::watch;
+
+pub use methods::MethodTable;
+pub use methods::DISPATCH_INFO;
+pub use processes::ProcessRanks;
+pub use role_group::RoleGroup;
+pub use serve::{serve_rank, RankLink, Roles, Served, ServedRole, EXIT_ABORTED, SETUP};
+pub use threads::WorkerGroup;
+
+/// `meta_info` key that turns on auto-padding for one call, as verl's `_verl_auto_padding`.
+pub const AUTO_PADDING_KEY: &str = "_verl_auto_padding";
+
+/// A rank worker. Implementations hold a role (actor, critic, rollout, ...) on one rank.
+pub trait Worker: 'static {
+    /// This rank's dispatch info for `mesh` (see [`crate::dispatch`]); `None` if it is not part
+    /// of that mesh. Megatron workers usually answer with [`crate::dispatch::megatron_dispatch_info`].
+    fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo>;
+}
+
+/// What a rank knows about itself while running a method.
+#[derive(Debug, Clone)]
+pub struct RankContext {
+    pub rank: usize,
+    pub world_size: usize,
+    cancel: watch::Receiver<bool>,
+}
+
+impl RankContext {
+    pub(crate) fn new(rank: usize, world_size: usize, cancel: watch::Receiver<bool>) -> Self {
+        Self {
+            rank,
+            world_size,
+            cancel,
+        }
+    }
+
+    /// A context that is never cancelled (a rank process: a failure elsewhere ends the
+    /// process instead).
+    pub fn detached(rank: usize, world_size: usize) -> Self {
+        let (tx, cancel) = watch::channel(false);
+        // Keep the sender alive for good: a dropped sender would read as cancelled.
+        std::mem::forget(tx);
+        Self::new(rank, world_size, cancel)
+    }
+
+    /// True once another rank failed and this call should stop.
+    pub fn is_cancelled(&self) -> bool {
+        *self.cancel.borrow()
+    }
+
+    /// Resolves when the call is cancelled. Long waits (collectives) race against it.
+    pub async fn cancelled(&self) {
+        let mut rx = self.cancel.clone();
+        // An error means the controller dropped the call: treat it as cancelled.
+        let _ = rx.wait_for(|c| *c).await;
+    }
+}
+
+/// The boxed async body of a worker method, as run on a rank.
+pub type MethodFuture<'a, O> = LocalBoxFuture<'a, Result<O>>;
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}

@@ -8,7 +8,7 @@
 //! reaches every rank at once.
 
 use std::process::{Child, Command, ExitStatus};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -33,6 +33,8 @@ pub struct LocalRanks {
     /// `None` once the watcher took the children.
     watcher: Option<JoinHandle<Result<(), LaunchError>>>,
     stop: mpsc::Sender<()>,
+    /// The first rank that ended badly: (rank, pid, how), once the watcher saw it.
+    failed: Arc<Mutex<Option<(usize, u32, String)>>>,
 }
 
 /// Where the job's ranks meet, and this node's place in it.
@@ -81,11 +83,45 @@ impl LocalRanks {
             }
         }
         let (stop, stopped) = mpsc::channel();
-        let watcher = std::thread::spawn(move || watch(children, stopped));
+        let failed = Arc::new(Mutex::new(None));
+        let record = failed.clone();
+        let watcher = std::thread::spawn(move || {
+            let outcome = watch(children, stopped);
+            if let Err(LaunchError::RankFailed { rank, pid, how }) = &outcome {
+                *record.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((*rank, *pid, how.clone()));
+            }
+            outcome
+        });
         Ok(Self {
             watcher: Some(watcher),
             stop,
+            failed,
         })
+    }
+
+    /// The first rank that ended badly so far, as an error message (the others are being
+    /// stopped).
+    pub fn failure(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(rank, pid, how)| format!("rank {rank} (pid {pid}) {how}"))
+    }
+
+    /// How a rank's process ended, if it is the one that ended badly (callable from any
+    /// thread).
+    pub fn exit_reports(&self) -> impl Fn(usize) -> Option<String> + Send + Sync + 'static {
+        let failed = self.failed.clone();
+        move |rank| {
+            failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .filter(|(r, _, _)| *r == rank)
+                .map(|(_, pid, how)| format!("(pid {pid}) {how}"))
+        }
     }
 
     /// Waits until every rank has exited successfully, or the first failure (the others are

@@ -54,6 +54,14 @@ enum Command {
         #[command(flatten)]
         args: ConfigArgs,
     },
+    /// Run one rank of a `trainer.launcher=processes` job (as `verl train` starts its own
+    /// ranks; on other nodes, start these with torchrun, srun, or `verl worker --nproc-per-node`
+    /// with NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT set).
+    Worker {
+        /// Start this many local ranks (ranks NODE_RANK × N ..) instead of being one.
+        #[arg(long)]
+        nproc_per_node: Option<usize>,
+    },
     /// Measure throughput on this machine (figures for docs/PERFORMANCE.md).
     Bench {
         #[command(subcommand)]
@@ -235,6 +243,10 @@ fn run(cli: Cli) -> Result<(), String> {
             Ok(())
         }
         Command::Train { args } => train_cmd(&args),
+        Command::Worker { nproc_per_node } => match nproc_per_node {
+            None => verl::trainer::ranks::run_rank_process(),
+            Some(n) => verl::trainer::ranks::run_node(n),
+        },
         Command::Bench {
             what:
                 BenchCommand::Rollout {

@@ -8,6 +8,8 @@ pub mod checkpoint;
 pub mod data;
 pub mod log;
 pub mod plot;
+pub mod ranks;
+mod roles;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -15,7 +17,6 @@ use std::time::Instant;
 use burn::prelude::*;
 use serde_json::Value;
 use verl_core::algorithms::advantage::{AdvantageInput, AdvantageRegistry};
-use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::algorithms::kl::{kl_controller, KlController, KlPenalty};
 use verl_core::algorithms::reward::{apply_kl_penalty, token_level_rewards};
 use verl_core::backend::{DefaultAutodiff, DefaultBackend};
@@ -23,26 +24,22 @@ use verl_core::config::{ValidatedConfig, VerlConfig};
 use verl_core::dispatch::DispatchMode;
 use verl_core::reward_score::default_compute_score;
 use verl_core::topology::Topology;
-use verl_core::worker::WorkerGroup;
+use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
 use verl_megatron::layers::precision::ComputeDtype;
-use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::pipeline::stage_layers;
-use verl_megatron::parallel::{ProcessGroups, TpGroup};
-use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
-use verl_megatron::workers::{
-    ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
-    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, RewardModelWorker,
-};
-use verl_rollout::{EngineConfig, NativeRollout};
+use verl_megatron::parallel::ProcessGroups;
+use verl_megatron::workers::{CheckpointRequest, RewardModelWorker};
 
 use crate::tasks::{ArithmeticTask, CharTokenizer};
 use checkpoint::{contents_of, LoopState};
 use data::{arithmetic_rows, file_rows, prompt_batch, sft_batch, Codec, PromptRow};
 use log::RunLog;
+use ranks::{launcher_of, LauncherKind, RankProcesses};
+use roles::{actor_methods, critic_methods, ActorWorker, CriticRank, RolePlans};
 
 /// The main job's settings (`verl train` with no `--config`), applied before the command
 /// line's overrides: GRPO on the built-in addition task with a tiny Qwen2 trained from scratch.
@@ -180,6 +177,31 @@ fn reward_model_group(
     Ok(Some(group))
 }
 
+/// The actor's tokenizer and model config: the built-in character tokenizer and a scratch
+/// model, or those of `actor_rollout_ref.model.path`.
+pub(crate) fn model_and_codec(cfg: &VerlConfig) -> Result<(Codec, HfModelConfig), TrainError> {
+    let model_path = &cfg.actor_rollout_ref.model.path;
+    Ok(match model_path {
+        None => {
+            let tok = CharTokenizer::arithmetic();
+            let m = scratch_model(cfg, tok.vocab_size())?;
+            (Codec::Char(tok), m)
+        }
+        Some(p) => {
+            let m = HfModelConfig::from_dir(p).map_err(setup)?;
+            let tok = verl_megatron::hf::HfTokenizer::from_dir(
+                cfg.actor_rollout_ref
+                    .model
+                    .tokenizer_path
+                    .as_deref()
+                    .unwrap_or(p),
+            )
+            .map_err(setup)?;
+            (Codec::Hf(Box::new(tok)), m)
+        }
+    })
+}
+
 /// The run's length: `trainer.total_training_steps`, else `total_epochs` over the data.
 fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
     let steps_per_epoch = (rows / cfg.data.train_batch_size.max(1)).max(1) as u64;
@@ -192,8 +214,10 @@ fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
 pub struct PpoTrainer {
     cfg: VerlConfig,
     validated: ValidatedConfig,
-    actor: WorkerGroup<ActorRolloutRefWorker<Train>>,
-    critic: Option<WorkerGroup<CriticWorker<Train>>>,
+    actor: RoleGroup<ActorWorker, Infer>,
+    critic: Option<RoleGroup<CriticRank, Infer>>,
+    /// The rank processes, with `trainer.launcher=processes` (dropping them stops them).
+    processes: Option<RankProcesses>,
     reward_model: Option<WorkerGroup<RewardModelWorker<Infer>>>,
     codec: Codec,
     train: Vec<PromptRow>,
@@ -274,25 +298,7 @@ impl PpoTrainer {
         // in-process communicators.
         let world = validated.world_size;
         let model_path = cfg.actor_rollout_ref.model.path.clone();
-        let (codec, model_cfg) = match &model_path {
-            None => {
-                let tok = CharTokenizer::arithmetic();
-                let m = scratch_model(&cfg, tok.vocab_size())?;
-                (Codec::Char(tok), m)
-            }
-            Some(p) => {
-                let m = HfModelConfig::from_dir(p).map_err(setup)?;
-                let tok = verl_megatron::hf::HfTokenizer::from_dir(
-                    cfg.actor_rollout_ref
-                        .model
-                        .tokenizer_path
-                        .as_deref()
-                        .unwrap_or(p),
-                )
-                .map_err(setup)?;
-                (Codec::Hf(Box::new(tok)), m)
-            }
-        };
+        let (codec, model_cfg) = model_and_codec(&cfg)?;
         // Data: parquet / JSONL files, or the built-in task.
         let builtin = match &cfg.data.train_files {
             None => Some(ArithmeticTask { digits: 2 }),
@@ -437,211 +443,64 @@ impl PpoTrainer {
             v.to_config_json()
         });
         let reward_model = reward_model_group(&cfg, model_cfg.vocab_size)?;
-        let batch = cfg.data.train_batch_size;
         let total_steps = total_steps_of(&cfg, train.len());
-        let n = cfg.actor_rollout_ref.rollout.n;
-        let actor_cfg = &cfg.actor_rollout_ref.actor;
-        let micro = actor_cfg
-            .ppo_micro_batch_size_per_gpu
-            .unwrap_or(validated.actor_mini_batch_per_dp);
-        let settings = ActorSettings {
-            mini_batch_rows: validated.actor_mini_batch_per_dp,
-            micro_batch_rows: micro,
-            log_prob_micro_batch_rows: cfg
-                .actor_rollout_ref
-                .rollout
-                .log_prob_micro_batch_size_per_gpu
-                .unwrap_or(micro),
-            ppo_epochs: actor_cfg.ppo_epochs,
-            shuffle: actor_cfg.shuffle,
-            seed: actor_cfg.data_loader_seed.unwrap_or(cfg.trainer.seed),
-            policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
-            loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
-            loss_agg_mode: actor_cfg.loss_agg_mode.parse().map_err(setup)?,
-            entropy_coeff: actor_cfg.entropy_coeff,
-            use_kl_loss: actor_cfg.use_kl_loss,
-            kl_loss_coef: actor_cfg.kl_loss_coef,
-            kl_loss_type: actor_cfg.kl_loss_type.parse().map_err(setup)?,
-            temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
-        };
-        let needs_ref = actor_cfg.use_kl_loss || cfg.algorithm.use_kl_in_reward;
-        let optim_steps = total_steps.max(1)
-            * actor_cfg.ppo_epochs as u64
-            * (batch * n / validated.actor_mini_batch_per_dp.max(1)).max(1) as u64
-            + if cfg.trainer.sft_warmup_lr.is_some() {
-                0
-            } else {
-                cfg.trainer.sft_warmup_steps
-            };
-        let engine = EngineConfig::from_verl(
-            &cfg.actor_rollout_ref.rollout,
-            &cfg.data,
+        let plans = RolePlans::new(
+            &cfg,
+            &validated,
+            &model_cfg,
+            codec.detokenizer(),
             codec.eos_token_ids(),
             codec.pad_token_id(),
-        )
-        .map_err(setup)?;
-        // Fail on an impossible optimizer or schedule before spawning anything.
-        ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
-            .map_err(setup)?;
-        let layout = actor_cfg.megatron.parallel();
-        if layout.cp > 1 || layout.ep > 1 {
-            return Err(setup(
-                "actor_rollout_ref.actor.megatron: context and expert parallel sizes must be 1 \
-                 for now (tensor, sequence, pipeline and data parallel are supported)"
-                    .to_string(),
-            ));
-        }
-        let actor_split = pipeline_split(&actor_cfg.megatron, &model_cfg, layout.pp)?;
-        let actor_pipelined = actor_split.len() > 1;
-        let topo = Topology::new(layout.clone(), world).map_err(setup)?;
-        model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
-        let sequence_parallel = layout.sequence_parallel_active();
-        let actor_groups = rank_groups(&topo);
-        let distributed_actor = actor_cfg.megatron.use_distributed_optimizer;
-        let actor_dtype = compute_dtype(
-            &actor_cfg.megatron.dtype,
-            "actor_rollout_ref.actor.megatron.dtype",
+            total_steps,
         )?;
-        let rollout_dtype = compute_dtype(
-            &cfg.actor_rollout_ref.rollout.dtype,
-            "actor_rollout_ref.rollout.dtype",
-        )?;
-        let seed = cfg.trainer.seed;
-        let actor_optim = actor_cfg.optim.clone();
-        let free_cache = cfg.actor_rollout_ref.rollout.free_cache_engine;
-        let sft_lr = cfg.trainer.sft_warmup_lr;
-        let sft_steps = cfg.trainer.sft_warmup_steps;
-        let path = model_path.clone();
-        let mcfg = model_cfg.clone();
-        let detokenizer = codec.detokenizer();
-        let actor = WorkerGroup::spawn(world, move |ctx| {
-            let device = Default::default();
-            let groups = take_groups(&actor_groups, ctx.rank)?;
-            let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
-            let stage = PipelineStageLayout::of(groups.pp().rank(), actor_split.clone());
-            let ckpt = path.as_ref().map(HfCheckpoint::open).transpose()?;
-            let model: CausalLm<Train> = match &ckpt {
-                None => CausalLm::init_stage(&mcfg, 0.02, seed, &device, &tp, &stage)?,
-                Some(c) => CausalLm::from_checkpoint_stage(&mcfg, c, &device, &tp, &stage)?,
+        let needs_ref = plans.actor.needs_ref;
+        let actor_pipelined = plans.actor_pipelined;
+        let (actor, critic, processes) = match launcher_of(&cfg, world)? {
+            LauncherKind::Threads => {
+                // The ranks are threads of this process, talking through in-process
+                // communicators.
+                let groups = rank_groups(&plans.actor.topo);
+                let plan = plans.actor.clone();
+                let threads = WorkerGroup::spawn(world, move |ctx| {
+                    plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+                })?;
+                let actor =
+                    RoleGroup::threads("actor", threads, actor_methods(), Default::default());
+                let critic = match plans.critic.clone() {
+                    Some(plan) => {
+                        let groups = rank_groups(&plan.topo);
+                        let threads = WorkerGroup::spawn(world, move |ctx| {
+                            plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+                        })?;
+                        Some(RoleGroup::threads(
+                            "critic",
+                            threads,
+                            critic_methods(),
+                            Default::default(),
+                        ))
+                    }
+                    None => None,
+                };
+                (actor, critic, None)
             }
-            .with_compute_dtype(actor_dtype);
-            let inner = burn::module::AutodiffModule::valid(&model);
-            // The rollout engine runs the whole model on each rank (rollout tp = 1): the
-            // hybrid engine gathers the actor's shards into it before every generation.
-            let rollout_model = if tp.is_parallel() || stage.stages > 1 {
-                match &ckpt {
-                    None => CausalLm::<Infer>::init(&mcfg, 0.02, seed, &device),
-                    Some(c) => CausalLm::from_checkpoint(&mcfg, c, &device)?,
-                }
-            } else {
-                inner.clone()
-            }
-            .with_compute_dtype(rollout_dtype);
-            let rollout = NativeRollout::new(mcfg.clone(), rollout_model, engine.clone(), device)
-                .map_err(verl_core::Error::from)?
-                .with_detokenizer(detokenizer.clone());
-            let optim = ModelOptimizer::new(&actor_optim, optim_steps)?
-                .with_distributed_optimizer(distributed_actor);
-            let mut actor = MegatronActor::new(model, optim, settings.clone());
-            if let Some(lr) = sft_lr {
-                let mut o = actor_optim.clone();
-                o.lr = lr;
-                o.lr_warmup_steps = Some(0);
-                o.lr_decay_style = "constant".into();
-                actor = actor.with_sft_optimizer(
-                    ModelOptimizer::new(&o, sft_steps.max(1))?
-                        .with_distributed_optimizer(distributed_actor),
+            LauncherKind::Processes => {
+                let launched = RankProcesses::launch(&cfg, world, total_steps)?;
+                let actor = RoleGroup::processes(
+                    "actor",
+                    launched.ranks.clone(),
+                    actor_methods(),
+                    Default::default(),
                 );
+                let critic = plans.critic.is_some().then(|| {
+                    RoleGroup::processes(
+                        "critic",
+                        launched.ranks.clone(),
+                        critic_methods(),
+                        Default::default(),
+                    )
+                });
+                (actor, critic, Some(launched))
             }
-            if stage.stages > 1 {
-                actor = actor.with_pipeline_parallel(groups.pp().clone());
-            }
-            if groups.dp().world_size() > 1 {
-                actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
-            }
-            Ok(ActorRolloutRefWorker {
-                coords: topo.coords(ctx.rank)?,
-                actor,
-                rollout: Box::new(rollout),
-                reference: needs_ref.then_some(inner),
-                sharding: HybridShardingManager {
-                    free_cache_engine: free_cache,
-                },
-            })
-        })?;
-        let critic = if cfg.critic_enabled() {
-            let c = &cfg.critic;
-            let mini = c
-                .ppo_mini_batch_size
-                .unwrap_or(actor_cfg.ppo_mini_batch_size)
-                * n;
-            let micro = c.ppo_micro_batch_size_per_gpu.unwrap_or(mini);
-            let settings = CriticSettings {
-                mini_batch_rows: mini,
-                micro_batch_rows: micro,
-                forward_micro_batch_rows: c.forward_micro_batch_size_per_gpu.unwrap_or(micro),
-                ppo_epochs: c.ppo_epochs.unwrap_or(actor_cfg.ppo_epochs),
-                shuffle: c.shuffle,
-                seed,
-                cliprange_value: c.cliprange_value,
-                loss_agg_mode: c.loss_agg_mode.parse::<LossAggMode>().map_err(setup)?,
-            };
-            let mut vcfg = model_cfg.clone();
-            vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
-            vcfg.tie_word_embeddings = false;
-            let optim_cfg = c.optim.clone();
-            let critic_steps = total_steps.max(1)
-                * settings.ppo_epochs as u64
-                * (batch * n / mini.max(1)).max(1) as u64;
-            let layout = c.megatron.parallel();
-            if layout.cp > 1 || layout.ep > 1 {
-                return Err(setup(
-                    "critic.megatron: context and expert parallel sizes must be 1 for now \
-                     (tensor, sequence, pipeline and data parallel are supported)"
-                        .to_string(),
-                ));
-            }
-            let critic_split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
-            let topo = Topology::new(layout.clone(), world).map_err(setup)?;
-            vcfg.check_tensor_parallel(layout.tp).map_err(setup)?;
-            let sequence_parallel = layout.sequence_parallel_active();
-            let critic_groups = rank_groups(&topo);
-            let distributed_critic = c.megatron.use_distributed_optimizer;
-            let critic_dtype = compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?;
-            Some(WorkerGroup::spawn(world, move |ctx| {
-                let device = Default::default();
-                let groups = take_groups(&critic_groups, ctx.rank)?;
-                let tp = TpGroup::new(groups.tp().clone(), sequence_parallel);
-                let stage = PipelineStageLayout::of(groups.pp().rank(), critic_split.clone());
-                let model = CausalLm::<Train>::init_stage(
-                    &vcfg,
-                    0.02,
-                    seed ^ 0xc41c,
-                    &device,
-                    &tp,
-                    &stage,
-                )?
-                .with_compute_dtype(critic_dtype);
-                let mut critic = MegatronCritic::new(
-                    model,
-                    ModelOptimizer::new(&optim_cfg, critic_steps)?
-                        .with_distributed_optimizer(distributed_critic),
-                    settings.clone(),
-                );
-                if stage.stages > 1 {
-                    critic = critic.with_pipeline_parallel(groups.pp().clone());
-                }
-                if groups.dp().world_size() > 1 {
-                    critic =
-                        critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
-                }
-                Ok(CriticWorker {
-                    coords: topo.coords(ctx.rank)?,
-                    critic,
-                })
-            })?)
-        } else {
-            None
         };
         Ok(Self {
             kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
@@ -652,6 +511,7 @@ impl PpoTrainer {
             validated,
             actor,
             critic,
+            processes,
             reward_model,
             codec,
             train,
@@ -734,12 +594,7 @@ impl PpoTrainer {
                 .insert("global_steps".into(), self.global_step.into());
             let gen = self
                 .actor
-                .call_proto(
-                    &DispatchMode::MegatronPpAsDp,
-                    "generate_sequences",
-                    batch,
-                    |w, _, d| Box::pin(w.generate_sequences(d)),
-                )
+                .call_proto(&DispatchMode::MegatronPpAsDp, "generate_sequences", batch)
                 .await?;
             let (scores, _) = self.rewards(&gen)?;
             total += scores.iter().sum::<f64>();
@@ -761,25 +616,13 @@ impl PpoTrainer {
                 sft_batch::<Infer>(&rows, &self.codec, &Default::default()).map_err(setup)?;
             let out = self
                 .actor
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "sft_step",
-                    batch,
-                    |w, _, d| Box::pin(w.sft_step(d)),
-                )
+                .call_proto(&DispatchMode::MegatronCompute, "sft_step", batch)
                 .await?;
             let m = metrics_of(&out);
             self.log.sft(s + 1, steps, &m.reduce()).map_err(setup)?;
         }
         if self.needs_ref {
-            self.actor
-                .execute_all("set_reference", (), |w, _, ()| {
-                    Box::pin(async move {
-                        w.reference = Some(burn::module::AutodiffModule::valid(w.actor.model()));
-                        Ok(())
-                    })
-                })
-                .await?;
+            self.actor.call_all::<_, ()>("set_reference", &()).await?;
         }
         Ok(())
     }
@@ -807,12 +650,7 @@ impl PpoTrainer {
         let t = Instant::now();
         let mut gen = self
             .actor
-            .call_proto(
-                &DispatchMode::MegatronPpAsDp,
-                "generate_sequences",
-                batch,
-                |w, _, d| Box::pin(w.generate_sequences(d)),
-            )
+            .call_proto(&DispatchMode::MegatronPpAsDp, "generate_sequences", batch)
             .await?;
         let worker_metrics = metrics_of(&gen);
         gen.meta_info.remove("metrics");
@@ -833,7 +671,6 @@ impl PpoTrainer {
                     &DispatchMode::MegatronCompute,
                     "compute_log_prob",
                     gen.clone(),
-                    |w, _, d| Box::pin(w.compute_log_prob(d)),
                 )
                 .await?;
             gen = gen.union(old)?;
@@ -905,7 +742,6 @@ impl PpoTrainer {
                     &DispatchMode::MegatronCompute,
                     "compute_ref_log_prob",
                     model_inputs()?,
-                    |w, _, d| Box::pin(w.compute_ref_log_prob(d)),
                 )
                 .await?;
             data = data.union(r)?;
@@ -918,7 +754,6 @@ impl PpoTrainer {
                     &DispatchMode::MegatronCompute,
                     "compute_values",
                     model_inputs()?,
-                    |w, _, d| Box::pin(w.compute_values(d)),
                 )
                 .await?;
             data = data.union(v)?;
@@ -980,7 +815,6 @@ impl PpoTrainer {
                         "values",
                         "returns",
                     ])?,
-                    |w, _, d| Box::pin(w.update_critic(d)),
                 )
                 .await?;
             metrics.extend(metrics_of(&out));
@@ -1005,7 +839,6 @@ impl PpoTrainer {
                     &DispatchMode::MegatronCompute,
                     "update_actor",
                     train_inputs(&keys)?,
-                    |w, _, d| Box::pin(w.update_actor(d)),
                 )
                 .await?;
             metrics.extend(metrics_of(&out));
@@ -1086,9 +919,7 @@ impl PpoTrainer {
             }),
         };
         self.actor
-            .execute_all("save_checkpoint", req, |w, _, r| {
-                Box::pin(w.save_checkpoint(r))
-            })
+            .call_all::<_, ()>("save_checkpoint", &req)
             .await?;
         if let Some(critic) = &self.critic {
             let (contents, hf) = contents_of(&self.cfg.critic.checkpoint, "critic", true)?;
@@ -1103,11 +934,7 @@ impl PpoTrainer {
                     _ => None,
                 },
             };
-            critic
-                .execute_all("save_checkpoint", req, |w, _, r| {
-                    Box::pin(w.save_checkpoint(r))
-                })
-                .await?;
+            critic.call_all::<_, ()>("save_checkpoint", &req).await?;
         }
         checkpoint::write_loop_state(&dir, state)?;
         checkpoint::mark_latest(&self.out_dir, state.step).map_err(setup)?;
@@ -1137,9 +964,7 @@ impl PpoTrainer {
             hf: None,
         };
         self.actor
-            .execute_all("load_checkpoint", req, |w, _, r| {
-                Box::pin(w.load_checkpoint(r))
-            })
+            .call_all::<_, ()>("load_checkpoint", &req)
             .await?;
         if let Some(critic) = &self.critic {
             if !dir.join("critic").is_dir() {
@@ -1154,11 +979,7 @@ impl PpoTrainer {
                 contents,
                 hf: None,
             };
-            critic
-                .execute_all("load_checkpoint", req, |w, _, r| {
-                    Box::pin(w.load_checkpoint(r))
-                })
-                .await?;
+            critic.call_all::<_, ()>("load_checkpoint", &req).await?;
         }
         Ok(())
     }
@@ -1234,6 +1055,9 @@ impl PpoTrainer {
             }
         }
         self.log.finish();
+        if let Some(p) = &mut self.processes {
+            p.finish()?;
+        }
         Ok(RunSummary {
             steps: self.total_steps,
             val_score_before: ls.val_before,

@@ -14,7 +14,7 @@ use crate::hf::{save_pretrained, HfCheckpoint, SaveOptions};
 /// Saves the model as `config.json` + safetensors in the chosen dtype, which
 /// `transformers.AutoModel*.from_pretrained` loads; optimizer and extra state are not part of
 /// this format (use [`super::DistCheckpoint`] to resume).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct HfCheckpointer {
     /// The model's `config.json` (see `HfModelConfig::to_config_json`).
     pub config_json: Value,

@@ -14,7 +14,7 @@ use super::config::WeightDtype;
 use crate::error::MegatronError;
 
 /// How to write a checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SaveOptions {
     pub dtype: WeightDtype,
     /// Start a new shard once a shard would exceed this many bytes (transformers' `max_shard_size`).

@@ -87,7 +87,7 @@ fn with_metrics<B: ParallelBackend>(mut data: DataProto<B>, metrics: &Metrics) -
 /// What `save_checkpoint` writes (verl's `checkpoint.save_contents`), under `dir`:
 /// `dist_ckpt/` (each rank's shard with optimizer state, for exact resume), `huggingface/` (the
 /// model in HF layout, when `hf` is given) and, for the actor, `ref/` (the frozen reference).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct CheckpointRequest {
     pub dir: PathBuf,
     pub contents: CheckpointContents,

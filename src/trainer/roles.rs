@@ -1,0 +1,386 @@
+//! What each rank builds (the actor / rollout / reference worker, and the critic), worked out
+//! once from the config, and the roles' methods by name. The same plans build a rank on a
+//! thread of the driver or in a rank process, so both transports train the same models.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use verl_core::algorithms::aggregation::LossAggMode;
+use verl_core::config::{OptimConfig, VerlConfig};
+use verl_core::topology::Topology;
+use verl_core::worker::MethodTable;
+use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig};
+use verl_megatron::layers::precision::ComputeDtype;
+use verl_megatron::models::causal_lm::PipelineStageLayout;
+use verl_megatron::models::CausalLm;
+use verl_megatron::parallel::{ProcessGroups, TpGroup};
+use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
+use verl_megatron::workers::{
+    ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
+    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer,
+};
+use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
+
+use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
+
+/// How every rank builds its actor / rollout / reference worker.
+#[derive(Clone)]
+pub(crate) struct ActorPlan {
+    pub topo: Topology,
+    settings: ActorSettings,
+    engine: EngineConfig,
+    split: Vec<Range<usize>>,
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    actor_dtype: ComputeDtype,
+    rollout_dtype: ComputeDtype,
+    seed: u64,
+    optim: OptimConfig,
+    optim_steps: u64,
+    free_cache: bool,
+    sft_lr: Option<f64>,
+    sft_steps: u64,
+    model_path: Option<String>,
+    model: HfModelConfig,
+    detokenizer: Arc<dyn Detokenizer>,
+    /// A reference policy is kept (KL loss or KL in the reward).
+    pub needs_ref: bool,
+}
+
+/// How every rank builds its critic.
+#[derive(Clone)]
+pub(crate) struct CriticPlan {
+    pub topo: Topology,
+    settings: CriticSettings,
+    model: HfModelConfig,
+    split: Vec<Range<usize>>,
+    sequence_parallel: bool,
+    distributed_optimizer: bool,
+    dtype: ComputeDtype,
+    seed: u64,
+    optim: OptimConfig,
+    optim_steps: u64,
+}
+
+/// The roles of a run, as every rank builds them.
+#[derive(Clone)]
+pub(crate) struct RolePlans {
+    pub actor: ActorPlan,
+    pub critic: Option<CriticPlan>,
+    /// The actor is split into pipeline stages.
+    pub actor_pipelined: bool,
+}
+
+impl RolePlans {
+    /// Works the plans out from the config; a layout or optimizer that cannot work is refused
+    /// here, before any model is built.
+    pub fn new(
+        cfg: &VerlConfig,
+        validated: &verl_core::config::ValidatedConfig,
+        model_cfg: &HfModelConfig,
+        detokenizer: Arc<dyn Detokenizer>,
+        eos_token_ids: Vec<u32>,
+        pad_token_id: u32,
+        total_steps: u64,
+    ) -> Result<Self, TrainError> {
+        let world = validated.world_size;
+        let batch = cfg.data.train_batch_size;
+        let n = cfg.actor_rollout_ref.rollout.n;
+        let actor_cfg = &cfg.actor_rollout_ref.actor;
+        let micro = actor_cfg
+            .ppo_micro_batch_size_per_gpu
+            .unwrap_or(validated.actor_mini_batch_per_dp);
+        let settings = ActorSettings {
+            mini_batch_rows: validated.actor_mini_batch_per_dp,
+            micro_batch_rows: micro,
+            log_prob_micro_batch_rows: cfg
+                .actor_rollout_ref
+                .rollout
+                .log_prob_micro_batch_size_per_gpu
+                .unwrap_or(micro),
+            ppo_epochs: actor_cfg.ppo_epochs,
+            shuffle: actor_cfg.shuffle,
+            seed: actor_cfg.data_loader_seed.unwrap_or(cfg.trainer.seed),
+            policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
+            loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
+            loss_agg_mode: actor_cfg.loss_agg_mode.parse().map_err(setup)?,
+            entropy_coeff: actor_cfg.entropy_coeff,
+            use_kl_loss: actor_cfg.use_kl_loss,
+            kl_loss_coef: actor_cfg.kl_loss_coef,
+            kl_loss_type: actor_cfg.kl_loss_type.parse().map_err(setup)?,
+            temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
+        };
+        let needs_ref = actor_cfg.use_kl_loss || cfg.algorithm.use_kl_in_reward;
+        let optim_steps = total_steps.max(1)
+            * actor_cfg.ppo_epochs as u64
+            * (batch * n / validated.actor_mini_batch_per_dp.max(1)).max(1) as u64
+            + if cfg.trainer.sft_warmup_lr.is_some() {
+                0
+            } else {
+                cfg.trainer.sft_warmup_steps
+            };
+        let engine = EngineConfig::from_verl(
+            &cfg.actor_rollout_ref.rollout,
+            &cfg.data,
+            eos_token_ids,
+            pad_token_id,
+        )
+        .map_err(setup)?;
+        // Fail on an impossible optimizer or schedule before spawning anything.
+        ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
+            .map_err(setup)?;
+        let layout = actor_cfg.megatron.parallel();
+        if layout.cp > 1 || layout.ep > 1 {
+            return Err(setup(
+                "actor_rollout_ref.actor.megatron: context and expert parallel sizes must be 1 \
+                 for now (tensor, sequence, pipeline and data parallel are supported)"
+                    .to_string(),
+            ));
+        }
+        let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
+        let actor_pipelined = split.len() > 1;
+        let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+        model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+        let actor = ActorPlan {
+            topo,
+            settings,
+            engine,
+            split,
+            sequence_parallel: layout.sequence_parallel_active(),
+            distributed_optimizer: actor_cfg.megatron.use_distributed_optimizer,
+            actor_dtype: compute_dtype(
+                &actor_cfg.megatron.dtype,
+                "actor_rollout_ref.actor.megatron.dtype",
+            )?,
+            rollout_dtype: compute_dtype(
+                &cfg.actor_rollout_ref.rollout.dtype,
+                "actor_rollout_ref.rollout.dtype",
+            )?,
+            seed: cfg.trainer.seed,
+            optim: actor_cfg.optim.clone(),
+            optim_steps,
+            free_cache: cfg.actor_rollout_ref.rollout.free_cache_engine,
+            sft_lr: cfg.trainer.sft_warmup_lr,
+            sft_steps: cfg.trainer.sft_warmup_steps,
+            model_path: cfg.actor_rollout_ref.model.path.clone(),
+            model: model_cfg.clone(),
+            detokenizer,
+            needs_ref,
+        };
+        let critic = if cfg.critic_enabled() {
+            let c = &cfg.critic;
+            let mini = c
+                .ppo_mini_batch_size
+                .unwrap_or(actor_cfg.ppo_mini_batch_size)
+                * n;
+            let micro = c.ppo_micro_batch_size_per_gpu.unwrap_or(mini);
+            let settings = CriticSettings {
+                mini_batch_rows: mini,
+                micro_batch_rows: micro,
+                forward_micro_batch_rows: c.forward_micro_batch_size_per_gpu.unwrap_or(micro),
+                ppo_epochs: c.ppo_epochs.unwrap_or(actor_cfg.ppo_epochs),
+                shuffle: c.shuffle,
+                seed: cfg.trainer.seed,
+                cliprange_value: c.cliprange_value,
+                loss_agg_mode: c.loss_agg_mode.parse::<LossAggMode>().map_err(setup)?,
+            };
+            let mut vcfg = model_cfg.clone();
+            vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
+            vcfg.tie_word_embeddings = false;
+            let optim_steps = total_steps.max(1)
+                * settings.ppo_epochs as u64
+                * (batch * n / mini.max(1)).max(1) as u64;
+            let layout = c.megatron.parallel();
+            if layout.cp > 1 || layout.ep > 1 {
+                return Err(setup(
+                    "critic.megatron: context and expert parallel sizes must be 1 for now \
+                     (tensor, sequence, pipeline and data parallel are supported)"
+                        .to_string(),
+                ));
+            }
+            let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
+            let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+            vcfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+            Some(CriticPlan {
+                topo,
+                settings,
+                model: vcfg,
+                split,
+                sequence_parallel: layout.sequence_parallel_active(),
+                distributed_optimizer: c.megatron.use_distributed_optimizer,
+                dtype: compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?,
+                seed: cfg.trainer.seed,
+                optim: c.optim.clone(),
+                optim_steps,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            actor,
+            critic,
+            actor_pipelined,
+        })
+    }
+}
+
+impl ActorPlan {
+    /// Rank `rank`'s actor / rollout / reference worker, joined to its `groups`.
+    pub fn build(
+        &self,
+        rank: usize,
+        groups: ProcessGroups<Infer>,
+    ) -> verl_core::Result<ActorRolloutRefWorker<Train>> {
+        let device = Default::default();
+        let tp = TpGroup::new(groups.tp().clone(), self.sequence_parallel);
+        let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
+        let ckpt = self
+            .model_path
+            .as_ref()
+            .map(HfCheckpoint::open)
+            .transpose()?;
+        let mcfg = &self.model;
+        let model: CausalLm<Train> = match &ckpt {
+            None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, &tp, &stage)?,
+            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, &tp, &stage)?,
+        }
+        .with_compute_dtype(self.actor_dtype);
+        let inner = burn::module::AutodiffModule::valid(&model);
+        // The rollout engine runs the whole model on each rank (rollout tp = 1): the hybrid
+        // engine gathers the actor's shards into it before every generation.
+        let rollout_model = if tp.is_parallel() || stage.stages > 1 {
+            match &ckpt {
+                None => CausalLm::<Infer>::init(mcfg, 0.02, self.seed, &device),
+                Some(c) => CausalLm::from_checkpoint(mcfg, c, &device)?,
+            }
+        } else {
+            inner.clone()
+        }
+        .with_compute_dtype(self.rollout_dtype);
+        let rollout = NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
+            .map_err(verl_core::Error::from)?
+            .with_detokenizer(self.detokenizer.clone());
+        let optim = ModelOptimizer::new(&self.optim, self.optim_steps)?
+            .with_distributed_optimizer(self.distributed_optimizer);
+        let mut actor = MegatronActor::new(model, optim, self.settings.clone());
+        if let Some(lr) = self.sft_lr {
+            let mut o = self.optim.clone();
+            o.lr = lr;
+            o.lr_warmup_steps = Some(0);
+            o.lr_decay_style = "constant".into();
+            actor = actor.with_sft_optimizer(
+                ModelOptimizer::new(&o, self.sft_steps.max(1))?
+                    .with_distributed_optimizer(self.distributed_optimizer),
+            );
+        }
+        if stage.stages > 1 {
+            actor = actor.with_pipeline_parallel(groups.pp().clone());
+        }
+        if groups.dp().world_size() > 1 {
+            actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
+        }
+        Ok(ActorRolloutRefWorker {
+            coords: self.topo.coords(rank)?,
+            actor,
+            rollout: Box::new(rollout),
+            reference: self.needs_ref.then_some(inner),
+            sharding: HybridShardingManager {
+                free_cache_engine: self.free_cache,
+            },
+        })
+    }
+}
+
+impl CriticPlan {
+    /// Rank `rank`'s critic, joined to its `groups`.
+    pub fn build(
+        &self,
+        rank: usize,
+        groups: ProcessGroups<Infer>,
+    ) -> verl_core::Result<CriticWorker<Train>> {
+        let device = Default::default();
+        let tp = TpGroup::new(groups.tp().clone(), self.sequence_parallel);
+        let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
+        let model = CausalLm::<Train>::init_stage(
+            &self.model,
+            0.02,
+            self.seed ^ 0xc41c,
+            &device,
+            &tp,
+            &stage,
+        )?
+        .with_compute_dtype(self.dtype);
+        let mut critic = MegatronCritic::new(
+            model,
+            ModelOptimizer::new(&self.optim, self.optim_steps)?
+                .with_distributed_optimizer(self.distributed_optimizer),
+            self.settings.clone(),
+        );
+        if stage.stages > 1 {
+            critic = critic.with_pipeline_parallel(groups.pp().clone());
+        }
+        if groups.dp().world_size() > 1 {
+            critic = critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
+        }
+        Ok(CriticWorker {
+            coords: self.topo.coords(rank)?,
+            critic,
+        })
+    }
+}
+
+pub(crate) type ActorWorker = ActorRolloutRefWorker<Train>;
+pub(crate) type CriticRank = CriticWorker<Train>;
+
+/// The actor / rollout / reference worker's methods, as the trainer calls them.
+pub(crate) fn actor_methods() -> MethodTable<ActorWorker, Infer> {
+    MethodTable::new()
+        .proto("generate_sequences", |w: &mut ActorWorker, _, d| {
+            Box::pin(w.generate_sequences(d))
+        })
+        .proto("compute_log_prob", |w: &mut ActorWorker, _, d| {
+            Box::pin(w.compute_log_prob(d))
+        })
+        .proto("compute_ref_log_prob", |w: &mut ActorWorker, _, d| {
+            Box::pin(w.compute_ref_log_prob(d))
+        })
+        .proto("update_actor", |w: &mut ActorWorker, _, d| {
+            Box::pin(w.update_actor(d))
+        })
+        .proto("sft_step", |w: &mut ActorWorker, _, d| {
+            Box::pin(w.sft_step(d))
+        })
+        .value("set_reference", |w: &mut ActorWorker, _, (): ()| {
+            Box::pin(async move {
+                w.reference = Some(burn::module::AutodiffModule::valid(w.actor.model()));
+                Ok(())
+            })
+        })
+        .value(
+            "save_checkpoint",
+            |w: &mut ActorWorker, _, r: CheckpointRequest| Box::pin(w.save_checkpoint(r)),
+        )
+        .value(
+            "load_checkpoint",
+            |w: &mut ActorWorker, _, r: CheckpointRequest| Box::pin(w.load_checkpoint(r)),
+        )
+}
+
+/// The critic's methods, as the trainer calls them.
+pub(crate) fn critic_methods() -> MethodTable<CriticRank, Infer> {
+    MethodTable::new()
+        .proto("compute_values", |w: &mut CriticRank, _, d| {
+            Box::pin(w.compute_values(d))
+        })
+        .proto("update_critic", |w: &mut CriticRank, _, d| {
+            Box::pin(w.update_critic(d))
+        })
+        .value(
+            "save_checkpoint",
+            |w: &mut CriticRank, _, r: CheckpointRequest| Box::pin(w.save_checkpoint(r)),
+        )
+        .value(
+            "load_checkpoint",
+            |w: &mut CriticRank, _, r: CheckpointRequest| Box::pin(w.load_checkpoint(r)),
+        )
+}

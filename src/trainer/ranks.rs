@@ -5,8 +5,8 @@
 //! torchrun variables set, and waits for every rank of the job to connect, including ranks that
 //! another launcher (`verl worker` with `NNODES`/`NODE_RANK`, torchrun, `srun`) started on
 //! other nodes. It then sends each rank the run's config; each rank builds its roles (the same
-//! [`RolePlans`] as the thread path), joins its process groups (TCP on the CPU backend) and
-//! serves the trainer's calls.
+//! [`RolePlans`] as the thread path), joins its process groups (NCCL on GPUs, TCP on the CPU
+//! backend) and serves the trainer's calls.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -20,8 +20,9 @@ use verl_core::worker::{serve_rank, ProcessRanks, Roles, Served, SETUP};
 use verl_megatron::parallel::{LaunchEnv, ProcessGroups, Rendezvous};
 
 use super::roles::{actor_methods, critic_methods, RolePlans};
-use super::{model_and_codec, setup, TrainError};
+use super::{model_and_codec, setup, Infer, TrainError};
 use crate::launcher::{LocalRanks, NodeLayout};
+use verl_core::topology::Topology;
 
 /// How long the driver waits for every rank to connect, and a rank for the driver.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -242,10 +243,30 @@ pub fn run_rank_process() -> Result<(), String> {
                 s.total_steps,
             )
             .map_err(|e| fail(e.to_string()))?;
-            let table = Rendezvous::client(&format!("{master_host}:{}", s.rendezvous_port));
+            let table_addr = format!("{master_host}:{}", s.rendezvous_port);
             let host = link.host.to_string();
+            // NCCL on GPUs; TCP on the CPU backend.
+            let groups_of =
+                |topo: &Topology, role: &str| -> verl_core::Result<ProcessGroups<Infer>> {
+                    let table = Rendezvous::client(&table_addr);
+                    #[cfg(feature = "cuda")]
+                    {
+                        let _ = &host;
+                        Ok(ProcessGroups::nccl(
+                            topo,
+                            rank,
+                            table,
+                            Default::default(),
+                            role,
+                        )?)
+                    }
+                    #[cfg(not(feature = "cuda"))]
+                    {
+                        Ok(ProcessGroups::tcp(topo, rank, &table, &host, role)?)
+                    }
+                };
             let mut roles = Roles::new();
-            let groups = ProcessGroups::tcp(&plans.actor.topo, rank, &table, &host, "actor")?;
+            let groups = groups_of(&plans.actor.topo, "actor")?;
             roles.insert(
                 "actor".into(),
                 Box::new(Served {
@@ -255,7 +276,7 @@ pub fn run_rank_process() -> Result<(), String> {
                 }),
             );
             if let Some(critic) = &plans.critic {
-                let groups = ProcessGroups::tcp(&critic.topo, rank, &table, &host, "critic")?;
+                let groups = groups_of(&critic.topo, "critic")?;
                 roles.insert(
                     "critic".into(),
                     Box::new(Served {

@@ -247,6 +247,11 @@ fn batch_arithmetic_is_checked_before_allocation() {
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
         ),
         (&["trainer.n_gpus_per_node=3"], "data.train_batch_size"),
+        (&["trainer.launcher=mpi"], "trainer.launcher"),
+        (
+            &["trainer.nnodes=2", "trainer.launcher=threads"],
+            "trainer.launcher",
+        ),
         (
             &["algorithm.adv_estimator=gae", "critic.enable=false"],
             "critic.enable",

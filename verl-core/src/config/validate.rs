@@ -155,6 +155,19 @@ impl VerlConfig {
                 "set trainer.nnodes and trainer.n_gpus_per_node to at least 1",
             ));
         }
+        one_of(
+            "trainer.launcher",
+            &t.launcher,
+            &["auto", "threads", "processes"],
+        )?;
+        if t.nnodes > 1 && t.launcher == "threads" {
+            return Err(invalid(
+                "trainer.launcher",
+                &t.launcher,
+                "cannot put ranks on several nodes (trainer.nnodes > 1)",
+                "set trainer.launcher=processes (or auto)",
+            ));
+        }
         let arr = &cfg.actor_rollout_ref;
         let (actor, rollout) = (&arr.actor, &arr.rollout);
         one_of(

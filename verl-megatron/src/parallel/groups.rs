@@ -87,18 +87,64 @@ impl<B: Backend> ProcessGroups<B> {
             TcpCommunicator::connect(rendezvous, &format!("{prefix}.world"), rank, world, host)?;
         let mut groups: BTreeMap<GroupKind, Arc<dyn Communicator<B>>> = BTreeMap::new();
         for kind in GroupKind::ALL {
-            let (index, members) = topo
-                .groups(kind)
-                .iter()
-                .enumerate()
-                .find(|(_, m)| m.contains(&rank))
-                .ok_or(CommError::BadRank { rank, world })?;
-            let position = members
-                .iter()
-                .position(|&r| r == rank)
-                .expect("rank is a member");
+            let (index, position, size) = membership(topo, kind, rank)?;
             let key = format!("{prefix}.{kind:?}{index}");
-            let comm = TcpCommunicator::connect(rendezvous, &key, position, members.len(), host)?;
+            let comm = TcpCommunicator::connect(rendezvous, &key, position, size, host)?;
+            groups.insert(kind, Arc::new(comm));
+        }
+        Ok(ProcessGroups {
+            world: Arc::new(world_comm),
+            groups,
+        })
+    }
+}
+
+/// Which group of family `kind` holds `rank` (its index among the family's groups), the
+/// rank's position in it, and its size.
+fn membership(
+    topo: &Topology,
+    kind: GroupKind,
+    rank: usize,
+) -> Result<(usize, usize, usize), CommError> {
+    topo.groups(kind)
+        .iter()
+        .enumerate()
+        .find_map(|(index, m)| {
+            m.iter()
+                .position(|&r| r == rank)
+                .map(|position| (index, position, m.len()))
+        })
+        .ok_or(CommError::BadRank {
+            rank,
+            world: topo.world_size(),
+        })
+}
+
+#[cfg(feature = "cuda")]
+impl ProcessGroups<verl_core::backend::CudaBackend> {
+    /// This rank's groups of `topo` as NCCL communicators on `device`, when the ranks are
+    /// processes with one GPU each: every group's id is made by its first member and handed to
+    /// the others through `rendezvous`, under names that start with `prefix`. Every rank of the
+    /// job calls it with the same `topo` and `prefix` (NCCL's initialisation is collective).
+    pub fn nccl(
+        topo: &Topology,
+        rank: usize,
+        rendezvous: Rendezvous,
+        device: burn::backend::cuda::CudaDevice,
+        prefix: &str,
+    ) -> Result<Self, CommError> {
+        use crate::cuda::nccl::{NcclCommunicator, NcclIdExchange};
+        let exchange = NcclIdExchange { rendezvous };
+        let world = topo.world_size();
+        let join = |key: String, position: usize, size: usize| {
+            let id = exchange.id(&key, position == 0)?;
+            NcclCommunicator::new(&id, position, size, device.clone())
+        };
+        let world_comm = join(format!("{prefix}.world"), rank, world)?;
+        let mut groups: BTreeMap<GroupKind, Arc<dyn Communicator<_>>> = BTreeMap::new();
+        for kind in GroupKind::ALL {
+            let (index, position, size) = membership(topo, kind, rank)?;
+            let comm = join(format!("{prefix}.{kind:?}{index}"), position, size)?;
             groups.insert(kind, Arc::new(comm));
         }
         Ok(ProcessGroups {

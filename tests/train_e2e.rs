@@ -4,6 +4,8 @@
 
 use std::collections::BTreeMap;
 
+mod common;
+
 use verl::trainer::{PpoTrainer, MAIN_JOB};
 use verl::ConfigBuilder;
 
@@ -35,19 +37,7 @@ fn run<S: AsRef<str>>(
     let summary = rt
         .block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
         .unwrap();
-    let lines: Vec<BTreeMap<String, f64>> = std::fs::read_to_string(&summary.metrics_path)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object()
-                .unwrap()
-                .iter()
-                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-                .collect()
-        })
-        .filter(|m: &BTreeMap<String, f64>| m.contains_key("step"))
-        .collect();
+    let lines = common::step_lines(&summary.metrics_path);
     (summary, lines, dir)
 }
 
@@ -200,26 +190,7 @@ fn trains_as_one_rank(layout: &[&str]) {
     let mut overrides = common.to_vec();
     overrides.extend(layout);
     let (_, many, _d2) = run(&overrides);
-    assert_eq!(one.len(), many.len());
-    let mut compared = 0;
-    for (a, b) in one.iter().zip(&many) {
-        for (key, x) in a {
-            if key.starts_with("timing_s/")
-                || key.starts_with("perf/")
-                || key.starts_with("rollout/")
-            {
-                continue;
-            }
-            let y = b[key];
-            assert!(
-                (x - y).abs() <= 1e-3 * x.abs().max(1e-2),
-                "step {}: {key} one rank {x} vs {layout:?} {y}",
-                a["step"]
-            );
-            compared += 1;
-        }
-    }
-    assert!(compared > 40, "{compared} metrics compared");
+    common::assert_same_metrics(&one, &many, &format!("{layout:?}"));
 }
 
 /// tp = 2 × dp = 2, sequence parallel on (verl's default).

@@ -5,6 +5,8 @@
 //! and a 2-"node" job on localhost (the driver's node, plus `verl worker --nproc-per-node`
 //! for the other) logs what one node does.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -53,43 +55,7 @@ fn succeed(out: Output) {
 
 /// The step lines of a run's metrics.
 fn metrics(dir: &Path) -> Vec<BTreeMap<String, f64>> {
-    std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.as_object()
-                .unwrap()
-                .iter()
-                .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-                .collect()
-        })
-        .filter(|m: &BTreeMap<String, f64>| m.contains_key("step"))
-        .collect()
-}
-
-/// Every metric but timings agrees within the thread-layout tests' tolerance.
-fn assert_same_metrics(one: &[BTreeMap<String, f64>], many: &[BTreeMap<String, f64>], what: &str) {
-    assert_eq!(one.len(), many.len(), "{what}: step lines");
-    let mut compared = 0;
-    for (a, b) in one.iter().zip(many) {
-        for (key, x) in a {
-            if key.starts_with("timing_s/")
-                || key.starts_with("perf/")
-                || key.starts_with("rollout/")
-            {
-                continue;
-            }
-            let y = b[key];
-            assert!(
-                (x - y).abs() <= 1e-3 * x.abs().max(1e-2),
-                "step {}: {key} one rank {x} vs {what} {y}",
-                a["step"]
-            );
-            compared += 1;
-        }
-    }
-    assert!(compared > 40, "{what}: {compared} metrics compared");
+    common::step_lines(&dir.join("metrics.jsonl"))
 }
 
 fn one_rank(dir: &Path) -> Vec<BTreeMap<String, f64>> {
@@ -114,7 +80,7 @@ fn four_processes_train_as_one_rank(layout: &[&str]) {
     ];
     extra.extend(layout);
     succeed(train(d2.path(), &extra).output().unwrap());
-    assert_same_metrics(
+    common::assert_same_metrics(
         &one,
         &metrics(d2.path()),
         &format!("{layout:?} as processes"),
@@ -270,5 +236,5 @@ fn two_nodes_on_localhost_train_as_one_node() {
         "node 1 failed: {}",
         String::from_utf8_lossy(&out1.stderr)
     );
-    assert_same_metrics(&metrics(d1.path()), &metrics(d2.path()), "two nodes");
+    common::assert_same_metrics(&metrics(d1.path()), &metrics(d2.path()), "two nodes");
 }

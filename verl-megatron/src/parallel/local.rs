@@ -218,9 +218,13 @@ pub(super) fn device_tensor<B: Backend>(v: Vec<f32>, device: &B::Device) -> Tens
 }
 
 fn same_lengths(all: &[Payload]) -> Result<usize, CommError> {
-    let len = all[0][0].len();
-    if all.iter().any(|p| p[0].len() != len) {
-        let lens: Vec<usize> = all.iter().map(|p| p[0].len()).collect();
+    equal_lengths(all.iter().map(|p| p[0].len()).collect())
+}
+
+/// The ranks' common length, or the error naming every rank's when they differ.
+pub(super) fn equal_lengths(lens: Vec<usize>) -> Result<usize, CommError> {
+    let len = lens[0];
+    if lens.iter().any(|&l| l != len) {
         return Err(CommError::Shape(format!("lengths by rank {lens:?}")));
     }
     Ok(len)

@@ -23,7 +23,7 @@ use burn::prelude::*;
 use verl_core::error::CommError;
 use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
 
-use super::local::{device_tensor, host, reduce_in_rank_order};
+use super::local::{device_tensor, equal_lengths, host, reduce_in_rank_order};
 use super::Rendezvous;
 
 /// Frame kinds on a connection: a collective's part (with its sequence number) or a
@@ -370,12 +370,7 @@ impl Drop for TcpCommunicator {
 }
 
 fn same_lengths(parts: &[Vec<f32>]) -> Result<usize, CommError> {
-    let len = parts[0].len();
-    if parts.iter().any(|p| p.len() != len) {
-        let lens: Vec<usize> = parts.iter().map(Vec::len).collect();
-        return Err(CommError::Shape(format!("lengths by rank {lens:?}")));
-    }
-    Ok(len)
+    equal_lengths(parts.iter().map(Vec::len).collect())
 }
 
 impl<B: Backend> Communicator<B> for TcpCommunicator {

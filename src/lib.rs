@@ -32,7 +32,9 @@ pub mod trainer;
 
 pub use builder::ConfigBuilder;
 pub use verl_core as core;
-pub use verl_core::{algorithms, backend, config, dispatch, error, topology, traits, worker};
+pub use verl_core::{
+    algorithms, backend, config, dispatch, error, memory, topology, traits, worker,
+};
 pub use verl_core::{DataProto, Error, Metrics, NamedTensor, Result};
 pub use verl_megatron as megatron;
 pub use verl_offload as offload;

@@ -6,6 +6,10 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 mod bench;
+
+/// Counts live heap bytes, so the CPU backend reports `perf/max_memory_*_gb` like a GPU.
+#[global_allocator]
+static ALLOCATOR: verl::memory::CountingAllocator = verl::memory::CountingAllocator;
 use verl::rollout::SamplingParams;
 use verl::topology::{GroupKind, Topology};
 use verl::ConfigBuilder;

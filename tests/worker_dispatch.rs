@@ -11,7 +11,8 @@ use verl::megatron::hf::{HeadKind, HfModelConfig, Qwen2Dims};
 use verl::megatron::models::CausalLm;
 use verl::megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CriticSettings, CriticWorker, HybridShardingManager,
-    MegatronActor, MegatronCritic, ModelOptimizer, ReferenceWorker, RewardModelWorker,
+    MegatronActor, MegatronCritic, ModelOptimizer, ParamOffload, ReferenceWorker,
+    RewardModelWorker,
 };
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, SamplingParams};
 use verl::topology::{ParallelConfig, Topology};
@@ -83,7 +84,9 @@ fn actor_group(world: usize) -> WorkerGroup<ActorRolloutRefWorker<CpuAutodiff>> 
             reference: Some(inner),
             sharding: HybridShardingManager {
                 free_cache_engine: true,
+                ..Default::default()
             },
+            reference_offload: None,
         })
     })
     .unwrap()
@@ -186,7 +189,16 @@ async fn run_all(world: usize) -> Vec<DataProto<CpuBackend>> {
     let standalone = WorkerGroup::spawn(world, move |ctx| {
         Ok(ReferenceWorker {
             coords: ref_topo.coords(ctx.rank)?,
-            model: CausalLm::<CpuBackend>::init(&model_cfg(), 0.2, 3, &Default::default()),
+            model: Some(CausalLm::<CpuBackend>::init(
+                &model_cfg(),
+                0.2,
+                3,
+                &Default::default(),
+            )),
+            // Its weights wait in host memory between calls (`ref.megatron.param_offload`).
+            offload: Some(ParamOffload::new(Box::new(
+                verl::offload::OffloadManager::new("reference"),
+            ))),
             temperature: 1.0,
             micro_batch_rows: 4,
         })

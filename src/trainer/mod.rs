@@ -673,6 +673,7 @@ impl PpoTrainer {
                     gen.clone(),
                 )
                 .await?;
+            let old = take_metrics(old, &mut metrics);
             gen = gen.union(old)?;
             metrics.push("timing_s/old_log_prob", t.elapsed().as_secs_f64());
         }
@@ -744,6 +745,7 @@ impl PpoTrainer {
                     model_inputs()?,
                 )
                 .await?;
+            let r = take_metrics(r, &mut metrics);
             data = data.union(r)?;
             metrics.push("timing_s/ref", t.elapsed().as_secs_f64());
         }
@@ -756,6 +758,7 @@ impl PpoTrainer {
                     model_inputs()?,
                 )
                 .await?;
+            let v = take_metrics(v, &mut metrics);
             data = data.union(v)?;
             metrics.push("timing_s/values", t.elapsed().as_secs_f64());
         }
@@ -1067,6 +1070,13 @@ impl PpoTrainer {
             seconds: start.elapsed().as_secs_f64(),
         })
     }
+}
+
+/// `data` without the metrics a worker returned in it, which go into `metrics`.
+fn take_metrics<B: Backend>(mut data: DataProto<B>, metrics: &mut Metrics) -> DataProto<B> {
+    metrics.extend(metrics_of(&data));
+    data.meta_info.remove("metrics");
+    data
 }
 
 /// The metrics a worker returned in `meta_info["metrics"]` (one object of lists per rank, or

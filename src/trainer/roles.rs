@@ -8,6 +8,7 @@ use std::sync::Arc;
 use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::config::{OptimConfig, VerlConfig};
 use verl_core::topology::Topology;
+use verl_core::traits::OffloadSwitches;
 use verl_core::worker::MethodTable;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig};
 use verl_megatron::layers::precision::ComputeDtype;
@@ -17,8 +18,10 @@ use verl_megatron::parallel::{ProcessGroups, TpGroup};
 use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
-    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer,
+    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, ParamOffload,
+    TrainingOffload,
 };
+use verl_offload::OffloadManager;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
@@ -45,6 +48,10 @@ pub(crate) struct ActorPlan {
     detokenizer: Arc<dyn Detokenizer>,
     /// A reference policy is kept (KL loss or KL in the reward).
     pub needs_ref: bool,
+    /// `actor.megatron.*_offload`.
+    offload: OffloadSwitches,
+    /// `ref.megatron.param_offload`.
+    ref_param_offload: bool,
 }
 
 /// How every rank builds its critic.
@@ -60,6 +67,8 @@ pub(crate) struct CriticPlan {
     seed: u64,
     optim: OptimConfig,
     optim_steps: u64,
+    /// `critic.megatron.*_offload`.
+    offload: OffloadSwitches,
 }
 
 /// The roles of a run, as every rank builds them.
@@ -166,6 +175,13 @@ impl RolePlans {
             model: model_cfg.clone(),
             detokenizer,
             needs_ref,
+            offload: OffloadSwitches::of(&actor_cfg.megatron),
+            ref_param_offload: cfg
+                .actor_rollout_ref
+                .reference
+                .megatron
+                .as_ref()
+                .is_some_and(|m| m.param_offload),
         };
         let critic = if cfg.critic_enabled() {
             let c = &cfg.critic;
@@ -212,6 +228,7 @@ impl RolePlans {
                 seed: cfg.trainer.seed,
                 optim: c.optim.clone(),
                 optim_steps,
+                offload: OffloadSwitches::of(&c.megatron),
             })
         } else {
             None
@@ -279,14 +296,33 @@ impl ActorPlan {
         if groups.dp().world_size() > 1 {
             actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
+        if self.offload.any() {
+            actor = actor.with_offload(TrainingOffload::new(
+                self.offload,
+                Box::new(OffloadManager::<Train>::new("actor")),
+                Box::new(OffloadManager::<Infer>::new("actor")),
+            ))?;
+        }
+        let mut reference = self.needs_ref.then_some(inner);
+        let reference_offload = match (self.ref_param_offload, reference.is_some()) {
+            (true, true) => {
+                let mut o = ParamOffload::new(Box::new(OffloadManager::<Infer>::new("reference")));
+                o.offload(&mut reference)?;
+                o.take_moved();
+                Some(o)
+            }
+            _ => None,
+        };
         Ok(ActorRolloutRefWorker {
             coords: self.topo.coords(rank)?,
             actor,
             rollout: Box::new(rollout),
-            reference: self.needs_ref.then_some(inner),
+            reference,
             sharding: HybridShardingManager {
                 free_cache_engine: self.free_cache,
+                release_weights: self.offload.param,
             },
+            reference_offload,
         })
     }
 }
@@ -322,6 +358,13 @@ impl CriticPlan {
         if groups.dp().world_size() > 1 {
             critic = critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
+        if self.offload.any() {
+            critic = critic.with_offload(TrainingOffload::new(
+                self.offload,
+                Box::new(OffloadManager::<Train>::new("critic")),
+                Box::new(OffloadManager::<Infer>::new("critic")),
+            ))?;
+        }
         Ok(CriticWorker {
             coords: self.topo.coords(rank)?,
             critic,
@@ -351,10 +394,7 @@ pub(crate) fn actor_methods() -> MethodTable<ActorWorker, Infer> {
             Box::pin(w.sft_step(d))
         })
         .value("set_reference", |w: &mut ActorWorker, _, (): ()| {
-            Box::pin(async move {
-                w.reference = Some(burn::module::AutodiffModule::valid(w.actor.model()));
-                Ok(())
-            })
+            Box::pin(async move { w.set_reference() })
         })
         .value(
             "save_checkpoint",

@@ -1,6 +1,9 @@
 //! Helpers shared by the end-to-end tests: a run's metric lines, and the check that two runs
 //! logged the same metrics.
 
+// Each test binary includes this module and uses a part of it.
+#![allow(dead_code)]
+
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -9,6 +9,7 @@
 //! - [`algorithms`]: advantage estimators, policy losses, KL penalties, value loss, loss
 //!   aggregation, log-prob and entropy from logits — pure functions over burn tensors and masks.
 //! - [`backend`]: the default CPU backend and the optional CUDA one.
+//! - [`memory`]: device memory figures and per-phase peaks (`perf/max_memory_*_gb`).
 
 pub mod algorithms;
 pub mod backend;
@@ -16,6 +17,7 @@ pub mod config;
 pub mod data_proto;
 pub mod dispatch;
 pub mod error;
+pub mod memory;
 pub mod metrics;
 pub mod reward_score;
 pub mod topology;

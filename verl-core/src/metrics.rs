@@ -1,18 +1,24 @@
-//! [`Metrics`]: named scalar series a worker returns and the trainer reduces (mean), as verl's
-//! `reduce_metrics` does.
+//! [`Metrics`]: named scalar series a worker returns and the trainer reduces (mean, as verl's
+//! `reduce_metrics` does; the largest value for peaks such as `perf/max_memory_allocated_gb`).
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-/// Named lists of values; [`Metrics::reduce`] averages each list.
+/// Named lists of values; [`Metrics::reduce`] averages each list, except that a peak
+/// (a key whose last-but-one or last segment starts with `max_`, as `perf/max_memory_allocated_gb`
+/// or `perf/max_memory_allocated_gb/update_actor`) keeps its largest value: the peak of a step
+/// over ranks and phases is their maximum.
 ///
 /// ```
 /// use verl_core::Metrics;
 /// let mut m = Metrics::default();
 /// m.push("actor/pg_loss", 1.0);
 /// m.push("actor/pg_loss", 3.0);
+/// m.push("perf/max_memory_allocated_gb", 1.0);
+/// m.push("perf/max_memory_allocated_gb", 3.0);
 /// assert_eq!(m.reduce()["actor/pg_loss"], 2.0);
+/// assert_eq!(m.reduce()["perf/max_memory_allocated_gb"], 3.0);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics(pub BTreeMap<String, Vec<f64>>);
@@ -30,12 +36,30 @@ impl Metrics {
         }
     }
 
-    /// Mean of each series (empty series are left out).
+    /// Mean of each series, or its maximum for a peak (empty series are left out).
     pub fn reduce(&self) -> BTreeMap<String, f64> {
         self.0
             .iter()
             .filter(|(_, v)| !v.is_empty())
-            .map(|(k, v)| (k.clone(), v.iter().sum::<f64>() / v.len() as f64))
+            .map(|(k, v)| {
+                let value = if is_peak(k) {
+                    v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                } else {
+                    v.iter().sum::<f64>() / v.len() as f64
+                };
+                (k.clone(), value)
+            })
             .collect()
     }
+}
+
+/// Whether `key` names a peak (`…/max_…` or `…/max_…/<phase>`), reduced by its maximum.
+fn is_peak(key: &str) -> bool {
+    let parts: Vec<&str> = key.split('/').collect();
+    parts.len() >= 2
+        && parts[1..]
+            .iter()
+            .rev()
+            .take(2)
+            .any(|p| p.starts_with("max_"))
 }

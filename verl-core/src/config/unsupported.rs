@@ -26,11 +26,10 @@ fn require(
     }
 }
 
-/// A role's Megatron memory and checkpoint options.
-fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
-    let offload = "parameter, gradient and optimizer offload to host memory is not implemented yet";
+/// A frozen model's offload keys: it has parameters to offload, but no gradients and no
+/// optimizer state.
+fn frozen_offload(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
     for (key, on) in [
-        ("param_offload", m.param_offload),
         ("grad_offload", m.grad_offload),
         ("optimizer_offload", m.optimizer_offload),
     ] {
@@ -38,10 +37,15 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
             !on,
             &format!("{prefix}.megatron.{key}"),
             on,
-            offload,
-            "set it to false",
+            "a frozen model has no gradients or optimizer state",
+            "set it to false (param_offload moves its weights)",
         )?;
     }
+    Ok(())
+}
+
+/// A role's Megatron memory and checkpoint options.
+fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
     require(
         !m.use_dist_checkpointing,
         &format!("{prefix}.megatron.use_dist_checkpointing"),
@@ -249,6 +253,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     )?;
     if let Some(mc) = &reference.megatron {
         megatron("actor_rollout_ref.ref", mc)?;
+        frozen_offload("actor_rollout_ref.ref", mc)?;
     }
     let rollout = &arr.rollout;
     dynamic_batch(
@@ -313,6 +318,14 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "remove it",
         )?;
         megatron("reward_model", &rm.megatron)?;
+        frozen_offload("reward_model", &rm.megatron)?;
+        require(
+            !rm.megatron.param_offload,
+            "reward_model.megatron.param_offload",
+            rm.megatron.param_offload,
+            "the reward model runs in the driver process, which keeps its weights on the device",
+            "set it to false",
+        )?;
     }
     require(
         rm.reward_manager == "naive",
@@ -423,8 +436,8 @@ mod tests {
     fn each_unsupported_setting_is_refused_by_name() {
         for (set, key) in [
             (
-                "actor_rollout_ref.actor.megatron.param_offload=true",
-                "actor_rollout_ref.actor.megatron.param_offload",
+                "actor_rollout_ref.ref.megatron.optimizer_offload=true",
+                "actor_rollout_ref.ref.megatron.optimizer_offload",
             ),
             ("trainer.balance_batch=true", "trainer.balance_batch"),
             ("trainer.logger=[console, wandb]", "trainer.logger"),
@@ -471,15 +484,15 @@ mod tests {
             None,
             &[
                 "algorithm.adv_estimator=grpo",
-                "critic.megatron.grad_offload=true",
+                "critic.megatron.use_dist_checkpointing=true",
             ],
         )
         .unwrap();
         refuse_unsupported(&off).expect("grpo runs no critic");
         let on = &[
             "algorithm.adv_estimator=gae",
-            "critic.megatron.grad_offload=true",
+            "critic.megatron.use_dist_checkpointing=true",
         ];
-        assert_eq!(refused(on), "critic.megatron.grad_offload");
+        assert_eq!(refused(on), "critic.megatron.use_dist_checkpointing");
     }
 }

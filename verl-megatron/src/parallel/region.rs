@@ -25,6 +25,7 @@ use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{unary, Backward, Ops, OpsKind};
+use verl_core::memory::MemoryUsage;
 use verl_core::traits::{Communicator, ReduceOp};
 
 /// A collective on one tensor, seen from one rank of the group. Chunks along a dimension are
@@ -125,6 +126,22 @@ pub trait ParallelBackend: Backend {
         region: Region,
         comm: &CommHandle<Self::Base>,
     ) -> Tensor<Self, D>;
+
+    /// The device's memory in use and reserved, as far as the backend can tell: burn-cuda's
+    /// pool for this thread's stream; on the CPU backend, host memory counted by
+    /// `verl_core::memory::CountingAllocator` (`None` when the program did not install it).
+    fn memory_usage(device: &Self::Device) -> Option<MemoryUsage>;
+}
+
+/// Records the device's usage into the peak of the phase open on this thread (if one is; see
+/// `verl_core::memory`). Called where usage is highest: after a forward pass, around the
+/// optimizer step, after a reload or a generation.
+pub fn sample_memory<B: ParallelBackend>(device: &B::Device) {
+    if verl_core::memory::phase_open() {
+        if let Some(usage) = B::memory_usage(device) {
+            verl_core::memory::record(usage);
+        }
+    }
 }
 
 /// An autodiff backend whose inner backend runs tensor-parallel regions too: what the actor and
@@ -196,9 +213,13 @@ pub fn run_collective<B: Backend, const D: usize>(
 }
 
 macro_rules! plain_parallel_backend {
-    ($ty:ty) => {
+    ($ty:ty, $memory:expr) => {
         impl ParallelBackend for $ty {
             type Base = $ty;
+
+            fn memory_usage(device: &Self::Device) -> Option<MemoryUsage> {
+                $memory(device)
+            }
 
             fn collective<const D: usize>(
                 x: Tensor<Self, D>,
@@ -219,9 +240,14 @@ macro_rules! plain_parallel_backend {
     };
 }
 
-plain_parallel_backend!(burn::backend::Flex);
+plain_parallel_backend!(burn::backend::Flex, |_: &_| verl_core::memory::host_usage());
 #[cfg(feature = "cuda")]
-plain_parallel_backend!(verl_core::backend::CudaBackend);
+plain_parallel_backend!(verl_core::backend::CudaBackend, |device| {
+    crate::cuda::memory_usage(device).map(|(allocated, reserved)| MemoryUsage {
+        allocated,
+        reserved,
+    })
+});
 
 /// The backward step of a region: the adjoint region on the gradient.
 #[derive(Debug)]
@@ -243,6 +269,10 @@ impl<B: ParallelBackend, const D: usize> Backward<B, 1> for RegionBackward<D> {
 
 impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, C> {
     type Base = B::Base;
+
+    fn memory_usage(device: &Self::Device) -> Option<MemoryUsage> {
+        B::memory_usage(device)
+    }
 
     fn collective<const D: usize>(
         x: Tensor<Self, D>,

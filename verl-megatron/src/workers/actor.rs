@@ -16,11 +16,13 @@ use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
 use verl_core::traits::{
-    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, WeightExporter,
+    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, TransferReport,
+    WeightExporter,
 };
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
+use super::offload::TrainingOffload;
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
 use crate::models::{vocab_parallel_log_probs, CausalLm};
@@ -61,6 +63,9 @@ pub struct MegatronActor<B: ParallelAutodiffBackend> {
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
     /// The pipeline group, when the model is one stage of several.
     pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
+    /// Parameters and optimizer state in host memory between phases (`param_offload`,
+    /// `optimizer_offload`).
+    offload: Option<TrainingOffload<B>>,
 }
 
 fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
@@ -87,6 +92,49 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             sft_optim: None,
             dp: None,
             pp: None,
+            offload: None,
+        }
+    }
+
+    /// Keeps the parameters and optimizer state in host memory between phases, as `offload`'s
+    /// switches say (they leave the device at once, as verl offloads after building the model).
+    pub fn with_offload(mut self, offload: TrainingOffload<B>) -> Result<Self> {
+        self.offload = Some(offload);
+        self.put_away()?;
+        Ok(self)
+    }
+
+    /// Brings the parameters (and with `optimizer`, the optimizer state) back to the device for
+    /// a phase; nothing without offload.
+    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+        let Some(offload) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        let mut optims = vec![self.optim.adamw_mut()];
+        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
+        offload.bring_in(&mut self.model, &mut optims, optimizer)
+    }
+
+    /// Sends the parameters and optimizer state away after a phase, as the switches say.
+    pub fn put_away(&mut self) -> Result<()> {
+        let Some(offload) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        let mut optims = vec![self.optim.adamw_mut()];
+        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
+        offload.put_away(&mut self.model, &mut optims)
+    }
+
+    /// Whether any of the role's state leaves the device between phases.
+    pub fn offloads(&self) -> bool {
+        self.offload.as_ref().is_some_and(|o| o.switches.any())
+    }
+
+    /// What offload moved since the last call (both ways), and the bytes in host memory now.
+    pub fn take_offload_moved(&mut self) -> (TransferReport, u64) {
+        match self.offload.as_mut() {
+            Some(o) => (o.take_moved(), o.host_bytes()),
+            None => Default::default(),
         }
     }
 
@@ -131,6 +179,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         self
     }
 
+    /// Records the device's usage into the open phase's peak.
+    fn sample_memory(&self) {
+        if let Some(device) = self.model().devices().first() {
+            crate::parallel::sample_memory::<B>(device);
+        }
+    }
+
     pub fn model(&self) -> &CausalLm<B> {
         self.model
             .as_ref()
@@ -154,6 +209,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
     /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        self.bring_in(true)?;
+        let out = self.sft_step_resident(data);
+        self.put_away()?;
+        out
+    }
+
+    fn sft_step_resident(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
         let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
@@ -163,6 +225,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let (grads, total) =
             self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
+        self.sample_memory();
         let model = self.model.take().expect("model present");
         let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
         let (model, report) = optim.step(model, grads);
@@ -355,6 +418,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 let kind = StageLoss::Ppo { scale, temperature };
                 let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
+                // Parameters, gradients and optimizer state are all on the device here.
+                self.sample_memory();
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, grads);
                 self.model = Some(model);
@@ -409,11 +474,17 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
         data: &DataProto<B::InnerBackend>,
         calculate_entropy: bool,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
-        self.log_probs_inner(data, calculate_entropy)
+        self.bring_in(false)?;
+        let out = self.log_probs_inner(data, calculate_entropy);
+        self.put_away()?;
+        out
     }
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.update(data)
+        self.bring_in(true)?;
+        let out = self.update(data);
+        self.put_away()?;
+        out
     }
 }
 

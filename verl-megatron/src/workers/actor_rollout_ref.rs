@@ -11,6 +11,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use burn::prelude::*;
 use verl_core::dispatch::{megatron_dispatch_info, DispatchInfo};
+use verl_core::memory::{gib, PhasePeak};
 use verl_core::topology::RankCoords;
 use verl_core::traits::{
     Actor, CheckpointBackend, CheckpointContents, CheckpointState, Critic, ReshardReport,
@@ -22,6 +23,7 @@ use verl_core::{DataProto, Metrics, Result};
 use super::actor::MegatronActor;
 use super::batch::{micro_batches, ModelInputs};
 use super::critic::MegatronCritic;
+use super::offload::{push_phase_metrics, ParamOffload};
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
@@ -33,6 +35,10 @@ use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 pub struct HybridShardingManager {
     /// Free the KV cache after generation (`rollout.free_cache_engine`).
     pub free_cache_engine: bool,
+    /// Also drop the engine's weights after generation (`SleepLevel::All`): with the actor's
+    /// parameters offloaded, the engine's copy is what would keep them on the device, and the
+    /// next generation streams them in again anyway.
+    pub release_weights: bool,
 }
 
 #[async_trait(?Send)]
@@ -63,7 +69,9 @@ impl<B: ParallelBackend> ShardingManager<B> for HybridShardingManager {
     }
 
     async fn exit(&mut self, rollout: &mut dyn RolloutEngine<B>) -> Result<()> {
-        if self.free_cache_engine {
+        if self.release_weights {
+            rollout.sleep(SleepLevel::All).await?;
+        } else if self.free_cache_engine {
             rollout.sleep(SleepLevel::KvCache).await?;
         }
         Ok(())
@@ -109,6 +117,9 @@ pub struct ActorRolloutRefWorker<B: ParallelAutodiffBackend> {
     /// The frozen reference policy (`None` when no KL is used).
     pub reference: Option<CausalLm<B::InnerBackend>>,
     pub sharding: HybridShardingManager,
+    /// The reference's parameters in host memory outside `compute_ref_log_prob`
+    /// (`ref.megatron.param_offload`); the actor's offload lives in the actor.
+    pub reference_offload: Option<ParamOffload<B::InnerBackend>>,
 }
 
 impl<B: ParallelAutodiffBackend> Worker for ActorRolloutRefWorker<B> {
@@ -131,26 +142,63 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             .get("recompute_log_prob")
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(true);
+        let phase = PhasePeak::start();
+        self.sample_memory();
+        // The actor's parameters are on the device only while they stream into the engine.
+        self.actor.bring_in(false)?;
         let report = self
             .sharding
             .enter(&self.actor, self.rollout.as_mut())
-            .await?;
+            .await;
+        self.actor.put_away()?;
+        let report = report?;
         let out = self.rollout.generate_sequences(prompts).await;
+        // The KV cache is at its fullest.
+        self.sample_memory();
         self.sharding.exit(self.rollout.as_mut()).await?;
         let mut out = out?;
         let mut metrics = Metrics::default();
         metrics.push("timing_s/reshard", report.seconds);
         metrics.push("perf/reshard_tensors", report.tensors as f64);
+        self.finish_phase("generate", phase, &mut metrics);
         if recompute {
             let start = Instant::now();
+            let phase = PhasePeak::start();
+            self.sample_memory();
             let lp = self.actor.compute_log_prob(&out, true).await?;
             out.insert_float("old_log_probs", lp.log_probs)?;
             if let Some(e) = lp.entropy {
                 out.insert_float("entropys", e)?;
             }
             metrics.push("timing_s/old_log_prob", start.elapsed().as_secs_f64());
+            self.finish_phase("old_log_prob", phase, &mut metrics);
         }
         Ok(with_metrics(out, &metrics))
+    }
+
+    /// Records the device's usage into the open phase's peak.
+    fn sample_memory(&self) {
+        if let Some(device) = burn::module::AutodiffModule::valid(self.actor.model())
+            .devices()
+            .first()
+        {
+            crate::parallel::sample_memory::<B::InnerBackend>(device);
+        }
+    }
+
+    /// Ends a phase: its peak memory and what offload moved in it go into `metrics`, with the
+    /// bytes this worker keeps in host memory.
+    fn finish_phase(&mut self, phase: &str, peak: PhasePeak, metrics: &mut Metrics) {
+        let (moved, mut host) = self.actor.take_offload_moved();
+        let mut moved = moved;
+        if let Some(r) = self.reference_offload.as_mut() {
+            moved = moved + r.take_moved();
+            host += r.host_bytes();
+        }
+        push_phase_metrics(metrics, phase, peak.finish(), moved);
+        if self.actor.offloads() || self.reference_offload.is_some() {
+            metrics.push("perf/offload_host_gb/actor_rollout_ref", gib(host));
+        }
     }
 
     /// `old_log_probs` (and `entropys`) of the responses under the actor (MegatronCompute).
@@ -158,13 +206,17 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         &mut self,
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
+        let phase = PhasePeak::start();
+        self.sample_memory();
         let out = self.actor.compute_log_prob(&data, true).await?;
         let mut result = DataProto::new();
         result.insert_float("old_log_probs", out.log_probs)?;
         if let Some(e) = out.entropy {
             result.insert_float("entropys", e)?;
         }
-        Ok(result)
+        let mut metrics = Metrics::default();
+        self.finish_phase("old_log_prob", phase, &mut metrics);
+        Ok(with_metrics(result, &metrics))
     }
 
     /// `ref_log_prob` under the frozen reference policy (MegatronCompute).
@@ -172,22 +224,33 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         &mut self,
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
-        let reference = self.reference.as_ref().ok_or_else(|| {
-            verl_core::Error::backend(
+        if self.reference.is_none() {
+            return Err(verl_core::Error::backend(
                 "reference",
                 crate::MegatronError::Setting {
                     field: "actor_rollout_ref.ref".into(),
                     message: "no reference model was built (enable a KL loss or KL penalty)".into(),
                 },
-            )
-        })?;
-        reference_log_probs(
-            reference,
+            ));
+        }
+        let phase = PhasePeak::start();
+        self.sample_memory();
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.reload(&mut self.reference)?;
+        }
+        let out = reference_log_probs(
+            self.reference.as_ref().expect("checked above"),
             &data,
             self.actor.settings().temperature,
             self.actor.settings().log_prob_micro_batch_rows,
             self.actor.pipeline_group().map(|g| g.as_ref()),
-        )
+        );
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.offload(&mut self.reference)?;
+        }
+        let mut metrics = Metrics::default();
+        self.finish_phase("ref", phase, &mut metrics);
+        Ok(with_metrics(out?, &metrics))
     }
 
     /// One PPO policy update on this rank's share (MegatronCompute); metrics in `meta_info`.
@@ -196,8 +259,11 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
         let start = Instant::now();
+        let phase = PhasePeak::start();
+        self.sample_memory();
         let mut metrics = self.actor.update_policy(&data).await?;
         metrics.push("timing_s/update_actor", start.elapsed().as_secs_f64());
+        self.finish_phase("update_actor", phase, &mut metrics);
         Ok(with_metrics(DataProto::new(), &metrics))
     }
 
@@ -205,6 +271,52 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     /// state and the reference policy (OneToAll: every rank writes its own shard; rank 0 writes
     /// the HF copy).
     pub async fn save_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        self.bring_all_in()?;
+        let saved = self.save_resident(req).await;
+        self.put_all_away()?;
+        saved
+    }
+
+    /// Makes the actor as it is now the reference policy (after the supervised warm-up, RL
+    /// starts from the warmed-up actor); offload keeps each where its switches say.
+    pub fn set_reference(&mut self) -> Result<()> {
+        self.actor.bring_in(false)?;
+        self.reference = Some(burn::module::AutodiffModule::valid(self.actor.model()));
+        self.actor.put_away()?;
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.forget();
+            o.offload(&mut self.reference)?;
+        }
+        self.actor.take_offload_moved();
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.take_moved();
+        }
+        Ok(())
+    }
+
+    /// Everything on the device (checkpoints read and write the whole state).
+    fn bring_all_in(&mut self) -> Result<()> {
+        self.actor.bring_in(true)?;
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.reload(&mut self.reference)?;
+        }
+        Ok(())
+    }
+
+    /// Everything back where the offload switches keep it.
+    fn put_all_away(&mut self) -> Result<()> {
+        self.actor.put_away()?;
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.offload(&mut self.reference)?;
+        }
+        let _ = self.actor.take_offload_moved();
+        if let Some(o) = self.reference_offload.as_mut() {
+            o.take_moved();
+        }
+        Ok(())
+    }
+
+    async fn save_resident(&mut self, req: CheckpointRequest) -> Result<()> {
         let mut state = self.actor.checkpoint_state(req.contents);
         if let Some(extra) = state.extra.as_object_mut() {
             extra.insert("rollout".into(), self.rollout.state());
@@ -225,6 +337,13 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
 
     /// Restores what [`Self::save_checkpoint`] wrote (OneToAll: each rank reads its shard).
     pub async fn load_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        self.bring_all_in()?;
+        let loaded = self.load_resident(req).await;
+        self.put_all_away()?;
+        loaded
+    }
+
+    async fn load_resident(&mut self, req: CheckpointRequest) -> Result<()> {
         let dist = DistCheckpoint::new(self.coords.rank);
         let device = self.actor_device();
         let state = dist.load(&req.dist(), req.contents, &device).await?;
@@ -257,7 +376,10 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         &mut self,
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
-        let metrics = self.actor.sft_step(&data)?;
+        let phase = PhasePeak::start();
+        self.sample_memory();
+        let mut metrics = self.actor.sft_step(&data)?;
+        self.finish_phase("sft", phase, &mut metrics);
         Ok(with_metrics(DataProto::new(), &metrics))
     }
 }
@@ -280,20 +402,52 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         &mut self,
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
+        let phase = PhasePeak::start();
+        self.sample_memory();
         let values = self.critic.compute_values(&data).await?;
         let mut out = DataProto::new();
         out.insert_float("values", values)?;
-        Ok(out)
+        let mut metrics = Metrics::default();
+        self.finish_phase("values", phase, &mut metrics);
+        Ok(with_metrics(out, &metrics))
     }
 
     /// Saves this rank's critic (weights, optimizer, counters) under `req.dir/dist_ckpt`, and
     /// on rank 0 the value model in HF layout when asked (OneToAll).
     pub async fn save_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
+        self.critic.bring_in(true)?;
         let state = self.critic.checkpoint_state(req.contents);
-        DistCheckpoint::new(self.coords.rank)
+        let saved = match DistCheckpoint::new(self.coords.rank)
             .save(&req.dist(), &state, req.contents)
-            .await?;
-        save_hf_copy(&req, self.coords.rank, state, || self.critic.full_weights()).await
+            .await
+        {
+            Ok(()) => {
+                save_hf_copy(&req, self.coords.rank, state, || self.critic.full_weights()).await
+            }
+            Err(e) => Err(e),
+        };
+        self.critic.put_away()?;
+        let _ = self.critic.take_offload_moved();
+        saved
+    }
+
+    /// Records the device's usage into the open phase's peak.
+    fn sample_memory(&self) {
+        if let Some(device) = burn::module::AutodiffModule::valid(self.critic.model())
+            .devices()
+            .first()
+        {
+            crate::parallel::sample_memory::<B::InnerBackend>(device);
+        }
+    }
+
+    /// Ends a phase: its peak memory and what offload moved go into `metrics`.
+    fn finish_phase(&mut self, phase: &str, peak: PhasePeak, metrics: &mut Metrics) {
+        let (moved, host) = self.critic.take_offload_moved();
+        push_phase_metrics(metrics, phase, peak.finish(), moved);
+        if self.critic.offloads() {
+            metrics.push("perf/offload_host_gb/critic", gib(host));
+        }
     }
 
     /// Restores what [`Self::save_checkpoint`] wrote (OneToAll).
@@ -301,7 +455,11 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         let state = DistCheckpoint::new(self.coords.rank)
             .load(&req.dist(), req.contents, &Default::default())
             .await?;
-        self.critic.load_checkpoint_state(state, req.contents)
+        self.critic.bring_in(true)?;
+        let loaded = self.critic.load_checkpoint_state(state, req.contents);
+        self.critic.put_away()?;
+        let _ = self.critic.take_offload_moved();
+        loaded
     }
 
     /// One critic update (MegatronCompute); metrics in `meta_info`.
@@ -310,8 +468,11 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
         let start = Instant::now();
+        let phase = PhasePeak::start();
+        self.sample_memory();
         let mut metrics = self.critic.update_critic(&data).await?;
         metrics.push("timing_s/update_critic", start.elapsed().as_secs_f64());
+        self.finish_phase("update_critic", phase, &mut metrics);
         Ok(with_metrics(DataProto::new(), &metrics))
     }
 }
@@ -384,7 +545,10 @@ fn reference_log_probs<B: ParallelBackend>(
 /// for when the reference is not colocated with the actor.
 pub struct ReferenceWorker<B: ParallelBackend> {
     pub coords: RankCoords,
-    pub model: CausalLm<B>,
+    /// Always present; an `Option` so offload can take it and give it back.
+    pub model: Option<CausalLm<B>>,
+    /// The parameters in host memory outside `compute_ref_log_prob` (`param_offload`).
+    pub offload: Option<ParamOffload<B>>,
     /// The rollout temperature the log-probs are taken at, unless the batch says otherwise.
     pub temperature: f64,
     /// Rows per forward pass (`ref.log_prob_micro_batch_size_per_gpu`).
@@ -400,12 +564,22 @@ impl<B: ParallelBackend> Worker for ReferenceWorker<B> {
 impl<B: ParallelBackend> ReferenceWorker<B> {
     /// `ref_log_prob` of the responses (MegatronCompute).
     pub async fn compute_ref_log_prob(&mut self, data: DataProto<B>) -> Result<DataProto<B>> {
-        reference_log_probs(
-            &self.model,
-            &data,
-            self.temperature,
-            self.micro_batch_rows,
-            None,
-        )
+        if let Some(o) = self.offload.as_mut() {
+            o.reload(&mut self.model)?;
+        }
+        let model = self.model.as_ref().ok_or_else(|| {
+            verl_core::Error::backend(
+                "reference",
+                crate::MegatronError::Setting {
+                    field: "actor_rollout_ref.ref".into(),
+                    message: "the reference worker has no model".into(),
+                },
+            )
+        })?;
+        let out = reference_log_probs(model, &data, self.temperature, self.micro_batch_rows, None);
+        if let Some(o) = self.offload.as_mut() {
+            o.offload(&mut self.model)?;
+        }
+        out
     }
 }

@@ -123,6 +123,11 @@ impl<B: Backend> AdamW<B> {
         self.moments.iter()
     }
 
+    /// Takes the whole state out (to move it to host memory), leaving none.
+    pub fn take_moments(&mut self) -> HashMap<ParamId, Moments<B>> {
+        std::mem::take(&mut self.moments)
+    }
+
     /// Replaces the whole state (a checkpoint's).
     pub fn set_moments(&mut self, moments: HashMap<ParamId, Moments<B>>) {
         self.moments = moments;

@@ -111,7 +111,9 @@ impl<B: ParallelBackend> ModelInputs<B> {
         pp: Option<&dyn Communicator<B>>,
     ) -> verl_core::Result<Option<Tensor<B, 3>>> {
         let Some(pp) = pp.filter(|p| p.world_size() > 1) else {
-            return Ok(Some(self.response_outputs(model)));
+            let out = self.response_outputs(model);
+            crate::parallel::sample_memory::<B>(&out.device());
+            return Ok(Some(out));
         };
         let (me, stages) = (pp.rank(), pp.world_size());
         let [b, t] = self.input_ids.dims();
@@ -124,6 +126,7 @@ impl<B: ParallelBackend> ModelInputs<B> {
             Some(pp.recv(me - 1, n, &device)?.reshape(shape))
         };
         let out = self.stage_outputs(model, input);
+        crate::parallel::sample_memory::<B>(&out.device());
         if me + 1 < stages {
             pp.send(out.flatten(0, 2), me + 1)?;
             return Ok(None);

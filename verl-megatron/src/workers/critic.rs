@@ -12,10 +12,13 @@ use rand::SeedableRng;
 use verl_core::algorithms::aggregation::{AggScale, LossAggMode};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::value::value_loss;
-use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Critic};
+use verl_core::traits::{
+    CheckpointContents, CheckpointState, Communicator, Critic, TransferReport,
+};
 use verl_core::{DataProto, Metrics, Result};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
+use super::offload::TrainingOffload;
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
 use crate::models::CausalLm;
@@ -44,6 +47,8 @@ pub struct MegatronCritic<B: ParallelAutodiffBackend> {
     dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
     /// The pipeline group, when the model is one stage of several.
     pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
+    /// Parameters and optimizer state in host memory between phases.
+    offload: Option<TrainingOffload<B>>,
 }
 
 impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
@@ -60,6 +65,51 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
             updates: 0,
             dp: None,
             pp: None,
+            offload: None,
+        }
+    }
+
+    /// Keeps the parameters and optimizer state in host memory between phases, as `offload`'s
+    /// switches say (see `MegatronActor::with_offload`).
+    pub fn with_offload(mut self, offload: TrainingOffload<B>) -> Result<Self> {
+        self.offload = Some(offload);
+        self.put_away()?;
+        Ok(self)
+    }
+
+    /// Brings the parameters (and with `optimizer`, the optimizer state) back for a phase.
+    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.bring_in(&mut self.model, &mut [self.optim.adamw_mut()], optimizer),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends the parameters and optimizer state away after a phase, as the switches say.
+    pub fn put_away(&mut self) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.put_away(&mut self.model, &mut [self.optim.adamw_mut()]),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether any of the role's state leaves the device between phases.
+    pub fn offloads(&self) -> bool {
+        self.offload.as_ref().is_some_and(|o| o.switches.any())
+    }
+
+    /// What offload moved since the last call (both ways), and the bytes in host memory now.
+    pub fn take_offload_moved(&mut self) -> (TransferReport, u64) {
+        match self.offload.as_mut() {
+            Some(o) => (o.take_moved(), o.host_bytes()),
+            None => Default::default(),
+        }
+    }
+
+    /// Records the device's usage into the open phase's peak.
+    fn sample_memory(&self) {
+        if let Some(device) = self.model().devices().first() {
+            crate::parallel::sample_memory::<B>(device);
         }
     }
 
@@ -177,6 +227,25 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
         &mut self,
         data: &DataProto<B::InnerBackend>,
     ) -> Result<Tensor<B::InnerBackend, 2>> {
+        self.bring_in(false)?;
+        let out = self.values_resident(data);
+        self.put_away()?;
+        out
+    }
+
+    async fn update_critic(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+        self.bring_in(true)?;
+        let out = self.update_resident(data);
+        self.put_away()?;
+        out
+    }
+}
+
+impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
+    fn values_resident(
+        &self,
+        data: &DataProto<B::InnerBackend>,
+    ) -> Result<Tensor<B::InnerBackend, 2>> {
         let model = self.model().valid();
         let mut parts = Vec::new();
         for range in micro_batches(data.len(), self.settings.forward_micro_batch_rows) {
@@ -195,7 +264,7 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
         Ok(Tensor::cat(parts, 0))
     }
 
-    async fn update_critic(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
+    fn update_resident(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let s = self.settings.clone();
         let mut metrics = Metrics::default();
         for epoch in 0..s.ppo_epochs {
@@ -232,6 +301,8 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
                         total += value;
                         Ok(loss)
                     })?;
+                // Parameters, gradients and optimizer state are all on the device here.
+                self.sample_memory();
                 let model = self.model.take().expect("model present");
                 let (model, report) = self.optim.step(model, grads);
                 self.model = Some(model);

@@ -7,6 +7,7 @@ pub mod actor_rollout_ref;
 pub mod adamw;
 pub mod batch;
 pub mod critic;
+pub mod offload;
 pub mod optim;
 pub mod reward_model;
 mod stage;
@@ -17,5 +18,6 @@ pub use actor_rollout_ref::{
     ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
 };
 pub use critic::{CriticSettings, MegatronCritic};
+pub use offload::{MomentOffload, ParamOffload, TrainingOffload};
 pub use optim::{LrSchedule, ModelOptimizer, DEFAULT_GRAD_BUCKET_ELEMS};
 pub use reward_model::RewardModelWorker;

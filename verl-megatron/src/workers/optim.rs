@@ -644,6 +644,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         self
     }
 
+    /// The AdamW state, to move it to host memory and back.
+    pub fn adamw_mut(&mut self) -> &mut AdamW<B::InnerBackend> {
+        &mut self.adamw
+    }
+
     /// Whether this rank keeps only its share of the optimizer state.
     pub fn is_distributed(&self) -> bool {
         self.distributed.is_some()

@@ -40,6 +40,8 @@ where
         let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
         let out = inputs.stage_outputs(&model, input);
+        // The activations of the micro-batches in flight are all held now.
+        crate::parallel::sample_memory::<B>(&out.device());
         self.in_flight.insert(mb, model);
         if !self.model.stage.is_last() {
             return Ok(StageOutput::Activation(out));

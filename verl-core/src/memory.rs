@@ -1,0 +1,146 @@
+//! Memory accounting: a device's memory in use and reserved, and the peak of a phase.
+//!
+//! burn 0.21 has no peak counter (torch's `max_memory_allocated`), so a role samples its
+//! device's usage where usage is highest (after a reload, after each micro-batch's forward
+//! pass, before and after the optimizer step, after generation) and [`PhasePeak`] keeps the
+//! highest sample of the phase on the rank's own thread.
+//!
+//! On the CPU backend the device is host memory: [`CountingAllocator`], installed by the
+//! program as its global allocator (the `verl` binary does), counts the bytes the process has
+//! allocated; the reserved figure is the process's resident set.
+//!
+//! ```
+//! use verl_core::memory::{MemoryUsage, PhasePeak};
+//! let phase = PhasePeak::start();
+//! verl_core::memory::record(MemoryUsage { allocated: 3 << 30, reserved: 4 << 30 });
+//! verl_core::memory::record(MemoryUsage { allocated: 1 << 30, reserved: 4 << 30 });
+//! assert_eq!(phase.finish().unwrap().allocated, 3 << 30);
+//! ```
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// Bytes of a device's memory: in use by tensors, and held by the allocator (in use plus
+/// cached free pages; what the device has given away).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+impl MemoryUsage {
+    /// The larger of each figure.
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            allocated: self.allocated.max(other.allocated),
+            reserved: self.reserved.max(other.reserved),
+        }
+    }
+}
+
+/// Gibibytes, as verl's `perf/max_memory_*_gb` metrics count them.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+thread_local! {
+    /// Whether a phase is open on this thread, and the highest usage sampled in it so far.
+    static PEAK: Cell<(bool, Option<MemoryUsage>)> = const { Cell::new((false, None)) };
+}
+
+/// Records a sample of the device's usage into the current phase's peak (if a phase is open
+/// on this thread).
+pub fn record(usage: MemoryUsage) {
+    PEAK.with(|p| {
+        if let (true, peak) = p.get() {
+            p.set((true, Some(peak.map_or(usage, |q| q.max(usage)))));
+        }
+    });
+}
+
+/// Whether a phase is being measured on this thread (sampling costs nothing otherwise).
+pub fn phase_open() -> bool {
+    PEAK.with(|p| p.get().0)
+}
+
+/// A phase whose peak memory is being measured on this thread (phases do not nest: starting
+/// one restarts the count, as torch's `reset_peak_memory_stats`).
+#[derive(Debug)]
+pub struct PhasePeak(());
+
+impl PhasePeak {
+    pub fn start() -> Self {
+        PEAK.with(|p| p.set((true, None)));
+        Self(())
+    }
+
+    /// The highest usage recorded since [`Self::start`]; `None` when nothing was (a backend
+    /// without memory figures).
+    pub fn finish(self) -> Option<MemoryUsage> {
+        PEAK.with(|p| p.replace((false, None))).1
+    }
+}
+
+/// A global allocator that counts live bytes (on top of the system allocator); install it
+/// with `#[global_allocator] static A: CountingAllocator = CountingAllocator;` to give the CPU
+/// backend a memory figure.
+pub struct CountingAllocator;
+
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+// SAFETY: every call is forwarded to `System` unchanged; only counters are added.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+            INSTALLED.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+            INSTALLED.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+            LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+/// The process's resident set in bytes (Linux; `None` elsewhere).
+pub fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Host memory as the CPU backend's device memory: bytes live through [`CountingAllocator`]
+/// and the resident set. `None` when the program did not install the allocator.
+pub fn host_usage() -> Option<MemoryUsage> {
+    if !INSTALLED.load(Ordering::Relaxed) {
+        return None;
+    }
+    let allocated = LIVE_BYTES.load(Ordering::Relaxed);
+    Some(MemoryUsage {
+        allocated,
+        reserved: resident_bytes().unwrap_or(allocated).max(allocated),
+    })
+}

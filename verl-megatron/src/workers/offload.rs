@@ -1,0 +1,342 @@
+//! A role's state in host memory between its phases, through a `HostOffload` store (the
+//! `verl-offload` crate's `OffloadManager`): a model's parameters ([`ParamOffload`]), its
+//! optimizers' AdamW moments ([`MomentOffload`]), both for a trained role
+//! ([`TrainingOffload`]). Which phase needs what is the workers' business (see
+//! `verl-offload`'s table); this module only moves things and counts what it moved.
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::prelude::*;
+use verl_core::memory::{gib, MemoryUsage};
+use verl_core::traits::{HostOffload, OffloadSwitches, TransferReport};
+use verl_core::{Metrics, Result};
+
+use super::adamw::{AdamW, Moments};
+use crate::parallel::{sample_memory, ParallelAutodiffBackend, ParallelBackend};
+
+/// The slot a model's parameters go to.
+const PARAMS: &str = "params";
+/// The slot an optimizer's moments go to.
+const OPTIMIZER: &str = "optimizer";
+
+/// A parameter as it was before it left: its shape and whether it is trained.
+type ParamLayout = (Vec<usize>, bool);
+
+/// A model's parameters in host memory while its role is idle. The model keeps its structure
+/// (each parameter replaced by a one-element placeholder), so it goes back as it was.
+pub struct ParamOffload<B: ParallelBackend> {
+    host: Box<dyn HostOffload<B>>,
+    /// While offloaded: every parameter's layout, in the model's order.
+    layouts: Option<Vec<ParamLayout>>,
+    device: Option<B::Device>,
+    moved: TransferReport,
+}
+
+impl<B: ParallelBackend> ParamOffload<B> {
+    pub fn new(host: Box<dyn HostOffload<B>>) -> Self {
+        Self {
+            host,
+            layouts: None,
+            device: None,
+            moved: TransferReport::default(),
+        }
+    }
+
+    pub fn is_offloaded(&self) -> bool {
+        self.layouts.is_some()
+    }
+
+    /// Moves the parameters of the model in `slot` to host memory (nothing if they are there).
+    pub fn offload<M: Module<B>>(&mut self, slot: &mut Option<M>) -> Result<()> {
+        if self.layouts.is_some() {
+            return Ok(());
+        }
+        let Some(model) = slot.take() else {
+            return Ok(());
+        };
+        let mut take = TakeParams::<B> {
+            tensors: Vec::new(),
+            layouts: Vec::new(),
+            device: None,
+        };
+        *slot = Some(model.map(&mut take));
+        if take.device.is_some() {
+            self.device = take.device;
+        }
+        let report = self.host.offload(PARAMS, take.tensors)?;
+        self.moved = self.moved + report;
+        self.layouts = Some(take.layouts);
+        Ok(())
+    }
+
+    /// Brings the parameters back into the model in `slot` (nothing if they are on the device).
+    pub fn reload<M: Module<B>>(&mut self, slot: &mut Option<M>) -> Result<()> {
+        let (Some(layouts), Some(device)) = (self.layouts.as_ref(), self.device.as_ref()) else {
+            return Ok(());
+        };
+        let Some(model) = slot.take() else {
+            return Ok(());
+        };
+        let (tensors, report) = match self.host.reload(PARAMS, device) {
+            Ok(r) => r,
+            Err(e) => {
+                *slot = Some(model);
+                return Err(e);
+            }
+        };
+        let mut put = PutParams {
+            values: tensors.into_iter().zip(layouts.iter().cloned()),
+        };
+        *slot = Some(model.map(&mut put));
+        self.layouts = None;
+        self.moved = self.moved + report;
+        sample_memory::<B>(device);
+        Ok(())
+    }
+
+    /// Forgets the host copy: the model it belonged to was replaced by one whose parameters
+    /// are on the device.
+    pub fn forget(&mut self) {
+        if self.layouts.take().is_some() {
+            self.host.discard(PARAMS);
+        }
+    }
+
+    /// What moved since the last call.
+    pub fn take_moved(&mut self) -> TransferReport {
+        std::mem::take(&mut self.moved)
+    }
+
+    pub fn host_bytes(&self) -> u64 {
+        self.host.host_bytes()
+    }
+}
+
+/// Takes every float parameter out of a module, leaving one-element placeholders.
+struct TakeParams<B: Backend> {
+    tensors: Vec<Tensor<B, 1>>,
+    layouts: Vec<ParamLayout>,
+    device: Option<B::Device>,
+}
+
+impl<B: Backend> ModuleMapper<B> for TakeParams<B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let dims = tensor.dims();
+        let trained = tensor.is_require_grad();
+        let device = tensor.device();
+        let placeholder = Tensor::<B, D>::zeros([1; D], &device);
+        self.device.get_or_insert(device);
+        let n = dims.iter().product::<usize>();
+        self.tensors
+            .push(tensor.set_require_grad(false).reshape([n]));
+        self.layouts.push((dims.to_vec(), trained));
+        Param::from_mapped_value(id, placeholder, mapper)
+    }
+}
+
+/// Puts parameters back in the order [`TakeParams`] took them.
+struct PutParams<I: Iterator> {
+    values: I,
+}
+
+impl<B: Backend, I: Iterator<Item = (Tensor<B, 1>, ParamLayout)>> ModuleMapper<B> for PutParams<I> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, _placeholder, mapper) = param.consume();
+        let (flat, (dims, trained)) = self
+            .values
+            .next()
+            .expect("a model gets back the parameters it gave");
+        let dims: [usize; D] = dims
+            .try_into()
+            .expect("a parameter keeps its number of dimensions");
+        let tensor = flat.reshape(dims);
+        let tensor = if trained {
+            tensor.require_grad()
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// A parameter's moments as they wait in host memory: its id, update count and shape.
+type MomentKey = (ParamId, usize, Vec<usize>);
+
+/// Optimizers' AdamW moments in host memory outside the optimizer step.
+pub struct MomentOffload<I: ParallelBackend> {
+    host: Box<dyn HostOffload<I>>,
+    /// While offloaded: each optimizer's keys, in the order their tensors went out.
+    keys: Option<Vec<Vec<MomentKey>>>,
+    device: Option<I::Device>,
+    moved: TransferReport,
+}
+
+impl<I: ParallelBackend> MomentOffload<I> {
+    pub fn new(host: Box<dyn HostOffload<I>>) -> Self {
+        Self {
+            host,
+            keys: None,
+            device: None,
+            moved: TransferReport::default(),
+        }
+    }
+
+    pub fn is_offloaded(&self) -> bool {
+        self.keys.is_some()
+    }
+
+    /// Moves every optimizer's moments to host memory (nothing if they are there).
+    pub fn offload(&mut self, optims: &mut [&mut AdamW<I>]) -> Result<()> {
+        if self.keys.is_some() {
+            return Ok(());
+        }
+        let mut tensors = Vec::new();
+        let mut keys = Vec::with_capacity(optims.len());
+        for adamw in optims.iter_mut() {
+            let mut these = Vec::new();
+            for (id, m) in adamw.take_moments() {
+                self.device.get_or_insert_with(|| m.exp_avg.device());
+                tensors.push(m.exp_avg);
+                tensors.push(m.exp_avg_sq);
+                these.push((id, m.time, m.shape));
+            }
+            keys.push(these);
+        }
+        if !tensors.is_empty() {
+            let report = self.host.offload(OPTIMIZER, tensors)?;
+            self.moved = self.moved + report;
+        }
+        self.keys = Some(keys);
+        Ok(())
+    }
+
+    /// Brings the moments back into the same optimizers (nothing if they are on the device).
+    pub fn reload(&mut self, optims: &mut [&mut AdamW<I>]) -> Result<()> {
+        if self.keys.is_none() {
+            return Ok(());
+        }
+        let mut tensors = match (self.host.is_offloaded(OPTIMIZER), self.device.as_ref()) {
+            (true, Some(device)) => {
+                let (tensors, report) = self.host.reload(OPTIMIZER, device)?;
+                self.moved = self.moved + report;
+                sample_memory::<I>(device);
+                tensors.into_iter()
+            }
+            _ => Vec::new().into_iter(),
+        };
+        let keys = self.keys.take().unwrap_or_default();
+        for (adamw, these) in optims.iter_mut().zip(keys) {
+            let moments = these
+                .into_iter()
+                .map(|(id, time, shape)| {
+                    let (Some(exp_avg), Some(exp_avg_sq)) = (tensors.next(), tensors.next()) else {
+                        unreachable!("the moments come back as they went")
+                    };
+                    let m = Moments {
+                        time,
+                        shape,
+                        exp_avg,
+                        exp_avg_sq,
+                    };
+                    (id, m)
+                })
+                .collect();
+            adamw.set_moments(moments);
+        }
+        Ok(())
+    }
+
+    /// What moved since the last call.
+    pub fn take_moved(&mut self) -> TransferReport {
+        std::mem::take(&mut self.moved)
+    }
+
+    pub fn host_bytes(&self) -> u64 {
+        self.host.host_bytes()
+    }
+}
+
+/// A trained role's offload (actor, critic): its parameters and its optimizers' moments, each
+/// moved when its switch is on.
+pub struct TrainingOffload<B: ParallelAutodiffBackend> {
+    pub switches: OffloadSwitches,
+    pub params: ParamOffload<B>,
+    pub moments: MomentOffload<B::InnerBackend>,
+}
+
+impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
+    pub fn new(
+        switches: OffloadSwitches,
+        params: Box<dyn HostOffload<B>>,
+        moments: Box<dyn HostOffload<B::InnerBackend>>,
+    ) -> Self {
+        Self {
+            switches,
+            params: ParamOffload::new(params),
+            moments: MomentOffload::new(moments),
+        }
+    }
+
+    /// Brings back the parameters, and with `optimizer` the optimizer state, for a phase.
+    pub fn bring_in<M: Module<B>>(
+        &mut self,
+        model: &mut Option<M>,
+        optims: &mut [&mut AdamW<B::InnerBackend>],
+        optimizer: bool,
+    ) -> Result<()> {
+        self.params.reload(model)?;
+        if optimizer {
+            self.moments.reload(optims)?;
+        }
+        Ok(())
+    }
+
+    /// Sends away what the switches say once a phase is over.
+    pub fn put_away<M: Module<B>>(
+        &mut self,
+        model: &mut Option<M>,
+        optims: &mut [&mut AdamW<B::InnerBackend>],
+    ) -> Result<()> {
+        if self.switches.param {
+            self.params.offload(model)?;
+        }
+        if self.switches.optimizer {
+            self.moments.offload(optims)?;
+        }
+        Ok(())
+    }
+
+    /// What moved since the last call, both ways.
+    pub fn take_moved(&mut self) -> TransferReport {
+        self.params.take_moved() + self.moments.take_moved()
+    }
+
+    pub fn host_bytes(&self) -> u64 {
+        self.params.host_bytes() + self.moments.host_bytes()
+    }
+}
+
+/// Pushes a phase's memory and offload figures: verl's `perf/max_memory_allocated_gb` and
+/// `perf/max_memory_reserved_gb` (reduced by their maximum over phases and ranks) and the same
+/// per phase (`…/<phase>`); when something moved, `timing_s/offload/<phase>` (seconds moving
+/// state out and in, both ways) and `perf/offload_gb/<phase>` (GiB moved).
+pub fn push_phase_metrics(
+    metrics: &mut Metrics,
+    phase: &str,
+    peak: Option<MemoryUsage>,
+    moved: TransferReport,
+) {
+    if let Some(peak) = peak {
+        for (key, bytes) in [
+            ("perf/max_memory_allocated_gb", peak.allocated),
+            ("perf/max_memory_reserved_gb", peak.reserved),
+        ] {
+            metrics.push(key, gib(bytes));
+            metrics.push(format!("{key}/{phase}"), gib(bytes));
+        }
+    }
+    if moved.tensors > 0 {
+        metrics.push(format!("timing_s/offload/{phase}"), moved.seconds);
+        metrics.push(format!("perf/offload_gb/{phase}"), gib(moved.bytes));
+    }
+}

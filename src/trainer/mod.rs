@@ -129,8 +129,31 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
             }),
         }
     };
+    const KEYS: [&str; 7] = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    ];
+    if let Some(k) = o.keys().find(|k| !KEYS.contains(&k.as_str())) {
+        return Err(setup(format!(
+            "actor_rollout_ref.model.override_config.{k}: the built-in task's model takes only {}",
+            KEYS.join(", ")
+        )));
+    }
+    // A larger vocabulary than the task's tokenizer gives a model of a real one's shape (the
+    // extra rows are never sampled for long).
+    let vocab_size = get("vocab_size", vocab)?;
+    if vocab_size < vocab {
+        return Err(setup(format!(
+            "actor_rollout_ref.model.override_config.vocab_size = {vocab_size}: the task's tokenizer has {vocab} tokens; use at least that"
+        )));
+    }
     let mut m = HfModelConfig::qwen2(Qwen2Dims {
-        vocab_size: vocab,
+        vocab_size,
         hidden_size: get("hidden_size", 128)?,
         intermediate_size: get("intermediate_size", 384)?,
         num_hidden_layers: get("num_hidden_layers", 4)?,
@@ -139,6 +162,13 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
         max_position_embeddings: 4096,
     });
     m.eos_token_ids = vec![CharTokenizer::EOS];
+    if let Some(v) = o.get("tie_word_embeddings") {
+        m.tie_word_embeddings = v.as_bool().ok_or_else(|| {
+            setup(format!(
+                "actor_rollout_ref.model.override_config.tie_word_embeddings = {v}: must be true or false"
+            ))
+        })?;
+    }
     Ok(m)
 }
 

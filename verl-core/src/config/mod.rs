@@ -118,7 +118,14 @@ impl VerlConfig {
             self.critic.enable = Some(self.algorithm.adv_estimator == "gae");
         }
         if self.actor_rollout_ref.reference.megatron.is_none() {
-            self.actor_rollout_ref.reference.megatron = Some(actor.megatron.clone());
+            // The actor's layout; its offload switches are its own (verl's `ref.megatron`
+            // keeps `param_offload: False` unless set).
+            self.actor_rollout_ref.reference.megatron = Some(MegatronConfig {
+                param_offload: false,
+                grad_offload: false,
+                optimizer_offload: false,
+                ..actor.megatron.clone()
+            });
         }
         let global = self.global_profiler.clone();
         for p in [

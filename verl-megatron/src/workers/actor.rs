@@ -16,13 +16,12 @@ use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
 use verl_core::traits::{
-    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, TransferReport,
-    WeightExporter,
+    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, WeightExporter,
 };
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
-use super::offload::TrainingOffload;
+use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
 use crate::models::{vocab_parallel_log_probs, CausalLm};
@@ -131,7 +130,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     }
 
     /// What offload moved since the last call (both ways), and the bytes in host memory now.
-    pub fn take_offload_moved(&mut self) -> (TransferReport, u64) {
+    pub fn take_offload_moved(&mut self) -> (Moved, u64) {
         match self.offload.as_mut() {
             Some(o) => (o.take_moved(), o.host_bytes()),
             None => Default::default(),

@@ -12,13 +12,11 @@ use rand::SeedableRng;
 use verl_core::algorithms::aggregation::{AggScale, LossAggMode};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::value::value_loss;
-use verl_core::traits::{
-    CheckpointContents, CheckpointState, Communicator, Critic, TransferReport,
-};
+use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Critic};
 use verl_core::{DataProto, Metrics, Result};
 
 use super::batch::{float_col, micro_batches, ModelInputs};
-use super::offload::TrainingOffload;
+use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
 use crate::models::CausalLm;
@@ -99,7 +97,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
     }
 
     /// What offload moved since the last call (both ways), and the bytes in host memory now.
-    pub fn take_offload_moved(&mut self) -> (TransferReport, u64) {
+    pub fn take_offload_moved(&mut self) -> (Moved, u64) {
         match self.offload.as_mut() {
             Some(o) => (o.take_moved(), o.host_bytes()),
             None => Default::default(),

@@ -13,6 +13,25 @@ use verl_core::{Metrics, Result};
 use super::adamw::{AdamW, Moments};
 use crate::parallel::{sample_memory, ParallelAutodiffBackend, ParallelBackend};
 
+/// What moved in each direction: out to host memory, and back to the device (the reload's
+/// copy is queued on the device's stream, so its seconds are the host's part of it).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Moved {
+    pub out: TransferReport,
+    pub back: TransferReport,
+}
+
+impl std::ops::Add for Moved {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
+        Self {
+            out: self.out + other.out,
+            back: self.back + other.back,
+        }
+    }
+}
+
 /// The slot a model's parameters go to.
 const PARAMS: &str = "params";
 /// The slot an optimizer's moments go to.
@@ -28,7 +47,7 @@ pub struct ParamOffload<B: ParallelBackend> {
     /// While offloaded: every parameter's layout, in the model's order.
     layouts: Option<Vec<ParamLayout>>,
     device: Option<B::Device>,
-    moved: TransferReport,
+    moved: Moved,
 }
 
 impl<B: ParallelBackend> ParamOffload<B> {
@@ -37,7 +56,7 @@ impl<B: ParallelBackend> ParamOffload<B> {
             host,
             layouts: None,
             device: None,
-            moved: TransferReport::default(),
+            moved: Moved::default(),
         }
     }
 
@@ -63,7 +82,7 @@ impl<B: ParallelBackend> ParamOffload<B> {
             self.device = take.device;
         }
         let report = self.host.offload(PARAMS, take.tensors)?;
-        self.moved = self.moved + report;
+        self.moved.out = self.moved.out + report;
         self.layouts = Some(take.layouts);
         Ok(())
     }
@@ -88,7 +107,7 @@ impl<B: ParallelBackend> ParamOffload<B> {
         };
         *slot = Some(model.map(&mut put));
         self.layouts = None;
-        self.moved = self.moved + report;
+        self.moved.back = self.moved.back + report;
         sample_memory::<B>(device);
         Ok(())
     }
@@ -102,7 +121,7 @@ impl<B: ParallelBackend> ParamOffload<B> {
     }
 
     /// What moved since the last call.
-    pub fn take_moved(&mut self) -> TransferReport {
+    pub fn take_moved(&mut self) -> Moved {
         std::mem::take(&mut self.moved)
     }
 
@@ -168,7 +187,7 @@ pub struct MomentOffload<I: ParallelBackend> {
     /// While offloaded: each optimizer's keys, in the order their tensors went out.
     keys: Option<Vec<Vec<MomentKey>>>,
     device: Option<I::Device>,
-    moved: TransferReport,
+    moved: Moved,
 }
 
 impl<I: ParallelBackend> MomentOffload<I> {
@@ -177,7 +196,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
             host,
             keys: None,
             device: None,
-            moved: TransferReport::default(),
+            moved: Moved::default(),
         }
     }
 
@@ -204,7 +223,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
         }
         if !tensors.is_empty() {
             let report = self.host.offload(OPTIMIZER, tensors)?;
-            self.moved = self.moved + report;
+            self.moved.out = self.moved.out + report;
         }
         self.keys = Some(keys);
         Ok(())
@@ -218,7 +237,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
         let mut tensors = match (self.host.is_offloaded(OPTIMIZER), self.device.as_ref()) {
             (true, Some(device)) => {
                 let (tensors, report) = self.host.reload(OPTIMIZER, device)?;
-                self.moved = self.moved + report;
+                self.moved.back = self.moved.back + report;
                 sample_memory::<I>(device);
                 tensors.into_iter()
             }
@@ -247,7 +266,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
     }
 
     /// What moved since the last call.
-    pub fn take_moved(&mut self) -> TransferReport {
+    pub fn take_moved(&mut self) -> Moved {
         std::mem::take(&mut self.moved)
     }
 
@@ -307,7 +326,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
     }
 
     /// What moved since the last call, both ways.
-    pub fn take_moved(&mut self) -> TransferReport {
+    pub fn take_moved(&mut self) -> Moved {
         self.params.take_moved() + self.moments.take_moved()
     }
 
@@ -319,12 +338,13 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
 /// Pushes a phase's memory and offload figures: verl's `perf/max_memory_allocated_gb` and
 /// `perf/max_memory_reserved_gb` (reduced by their maximum over phases and ranks) and the same
 /// per phase (`…/<phase>`); when something moved, `timing_s/offload/<phase>` (seconds moving
-/// state out and in, both ways) and `perf/offload_gb/<phase>` (GiB moved).
+/// state out and in, both ways; `timing_s/offload_out/<phase>` the outward part) and
+/// `perf/offload_gb/<phase>` (GiB moved, both ways).
 pub fn push_phase_metrics(
     metrics: &mut Metrics,
     phase: &str,
     peak: Option<MemoryUsage>,
-    moved: TransferReport,
+    moved: Moved,
 ) {
     if let Some(peak) = peak {
         for (key, bytes) in [
@@ -335,8 +355,10 @@ pub fn push_phase_metrics(
             metrics.push(format!("{key}/{phase}"), gib(bytes));
         }
     }
-    if moved.tensors > 0 {
-        metrics.push(format!("timing_s/offload/{phase}"), moved.seconds);
-        metrics.push(format!("perf/offload_gb/{phase}"), gib(moved.bytes));
+    let both = moved.out + moved.back;
+    if both.tensors > 0 {
+        metrics.push(format!("timing_s/offload/{phase}"), both.seconds);
+        metrics.push(format!("timing_s/offload_out/{phase}"), moved.out.seconds);
+        metrics.push(format!("perf/offload_gb/{phase}"), gib(both.bytes));
     }
 }

@@ -18,6 +18,6 @@ pub use actor_rollout_ref::{
     ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
 };
 pub use critic::{CriticSettings, MegatronCritic};
-pub use offload::{Moved, MomentOffload, ParamOffload, TrainingOffload};
+pub use offload::{MomentOffload, Moved, ParamOffload, TrainingOffload};
 pub use optim::{LrSchedule, ModelOptimizer, DEFAULT_GRAD_BUCKET_ELEMS};
 pub use reward_model::RewardModelWorker;

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+mod common;
+
 use verl::trainer::{PpoTrainer, MAIN_JOB};
 use verl::ConfigBuilder;
 
@@ -45,12 +47,7 @@ fn fit(dir: &Path, total_steps: u64, extra: &[&str]) -> verl::trainer::RunSummar
         .set("trainer.default_local_dir", dir.display())
         .build()
         .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
-        .unwrap()
+    common::fit(validated)
 }
 
 /// The per-step metrics, without wall-clock figures and validation (which runs at a run's

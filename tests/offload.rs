@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 mod common;
 
-use verl::trainer::{PpoTrainer, MAIN_JOB};
+use verl::trainer::MAIN_JOB;
 use verl::ConfigBuilder;
 
 fn run(extra: &[&str]) -> (Vec<BTreeMap<String, f64>>, tempfile::TempDir) {
@@ -36,13 +36,7 @@ fn run(extra: &[&str]) -> (Vec<BTreeMap<String, f64>>, tempfile::TempDir) {
         .set("trainer.default_local_dir", dir.path().display())
         .build()
         .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let summary = rt
-        .block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
-        .unwrap();
+    let summary = common::fit(validated);
     (common::step_lines(&summary.metrics_path), dir)
 }
 

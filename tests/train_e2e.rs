@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 mod common;
 
-use verl::trainer::{PpoTrainer, MAIN_JOB};
+use verl::trainer::MAIN_JOB;
 use verl::ConfigBuilder;
 
 fn run<S: AsRef<str>>(
@@ -30,13 +30,7 @@ fn run<S: AsRef<str>>(
         .set("trainer.default_local_dir", dir.path().display())
         .build()
         .unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let summary = rt
-        .block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
-        .unwrap();
+    let summary = common::fit(validated);
     let lines = common::step_lines(&summary.metrics_path);
     (summary, lines, dir)
 }

@@ -297,11 +297,7 @@ impl ActorPlan {
             actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
         if self.offload.any() {
-            actor = actor.with_offload(TrainingOffload::new(
-                self.offload,
-                Box::new(OffloadManager::<Train>::new("actor")),
-                Box::new(OffloadManager::<Infer>::new("actor")),
-            ))?;
+            actor = actor.with_offload(training_offload(self.offload, "actor"))?;
         }
         let mut reference = self.needs_ref.then_some(inner);
         let reference_offload = match (self.ref_param_offload, reference.is_some()) {
@@ -359,17 +355,23 @@ impl CriticPlan {
             critic = critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
         if self.offload.any() {
-            critic = critic.with_offload(TrainingOffload::new(
-                self.offload,
-                Box::new(OffloadManager::<Train>::new("critic")),
-                Box::new(OffloadManager::<Infer>::new("critic")),
-            ))?;
+            critic = critic.with_offload(training_offload(self.offload, "critic"))?;
         }
         Ok(CriticWorker {
             coords: self.topo.coords(rank)?,
             critic,
         })
     }
+}
+
+/// A trained role's host-memory stores (parameters on the training backend, moments on the
+/// inner one), moving what `switches` say.
+fn training_offload(switches: OffloadSwitches, role: &str) -> TrainingOffload<Train> {
+    TrainingOffload::new(
+        switches,
+        Box::new(OffloadManager::<Train>::new(role)),
+        Box::new(OffloadManager::<Infer>::new(role)),
+    )
 }
 
 pub(crate) type ActorWorker = ActorRolloutRefWorker<Train>;

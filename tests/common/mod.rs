@@ -7,6 +7,19 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use verl::config::ValidatedConfig;
+use verl::trainer::{PpoTrainer, RunSummary};
+
+/// Runs the trainer's whole job in this thread, as `verl train` does.
+pub fn fit(validated: ValidatedConfig) -> RunSummary {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
+        .unwrap()
+}
+
 /// The step lines of a `metrics.jsonl` (numeric values only).
 pub fn step_lines(path: &Path) -> Vec<BTreeMap<String, f64>> {
     std::fs::read_to_string(path)

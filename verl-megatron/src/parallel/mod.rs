@@ -18,8 +18,8 @@ pub use groups::ProcessGroups;
 pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{
-    run_collective, sample_memory, Collective, CommHandle, ParallelAutodiffBackend,
-    ParallelBackend, Region, TpGroup,
+    run_collective, sample_memory, sample_module_memory, Collective, CommHandle,
+    ParallelAutodiffBackend, ParallelBackend, Region, TpGroup,
 };
 pub use rendezvous::{Rendezvous, RENDEZVOUS_TIMEOUT};
 pub use tcp::TcpCommunicator;

@@ -212,6 +212,16 @@ pub fn run_collective<B: Backend, const D: usize>(
     }
 }
 
+/// [`sample_memory`] on the device of `model`'s parameters (looked up only when a phase is
+/// being measured).
+pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(model: &M) {
+    if verl_core::memory::phase_open() {
+        if let Some(device) = model.devices().first() {
+            sample_memory::<B>(device);
+        }
+    }
+}
+
 macro_rules! plain_parallel_backend {
     ($ty:ty, $memory:expr) => {
         impl ParallelBackend for $ty {

@@ -143,7 +143,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(true);
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.actor.sample_memory();
         // The actor's parameters are on the device only while they stream into the engine.
         self.actor.bring_in(false)?;
         let report = self
@@ -154,7 +154,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         let report = report?;
         let out = self.rollout.generate_sequences(prompts).await;
         // The KV cache is at its fullest.
-        self.sample_memory();
+        self.actor.sample_memory();
         self.sharding.exit(self.rollout.as_mut()).await?;
         let mut out = out?;
         let mut metrics = Metrics::default();
@@ -164,7 +164,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         if recompute {
             let start = Instant::now();
             let phase = PhasePeak::start();
-            self.sample_memory();
+            self.actor.sample_memory();
             let lp = self.actor.compute_log_prob(&out, true).await?;
             out.insert_float("old_log_probs", lp.log_probs)?;
             if let Some(e) = lp.entropy {
@@ -174,16 +174,6 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             self.finish_phase("old_log_prob", phase, &mut metrics);
         }
         Ok(with_metrics(out, &metrics))
-    }
-
-    /// Records the device's usage into the open phase's peak.
-    fn sample_memory(&self) {
-        if let Some(device) = burn::module::AutodiffModule::valid(self.actor.model())
-            .devices()
-            .first()
-        {
-            crate::parallel::sample_memory::<B::InnerBackend>(device);
-        }
     }
 
     /// Ends a phase: its peak memory and what offload moved in it go into `metrics`, with the
@@ -207,7 +197,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.actor.sample_memory();
         let out = self.actor.compute_log_prob(&data, true).await?;
         let mut result = DataProto::new();
         result.insert_float("old_log_probs", out.log_probs)?;
@@ -234,7 +224,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             ));
         }
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.actor.sample_memory();
         if let Some(o) = self.reference_offload.as_mut() {
             o.reload(&mut self.reference)?;
         }
@@ -260,7 +250,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     ) -> Result<DataProto<B::InnerBackend>> {
         let start = Instant::now();
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.actor.sample_memory();
         let mut metrics = self.actor.update_policy(&data).await?;
         metrics.push("timing_s/update_actor", start.elapsed().as_secs_f64());
         self.finish_phase("update_actor", phase, &mut metrics);
@@ -377,7 +367,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.actor.sample_memory();
         let mut metrics = self.actor.sft_step(&data)?;
         self.finish_phase("sft", phase, &mut metrics);
         Ok(with_metrics(DataProto::new(), &metrics))
@@ -403,7 +393,7 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         data: DataProto<B::InnerBackend>,
     ) -> Result<DataProto<B::InnerBackend>> {
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.critic.sample_memory();
         let values = self.critic.compute_values(&data).await?;
         let mut out = DataProto::new();
         out.insert_float("values", values)?;
@@ -429,16 +419,6 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         self.critic.put_away()?;
         let _ = self.critic.take_offload_moved();
         saved
-    }
-
-    /// Records the device's usage into the open phase's peak.
-    fn sample_memory(&self) {
-        if let Some(device) = burn::module::AutodiffModule::valid(self.critic.model())
-            .devices()
-            .first()
-        {
-            crate::parallel::sample_memory::<B::InnerBackend>(device);
-        }
     }
 
     /// Ends a phase: its peak memory and what offload moved go into `metrics`.
@@ -469,7 +449,7 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
     ) -> Result<DataProto<B::InnerBackend>> {
         let start = Instant::now();
         let phase = PhasePeak::start();
-        self.sample_memory();
+        self.critic.sample_memory();
         let mut metrics = self.critic.update_critic(&data).await?;
         metrics.push("timing_s/update_critic", start.elapsed().as_secs_f64());
         self.finish_phase("update_critic", phase, &mut metrics);

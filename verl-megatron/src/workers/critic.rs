@@ -98,17 +98,14 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
 
     /// What offload moved since the last call (both ways), and the bytes in host memory now.
     pub fn take_offload_moved(&mut self) -> (Moved, u64) {
-        match self.offload.as_mut() {
-            Some(o) => (o.take_moved(), o.host_bytes()),
-            None => Default::default(),
-        }
+        self.offload
+            .as_mut()
+            .map_or_else(Default::default, TrainingOffload::take_moved)
     }
 
     /// Records the device's usage into the open phase's peak.
-    fn sample_memory(&self) {
-        if let Some(device) = self.model().devices().first() {
-            crate::parallel::sample_memory::<B>(device);
-        }
+    pub fn sample_memory(&self) {
+        crate::parallel::sample_module_memory::<B, _>(self.model());
     }
 
     pub fn model(&self) -> &CausalLm<B> {

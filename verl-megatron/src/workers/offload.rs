@@ -325,13 +325,10 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         Ok(())
     }
 
-    /// What moved since the last call, both ways.
-    pub fn take_moved(&mut self) -> Moved {
-        self.params.take_moved() + self.moments.take_moved()
-    }
-
-    pub fn host_bytes(&self) -> u64 {
-        self.params.host_bytes() + self.moments.host_bytes()
+    /// What moved since the last call, both ways, and the bytes in host memory now.
+    pub fn take_moved(&mut self) -> (Moved, u64) {
+        let moved = self.params.take_moved() + self.moments.take_moved();
+        (moved, self.params.host_bytes() + self.moments.host_bytes())
     }
 }
 

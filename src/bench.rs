@@ -7,6 +7,8 @@ pub mod host_profile;
 #[cfg(feature = "cuda")]
 pub mod kernels;
 #[cfg(feature = "cuda")]
+pub mod offload;
+#[cfg(feature = "cuda")]
 pub mod rollout_kernels;
 
 use verl::backend::DefaultBackend;

@@ -201,6 +201,18 @@ enum BenchCommand {
         #[arg(long, default_value_t = 10)]
         repeat: usize,
     },
+    /// GPU-host transfer rates of the offload stores, checked bit for bit, and how much of a
+    /// prefetch hides behind compute (`cuda` build; peer: bench/peers/offload.py).
+    Offload {
+        /// GiB of f32 state moved.
+        #[arg(long, default_value_t = 2.0)]
+        gib: f64,
+        /// Tensors the state is split into.
+        #[arg(long, default_value_t = 290)]
+        tensors: usize,
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+    },
     /// One training step with tensor parallel over two GPUs (NCCL) against one GPU (`cuda`
     /// build): loss, gradient norm, loss after the update.
     TpCheck {
@@ -312,10 +324,22 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Bench {
             what: BenchCommand::Kernels { repeat, no_timing },
         } => bench::kernels::kernels(repeat, !no_timing),
+        #[cfg(feature = "cuda")]
+        Command::Bench {
+            what:
+                BenchCommand::Offload {
+                    gib,
+                    tensors,
+                    repeat,
+                },
+        } => bench::offload::offload(gib, tensors, repeat),
         #[cfg(not(feature = "cuda"))]
         Command::Bench {
             what:
-                BenchCommand::Nccl { .. } | BenchCommand::TpCheck { .. } | BenchCommand::Kernels { .. },
+                BenchCommand::Nccl { .. }
+                | BenchCommand::TpCheck { .. }
+                | BenchCommand::Kernels { .. }
+                | BenchCommand::Offload { .. },
         } => Err("this command needs GPUs: build with `--features cuda`".into()),
         Command::Generate {
             model,

@@ -5,7 +5,8 @@
 # figures from metrics.jsonl, and nvidia-smi's device-wide peak), step time, offload seconds
 # and GiB per step, host memory held for offload and the processes' peak resident set; then
 # how far the all-on run's metrics are from the all-off run's.
-# Usage: VERL=/path/to/verl STEPS=5 bench/gpu/offload.sh [mode ...]
+# Usage: VERL=/path/to/verl STEPS=5 [EXTRA="key=value ..."] bench/gpu/offload.sh [mode ...]
+# (EXTRA: more overrides for every mode, e.g. a larger batch for a longer step.)
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 OUT=${OUT:-/tmp}/verl-offload
@@ -40,7 +41,7 @@ for mode in "${order[@]}"; do
   ( while sleep 0.2; do ps -C verl -o rss= | awk '{s+=$1} END {print s+0}'; done ) > "$OUT/$mode.rss" &
   rss=$!
   start=$(date +%s%N)
-  timeout ${T:-150} "$VERL" train "${job[@]}" ${modes[$mode]} trainer.default_local_dir="$OUT/$mode" \
+  timeout ${T:-150} "$VERL" train "${job[@]}" ${EXTRA:-} ${modes[$mode]} trainer.default_local_dir="$OUT/$mode" \
     > "$OUT/$mode.log" 2>&1
   rc=$?
   kill $smi $rss 2>/dev/null; wait $smi $rss 2>/dev/null

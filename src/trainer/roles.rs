@@ -21,7 +21,7 @@ use verl_megatron::workers::{
     HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, ParamOffload,
     TrainingOffload,
 };
-use verl_offload::OffloadManager;
+use verl_offload::OffloadBackend;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
@@ -302,7 +302,7 @@ impl ActorPlan {
         let mut reference = self.needs_ref.then_some(inner);
         let reference_offload = match (self.ref_param_offload, reference.is_some()) {
             (true, true) => {
-                let mut o = ParamOffload::new(Box::new(OffloadManager::<Infer>::new("reference")));
+                let mut o = ParamOffload::new(Infer::host_store("reference"));
                 o.offload(&mut reference)?;
                 o.take_moved();
                 Some(o)
@@ -367,11 +367,7 @@ impl CriticPlan {
 /// A trained role's host-memory stores (parameters on the training backend, moments on the
 /// inner one), moving what `switches` say.
 fn training_offload(switches: OffloadSwitches, role: &str) -> TrainingOffload<Train> {
-    TrainingOffload::new(
-        switches,
-        Box::new(OffloadManager::<Train>::new(role)),
-        Box::new(OffloadManager::<Infer>::new(role)),
-    )
+    TrainingOffload::new(switches, Train::host_store(role), Infer::host_store(role))
 }
 
 pub(crate) type ActorWorker = ActorRolloutRefWorker<Train>;

@@ -62,8 +62,10 @@ impl std::ops::Add for TransferReport {
 
 /// Keeps groups of tensors ("slots": a model's parameters, an optimizer's moments) in host
 /// memory while their role does not need them, and brings them back. Implemented by
-/// `verl-offload`'s `OffloadManager`; the Megatron workers call it at verl's points (see the
-/// `verl-offload` crate documentation).
+/// `verl-offload`'s `OffloadManager` (any backend) and `PinnedOffload` (burn-cuda: persistent
+/// pinned buffers, asynchronous copies); `verl_offload::OffloadBackend::host_store` picks the
+/// one for a backend. The Megatron workers call it at verl's points (see the `verl-offload`
+/// crate documentation).
 ///
 /// A slot's tensors are flat (a parameter is reshaped to one dimension and back by the caller,
 /// which knows its shape); they come back in the order they went out.
@@ -81,12 +83,34 @@ pub trait HostOffload<B: Backend> {
         device: &B::Device,
     ) -> Result<(Vec<Tensor<B, 1>>, TransferReport)>;
 
+    /// Like [`offload`](Self::offload), for tensors that hold exactly the values the last
+    /// [`reload`](Self::reload) of `slot` returned (the phase only read them). A store that kept
+    /// that copy drops the tensors without copying (the report then counts no bytes); the
+    /// others copy as `offload` does.
+    fn offload_unchanged(
+        &mut self,
+        slot: &str,
+        tensors: Vec<Tensor<B, 1>>,
+    ) -> Result<TransferReport> {
+        self.offload(slot, tensors)
+    }
+
+    /// Starts bringing `slot` back to `device` without waiting for it, so the copy overlaps
+    /// the compute the caller queues next; the [`reload`](Self::reload) that follows finishes
+    /// it. A store that cannot copy asynchronously, or that sees no room on the device for the
+    /// slot, starts nothing and says `false` (the reload then does all the work). The slot
+    /// counts as on the device from here on for memory purposes.
+    fn prefetch(&mut self, _slot: &str, _device: &B::Device) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Drops `slot`'s host copy without bringing it back (its tensors were replaced).
     fn discard(&mut self, slot: &str);
 
     /// Whether `slot` is in host memory now.
     fn is_offloaded(&self, slot: &str) -> bool;
 
-    /// Bytes of tensor data held in host memory now.
+    /// Bytes of host memory the store holds now (a store with persistent pinned buffers keeps
+    /// them while its slots are on the device, and counts them).
     fn host_bytes(&self) -> u64;
 }

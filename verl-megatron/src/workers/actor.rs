@@ -114,6 +114,25 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         offload.bring_in(&mut self.model, &mut optims, optimizer)
     }
 
+    /// Brings the parameters back for an update and starts the optimizer state's copy (see
+    /// `TrainingOffload::bring_in_for_update`); nothing without offload.
+    fn bring_in_for_update(&mut self) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.bring_in_for_update(&mut self.model),
+            None => Ok(()),
+        }
+    }
+
+    /// The optimizer state on the device before an optimizer step.
+    fn ready_optimizer(&mut self) -> Result<()> {
+        let Some(offload) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        let mut optims = vec![self.optim.adamw_mut()];
+        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
+        offload.ready_optimizer(&mut optims)
+    }
+
     /// Sends the parameters and optimizer state away after a phase, as the switches say.
     pub fn put_away(&mut self) -> Result<()> {
         let Some(offload) = self.offload.as_mut() else {
@@ -122,6 +141,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let mut optims = vec![self.optim.adamw_mut()];
         optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
         offload.put_away(&mut self.model, &mut optims)
+    }
+
+    /// [`Self::put_away`] after a phase that only read the parameters (see
+    /// `TrainingOffload::put_away_read_only`).
+    pub fn put_away_read_only(&mut self) -> Result<()> {
+        let Some(offload) = self.offload.as_mut() else {
+            return Ok(());
+        };
+        let mut optims = vec![self.optim.adamw_mut()];
+        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
+        offload.put_away_read_only(&mut self.model, &mut optims)
     }
 
     /// Whether any of the role's state leaves the device between phases.
@@ -205,7 +235,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
     /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.bring_in(true)?;
+        self.bring_in_for_update()?;
         let out = self.sft_step_resident(data);
         self.put_away()?;
         out
@@ -221,6 +251,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let (grads, total) =
             self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
+        self.ready_optimizer()?;
         self.sample_memory();
         let model = self.model.take().expect("model present");
         let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
@@ -414,6 +445,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 let kind = StageLoss::Ppo { scale, temperature };
                 let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
+                self.ready_optimizer()?;
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
                 let model = self.model.take().expect("model present");
@@ -472,12 +504,12 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         self.bring_in(false)?;
         let out = self.log_probs_inner(data, calculate_entropy);
-        self.put_away()?;
+        self.put_away_read_only()?;
         out
     }
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.bring_in(true)?;
+        self.bring_in_for_update()?;
         let out = self.update(data);
         self.put_away()?;
         out

@@ -150,7 +150,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             .sharding
             .enter(&self.actor, self.rollout.as_mut())
             .await;
-        self.actor.put_away()?;
+        self.actor.put_away_read_only()?;
         let report = report?;
         let out = self.rollout.generate_sequences(prompts).await;
         // The KV cache is at its fullest.
@@ -236,7 +236,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             self.actor.pipeline_group().map(|g| g.as_ref()),
         );
         if let Some(o) = self.reference_offload.as_mut() {
-            o.offload(&mut self.reference)?;
+            o.offload_unchanged(&mut self.reference)?;
         }
         let mut metrics = Metrics::default();
         self.finish_phase("ref", phase, &mut metrics);
@@ -558,7 +558,7 @@ impl<B: ParallelBackend> ReferenceWorker<B> {
         })?;
         let out = reference_log_probs(model, &data, self.temperature, self.micro_batch_rows, None);
         if let Some(o) = self.offload.as_mut() {
-            o.offload(&mut self.model)?;
+            o.offload_unchanged(&mut self.model)?;
         }
         out
     }

@@ -83,10 +83,34 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         }
     }
 
+    /// Brings the parameters back for an update and starts the optimizer state's copy.
+    fn bring_in_for_update(&mut self) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.bring_in_for_update(&mut self.model),
+            None => Ok(()),
+        }
+    }
+
+    /// The optimizer state on the device before an optimizer step.
+    fn ready_optimizer(&mut self) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.ready_optimizer(&mut [self.optim.adamw_mut()]),
+            None => Ok(()),
+        }
+    }
+
     /// Sends the parameters and optimizer state away after a phase, as the switches say.
     pub fn put_away(&mut self) -> Result<()> {
         match self.offload.as_mut() {
             Some(o) => o.put_away(&mut self.model, &mut [self.optim.adamw_mut()]),
+            None => Ok(()),
+        }
+    }
+
+    /// [`Self::put_away`] after a phase that only read the parameters.
+    pub fn put_away_read_only(&mut self) -> Result<()> {
+        match self.offload.as_mut() {
+            Some(o) => o.put_away_read_only(&mut self.model, &mut [self.optim.adamw_mut()]),
             None => Ok(()),
         }
     }
@@ -224,12 +248,12 @@ impl<B: ParallelAutodiffBackend> Critic<B::InnerBackend> for MegatronCritic<B> {
     ) -> Result<Tensor<B::InnerBackend, 2>> {
         self.bring_in(false)?;
         let out = self.values_resident(data);
-        self.put_away()?;
+        self.put_away_read_only()?;
         out
     }
 
     async fn update_critic(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.bring_in(true)?;
+        self.bring_in_for_update()?;
         let out = self.update_resident(data);
         self.put_away()?;
         out
@@ -296,6 +320,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                         total += value;
                         Ok(loss)
                     })?;
+                self.ready_optimizer()?;
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
                 let model = self.model.take().expect("model present");

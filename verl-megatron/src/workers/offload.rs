@@ -66,6 +66,16 @@ impl<B: ParallelBackend> ParamOffload<B> {
 
     /// Moves the parameters of the model in `slot` to host memory (nothing if they are there).
     pub fn offload<M: Module<B>>(&mut self, slot: &mut Option<M>) -> Result<()> {
+        self.offload_as(slot, false)
+    }
+
+    /// [`Self::offload`] after a phase that only read the parameters since their reload: a
+    /// store that kept their host copy drops them without copying.
+    pub fn offload_unchanged<M: Module<B>>(&mut self, slot: &mut Option<M>) -> Result<()> {
+        self.offload_as(slot, true)
+    }
+
+    fn offload_as<M: Module<B>>(&mut self, slot: &mut Option<M>, unchanged: bool) -> Result<()> {
         if self.layouts.is_some() {
             return Ok(());
         }
@@ -81,7 +91,11 @@ impl<B: ParallelBackend> ParamOffload<B> {
         if take.device.is_some() {
             self.device = take.device;
         }
-        let report = self.host.offload(PARAMS, take.tensors)?;
+        let report = if unchanged {
+            self.host.offload_unchanged(PARAMS, take.tensors)?
+        } else {
+            self.host.offload(PARAMS, take.tensors)?
+        };
         self.moved.out = self.moved.out + report;
         self.layouts = Some(take.layouts);
         Ok(())
@@ -229,7 +243,19 @@ impl<I: ParallelBackend> MomentOffload<I> {
         Ok(())
     }
 
-    /// Brings the moments back into the same optimizers (nothing if they are on the device).
+    /// Starts bringing the moments back without waiting (the store copies them while the
+    /// caller computes); [`Self::reload`] finishes. Whether a copy started.
+    pub fn prefetch(&mut self) -> Result<bool> {
+        match (&self.keys, &self.device) {
+            (Some(_), Some(device)) if self.host.is_offloaded(OPTIMIZER) => {
+                self.host.prefetch(OPTIMIZER, device)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Brings the moments back into the same optimizers (nothing if they are on the device),
+    /// finishing a [`Self::prefetch`].
     pub fn reload(&mut self, optims: &mut [&mut AdamW<I>]) -> Result<()> {
         if self.keys.is_none() {
             return Ok(());
@@ -310,6 +336,20 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         Ok(())
     }
 
+    /// Brings back the parameters for an update and starts the optimizer state's copy, which
+    /// overlaps the first mini-batch's forward and backward passes; [`Self::ready_optimizer`]
+    /// waits for it before the first optimizer step.
+    pub fn bring_in_for_update<M: Module<B>>(&mut self, model: &mut Option<M>) -> Result<()> {
+        self.params.reload(model)?;
+        self.moments.prefetch()?;
+        Ok(())
+    }
+
+    /// Makes sure the optimizer state is on the device (nothing when it already is).
+    pub fn ready_optimizer(&mut self, optims: &mut [&mut AdamW<B::InnerBackend>]) -> Result<()> {
+        self.moments.reload(optims)
+    }
+
     /// Sends away what the switches say once a phase is over.
     pub fn put_away<M: Module<B>>(
         &mut self,
@@ -318,6 +358,23 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
     ) -> Result<()> {
         if self.switches.param {
             self.params.offload(model)?;
+        }
+        if self.switches.optimizer {
+            self.moments.offload(optims)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::put_away`] after a phase that only read the state (a log-prob pass, streaming
+    /// the weights into the rollout): unchanged parameters need no copy where the store kept
+    /// one.
+    pub fn put_away_read_only<M: Module<B>>(
+        &mut self,
+        model: &mut Option<M>,
+        optims: &mut [&mut AdamW<B::InnerBackend>],
+    ) -> Result<()> {
+        if self.switches.param {
+            self.params.offload_unchanged(model)?;
         }
         if self.switches.optimizer {
             self.moments.offload(optims)?;

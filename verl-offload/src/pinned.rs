@@ -214,8 +214,12 @@ impl PinnedOffload {
             // within its length); the destination is a live allocation of `e.bytes` bytes held
             // in `tensors` until our stream is waited for.
             let src = unsafe { std::slice::from_raw_parts(buffer.ptr.add(e.offset), e.bytes) };
-            unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }
-                .map_err(|err| self.error(slot, "host-to-device copy", err))?;
+            // SAFETY: as above.
+            if let Err(err) = unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) } {
+                // Copies queued before this one still write into `tensors`.
+                let _ = stream.synchronize();
+                return Err(self.error(slot, "host-to-device copy", err));
+            }
         }
         Ok(tensors)
     }
@@ -318,8 +322,12 @@ impl HostOffload<CudaBackend> for PinnedOffload {
             // SAFETY: the destination lies inside the buffer (laid out above within `needed`,
             // which the buffer holds); the source is a live allocation held in `tensors`.
             let dst = unsafe { std::slice::from_raw_parts_mut(buffer.ptr.add(e.offset), e.bytes) };
-            unsafe { result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) }
-                .map_err(|err| self.error(slot, "device-to-host copy", err))?;
+            // SAFETY: as above.
+            if let Err(err) = unsafe { result::memcpy_dtoh_async(dst, ptr, stream.cu_stream()) } {
+                // Copies queued before this one still write into `buffer`.
+                let _ = stream.synchronize();
+                return Err(self.error(slot, "device-to-host copy", err));
+            }
         }
         self.wait(slot, &stream)?;
         drop(tensors);
@@ -364,21 +372,25 @@ impl HostOffload<CudaBackend> for PinnedOffload {
         device: &CudaDevice,
     ) -> verl_core::Result<(Vec<Tensor<CudaBackend, 1>>, TransferReport)> {
         let start = Instant::now();
+        let stream = self.link(slot, device)?;
         let coming = match self.slots.get_mut(slot).map(|s| &mut s.state) {
-            Some(state @ SlotState::Coming(_)) => {
-                match std::mem::replace(state, SlotState::OnDevice) {
-                    SlotState::Coming(t) => Some(t),
-                    _ => unreachable!("matched above"),
-                }
-            }
+            Some(state @ SlotState::Coming(_)) => match std::mem::replace(state, SlotState::Held) {
+                SlotState::Coming(t) => Some(t),
+                _ => unreachable!("matched above"),
+            },
             _ => None,
         };
         let tensors = match coming {
             Some(t) => t,
             None => self.start_reload(slot, device)?,
         };
-        let stream = self.link(slot, device)?;
-        self.wait(slot, &stream)?;
+        // Until the copies are done the slot stays in host memory (the buffer is intact), so
+        // a failed wait leaves it reloadable.
+        if let Err(e) = self.wait(slot, &stream) {
+            let _ = stream.synchronize();
+            drop(tensors);
+            return Err(e);
+        }
         let s = self.slots.get_mut(slot).expect("reloaded above");
         s.state = SlotState::OnDevice;
         let out = report(&s.entries, start);

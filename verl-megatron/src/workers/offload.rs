@@ -92,9 +92,18 @@ impl<B: ParallelBackend> ParamOffload<B> {
             self.device = take.device;
         }
         let report = if unchanged {
-            self.host.offload_unchanged(PARAMS, take.tensors)?
+            self.host.offload_unchanged(PARAMS, take.tensors)
         } else {
-            self.host.offload(PARAMS, take.tensors)?
+            self.host.offload(PARAMS, take.tensors)
+        };
+        let report = match report {
+            Ok(r) => r,
+            Err(e) => {
+                // The model holds placeholders and its parameters are gone with the failed
+                // copy: no later phase may run on it.
+                *slot = None;
+                return Err(e);
+            }
         };
         self.moved.out = self.moved.out + report;
         self.layouts = Some(take.layouts);
@@ -201,6 +210,8 @@ pub struct MomentOffload<I: ParallelBackend> {
     /// While offloaded: each optimizer's keys, in the order their tensors went out.
     keys: Option<Vec<Vec<MomentKey>>>,
     device: Option<I::Device>,
+    /// A prefetch is under way (its tensors wait in the store for the reload).
+    prefetched: bool,
     moved: Moved,
 }
 
@@ -210,6 +221,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
             host,
             keys: None,
             device: None,
+            prefetched: false,
             moved: Moved::default(),
         }
     }
@@ -221,6 +233,16 @@ impl<I: ParallelBackend> MomentOffload<I> {
     /// Moves every optimizer's moments to host memory (nothing if they are there).
     pub fn offload(&mut self, optims: &mut [&mut AdamW<I>]) -> Result<()> {
         if self.keys.is_some() {
+            if self.prefetched {
+                // A phase prefetched the moments but took no optimizer step: the prefetched
+                // copies must not stay on the device. They are unchanged, so where the store
+                // kept its host copy this frees them without copying.
+                self.prefetched = false;
+                if let Some(device) = self.device.clone() {
+                    let (tensors, _) = self.host.reload(OPTIMIZER, &device)?;
+                    self.host.offload_unchanged(OPTIMIZER, tensors)?;
+                }
+            }
             return Ok(());
         }
         let mut tensors = Vec::new();
@@ -248,7 +270,8 @@ impl<I: ParallelBackend> MomentOffload<I> {
     pub fn prefetch(&mut self) -> Result<bool> {
         match (&self.keys, &self.device) {
             (Some(_), Some(device)) if self.host.is_offloaded(OPTIMIZER) => {
-                self.host.prefetch(OPTIMIZER, device)
+                self.prefetched = self.host.prefetch(OPTIMIZER, device)?;
+                Ok(self.prefetched)
             }
             _ => Ok(false),
         }
@@ -260,6 +283,7 @@ impl<I: ParallelBackend> MomentOffload<I> {
         if self.keys.is_none() {
             return Ok(());
         }
+        self.prefetched = false;
         let mut tensors = match (self.host.is_offloaded(OPTIMIZER), self.device.as_ref()) {
             (true, Some(device)) => {
                 let (tensors, report) = self.host.reload(OPTIMIZER, device)?;
@@ -414,5 +438,65 @@ pub fn push_phase_metrics(
         metrics.push(format!("timing_s/offload/{phase}"), both.seconds);
         metrics.push(format!("timing_s/offload_out/{phase}"), moved.out.seconds);
         metrics.push(format!("perf/offload_gb/{phase}"), gib(both.bytes));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::ParamId;
+    use verl_core::backend::CpuBackend as Cpu;
+    use verl_offload::OffloadManager;
+
+    use super::*;
+    use crate::workers::adamw::AdamWHyper;
+
+    fn adamw_with_moments(values: &[f32]) -> AdamW<Cpu> {
+        let device = Default::default();
+        let mut adamw = AdamW::new(AdamWHyper {
+            beta_1: 0.9,
+            beta_2: 0.95,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+        });
+        let t = |v: &[f32]| Tensor::<Cpu, 1>::from_floats(v, &device);
+        let doubled: Vec<f32> = values.iter().map(|v| v * 2.0).collect();
+        let m = Moments {
+            time: 3,
+            shape: vec![values.len()],
+            exp_avg: t(values),
+            exp_avg_sq: t(&doubled),
+        };
+        adamw.set_moments([(ParamId::new(), m)].into_iter().collect());
+        adamw
+    }
+
+    /// A phase that prefetched the moments but took no optimizer step (no rows, an error)
+    /// leaves nothing on the device when it is put away, and the moments still come back
+    /// exact.
+    #[test]
+    fn a_prefetch_without_an_optimizer_step_is_put_away_again() {
+        let values = [0.5f32, -1.25, 3.0];
+        let mut adamw = adamw_with_moments(&values);
+        let mut moments = MomentOffload::<Cpu>::new(Box::new(OffloadManager::new("actor")));
+        moments.offload(&mut [&mut adamw]).unwrap();
+        assert_eq!(moments.host_bytes(), 24);
+        assert_eq!(adamw.moments().count(), 0);
+        assert!(moments.prefetch().unwrap());
+        assert_eq!(
+            moments.host_bytes(),
+            0,
+            "the prefetched copy is on the device"
+        );
+        moments.offload(&mut [&mut adamw]).unwrap();
+        assert_eq!(moments.host_bytes(), 24, "put away again without a step");
+        assert!(moments.is_offloaded());
+        moments.reload(&mut [&mut adamw]).unwrap();
+        let (_, m) = adamw.moments().next().expect("the moments came back");
+        assert_eq!(m.time, 3);
+        assert_eq!(m.exp_avg.to_data().to_vec::<f32>().unwrap(), values);
+        assert_eq!(
+            m.exp_avg_sq.to_data().to_vec::<f32>().unwrap(),
+            vec![1.0, -2.5, 6.0]
+        );
     }
 }

@@ -66,6 +66,11 @@ enum Command {
         #[arg(long)]
         nproc_per_node: Option<usize>,
     },
+    /// Read the profiler's captures.
+    Profile {
+        #[command(subcommand)]
+        what: ProfileCommand,
+    },
     /// Measure throughput on this machine (figures for docs/PERFORMANCE.md).
     Bench {
         #[command(subcommand)]
@@ -107,6 +112,17 @@ enum Command {
         /// Print prompt and response token ids and text as JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProfileCommand {
+    /// The spans of a trace (ours or torch's, `.json` or `.json.gz`) by total time.
+    Summarize {
+        trace: PathBuf,
+        /// How many span names to print.
+        #[arg(long, default_value_t = 20)]
+        top: usize,
     },
 }
 
@@ -341,6 +357,9 @@ fn run(cli: Cli) -> Result<(), String> {
                 | BenchCommand::Kernels { .. }
                 | BenchCommand::Offload { .. },
         } => Err("this command needs GPUs: build with `--features cuda`".into()),
+        Command::Profile {
+            what: ProfileCommand::Summarize { trace, top },
+        } => summarize_cmd(&trace, top),
         Command::Generate {
             model,
             prompt,
@@ -552,10 +571,60 @@ fn sampling_flag(e: &verl::rollout::SamplingError) -> &'static str {
     }
 }
 
+/// `verl profile summarize`: a table of the top spans by total time, with each one's share of
+/// the capture's wall time (a nested span's time is also its parent's).
+fn summarize_cmd(path: &std::path::Path, top: usize) -> Result<(), String> {
+    let trace = verl::profiler::ChromeTrace::read(path).map_err(|e| e.to_string())?;
+    let start = trace
+        .events
+        .iter()
+        .map(|e| e.ts)
+        .fold(f64::INFINITY, f64::min);
+    let end = trace
+        .events
+        .iter()
+        .map(|e| e.ts + e.dur)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let wall = (end - start).max(0.0);
+    println!(
+        "{}: {} spans over {:.1} ms",
+        path.display(),
+        trace.events.len(),
+        wall / 1e3
+    );
+    println!(
+        "{:<32} {:>7} {:>12} {:>10} {:>10} {:>7}",
+        "span", "count", "total ms", "mean ms", "max ms", "% wall"
+    );
+    for t in trace.summarize(top) {
+        println!(
+            "{:<32} {:>7} {:>12.3} {:>10.3} {:>10.3} {:>6.1}%",
+            t.name,
+            t.count,
+            t.total_us / 1e3,
+            t.total_us / 1e3 / t.count as f64,
+            t.max_us / 1e3,
+            if wall > 0.0 {
+                100.0 * t.total_us / wall
+            } else {
+                0.0
+            }
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
+    // Logs go to stderr as RUST_LOG says; the profiler's layer sees every span (it records
+    // only while a capture is open).
+    use tracing_subscriber::prelude::*;
+    tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_filter(tracing_subscriber::EnvFilter::from_default_env()),
+        )
+        .with(verl::profiler::TraceLayer)
         .init();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -259,3 +259,42 @@ fn generate_stops_at_the_token_completing_a_stop_string() {
     let (ok, _, err) = verl(&["generate", "--model", dir, "--prompt", "abc", "--stop", ""]);
     assert!(!ok && err.contains("stop"), "{err}");
 }
+
+/// `verl train` with the torch profiler writes a capture that `verl profile summarize` reads
+/// back into a table of the worker methods.
+#[test]
+fn a_profiled_step_is_summarized() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let profile = dir.path().join("profile");
+    let (ok, _, err) = verl(&[
+        "train",
+        "data.train_files=builtin:addition:1",
+        "trainer.total_training_steps=1",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "global_profiler.tool=torch",
+        "global_profiler.steps=[1]",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+        &format!("global_profiler.save_path={}", profile.display()),
+        &format!("trainer.default_local_dir={}", out.display()),
+    ]);
+    assert!(ok, "{err}");
+    let trace = profile.join("actor/step1_prof_rank-0.json.gz");
+    let (ok, table, err) = verl(&[
+        "profile",
+        "summarize",
+        trace.to_str().unwrap(),
+        "--top",
+        "5",
+    ]);
+    assert!(ok, "{err}");
+    for name in ["generate_sequences", "update_actor"] {
+        assert!(table.contains(name), "{table}");
+    }
+    let (ok, _, err) = verl(&["profile", "summarize", "/nonexistent.json.gz"]);
+    assert!(!ok && err.contains("/nonexistent.json.gz"), "{err}");
+}

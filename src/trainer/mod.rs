@@ -495,7 +495,7 @@ impl PpoTrainer {
                     plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
                 })?;
                 let actor =
-                    RoleGroup::threads("actor", threads, actor_methods(), Default::default());
+                    RoleGroup::threads("actor", threads, actor_methods(&cfg), Default::default());
                 let critic = match plans.critic.clone() {
                     Some(plan) => {
                         let groups = rank_groups(&plan.topo);
@@ -505,7 +505,7 @@ impl PpoTrainer {
                         Some(RoleGroup::threads(
                             "critic",
                             threads,
-                            critic_methods(),
+                            critic_methods(&cfg),
                             Default::default(),
                         ))
                     }
@@ -518,14 +518,14 @@ impl PpoTrainer {
                 let actor = RoleGroup::processes(
                     "actor",
                     launched.ranks.clone(),
-                    actor_methods(),
+                    actor_methods(&cfg),
                     Default::default(),
                 );
                 let critic = plans.critic.is_some().then(|| {
                     RoleGroup::processes(
                         "critic",
                         launched.ranks.clone(),
-                        critic_methods(),
+                        critic_methods(&cfg),
                         Default::default(),
                     )
                 });
@@ -936,6 +936,33 @@ impl PpoTrainer {
     /// Saves step `state.step` in verl's layout (see [`checkpoint`]): every rank of each role
     /// writes its shard, then the loop state, then `latest_checkpointed_iteration.txt`; older
     /// checkpoints beyond `trainer.max_actor_ckpt_to_keep` are removed.
+    /// verl's `start_profile` / `stop_profile` on every rank of every role around a profiled
+    /// step (nothing when the step is not listed in `global_profiler.steps`); the files the
+    /// captures wrote are logged.
+    async fn profile(&self, method: &str, step: u64) -> Result<(), TrainError> {
+        let p = &self.cfg.global_profiler;
+        let listed = p.steps.as_ref().is_some_and(|s| s.contains(&step));
+        if p.tool.is_none() || !listed {
+            return Ok(());
+        }
+        let mut written: Vec<Vec<String>> = Vec::new();
+        if method == "stop_profile" {
+            written.extend(self.actor.call_all::<_, Vec<String>>(method, &step).await?);
+            if let Some(critic) = &self.critic {
+                written.extend(critic.call_all::<_, Vec<String>>(method, &step).await?);
+            }
+        } else {
+            self.actor.call_all::<_, ()>(method, &step).await?;
+            if let Some(critic) = &self.critic {
+                critic.call_all::<_, ()>(method, &step).await?;
+            }
+        }
+        for file in written.into_iter().flatten() {
+            tracing::info!("profiler: step {step}: wrote {file}");
+        }
+        Ok(())
+    }
+
     pub async fn save_checkpoint(&mut self, state: &LoopState) -> Result<PathBuf, TrainError> {
         let dir = checkpoint::step_dir(&self.out_dir, state.step);
         let (contents, hf) = contents_of(
@@ -1070,7 +1097,9 @@ impl PpoTrainer {
                 .collect();
             ls.cursor += b;
             let refs: Vec<&PromptRow> = rows.iter().collect();
+            self.profile("start_profile", step).await?;
             let metrics = self.step(step, &refs).await?;
+            self.profile("stop_profile", step).await?;
             let mut reduced = metrics.reduce();
             reduced.insert("training/epoch".into(), ls.epoch as f64);
             let freq = self.cfg.trainer.test_freq;

@@ -271,7 +271,7 @@ pub fn run_rank_process() -> Result<(), String> {
                 "actor".into(),
                 Box::new(Served {
                     worker: plans.actor.build(rank, groups)?,
-                    table: Arc::new(actor_methods()),
+                    table: Arc::new(actor_methods(&s.config)),
                     device: Default::default(),
                 }),
             );
@@ -281,7 +281,7 @@ pub fn run_rank_process() -> Result<(), String> {
                     "critic".into(),
                     Box::new(Served {
                         worker: critic.build(rank, groups)?,
-                        table: Arc::new(critic_methods()),
+                        table: Arc::new(critic_methods(&s.config)),
                         device: Default::default(),
                     }),
                 );

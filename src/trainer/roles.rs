@@ -2,14 +2,16 @@
 //! once from the config, and the roles' methods by name. The same plans build a rank on a
 //! thread of the driver or in a rank process, so both transports train the same models.
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use verl_core::algorithms::aggregation::LossAggMode;
-use verl_core::config::{OptimConfig, VerlConfig};
+use verl_core::config::{GlobalProfilerConfig, OptimConfig, RoleProfilerConfig, VerlConfig};
 use verl_core::topology::Topology;
 use verl_core::traits::OffloadSwitches;
-use verl_core::worker::MethodTable;
+use verl_core::worker::{MethodFuture, MethodTable};
+use verl_core::DataProto;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig};
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::causal_lm::PipelineStageLayout;
@@ -22,6 +24,7 @@ use verl_megatron::workers::{
     TrainingOffload,
 };
 use verl_offload::OffloadBackend;
+use verl_profiler::RoleProfiler;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
@@ -373,24 +376,109 @@ fn training_offload(switches: OffloadSwitches, role: &str) -> TrainingOffload<Tr
 pub(crate) type ActorWorker = ActorRolloutRefWorker<Train>;
 pub(crate) type CriticRank = CriticWorker<Train>;
 
-/// The actor / rollout / reference worker's methods, as the trainer calls them.
-pub(crate) fn actor_methods() -> MethodTable<ActorWorker, Infer> {
-    MethodTable::new()
-        .proto("generate_sequences", |w: &mut ActorWorker, _, d| {
-            Box::pin(w.generate_sequences(d))
+/// One role's profilers, one per rank, made on a rank's first call from the role's profiler
+/// block (each rank's worker owns its own: threads share this table, processes each have one).
+#[derive(Clone)]
+pub(crate) struct GroupProfilers {
+    role: &'static str,
+    block: RoleProfilerConfig,
+    global: GlobalProfilerConfig,
+    by_rank: Arc<Mutex<HashMap<usize, RoleProfiler>>>,
+}
+
+impl GroupProfilers {
+    pub(crate) fn new(role: &'static str, block: &RoleProfilerConfig, cfg: &VerlConfig) -> Self {
+        Self {
+            role,
+            block: block.clone(),
+            global: cfg.global_profiler.clone(),
+            by_rank: Default::default(),
+        }
+    }
+
+    fn of(&self, rank: usize) -> RoleProfiler {
+        let mut by_rank = self.by_rank.lock().unwrap_or_else(|e| e.into_inner());
+        by_rank
+            .entry(rank)
+            .or_insert_with(|| RoleProfiler::new(self.role, rank, &self.block, &self.global))
+            .clone()
+    }
+}
+
+/// The training step a batch belongs to (the trainer puts it in `meta_info`).
+fn step_of(d: &DataProto<Infer>) -> Option<u64> {
+    d.meta_info.get("global_steps").and_then(|v| v.as_u64())
+}
+
+/// A `DataProto` method run under its role's profiler (verl's `annotate`).
+fn profiled<W: verl_core::worker::Worker>(
+    table: MethodTable<W, Infer>,
+    name: &'static str,
+    profilers: &GroupProfilers,
+    f: for<'a> fn(&'a mut W, DataProto<Infer>) -> MethodFuture<'a, DataProto<Infer>>,
+) -> MethodTable<W, Infer> {
+    let profilers = profilers.clone();
+    table.proto(name, move |w: &mut W, ctx, d| {
+        let profiler = profilers.of(ctx.rank);
+        let step = step_of(&d);
+        let run = f(w, d);
+        Box::pin(async move { profiler.annotate(name, step, run).await })
+    })
+}
+
+/// `start_profile` / `stop_profile` (verl's names): the trainer calls them on every rank
+/// around each training step; `stop_profile` answers with the files written.
+fn profile_controls<W: verl_core::worker::Worker>(
+    table: MethodTable<W, Infer>,
+    profilers: Vec<GroupProfilers>,
+) -> MethodTable<W, Infer> {
+    let stop = profilers.clone();
+    table
+        .value("start_profile", move |_: &mut W, ctx, step: u64| {
+            for p in &profilers {
+                p.of(ctx.rank).start_step(step);
+            }
+            Box::pin(async move { Ok(()) })
         })
-        .proto("compute_log_prob", |w: &mut ActorWorker, _, d| {
-            Box::pin(w.compute_log_prob(d))
+        .value("stop_profile", move |_: &mut W, ctx, step: u64| {
+            let written = stop
+                .iter()
+                .map(|p| p.of(ctx.rank).stop_step(step))
+                .collect::<Result<Vec<_>, _>>()
+                .map(|files| {
+                    files
+                        .into_iter()
+                        .flatten()
+                        .map(|f| f.display().to_string())
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| verl_core::Error::backend("profiler", e));
+            Box::pin(async move { written })
         })
-        .proto("compute_ref_log_prob", |w: &mut ActorWorker, _, d| {
-            Box::pin(w.compute_ref_log_prob(d))
-        })
-        .proto("update_actor", |w: &mut ActorWorker, _, d| {
-            Box::pin(w.update_actor(d))
-        })
-        .proto("sft_step", |w: &mut ActorWorker, _, d| {
-            Box::pin(w.sft_step(d))
-        })
+}
+
+/// The actor / rollout / reference worker's methods, as the trainer calls them: the actor's
+/// profiler block covers generation, the log-prob passes and the update; the reference's
+/// block covers `compute_ref_log_prob`.
+pub(crate) fn actor_methods(cfg: &VerlConfig) -> MethodTable<ActorWorker, Infer> {
+    let arr = &cfg.actor_rollout_ref;
+    let actor = GroupProfilers::new("actor", &arr.actor.profiler, cfg);
+    let reference = GroupProfilers::new("ref", &arr.reference.profiler, cfg);
+    let mut table = MethodTable::<ActorWorker, Infer>::new();
+    table = profiled(table, "generate_sequences", &actor, |w, d| {
+        Box::pin(w.generate_sequences(d))
+    });
+    table = profiled(table, "compute_log_prob", &actor, |w, d| {
+        Box::pin(w.compute_log_prob(d))
+    });
+    table = profiled(table, "compute_ref_log_prob", &reference, |w, d| {
+        Box::pin(w.compute_ref_log_prob(d))
+    });
+    table = profiled(table, "update_actor", &actor, |w, d| {
+        Box::pin(w.update_actor(d))
+    });
+    table = profiled(table, "sft_step", &actor, |w, d| Box::pin(w.sft_step(d)));
+    profile_controls(table, vec![actor, reference])
         .value("set_reference", |w: &mut ActorWorker, _, (): ()| {
             Box::pin(async move { w.set_reference() })
         })
@@ -405,14 +493,16 @@ pub(crate) fn actor_methods() -> MethodTable<ActorWorker, Infer> {
 }
 
 /// The critic's methods, as the trainer calls them.
-pub(crate) fn critic_methods() -> MethodTable<CriticRank, Infer> {
-    MethodTable::new()
-        .proto("compute_values", |w: &mut CriticRank, _, d| {
-            Box::pin(w.compute_values(d))
-        })
-        .proto("update_critic", |w: &mut CriticRank, _, d| {
-            Box::pin(w.update_critic(d))
-        })
+pub(crate) fn critic_methods(cfg: &VerlConfig) -> MethodTable<CriticRank, Infer> {
+    let critic = GroupProfilers::new("critic", &cfg.critic.profiler, cfg);
+    let mut table = MethodTable::<CriticRank, Infer>::new();
+    table = profiled(table, "compute_values", &critic, |w, d| {
+        Box::pin(w.compute_values(d))
+    });
+    table = profiled(table, "update_critic", &critic, |w, d| {
+        Box::pin(w.update_critic(d))
+    });
+    profile_controls(table, vec![critic])
         .value(
             "save_checkpoint",
             |w: &mut CriticRank, _, r: CheckpointRequest| Box::pin(w.save_checkpoint(r)),

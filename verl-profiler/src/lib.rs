@@ -1,5 +1,37 @@
-//! verl-profiler: implementations of the core `Profiler` trait, configured as verl's
-//! `global_profiler` and per-role `profiler` blocks (tool, steps, ranks, discrete).
+//! verl-profiler: verl's profiler (the `global_profiler` block and each role's `profiler`
+//! block: tool, steps, ranks, discrete) on verl-rs's workers.
 //!
-//! Nothing is implemented yet; the configuration lives in `verl_core::config`, and the crate
-//! exists so the workspace layout is final.
+//! - [`CapturePlan`], [`covers_rank`]: which steps make a capture (one per listed step, or one
+//!   per run of consecutive steps with `profile_continuous_steps`) and which ranks are profiled.
+//! - [`TraceLayer`], [`Capture`]: a `tracing` layer that collects the closed spans of one role on
+//!   one rank while a capture is open (a span's `role` / `rank` fields tag it and everything
+//!   under it).
+//! - [`RoleProfiler`]: a worker's profiler — verl's `start_profile` / `stop_profile` around a
+//!   step, `annotate` around a worker method (a capture per call in `discrete` mode).
+//! - [`ChromeTrace`]: gzipped Chrome trace-event files, written and read back (ours or
+//!   torch's), summed by span name for `verl profile summarize`.
+//!
+//! The "torch" tool records host spans. Device spans, the "nsys" tool (NVTX ranges and
+//! `cudaProfilerStart/Stop`) and the "torch_memory" timeline are the rest of issue #20; the
+//! configuration check refuses them by name until then.
+
+mod capture;
+mod role;
+mod schedule;
+mod trace;
+
+pub use capture::{Capture, TraceLayer};
+pub use role::RoleProfiler;
+pub use schedule::{covers_rank, CapturePlan};
+pub use trace::{ChromeTrace, SpanTotal, TraceEvent};
+
+use std::path::PathBuf;
+
+/// What can go wrong writing or reading a capture.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfilerError {
+    #[error("{path}: {message}")]
+    Io { path: PathBuf, message: String },
+    #[error("{path} is not a trace-event file: {message}")]
+    Trace { path: PathBuf, message: String },
+}

@@ -282,6 +282,9 @@ pub struct RolloutConfig {
     /// steps, interleaved with the other sequences' decode steps.
     pub enable_chunked_prefill: bool,
     pub val_kwargs: ValKwargs,
+    /// verl's rollout profiler block (the rollout runs inside the actor worker here, so the
+    /// actor's profiler covers it; enabling this one is refused with that advice).
+    pub profiler: RoleProfilerConfig,
 }
 
 impl Default for RolloutConfig {
@@ -317,6 +320,7 @@ impl Default for RolloutConfig {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             val_kwargs: ValKwargs::default(),
+            profiler: RoleProfilerConfig::default(),
         }
     }
 }

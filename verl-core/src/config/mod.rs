@@ -131,6 +131,7 @@ impl VerlConfig {
         for p in [
             &mut self.actor_rollout_ref.actor.profiler,
             &mut self.actor_rollout_ref.reference.profiler,
+            &mut self.actor_rollout_ref.rollout.profiler,
             &mut self.critic.profiler,
             &mut self.reward_model.profiler,
         ] {

@@ -2,22 +2,43 @@ use serde::{Deserialize, Serialize};
 
 /// Profiler tools, as verl names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum ProfilerTool {
+    /// NVIDIA Nsight Systems: NVTX ranges and `cudaProfilerStart/Stop` around the captures.
     Nsys,
+    /// A Chrome trace-event file per capture (torch's profiler's format).
     Torch,
+    /// A device-memory timeline per capture.
+    TorchMemory,
+    /// Ascend NPUs' profiler.
     Npu,
 }
 
-/// `global_profiler.tool_config.nsys`.
+impl ProfilerTool {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Nsys => "nsys",
+            Self::Torch => "torch",
+            Self::TorchMemory => "torch_memory",
+            Self::Npu => "npu",
+        }
+    }
+}
+
+/// `tool_config.nsys`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NsysToolConfig {
-    /// One capture per annotated range (`true`) or one per step (`false`).
+    /// One capture per annotated worker method (`true`) or one per profiled step (`false`).
     pub discrete: bool,
+    /// `global_tool_config.nsys.controller_nsight_options`: options for `nsys profile` around
+    /// the driver (verl starts it through Ray; here they are printed as the command to use).
+    pub controller_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `global_tool_config.nsys.worker_nsight_options`: the same for the rank processes.
+    pub worker_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// `global_profiler.tool_config.npu`.
+/// `tool_config.npu`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NpuToolConfig {
@@ -38,21 +59,59 @@ impl Default for NpuToolConfig {
     }
 }
 
-/// `global_profiler.tool_config.torch`.
+/// `tool_config.torch`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TorchToolConfig {
+    /// What to record: `cpu` (host spans), `cuda` (device spans); empty: both.
+    pub contents: Vec<String>,
+    /// One capture per annotated worker method instead of one per profiled step.
+    pub discrete: bool,
+    /// verl's older step window inside a capture (superseded by `global_profiler.steps`).
     pub step_start: u64,
     pub step_end: Option<u64>,
 }
 
-/// Per-tool settings.
+/// `tool_config.torch_memory` / `global_tool_config.torch_memory`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TorchMemoryToolConfig {
+    /// The most samples a timeline keeps (verl: allocation records kept).
+    pub trace_alloc_max_entries: usize,
+    /// torch records allocation stacks this deep; verl-rs samples the pool instead, so this
+    /// is accepted only at its default (see the profiler's README section).
+    pub stack_depth: usize,
+}
+
+impl Default for TorchMemoryToolConfig {
+    fn default() -> Self {
+        Self {
+            trace_alloc_max_entries: 100_000,
+            stack_depth: 32,
+        }
+    }
+}
+
+/// Per-tool settings (a role's `tool_config`, and `global_profiler.global_tool_config`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ToolConfig {
     pub nsys: NsysToolConfig,
     pub npu: NpuToolConfig,
     pub torch: TorchToolConfig,
+    pub torch_memory: TorchMemoryToolConfig,
+}
+
+impl ToolConfig {
+    /// Whether `tool` captures once per annotated worker method.
+    pub fn discrete(&self, tool: ProfilerTool) -> bool {
+        match tool {
+            ProfilerTool::Nsys => self.nsys.discrete,
+            ProfilerTool::Torch => self.torch.discrete,
+            ProfilerTool::Npu => self.npu.discrete,
+            ProfilerTool::TorchMemory => false,
+        }
+    }
 }
 
 /// `global_profiler`: the tool, which training steps, and where captures go.
@@ -62,10 +121,13 @@ pub struct GlobalProfilerConfig {
     pub tool: Option<ProfilerTool>,
     /// Training steps to profile (1-based); `None`: none.
     pub steps: Option<Vec<u64>>,
-    /// Treat consecutive listed steps as one capture.
+    /// Consecutive listed steps make one capture.
     pub profile_continuous_steps: bool,
     pub save_path: String,
-    pub tool_config: ToolConfig,
+    /// Tool settings every role inherits (verl's `global_tool_config`; the older name
+    /// `tool_config` is read too).
+    #[serde(alias = "tool_config")]
+    pub global_tool_config: ToolConfig,
 }
 
 impl Default for GlobalProfilerConfig {
@@ -75,7 +137,7 @@ impl Default for GlobalProfilerConfig {
             steps: None,
             profile_continuous_steps: false,
             save_path: "outputs/profile".into(),
-            tool_config: ToolConfig::default(),
+            global_tool_config: ToolConfig::default(),
         }
     }
 }
@@ -102,7 +164,7 @@ impl RoleProfilerConfig {
             self.save_path = Some(global.save_path.clone());
         }
         if self.tool_config.is_none() {
-            self.tool_config = Some(global.tool_config.clone());
+            self.tool_config = Some(global.global_tool_config.clone());
         }
     }
 

@@ -356,59 +356,106 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false",
     )?;
 
-    let p = &cfg.global_profiler;
-    let tools = &p.tool_config;
-    let profiling = "the profiler is not implemented yet (verl-profiler is empty)";
-    require(
-        p.tool.is_none(),
-        "global_profiler.tool",
-        p.tool,
-        profiling,
-        "remove it",
-    )?;
+    refuse_unsupported_profiling(cfg)?;
+    Ok(())
+}
+
+/// The profiler settings verl-rs cannot honour (see verl-profiler's crate documentation for
+/// what each tool records).
+fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    use super::profiler::{NpuToolConfig, ProfilerTool, TorchMemoryToolConfig};
+    let arr = &cfg.actor_rollout_ref;
+    let npu = |key: &str, tool: Option<ProfilerTool>| {
+        require(
+            tool != Some(ProfilerTool::Npu),
+            key,
+            "npu",
+            "this machine has no Ascend NPU (verl-rs runs on burn's CPU and CUDA backends)",
+            "use nsys, torch or torch_memory",
+        )
+    };
+    npu("global_profiler.tool", cfg.global_profiler.tool)?;
     for (role, profiler) in [
         ("actor_rollout_ref.actor", &arr.actor.profiler),
         ("actor_rollout_ref.ref", &arr.reference.profiler),
+        ("actor_rollout_ref.rollout", &arr.rollout.profiler),
         ("critic", &cfg.critic.profiler),
-        ("reward_model", &rm.profiler),
+        ("reward_model", &cfg.reward_model.profiler),
     ] {
+        npu(&format!("{role}.profiler.tool"), profiler.tool)?;
+        if !profiler.enable {
+            continue;
+        }
+        let enable = format!("{role}.profiler.enable");
         require(
-            !profiler.enable,
-            &format!("{role}.profiler.enable"),
-            profiler.enable,
-            profiling,
+            role != "actor_rollout_ref.rollout",
+            &enable,
+            true,
+            "the rollout runs inside the actor worker, whose profiler covers generate_sequences",
+            "profile it with actor_rollout_ref.actor.profiler",
+        )?;
+        require(
+            role != "reward_model",
+            &enable,
+            true,
+            "rewards are scored in the driver; there is no reward-model worker to profile",
             "set it to false",
         )?;
+        let Some(tool) = profiler.tool else {
+            return Err(ConfigError::Invalid {
+                key: format!("{role}.profiler.tool"),
+                value: "null".into(),
+                message: "a role's profiler is enabled but no tool is chosen".into(),
+                fix: "set global_profiler.tool (or the role's profiler.tool) to nsys, torch or torch_memory".into(),
+            });
+        };
+        let tools = profiler.tool_config.clone().unwrap_or_default();
+        let key = |rest: &str| format!("{role}.profiler.tool_config.{rest}");
+        if tool == ProfilerTool::Torch {
+            let bad: Vec<&String> = tools
+                .torch
+                .contents
+                .iter()
+                .filter(|c| c.as_str() != "cpu")
+                .collect();
+            require(
+                bad.is_empty(),
+                &key("torch.contents"),
+                &bad,
+                "verl-rs's torch-style captures record host spans (`cpu`); device spans (`cuda`), \
+                 `memory`, `shapes` and `stack` are not recorded",
+                "use contents: [cpu] (or leave it empty), and tool=torch_memory for memory",
+            )?;
+        }
+        require(
+            tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
+            &key("torch.step_start"),
+            (tools.torch.step_start, tools.torch.step_end),
+            "the step window inside a capture is verl's older setting",
+            "choose the steps with global_profiler.steps and remove step_start / step_end",
+        )?;
+        require(
+            tools.npu == NpuToolConfig::default(),
+            &key("npu"),
+            &tools.npu,
+            "there is no NPU to profile",
+            "remove the npu settings",
+        )?;
+        require(
+            tools.torch_memory.stack_depth == TorchMemoryToolConfig::default().stack_depth,
+            &key("torch_memory.stack_depth"),
+            tools.torch_memory.stack_depth,
+            "the memory timeline samples burn's pool per phase; it records no allocation stacks",
+            "remove stack_depth",
+        )?;
+        require(
+            matches!(tool, ProfilerTool::Torch),
+            &format!("{role}.profiler.tool"),
+            tool.name(),
+            "the nsys and torch_memory tools are not wired into verl-rs yet (issue #20); torch is",
+            "use tool=torch",
+        )?;
     }
-    require(
-        !p.profile_continuous_steps,
-        "global_profiler.profile_continuous_steps",
-        p.profile_continuous_steps,
-        profiling,
-        "set it to false",
-    )?;
-    require(
-        !tools.nsys.discrete && !tools.npu.discrete,
-        "global_profiler.tool_config.*.discrete",
-        tools.nsys.discrete || tools.npu.discrete,
-        profiling,
-        "set it to false",
-    )?;
-    let npu_default = super::profiler::NpuToolConfig::default();
-    require(
-        tools.npu.level == npu_default.level && tools.npu.analysis == npu_default.analysis,
-        "global_profiler.tool_config.npu",
-        (&tools.npu.level, tools.npu.analysis),
-        profiling,
-        "remove the npu settings",
-    )?;
-    require(
-        tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
-        "global_profiler.tool_config.torch",
-        (tools.torch.step_start, tools.torch.step_end),
-        profiling,
-        "remove step_start and step_end",
-    )?;
     Ok(())
 }
 
@@ -469,10 +516,7 @@ mod tests {
                 "custom_reward_function.path=my_reward.py",
                 "custom_reward_function.path",
             ),
-            (
-                "global_profiler.tool_config.torch.step_start=2",
-                "global_profiler.tool_config.torch",
-            ),
+            ("global_profiler.tool=npu", "global_profiler.tool"),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
         }

@@ -449,7 +449,9 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
                 let model = self.model.take().expect("model present");
+                let step_span = tracing::info_span!("optimizer_step").entered();
                 let (model, report) = self.optim.step(model, grads);
+                drop(step_span);
                 self.model = Some(model);
                 let report = report?;
                 if self.is_last_stage() {

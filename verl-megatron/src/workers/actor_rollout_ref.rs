@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use burn::prelude::*;
+use tracing::Instrument;
 use verl_core::dispatch::{megatron_dispatch_info, DispatchInfo};
 use verl_core::memory::{gib, PhasePeak};
 use verl_core::topology::RankCoords;
@@ -149,10 +150,15 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         let report = self
             .sharding
             .enter(&self.actor, self.rollout.as_mut())
+            .instrument(tracing::info_span!("reshard"))
             .await;
         self.actor.put_away_read_only()?;
         let report = report?;
-        let out = self.rollout.generate_sequences(prompts).await;
+        let out = self
+            .rollout
+            .generate_sequences(prompts)
+            .instrument(tracing::info_span!("rollout_generate"))
+            .await;
         // The KV cache is at its fullest.
         self.actor.sample_memory();
         self.sharding.exit(self.rollout.as_mut()).await?;
@@ -165,7 +171,11 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             let start = Instant::now();
             let phase = PhasePeak::start();
             self.actor.sample_memory();
-            let lp = self.actor.compute_log_prob(&out, true).await?;
+            let lp = self
+                .actor
+                .compute_log_prob(&out, true)
+                .instrument(tracing::info_span!("old_log_prob"))
+                .await?;
             out.insert_float("old_log_probs", lp.log_probs)?;
             if let Some(e) = lp.entropy {
                 out.insert_float("entropys", e)?;

@@ -353,6 +353,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         optims: &mut [&mut AdamW<B::InnerBackend>],
         optimizer: bool,
     ) -> Result<()> {
+        let _span = tracing::info_span!("offload_reload").entered();
         self.params.reload(model)?;
         if optimizer {
             self.moments.reload(optims)?;
@@ -364,6 +365,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
     /// overlaps the first mini-batch's forward and backward passes; [`Self::ready_optimizer`]
     /// waits for it before the first optimizer step.
     pub fn bring_in_for_update<M: Module<B>>(&mut self, model: &mut Option<M>) -> Result<()> {
+        let _span = tracing::info_span!("offload_reload").entered();
         self.params.reload(model)?;
         self.moments.prefetch()?;
         Ok(())
@@ -380,6 +382,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         model: &mut Option<M>,
         optims: &mut [&mut AdamW<B::InnerBackend>],
     ) -> Result<()> {
+        let _span = tracing::info_span!("offload").entered();
         if self.switches.param {
             self.params.offload(model)?;
         }
@@ -397,6 +400,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         model: &mut Option<M>,
         optims: &mut [&mut AdamW<B::InnerBackend>],
     ) -> Result<()> {
+        let _span = tracing::info_span!("offload").entered();
         if self.switches.param {
             self.params.offload_unchanged(model)?;
         }

@@ -136,6 +136,7 @@ where
     match pp {
         None => {
             for mb in 0..micros.len() {
+                let _span = tracing::info_span!("micro_batch", index = mb as u64).entered();
                 let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
                     unreachable!("a whole model ends in a loss")
                 };

@@ -1,0 +1,240 @@
+//! The profiler's "torch" tool on the CPU default: `verl train` with `global_profiler` and the
+//! roles' `profiler` blocks writes one gzipped Chrome trace per capture with verl's file names,
+//! for the chosen steps, ranks and roles; each holds its role's worker methods with what ran
+//! inside them, and discrete mode writes one file per method call.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, Once};
+
+mod common;
+
+use tracing_subscriber::prelude::*;
+use verl::profiler::{ChromeTrace, TraceLayer};
+use verl::trainer::MAIN_JOB;
+use verl::ConfigBuilder;
+
+/// Captures are process-wide: the runs here go one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn install_layer() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(TraceLayer))
+            .expect("no other subscriber in this test binary");
+    });
+}
+
+/// Runs a small PPO job (actor, reference, critic) with `extra` overrides; the profile
+/// directory and every file in it, relative to it.
+fn run(extra: &[&str]) -> (tempfile::TempDir, BTreeSet<PathBuf>) {
+    install_layer();
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides([
+            "data.train_files=builtin:addition:1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.save_freq=-1",
+            "+actor_rollout_ref.model.override_config.hidden_size=32",
+            "+actor_rollout_ref.model.override_config.intermediate_size=64",
+            "+actor_rollout_ref.model.override_config.num_hidden_layers=1",
+            "algorithm.adv_estimator=gae",
+            "critic.enable=true",
+            "critic.ppo_micro_batch_size_per_gpu=32",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+            "trainer.sft_warmup_steps=0",
+            "trainer.total_training_steps=3",
+            "global_profiler.tool=torch",
+        ])
+        .overrides(extra.iter().copied())
+        .set(
+            "trainer.default_local_dir",
+            dir.path().join("run").display(),
+        )
+        .set(
+            "global_profiler.save_path",
+            dir.path().join("profile").display(),
+        )
+        .build()
+        .unwrap();
+    common::fit(validated);
+    let root = dir.path().join("profile");
+    let files = walk(&root)
+        .into_iter()
+        .map(|p| p.strip_prefix(&root).unwrap().to_path_buf())
+        .collect();
+    (dir, files)
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn set(paths: &[&str]) -> BTreeSet<PathBuf> {
+    paths.iter().map(PathBuf::from).collect()
+}
+
+/// How many spans of each name a trace holds.
+fn count(trace: &ChromeTrace, name: &str) -> usize {
+    trace.events.iter().filter(|e| e.name == name).count()
+}
+
+#[test]
+fn continuous_steps_give_one_capture_per_role_and_rank_with_the_methods_inside() {
+    let (dir, files) = run(&[
+        "trainer.n_gpus_per_node=2",
+        "global_profiler.steps=[2,3]",
+        "global_profiler.profile_continuous_steps=true",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.all_ranks=true",
+        "actor_rollout_ref.ref.profiler.enable=true",
+        "actor_rollout_ref.ref.profiler.ranks=[0]",
+        "critic.profiler.enable=true",
+        "critic.profiler.ranks=[1]",
+    ]);
+    assert_eq!(
+        files,
+        set(&[
+            "actor/step2-3_prof_rank-0.json.gz",
+            "actor/step2-3_prof_rank-1.json.gz",
+            "critic/step2-3_prof_rank-1.json.gz",
+            "ref/step2-3_prof_rank-0.json.gz",
+        ])
+    );
+    let read = |f: &str| ChromeTrace::read(&dir.path().join("profile").join(f)).unwrap();
+    for rank in [0, 1] {
+        let actor = read(&format!("actor/step2-3_prof_rank-{rank}.json.gz"));
+        // Two steps: each generates and updates once.
+        assert_eq!(count(&actor, "generate_sequences"), 2, "rank {rank}");
+        assert_eq!(count(&actor, "update_actor"), 2, "rank {rank}");
+        assert_eq!(
+            count(&actor, "compute_ref_log_prob"),
+            0,
+            "the reference's own capture"
+        );
+        assert!(count(&actor, "micro_batch") >= 2);
+        assert!(count(&actor, "optimizer_step") >= 2);
+        assert_eq!(count(&actor, "reshard"), 2);
+        assert_eq!(count(&actor, "rollout_generate"), 2);
+        assert!(actor.events.iter().all(|e| e.pid == rank as u64));
+        // What ran inside an update lies inside it.
+        let updates: Vec<_> = actor
+            .events
+            .iter()
+            .filter(|e| e.name == "update_actor")
+            .collect();
+        for mb in actor.events.iter().filter(|e| e.name == "optimizer_step") {
+            assert!(
+                updates
+                    .iter()
+                    .any(|u| mb.ts >= u.ts && mb.ts + mb.dur <= u.ts + u.dur + 1.0),
+                "an optimizer step outside every update"
+            );
+        }
+        let top = actor.summarize(3);
+        assert!(top
+            .iter()
+            .any(|t| t.name == "update_actor" || t.name == "generate_sequences"));
+    }
+    let reference = read("ref/step2-3_prof_rank-0.json.gz");
+    assert_eq!(count(&reference, "compute_ref_log_prob"), 2);
+    assert_eq!(count(&reference, "update_actor"), 0);
+    let critic = read("critic/step2-3_prof_rank-1.json.gz");
+    assert_eq!(count(&critic, "compute_values"), 2);
+    assert_eq!(count(&critic, "update_critic"), 2);
+}
+
+#[test]
+fn separate_steps_and_discrete_methods_give_their_own_files() {
+    let (_dir, files) = run(&[
+        "global_profiler.steps=[1,3]",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+    ]);
+    assert_eq!(
+        files,
+        set(&[
+            "actor/step1_prof_rank-0.json.gz",
+            "actor/step3_prof_rank-0.json.gz"
+        ])
+    );
+
+    let (dir, files) = run(&[
+        "global_profiler.steps=[2]",
+        "critic.profiler.enable=true",
+        "critic.profiler.all_ranks=true",
+        "critic.profiler.tool_config.torch.discrete=true",
+    ]);
+    assert_eq!(
+        files,
+        set(&[
+            "critic/step2_compute_values_prof_rank-0.json.gz",
+            "critic/step2_update_critic_prof_rank-0.json.gz",
+        ])
+    );
+    let one = ChromeTrace::read(
+        &dir.path()
+            .join("profile/critic/step2_update_critic_prof_rank-0.json.gz"),
+    )
+    .unwrap();
+    assert_eq!(count(&one, "update_critic"), 1);
+    assert_eq!(count(&one, "compute_values"), 0);
+}
+
+#[test]
+fn settings_it_cannot_honour_are_refused_by_name() {
+    let refused = |extra: &[&str]| {
+        ConfigBuilder::new()
+            .overrides(MAIN_JOB)
+            .overrides(extra.iter().copied())
+            .build()
+            .unwrap_err()
+            .to_string()
+    };
+    for (extra, key) in [
+        (&["global_profiler.tool=npu"][..], "global_profiler.tool"),
+        (
+            &[
+                "global_profiler.tool=torch",
+                "actor_rollout_ref.rollout.profiler.enable=true",
+            ][..],
+            "actor_rollout_ref.rollout.profiler.enable",
+        ),
+        (
+            &[
+                "global_profiler.tool=torch",
+                "actor_rollout_ref.actor.profiler.enable=true",
+                "actor_rollout_ref.actor.profiler.tool_config.torch.contents=[cpu,stack]",
+            ][..],
+            "actor_rollout_ref.actor.profiler.tool_config.torch.contents",
+        ),
+        (
+            &["actor_rollout_ref.actor.profiler.enable=true"][..],
+            "actor_rollout_ref.actor.profiler.tool",
+        ),
+        (
+            &["global_profiler.tool=perfetto"][..],
+            "global_profiler.tool",
+        ),
+        (&["global_profiler.colour=red"][..], "global_profiler"),
+    ] {
+        let e = refused(extra);
+        assert!(e.contains(key), "{extra:?}: {e}");
+    }
+}

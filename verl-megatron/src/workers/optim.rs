@@ -223,8 +223,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for ScaleGrads<'_> {
 struct TakeGrads<'a, I: Backend> {
     grads: &'a mut GradientsParams,
     only: Option<&'a HashSet<ParamId>>,
-    taken: Vec<(ParamId, Vec<f32>)>,
-    device: Option<I::Device>,
+    /// Each gradient flattened, on its device.
+    taken: Vec<(ParamId, Tensor<I, 1>)>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
@@ -233,14 +233,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
             return;
         }
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.device.get_or_insert_with(|| g.device());
-            crate::host_reads::note(1);
-            let v = g
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .expect("f32 grads");
-            self.taken.push((param.id, v));
+            let n = g.shape().num_elements();
+            self.taken.push((param.id, g.reshape([n])));
         }
     }
 }
@@ -248,26 +242,22 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B::InnerBackend> {
 /// Puts reduced gradients back, shaped as their parameters.
 struct PutGrads<'a, I: Backend> {
     grads: &'a mut GradientsParams,
-    reduced: HashMap<ParamId, Vec<f32>>,
-    device: I::Device,
+    reduced: HashMap<ParamId, Tensor<I, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(v) = self.reduced.remove(&param.id) {
             let dims = param.val().dims();
-            let g = Tensor::<B::InnerBackend, D>::from_data(
-                burn::tensor::TensorData::new(v, dims),
-                &self.device,
-            );
-            self.grads.register(param.id, g);
+            self.grads.register(param.id, v.reshape(dims));
         }
     }
 }
 
 /// Sums `grads` (those of `only` when given) over `comm`, in buckets of about `bucket_elems`
 /// elements (as Megatron's DDP does, so each collective is large and there are few of them).
-/// Every rank must hold gradients for the same parameters.
+/// Every rank must hold gradients for the same parameters. The buckets are built and split on
+/// the gradients' device (a GPU's gradients never pass through host memory).
 pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
@@ -279,51 +269,32 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
         grads,
         only,
         taken: Vec::new(),
-        device: None,
     };
     model.visit(&mut take);
-    let taken = take.taken;
-    let Some(device) = take.device else {
-        return Ok(());
-    };
-    let device = &device;
+    let mut taken = take.taken.into_iter().peekable();
     let mut reduced = HashMap::new();
-    let mut start = 0;
-    while start < taken.len() {
+    while taken.peek().is_some() {
         // One bucket: consecutive gradients up to the size (at least one).
-        let mut end = start;
+        let mut bucket: Vec<(ParamId, Tensor<B::InnerBackend, 1>)> = Vec::new();
         let mut elems = 0;
-        while end < taken.len() && (end == start || elems + taken[end].1.len() <= bucket_elems) {
-            elems += taken[end].1.len();
-            end += 1;
+        while let Some((_, next)) = taken.peek() {
+            let n = next.dims()[0];
+            if !bucket.is_empty() && elems + n > bucket_elems {
+                break;
+            }
+            elems += n;
+            bucket.push(taken.next().expect("peeked"));
         }
-        let flat: Vec<f32> = taken[start..end]
-            .iter()
-            .flat_map(|(_, v)| v.iter().copied())
-            .collect();
-        let t = Tensor::<B::InnerBackend, 1>::from_data(
-            burn::tensor::TensorData::new(flat, [elems]),
-            device,
-        );
-        crate::host_reads::note(1);
-        let sum: Vec<f32> = comm
-            .all_reduce(t, ReduceOp::Sum)?
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("f32");
+        let lens: Vec<(ParamId, usize)> = bucket.iter().map(|(id, t)| (*id, t.dims()[0])).collect();
+        let flat = Tensor::cat(bucket.into_iter().map(|(_, t)| t).collect(), 0);
+        let sum = comm.all_reduce(flat, ReduceOp::Sum)?;
         let mut offset = 0;
-        for (id, v) in &taken[start..end] {
-            reduced.insert(*id, sum[offset..offset + v.len()].to_vec());
-            offset += v.len();
+        for (id, n) in lens {
+            reduced.insert(id, sum.clone().narrow(0, offset, n));
+            offset += n;
         }
-        start = end;
     }
-    let mut put = PutGrads::<B::InnerBackend> {
-        grads,
-        reduced,
-        device: device.clone(),
-    };
+    let mut put = PutGrads::<B::InnerBackend> { grads, reduced };
     model.visit(&mut put);
     Ok(())
 }

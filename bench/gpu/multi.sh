@@ -3,13 +3,17 @@
 # torch's as the peer), `verl train` of the Qwen2.5-0.5B-shaped main job on one GPU and on N
 # with tp=N, pp=N and dp=N (the same global batch: strong scaling) and dp=N with N times the
 # batch (weak scaling), each run's first steps compared with the one-GPU run; then a rank
-# process killed with SIGKILL mid-run. Usage: VERL=/path/to/verl N=2 STEPS=3 bench/gpu/multi.sh
+# process killed with SIGKILL mid-run. Usage: VERL=/path/to/verl N=2 STEPS=3 [PARTS=nccl,train,kill]
+# bench/gpu/multi.sh. The job adds an entropy bonus (entropy_coeff=0.01) so that the first steps
+# have non-zero losses and gradients to compare (a random-init model earns no reward yet).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 N=${N:-2}
 OUT=${OUT:-/tmp}/verl-multi
 rm -rf "$OUT"; mkdir -p "$OUT"
+PARTS=${PARTS:-nccl,train,kill}
 nvidia-smi topo -m
+if [[ $PARTS == *nccl* ]]; then
 echo "== verl bench nccl, threads"
 "$VERL" bench nccl --gpus "$N" --sizes 16,256,1024 --repeat 10 2>&1 | tail -5
 echo "== verl bench nccl, processes"
@@ -20,9 +24,10 @@ done
 wait; tail -5 "$OUT/nccl-0.log"
 echo "== torch peer"
 timeout 120 torchrun --nproc-per-node "$N" --master-port 29544 "$(dirname "$0")/../peers/allreduce.py" 16 256 1024 2>&1 | grep -v Warning | tail -5
+fi
 job=(data.train_files=builtin:addition:1 trainer.test_freq=-1 trainer.val_before_train=false
      trainer.save_freq=-1 trainer.sft_warmup_steps=0 trainer.total_training_steps=${STEPS:-3}
-     trainer.launcher=processes
+     trainer.launcher=processes actor_rollout_ref.actor.entropy_coeff=0.01
      actor_rollout_ref.model.override_config.hidden_size=896
      actor_rollout_ref.model.override_config.intermediate_size=4864
      actor_rollout_ref.model.override_config.num_hidden_layers=24
@@ -39,6 +44,7 @@ declare -A layouts=(
   [dp${N}_weak]="trainer.n_gpus_per_node=$N data.train_batch_size=$((16 * N)) actor_rollout_ref.actor.ppo_mini_batch_size=$((16 * N))"
 )
 order=(gpu1 tp$N pp$N dp$N dp${N}_weak)
+if [[ $PARTS == *train* ]]; then
 for l in "${order[@]}"; do
   start=$(date +%s%N)
   timeout ${T:-110} "$VERL" train "${job[@]}" ${layouts[$l]} trainer.default_local_dir="$OUT/$l" > "$OUT/$l.log" 2>&1
@@ -64,7 +70,7 @@ for l in sys.argv[1:]:
     diff = 0.0
     if not l.endswith("weak"):
         for x, y in zip(base, s):
-            for k in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/entropy_loss"):
                 if k in x and k in y:
                     diff = max(diff, abs(x[k] - y[k]) / max(abs(x[k]), 1e-3))
     gpus = 1 if l == "gpu1" else int(''.join(c for c in l.split('_')[0] if c.isdigit()))
@@ -74,6 +80,8 @@ for l in sys.argv[1:]:
     print(f"| {l} | {gpus} | {losses} | {norms} | {d} | {1e3*mean('timing_s/step'):.0f} "
           f"| {mean('perf/throughput'):.0f} | {1e3*mean('timing_s/gen'):.0f} / {1e3*mean('timing_s/update_actor'):.0f} |")
 PY
+fi
+[[ $PARTS == *kill* ]] || exit 0
 echo "== SIGKILL of rank 1 mid-run"
 "$VERL" train "${job[@]}" trainer.n_gpus_per_node=$N trainer.total_training_steps=50 trainer.default_local_dir="$OUT/kill" > "$OUT/kill.log" 2>&1 &
 driver=$!

@@ -232,6 +232,23 @@ fn settings_it_cannot_honour_are_refused_by_name() {
             &["global_profiler.tool=perfetto"][..],
             "global_profiler.tool",
         ),
+        (&["global_profiler.tool=nsys"][..], "global_profiler.tool"),
+        (
+            &["global_profiler.global_tool_config.npu.level=level2"][..],
+            "global_profiler.global_tool_config.npu",
+        ),
+        (
+            &["global_profiler.global_tool_config.npu.analysis=false"][..],
+            "global_profiler.global_tool_config.npu",
+        ),
+        (
+            &["global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=10"][..],
+            "global_profiler.global_tool_config.torch_memory",
+        ),
+        (
+            &["critic.profiler.tool_config.nsys.discrete=true"][..],
+            "critic.profiler.tool_config.nsys",
+        ),
         (&["global_profiler.colour=red"][..], "global_profiler"),
     ] {
         let e = refused(extra);

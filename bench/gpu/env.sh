@@ -9,3 +9,12 @@ if ! ldconfig -p | grep -q 'libnccl.so '; then
   echo "libnccl.so -> $nccl"
 fi
 VERL=${VERL:-./gpu-bin/verl}
+# Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14/2 heads, MLP 4864, vocabulary 151 936, tied
+# embeddings) for the built-in task's model, as the GPU scripts' jobs use it.
+QWEN05B=(actor_rollout_ref.model.override_config.hidden_size=896
+         actor_rollout_ref.model.override_config.intermediate_size=4864
+         actor_rollout_ref.model.override_config.num_hidden_layers=24
+         actor_rollout_ref.model.override_config.num_attention_heads=14
+         actor_rollout_ref.model.override_config.num_key_value_heads=2
+         actor_rollout_ref.model.override_config.vocab_size=151936
+         actor_rollout_ref.model.override_config.tie_word_embeddings=true)

@@ -28,13 +28,7 @@ fi
 job=(data.train_files=builtin:addition:1 trainer.test_freq=-1 trainer.val_before_train=false
      trainer.save_freq=-1 trainer.sft_warmup_steps=0 trainer.total_training_steps=${STEPS:-3}
      trainer.launcher=processes actor_rollout_ref.actor.entropy_coeff=0.01
-     actor_rollout_ref.model.override_config.hidden_size=896
-     actor_rollout_ref.model.override_config.intermediate_size=4864
-     actor_rollout_ref.model.override_config.num_hidden_layers=24
-     actor_rollout_ref.model.override_config.num_attention_heads=14
-     actor_rollout_ref.model.override_config.num_key_value_heads=2
-     actor_rollout_ref.model.override_config.vocab_size=151936
-     actor_rollout_ref.model.override_config.tie_word_embeddings=true)
+     "${QWEN05B[@]}")
 M=actor_rollout_ref.actor.megatron
 declare -A layouts=(
   [gpu1]="trainer.n_gpus_per_node=1"

@@ -16,13 +16,7 @@ job=(data.train_files=builtin:addition:1 trainer.test_freq=-1 trainer.val_before
      trainer.launcher=processes algorithm.adv_estimator=gae critic.enable=true
      critic.ppo_micro_batch_size_per_gpu=64
      actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0.01
-     actor_rollout_ref.model.override_config.hidden_size=896
-     actor_rollout_ref.model.override_config.intermediate_size=4864
-     actor_rollout_ref.model.override_config.num_hidden_layers=24
-     actor_rollout_ref.model.override_config.num_attention_heads=14
-     actor_rollout_ref.model.override_config.num_key_value_heads=2
-     actor_rollout_ref.model.override_config.vocab_size=151936
-     actor_rollout_ref.model.override_config.tie_word_embeddings=true)
+     "${QWEN05B[@]}")
 A=actor_rollout_ref.actor.megatron
 declare -A modes=(
   [off]=""

@@ -11,13 +11,7 @@ rm -rf "$OUT"; mkdir -p "$OUT"
   trainer.launcher=processes algorithm.adv_estimator=gae critic.enable=true \
   critic.ppo_micro_batch_size_per_gpu=64 \
   actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0.01 \
-  actor_rollout_ref.model.override_config.hidden_size=896 \
-  actor_rollout_ref.model.override_config.intermediate_size=4864 \
-  actor_rollout_ref.model.override_config.num_hidden_layers=24 \
-  actor_rollout_ref.model.override_config.num_attention_heads=14 \
-  actor_rollout_ref.model.override_config.num_key_value_heads=2 \
-  actor_rollout_ref.model.override_config.vocab_size=151936 \
-  actor_rollout_ref.model.override_config.tie_word_embeddings=true \
+  "${QWEN05B[@]}" \
   global_profiler.tool=torch 'global_profiler.steps=[3,4]' global_profiler.profile_continuous_steps=true \
   global_profiler.save_path="$OUT/profile" \
   actor_rollout_ref.actor.profiler.enable=true actor_rollout_ref.actor.profiler.all_ranks=true \

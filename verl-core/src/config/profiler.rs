@@ -32,13 +32,14 @@ pub struct NsysToolConfig {
     /// One capture per annotated worker method (`true`) or one per profiled step (`false`).
     pub discrete: bool,
     /// `global_tool_config.nsys.controller_nsight_options`: options for `nsys profile` around
-    /// the driver (verl starts it through Ray; here they are printed as the command to use).
+    /// the driver. Read once the nsys tool is wired (issue #20); refused until then.
     pub controller_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
     /// `global_tool_config.nsys.worker_nsight_options`: the same for the rank processes.
     pub worker_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// `tool_config.npu`.
+/// `tool_config.npu` (verl's Ascend settings; refused unless left at their defaults, since
+/// verl-rs has no NPU backend).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NpuToolConfig {
@@ -76,10 +77,10 @@ pub struct TorchToolConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TorchMemoryToolConfig {
-    /// The most samples a timeline keeps (verl: allocation records kept).
+    /// verl: allocation records kept. The torch_memory tool is not wired yet (issue #20), so
+    /// this and `stack_depth` are refused unless left at their defaults.
     pub trace_alloc_max_entries: usize,
-    /// torch records allocation stacks this deep; verl-rs samples the pool instead, so this
-    /// is accepted only at its default (see the profiler's README section).
+    /// verl: allocation stacks recorded this deep.
     pub stack_depth: usize,
 }
 

@@ -361,20 +361,80 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
 }
 
 /// The profiler settings verl-rs cannot honour (see verl-profiler's crate documentation for
-/// what each tool records).
+/// what each tool records): only the `torch` tool is wired, and of the tool settings only
+/// `torch.contents` (host spans: `cpu`) and `torch.discrete` are read, so every other one is
+/// refused unless it is left at its default — in `global_profiler.global_tool_config` and in
+/// each role's `tool_config`, enabled or not.
 fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
-    use super::profiler::{NpuToolConfig, ProfilerTool, TorchMemoryToolConfig};
+    use super::profiler::{NpuToolConfig, NsysToolConfig, ProfilerTool, TorchMemoryToolConfig};
     let arr = &cfg.actor_rollout_ref;
-    let npu = |key: &str, tool: Option<ProfilerTool>| {
-        require(
-            tool != Some(ProfilerTool::Npu),
+    let tool_ok = |key: &str, tool: Option<ProfilerTool>| match tool {
+        None | Some(ProfilerTool::Torch) => Ok(()),
+        Some(ProfilerTool::Npu) => require(
+            false,
             key,
             "npu",
             "this machine has no Ascend NPU (verl-rs runs on burn's CPU and CUDA backends)",
-            "use nsys, torch or torch_memory",
+            "use tool=torch",
+        ),
+        Some(other) => require(
+            false,
+            key,
+            other.name(),
+            "the nsys and torch_memory tools are not wired into verl-rs yet (issue #20); torch is",
+            "use tool=torch",
+        ),
+    };
+    let tools_ok = |prefix: &str, tools: &super::profiler::ToolConfig| {
+        let key = |rest: &str| format!("{prefix}.{rest}");
+        let bad: Vec<&String> = tools
+            .torch
+            .contents
+            .iter()
+            .filter(|c| c.as_str() != "cpu")
+            .collect();
+        require(
+            bad.is_empty(),
+            &key("torch.contents"),
+            &bad,
+            "verl-rs's torch-style captures record host spans (`cpu`); device spans (`cuda`), \
+             `memory`, `shapes` and `stack` are not recorded",
+            "use contents: [cpu] (or leave it empty)",
+        )?;
+        require(
+            tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
+            &key("torch.step_start"),
+            (tools.torch.step_start, tools.torch.step_end),
+            "the step window inside a capture is verl's older setting",
+            "choose the steps with global_profiler.steps and remove step_start / step_end",
+        )?;
+        require(
+            tools.nsys == NsysToolConfig::default(),
+            &key("nsys"),
+            &tools.nsys,
+            "the nsys tool is not wired into verl-rs yet (issue #20)",
+            "remove the nsys settings",
+        )?;
+        require(
+            tools.npu == NpuToolConfig::default(),
+            &key("npu"),
+            &tools.npu,
+            "there is no NPU to profile",
+            "remove the npu settings",
+        )?;
+        require(
+            tools.torch_memory == TorchMemoryToolConfig::default(),
+            &key("torch_memory"),
+            &tools.torch_memory,
+            "the torch_memory tool is not wired into verl-rs yet (issue #20)",
+            "remove the torch_memory settings",
         )
     };
-    npu("global_profiler.tool", cfg.global_profiler.tool)?;
+    tool_ok("global_profiler.tool", cfg.global_profiler.tool)?;
+    tools_ok(
+        "global_profiler.global_tool_config",
+        &cfg.global_profiler.global_tool_config,
+    )?;
     for (role, profiler) in [
         ("actor_rollout_ref.actor", &arr.actor.profiler),
         ("actor_rollout_ref.ref", &arr.reference.profiler),
@@ -382,7 +442,10 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
         ("critic", &cfg.critic.profiler),
         ("reward_model", &cfg.reward_model.profiler),
     ] {
-        npu(&format!("{role}.profiler.tool"), profiler.tool)?;
+        tool_ok(&format!("{role}.profiler.tool"), profiler.tool)?;
+        if let Some(tools) = &profiler.tool_config {
+            tools_ok(&format!("{role}.profiler.tool_config"), tools)?;
+        }
         if !profiler.enable {
             continue;
         }
@@ -401,60 +464,14 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "rewards are scored in the driver; there is no reward-model worker to profile",
             "set it to false",
         )?;
-        let Some(tool) = profiler.tool else {
+        if profiler.tool.is_none() {
             return Err(ConfigError::Invalid {
                 key: format!("{role}.profiler.tool"),
                 value: "null".into(),
                 message: "a role's profiler is enabled but no tool is chosen".into(),
-                fix: "set global_profiler.tool (or the role's profiler.tool) to nsys, torch or torch_memory".into(),
+                fix: "set global_profiler.tool (or the role's profiler.tool) to torch".into(),
             });
-        };
-        let tools = profiler.tool_config.clone().unwrap_or_default();
-        let key = |rest: &str| format!("{role}.profiler.tool_config.{rest}");
-        if tool == ProfilerTool::Torch {
-            let bad: Vec<&String> = tools
-                .torch
-                .contents
-                .iter()
-                .filter(|c| c.as_str() != "cpu")
-                .collect();
-            require(
-                bad.is_empty(),
-                &key("torch.contents"),
-                &bad,
-                "verl-rs's torch-style captures record host spans (`cpu`); device spans (`cuda`), \
-                 `memory`, `shapes` and `stack` are not recorded",
-                "use contents: [cpu] (or leave it empty), and tool=torch_memory for memory",
-            )?;
         }
-        require(
-            tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
-            &key("torch.step_start"),
-            (tools.torch.step_start, tools.torch.step_end),
-            "the step window inside a capture is verl's older setting",
-            "choose the steps with global_profiler.steps and remove step_start / step_end",
-        )?;
-        require(
-            tools.npu == NpuToolConfig::default(),
-            &key("npu"),
-            &tools.npu,
-            "there is no NPU to profile",
-            "remove the npu settings",
-        )?;
-        require(
-            tools.torch_memory.stack_depth == TorchMemoryToolConfig::default().stack_depth,
-            &key("torch_memory.stack_depth"),
-            tools.torch_memory.stack_depth,
-            "the memory timeline samples burn's pool per phase; it records no allocation stacks",
-            "remove stack_depth",
-        )?;
-        require(
-            matches!(tool, ProfilerTool::Torch),
-            &format!("{role}.profiler.tool"),
-            tool.name(),
-            "the nsys and torch_memory tools are not wired into verl-rs yet (issue #20); torch is",
-            "use tool=torch",
-        )?;
     }
     Ok(())
 }

@@ -20,6 +20,7 @@ use verl_core::traits::{
 };
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
+use super::adamw::AdamW;
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
@@ -103,55 +104,50 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok(self)
     }
 
-    /// Brings the parameters (and with `optimizer`, the optimizer state) back to the device for
-    /// a phase; nothing without offload.
-    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+    /// Runs `f` on the offload with the model and both optimizers (RL and warm-up); nothing
+    /// without offload.
+    fn with_offload_state(
+        &mut self,
+        f: impl FnOnce(
+            &mut TrainingOffload<B>,
+            &mut Option<CausalLm<B>>,
+            &mut [&mut AdamW<B::InnerBackend>],
+        ) -> Result<()>,
+    ) -> Result<()> {
         let Some(offload) = self.offload.as_mut() else {
             return Ok(());
         };
         let mut optims = vec![self.optim.adamw_mut()];
         optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
-        offload.bring_in(&mut self.model, &mut optims, optimizer)
+        f(offload, &mut self.model, &mut optims)
+    }
+
+    /// Brings the parameters (and with `optimizer`, the optimizer state) back to the device for
+    /// a phase; nothing without offload.
+    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+        self.with_offload_state(|o, model, optims| o.bring_in(model, optims, optimizer))
     }
 
     /// Brings the parameters back for an update and starts the optimizer state's copy (see
     /// `TrainingOffload::bring_in_for_update`); nothing without offload.
     fn bring_in_for_update(&mut self) -> Result<()> {
-        match self.offload.as_mut() {
-            Some(o) => o.bring_in_for_update(&mut self.model),
-            None => Ok(()),
-        }
+        self.with_offload_state(|o, model, _| o.bring_in_for_update(model))
     }
 
     /// The optimizer state on the device before an optimizer step.
     fn ready_optimizer(&mut self) -> Result<()> {
-        let Some(offload) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        let mut optims = vec![self.optim.adamw_mut()];
-        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
-        offload.ready_optimizer(&mut optims)
+        self.with_offload_state(|o, _, optims| o.ready_optimizer(optims))
     }
 
     /// Sends the parameters and optimizer state away after a phase, as the switches say.
     pub fn put_away(&mut self) -> Result<()> {
-        let Some(offload) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        let mut optims = vec![self.optim.adamw_mut()];
-        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
-        offload.put_away(&mut self.model, &mut optims)
+        self.with_offload_state(|o, model, optims| o.put_away(model, optims))
     }
 
     /// [`Self::put_away`] after a phase that only read the parameters (see
     /// `TrainingOffload::put_away_read_only`).
     pub fn put_away_read_only(&mut self) -> Result<()> {
-        let Some(offload) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        let mut optims = vec![self.optim.adamw_mut()];
-        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
-        offload.put_away_read_only(&mut self.model, &mut optims)
+        self.with_offload_state(|o, model, optims| o.put_away_read_only(model, optims))
     }
 
     /// Whether any of the role's state leaves the device between phases.

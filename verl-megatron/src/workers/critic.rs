@@ -15,6 +15,7 @@ use verl_core::algorithms::value::value_loss;
 use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Critic};
 use verl_core::{DataProto, Metrics, Result};
 
+use super::adamw::AdamW;
 use super::batch::{float_col, micro_batches, ModelInputs};
 use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
@@ -75,44 +76,44 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         Ok(self)
     }
 
-    /// Brings the parameters (and with `optimizer`, the optimizer state) back for a phase.
-    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+    /// Runs `f` on the offload with the model and the optimizer; nothing without offload.
+    fn with_offload_state(
+        &mut self,
+        f: impl FnOnce(
+            &mut TrainingOffload<B>,
+            &mut Option<CausalLm<B>>,
+            &mut [&mut AdamW<B::InnerBackend>],
+        ) -> Result<()>,
+    ) -> Result<()> {
         match self.offload.as_mut() {
-            Some(o) => o.bring_in(&mut self.model, &mut [self.optim.adamw_mut()], optimizer),
+            Some(o) => f(o, &mut self.model, &mut [self.optim.adamw_mut()]),
             None => Ok(()),
         }
+    }
+
+    /// Brings the parameters (and with `optimizer`, the optimizer state) back for a phase.
+    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
+        self.with_offload_state(|o, model, optims| o.bring_in(model, optims, optimizer))
     }
 
     /// Brings the parameters back for an update and starts the optimizer state's copy.
     fn bring_in_for_update(&mut self) -> Result<()> {
-        match self.offload.as_mut() {
-            Some(o) => o.bring_in_for_update(&mut self.model),
-            None => Ok(()),
-        }
+        self.with_offload_state(|o, model, _| o.bring_in_for_update(model))
     }
 
     /// The optimizer state on the device before an optimizer step.
     fn ready_optimizer(&mut self) -> Result<()> {
-        match self.offload.as_mut() {
-            Some(o) => o.ready_optimizer(&mut [self.optim.adamw_mut()]),
-            None => Ok(()),
-        }
+        self.with_offload_state(|o, _, optims| o.ready_optimizer(optims))
     }
 
     /// Sends the parameters and optimizer state away after a phase, as the switches say.
     pub fn put_away(&mut self) -> Result<()> {
-        match self.offload.as_mut() {
-            Some(o) => o.put_away(&mut self.model, &mut [self.optim.adamw_mut()]),
-            None => Ok(()),
-        }
+        self.with_offload_state(|o, model, optims| o.put_away(model, optims))
     }
 
     /// [`Self::put_away`] after a phase that only read the parameters.
     pub fn put_away_read_only(&mut self) -> Result<()> {
-        match self.offload.as_mut() {
-            Some(o) => o.put_away_read_only(&mut self.model, &mut [self.optim.adamw_mut()]),
-            None => Ok(()),
-        }
+        self.with_offload_state(|o, model, optims| o.put_away_read_only(model, optims))
     }
 
     /// Whether any of the role's state leaves the device between phases.

@@ -75,7 +75,11 @@ impl<B: ParallelBackend> ParamOffload<B> {
         self.offload_as(slot, true)
     }
 
-    fn offload_as<M: Module<B>>(&mut self, slot: &mut Option<M>, unchanged: bool) -> Result<()> {
+    pub(crate) fn offload_as<M: Module<B>>(
+        &mut self,
+        slot: &mut Option<M>,
+        unchanged: bool,
+    ) -> Result<()> {
         if self.layouts.is_some() {
             return Ok(());
         }
@@ -382,14 +386,7 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         model: &mut Option<M>,
         optims: &mut [&mut AdamW<B::InnerBackend>],
     ) -> Result<()> {
-        let _span = tracing::info_span!("offload").entered();
-        if self.switches.param {
-            self.params.offload(model)?;
-        }
-        if self.switches.optimizer {
-            self.moments.offload(optims)?;
-        }
-        Ok(())
+        self.put_away_as(model, optims, false)
     }
 
     /// [`Self::put_away`] after a phase that only read the state (a log-prob pass, streaming
@@ -400,9 +397,18 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
         model: &mut Option<M>,
         optims: &mut [&mut AdamW<B::InnerBackend>],
     ) -> Result<()> {
+        self.put_away_as(model, optims, true)
+    }
+
+    fn put_away_as<M: Module<B>>(
+        &mut self,
+        model: &mut Option<M>,
+        optims: &mut [&mut AdamW<B::InnerBackend>],
+        unchanged: bool,
+    ) -> Result<()> {
         let _span = tracing::info_span!("offload").entered();
         if self.switches.param {
-            self.params.offload_unchanged(model)?;
+            self.params.offload_as(model, unchanged)?;
         }
         if self.switches.optimizer {
             self.moments.offload(optims)?;

@@ -575,13 +575,9 @@ fn sampling_flag(e: &verl::rollout::SamplingError) -> &'static str {
 /// the capture's wall time (a nested span's time is also its parent's).
 fn summarize_cmd(path: &std::path::Path, top: usize) -> Result<(), String> {
     let trace = verl::profiler::ChromeTrace::read(path).map_err(|e| e.to_string())?;
-    let start = trace
-        .events
-        .iter()
-        .map(|e| e.ts)
-        .fold(f64::INFINITY, f64::min);
-    let end = trace
-        .events
+    let spans: Vec<_> = trace.events.iter().filter(|e| e.ph == "X").collect();
+    let start = spans.iter().map(|e| e.ts).fold(f64::INFINITY, f64::min);
+    let end = spans
         .iter()
         .map(|e| e.ts + e.dur)
         .fold(f64::NEG_INFINITY, f64::max);
@@ -589,17 +585,18 @@ fn summarize_cmd(path: &std::path::Path, top: usize) -> Result<(), String> {
     println!(
         "{}: {} spans over {:.1} ms",
         path.display(),
-        trace.events.len(),
+        spans.len(),
         wall / 1e3
     );
     println!(
-        "{:<32} {:>7} {:>12} {:>10} {:>10} {:>7}",
-        "span", "count", "total ms", "mean ms", "max ms", "% wall"
+        "{:<32} {:<7} {:>7} {:>12} {:>10} {:>10} {:>7}",
+        "span", "track", "count", "total ms", "mean ms", "max ms", "% wall"
     );
     for t in trace.summarize(top) {
         println!(
-            "{:<32} {:>7} {:>12.3} {:>10.3} {:>10.3} {:>6.1}%",
+            "{:<32} {:<7} {:>7} {:>12.3} {:>10.3} {:>10.3} {:>6.1}%",
             t.name,
+            t.cat,
             t.count,
             t.total_us / 1e3,
             t.total_us / 1e3 / t.count as f64,

@@ -1,7 +1,9 @@
-//! The profiler's "torch" tool on the CPU default: `verl train` with `global_profiler` and the
-//! roles' `profiler` blocks writes one gzipped Chrome trace per capture with verl's file names,
-//! for the chosen steps, ranks and roles; each holds its role's worker methods with what ran
-//! inside them, and discrete mode writes one file per method call.
+//! The profiler on the CPU default: `verl train` with `global_profiler` and the roles'
+//! `profiler` blocks. The "torch" tool writes one gzipped Chrome trace per capture with verl's
+//! file names, for the chosen steps, ranks and roles; each holds its role's worker methods with
+//! what ran inside them (device spans and a memory track when the contents ask), and discrete
+//! mode writes one file per method call. "torch_memory" writes a memory timeline per capture
+//! (JSON and PNG); "nsys" hands NVTX ranges to the tool Nsight Systems injects.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -13,6 +15,10 @@ use tracing_subscriber::prelude::*;
 use verl::profiler::{ChromeTrace, TraceLayer};
 use verl::trainer::MAIN_JOB;
 use verl::ConfigBuilder;
+
+// Memory samples on the CPU backend count the process's heap.
+#[global_allocator]
+static ALLOCATOR: verl::memory::CountingAllocator = verl::memory::CountingAllocator;
 
 /// Captures are process-wide: the runs here go one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -232,7 +238,6 @@ fn settings_it_cannot_honour_are_refused_by_name() {
             &["global_profiler.tool=perfetto"][..],
             "global_profiler.tool",
         ),
-        (&["global_profiler.tool=nsys"][..], "global_profiler.tool"),
         (
             &["global_profiler.global_tool_config.npu.level=level2"][..],
             "global_profiler.global_tool_config.npu",
@@ -242,16 +247,216 @@ fn settings_it_cannot_honour_are_refused_by_name() {
             "global_profiler.global_tool_config.npu",
         ),
         (
-            &["global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=10"][..],
-            "global_profiler.global_tool_config.torch_memory",
+            &["global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=0"][..],
+            "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries",
         ),
         (
-            &["critic.profiler.tool_config.nsys.discrete=true"][..],
-            "critic.profiler.tool_config.nsys",
+            &["global_profiler.global_tool_config.torch.contents=[cuda,shapes]"][..],
+            "global_profiler.global_tool_config.torch.contents",
+        ),
+        (
+            &["+critic.profiler.tool_config.nsys.worker_nsight_options.trace=cuda"][..],
+            "critic.profiler.tool_config.nsys.worker_nsight_options",
         ),
         (&["global_profiler.colour=red"][..], "global_profiler"),
     ] {
         let e = refused(extra);
         assert!(e.contains(key), "{extra:?}: {e}");
     }
+}
+
+#[test]
+fn device_spans_and_a_memory_track_come_when_the_contents_ask() {
+    let (dir, files) = run(&[
+        "global_profiler.steps=[2]",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+        "actor_rollout_ref.actor.profiler.tool_config.torch.contents=[cpu,cuda,memory]",
+    ]);
+    assert_eq!(files, set(&["actor/step2_prof_rank-0.json.gz"]));
+    let trace =
+        ChromeTrace::read(&dir.path().join("profile/actor/step2_prof_rank-0.json.gz")).unwrap();
+    let device = |name: &str| {
+        trace
+            .events
+            .iter()
+            .filter(|e| e.cat == "device" && e.name == name)
+            .count()
+    };
+    // One layer: an attention and an MLP span per forward pass, and the heavy steps.
+    for name in [
+        "attention",
+        "mlp",
+        "lm_head",
+        "backward",
+        "optimizer_step",
+        "decode_step",
+    ] {
+        assert!(device(name) >= 1, "no device span {name}");
+    }
+    assert_eq!(device("attention"), device("mlp"));
+    assert!(trace
+        .events
+        .iter()
+        .filter(|e| e.cat == "device")
+        .all(|e| e.tid == verl::profiler::DEVICE_TRACK));
+    // Each device span lies inside a host span of the same rank.
+    let updates: Vec<_> = trace
+        .events
+        .iter()
+        .filter(|e| e.cat == "host" && e.name == "update_actor")
+        .collect();
+    let backward = trace.events.iter().find(|e| e.name == "backward").unwrap();
+    assert!(updates
+        .iter()
+        .any(|u| backward.ts >= u.ts && backward.ts + backward.dur <= u.ts + u.dur + 1.0));
+    let memory: Vec<_> = trace.events.iter().filter(|e| e.ph == "C").collect();
+    assert!(memory.len() >= 10, "{} memory samples", memory.len());
+    assert!(memory
+        .iter()
+        .all(|m| m.args["allocated"].as_f64().unwrap() > 0.0
+            && m.args["reserved"].as_f64().unwrap() >= m.args["allocated"].as_f64().unwrap()));
+    let top = trace.summarize(50);
+    assert!(top.iter().any(|t| t.cat == "device" && t.name == "mlp"));
+    assert!(top
+        .iter()
+        .any(|t| t.cat == "host" && t.name == "update_actor"));
+}
+
+#[test]
+fn the_memory_tool_writes_a_timeline_per_capture_with_its_phases() {
+    let (dir, files) = run(&[
+        "global_profiler.tool=torch_memory",
+        "global_profiler.steps=[1,2]",
+        "global_profiler.profile_continuous_steps=true",
+        "global_profiler.global_tool_config.torch_memory.stack_depth=2",
+        "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=500",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+        "critic.profiler.enable=true",
+        "critic.profiler.ranks=[0]",
+    ]);
+    assert_eq!(
+        files,
+        set(&[
+            "actor/step1-2_memory_rank-0.json",
+            "actor/step1-2_memory_rank-0.png",
+            "critic/step1-2_memory_rank-0.json",
+            "critic/step1-2_memory_rank-0.png",
+        ])
+    );
+    let root = dir.path().join("profile");
+    let actor: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(root.join("actor/step1-2_memory_rank-0.json")).unwrap(),
+    )
+    .unwrap();
+    let samples = actor["samples"].as_array().unwrap();
+    assert!(
+        samples.len() > 10 && samples.len() <= 500,
+        "{}",
+        samples.len()
+    );
+    assert!(samples
+        .iter()
+        .all(|s| s["stack"].as_array().unwrap().len() <= 2));
+    let mut times = samples.iter().map(|s| s["t_us"].as_f64().unwrap());
+    let first = times.next().unwrap();
+    assert!(
+        times
+            .try_fold(first, |prev, t| (t >= prev).then_some(t))
+            .is_some(),
+        "samples in time order"
+    );
+    let phases: BTreeSet<&str> = actor["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    for phase in ["generate_sequences", "update_actor"] {
+        assert!(phases.contains(phase), "{phases:?}");
+    }
+    assert!(
+        !phases.contains("update_critic"),
+        "the critic's own timeline"
+    );
+    let peak = actor["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["peak_allocated"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert!(peak > 0);
+    let png = std::fs::read(root.join("actor/step1-2_memory_rank-0.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+}
+
+/// What the fake NVTX tool below received, in order.
+static NVTX_SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn nvtx_push(name: *const std::ffi::c_char) -> std::ffi::c_int {
+    let name = unsafe { std::ffi::CStr::from_ptr(name) };
+    NVTX_SEEN
+        .lock()
+        .unwrap()
+        .push(name.to_string_lossy().into_owned());
+    0
+}
+
+unsafe extern "C" fn nvtx_pop() -> std::ffi::c_int {
+    NVTX_SEEN.lock().unwrap().push("<pop>".into());
+    0
+}
+
+/// A tool attached as Nsight Systems attaches: it asks for the CORE module's slots and writes
+/// its RangePushA (9) and RangePop (11).
+unsafe extern "C" fn nvtx_tool(
+    get: unsafe extern "C" fn(u32) -> *const std::ffi::c_void,
+) -> std::ffi::c_int {
+    #[repr(C)]
+    struct Callbacks {
+        size: usize,
+        get_module: unsafe extern "C" fn(u32, *mut *const usize, *mut u32) -> std::ffi::c_int,
+    }
+    unsafe {
+        let callbacks = &*(get(1) as *const Callbacks);
+        let (mut table, mut size) = (std::ptr::null(), 0u32);
+        assert_eq!((callbacks.get_module)(1, &mut table, &mut size), 1);
+        let table = std::slice::from_raw_parts(table, size as usize + 1);
+        *(table[9] as *mut usize) = nvtx_push as *const () as usize;
+        *(table[11] as *mut usize) = nvtx_pop as *const () as usize;
+    }
+    1
+}
+
+#[test]
+fn the_nsys_tool_hands_the_profiled_steps_spans_to_nvtx() {
+    assert!(unsafe { verl::profiler::nvtx::initialize(nvtx_tool) });
+    NVTX_SEEN.lock().unwrap().clear();
+    let (_dir, files) = run(&[
+        "global_profiler.tool=nsys",
+        "global_profiler.steps=[2]",
+        "actor_rollout_ref.actor.profiler.enable=true",
+        "actor_rollout_ref.actor.profiler.ranks=[0]",
+    ]);
+    assert!(
+        files.is_empty(),
+        "Nsight Systems writes the report: {files:?}"
+    );
+    let seen = std::mem::take(&mut *NVTX_SEEN.lock().unwrap());
+    let count = |name: &str| seen.iter().filter(|s| *s == name).count();
+    assert!(count("generate_sequences") >= 1, "{seen:?}");
+    assert!(count("update_actor") >= 1);
+    assert!(count("micro_batch") >= 1);
+    assert_eq!(
+        count("compute_ref_log_prob"),
+        0,
+        "the reference is not profiled"
+    );
+    assert_eq!(
+        count("<pop>"),
+        seen.len() - count("<pop>"),
+        "every range closes"
+    );
 }

@@ -19,6 +19,7 @@ pub mod dispatch;
 pub mod error;
 pub mod memory;
 pub mod metrics;
+pub mod profiling;
 pub mod reward_score;
 pub mod topology;
 pub mod traits;

@@ -50,18 +50,58 @@ thread_local! {
 }
 
 /// Records a sample of the device's usage into the current phase's peak (if a phase is open
-/// on this thread).
+/// on this thread) and hands it to the sample listener while one listens (a profiler's memory
+/// timeline).
 pub fn record(usage: MemoryUsage) {
     PEAK.with(|p| {
         if let (true, peak) = p.get() {
             p.set((true, Some(peak.map_or(usage, |q| q.max(usage)))));
         }
     });
+    if LISTENING.load(Ordering::Acquire) > 0 {
+        if let Some(listener) = LISTENER.get() {
+            listener(usage);
+        }
+    }
 }
 
-/// Whether a phase is being measured on this thread (sampling costs nothing otherwise).
+/// Whether samples are wanted on this thread: a phase is being measured, or a listener
+/// listens (sampling costs nothing otherwise).
 pub fn phase_open() -> bool {
-    PEAK.with(|p| p.get().0)
+    LISTENING.load(Ordering::Acquire) > 0 || PEAK.with(|p| p.get().0)
+}
+
+/// Whether a listener listens (a profiler's memory timeline or memory track is open).
+pub fn listening() -> bool {
+    LISTENING.load(Ordering::Acquire) > 0
+}
+
+/// Where every sample goes while [`listen`]'s guards are alive (set once per process; the
+/// profiler's memory timeline sets it).
+static LISTENER: std::sync::OnceLock<fn(MemoryUsage)> = std::sync::OnceLock::new();
+static LISTENING: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the process's sample listener; `false` when another was set before (the first
+/// stays).
+pub fn set_listener(listener: fn(MemoryUsage)) -> bool {
+    LISTENER.set(listener).is_ok() || LISTENER.get() == Some(&listener)
+}
+
+/// Samples flow to the listener until the guard drops (guards count: the last one stops the
+/// flow).
+pub fn listen() -> ListenGuard {
+    LISTENING.fetch_add(1, Ordering::AcqRel);
+    ListenGuard(())
+}
+
+/// See [`listen`].
+#[derive(Debug)]
+pub struct ListenGuard(());
+
+impl Drop for ListenGuard {
+    fn drop(&mut self) {
+        LISTENING.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A phase whose peak memory is being measured on this thread (phases do not nest: starting

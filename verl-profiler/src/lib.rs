@@ -11,16 +11,25 @@
 //! - [`ChromeTrace`]: gzipped Chrome trace-event files, written and read back (ours or
 //!   torch's), summed by span name for `verl profile summarize`.
 //!
-//! The "torch" tool records host spans. Device spans, the "nsys" tool (NVTX ranges and
-//! `cudaProfilerStart/Stop`) and the "torch_memory" timeline are the rest of issue #20; the
-//! configuration check refuses them by name until then.
+//! - [`MemoryCapture`], [`MemoryTimeline`]: the "torch_memory" tool's device-memory timeline
+//!   (JSON and PNG).
+//! - [`NsysCapture`], [`nvtx`]: the "nsys" tool's NVTX ranges (the injection protocol
+//!   Nsight Systems speaks; no libnvToolsExt needed) and CUDA profiler capture range.
+//!
+//! The "torch" tool records host spans (`contents: [cpu]`), device spans (`cuda`: the heavy
+//! operations timed between waits for the device) and memory samples (`memory`).
 
 mod capture;
+mod memory;
+mod nsys;
+pub mod nvtx;
 mod role;
 mod schedule;
 mod trace;
 
-pub use capture::{Capture, TraceLayer};
+pub use capture::{mirror_to_nvtx, Capture, Contents, NvtxMirror, TraceLayer, DEVICE_TRACK};
+pub use memory::{MemoryCapture, MemorySample, MemoryTimeline, PhaseMemory};
+pub use nsys::NsysCapture;
 pub use role::RoleProfiler;
 pub use schedule::{covers_rank, CapturePlan};
 pub use trace::{ChromeTrace, SpanTotal, TraceEvent};

@@ -1,18 +1,25 @@
-//! A worker's profiler for one role on one rank: verl's `DistProfiler` with the "torch" tool.
-//! The trainer calls [`RoleProfiler::start_step`] / [`RoleProfiler::stop_step`] on every rank
-//! around each training step (verl's `start_profile` / `stop_profile`); worker methods run
-//! under [`RoleProfiler::annotate`], which names them with a span and, in `discrete` mode,
-//! captures each call on its own.
+//! A worker's profiler for one role on one rank: verl's `DistProfiler`. The trainer calls
+//! [`RoleProfiler::start_step`] / [`RoleProfiler::stop_step`] on every rank around each
+//! training step (verl's `start_profile` / `stop_profile`); worker methods run under
+//! [`RoleProfiler::annotate`], which names them with a span and, in `discrete` mode, captures
+//! each call on its own.
+//!
+//! What a capture is depends on the tool: `torch` writes a Chrome trace
+//! (`<label>_prof_rank-<r>.json.gz`), `torch_memory` a memory timeline
+//! (`<label>_memory_rank-<r>.json` and `.png`), `nsys` mirrors spans as NVTX ranges and opens
+//! the CUDA profiler's capture range (Nsight Systems writes the report).
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use tracing::Instrument;
-use verl_core::config::{GlobalProfilerConfig, ProfilerTool, RoleProfilerConfig};
+use verl_core::config::{
+    GlobalProfilerConfig, ProfilerTool, RoleProfilerConfig, TorchMemoryToolConfig,
+};
 
-use crate::{Capture, CapturePlan, ProfilerError};
+use crate::{Capture, CapturePlan, Contents, MemoryCapture, NsysCapture, ProfilerError};
 
 /// See the module documentation. Clones share their state.
 #[derive(Clone)]
@@ -24,16 +31,60 @@ pub struct RoleProfiler {
 }
 
 struct State {
+    tool: ProfilerTool,
     plan: CapturePlan,
     discrete: bool,
+    contents: Contents,
+    memory: TorchMemoryToolConfig,
     save_path: PathBuf,
     /// The open step capture and the step it began at.
-    open: Option<(Capture, u64)>,
+    open: Option<(Open, u64)>,
     /// Calls of each method in each step (discrete file names).
     calls: HashMap<(u64, String), usize>,
     written: Vec<PathBuf>,
     /// The first failure to write a capture (reported at the next stop).
     failed: Option<ProfilerError>,
+}
+
+/// An open capture of whichever tool.
+enum Open {
+    Trace(Capture),
+    Memory(MemoryCapture),
+    Nsys(NsysCapture),
+}
+
+impl State {
+    fn begin(&self, role: &str, rank: usize) -> Open {
+        match self.tool {
+            ProfilerTool::TorchMemory => Open::Memory(MemoryCapture::begin(
+                role,
+                rank,
+                self.memory.trace_alloc_max_entries,
+                self.memory.stack_depth,
+            )),
+            ProfilerTool::Nsys => Open::Nsys(NsysCapture::begin(role, rank)),
+            _ => Open::Trace(Capture::begin_with(role, rank, self.contents)),
+        }
+    }
+
+    /// Closes `open` and writes its files (none for nsys).
+    fn finish(&mut self, open: Open, label: &str, rank: usize) -> Result<(), ProfilerError> {
+        match open {
+            Open::Trace(c) => {
+                let path = self
+                    .save_path
+                    .join(format!("{label}_prof_rank-{rank}.json.gz"));
+                c.finish().write(&path)?;
+                self.written.push(path);
+            }
+            Open::Memory(c) => {
+                let base = self.save_path.join(format!("{label}_memory_rank-{rank}"));
+                self.written.extend(c.finish().write(&base)?);
+            }
+            Open::Nsys(c) => drop(c),
+        }
+        Ok(())
+    }
 }
 
 impl RoleProfiler {
@@ -48,8 +99,8 @@ impl RoleProfiler {
 
     /// The profiler of `role` (`actor`, `ref`, `critic`: the directory its files go to) on
     /// `rank`, from the role's block after `inherit` and the global block. Profiles when the
-    /// block is enabled, covers the rank, the tool is `torch` and steps are listed (the
-    /// config check refuses the tools and settings it cannot honour).
+    /// block is enabled, covers the rank, a tool is chosen and steps are listed (the config
+    /// check refuses the tools and settings it cannot honour).
     pub fn new(
         role: &str,
         rank: usize,
@@ -58,7 +109,10 @@ impl RoleProfiler {
     ) -> Self {
         let tool = cfg.tool.or(global.tool);
         let steps = global.steps.clone().unwrap_or_default();
-        if tool != Some(ProfilerTool::Torch) || !cfg.covers_rank(rank) || steps.is_empty() {
+        let Some(tool) = tool.filter(|t| *t != ProfilerTool::Npu) else {
+            return Self::disabled(role, rank);
+        };
+        if !cfg.covers_rank(rank) || steps.is_empty() {
             return Self::disabled(role, rank);
         }
         let tools = cfg
@@ -73,8 +127,11 @@ impl RoleProfiler {
             role: role.into(),
             rank,
             state: Some(Arc::new(Mutex::new(State {
+                tool,
                 plan: CapturePlan::new(&steps, global.profile_continuous_steps),
-                discrete: tools.torch.discrete,
+                discrete: tools.discrete(tool),
+                contents: Contents::from_torch(&tools.torch.contents),
+                memory: tools.torch_memory.clone(),
                 save_path: PathBuf::from(save_path).join(role),
                 open: None,
                 calls: HashMap::new(),
@@ -99,13 +156,15 @@ impl RoleProfiler {
     pub fn start_step(&self, step: u64) {
         if let Some(mut s) = self.lock() {
             if !s.discrete && s.open.is_none() && s.plan.starts_at(step) {
-                s.open = Some((Capture::begin(&self.role, self.rank), step));
+                let open = s.begin(&self.role, self.rank);
+                s.open = Some((open, step));
             }
         }
     }
 
-    /// After training step `step`: closes and writes the capture when `step` ends it; the
-    /// file written, if any. A write that failed in a discrete capture is reported here.
+    /// After training step `step`: closes the capture when `step` ends it and writes its
+    /// files; the first file written, if any. A write that failed in a discrete capture is
+    /// reported here.
     pub fn stop_step(&self, step: u64) -> Result<Option<PathBuf>, ProfilerError> {
         let Some(mut s) = self.lock() else {
             return Ok(None);
@@ -116,14 +175,12 @@ impl RoleProfiler {
         if !s.plan.stops_after(step) {
             return Ok(None);
         }
-        let Some((capture, first)) = s.open.take() else {
+        let Some((open, first)) = s.open.take() else {
             return Ok(None);
         };
-        let label = CapturePlan::label(&(first..=step));
-        let path = file(&s.save_path, &label, self.rank);
-        capture.finish().write(&path)?;
-        s.written.push(path.clone());
-        Ok(Some(path))
+        let before = s.written.len();
+        s.finish(open, &CapturePlan::label(&(first..=step)), self.rank)?;
+        Ok(s.written.get(before).cloned())
     }
 
     /// Runs a worker method under a span named `method` (tagged with this role and rank, so
@@ -149,20 +206,15 @@ impl RoleProfiler {
                     1 => format!("{}_{method}", CapturePlan::label(&(step..=step))),
                     n => format!("{}_{method}_{n}", CapturePlan::label(&(step..=step))),
                 };
-                Some((Capture::begin(&self.role, self.rank), label))
+                Some((s.begin(&self.role, self.rank), label))
             }
             _ => None,
         };
         let out = work.instrument(span).await;
-        if let Some((capture, label)) = own {
-            let trace = capture.finish();
+        if let Some((open, label)) = own {
             if let Some(mut s) = self.lock() {
-                let path = file(&s.save_path, &label, self.rank);
-                match trace.write(&path) {
-                    Ok(()) => s.written.push(path),
-                    Err(e) => {
-                        s.failed.get_or_insert(e);
-                    }
+                if let Err(e) = s.finish(open, &label, self.rank) {
+                    s.failed.get_or_insert(e);
                 }
             }
         }
@@ -175,7 +227,41 @@ impl RoleProfiler {
     }
 }
 
-/// verl's torch profiler names: `<save_path>/<role>/<label>_prof_rank-<rank>.json.gz`.
-fn file(dir: &Path, label: &str, rank: usize) -> PathBuf {
-    dir.join(format!("{label}_prof_rank-{rank}.json.gz"))
+thread_local! {
+    /// Ranges opened through [`verl_core::traits::Profiler::range_push`] on this thread.
+    static RANGES: std::cell::RefCell<Vec<tracing::span::EnteredSpan>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl verl_core::traits::Profiler for RoleProfiler {
+    fn start_step(&self, step: u64) {
+        RoleProfiler::start_step(self, step);
+    }
+
+    fn stop_step(&self, step: u64) -> verl_core::Result<()> {
+        RoleProfiler::stop_step(self, step)
+            .map(|_| ())
+            .map_err(|e| verl_core::Error::backend("profiler", e))
+    }
+
+    /// A span tagged with this role and rank, entered until [`Self::range_pop`]: captures,
+    /// memory samples and NVTX ranges see it as they see worker methods.
+    fn range_push(&self, name: &str) {
+        let span = tracing::info_span!(
+            "range",
+            otel.name = name,
+            role = &*self.role,
+            rank = self.rank as u64
+        )
+        .entered();
+        RANGES.with(|r| r.borrow_mut().push(span));
+    }
+
+    fn range_pop(&self) {
+        RANGES.with(|r| drop(r.borrow_mut().pop()));
+    }
+
+    fn is_enabled(&self) -> bool {
+        RoleProfiler::is_enabled(self)
+    }
 }

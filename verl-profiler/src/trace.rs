@@ -1,6 +1,7 @@
 //! Chrome trace-event files (what `chrome://tracing` and Perfetto load, and what torch's
-//! profiler exports): complete events (`"ph": "X"`) with microsecond start and duration, one
-//! process per rank and one track per thread, gzipped; and the per-name totals
+//! profiler exports): complete events (`"ph": "X"`) with microsecond start and duration,
+//! counters (`"C"`, the memory track) and track names (`"M"`), one process per rank and one
+//! track per thread (plus the device track), gzipped; and the per-span totals
 //! `verl profile summarize` prints.
 
 use std::collections::HashMap;
@@ -16,9 +17,11 @@ use crate::ProfilerError;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceEvent {
     pub name: String,
-    /// The event's category: `host`, `device`, `marker`.
+    /// The event's category: `host` (a span on a host thread), `device` (the device's time
+    /// for an operation), `memory` (a counter sample).
     pub cat: String,
-    /// `X`: a complete event (start and duration).
+    /// `X`: a complete event (start and duration); `C`: a counter sample (values in `args`);
+    /// `M`: a track's name.
     pub ph: String,
     /// Start, µs since the capture began.
     pub ts: f64,
@@ -41,10 +44,12 @@ pub struct ChromeTrace {
     pub other: Map<String, Value>,
 }
 
-/// The total time under one span name.
+/// The total time under one span name of one category.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SpanTotal {
     pub name: String,
+    /// `host` or `device` (the same operation may appear as both).
+    pub cat: String,
     pub count: usize,
     /// Summed durations, µs.
     pub total_us: f64,
@@ -109,10 +114,11 @@ impl ChromeTrace {
         let Value::Array(events) = events else {
             return Err(bad("`traceEvents` is not an array".into()));
         };
-        // Keep the complete events (metadata and instant events carry no duration).
+        // Keep complete events, counters and track names (instant and flow events are not
+        // summed or drawn here).
         let events = events
             .into_iter()
-            .filter(|e| e.get("ph").and_then(Value::as_str) == Some("X"))
+            .filter(|e| matches!(e.get("ph").and_then(Value::as_str), Some("X" | "C" | "M")))
             .map(|e| {
                 serde_json::from_value::<TraceEvent>(with_defaults(e))
                     .map_err(|err| bad(format!("an event is malformed: {err}")))
@@ -128,16 +134,20 @@ impl ChromeTrace {
         Ok(Self { events, other })
     }
 
-    /// The `top` span names by total time, longest first (ties by name).
+    /// The `top` spans (complete events, by category and name) by total time, longest
+    /// first (ties by name).
     pub fn summarize(&self, top: usize) -> Vec<SpanTotal> {
-        let mut by_name: HashMap<&str, SpanTotal> = HashMap::new();
-        for e in &self.events {
-            let t = by_name.entry(&e.name).or_insert_with(|| SpanTotal {
-                name: e.name.clone(),
-                count: 0,
-                total_us: 0.0,
-                max_us: 0.0,
-            });
+        let mut by_name: HashMap<(&str, &str), SpanTotal> = HashMap::new();
+        for e in self.events.iter().filter(|e| e.ph == "X") {
+            let t = by_name
+                .entry((&e.cat, &e.name))
+                .or_insert_with(|| SpanTotal {
+                    name: e.name.clone(),
+                    cat: e.cat.clone(),
+                    count: 0,
+                    total_us: 0.0,
+                    max_us: 0.0,
+                });
             t.count += 1;
             t.total_us += e.dur;
             t.max_us = t.max_us.max(e.dur);
@@ -147,6 +157,7 @@ impl ChromeTrace {
             b.total_us
                 .total_cmp(&a.total_us)
                 .then_with(|| a.name.cmp(&b.name))
+                .then_with(|| a.cat.cmp(&b.cat))
         });
         totals.truncate(top);
         totals
@@ -158,6 +169,7 @@ fn with_defaults(mut e: Value) -> Value {
     if let Value::Object(o) = &mut e {
         for (key, default) in [
             ("cat", Value::from("")),
+            ("ts", Value::from(0.0)),
             ("dur", Value::from(0.0)),
             ("pid", Value::from(0)),
             ("tid", Value::from(0)),
@@ -224,12 +236,13 @@ mod tests {
         let path = dir.path().join("torch.json");
         std::fs::write(
             &path,
-            r#"[{"name":"aten::mm","ph":"X","ts":1,"dur":5,"pid":"0","tid":"7"},{"name":"meta","ph":"M"}]"#,
+            r#"[{"name":"aten::mm","ph":"X","ts":1,"dur":5,"pid":"0","tid":"7"},{"name":"thread_name","ph":"M","args":{"name":"stream 7"}},{"name":"flow","ph":"s","id":1}]"#,
         )
         .unwrap();
         let t = ChromeTrace::read(&path).unwrap();
-        assert_eq!(t.events.len(), 1);
+        assert_eq!(t.events.len(), 2);
         assert_eq!(t.events[0].tid, 7);
+        assert_eq!(t.summarize(5).len(), 1, "track names are not spans");
         std::fs::write(&path, "{\"x\": 1}").unwrap();
         let err = ChromeTrace::read(&path).unwrap_err().to_string();
         assert!(err.contains("no `traceEvents` array"), "{err}");

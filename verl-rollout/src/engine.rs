@@ -16,7 +16,7 @@ use burn::tensor::TensorData;
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
-use verl_megatron::parallel::ParallelBackend;
+use verl_megatron::parallel::{device_span, ParallelBackend};
 use verl_megatron::sampling::{sample_rows, RowSampling};
 
 use crate::config::EngineConfig;
@@ -359,7 +359,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 if !admitted.is_empty() {
                     let targets: Vec<(usize, usize)> =
                         admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
-                    let logits = model.prefill_shared(&unique, &targets, &mut cache);
+                    let logits = device_span::<B, _>(&self.device, "prefill", || {
+                        model.prefill_shared(&unique, &targets, &mut cache)
+                    });
                     let logits = repeat_rows(logits, &targets);
                     stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
                     let mut fresh: Vec<Active> = admitted
@@ -449,7 +451,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
             let window = positions.iter().max().copied().unwrap_or(0) + 1;
             debug_assert!(window <= capacity);
             let enqueue = Instant::now();
-            let logits = model.decode_slots(&tokens, &positions, window, &mut cache);
+            let logits = device_span::<B, _>(&self.device, "decode_step", || {
+                model.decode_slots(&tokens, &positions, window, &mut cache)
+            });
             stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
             stats.decode_steps += 1;
             // Slots still prefilling ran along (their step writes at the next chunk's first

@@ -54,7 +54,7 @@ pub use data::{DataConfig, StringOrList, Truncation};
 pub use megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
 pub use profiler::{
     GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
-    ToolConfig, TorchToolConfig,
+    ToolConfig, TorchMemoryToolConfig, TorchToolConfig,
 };
 pub use trainer::TrainerConfig;
 pub use validate::{ValidatedConfig, ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES};

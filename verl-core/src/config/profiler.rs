@@ -31,10 +31,13 @@ impl ProfilerTool {
 pub struct NsysToolConfig {
     /// One capture per annotated worker method (`true`) or one per profiled step (`false`).
     pub discrete: bool,
-    /// `global_tool_config.nsys.controller_nsight_options`: options for `nsys profile` around
-    /// the driver. Read once the nsys tool is wired (issue #20); refused until then.
+    /// `global_tool_config.nsys.controller_nsight_options`: verl hands these to Ray to start
+    /// its driver under `nsys profile`. verl-rs's driver is the process you start, so run it
+    /// under `nsys profile` yourself; refused when set.
     pub controller_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
-    /// `global_tool_config.nsys.worker_nsight_options`: the same for the rank processes.
+    /// `global_tool_config.nsys.worker_nsight_options`: the same for the rank processes (run
+    /// `nsys profile` around `verl train`, or around each `verl worker` under torchrun or
+    /// Slurm); refused when set.
     pub worker_nsight_options: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
@@ -64,7 +67,8 @@ impl Default for NpuToolConfig {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TorchToolConfig {
-    /// What to record: `cpu` (host spans), `cuda` (device spans); empty: both.
+    /// What to record: `cpu` (host spans), `cuda` (device spans), `memory` (memory samples as
+    /// a counter track); empty: `cpu` and `cuda`. `shapes` and `stack` are refused.
     pub contents: Vec<String>,
     /// One capture per annotated worker method instead of one per profiled step.
     pub discrete: bool,
@@ -77,10 +81,9 @@ pub struct TorchToolConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TorchMemoryToolConfig {
-    /// verl: allocation records kept. The torch_memory tool is not wired yet (issue #20), so
-    /// this and `stack_depth` are refused unless left at their defaults.
+    /// Memory samples kept per capture (the latest; torch keeps its latest allocator events).
     pub trace_alloc_max_entries: usize,
-    /// verl: allocation stacks recorded this deep.
+    /// Spans recorded with each sample (the innermost; torch: Python frames per allocation).
     pub stack_depth: usize,
 }
 

@@ -366,24 +366,17 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
 /// refused unless it is left at its default — in `global_profiler.global_tool_config` and in
 /// each role's `tool_config`, enabled or not.
 fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
-    use super::profiler::{NpuToolConfig, NsysToolConfig, ProfilerTool, TorchMemoryToolConfig};
+    use super::profiler::{NpuToolConfig, ProfilerTool};
     let arr = &cfg.actor_rollout_ref;
     let tool_ok = |key: &str, tool: Option<ProfilerTool>| match tool {
-        None | Some(ProfilerTool::Torch) => Ok(()),
         Some(ProfilerTool::Npu) => require(
             false,
             key,
             "npu",
             "this machine has no Ascend NPU (verl-rs runs on burn's CPU and CUDA backends)",
-            "use tool=torch",
+            "use tool=torch, torch_memory or nsys",
         ),
-        Some(other) => require(
-            false,
-            key,
-            other.name(),
-            "the nsys and torch_memory tools are not wired into verl-rs yet (issue #20); torch is",
-            "use tool=torch",
-        ),
+        _ => Ok(()),
     };
     let tools_ok = |prefix: &str, tools: &super::profiler::ToolConfig| {
         let key = |rest: &str| format!("{prefix}.{rest}");
@@ -391,15 +384,15 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
             .torch
             .contents
             .iter()
-            .filter(|c| c.as_str() != "cpu")
+            .filter(|c| !matches!(c.as_str(), "cpu" | "cuda" | "memory"))
             .collect();
         require(
             bad.is_empty(),
             &key("torch.contents"),
             &bad,
-            "verl-rs's torch-style captures record host spans (`cpu`); device spans (`cuda`), \
-             `memory`, `shapes` and `stack` are not recorded",
-            "use contents: [cpu] (or leave it empty)",
+            "verl-rs's torch-style captures record host spans (`cpu`), device spans (`cuda`) and \
+             memory samples (`memory`); `shapes` and `stack` are not recorded",
+            "choose from [cpu, cuda, memory] (empty: cpu and cuda)",
         )?;
         require(
             tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
@@ -408,13 +401,27 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "the step window inside a capture is verl's older setting",
             "choose the steps with global_profiler.steps and remove step_start / step_end",
         )?;
-        require(
-            tools.nsys == NsysToolConfig::default(),
-            &key("nsys"),
-            &tools.nsys,
-            "the nsys tool is not wired into verl-rs yet (issue #20)",
-            "remove the nsys settings",
-        )?;
+        for (field, set) in [
+            (
+                "nsys.controller_nsight_options",
+                &tools.nsys.controller_nsight_options,
+            ),
+            (
+                "nsys.worker_nsight_options",
+                &tools.nsys.worker_nsight_options,
+            ),
+        ] {
+            require(
+                set.is_none(),
+                &key(field),
+                set,
+                "verl passes these to Ray to start processes under nsys; verl-rs's processes \
+                 are yours to start",
+                "remove it and run `nsys profile --capture-range=cudaProfilerApi \
+                 --capture-range-end=repeat <your options> verl train ...` (the nsys tool opens \
+                 the capture range around the profiled steps)",
+            )?;
+        }
         require(
             tools.npu == NpuToolConfig::default(),
             &key("npu"),
@@ -423,11 +430,11 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "remove the npu settings",
         )?;
         require(
-            tools.torch_memory == TorchMemoryToolConfig::default(),
-            &key("torch_memory"),
-            &tools.torch_memory,
-            "the torch_memory tool is not wired into verl-rs yet (issue #20)",
-            "remove the torch_memory settings",
+            tools.torch_memory.trace_alloc_max_entries > 0,
+            &key("torch_memory.trace_alloc_max_entries"),
+            0,
+            "a memory timeline keeps at least one sample",
+            "set it to 1 or more (default 100000)",
         )
     };
     tool_ok("global_profiler.tool", cfg.global_profiler.tool)?;
@@ -469,7 +476,9 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
                 key: format!("{role}.profiler.tool"),
                 value: "null".into(),
                 message: "a role's profiler is enabled but no tool is chosen".into(),
-                fix: "set global_profiler.tool (or the role's profiler.tool) to torch".into(),
+                fix: "set global_profiler.tool (or the role's profiler.tool) to torch, \
+                      torch_memory or nsys"
+                    .into(),
             });
         }
     }

@@ -23,7 +23,7 @@ use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
-use crate::parallel::{Collective, ParallelBackend, Region, TpGroup};
+use crate::parallel::{device_span, Collective, ParallelBackend, Region, TpGroup};
 use verl_core::traits::Communicator;
 
 /// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
@@ -807,17 +807,22 @@ impl<B: ParallelBackend> CausalLm<B> {
                     on_device: *on_device,
                 },
             };
-            let attn = layer.self_attn.forward(
-                layer.input_layernorm.forward(h.clone()),
-                mask,
-                cos,
-                sin,
-                attn_cache,
-            );
+            let device = h.device();
+            let attn = device_span::<B, _>(&device, "attention", || {
+                layer.self_attn.forward(
+                    layer.input_layernorm.forward(h.clone()),
+                    mask,
+                    cos,
+                    sin,
+                    attn_cache,
+                )
+            });
             h = h + attn;
-            let ff = layer
-                .mlp
-                .forward(layer.post_attention_layernorm.forward(h.clone()));
+            let ff = device_span::<B, _>(&device, "mlp", || {
+                layer
+                    .mlp
+                    .forward(layer.post_attention_layernorm.forward(h.clone()))
+            });
             h = h + ff;
         }
         match &self.norm {
@@ -831,6 +836,11 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// positions when given: the score head when present, else the LM head (or the tied
     /// embedding) on this rank's vocabulary shard.
     fn head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
+        let device = h.device();
+        device_span::<B, _>(&device, "lm_head", || self.output_head(h, window))
+    }
+
+    fn output_head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
         let _precision = precision::enter(self.compute_dtype);
         let cut = |h: Tensor<B, 3>| match window {
             Some((start, len)) => h.narrow(1, start, len),

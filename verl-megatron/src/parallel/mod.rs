@@ -18,7 +18,7 @@ pub use groups::ProcessGroups;
 pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{
-    run_collective, sample_memory, sample_module_memory, Collective, CommHandle,
+    device_span, run_collective, sample_memory, sample_module_memory, Collective, CommHandle,
     ParallelAutodiffBackend, ParallelBackend, Region, TpGroup,
 };
 pub use rendezvous::{Rendezvous, RENDEZVOUS_TIMEOUT};

@@ -212,7 +212,10 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                 let grads = match out {
                     StageOutput::Loss(loss) => {
                         stage.before_backward()?;
-                        loss.backward()
+                        let device = loss.device();
+                        verl_core::profiling::device_span::<B, _>(&device, "backward", || {
+                            loss.backward()
+                        })
                     }
                     StageOutput::Activation(a) => {
                         // The next stage's gradient of our output seeds our backward.
@@ -220,7 +223,10 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                         let n = shape.iter().product();
                         let g = comm.recv(me + 1, n, device)?.reshape(shape);
                         stage.before_backward()?;
-                        (a * Tensor::from_inner(g)).sum().backward()
+                        let device = a.device();
+                        verl_core::profiling::device_span::<B, _>(&device, "backward", || {
+                            (a * Tensor::from_inner(g)).sum().backward()
+                        })
                     }
                 };
                 if let Some(leaf) = inputs.remove(&mb) {

@@ -144,6 +144,21 @@ pub fn sample_memory<B: ParallelBackend>(device: &B::Device) {
     }
 }
 
+/// `verl_core::profiling::device_span`, and while a profiler's memory timeline listens, a
+/// sample of the device's usage after the work (a phase's peak alone does not sample here: it
+/// would cost a query per layer).
+pub fn device_span<B: ParallelBackend, T>(
+    device: &B::Device,
+    name: &'static str,
+    work: impl FnOnce() -> T,
+) -> T {
+    let out = verl_core::profiling::device_span::<B, T>(device, name, work);
+    if verl_core::memory::listening() {
+        sample_memory::<B>(device);
+    }
+    out
+}
+
 /// An autodiff backend whose inner backend runs tensor-parallel regions too: what the actor and
 /// critic train on.
 pub trait ParallelAutodiffBackend:

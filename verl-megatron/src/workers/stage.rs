@@ -15,7 +15,7 @@ use super::batch::ModelInputs;
 use crate::error::MegatronError;
 use crate::models::CausalLm;
 use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
-use crate::parallel::{with_fresh_leaves, ParallelAutodiffBackend};
+use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend};
 
 /// `model` over `micros`; the last stage turns a micro-batch's outputs into its loss with
 /// `loss`.
@@ -140,7 +140,9 @@ where
                 let StageOutput::Loss(loss) = stage.forward(mb, None)? else {
                     unreachable!("a whole model ends in a loss")
                 };
-                stage.accumulate(mb, loss.backward())?;
+                let device = loss.device();
+                let grads = device_span::<B, _>(&device, "backward", || loss.backward());
+                stage.accumulate(mb, grads)?;
             }
         }
         Some(pp) => {

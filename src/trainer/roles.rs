@@ -441,18 +441,21 @@ fn profile_controls<W: verl_core::worker::Worker>(
             Box::pin(async move { Ok(()) })
         })
         .value("stop_profile", move |_: &mut W, ctx, step: u64| {
-            let written = stop
-                .iter()
-                .map(|p| p.of(ctx.rank).stop_step(step))
-                .collect::<Result<Vec<_>, _>>()
-                .map(|files| {
-                    files
-                        .into_iter()
-                        .flatten()
-                        .map(|f| f.display().to_string())
-                        .collect::<Vec<_>>()
-                })
-                .map_err(|e| verl_core::Error::backend("profiler", e));
+            // Every role stops (one failed write must not leave another's capture open),
+            // then the first failure is reported.
+            let (mut files, mut failed) = (Vec::new(), None);
+            for p in &stop {
+                match p.of(ctx.rank).stop_step(step) {
+                    Ok(written) => files.extend(written.iter().map(|f| f.display().to_string())),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
+                }
+            }
+            let written = match failed {
+                None => Ok(files),
+                Some(e) => Err(verl_core::Error::backend("profiler", e)),
+            };
             Box::pin(async move { written })
         })
 }

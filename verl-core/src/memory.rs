@@ -71,6 +71,16 @@ pub fn phase_open() -> bool {
     LISTENING.load(Ordering::Acquire) > 0 || PEAK.with(|p| p.get().0)
 }
 
+/// Hands a sample to the listener only (not to the phase's peak): the extra samples a profiler
+/// takes, which must not change the peaks the metrics report.
+pub fn notify(usage: MemoryUsage) {
+    if LISTENING.load(Ordering::Acquire) > 0 {
+        if let Some(listener) = LISTENER.get() {
+            listener(usage);
+        }
+    }
+}
+
 /// Whether a listener listens (a profiler's memory timeline or memory track is open).
 pub fn listening() -> bool {
     LISTENING.load(Ordering::Acquire) > 0

@@ -1,5 +1,8 @@
 //! Switches a profiler flips while it captures, read by the code it measures (the switches live
-//! here so that models and workers need not depend on the profiler).
+//! here so that models and workers need not depend on the profiler). They are process-wide:
+//! while one role on one rank is captured, every role and in-process rank of the process runs
+//! its heavy operations the same way (with device waits, for device spans), only the captured
+//! ones are recorded.
 //!
 //! - Device spans: while [`time_device`]'s guards live, the heavy operations of a step
 //!   (attention, MLP, the output head, backward, the optimizer step, collectives, decode steps)
@@ -46,6 +49,12 @@ impl Drop for DeviceSpansGuard {
 }
 
 static NAMED: AtomicU64 = AtomicU64::new(0);
+
+/// Whether any profiler switch is on (device spans, named operations, a memory listener):
+/// where even looking up a device costs, callers check this first.
+pub fn active() -> bool {
+    device_spans_on() || NAMED.load(Ordering::Acquire) > 0 || crate::memory::listening()
+}
 
 /// Names the heavy operations with spans (no waits) until the guard drops (guards count).
 pub fn name_heavy_ops() -> NamedOpsGuard {

@@ -144,13 +144,16 @@ impl Capture {
         }
     }
 
-    /// Stops collecting; the spans that closed meanwhile in the order they closed, then the
-    /// tracks' names.
-    pub fn finish(self) -> ChromeTrace {
+    fn close(&self) {
         let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
         open.retain(|s| !Arc::ptr_eq(s, &self.sink));
         OPEN_COUNT.store(open.len(), Ordering::Release);
-        drop(open);
+    }
+
+    /// Stops collecting; the spans that closed meanwhile in the order they closed, then the
+    /// tracks' names.
+    pub fn finish(self) -> ChromeTrace {
+        self.close();
         let sink = &self.sink;
         let mut events =
             std::mem::take(&mut *sink.events.lock().unwrap_or_else(|e| e.into_inner()));
@@ -191,8 +194,18 @@ impl Capture {
     }
 }
 
+/// A capture dropped unfinished (its worker method was cancelled or panicked) stops
+/// collecting.
+impl Drop for Capture {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
 /// Mirrors the spans of `role` on `rank` as NVTX ranges until the guard drops (the nsys
-/// tool; ranges reach Nsight Systems when it runs the process, and cost nothing otherwise).
+/// tool; ranges reach Nsight Systems when it runs the process). A range opens each time its
+/// span is entered: a worker method's span (an async future) is entered once per poll, so in
+/// Nsight a method that awaits shows as several ranges, its waits between them.
 pub fn mirror_to_nvtx(role: &str, rank: usize) -> NvtxMirror {
     let mut open = NVTX.lock().unwrap_or_else(|e| e.into_inner());
     open.push((role.into(), rank as u64));
@@ -232,9 +245,16 @@ fn mirrored(role: &str, rank: u64) -> bool {
             .any(|(r, k)| r == role && *k == rank)
 }
 
+/// Whether anything reads the span stacks (an NVTX mirror or a memory listener): they are
+/// kept only then.
+fn stacks_wanted() -> bool {
+    NVTX_COUNT.load(Ordering::Acquire) > 0 || verl_core::memory::listening()
+}
+
 /// One entered span on a thread's stack.
 #[derive(Clone)]
 pub(crate) struct Frame {
+    id: Id,
     pub name: Arc<str>,
     pub role: Option<Arc<str>>,
     pub rank: Option<u64>,
@@ -247,9 +267,9 @@ thread_local! {
     static STACK: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
 }
 
-/// This thread's entered spans, outermost first.
+/// This thread's entered spans, outermost first (those entered while stacks were kept).
 pub(crate) fn stack() -> Vec<Frame> {
-    STACK.with(|s| s.borrow().clone())
+    STACK.try_with(|s| s.borrow().clone()).unwrap_or_default()
 }
 
 /// A memory sample taken on this thread: a counter event in the open captures of the thread's
@@ -397,6 +417,9 @@ where
     }
 
     fn on_enter(&self, id: &Id, ctx: Context<'_, S>) {
+        if !stacks_wanted() {
+            return;
+        }
         let Some(span) = ctx.span(id) else {
             return;
         };
@@ -412,20 +435,29 @@ where
             _ => false,
         };
         let frame = Frame {
+            id: id.clone(),
             name: data.name.clone(),
             role: data.role.clone(),
             rank: data.rank,
             nvtx,
         };
-        STACK.with(|s| s.borrow_mut().push(frame));
+        let _ = STACK.try_with(|s| s.borrow_mut().push(frame));
     }
 
-    fn on_exit(&self, _id: &Id, _ctx: Context<'_, S>) {
-        // Spans exit in the reverse order they entered on a thread.
-        if let Some(frame) = STACK.with(|s| s.borrow_mut().pop()) {
-            if frame.nvtx {
-                crate::nvtx::pop();
-            }
+    fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
+        // Spans exit in the reverse order they entered on a thread, except where a caller
+        // closes them out of order (`Profiler::range_pop`): the frame goes by its id. A span
+        // entered while no stack was kept has no frame.
+        let frame = STACK
+            .try_with(|s| {
+                let mut s = s.borrow_mut();
+                let at = s.iter().rposition(|f| f.id == *id)?;
+                Some(s.remove(at))
+            })
+            .ok()
+            .flatten();
+        if frame.is_some_and(|f| f.nvtx) {
+            crate::nvtx::pop();
         }
     }
 
@@ -493,6 +525,17 @@ mod tests {
     fn spans_only(mut t: ChromeTrace) -> ChromeTrace {
         t.events.retain(|e| e.ph == "X");
         t
+    }
+
+    #[test]
+    fn a_capture_dropped_unfinished_stops_collecting() {
+        let subscriber = tracing_subscriber::registry().with(TraceLayer);
+        tracing::subscriber::with_default(subscriber, || {
+            let lost = Capture::begin("critic", 21);
+            drop(lost);
+            let open = OPEN.lock().unwrap();
+            assert!(!open.iter().any(|s| s.role == "critic" && s.rank == 21));
+        });
     }
 
     #[test]

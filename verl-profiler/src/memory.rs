@@ -168,10 +168,14 @@ impl MemoryCapture {
         }
     }
 
-    pub fn finish(self) -> MemoryTimeline {
+    fn close(&self) {
         OPEN.lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|s| !Arc::ptr_eq(s, &self.sink));
+    }
+
+    pub fn finish(self) -> MemoryTimeline {
+        self.close();
         let (samples, dropped) =
             std::mem::take(&mut *self.sink.samples.lock().unwrap_or_else(|e| e.into_inner()));
         MemoryTimeline {
@@ -180,6 +184,14 @@ impl MemoryCapture {
             samples: samples.into(),
             dropped,
         }
+    }
+}
+
+/// A timeline dropped unfinished (its worker method was cancelled or panicked) stops
+/// sampling.
+impl Drop for MemoryCapture {
+    fn drop(&mut self) {
+        self.close();
     }
 }
 
@@ -457,7 +469,7 @@ mod tests {
                 verl_core::memory::record(usage(3));
             }
             // Other ranks' and untagged samples are not this timeline's.
-            drop(tracing::info_span!("x", role = "actor", rank = 0u64).entered());
+            drop(tracing::info_span!("x", role = "actor", rank = 11u64).entered());
             verl_core::memory::record(usage(9));
             let t = capture.finish();
             assert_eq!(t.dropped, 1, "four samples, three kept");

@@ -68,9 +68,10 @@ fn warn_once(why: &str) {
     }
 }
 
-/// Opens (`start`) or closes the CUDA profiler's capture range on this rank's GPU (the
-/// primary context of device `LOCAL_RANK` modulo the devices visible, the one burn-cuda
-/// uses).
+/// Opens (`start`) or closes the CUDA profiler's capture range on this rank's GPU: the
+/// primary context of device `LOCAL_RANK` modulo the devices visible, which is the rank's GPU
+/// when ranks run as processes (how verl-rs runs on GPUs). The range is process-wide, so for
+/// ranks run as threads any GPU's context opens it for all.
 #[cfg(feature = "cuda")]
 fn range(start: bool) -> Result<(), String> {
     use cudarc::driver::CudaContext;

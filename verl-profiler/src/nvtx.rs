@@ -10,7 +10,8 @@
 //! and `push` / `pop` / `mark` through the CORE module's `RangePushA` / `RangePop` / `MarkA`.
 //!
 //! ```
-//! // Not under Nsight: nothing is loaded, ranges cost an atomic load.
+//! // Not under Nsight: nothing is loaded; a range costs a check of a once-set flag and a
+//! // slot load.
 //! verl_profiler::nvtx::push("update_actor");
 //! verl_profiler::nvtx::pop();
 //! assert!(!verl_profiler::nvtx::attached());

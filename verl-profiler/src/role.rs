@@ -163,24 +163,25 @@ impl RoleProfiler {
     }
 
     /// After training step `step`: closes the capture when `step` ends it and writes its
-    /// files; the first file written, if any. A write that failed in a discrete capture is
-    /// reported here.
-    pub fn stop_step(&self, step: u64) -> Result<Option<PathBuf>, ProfilerError> {
+    /// files; the files written. A write that failed in a discrete capture is reported here
+    /// (after this step's own capture is closed either way).
+    pub fn stop_step(&self, step: u64) -> Result<Vec<PathBuf>, ProfilerError> {
         let Some(mut s) = self.lock() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
-        if let Some(e) = s.failed.take() {
-            return Err(e);
+        let mut result = Ok(Vec::new());
+        if s.plan.stops_after(step) {
+            if let Some((open, first)) = s.open.take() {
+                let before = s.written.len();
+                result = s
+                    .finish(open, &CapturePlan::label(&(first..=step)), self.rank)
+                    .map(|()| s.written[before..].to_vec());
+            }
         }
-        if !s.plan.stops_after(step) {
-            return Ok(None);
+        match s.failed.take() {
+            Some(e) => Err(e),
+            None => result,
         }
-        let Some((open, first)) = s.open.take() else {
-            return Ok(None);
-        };
-        let before = s.written.len();
-        s.finish(open, &CapturePlan::label(&(first..=step)), self.rank)?;
-        Ok(s.written.get(before).cloned())
     }
 
     /// Runs a worker method under a span named `method` (tagged with this role and rank, so
@@ -214,6 +215,7 @@ impl RoleProfiler {
         if let Some((open, label)) = own {
             if let Some(mut s) = self.lock() {
                 if let Err(e) = s.finish(open, &label, self.rank) {
+                    tracing::warn!("profiler: {e}");
                     s.failed.get_or_insert(e);
                 }
             }
@@ -240,7 +242,7 @@ impl verl_core::traits::Profiler for RoleProfiler {
 
     fn stop_step(&self, step: u64) -> verl_core::Result<()> {
         RoleProfiler::stop_step(self, step)
-            .map(|_| ())
+            .map(drop)
             .map_err(|e| verl_core::Error::backend("profiler", e))
     }
 
@@ -258,7 +260,10 @@ impl verl_core::traits::Profiler for RoleProfiler {
     }
 
     fn range_pop(&self) {
-        RANGES.with(|r| drop(r.borrow_mut().pop()));
+        // Taken out first: the span's exit runs with the list unborrowed. At thread exit the
+        // list may be gone already.
+        let span = RANGES.try_with(|r| r.borrow_mut().pop()).ok().flatten();
+        drop(span);
     }
 
     fn is_enabled(&self) -> bool {

@@ -361,10 +361,9 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
 }
 
 /// The profiler settings verl-rs cannot honour (see verl-profiler's crate documentation for
-/// what each tool records): only the `torch` tool is wired, and of the tool settings only
-/// `torch.contents` (host spans: `cpu`) and `torch.discrete` are read, so every other one is
-/// refused unless it is left at its default — in `global_profiler.global_tool_config` and in
-/// each role's `tool_config`, enabled or not.
+/// what each tool records): the `npu` tool and settings, `torch.contents` other than cpu /
+/// cuda / memory, the older torch step window, and nsys's Ray launch options — in
+/// `global_profiler.global_tool_config` and in each role's `tool_config`, enabled or not.
 fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
     use super::profiler::{NpuToolConfig, ProfilerTool};
     let arr = &cfg.actor_rollout_ref;

@@ -145,8 +145,8 @@ pub fn sample_memory<B: ParallelBackend>(device: &B::Device) {
 }
 
 /// `verl_core::profiling::device_span`, and while a profiler's memory timeline listens, a
-/// sample of the device's usage after the work (a phase's peak alone does not sample here: it
-/// would cost a query per layer).
+/// sample of the device's usage after the work, for the profiler only (the phase peaks the
+/// metrics report keep their own sample points, profiled or not).
 pub fn device_span<B: ParallelBackend, T>(
     device: &B::Device,
     name: &'static str,
@@ -154,9 +154,27 @@ pub fn device_span<B: ParallelBackend, T>(
 ) -> T {
     let out = verl_core::profiling::device_span::<B, T>(device, name, work);
     if verl_core::memory::listening() {
-        sample_memory::<B>(device);
+        if let Some(usage) = B::memory_usage(device) {
+            verl_core::memory::notify(usage);
+        }
     }
     out
+}
+
+/// [`device_span`] over work that consumes `model` (the optimizer step): the device is looked
+/// up only while a profiler needs it.
+pub fn module_device_span<B: ParallelBackend, M: burn::module::Module<B>, T>(
+    model: M,
+    name: &'static str,
+    work: impl FnOnce(M) -> T,
+) -> T {
+    if !verl_core::profiling::active() {
+        return work(model);
+    }
+    match model.devices().into_iter().next() {
+        Some(device) => device_span::<B, T>(&device, name, || work(model)),
+        None => work(model),
+    }
 }
 
 /// An autodiff backend whose inner backend runs tensor-parallel regions too: what the actor and

@@ -445,17 +445,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
                 let model = self.model.take().expect("model present");
-                let device = model
-                    .devices()
-                    .into_iter()
-                    .next()
-                    .expect("a model has parameters");
                 let step_span = tracing::info_span!("optimizer_step").entered();
                 let optim = &mut self.optim;
-                let (model, report) =
-                    crate::parallel::device_span::<B, _>(&device, "optimizer_step", || {
-                        optim.step(model, grads)
-                    });
+                let (model, report) = crate::parallel::module_device_span::<B, _, _>(
+                    model,
+                    "optimizer_step",
+                    |model| optim.step(model, grads),
+                );
                 drop(step_span);
                 self.model = Some(model);
                 let report = report?;

@@ -133,6 +133,25 @@ fn a_resumed_run_continues_exactly() {
         .join("global_step_4/critic/dist_ckpt")
         .is_dir());
     assert!(resumed.path().join("global_step_4/actor/ref").is_dir());
+    // Each rank records where its tensors sit in the full ones and its layout (what loading
+    // on another layout reads).
+    let extra: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            resumed
+                .path()
+                .join("global_step_4/actor/dist_ckpt/rank_00000/extra.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(extra["layout"]["tp_size"], 1);
+    let embed = &extra["shards"]["model.embed_tokens.weight"];
+    assert_eq!(
+        embed["dim"],
+        serde_json::Value::Null,
+        "tp=1 holds whole tensors"
+    );
+    assert_eq!(embed["global_shape"].as_array().unwrap().len(), 2);
 
     // Control: resuming the weights without the optimizer moments does not continue exactly,
     // so the comparison above is sensitive to what the checkpoint carries.

@@ -1438,6 +1438,46 @@ impl<B: Backend> CausalLm<B> {
     /// Every parameter's Hugging Face name with its parameter id (what optimizer state is keyed
     /// by in burn) and whether it is a matrix (else a vector): how optimizer state is saved by
     /// name and restored onto a model whose ids differ.
+    /// Where each tensor of [`Self::export_shards`] sits in its full tensor on this rank's
+    /// tensor-parallel layout ([`tp_split_dim`]'s splits, which [`Self::from_source`] takes:
+    /// q/k/v and gate/up rows, o_proj and down_proj columns, the vocabulary rows of the embedding
+    /// and LM head, padded to a multiple of tp), the rest whole. A checkpoint records it so that it loads on another
+    /// layout.
+    pub fn shard_slices(
+        &self,
+    ) -> std::collections::BTreeMap<String, verl_core::weights::ShardSlice> {
+        use verl_core::weights::ShardSlice;
+        let full: HashMap<String, Vec<usize>> = hf_tensor_specs(&self.config)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let split = |shape: &Vec<usize>, dim: usize, (start, len): (usize, usize)| ShardSlice {
+            global_shape: shape.clone(),
+            dim: Some(dim),
+            start,
+            len,
+        };
+        self.export_shards()
+            .into_iter()
+            .map(|t| {
+                let shape = full
+                    .get(&t.name)
+                    .cloned()
+                    .unwrap_or_else(|| t.shape.clone());
+                let slice = match tp_split_dim(&t.name) {
+                    _ if self.tp.size == 1 => ShardSlice::whole(&shape),
+                    Some(dim) if is_vocab_split(&t.name) => {
+                        let (start, real, _) = self.tp.vocab_part(self.vocab_size);
+                        split(&shape, dim, (start, real))
+                    }
+                    Some(dim) => split(&shape, dim, self.tp.part(shape[dim])),
+                    None => ShardSlice::whole(&shape),
+                };
+                (t.name, slice)
+            })
+            .collect()
+    }
+
     pub fn named_param_ids(&self) -> Vec<(String, burn::module::ParamId, bool)> {
         let names: Vec<String> = self.export_shards().into_iter().map(|t| t.name).collect();
         // `param_mut` needs `&mut`; a clone shares the tensors and keeps the ids.

@@ -1,5 +1,7 @@
 //! A worker's model and optimizer as checkpoint state (`CheckpointState`), and back: weights
-//! by HF name, AdamW moments under `<optimizer>/<name>.exp_avg{,_sq}`, counters in `extra`.
+//! by HF name, AdamW moments under `<optimizer>/<name>.exp_avg{,_sq}`, counters in `extra`,
+//! with each tensor's place in its full tensor (`extra.shards`, `verl_core::weights::ShardSlice`)
+//! and the saving rank's layout (`extra.layout`).
 
 use std::collections::HashMap;
 
@@ -41,7 +43,19 @@ pub(crate) fn save_state<B: ParallelAutodiffBackend>(
             Vec::new()
         },
         optimizer,
-        extra: json!({ "optimizers": extras, "counters": counters }),
+        // Where each tensor (and its moments, which share its name) sits in the full tensor,
+        // and the layout it was saved on: what loading on another layout reads.
+        extra: json!({
+            "optimizers": extras,
+            "counters": counters,
+            "shards": model.shard_slices(),
+            "layout": {
+                "tp_rank": model.tp.rank,
+                "tp_size": model.tp.size,
+                "pp_stage": model.stage.stage,
+                "pp_stages": model.stage.stages,
+            },
+        }),
     }
 }
 

@@ -15,13 +15,9 @@ fn run(extra: &[&str]) -> (Vec<BTreeMap<String, f64>>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let validated = ConfigBuilder::new()
         .overrides(MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
         .overrides([
-            "data.train_files=builtin:addition:1",
-            "trainer.test_freq=-1",
             "trainer.val_before_train=false",
-            "+actor_rollout_ref.model.override_config.hidden_size=64",
-            "+actor_rollout_ref.model.override_config.intermediate_size=192",
-            "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
             "algorithm.adv_estimator=gae",
             "critic.enable=true",
             "critic.ppo_micro_batch_size_per_gpu=16",
@@ -42,22 +38,15 @@ fn run(extra: &[&str]) -> (Vec<BTreeMap<String, f64>>, tempfile::TempDir) {
 
 /// Every file under `dir`, by path relative to it.
 fn files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.insert(
-                    p.strip_prefix(dir).unwrap().to_path_buf(),
-                    std::fs::read(&p).unwrap(),
-                );
-            }
-        }
-    }
-    out
+    common::files_under(dir)
+        .into_iter()
+        .map(|p| {
+            (
+                p.strip_prefix(dir).unwrap().to_path_buf(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect()
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //! (JSON and PNG); "nsys" hands NVTX ranges to the tool Nsight Systems injects.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Mutex, Once};
 
 mod common;
@@ -69,27 +69,11 @@ fn run(extra: &[&str]) -> (tempfile::TempDir, BTreeSet<PathBuf>) {
         .unwrap();
     common::fit(validated);
     let root = dir.path().join("profile");
-    let files = walk(&root)
+    let files = common::files_under(&root)
         .into_iter()
         .map(|p| p.strip_prefix(&root).unwrap().to_path_buf())
         .collect();
     (dir, files)
-}
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for e in entries {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
 }
 
 fn set(paths: &[&str]) -> BTreeSet<PathBuf> {

@@ -19,13 +19,7 @@ fn run<S: AsRef<str>>(
     let dir = tempfile::tempdir().unwrap();
     let validated = ConfigBuilder::new()
         .overrides(MAIN_JOB)
-        .overrides([
-            "data.train_files=builtin:addition:1",
-            "trainer.test_freq=-1",
-            "+actor_rollout_ref.model.override_config.hidden_size=64",
-            "+actor_rollout_ref.model.override_config.intermediate_size=192",
-            "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
-        ])
+        .overrides(common::TINY_JOB.iter().copied())
         .overrides(overrides.iter().map(AsRef::as_ref))
         .set("trainer.default_local_dir", dir.path().display())
         .build()

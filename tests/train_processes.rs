@@ -14,13 +14,9 @@ use std::time::{Duration, Instant};
 
 const VERL: &str = env!("CARGO_BIN_EXE_verl");
 
-/// A short PPO job with a critic on a tiny model (as the thread-layout tests run).
+/// A short PPO job with a critic on `common::TINY_JOB`'s model (as the thread-layout tests
+/// run).
 const JOB: &[&str] = &[
-    "data.train_files=builtin:addition:1",
-    "trainer.test_freq=-1",
-    "+actor_rollout_ref.model.override_config.hidden_size=64",
-    "+actor_rollout_ref.model.override_config.intermediate_size=192",
-    "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
     "algorithm.adv_estimator=gae",
     "critic.enable=true",
     "critic.ppo_micro_batch_size_per_gpu=16",
@@ -36,6 +32,7 @@ const TP2: &[&str] = &[
 fn train(dir: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(VERL);
     c.arg("train")
+        .args(common::TINY_JOB)
         .args(JOB)
         .args(extra)
         .arg(format!("trainer.default_local_dir={}", dir.display()))

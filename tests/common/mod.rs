@@ -10,6 +10,36 @@ use std::path::Path;
 use verl::config::ValidatedConfig;
 use verl::trainer::{PpoTrainer, RunSummary};
 
+/// The built-in task on a tiny model (2 layers, hidden 64), no validation runs: what the
+/// end-to-end tests start from.
+pub const TINY_JOB: &[&str] = &[
+    "data.train_files=builtin:addition:1",
+    "trainer.test_freq=-1",
+    "+actor_rollout_ref.model.override_config.hidden_size=64",
+    "+actor_rollout_ref.model.override_config.intermediate_size=192",
+    "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
+];
+
+/// Every file under `dir` (none when it does not exist), in no particular order.
+pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
 /// Runs the trainer's whole job in this thread, as `verl train` does.
 pub fn fit(validated: ValidatedConfig) -> RunSummary {
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -58,23 +58,19 @@ pub fn record(usage: MemoryUsage) {
             p.set((true, Some(peak.map_or(usage, |q| q.max(usage)))));
         }
     });
-    if LISTENING.load(Ordering::Acquire) > 0 {
-        if let Some(listener) = LISTENER.get() {
-            listener(usage);
-        }
-    }
+    notify(usage);
 }
 
 /// Whether samples are wanted on this thread: a phase is being measured, or a listener
 /// listens (sampling costs nothing otherwise).
 pub fn phase_open() -> bool {
-    LISTENING.load(Ordering::Acquire) > 0 || PEAK.with(|p| p.get().0)
+    LISTENING.is_on() || PEAK.with(|p| p.get().0)
 }
 
 /// Hands a sample to the listener only (not to the phase's peak): the extra samples a profiler
 /// takes, which must not change the peaks the metrics report.
 pub fn notify(usage: MemoryUsage) {
-    if LISTENING.load(Ordering::Acquire) > 0 {
+    if LISTENING.is_on() {
         if let Some(listener) = LISTENER.get() {
             listener(usage);
         }
@@ -83,13 +79,13 @@ pub fn notify(usage: MemoryUsage) {
 
 /// Whether a listener listens (a profiler's memory timeline or memory track is open).
 pub fn listening() -> bool {
-    LISTENING.load(Ordering::Acquire) > 0
+    LISTENING.is_on()
 }
 
 /// Where every sample goes while [`listen`]'s guards are alive (set once per process; the
 /// profiler's memory timeline sets it).
 static LISTENER: std::sync::OnceLock<fn(MemoryUsage)> = std::sync::OnceLock::new();
-static LISTENING: AtomicU64 = AtomicU64::new(0);
+static LISTENING: crate::profiling::Switch = crate::profiling::Switch::new();
 
 /// Sets the process's sample listener; `false` when another was set before (the first
 /// stays).
@@ -99,19 +95,8 @@ pub fn set_listener(listener: fn(MemoryUsage)) -> bool {
 
 /// Samples flow to the listener until the guard drops (guards count: the last one stops the
 /// flow).
-pub fn listen() -> ListenGuard {
-    LISTENING.fetch_add(1, Ordering::AcqRel);
-    ListenGuard(())
-}
-
-/// See [`listen`].
-#[derive(Debug)]
-pub struct ListenGuard(());
-
-impl Drop for ListenGuard {
-    fn drop(&mut self) {
-        LISTENING.fetch_sub(1, Ordering::AcqRel);
-    }
+pub fn listen() -> crate::profiling::SwitchGuard {
+    LISTENING.hold()
 }
 
 /// A phase whose peak memory is being measured on this thread (phases do not nest: starting

@@ -25,51 +25,65 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-static DEVICE_SPANS: AtomicU64 = AtomicU64::new(0);
-
-/// Whether device spans are being recorded anywhere in the process.
-pub fn device_spans_on() -> bool {
-    DEVICE_SPANS.load(Ordering::Acquire) > 0
-}
-
-/// Turns device spans on until the guard drops (guards count).
-pub fn time_device() -> DeviceSpansGuard {
-    DEVICE_SPANS.fetch_add(1, Ordering::AcqRel);
-    DeviceSpansGuard(())
-}
-
-/// See [`time_device`].
+/// A process-wide switch that is on while any of its guards lives (guards count, so nested
+/// and overlapping captures each hold it).
 #[derive(Debug)]
-pub struct DeviceSpansGuard(());
+pub struct Switch(AtomicU64);
 
-impl Drop for DeviceSpansGuard {
-    fn drop(&mut self) {
-        DEVICE_SPANS.fetch_sub(1, Ordering::AcqRel);
+impl Switch {
+    pub const fn new() -> Self {
+        Self(AtomicU64::new(0))
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.0.load(Ordering::Acquire) > 0
+    }
+
+    /// Turns the switch on until the guard drops.
+    pub fn hold(&'static self) -> SwitchGuard {
+        self.0.fetch_add(1, Ordering::AcqRel);
+        SwitchGuard(self)
     }
 }
 
-static NAMED: AtomicU64 = AtomicU64::new(0);
+impl Default for Switch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// See [`Switch::hold`].
+#[derive(Debug)]
+pub struct SwitchGuard(&'static Switch);
+
+impl Drop for SwitchGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+static DEVICE_SPANS: Switch = Switch::new();
+static NAMED: Switch = Switch::new();
+
+/// Whether device spans are being recorded anywhere in the process.
+pub fn device_spans_on() -> bool {
+    DEVICE_SPANS.is_on()
+}
+
+/// Turns device spans on until the guard drops.
+pub fn time_device() -> SwitchGuard {
+    DEVICE_SPANS.hold()
+}
 
 /// Whether any profiler switch is on (device spans, named operations, a memory listener):
 /// where even looking up a device costs, callers check this first.
 pub fn active() -> bool {
-    device_spans_on() || NAMED.load(Ordering::Acquire) > 0 || crate::memory::listening()
+    device_spans_on() || NAMED.is_on() || crate::memory::listening()
 }
 
-/// Names the heavy operations with spans (no waits) until the guard drops (guards count).
-pub fn name_heavy_ops() -> NamedOpsGuard {
-    NAMED.fetch_add(1, Ordering::AcqRel);
-    NamedOpsGuard(())
-}
-
-/// See [`name_heavy_ops`].
-#[derive(Debug)]
-pub struct NamedOpsGuard(());
-
-impl Drop for NamedOpsGuard {
-    fn drop(&mut self) {
-        NAMED.fetch_sub(1, Ordering::AcqRel);
-    }
+/// Names the heavy operations with spans (no waits) until the guard drops.
+pub fn name_heavy_ops() -> SwitchGuard {
+    NAMED.hold()
 }
 
 /// Runs `work`, the heavy operation `name`, as a device span while device spans are on: the
@@ -91,7 +105,7 @@ pub fn device_span<B: burn::tensor::backend::Backend, T>(
     work: impl FnOnce() -> T,
 ) -> T {
     if !device_spans_on() {
-        if NAMED.load(Ordering::Acquire) == 0 {
+        if !NAMED.is_on() {
             return work();
         }
         let _span = tracing::info_span!("op", otel.name = name).entered();

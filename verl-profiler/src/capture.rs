@@ -111,8 +111,8 @@ struct Sink {
 /// An open capture of one role on one rank; [`Capture::finish`] closes it.
 pub struct Capture {
     sink: Arc<Sink>,
-    _device: Option<verl_core::profiling::DeviceSpansGuard>,
-    _memory: Option<verl_core::memory::ListenGuard>,
+    _device: Option<verl_core::profiling::SwitchGuard>,
+    _memory: Option<verl_core::profiling::SwitchGuard>,
 }
 
 impl Capture {

@@ -94,7 +94,7 @@ pub struct MemoryTimeline {
 
 /// Turns on the sample listener (once per process) and keeps samples flowing while the guard
 /// lives.
-pub(crate) fn listen() -> verl_core::memory::ListenGuard {
+pub(crate) fn listen() -> verl_core::profiling::SwitchGuard {
     verl_core::memory::set_listener(on_sample);
     verl_core::memory::listen()
 }
@@ -143,7 +143,7 @@ fn on_sample(usage: MemoryUsage) {
 /// An open memory timeline of one role on one rank; [`MemoryCapture::finish`] closes it.
 pub struct MemoryCapture {
     sink: Arc<Sink>,
-    _listen: verl_core::memory::ListenGuard,
+    _listen: verl_core::profiling::SwitchGuard,
 }
 
 impl MemoryCapture {

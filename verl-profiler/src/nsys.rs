@@ -27,7 +27,7 @@ static WARNED: AtomicBool = AtomicBool::new(false);
 pub struct NsysCapture {
     _mirror: NvtxMirror,
     /// Heavy operations (attention, MLP, backward, ...) get ranges of their own.
-    _named: verl_core::profiling::NamedOpsGuard,
+    _named: verl_core::profiling::SwitchGuard,
 }
 
 impl NsysCapture {

@@ -81,7 +81,8 @@ impl<B: Backend> CheckpointBackend<B> for DistCheckpoint {
         if !d.is_dir() {
             return Err(MegatronError::Checkpoint {
                 message: format!(
-                    "{} is missing: was this checkpoint saved with the same number of ranks?",
+                    "{} is missing, and the checkpoint records no layout to reshard it from \
+                     (saved by an older verl-rs): resume it on the layout it was saved on",
                     d.display()
                 ),
             }

@@ -2,6 +2,8 @@
 //!
 //! - [`DistCheckpoint`]: each rank's model shard, AdamW moments and counters, in f32, for an
 //!   exact resume (verl's `dist_ckpt`).
+//!   A dist checkpoint loads on any other layout too ([`ShardedCheckpoint`]): each rank
+//!   records where its tensors sit in the full ones.
 //! - [`HfCheckpointer`]: the model alone in Hugging Face layout (config.json + safetensors),
 //!   loadable by `transformers` with no conversion (what mbridge gives verl).
 //!
@@ -10,9 +12,11 @@
 
 mod dist;
 mod hf;
+mod reshard;
 
 pub use dist::DistCheckpoint;
 pub use hf::HfCheckpointer;
+pub use reshard::{SavedLayout, ShardTarget, ShardedCheckpoint};
 
 use std::path::{Path, PathBuf};
 

@@ -67,6 +67,22 @@ impl HfCheckpoint {
         } else {
             vec![SINGLE.to_string()]
         };
+        Self::open_files(dir, &file_names)
+    }
+
+    /// Opens one safetensors file (a dist checkpoint's `model.safetensors` or
+    /// `optim.safetensors`), reading only its header.
+    pub fn open_file(path: impl AsRef<Path>) -> Result<Self, MegatronError> {
+        let path = path.as_ref();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| io(path, "not a file name"))?;
+        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+        Self::open_files(dir, &[name])
+    }
+
+    fn open_files(dir: PathBuf, file_names: &[String]) -> Result<Self, MegatronError> {
         let mut files = Vec::new();
         let mut entries = BTreeMap::new();
         for (i, name) in file_names.iter().enumerate() {
@@ -103,6 +119,11 @@ impl HfCheckpoint {
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.entries.contains_key(name)
     }
 
     /// Tensor names, sorted.

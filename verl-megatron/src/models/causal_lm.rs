@@ -1435,9 +1435,6 @@ impl<B: Backend> CausalLm<B> {
         Ok(())
     }
 
-    /// Every parameter's Hugging Face name with its parameter id (what optimizer state is keyed
-    /// by in burn) and whether it is a matrix (else a vector): how optimizer state is saved by
-    /// name and restored onto a model whose ids differ.
     /// Where each tensor of [`Self::export_shards`] sits in its full tensor on this rank's
     /// tensor-parallel layout ([`tp_split_dim`]'s splits, which [`Self::from_source`] takes:
     /// q/k/v and gate/up rows, o_proj and down_proj columns, the vocabulary rows of the embedding
@@ -1478,6 +1475,26 @@ impl<B: Backend> CausalLm<B> {
             .collect()
     }
 
+    /// Each of this rank's tensors with its slice of the full tensor and its shard shape
+    /// (padding included): what loading a dist checkpoint saved on another layout assembles.
+    pub fn shard_targets(&self) -> Vec<crate::checkpoint::ShardTarget> {
+        let mut slices = self.shard_slices();
+        self.export_shards()
+            .into_iter()
+            .filter_map(|t| {
+                let slice = slices.remove(&t.name)?;
+                Some(crate::checkpoint::ShardTarget {
+                    name: t.name,
+                    slice,
+                    shape: t.shape,
+                })
+            })
+            .collect()
+    }
+
+    /// Every parameter's Hugging Face name with its parameter id (what optimizer state is keyed
+    /// by in burn) and whether it is a matrix (else a vector): how optimizer state is saved by
+    /// name and restored onto a model whose ids differ.
     pub fn named_param_ids(&self) -> Vec<(String, burn::module::ParamId, bool)> {
         let names: Vec<String> = self.export_shards().into_iter().map(|t| t.name).collect();
         // `param_mut` needs `&mut`; a clone shares the tensors and keeps the ids.

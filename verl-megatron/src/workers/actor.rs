@@ -538,6 +538,27 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         )
     }
 
+    /// This rank's actor state from the dist checkpoint at `dir`, saved on this layout or any
+    /// other (tensor, pipeline and data parallel sizes, distributed optimizer on or off).
+    pub async fn read_dist_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        rank: usize,
+        contents: CheckpointContents,
+    ) -> Result<CheckpointState<B::InnerBackend>> {
+        let mut sharded = vec![("optim", self.optim.sharded_over())];
+        if let Some(sft) = &self.sft_optim {
+            sharded.push(("sft_optim", sft.sharded_over()));
+        }
+        let device = self
+            .model()
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        super::state::read_dist_state(dir, rank, self.model(), &sharded, contents, &device).await
+    }
+
     /// Restores what [`Self::checkpoint_state`] saved (exact resume).
     pub fn load_checkpoint_state(
         &mut self,

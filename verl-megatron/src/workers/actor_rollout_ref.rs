@@ -324,13 +324,12 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         let dist = DistCheckpoint::new(self.coords.rank);
         dist.save(&req.dist(), &state, req.contents).await?;
         if let Some(reference) = &self.reference {
-            let r = CheckpointState {
-                model: reference.export_shards(),
-                optimizer: Vec::new(),
-                extra: serde_json::Value::Null,
+            let r = super::state::model_state(reference);
+            let contents = CheckpointContents {
+                extra: true,
+                ..CheckpointContents::MODEL
             };
-            dist.save(&req.dir.join("ref"), &r, CheckpointContents::MODEL)
-                .await?;
+            dist.save(&req.dir.join("ref"), &r, contents).await?;
         }
         save_hf_copy(&req, self.coords.rank, state, || self.actor.full_weights()).await
     }
@@ -344,31 +343,32 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     }
 
     async fn load_resident(&mut self, req: CheckpointRequest) -> Result<()> {
-        let dist = DistCheckpoint::new(self.coords.rank);
-        let device = self.actor_device();
-        let state = dist.load(&req.dist(), req.contents, &device).await?;
+        let rank = self.coords.rank;
+        let state = self
+            .actor
+            .read_dist_checkpoint(&req.dist(), rank, req.contents)
+            .await?;
         let rollout = state.extra.get("rollout").cloned();
         self.actor.load_checkpoint_state(state, req.contents)?;
         if let Some(r) = rollout {
             self.rollout.load_state(&r)?;
         }
         if let Some(reference) = self.reference.as_mut() {
-            let saved = dist
-                .load(&req.dir.join("ref"), CheckpointContents::MODEL, &device)
-                .await?;
+            let device = reference.devices().into_iter().next().unwrap_or_default();
+            let saved = super::state::read_dist_state(
+                &req.dir.join("ref"),
+                rank,
+                reference,
+                &[],
+                CheckpointContents::MODEL,
+                &device,
+            )
+            .await?;
             for t in saved.model {
                 reference.load_shard(t)?;
             }
         }
         Ok(())
-    }
-
-    fn actor_device(&self) -> burn::tensor::Device<B::InnerBackend> {
-        burn::module::AutodiffModule::valid(self.actor.model())
-            .devices()
-            .into_iter()
-            .next()
-            .expect("a model has parameters")
     }
 
     /// A supervised step on the responses (warm-up); metrics in `meta_info`.
@@ -442,11 +442,15 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
 
     /// Restores what [`Self::save_checkpoint`] wrote (OneToAll).
     pub async fn load_checkpoint(&mut self, req: CheckpointRequest) -> Result<()> {
-        let state = DistCheckpoint::new(self.coords.rank)
-            .load(&req.dist(), req.contents, &Default::default())
-            .await?;
         self.critic.bring_in(true)?;
-        let loaded = self.critic.load_checkpoint_state(state, req.contents);
+        let loaded = match self
+            .critic
+            .read_dist_checkpoint(&req.dist(), self.coords.rank, req.contents)
+            .await
+        {
+            Ok(state) => self.critic.load_checkpoint_state(state, req.contents),
+            Err(e) => Err(e),
+        };
         self.critic.put_away()?;
         let _ = self.critic.take_offload_moved();
         loaded

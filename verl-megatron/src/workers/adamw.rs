@@ -128,6 +128,11 @@ impl<B: Backend> AdamW<B> {
         std::mem::take(&mut self.moments)
     }
 
+    /// Keeps the state of the parameters `keep` says yes to.
+    pub fn retain_moments(&mut self, keep: impl Fn(&ParamId) -> bool) {
+        self.moments.retain(|id, _| keep(id));
+    }
+
     /// Replaces the whole state (a checkpoint's).
     pub fn set_moments(&mut self, moments: HashMap<ParamId, Moments<B>>) {
         self.moments = moments;

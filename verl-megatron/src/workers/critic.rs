@@ -220,6 +220,24 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         )
     }
 
+    /// This rank's critic state from the dist checkpoint at `dir`, saved on this layout or any
+    /// other.
+    pub async fn read_dist_checkpoint(
+        &self,
+        dir: &std::path::Path,
+        rank: usize,
+        contents: CheckpointContents,
+    ) -> Result<CheckpointState<B::InnerBackend>> {
+        let sharded = [("optim", self.optim.sharded_over())];
+        let device = self
+            .model()
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        super::state::read_dist_state(dir, rank, self.model(), &sharded, contents, &device).await
+    }
+
     /// Restores what [`Self::checkpoint_state`] saved (exact resume).
     pub fn load_checkpoint_state(
         &mut self,

@@ -629,6 +629,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
                 .is_some_and(|(c, _)| c.world_size() > 1)
     }
 
+    /// Over how many data-parallel ranks the AdamW state is spread (1 unless distributed).
+    pub fn sharded_over(&self) -> usize {
+        match &self.data_parallel {
+            Some((dp, _)) if self.is_distributed() => dp.world_size(),
+            _ => 1,
+        }
+    }
+
     /// With the distributed optimizer: keeps only this rank's gradients for the update.
     fn keep_owned_grads(&mut self, model: &M, grads: &mut GradientsParams) {
         let Some((dp, _)) = &self.data_parallel else {
@@ -647,6 +655,9 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         });
         let keep = dist.owned_by(dp.rank());
         model.visit(&mut KeepGrads { grads, keep: &keep });
+        // Moments of parameters another rank owns (a checkpoint saved on another layout loads
+        // them all) are never read again.
+        self.adamw.retain_moments(|id| keep.contains(id));
     }
 
     /// With the distributed optimizer: each owner broadcasts its updated parameters (one
@@ -803,9 +814,12 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             tensors.push(named("exp_avg", &m.exp_avg));
             tensors.push(named("exp_avg_sq", &m.exp_avg_sq));
         }
+        // How many data-parallel ranks the moments are spread over (a distributed optimizer
+        // saves each rank's own): a load on another count merges them from every rank.
+        let sharded_over = self.sharded_over();
         (
             tensors,
-            json!({ "step": self.step, "moment_updates": times }),
+            json!({ "step": self.step, "moment_updates": times, "sharded_over": sharded_over }),
         )
     }
 

@@ -4,14 +4,18 @@
 //! and the saving rank's layout (`extra.layout`).
 
 use std::collections::HashMap;
+use std::path::Path;
 
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use serde_json::{json, Value};
-use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, ReduceOp};
+use verl_core::traits::{
+    CheckpointBackend, CheckpointContents, CheckpointState, Communicator, ReduceOp,
+};
 use verl_core::NamedTensor;
 
 use super::optim::{ModelOptimizer, TensorParallelGrads};
+use crate::checkpoint::{DistCheckpoint, SavedLayout, ShardedCheckpoint};
 use crate::models::CausalLm;
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 use crate::MegatronError;
@@ -49,14 +53,65 @@ pub(crate) fn save_state<B: ParallelAutodiffBackend>(
             "optimizers": extras,
             "counters": counters,
             "shards": model.shard_slices(),
-            "layout": {
-                "tp_rank": model.tp.rank,
-                "tp_size": model.tp.size,
-                "pp_stage": model.stage.stage,
-                "pp_stages": model.stage.stages,
-            },
+            "layout": layout_of(model),
         }),
     }
+}
+
+fn layout_of<B: Backend>(model: &CausalLm<B>) -> SavedLayout {
+    SavedLayout {
+        tp_rank: model.tp.rank,
+        tp_size: model.tp.size,
+        pp_stage: model.stage.stage,
+        pp_stages: model.stage.stages,
+    }
+}
+
+/// A frozen model's checkpoint state (the reference policy): its weights with where each sits
+/// in the full tensor, so that it too loads on another layout.
+pub(crate) fn model_state<B: Backend>(model: &CausalLm<B>) -> CheckpointState<B> {
+    CheckpointState {
+        model: model.export_shards(),
+        optimizer: Vec::new(),
+        extra: json!({ "shards": model.shard_slices(), "layout": layout_of(model) }),
+    }
+}
+
+/// This rank's state from the dist checkpoint at `dir`, whatever layout saved it. Saved on
+/// this rank's layout (and optimizer sharding, `sharded_over` per optimizer label), the rank's
+/// own files are read as they are; otherwise each of `model`'s tensors (and its moments) is
+/// assembled from the saved shards that overlap it ([`ShardedCheckpoint`]).
+pub(crate) async fn read_dist_state<M: Backend, I: Backend>(
+    dir: &Path,
+    rank: usize,
+    model: &CausalLm<M>,
+    sharded_over: &[(&str, usize)],
+    contents: CheckpointContents,
+    device: &I::Device,
+) -> verl_core::Result<CheckpointState<I>> {
+    let own = DistCheckpoint::new(rank);
+    let index = match ShardedCheckpoint::open(dir) {
+        Ok(index) if index.is_indexed() => index,
+        // Written before checkpoints recorded their layout: only the same layout loads.
+        _ => return own.load(dir, contents, device).await,
+    };
+    let same_optimizer_sharding = !contents.optimizer
+        || sharded_over.iter().all(|(label, n)| {
+            let saved = index
+                .extra_of(rank)
+                .and_then(|e| e.pointer(&format!("/optimizers/{label}/sharded_over")))
+                .map_or(Some(1), Value::as_u64);
+            saved == Some(*n as u64)
+        });
+    if index.layout_of(rank) == Some(layout_of(model)) && same_optimizer_sharding {
+        return own.load(dir, contents, device).await;
+    }
+    tracing::info!(
+        "{}: saved by {} ranks on another layout; assembling rank {rank}'s shards",
+        dir.display(),
+        index.ranks()
+    );
+    Ok(index.load_for(rank, &model.shard_targets(), contents, device)?)
 }
 
 /// Loads the weights of `state` into `model` (every weight must be there, with its shape), then

@@ -10,6 +10,7 @@ pub mod kernels;
 pub mod offload;
 #[cfg(feature = "cuda")]
 pub mod rollout_kernels;
+pub mod weight_sync;
 
 use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};

@@ -217,6 +217,20 @@ enum BenchCommand {
         #[arg(long, default_value_t = 10)]
         repeat: usize,
     },
+    /// The hybrid engine's actor → rollout weight sync on one device (f32 actor, bf16
+    /// rollout) per bucket size, against the device's copy bound (peer:
+    /// bench/peers/weight_sync.py).
+    WeightSync {
+        /// Model size: tiny, small, qwen2-0.5b or qwen2-1.5b.
+        #[arg(long, default_value = "small")]
+        preset: String,
+        /// Bucket sizes in MiB (`update_weights_bucket_megabytes`), comma-separated; 0 sends
+        /// each shard as it is (the rollout's layout is the actor's).
+        #[arg(long, value_delimiter = ',', default_value = "0,512")]
+        bucket_mb: Vec<usize>,
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+    },
     /// GPU-host transfer rates of the offload stores, checked bit for bit, and how much of a
     /// prefetch hides behind compute (`cuda` build; peer: bench/peers/offload.py).
     Offload {
@@ -349,6 +363,14 @@ fn run(cli: Cli) -> Result<(), String> {
                     repeat,
                 },
         } => bench::offload::offload(gib, tensors, repeat),
+        Command::Bench {
+            what:
+                BenchCommand::WeightSync {
+                    preset,
+                    bucket_mb,
+                    repeat,
+                },
+        } => bench::weight_sync::weight_sync(&preset, &bucket_mb, repeat),
         #[cfg(not(feature = "cuda"))]
         Command::Bench {
             what:

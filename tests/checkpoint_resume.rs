@@ -68,6 +68,7 @@ fn step_metrics(dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
                         || k.starts_with("perf/throughput")
                         || k.starts_with("val/")
                         || k.as_str() == "rollout/seconds"
+                        || k.as_str() == "perf/weight_sync_s"
                         || k.as_str() == "rollout/decode_tokens_per_s")
                 })
                 .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))

@@ -203,3 +203,23 @@ fn four_ranks_with_pipeline_and_tensor_parallel_train_as_one() {
         "critic.megatron.pipeline_model_parallel_size=2",
     ]);
 }
+
+/// The rollout on its own tensor-parallel groups: tp = 2 like the actor's (each rank's shards
+/// go over as they are), and tp = 2 under a pp = 2 × dp = 2 actor (the stages send their
+/// buckets over, each rollout rank cuts its shard from the full weights, the old log-probs are
+/// a separate pass).
+#[test]
+fn a_tensor_parallel_rollout_trains_as_one() {
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    ]);
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1",
+    ]);
+}

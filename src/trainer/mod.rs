@@ -257,8 +257,8 @@ pub struct PpoTrainer {
     advantages: AdvantageRegistry<Infer>,
     log: RunLog,
     needs_ref: bool,
-    /// The actor is split into pipeline stages.
-    actor_pipelined: bool,
+    /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).
+    old_log_prob_apart: bool,
     total_steps: u64,
     /// The step being run (validation seeds its sampling with it).
     global_step: u64,
@@ -484,7 +484,7 @@ impl PpoTrainer {
             total_steps,
         )?;
         let needs_ref = plans.actor.needs_ref;
-        let actor_pipelined = plans.actor_pipelined;
+        let old_log_prob_apart = plans.old_log_prob_apart;
         let (actor, critic, processes) = match launcher_of(&cfg, world)? {
             LauncherKind::Threads => {
                 // The ranks are threads of this process, talking through in-process
@@ -547,7 +547,7 @@ impl PpoTrainer {
             train,
             val,
             needs_ref,
-            actor_pipelined,
+            old_log_prob_apart,
             total_steps,
             global_step: 0,
             out_dir,
@@ -624,7 +624,7 @@ impl PpoTrainer {
                 .insert("global_steps".into(), self.global_step.into());
             let gen = self
                 .actor
-                .call_proto(&DispatchMode::MegatronPpAsDp, "generate_sequences", batch)
+                .call_proto(&rollout_mesh(), "generate_sequences", batch)
                 .await?;
             let (scores, _) = self.rewards(&gen)?;
             total += scores.iter().sum::<f64>();
@@ -669,9 +669,9 @@ impl PpoTrainer {
             &device,
         )?;
         batch.meta_info.insert("global_steps".into(), step.into());
-        if self.actor_pipelined {
-            // The stages generate different prompts (pipeline ranks act as data parallel for
-            // the rollout), so the old log-probs are a separate pass through the pipeline.
+        if self.old_log_prob_apart {
+            // The rollout's chunks are not the actor's (pipeline stages, or the rollout's own
+            // tensor parallel size), so the old log-probs are a separate pass.
             batch
                 .meta_info
                 .insert("recompute_log_prob".into(), Value::Bool(false));
@@ -680,7 +680,7 @@ impl PpoTrainer {
         let t = Instant::now();
         let mut gen = self
             .actor
-            .call_proto(&DispatchMode::MegatronPpAsDp, "generate_sequences", batch)
+            .call_proto(&rollout_mesh(), "generate_sequences", batch)
             .await?;
         let worker_metrics = metrics_of(&gen);
         gen.meta_info.remove("metrics");
@@ -693,7 +693,7 @@ impl PpoTrainer {
             .unwrap_or(0.0);
         metrics.extend(worker_metrics);
         metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
-        if self.actor_pipelined {
+        if self.old_log_prob_apart {
             let t = Instant::now();
             let old = self
                 .actor
@@ -1163,4 +1163,12 @@ pub fn metrics_of<B: Backend>(data: &DataProto<B>) -> Metrics {
         _ => {}
     }
     out
+}
+
+/// How `generate_sequences` is dispatched: verl's rollout mesh (each rollout tensor-parallel
+/// group one chunk, collected from its first rank).
+fn rollout_mesh() -> DispatchMode {
+    DispatchMode::Nd {
+        mesh: verl_core::dispatch::MESH_ROLLOUT.into(),
+    }
 }

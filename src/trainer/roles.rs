@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::config::{GlobalProfilerConfig, OptimConfig, RoleProfilerConfig, VerlConfig};
-use verl_core::topology::Topology;
-use verl_core::traits::OffloadSwitches;
+use verl_core::topology::{GroupKind, Topology};
+use verl_core::traits::{OffloadSwitches, WeightSyncPlan};
 use verl_core::worker::{MethodFuture, MethodTable};
 use verl_core::DataProto;
 use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig};
@@ -44,6 +44,8 @@ pub(crate) struct ActorPlan {
     optim: OptimConfig,
     optim_steps: u64,
     free_cache: bool,
+    /// `rollout.update_weights_bucket_megabytes`.
+    bucket_megabytes: usize,
     sft_lr: Option<f64>,
     sft_steps: u64,
     model_path: Option<String>,
@@ -79,8 +81,10 @@ pub(crate) struct CriticPlan {
 pub(crate) struct RolePlans {
     pub actor: ActorPlan,
     pub critic: Option<CriticPlan>,
-    /// The actor is split into pipeline stages.
-    pub actor_pipelined: bool,
+    /// The rollout's chunks are not the actor's data-parallel ones (pipeline stages, or a
+    /// rollout tensor parallel size other than the actor's), so the old log-probs are a
+    /// separate pass rather than recomputed inside `generate_sequences`.
+    pub old_log_prob_apart: bool,
 }
 
 impl RolePlans {
@@ -150,9 +154,18 @@ impl RolePlans {
             ));
         }
         let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
-        let actor_pipelined = split.len() > 1;
-        let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+        let old_log_prob_apart = split.len() > 1
+            || cfg.actor_rollout_ref.rollout.tensor_model_parallel_size != layout.tp;
+        let rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size;
+        let topo = Topology::new(layout.clone(), world)
+            .and_then(|t| t.with_rollout_tp(rollout_tp))
+            .map_err(setup)?;
         model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+        model_cfg.check_tensor_parallel(rollout_tp).map_err(|e| {
+            setup(format!(
+                "actor_rollout_ref.rollout.tensor_model_parallel_size = {rollout_tp}: {e}"
+            ))
+        })?;
         let actor = ActorPlan {
             topo,
             settings,
@@ -172,6 +185,10 @@ impl RolePlans {
             optim: actor_cfg.optim.clone(),
             optim_steps,
             free_cache: cfg.actor_rollout_ref.rollout.free_cache_engine,
+            bucket_megabytes: cfg
+                .actor_rollout_ref
+                .rollout
+                .update_weights_bucket_megabytes,
             sft_lr: cfg.trainer.sft_warmup_lr,
             sft_steps: cfg.trainer.sft_warmup_steps,
             model_path: cfg.actor_rollout_ref.model.path.clone(),
@@ -239,7 +256,7 @@ impl RolePlans {
         Ok(Self {
             actor,
             critic,
-            actor_pipelined,
+            old_log_prob_apart,
         })
     }
 }
@@ -266,17 +283,23 @@ impl ActorPlan {
         }
         .with_compute_dtype(self.actor_dtype);
         let inner = burn::module::AutodiffModule::valid(&model);
-        // The rollout engine runs the whole model on each rank (rollout tp = 1): the hybrid
-        // engine gathers the actor's shards into it before every generation.
-        let rollout_model = if tp.is_parallel() || stage.stages > 1 {
+        // The rollout engine runs every layer on its own tensor-parallel group (consecutive
+        // ranks, no sequence parallel); the hybrid engine streams the actor's weights into it
+        // before every generation. A single-rank actor and rollout share the tensors.
+        let rollout_tp = TpGroup::new(groups.get(GroupKind::RolloutTp).clone(), false);
+        let rollout_model = if tp.is_parallel() || stage.stages > 1 || rollout_tp.is_parallel() {
             match &ckpt {
-                None => CausalLm::<Infer>::init(mcfg, 0.02, self.seed, &device),
-                Some(c) => CausalLm::from_checkpoint(mcfg, c, &device)?,
+                None => {
+                    CausalLm::<Infer>::init_sharded(mcfg, 0.02, self.seed, &device, &rollout_tp)?
+                }
+                Some(c) => CausalLm::from_checkpoint_sharded(mcfg, c, &device, &rollout_tp)?,
             }
         } else {
             inner.clone()
         }
         .with_compute_dtype(self.rollout_dtype);
+        let mut weight_sync = WeightSyncPlan::with_bucket_megabytes(self.bucket_megabytes);
+        weight_sync.shards_fit = rollout_tp.size == tp.size && stage.stages == 1;
         let rollout = NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
             .map_err(verl_core::Error::from)?
             .with_detokenizer(self.detokenizer.clone());
@@ -318,6 +341,7 @@ impl ActorPlan {
             rollout: Box::new(rollout),
             reference,
             sharding: HybridShardingManager {
+                plan: weight_sync,
                 free_cache_engine: self.free_cache,
                 release_weights: self.offload.param,
             },

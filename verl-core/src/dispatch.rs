@@ -49,6 +49,11 @@ use crate::DataProto;
 
 /// Mesh name under which a Megatron worker publishes its `MegatronCompute` info.
 pub const MESH_MEGATRON_COMPUTE: &str = "megatron_compute";
+/// Mesh name of the rollout engine's layout (verl's `"rollout"` mesh): groups of
+/// `rollout.tensor_model_parallel_size` consecutive ranks, each generating one chunk, collected
+/// from each group's first rank.
+pub const MESH_ROLLOUT: &str = "rollout";
+
 /// Mesh name under which a Megatron worker publishes its `MegatronPpAsDp` info.
 pub const MESH_MEGATRON_PP_AS_DP: &str = "megatron_pp_as_dp";
 
@@ -116,6 +121,18 @@ impl DispatchInfo {
             dp_rank: rank,
             dp_size: world_size,
             is_collect: true,
+        }
+    }
+
+    /// The rollout mesh ([`MESH_ROLLOUT`]): chunk `rank / rollout_tp`, collected from the
+    /// first rank of each rollout tensor-parallel group.
+    pub fn rollout(c: &RankCoords) -> Self {
+        let tp = c.rollout_tp_size.max(1);
+        let world = c.tp_size * c.cp_size * c.dp_size * c.pp_size;
+        Self {
+            dp_rank: c.rank / tp,
+            dp_size: world / tp,
+            is_collect: c.rank.is_multiple_of(tp),
         }
     }
 
@@ -307,6 +324,7 @@ pub fn megatron_dispatch_info(coords: &RankCoords, mesh: &str) -> Option<Dispatc
     match mesh {
         MESH_MEGATRON_COMPUTE => Some(DispatchInfo::megatron_compute(coords)),
         MESH_MEGATRON_PP_AS_DP => Some(DispatchInfo::megatron_pp_as_dp(coords)),
+        MESH_ROLLOUT => Some(DispatchInfo::rollout(coords)),
         _ => None,
     }
 }

@@ -123,14 +123,34 @@ impl PhasePeak {
 pub struct CountingAllocator;
 
 static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static PEAK_BYTES: AtomicU64 = AtomicU64::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+fn grew(by: u64) {
+    let now = LIVE_BYTES.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK_BYTES.fetch_max(now, Ordering::Relaxed);
+}
+
+impl CountingAllocator {
+    /// Restarts the high-water mark at the bytes live now (every thread's), and returns them.
+    pub fn reset_peak() -> u64 {
+        let now = LIVE_BYTES.load(Ordering::Relaxed);
+        PEAK_BYTES.store(now, Ordering::Relaxed);
+        now
+    }
+
+    /// The most bytes live at once since [`Self::reset_peak`] (0 when not installed).
+    pub fn peak() -> u64 {
+        PEAK_BYTES.load(Ordering::Relaxed)
+    }
+}
 
 // SAFETY: every call is forwarded to `System` unchanged; only counters are added.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            LIVE_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+            grew(layout.size() as u64);
             INSTALLED.store(true, Ordering::Relaxed);
         }
         p
@@ -139,7 +159,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
-            LIVE_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+            grew(layout.size() as u64);
             INSTALLED.store(true, Ordering::Relaxed);
         }
         p
@@ -153,7 +173,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            LIVE_BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+            grew(new_size as u64);
             LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
         }
         p

@@ -291,6 +291,8 @@ pub struct RankCoords {
     pub etp_size: usize,
     pub ep_size: usize,
     pub edp_size: usize,
+    /// The rollout engine's tensor parallel size ([`Topology::with_rollout_tp`]).
+    pub rollout_tp_size: usize,
 }
 
 impl RankCoords {
@@ -330,11 +332,15 @@ pub enum GroupKind {
     ExpertDp,
     /// Expert tensor × expert × pipeline parallel.
     ExpertModelParallel,
+    /// The rollout engine's own tensor parallel (`rollout.tensor_model_parallel_size`):
+    /// consecutive ranks, as verl's rollout mesh groups them; single ranks unless
+    /// [`Topology::with_rollout_tp`] says otherwise.
+    RolloutTp,
 }
 
 impl GroupKind {
     /// Every family, in a fixed order.
-    pub const ALL: [GroupKind; 11] = [
+    pub const ALL: [GroupKind; 12] = [
         GroupKind::Tp,
         GroupKind::Cp,
         GroupKind::Dp,
@@ -346,6 +352,7 @@ impl GroupKind {
         GroupKind::Ep,
         GroupKind::ExpertDp,
         GroupKind::ExpertModelParallel,
+        GroupKind::RolloutTp,
     ];
 }
 
@@ -356,6 +363,7 @@ pub struct Topology {
     world_size: usize,
     dp: usize,
     edp: usize,
+    rollout_tp: usize,
     groups: BTreeMap<GroupKind, Vec<Vec<usize>>>,
     /// `membership[kind][rank]` = index of the rank's group in `groups[kind]`.
     membership: BTreeMap<GroupKind, Vec<usize>>,
@@ -435,10 +443,27 @@ impl Topology {
                 GroupKind::ExpertModelParallel => {
                     masked_orthogonal_groups(&expert, &[true, true, false, true])
                 }
+                GroupKind::RolloutTp => (0..world_size).map(|r| vec![r]).collect(),
             };
             groups.insert(kind, g);
         }
-        let membership = groups
+        let membership = Self::memberships(&groups, world_size);
+        Ok(Self {
+            config,
+            world_size,
+            dp,
+            edp,
+            rollout_tp: 1,
+            groups,
+            membership,
+        })
+    }
+
+    fn memberships(
+        groups: &BTreeMap<GroupKind, Vec<Vec<usize>>>,
+        world_size: usize,
+    ) -> BTreeMap<GroupKind, Vec<usize>> {
+        groups
             .iter()
             .map(|(kind, gs)| {
                 let mut m = vec![0; world_size];
@@ -449,15 +474,41 @@ impl Topology {
                 }
                 (*kind, m)
             })
+            .collect()
+    }
+
+    /// The same layout with the rollout engine's own tensor parallel size: groups of `rollout_tp`
+    /// consecutive ranks ([`GroupKind::RolloutTp`]), each generating one share of the prompts.
+    ///
+    /// ```
+    /// use verl_core::topology::{GroupKind, ParallelConfig, Topology};
+    /// let topo = Topology::new(ParallelConfig { tp: 4, ..Default::default() }, 4)?
+    ///     .with_rollout_tp(2)?;
+    /// assert_eq!(topo.groups(GroupKind::RolloutTp), &[vec![0, 1], vec![2, 3]]);
+    /// # Ok::<(), verl_core::Error>(())
+    /// ```
+    pub fn with_rollout_tp(mut self, rollout_tp: usize) -> Result<Self> {
+        if rollout_tp == 0 || !self.world_size.is_multiple_of(rollout_tp) {
+            return Err(TopologyError::Invalid {
+                field: "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                message: format!(
+                    "= {rollout_tp} must be at least 1 and divide the world size {}",
+                    self.world_size
+                ),
+            });
+        }
+        let groups = (0..self.world_size / rollout_tp)
+            .map(|g| (g * rollout_tp..(g + 1) * rollout_tp).collect())
             .collect();
-        Ok(Self {
-            config,
-            world_size,
-            dp,
-            edp,
-            groups,
-            membership,
-        })
+        self.groups.insert(GroupKind::RolloutTp, groups);
+        self.membership = Self::memberships(&self.groups, self.world_size);
+        self.rollout_tp = rollout_tp;
+        Ok(self)
+    }
+
+    /// The rollout engine's tensor parallel size (1 unless [`Self::with_rollout_tp`]).
+    pub fn rollout_tp(&self) -> usize {
+        self.rollout_tp
     }
 
     pub fn config(&self) -> &ParallelConfig {
@@ -506,6 +557,7 @@ impl Topology {
             etp_size: etp,
             ep_size: c.ep,
             edp_size: self.edp,
+            rollout_tp_size: self.rollout_tp,
         })
     }
 

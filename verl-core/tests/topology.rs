@@ -59,6 +59,7 @@ proptest! {
                 GroupKind::Ep => cfg.ep,
                 GroupKind::ExpertDp => edp,
                 GroupKind::ExpertModelParallel => cfg.expert_tp() * cfg.ep * cfg.pp,
+                GroupKind::RolloutTp => topo.rollout_tp(),
             };
             prop_assert!(groups.iter().all(|g| g.len() == size), "{:?} group size", kind);
         }

@@ -16,7 +16,7 @@ use burn::tensor::TensorData;
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
-use verl_megatron::parallel::{device_span, ParallelBackend};
+use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
 use verl_megatron::sampling::{sample_rows, RowSampling};
 
 use crate::config::EngineConfig;
@@ -99,6 +99,11 @@ pub struct NativeRollout<B: ParallelBackend> {
     pub(crate) device: B::Device,
     /// The model's compute dtype, kept for rebuilding it after `sleep(All)`.
     pub(crate) compute_dtype: ComputeDtype,
+    /// The engine's tensor-parallel group (`rollout.tensor_model_parallel_size`): each rank
+    /// holds its heads' share of the weights and of the KV cache, and the vocabulary-parallel
+    /// logits are gathered before sampling (as vLLM does), so every rank of the group draws
+    /// the same tokens.
+    pub(crate) tp: TpGroup,
     cache: Option<SlotKvCache<B>>,
     /// The most slots the KV budget allows.
     max_slots: usize,
@@ -122,9 +127,18 @@ impl<B: ParallelBackend> NativeRollout<B> {
         device: B::Device,
     ) -> Result<Self, RolloutError> {
         config.validate()?;
+        let tp = model.tp.clone();
+        if tp.sequence_parallel {
+            return Err(RolloutError::Config {
+                field: "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                value: tp.size.to_string(),
+                message: "the rollout's tensor-parallel group runs without sequence parallel;                           build its model with a TpGroup that has it off"
+                    .into(),
+            });
+        }
         let per_position = SlotKvCache::<B>::bytes_per_position(
             model_config.num_hidden_layers,
-            model_config.num_key_value_heads,
+            model_config.num_key_value_heads / tp.size,
             model_config.head_dim,
         );
         let positions = config.kv_budget.positions(per_position);
@@ -147,6 +161,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             config,
             device,
             compute_dtype,
+            tp,
             cache: None,
             max_slots,
             slots_before_sleep: 0,
@@ -208,7 +223,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         let m = &self.model_config;
         SlotKvCache::new(
             m.num_hidden_layers,
-            m.num_key_value_heads,
+            m.num_key_value_heads / self.tp.size,
             m.head_dim,
             slots,
             self.config.max_model_len(),
@@ -520,6 +535,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 },
             })
             .collect();
+        let logits = self.full_vocabulary(logits);
         let logits = match sample_rows(logits, &settings) {
             Ok(picks) => {
                 stats.sampled_on_device = true;
@@ -544,6 +560,16 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 Some((tok, log_prob))
             })
             .collect()
+    }
+
+    /// The whole vocabulary's logits `[rows, vocab]` from this rank's vocabulary-parallel
+    /// part (the identity at tp = 1): gathered over the tensor-parallel group, padding cut.
+    fn full_vocabulary(&self, logits: Tensor<B, 2>) -> Tensor<B, 2> {
+        if !self.tp.is_parallel() {
+            return logits;
+        }
+        let full = self.tp.collective(logits, Collective::AllGather(1));
+        full.narrow(1, 0, self.model_config.vocab_size)
     }
 
     /// After a prefill: `active`, bound for slot `slot`, takes its sampled token if it has one

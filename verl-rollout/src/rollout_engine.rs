@@ -172,7 +172,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                     staged.insert(t.name.clone(), t);
                     count += 1;
                 }
-                let model = CausalLm::from_named_tensors(&self.model_config, staged)?
+                let model = CausalLm::from_named_shards(&self.model_config, staged, &self.tp)?
                     .with_compute_dtype(self.compute_dtype)
                     .with_generation_matrices();
                 self.model = Some(model);

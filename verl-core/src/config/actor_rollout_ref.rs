@@ -261,7 +261,12 @@ pub struct RolloutConfig {
     pub stop: Vec<String>,
     pub enforce_eager: bool,
     pub free_cache_engine: bool,
+    /// The rollout engine's own tensor parallel size (verl: "training TP can differ from
+    /// inference TP"): groups of this many consecutive ranks each generate one share.
     pub tensor_model_parallel_size: usize,
+    /// The actor's weights reach the rollout in buckets of this many MiB: the most full
+    /// tensors a weight sync holds at once.
+    pub update_weights_bucket_megabytes: usize,
     pub max_num_batched_tokens: usize,
     pub max_model_len: Option<usize>,
     pub max_num_seqs: usize,
@@ -306,6 +311,7 @@ impl Default for RolloutConfig {
             enforce_eager: true,
             free_cache_engine: true,
             tensor_model_parallel_size: 1,
+            update_weights_bucket_megabytes: 512,
             max_num_batched_tokens: 8192,
             max_model_len: None,
             max_num_seqs: 256,

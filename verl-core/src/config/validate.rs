@@ -303,6 +303,14 @@ impl VerlConfig {
                 format!("use a divisor of {world}"),
             ));
         }
+        if rollout.update_weights_bucket_megabytes == 0 {
+            return Err(invalid(
+                "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
+                0,
+                "must be at least 1".to_string(),
+                "give a bucket size in MiB (verl's default is 512)".to_string(),
+            ));
+        }
 
         // Batch arithmetic (verl's ray trainer and actor checks).
         let n = rollout.n;

@@ -22,4 +22,4 @@ pub use offload::{HostOffload, OffloadSwitches, TransferReport};
 pub use profiler::{ProfileRange, Profiler};
 pub use reward::{RewardFn, RewardInput, RewardScore};
 pub use rollout::{RolloutEngine, SleepLevel};
-pub use sharding::{ReshardReport, ShardingManager, WeightExporter};
+pub use sharding::{ReshardReport, ShardingManager, WeightExporter, WeightSyncPlan};

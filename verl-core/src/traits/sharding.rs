@@ -4,10 +4,38 @@ use burn::prelude::*;
 use super::RolloutEngine;
 use crate::{DataProto, Result, WeightStream};
 
-/// A source of full (un-sharded, HF-named) weights, one tensor at a time: the actor side of the
-/// hybrid engine. A tensor-parallel actor gathers each tensor across its tp group as it is yielded.
+/// How one actor → rollout weight sync travels.
+///
+/// ```
+/// use verl_core::traits::WeightSyncPlan;
+/// let plan = WeightSyncPlan::with_bucket_megabytes(512);
+/// assert_eq!(plan.bucket_bytes, 512 << 20);
+/// assert!(!plan.shards_fit);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightSyncPlan {
+    /// Tensors are gathered and handed over in buckets of about this many bytes
+    /// (`rollout.update_weights_bucket_megabytes`): the most full tensors held at once.
+    pub bucket_bytes: usize,
+    /// The rollout's tensor-parallel layout is the actor's (same tp, no pipeline): every rank's
+    /// shards go over as they are, nothing gathered.
+    pub shards_fit: bool,
+}
+
+impl WeightSyncPlan {
+    pub fn with_bucket_megabytes(megabytes: usize) -> Self {
+        Self {
+            bucket_bytes: megabytes.max(1) << 20,
+            shards_fit: false,
+        }
+    }
+}
+
+/// A source of HF-named weights, one tensor at a time: the actor side of the hybrid engine.
+/// Each tensor is full (gathered across the actor's tensor- and pipeline-parallel groups as it
+/// is yielded, a bucket at a time) or, when the plan says the shards fit, this rank's shard.
 pub trait WeightExporter<B: Backend> {
-    fn export_weights(&self) -> WeightStream<'_, B>;
+    fn export_weights(&self, plan: WeightSyncPlan) -> WeightStream<'_, B>;
 }
 
 /// What one actor → rollout resharding moved.
@@ -15,6 +43,8 @@ pub trait WeightExporter<B: Backend> {
 pub struct ReshardReport {
     pub tensors: usize,
     pub elements: usize,
+    /// Bytes handed to the rollout (as the actor holds them, f32).
+    pub bytes: usize,
     pub seconds: f64,
 }
 

@@ -65,13 +65,18 @@ impl<B: Backend> TensorSource<B> for CheckpointSource<'_, B> {
     }
 }
 
-/// Tensors handed over by name; each is taken (moved out) when loaded.
-struct NamedSource<B: Backend>(RefCell<HashMap<String, NamedTensor<B>>>);
+/// Tensors handed over by name, each taken (moved out) when loaded: full tensors, or this
+/// rank's shards (told apart by their extent along the split dimension against the full
+/// shape in `full`).
+struct NamedSource<B: Backend> {
+    tensors: RefCell<HashMap<String, NamedTensor<B>>>,
+    full: HashMap<String, Vec<usize>>,
+}
 
 impl<B: Backend> TensorSource<B> for NamedSource<B> {
     fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
         let t = self
-            .0
+            .tensors
             .borrow_mut()
             .remove(name)
             .ok_or_else(|| MegatronError::MissingWeight { name: name.into() })?;
@@ -79,6 +84,21 @@ impl<B: Backend> TensorSource<B> for NamedSource<B> {
             name: name.into(),
             expected: vec![0; D],
             found: t.shape.clone(),
+        })
+    }
+
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        (start, len): (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        let t = self.load::<D>(name)?;
+        let full_extent = self.full.get(name).and_then(|s| s.get(dim)).copied();
+        Ok(match full_extent == Some(t.dims()[dim]) {
+            true => t.narrow(dim, start, len),
+            // Already this rank's shard: its real part (padding after it).
+            false => t.narrow(dim, 0, len),
         })
     }
 }
@@ -401,13 +421,27 @@ impl<B: ParallelBackend> CausalLm<B> {
                 });
             }
         }
+        Self::from_named_shards(cfg, tensors, &TpGroup::none())
+    }
+
+    /// This tensor-parallel rank's whole model (every layer) from tensors by HF name, each
+    /// either full or already this rank's shard: how a tensor-parallel rollout engine rebuilds
+    /// its model from a weight stream.
+    pub fn from_named_shards(
+        cfg: &HfModelConfig,
+        tensors: HashMap<String, NamedTensor<B>>,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
+        let full = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
         let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
-        Self::from_source(
-            cfg,
-            &NamedSource(RefCell::new(tensors)),
-            &TpGroup::none(),
-            &whole,
-        )
+        let source = NamedSource {
+            tensors: RefCell::new(tensors),
+            full,
+        };
+        Self::from_source(cfg, &source, tp, &whole)
     }
 
     /// Builds this tensor-parallel rank's model taking each tensor (or its shard), by HF name,
@@ -1087,6 +1121,16 @@ enum CacheMode<'a, B: Backend> {
     },
 }
 
+/// Weights a sync gathers and hands over together ([`CausalLm::weight_buckets`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightBucket {
+    /// The pipeline stage that holds them.
+    pub owner: usize,
+    /// Their full size in f32 bytes.
+    pub bytes: usize,
+    pub tensors: Vec<TensorSpec>,
+}
+
 /// Whether `name` is a matrix only ever used in products: a projection or the LM head.
 fn is_product_matrix(name: &str) -> bool {
     name == "lm_head.weight" || name.ends_with("_proj.weight")
@@ -1129,26 +1173,127 @@ impl<B: ParallelBackend> CausalLm<B> {
         if !self.tp.is_parallel() {
             return shards;
         }
-        shards
+        shards.into_iter().map(|t| self.gather_shard(t)).collect()
+    }
+
+    /// The full tensor of this rank's shard `t`, all-gathered over the tensor-parallel group
+    /// (every rank of it calls this together); a replicated tensor as it is.
+    fn gather_shard(&self, t: NamedTensor<B>) -> NamedTensor<B> {
+        let Some(dim) = tp_split_dim(&t.name).filter(|_| self.tp.is_parallel()) else {
+            return t;
+        };
+        let shard: Tensor<B, 2> = match t.shape.len() {
+            2 => t.to_tensor::<2>().expect("rank checked"),
+            _ => t.values.clone().unsqueeze_dim::<2>(1),
+        };
+        let mut full = self.tp.collective(shard, Collective::AllGather(dim));
+        if is_vocab_split(&t.name) {
+            full = full.narrow(0, 0, self.vocab_size);
+        }
+        match t.shape.len() {
+            2 => NamedTensor::new(t.name, full),
+            _ => NamedTensor::new(t.name, full.flatten::<1>(0, 1)),
+        }
+    }
+
+    /// The whole model's weights (HF table order, the optional ones left out) grouped into
+    /// buckets of about `bucket_bytes` (f32) for a weight sync, each bucket's tensors held by
+    /// one pipeline stage (its owner). The same on every rank.
+    pub fn weight_buckets(&self, bucket_bytes: usize) -> Vec<WeightBucket> {
+        let mut buckets: Vec<WeightBucket> = Vec::new();
+        for spec in hf_tensor_specs(&self.config)
             .into_iter()
-            .map(|t| match tp_split_dim(&t.name) {
-                Some(dim) => {
-                    let shard: Tensor<B, 2> = match t.shape.len() {
-                        2 => t.to_tensor::<2>().expect("rank checked"),
-                        _ => t.values.clone().unsqueeze_dim::<2>(1),
-                    };
-                    let mut full = self.tp.collective(shard, Collective::AllGather(dim));
-                    if is_vocab_split(&t.name) {
-                        full = full.narrow(0, 0, self.vocab_size);
-                    }
-                    match t.shape.len() {
-                        2 => NamedTensor::new(t.name, full),
-                        _ => NamedTensor::new(t.name, full.flatten::<1>(0, 1)),
-                    }
+            .filter(|s| !s.optional)
+        {
+            let owner = self.stage.owner_of(&spec.name);
+            let bytes = spec.shape.iter().product::<usize>() * 4;
+            match buckets.last_mut() {
+                Some(b) if b.owner == owner && b.bytes + bytes <= bucket_bytes => {
+                    b.bytes += bytes;
+                    b.tensors.push(spec);
                 }
-                None => t,
+                _ => buckets.push(WeightBucket {
+                    owner,
+                    bytes,
+                    tensors: vec![spec],
+                }),
+            }
+        }
+        buckets
+    }
+
+    /// One bucket's full tensors on every rank: its owner stage gathers each over its
+    /// tensor-parallel group, then (with `pp`) sends the bucket to the other stages as one
+    /// flat buffer. Every rank of the tp and pp groups calls this together.
+    pub fn gather_bucket(
+        &self,
+        bucket: &WeightBucket,
+        pp: Option<&dyn Communicator<B>>,
+    ) -> Result<Vec<NamedTensor<B>>, MegatronError> {
+        let me = pp.map_or(0, |p| p.rank());
+        let mut mine: HashMap<String, NamedTensor<B>> = HashMap::new();
+        if bucket.owner == me {
+            let wanted: HashSet<&str> = bucket.tensors.iter().map(|s| s.name.as_str()).collect();
+            for t in self.export_shards() {
+                if wanted.contains(t.name.as_str()) {
+                    let full = self.gather_shard(t);
+                    mine.insert(full.name.clone(), full);
+                }
+            }
+        }
+        let pp = match pp {
+            Some(p) if p.world_size() > 1 => p,
+            _ => {
+                return bucket
+                    .tensors
+                    .iter()
+                    .map(|s| {
+                        mine.remove(&s.name)
+                            .ok_or_else(|| MegatronError::MissingWeight {
+                                name: s.name.clone(),
+                            })
+                    })
+                    .collect()
+            }
+        };
+        let sizes: Vec<usize> = bucket
+            .tensors
+            .iter()
+            .map(|s| s.shape.iter().product())
+            .collect();
+        let total: usize = sizes.iter().sum();
+        let flat = if bucket.owner == me {
+            let parts = bucket
+                .tensors
+                .iter()
+                .map(|s| {
+                    mine.remove(&s.name).map(|t| t.values).ok_or_else(|| {
+                        MegatronError::MissingWeight {
+                            name: s.name.clone(),
+                        }
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Tensor::cat(parts, 0)
+        } else {
+            Tensor::zeros([total], &self.device())
+        };
+        let flat = pp.broadcast(flat, bucket.owner)?;
+        let mut offset = 0;
+        Ok(bucket
+            .tensors
+            .iter()
+            .zip(sizes)
+            .map(|(s, n)| {
+                let values = flat.clone().narrow(0, offset, n);
+                offset += n;
+                NamedTensor {
+                    name: s.name.clone(),
+                    shape: s.shape.clone(),
+                    values,
+                }
             })
-            .collect()
+            .collect())
     }
 
     /// Every weight of the whole model, full, on every rank of a pipeline-parallel model: each
@@ -1193,11 +1338,16 @@ impl<B: ParallelBackend> CausalLm<B> {
     }
 
     /// Replaces one weight from its full tensor (named as in Hugging Face checkpoints), keeping
-    /// its parameter id; this rank keeps its shard. The name must be one of this model's and
+    /// its parameter id; this rank keeps its shard. A tensor already shaped as this rank's shard
+    /// is taken as that shard. The name must be one of this model's and
     /// the shape must match; otherwise the error names it. This is how the rollout engine takes
     /// the actor's weights tensor by tensor.
     pub fn load_weight(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
         let split = tp_split_dim(&tensor.name).filter(|_| self.tp.is_parallel());
+        // Already this rank's shard (a weight sync between equal tensor-parallel layouts).
+        if split.is_some() && self.shard_shape(&tensor.name).as_ref() == Some(&tensor.shape) {
+            return self.load_shard(tensor);
+        }
         let Some(dim) = split else {
             return self.load_shard(tensor);
         };
@@ -1387,6 +1537,14 @@ enum ParamMut<'a, B: Backend> {
 }
 
 impl<B: Backend> CausalLm<B> {
+    /// The shape of this rank's shard of the weight called `name`, if the model has it.
+    pub fn shard_shape(&mut self, name: &str) -> Option<Vec<usize>> {
+        Some(match self.param_mut(name)? {
+            ParamMut::Matrix(p) => p.val().dims().to_vec(),
+            ParamMut::Vector(p) => p.val().dims().to_vec(),
+        })
+    }
+
     /// Replaces this rank's shard of one weight (named as in Hugging Face checkpoints, shaped
     /// as the shard), keeping its parameter id. The name must be one of this model's and the
     /// shape must match; otherwise the error names it.

@@ -13,7 +13,7 @@ pub mod mlp;
 pub mod qwen2_moe;
 pub mod vocab_parallel;
 
-pub use causal_lm::{tp_split_dim, CausalLm};
+pub use causal_lm::{tp_split_dim, CausalLm, WeightBucket};
 pub use generate::{generate, GenerateOptions};
 pub use generation::GenerationWeights;
 pub use kv_cache::{ChunkLayout, KvCache, LayerKv, SlotKvCache};

@@ -17,6 +17,7 @@ use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
 use verl_core::traits::{
     Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, WeightExporter,
+    WeightSyncPlan,
 };
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
@@ -581,10 +582,27 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
 }
 
 impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronActor<B> {
-    fn export_weights(&self) -> WeightStream<'_, B::InnerBackend> {
-        match self.full_weights() {
-            Ok(weights) => Box::pin(futures::stream::iter(weights.into_iter().map(Ok))),
-            Err(e) => Box::pin(futures::stream::iter([Err(e)])),
+    /// Shards as they are when they fit the rollout; otherwise the full weights a bucket at a
+    /// time (gathered when the stream reaches the bucket, so at most one bucket of full tensors
+    /// is alive while the rollout takes them one by one).
+    fn export_weights(&self, plan: WeightSyncPlan) -> WeightStream<'_, B::InnerBackend> {
+        use futures::StreamExt;
+        let model = self.model().valid();
+        if plan.shards_fit && self.pp.is_none() {
+            return Box::pin(futures::stream::iter(
+                model.export_shards().into_iter().map(Ok),
+            ));
         }
+        let buckets = model.weight_buckets(plan.bucket_bytes);
+        let pp = self.pp.clone();
+        let stream = futures::stream::iter(buckets).flat_map(move |bucket| {
+            let gathered = model.gather_bucket(&bucket, pp.as_deref());
+            let items: Vec<Result<NamedTensor<B::InnerBackend>>> = match gathered {
+                Ok(tensors) => tensors.into_iter().map(Ok).collect(),
+                Err(e) => vec![Err(e.into())],
+            };
+            futures::stream::iter(items)
+        });
+        Box::pin(stream)
     }
 }

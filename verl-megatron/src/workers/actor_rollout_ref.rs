@@ -16,7 +16,7 @@ use verl_core::memory::{gib, PhasePeak};
 use verl_core::topology::RankCoords;
 use verl_core::traits::{
     Actor, CheckpointBackend, CheckpointContents, CheckpointState, Critic, ReshardReport,
-    RolloutEngine, ShardingManager, SleepLevel, WeightExporter,
+    RolloutEngine, ShardingManager, SleepLevel, WeightExporter, WeightSyncPlan,
 };
 use verl_core::worker::Worker;
 use verl_core::{DataProto, Metrics, Result};
@@ -30,16 +30,31 @@ use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// Streams the actor's weights into the rollout engine before generation and puts the engine
-/// to sleep after it, as verl's Megatron sharding manager (at tp = 1 the stream is the full
-/// tensors; a tensor-parallel actor gathers each tensor as it is yielded).
-#[derive(Debug, Clone, Default)]
+/// to sleep after it, as verl's Megatron sharding manager: when the rollout's tensor-parallel
+/// layout is the actor's, each rank's shards go over as they are; otherwise the actor's
+/// tensor- and pipeline-parallel groups gather full tensors a bucket at a time
+/// (`rollout.update_weights_bucket_megabytes`) and each rollout rank keeps its own shard.
+#[derive(Debug, Clone)]
 pub struct HybridShardingManager {
+    /// How the weights travel.
+    pub plan: WeightSyncPlan,
     /// Free the KV cache after generation (`rollout.free_cache_engine`).
     pub free_cache_engine: bool,
     /// Also drop the engine's weights after generation (`SleepLevel::All`): with the actor's
     /// parameters offloaded, the engine's copy is what would keep them on the device, and the
     /// next generation streams them in again anyway.
     pub release_weights: bool,
+}
+
+impl Default for HybridShardingManager {
+    /// verl's defaults: 512 MiB buckets, the cache freed after generation.
+    fn default() -> Self {
+        Self {
+            plan: WeightSyncPlan::with_bucket_megabytes(512),
+            free_cache_engine: true,
+            release_weights: false,
+        }
+    }
 }
 
 #[async_trait(?Send)]
@@ -54,7 +69,7 @@ impl<B: ParallelBackend> ShardingManager<B> for HybridShardingManager {
         // Count what goes through without holding it.
         let counted = std::rc::Rc::new(std::cell::Cell::new((0usize, 0usize)));
         let c = counted.clone();
-        let stream = futures::StreamExt::inspect(actor.export_weights(), move |t| {
+        let stream = futures::StreamExt::inspect(actor.export_weights(self.plan), move |t| {
             if let Ok(t) = t {
                 let (n, e) = c.get();
                 c.set((n + 1, e + t.numel()));
@@ -65,6 +80,7 @@ impl<B: ParallelBackend> ShardingManager<B> for HybridShardingManager {
         Ok(ReshardReport {
             tensors,
             elements,
+            bytes: elements * 4,
             seconds: start.elapsed().as_secs_f64(),
         })
     }
@@ -164,8 +180,9 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         self.sharding.exit(self.rollout.as_mut()).await?;
         let mut out = out?;
         let mut metrics = Metrics::default();
-        metrics.push("timing_s/reshard", report.seconds);
-        metrics.push("perf/reshard_tensors", report.tensors as f64);
+        metrics.push("perf/weight_sync_s", report.seconds);
+        metrics.push("perf/weight_sync_gb", report.bytes as f64 / 1e9);
+        metrics.push("perf/weight_sync_tensors", report.tensors as f64);
         self.finish_phase("generate", phase, &mut metrics);
         if recompute {
             let start = Instant::now();

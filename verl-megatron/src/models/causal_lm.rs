@@ -1223,60 +1223,44 @@ impl<B: ParallelBackend> CausalLm<B> {
     }
 
     /// One bucket's full tensors on every rank: its owner stage gathers each over its
-    /// tensor-parallel group, then (with `pp`) sends the bucket to the other stages as one
-    /// flat buffer. Every rank of the tp and pp groups calls this together.
+    /// tensor-parallel group (taking its shards out of `shards`, this rank's
+    /// [`Self::export_shards`] listed once per sync), then (with `pp`) sends the bucket to the
+    /// other stages as one flat buffer. Every rank of the tp and pp groups calls this together.
     pub fn gather_bucket(
         &self,
         bucket: &WeightBucket,
+        shards: &mut HashMap<String, NamedTensor<B>>,
         pp: Option<&dyn Communicator<B>>,
     ) -> Result<Vec<NamedTensor<B>>, MegatronError> {
         let me = pp.map_or(0, |p| p.rank());
-        let mut mine: HashMap<String, NamedTensor<B>> = HashMap::new();
-        if bucket.owner == me {
-            let wanted: HashSet<&str> = bucket.tensors.iter().map(|s| s.name.as_str()).collect();
-            for t in self.export_shards() {
-                if wanted.contains(t.name.as_str()) {
-                    let full = self.gather_shard(t);
-                    mine.insert(full.name.clone(), full);
-                }
-            }
-        }
-        let pp = match pp {
-            Some(p) if p.world_size() > 1 => p,
-            _ => {
-                return bucket
-                    .tensors
-                    .iter()
-                    .map(|s| {
-                        mine.remove(&s.name)
+        let mine = match bucket.owner == me {
+            true => bucket
+                .tensors
+                .iter()
+                .map(|s| {
+                    let shard =
+                        shards
+                            .remove(&s.name)
                             .ok_or_else(|| MegatronError::MissingWeight {
                                 name: s.name.clone(),
-                            })
-                    })
-                    .collect()
-            }
+                            })?;
+                    Ok(self.gather_shard(shard))
+                })
+                .collect::<Result<Vec<_>, MegatronError>>()?,
+            false => Vec::new(),
+        };
+        let pp = match pp {
+            Some(p) if p.world_size() > 1 => p,
+            _ => return Ok(mine),
         };
         let sizes: Vec<usize> = bucket
             .tensors
             .iter()
             .map(|s| s.shape.iter().product())
             .collect();
-        let total: usize = sizes.iter().sum();
-        let flat = if bucket.owner == me {
-            let parts = bucket
-                .tensors
-                .iter()
-                .map(|s| {
-                    mine.remove(&s.name).map(|t| t.values).ok_or_else(|| {
-                        MegatronError::MissingWeight {
-                            name: s.name.clone(),
-                        }
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Tensor::cat(parts, 0)
-        } else {
-            Tensor::zeros([total], &self.device())
+        let flat = match bucket.owner == me {
+            true => Tensor::cat(mine.into_iter().map(|t| t.values).collect(), 0),
+            false => Tensor::zeros([sizes.iter().sum::<usize>()], &self.device()),
         };
         let flat = pp.broadcast(flat, bucket.owner)?;
         let mut offset = 0;

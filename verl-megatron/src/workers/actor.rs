@@ -594,9 +594,14 @@ impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronAct
             ));
         }
         let buckets = model.weight_buckets(plan.bucket_bytes);
+        let mut shards: std::collections::HashMap<_, _> = model
+            .export_shards()
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
         let pp = self.pp.clone();
         let stream = futures::stream::iter(buckets).flat_map(move |bucket| {
-            let gathered = model.gather_bucket(&bucket, pp.as_deref());
+            let gathered = model.gather_bucket(&bucket, &mut shards, pp.as_deref());
             let items: Vec<Result<NamedTensor<B::InnerBackend>>> = match gathered {
                 Ok(tensors) => tensors.into_iter().map(Ok).collect(),
                 Err(e) => vec![Err(e.into())],

@@ -223,3 +223,16 @@ fn a_tensor_parallel_rollout_trains_as_one() {
         "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1",
     ]);
 }
+
+/// Context parallel: cp = 2 × tp = 2 (sequence parallel on) for actor, reference and critic;
+/// each rank runs its two chunks of every sequence, log-probs and values gathered back.
+#[test]
+fn context_parallel_trains_as_one() {
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+        "critic.megatron.context_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ]);
+}

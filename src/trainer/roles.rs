@@ -16,7 +16,7 @@ use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig};
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::CausalLm;
-use verl_megatron::parallel::{ProcessGroups, TpGroup};
+use verl_megatron::parallel::{ModelGroups, ProcessGroups, TpGroup};
 use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
@@ -146,15 +146,16 @@ impl RolePlans {
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;
         let layout = actor_cfg.megatron.parallel();
-        if layout.cp > 1 || layout.ep > 1 {
+        if layout.ep > 1 {
             return Err(setup(
-                "actor_rollout_ref.actor.megatron: context and expert parallel sizes must be 1 \
-                 for now (tensor, sequence, pipeline and data parallel are supported)"
+                "actor_rollout_ref.actor.megatron: expert parallel size must be 1 for now \
+                 (tensor, sequence, pipeline, context and data parallel are supported)"
                     .to_string(),
             ));
         }
         let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
         let old_log_prob_apart = split.len() > 1
+            || layout.cp > 1
             || cfg.actor_rollout_ref.rollout.tensor_model_parallel_size != layout.tp;
         let rollout_tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size;
         let topo = Topology::new(layout.clone(), world)
@@ -227,10 +228,10 @@ impl RolePlans {
                 * settings.ppo_epochs as u64
                 * (batch * n / mini.max(1)).max(1) as u64;
             let layout = c.megatron.parallel();
-            if layout.cp > 1 || layout.ep > 1 {
+            if layout.ep > 1 {
                 return Err(setup(
-                    "critic.megatron: context and expert parallel sizes must be 1 for now \
-                     (tensor, sequence, pipeline and data parallel are supported)"
+                    "critic.megatron: expert parallel size must be 1 for now \
+                     (tensor, sequence, pipeline, context and data parallel are supported)"
                         .to_string(),
                 ));
             }
@@ -269,7 +270,8 @@ impl ActorPlan {
         groups: ProcessGroups<Infer>,
     ) -> verl_core::Result<ActorRolloutRefWorker<Train>> {
         let device = Default::default();
-        let tp = TpGroup::new(groups.tp().clone(), self.sequence_parallel);
+        let model_groups = ModelGroups::of(&groups, self.sequence_parallel);
+        let tp = model_groups.tp.clone();
         let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
         let ckpt = self
             .model_path
@@ -278,8 +280,8 @@ impl ActorPlan {
             .transpose()?;
         let mcfg = &self.model;
         let model: CausalLm<Train> = match &ckpt {
-            None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, &tp, &stage)?,
-            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, &tp, &stage)?,
+            None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, &model_groups, &stage)?,
+            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, &model_groups, &stage)?,
         }
         .with_compute_dtype(self.actor_dtype);
         let inner = burn::module::AutodiffModule::valid(&model);
@@ -322,6 +324,9 @@ impl ActorPlan {
         if groups.dp().world_size() > 1 {
             actor = actor.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
+        if model_groups.cp.is_parallel() {
+            actor = actor.with_context_parallel(groups.dp_cp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
+        }
         if self.offload.any() {
             actor = actor.with_offload(training_offload(self.offload, "actor"))?;
         }
@@ -358,14 +363,14 @@ impl CriticPlan {
         groups: ProcessGroups<Infer>,
     ) -> verl_core::Result<CriticWorker<Train>> {
         let device = Default::default();
-        let tp = TpGroup::new(groups.tp().clone(), self.sequence_parallel);
+        let model_groups = ModelGroups::of(&groups, self.sequence_parallel);
         let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
         let model = CausalLm::<Train>::init_stage(
             &self.model,
             0.02,
             self.seed ^ 0xc41c,
             &device,
-            &tp,
+            &model_groups,
             &stage,
         )?
         .with_compute_dtype(self.dtype);
@@ -380,6 +385,10 @@ impl CriticPlan {
         }
         if groups.dp().world_size() > 1 {
             critic = critic.with_data_parallel(groups.dp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
+        }
+        if model_groups.cp.is_parallel() {
+            critic =
+                critic.with_context_parallel(groups.dp_cp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
         if self.offload.any() {
             critic = critic.with_offload(training_offload(self.offload, "critic"))?;

@@ -19,14 +19,14 @@ use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
 use verl_core::backend::{CpuAutodiff, CpuBackend};
 use verl_core::config::OptimConfig;
-use verl_core::topology::{ParallelConfig, Topology};
+use verl_core::topology::{GroupKind, ParallelConfig, Topology};
 use verl_core::traits::{Actor, Communicator, Critic};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::hf::{Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims};
 use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
 use verl_megatron::parallel::pipeline::stage_layers;
-use verl_megatron::parallel::{LocalCommunicator, ProcessGroups, TpGroup};
+use verl_megatron::parallel::{LocalCommunicator, ModelGroups, ProcessGroups, TpGroup};
 use verl_megatron::workers::{
     ActorSettings, CriticSettings, MegatronActor, MegatronCritic, ModelOptimizer,
 };
@@ -567,11 +567,11 @@ fn update_stage(
     let mut cfg = model_cfg(flavour);
     cfg.num_hidden_layers = layers;
     let (tp, stage) = match &groups {
-        None => (TpGroup::none(), PipelineStageLayout::whole(layers)),
+        None => (ModelGroups::default(), PipelineStageLayout::whole(layers)),
         Some((g, pp_rank, pp, sp)) => {
             let split = stage_layers(layers, *pp, None, None).unwrap();
             (
-                TpGroup::new(g.tp().clone(), *sp),
+                ModelGroups::of(g, *sp),
                 PipelineStageLayout::of(*pp_rank, split),
             )
         }
@@ -613,6 +613,10 @@ fn update_stage(
         if g.dp().world_size() > 1 {
             actor = actor.with_data_parallel(g.dp().clone(), 700);
             critic = critic.with_data_parallel(g.dp().clone(), 700);
+        }
+        if g.get(GroupKind::Cp).world_size() > 1 {
+            actor = actor.with_context_parallel(g.dp_cp().clone(), 700);
+            critic = critic.with_context_parallel(g.dp_cp().clone(), 700);
         }
     }
     let (metrics, after, values) = futures::executor::block_on(async {
@@ -677,6 +681,12 @@ fn check_pipeline(flavour: Flavour, layers: usize, pp: usize, tp: usize, dp: usi
     check_layout_seeded(flavour, 0, layers, pp, tp, dp, sp);
 }
 
+/// A layout with context (and expert) parallelism: `layout`'s tp, pp, cp, ep, etp and sp over
+/// `dp` data-parallel ranks.
+fn check_parallel(flavour: Flavour, seed: u64, layers: usize, layout: ParallelConfig, dp: usize) {
+    check_layout_of(flavour, seed, layers, layout, dp);
+}
+
 /// A supervised step and PPO updates of actor and critic on a tp × pp × dp layout (a model
 /// with `layers` layers drawn with `seed`) equal the single rank's.
 fn check_layout_seeded(
@@ -688,7 +698,24 @@ fn check_layout_seeded(
     dp: usize,
     sp: bool,
 ) {
-    let label = format!("{flavour:?} seed={seed} layers={layers} pp={pp} tp={tp} dp={dp} sp={sp}");
+    let layout = ParallelConfig {
+        tp,
+        pp,
+        sequence_parallel: sp,
+        ..Default::default()
+    };
+    check_layout_of(flavour, seed, layers, layout, dp);
+}
+
+fn check_layout_of(flavour: Flavour, seed: u64, layers: usize, layout: ParallelConfig, dp: usize) {
+    let (tp, pp, sp) = (layout.tp, layout.pp, layout.sequence_parallel);
+    let label = format!(
+        "{flavour:?} seed={seed} layers={layers} pp={pp} tp={tp} cp={} ep={} etp={} dp={dp} sp={sp}",
+        layout.cp,
+        layout.ep,
+        layout.expert_tp()
+    );
+    eprintln!("layout: {label}");
     let data = batch();
     let (single, single_lp, single_w, single_full) =
         update_stage(flavour, seed, layers, data.clone(), ROWS, 2, None);
@@ -697,16 +724,8 @@ fn check_layout_seeded(
         .values()
         .flatten()
         .fold(0f32, |m, v| m.max(v.abs()));
-    let topo = Topology::new(
-        ParallelConfig {
-            tp,
-            pp,
-            sequence_parallel: sp,
-            ..Default::default()
-        },
-        tp * pp * dp,
-    )
-    .unwrap();
+    let world = layout.model_ranks() * dp;
+    let topo = Topology::new(layout, world).unwrap();
     let share = ROWS / dp;
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = ProcessGroups::<CpuBackend>::local(&topo)
@@ -806,6 +825,31 @@ fn pipeline_with_tensor_sequence_and_data_parallel_updates_as_the_single_rank() 
     check_pipeline(Flavour::Qwen2Tied, 4, 2, 2, 1, false);
     check_pipeline(Flavour::Qwen2Tied, 4, 2, 1, 2, false);
     check_pipeline(Flavour::OddVocabulary, 2, 2, 2, 1, false);
+}
+
+fn layout(tp: usize, pp: usize, cp: usize, sp: bool) -> ParallelConfig {
+    ParallelConfig {
+        tp,
+        pp,
+        cp,
+        sequence_parallel: sp,
+        ..Default::default()
+    }
+}
+
+/// Context parallel alone and with tp (and sp), pp and dp: each rank runs its two chunks of
+/// every 7-token sequence (padded to 8, or to 16 when it must also split over tp), keys and
+/// values gathered, outputs gathered back: the single rank's losses, norms, log-probs, values
+/// and weights. At cp = 4 with sp over tp = 2 the 7 tokens are fewer than 2·tp·cp = 16.
+#[test]
+fn context_parallel_updates_as_the_single_rank() {
+    let _serial = serial();
+    check_parallel(Flavour::Qwen2Tied, 0, 2, layout(1, 1, 2, false), 1);
+    check_parallel(Flavour::Qwen3Untied, 1, 2, layout(1, 1, 4, false), 1);
+    check_parallel(Flavour::OddVocabulary, 2, 2, layout(2, 1, 2, true), 1);
+    check_parallel(Flavour::Qwen2Tied, 3, 4, layout(1, 2, 2, false), 2);
+    check_parallel(Flavour::Qwen2Moe, 4, 2, layout(2, 1, 4, true), 1);
+    check_parallel(Flavour::Qwen2Tied, 5, 4, layout(2, 2, 2, false), 1);
 }
 
 /// Every layout loads an HF checkpoint by shard (each rank reads only its stage's tensors, and
@@ -943,7 +987,7 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 10, ..Default::default() })]
 
     /// Random small models (flavour, depth, weights) on random layouts
-    /// (tp ∈ {1, 2, 4}, pp ∈ {1, 2}, dp ∈ {1, 2}, sequence parallel on or off) update as the
+    /// (tp ∈ {1, 2, 4}, pp ∈ {1, 2}, cp ∈ {1, 2}, dp ∈ {1, 2}, sequence parallel on or off) update as the
     /// single rank does.
     #[test]
     fn random_layouts_update_as_the_single_rank(
@@ -957,12 +1001,14 @@ proptest::proptest! {
         tp in proptest::sample::select(vec![1usize, 2, 4]),
         pp in 1usize..=2,
         dp in 1usize..=2,
+        cp in 1usize..=2,
         sp in proptest::bool::ANY,
         deeper in proptest::bool::ANY,
     ) {
         // At most 8 simulated ranks; 2 or 4 layers.
-        proptest::prop_assume!(tp * pp * dp <= 8);
+        proptest::prop_assume!(tp * pp * cp * dp <= 8);
         let _serial = serial();
-        check_layout_seeded(flavour, seed, if deeper { 4 } else { 2 }, pp, tp, dp, sp);
+        let layout = ParallelConfig { cp, ..layout(tp, pp, 1, sp) };
+        check_parallel(flavour, seed, if deeper { 4 } else { 2 }, layout, dp);
     }
 }

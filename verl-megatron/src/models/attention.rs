@@ -10,7 +10,7 @@ use burn::tensor::TensorData;
 use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
-use crate::parallel::{ParallelBackend, TpGroup};
+use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
 pub enum AttnCache<'a, B: Backend> {
@@ -194,6 +194,44 @@ pub fn attention_bias<B: Backend>(
     bias
 }
 
+/// `[batch, 1, queries, keys]` for queries and keys given by their positions in the sequence
+/// (a context-parallel rank's own tokens against the group's gathered keys): a query attends
+/// to the keys at or before its position that are tokens (`key_mask` `[batch, keys]`, in the
+/// keys' order, 1 = token), and always to its own position so its softmax stays finite.
+pub fn positional_bias<B: Backend>(
+    batch: usize,
+    queries: &[usize],
+    keys: &[usize],
+    key_mask: Option<Tensor<B, 2>>,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let (t, k) = (queries.len(), keys.len());
+    let grid = |f: &dyn Fn(usize, usize) -> bool| -> Vec<f32> {
+        queries
+            .iter()
+            .flat_map(|&q| keys.iter().map(move |&key| (q, key)))
+            .map(|(q, key)| if f(q, key) { 1.0 } else { 0.0 })
+            .collect()
+    };
+    let to_bool = |values: Vec<f32>| {
+        Tensor::<B, 2>::from_data(TensorData::new(values, [t, k]), device)
+            .reshape([1, 1, t, k])
+            .repeat_dim(0, batch)
+            .greater_elem(0.5)
+    };
+    let mut allowed = to_bool(grid(&|q, key| key <= q));
+    if let Some(mask) = key_mask {
+        let token = mask
+            .reshape([batch, 1, 1, k])
+            .greater_elem(0.5)
+            .repeat_dim(2, t);
+        allowed = allowed
+            .bool_and(token)
+            .bool_or(to_bool(grid(&|q, key| key == q)));
+    }
+    Tensor::<B, 4>::zeros([batch, 1, t, k], device).mask_fill(allowed.bool_not(), f32::NEG_INFINITY)
+}
+
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
 /// With tensor parallelism each rank holds `heads / tp` query heads and `kv_heads / tp` kv
@@ -212,6 +250,10 @@ pub struct Attention<B: Backend> {
     pub head_dim: usize,
     #[module(skip)]
     pub tp: TpGroup,
+    /// With context parallelism the queries are this rank's tokens and the keys and values
+    /// the whole group's, all-gathered (their gradients reduce-scattered back).
+    #[module(skip)]
+    pub cp: CpGroup,
 }
 
 /// A decode step's projections of one layer, as the decode-attention kernel reads them.
@@ -405,6 +447,17 @@ impl<B: ParallelBackend> Attention<B> {
             }
         };
         match cache {
+            // One collective for keys and values together: ranks are threads of one process
+            // on CPU, and burn's autodiff may order two independent backward steps differently
+            // on each rank (node ids are process-wide), which would pair one rank's key
+            // gradients with another's value gradients.
+            AttnCache::None if self.cp.is_parallel() => {
+                let kv = Tensor::cat(vec![k, v], 1);
+                let kv = self.cp.region(kv, Region::GatherFromSequence(2));
+                let heads = kv.dims()[1] / 2;
+                k = kv.clone().narrow(1, 0, heads);
+                v = kv.narrow(1, heads, heads);
+            }
             AttnCache::None => {}
             // The new keys and values (after RoPE) extend the cached ones.
             AttnCache::Grow(cache) => {

@@ -11,7 +11,8 @@ use rand::{Rng, SeedableRng};
 use verl_core::NamedTensor;
 
 use super::attention::{
-    attention_bias, causal_bias, decode_kernel_applies, Attention, AttentionMask, AttnCache,
+    attention_bias, causal_bias, decode_kernel_applies, positional_bias, Attention, AttentionMask,
+    AttnCache,
 };
 use super::generation::{FusedWeights, GenerationWeights};
 use super::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
@@ -23,7 +24,10 @@ use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
-use crate::parallel::{device_span, Collective, ParallelBackend, Region, TpGroup};
+use crate::parallel::{
+    device_span, Collective, ContextSplit, ContextWindow, CpGroup, ModelGroups, ParallelBackend,
+    Region, TpGroup,
+};
 use verl_core::traits::Communicator;
 
 /// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
@@ -180,6 +184,10 @@ pub struct CausalLm<B: Backend> {
     pub rope: RotaryEmbedding,
     #[module(skip)]
     pub tp: TpGroup,
+    /// Context parallel: each sequence split over the group ([`crate::parallel::ContextSplit`]);
+    /// training and log-prob passes only.
+    #[module(skip)]
+    pub cp: CpGroup,
     /// The real vocabulary size; with tp > 1 the vocabulary-split weights are padded to a
     /// multiple of tp and the padded ids' logits masked.
     pub vocab_size: usize,
@@ -257,6 +265,15 @@ impl PipelineStageLayout {
     }
 }
 
+/// Which positions the output head computes.
+enum HeadWindow {
+    All,
+    /// `(start, len)`.
+    Range(usize, usize),
+    /// A context-parallel rank's part of a window, gathered over the group after the head.
+    Context(ContextWindow),
+}
+
 /// What enters a forward pass: token ids (the first pipeline stage) or the previous stage's
 /// hidden states `[batch, seq, hidden]` (a sequence shard with sequence parallelism).
 enum StageInput<B: Backend> {
@@ -297,11 +314,11 @@ impl<B: ParallelBackend> CausalLm<B> {
         cfg: &HfModelConfig,
         ckpt: &HfCheckpoint,
         device: &B::Device,
-        tp: &TpGroup,
+        groups: impl Into<ModelGroups>,
         stage: &PipelineStageLayout,
     ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
-        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp, stage)
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, groups, stage)
     }
 
     /// Runs this model's matrix products in `dtype` (the weights stay f32): see
@@ -378,7 +395,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         std: f64,
         seed: u64,
         device: &B::Device,
-        tp: &TpGroup,
+        groups: impl Into<ModelGroups>,
         stage: &PipelineStageLayout,
     ) -> Result<Self, MegatronError> {
         let shapes = hf_tensor_specs(cfg)
@@ -393,7 +410,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 seed,
                 device,
             },
-            tp,
+            groups,
             stage,
         )
     }
@@ -450,9 +467,11 @@ impl<B: ParallelBackend> CausalLm<B> {
     pub fn from_source<S: TensorSource<B>>(
         cfg: &HfModelConfig,
         source: &S,
-        tp: &TpGroup,
+        groups: impl Into<ModelGroups>,
         stage: &PipelineStageLayout,
     ) -> Result<Self, MegatronError> {
+        let groups: ModelGroups = groups.into();
+        let tp = &groups.tp;
         cfg.check_tensor_parallel(tp.size)?;
         if stage.layers.end > cfg.num_hidden_layers || stage.stage >= stage.stages {
             return Err(MegatronError::Setting {
@@ -570,6 +589,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 num_kv_heads: cfg.num_key_value_heads / tp.size,
                 head_dim: cfg.head_dim,
                 tp: tp.clone(),
+                cp: groups.cp.clone(),
             };
             let mlp = match &cfg.moe {
                 Some(moe) if moe.is_moe_layer(l) => FeedForward::Moe(SparseMoe {
@@ -628,6 +648,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
             tp: tp.clone(),
+            cp: groups.cp.clone(),
             vocab_size: cfg.vocab_size,
             stage: stage.clone(),
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
@@ -669,11 +690,9 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// `seq` tokens (this rank's sequence shard with sequence parallelism).
     pub fn stage_input_shape(&self, batch: usize, seq: usize) -> [usize; 3] {
         let hidden = self.layers[0].input_layernorm.weight.dims()[0];
-        if self.tp.sequence_parallel {
-            [batch, seq.div_ceil(self.tp.size), hidden]
-        } else {
-            [batch, seq, hidden]
-        }
+        let shards = self.sequence_shards();
+        let padded = ContextSplit::padded_len(seq, self.cp.size(), shards);
+        [batch, padded / self.cp.size() / shards, hidden]
     }
 
     /// One pipeline stage's forward: token ids on the first stage (`hidden` = `None`), the
@@ -700,15 +719,33 @@ impl<B: ParallelBackend> CausalLm<B> {
         let (input_ids, attention_mask, positions) =
             self.pad_for_sequence_parallel(input_ids, attention_mask, positions);
         let padded = input_ids.dims()[1];
+        // With context parallelism this rank runs its own positions of the sequence; attention
+        // reads the group's keys, gathered in `gathered_keys` order.
+        let (input_ids, positions, mask, window) = if self.cp.is_parallel() {
+            let split = self.cp.split(padded);
+            let index = |p: Vec<usize>| {
+                let p: Vec<i64> = p.into_iter().map(|i| i as i64).collect();
+                Tensor::<B, 1, Int>::from_data(TensorData::new(p.clone(), [p.len()]), &device)
+            };
+            let (local, keys) = (split.local(), split.gathered_keys());
+            let key_mask = attention_mask.map(|m| m.select(1, index(keys.clone())));
+            let bias = positional_bias(b, &local, &keys, key_mask, &device);
+            let ids = input_ids.select(1, index(local.clone()));
+            let positions = positions.select(1, index(local));
+            let window = HeadWindow::Context(split.window(start, len));
+            (ids, positions, AttentionMask::from_bias(bias), window)
+        } else {
+            let mask = AttentionMask::causal(b, padded, attention_mask, &device);
+            (input_ids, positions, mask, HeadWindow::Range(start, len))
+        };
         let (cos, sin) = self.rope.tables(&positions);
-        let mask = AttentionMask::causal(b, padded, attention_mask, &device);
         let input = match hidden {
             Some(h) => StageInput::Hidden(h),
             None => StageInput::Ids(input_ids),
         };
         let h = self.decoder(input, &mask, &cos, &sin, CacheMode::None);
         if self.stage.is_last() {
-            self.head(h, Some((start, len)))
+            self.head(h, window)
         } else {
             h
         }
@@ -741,9 +778,21 @@ impl<B: ParallelBackend> CausalLm<B> {
         self.forward_stage(None, input_ids, attention_mask, position_ids, start, len)
     }
 
-    /// With sequence parallelism the sequence must split evenly over the tp ranks: pads the
-    /// batch on the right with masked tokens (which no real token attends to, being causal and
-    /// masked) up to a multiple of tp. Outputs are cut back to the asked positions.
+    /// How many sequence-parallel shards each rank's tokens are cut into (1 without sequence
+    /// parallelism).
+    fn sequence_shards(&self) -> usize {
+        if self.tp.sequence_parallel {
+            self.tp.size
+        } else {
+            1
+        }
+    }
+
+    /// With sequence parallelism the sequence must split evenly over the tp ranks, and with
+    /// context parallelism into 2·cp chunks (each of which splits over tp): pads the batch on
+    /// the right with masked tokens (which no real token attends to, being causal and masked)
+    /// up to a multiple of that ([`ContextSplit::padded_len`]). Outputs are cut back to the
+    /// asked positions.
     fn pad_for_sequence_parallel(
         &self,
         input_ids: Tensor<B, 2, Int>,
@@ -751,11 +800,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         positions: Tensor<B, 2, Int>,
     ) -> ModelInputs<B> {
         let [b, t] = input_ids.dims();
-        let pad = if self.tp.sequence_parallel {
-            (self.tp.size - t % self.tp.size) % self.tp.size
-        } else {
-            0
-        };
+        let pad = ContextSplit::padded_len(t, self.cp.size(), self.sequence_shards()) - t;
         if pad == 0 {
             return (input_ids, attention_mask, positions);
         }
@@ -797,7 +842,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             CacheMode::Grow(cache),
         );
         cache.len += t;
-        self.head(h, None)
+        self.head(h, HeadWindow::All)
     }
 
     /// Embedding (first stage), this stage's decoder layers and the final norm (last stage):
@@ -811,8 +856,8 @@ impl<B: ParallelBackend> CausalLm<B> {
         mut mode: CacheMode<'_, B>,
     ) -> Tensor<B, 3> {
         assert!(
-            !self.tp.sequence_parallel || matches!(mode, CacheMode::None),
-            "sequence parallelism is for training passes; generation runs without it"
+            !(self.tp.sequence_parallel || self.cp.is_parallel()) || matches!(mode, CacheMode::None),
+            "sequence and context parallelism are for training passes; generation runs without them"
         );
         let _precision = precision::enter(self.compute_dtype);
         let mut h = match input {
@@ -869,16 +914,39 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// parallelism, this rank's sequence shard), restricted to `window` = `(start, len)`
     /// positions when given: the score head when present, else the LM head (or the tied
     /// embedding) on this rank's vocabulary shard.
-    fn head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
+    fn head(&self, h: Tensor<B, 3>, window: HeadWindow) -> Tensor<B, 3> {
         let device = h.device();
-        device_span::<B, _>(&device, "lm_head", || self.output_head(h, window))
+        device_span::<B, _>(&device, "lm_head", || {
+            let out = self.output_head(h, &window);
+            match &window {
+                // Each cp rank computed its own window positions: gathered (the gradient going
+                // back keeps each rank's own part), then put in sequence order.
+                HeadWindow::Context(w) => {
+                    let order: Vec<i64> = w.order.iter().map(|&i| i as i64).collect();
+                    let order = Tensor::<B, 1, Int>::from_data(
+                        TensorData::new(order, [w.order.len()]),
+                        &device,
+                    );
+                    self.cp.region(out, Region::GatherFrom(1)).select(1, order)
+                }
+                _ => out,
+            }
+        })
     }
 
-    fn output_head(&self, h: Tensor<B, 3>, window: Option<(usize, usize)>) -> Tensor<B, 3> {
+    fn output_head(&self, h: Tensor<B, 3>, window: &HeadWindow) -> Tensor<B, 3> {
         let _precision = precision::enter(self.compute_dtype);
         let cut = |h: Tensor<B, 3>| match window {
-            Some((start, len)) => h.narrow(1, start, len),
-            None => h,
+            HeadWindow::All => h,
+            HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
+            HeadWindow::Context(w) => {
+                let local: Vec<i64> = w.local.iter().map(|&i| i as i64).collect();
+                let device = h.device();
+                h.select(
+                    1,
+                    Tensor::<B, 1, Int>::from_data(TensorData::new(local, [w.per_rank]), &device),
+                )
+            }
         };
         if let Some(score) = &self.score {
             // A replicated head reads whole sequences; each rank's gradient is then whole too,
@@ -991,7 +1059,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         let last: Vec<i64> = lens.iter().map(|&l| l as i64 - 1).collect();
         let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(last, [n, 1, 1]), &h.device())
             .repeat_dim(2, hidden);
-        let logits = self.head(h.gather(1, idx), None);
+        let logits = self.head(h.gather(1, idx), HeadWindow::All);
         let vocab = logits.dims()[2];
         logits.reshape([n, vocab])
     }
@@ -1096,7 +1164,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 self.decoder(StageInput::Ids(ids), &mask, &cos, &sin, mode)
             }
         };
-        let logits = self.head(h, None);
+        let logits = self.head(h, HeadWindow::All);
         let vocab = logits.dims()[2];
         logits.reshape([s, vocab])
     }

@@ -9,7 +9,7 @@ use verl_core::traits::Communicator;
 
 use verl_core::error::CommError;
 
-use super::{LocalCommunicator, Rendezvous, TcpCommunicator};
+use super::{CpGroup, LocalCommunicator, Rendezvous, TcpCommunicator, TpGroup};
 
 /// A rank's communicators: the whole world and each group family of the topology
 /// (tensor, data, pipeline, context, expert, ...).
@@ -151,5 +151,39 @@ impl ProcessGroups<verl_core::backend::CudaBackend> {
             world: Arc::new(world_comm),
             groups,
         })
+    }
+}
+
+/// The groups a model's layers hold: tensor (with sequence parallel), context and expert
+/// parallel. What builds a [`crate::models::CausalLm`] on one rank of a layout; a bare
+/// [`TpGroup`] converts into it (no cp, no ep).
+#[derive(Clone, Debug, Default)]
+pub struct ModelGroups {
+    pub tp: TpGroup,
+    pub cp: CpGroup,
+}
+
+impl ModelGroups {
+    /// This rank's model groups out of its process groups.
+    pub fn of<B: Backend>(groups: &ProcessGroups<B>, sequence_parallel: bool) -> Self {
+        Self {
+            tp: TpGroup::new(groups.tp().clone(), sequence_parallel),
+            cp: CpGroup::new(groups.get(GroupKind::Cp).clone()),
+        }
+    }
+}
+
+impl From<&TpGroup> for ModelGroups {
+    fn from(tp: &TpGroup) -> Self {
+        Self {
+            tp: tp.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+impl From<&ModelGroups> for ModelGroups {
+    fn from(groups: &ModelGroups) -> Self {
+        groups.clone()
     }
 }

@@ -4,6 +4,7 @@
 //! through which the processes of a multi-process job meet, and the fresh parameter leaves that
 //! let ranks train as threads of one process.
 
+mod context;
 mod fresh_leaves;
 mod groups;
 mod launch;
@@ -13,8 +14,9 @@ mod region;
 mod rendezvous;
 mod tcp;
 
+pub use context::{ContextSplit, ContextWindow, CpGroup};
 pub use fresh_leaves::with_fresh_leaves;
-pub use groups::ProcessGroups;
+pub use groups::{ModelGroups, ProcessGroups};
 pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{

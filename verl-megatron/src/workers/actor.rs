@@ -179,6 +179,24 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         self
     }
 
+    /// With context parallelism: the gradients are summed over `dp_cp` (data × context
+    /// parallel: each cp rank's are its own tokens' share of its data-parallel rank's loss,
+    /// which every cp rank computes whole from the gathered outputs), while batch-wide counts
+    /// and reported losses stay summed over the data-parallel group only. Call it after
+    /// [`Self::with_data_parallel`]; a distributed optimizer then shards over `dp_cp`, as
+    /// Megatron's does.
+    pub fn with_context_parallel(
+        mut self,
+        dp_cp: Arc<dyn Communicator<B::InnerBackend>>,
+        bucket_elems: usize,
+    ) -> Self {
+        self.optim = self.optim.with_data_parallel(dp_cp.clone(), bucket_elems);
+        self.sft_optim = self
+            .sft_optim
+            .map(|o| o.with_data_parallel(dp_cp.clone(), bucket_elems));
+        self
+    }
+
     /// Trains one pipeline stage (the model built for its stage) with the pipeline group
     /// `comm`: each mini-batch runs through the stages in the 1F1B schedule, the gradient norm
     /// adds up over the stages and a tied embedding's gradient is summed between the first and

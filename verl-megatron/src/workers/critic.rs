@@ -172,6 +172,16 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         self
     }
 
+    /// Sums gradients over data × context parallel (see `MegatronActor::with_context_parallel`).
+    pub fn with_context_parallel(
+        mut self,
+        dp_cp: Arc<dyn Communicator<B::InnerBackend>>,
+        bucket_elems: usize,
+    ) -> Self {
+        self.optim = self.optim.with_data_parallel(dp_cp, bucket_elems);
+        self
+    }
+
     /// The clipped value loss of one micro-batch from its response-window outputs (the value
     /// head's); pushes the micro-batch's metrics and returns the loss with its value.
     fn value_loss_of(

@@ -58,10 +58,22 @@ where
     }
 
     fn before_backward(&mut self) -> Result<()> {
-        match self.model.tp.comm::<B::InnerBackend>() {
-            Some(tp) if tp.world_size() > 1 && self.pipelined => Ok(tp.barrier()?),
-            _ => Ok(()),
+        if !self.pipelined {
+            return Ok(());
         }
+        // Tensor- and context-parallel backwards both run collectives.
+        for comm in [
+            self.model.tp.comm::<B::InnerBackend>(),
+            self.model.cp.comm(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if comm.world_size() > 1 {
+                comm.barrier()?;
+            }
+        }
+        Ok(())
     }
 
     fn accumulate(&mut self, mb: usize, grads: B::Gradients) -> Result<()> {

@@ -141,3 +141,47 @@ fn a_distributed_optimizer_checkpoint_resumes_without_it() {
         &[("tp=2", layout(2, 1, 2)), ("dp=2 plain", plain_dp2)],
     );
 }
+
+/// A Qwen2-MoE model (4 routed experts) with `extra` layout settings on `gpus` ranks.
+fn moe(gpus: usize, extra: &[&str]) -> Vec<String> {
+    let mut v = vec![
+        format!("trainer.n_gpus_per_node={gpus}"),
+        "+actor_rollout_ref.model.override_config.num_experts=4".to_string(),
+        "+actor_rollout_ref.model.override_config.moe_intermediate_size=64".to_string(),
+    ];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+/// Saved with the experts spread over ep = 2 and each sequence over cp = 2 (every rank its own
+/// experts' weights and moments, the dense moments sharded by the distributed optimizer over
+/// dp × cp), resumed on one rank, at tp = 2 × ep = 2 with etp = 1, and on the same layout.
+#[test]
+fn an_expert_parallel_checkpoint_resumes_on_other_layouts() {
+    let saved_on = moe(
+        4,
+        &[
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "critic.megatron.expert_model_parallel_size=2",
+        ],
+    );
+    resumes_on_other_layouts(
+        &saved_on,
+        &[
+            ("one rank", moe(1, &[])),
+            (
+                "tp=2 ep=2 etp=1",
+                moe(
+                    2,
+                    &[
+                        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                    ],
+                ),
+            ),
+            ("same layout", saved_on.clone()),
+        ],
+    );
+}

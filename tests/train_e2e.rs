@@ -160,6 +160,11 @@ fn a_reward_model_gives_the_rewards() {
 /// first steps agree within float tolerance (the ranks are threads with in-process
 /// communicators on the CPU default).
 fn trains_as_one_rank(layout: &[&str]) {
+    trains_as_one_rank_from(&[], layout);
+}
+
+/// [`trains_as_one_rank`] with `base` overrides in both runs.
+fn trains_as_one_rank_from(base: &[&str], layout: &[&str]) {
     // Two tensor-parallel groups training at once in one process can deadlock in burn's
     // autodiff clean-up (see `PipelineStage::before_backward`): one layout at a time.
     static ONE_LAYOUT_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -174,7 +179,9 @@ fn trains_as_one_rank(layout: &[&str]) {
         "trainer.total_training_steps=2",
         "trainer.val_before_train=false",
     ];
-    let (_, one, _d1) = run(&common);
+    let mut single = common.to_vec();
+    single.extend(base);
+    let (_, one, _d1) = run(&single);
     let mut overrides = common.to_vec();
     overrides.extend(layout);
     let (_, many, _d2) = run(&overrides);
@@ -235,4 +242,37 @@ fn context_parallel_trains_as_one() {
         "critic.megatron.context_parallel_size=2",
         "actor_rollout_ref.actor.use_kl_loss=true",
     ]);
+}
+
+/// Expert parallel on a Qwen2-MoE model (4 experts, top 2): ep = 2 with tp = 2 and its
+/// experts split over etp = 1 (each tp rank routes half the tokens), and ep = 2 × cp = 2 with
+/// experts following tp = 1; actor, reference and critic; the rollout gets every expert.
+#[test]
+fn expert_parallel_trains_as_one() {
+    let moe = [
+        "+actor_rollout_ref.model.override_config.num_experts=4",
+        "+actor_rollout_ref.model.override_config.moe_intermediate_size=64",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ];
+    let with = |layout: &[&'static str]| -> Vec<&'static str> {
+        moe.iter().chain(layout).copied().collect()
+    };
+    trains_as_one_rank_from(
+        &moe,
+        &with(&[
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+            "critic.megatron.expert_model_parallel_size=2",
+        ]),
+    );
+    trains_as_one_rank_from(
+        &moe,
+        &with(&[
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        ]),
+    );
 }

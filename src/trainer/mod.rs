@@ -129,7 +129,7 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
             }),
         }
     };
-    const KEYS: [&str; 7] = [
+    const KEYS: [&str; 10] = [
         "vocab_size",
         "hidden_size",
         "intermediate_size",
@@ -137,6 +137,9 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
         "num_attention_heads",
         "num_key_value_heads",
         "tie_word_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
     ];
     if let Some(k) = o.keys().find(|k| !KEYS.contains(&k.as_str())) {
         return Err(setup(format!(
@@ -162,6 +165,28 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
         max_position_embeddings: 4096,
     });
     m.eos_token_ids = vec![CharTokenizer::EOS];
+    // `num_experts` turns it into a Qwen2-MoE model: every layer's MLP a block of routed
+    // experts plus a shared expert of `intermediate_size`.
+    if o.contains_key("num_experts") {
+        let experts = get("num_experts", 0)?;
+        let top_k = get("num_experts_per_tok", 2)?;
+        if experts == 0 || top_k == 0 || top_k > experts {
+            return Err(setup(format!(
+                "actor_rollout_ref.model.override_config: num_experts = {experts} and \
+                 num_experts_per_tok = {top_k} must be positive, the second at most the first"
+            )));
+        }
+        m.architecture = verl_megatron::hf::Architecture::Qwen2Moe;
+        m.moe = Some(verl_megatron::hf::MoeConfig {
+            num_experts: experts,
+            num_experts_per_tok: top_k,
+            moe_intermediate_size: get("moe_intermediate_size", m.intermediate_size / 2)?,
+            shared_expert_intermediate_size: m.intermediate_size,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        });
+    }
     if let Some(v) = o.get("tie_word_embeddings") {
         m.tie_word_embeddings = v.as_bool().ok_or_else(|| {
             setup(format!(

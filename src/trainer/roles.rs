@@ -146,13 +146,6 @@ impl RolePlans {
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;
         let layout = actor_cfg.megatron.parallel();
-        if layout.ep > 1 {
-            return Err(setup(
-                "actor_rollout_ref.actor.megatron: expert parallel size must be 1 for now \
-                 (tensor, sequence, pipeline, context and data parallel are supported)"
-                    .to_string(),
-            ));
-        }
         let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
         let old_log_prob_apart = split.len() > 1
             || layout.cp > 1
@@ -161,7 +154,9 @@ impl RolePlans {
         let topo = Topology::new(layout.clone(), world)
             .and_then(|t| t.with_rollout_tp(rollout_tp))
             .map_err(setup)?;
-        model_cfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+        model_cfg
+            .check_layout(layout.tp, layout.ep, layout.expert_tp())
+            .map_err(setup)?;
         model_cfg.check_tensor_parallel(rollout_tp).map_err(|e| {
             setup(format!(
                 "actor_rollout_ref.rollout.tensor_model_parallel_size = {rollout_tp}: {e}"
@@ -228,16 +223,10 @@ impl RolePlans {
                 * settings.ppo_epochs as u64
                 * (batch * n / mini.max(1)).max(1) as u64;
             let layout = c.megatron.parallel();
-            if layout.ep > 1 {
-                return Err(setup(
-                    "critic.megatron: expert parallel size must be 1 for now \
-                     (tensor, sequence, pipeline, context and data parallel are supported)"
-                        .to_string(),
-                ));
-            }
             let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
             let topo = Topology::new(layout.clone(), world).map_err(setup)?;
-            vcfg.check_tensor_parallel(layout.tp).map_err(setup)?;
+            vcfg.check_layout(layout.tp, layout.ep, layout.expert_tp())
+                .map_err(setup)?;
             Some(CriticPlan {
                 topo,
                 settings,
@@ -287,9 +276,15 @@ impl ActorPlan {
         let inner = burn::module::AutodiffModule::valid(&model);
         // The rollout engine runs every layer on its own tensor-parallel group (consecutive
         // ranks, no sequence parallel); the hybrid engine streams the actor's weights into it
-        // before every generation. A single-rank actor and rollout share the tensors.
+        // before every generation. A single-rank actor (no split of any kind) and rollout share
+        // the tensors.
         let rollout_tp = TpGroup::new(groups.get(GroupKind::RolloutTp).clone(), false);
-        let rollout_model = if tp.is_parallel() || stage.stages > 1 || rollout_tp.is_parallel() {
+        let actor_split = tp.is_parallel()
+            || stage.stages > 1
+            || model_groups.cp.is_parallel()
+            || model_groups.ep.is_parallel()
+            || model_groups.expert_tp().is_parallel();
+        let rollout_model = if actor_split || rollout_tp.is_parallel() {
             match &ckpt {
                 None => {
                     CausalLm::<Infer>::init_sharded(mcfg, 0.02, self.seed, &device, &rollout_tp)?
@@ -301,7 +296,12 @@ impl ActorPlan {
         }
         .with_compute_dtype(self.rollout_dtype);
         let mut weight_sync = WeightSyncPlan::with_bucket_megabytes(self.bucket_megabytes);
-        weight_sync.shards_fit = rollout_tp.size == tp.size && stage.stages == 1;
+        // Shards go over as they are only when the rollout's layout is the actor's: the same
+        // tp, one stage, and every expert on every rank split as tp splits it.
+        weight_sync.shards_fit = rollout_tp.size == tp.size
+            && stage.stages == 1
+            && !model_groups.ep.is_parallel()
+            && model_groups.expert_tp().size == tp.size;
         let rollout = NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
             .map_err(verl_core::Error::from)?
             .with_detokenizer(self.detokenizer.clone());
@@ -327,6 +327,8 @@ impl ActorPlan {
         if model_groups.cp.is_parallel() {
             actor = actor.with_context_parallel(groups.dp_cp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
+        // Routed experts' gradients are summed where their shard is replicated.
+        actor = actor.with_expert_data_parallel(groups.get(GroupKind::ExpertDp).clone());
         if self.offload.any() {
             actor = actor.with_offload(training_offload(self.offload, "actor"))?;
         }
@@ -390,6 +392,7 @@ impl CriticPlan {
             critic =
                 critic.with_context_parallel(groups.dp_cp().clone(), DEFAULT_GRAD_BUCKET_ELEMS);
         }
+        critic = critic.with_expert_data_parallel(groups.get(GroupKind::ExpertDp).clone());
         if self.offload.any() {
             critic = critic.with_offload(training_offload(self.offload, "critic"))?;
         }

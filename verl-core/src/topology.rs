@@ -131,6 +131,18 @@ impl ParallelConfig {
             }
             _ => {}
         }
+        if !self.tp.is_multiple_of(self.expert_tp()) {
+            return Err(invalid(
+                "etp",
+                format!(
+                    "= {} must divide tp = {}: the ranks of a tensor-parallel group hold the same \
+                     tokens and each block of etp of them routes a share of those tokens to the \
+                     experts (an expert-tensor group wider than tp is not supported)",
+                    self.expert_tp(),
+                    self.tp
+                ),
+            ));
+        }
         let dense = self.model_ranks();
         if !world_size.is_multiple_of(dense) {
             return Err(invalid(

@@ -618,6 +618,8 @@ fn update_stage(
             actor = actor.with_context_parallel(g.dp_cp().clone(), 700);
             critic = critic.with_context_parallel(g.dp_cp().clone(), 700);
         }
+        actor = actor.with_expert_data_parallel(g.get(GroupKind::ExpertDp).clone());
+        critic = critic.with_expert_data_parallel(g.get(GroupKind::ExpertDp).clone());
     }
     let (metrics, after, values) = futures::executor::block_on(async {
         // A supervised step, the PPO update, then the updated model's log-probs; the critic's
@@ -852,17 +854,45 @@ fn context_parallel_updates_as_the_single_rank() {
     check_parallel(Flavour::Qwen2Tied, 5, 4, layout(2, 2, 2, false), 1);
 }
 
+fn experts(tp: usize, pp: usize, cp: usize, ep: usize, etp: usize, sp: bool) -> ParallelConfig {
+    ParallelConfig {
+        ep,
+        etp: Some(etp),
+        ..layout(tp, pp, cp, sp)
+    }
+}
+
+/// Expert parallel: the 4 routed experts spread over ep ∈ {2, 4} ranks (tokens dispatched by
+/// all-to-all), each split over etp ∈ {1, 2}, with tp (and sp), dp, pp and cp; and the
+/// combined tp = 2, cp = 2, ep = 2 layout. All equal the single rank (which dispatches too).
+#[test]
+fn expert_parallel_updates_as_the_single_rank() {
+    let _serial = serial();
+    let moe = Flavour::Qwen2Moe;
+    check_parallel(moe, 0, 2, experts(1, 1, 1, 2, 1, false), 2);
+    check_parallel(moe, 1, 2, experts(1, 1, 1, 4, 1, false), 4);
+    check_parallel(moe, 2, 2, experts(2, 1, 1, 2, 1, true), 1);
+    check_parallel(moe, 3, 2, experts(2, 1, 1, 2, 2, false), 2);
+    check_parallel(moe, 4, 2, experts(2, 1, 1, 1, 1, true), 2);
+    check_parallel(moe, 5, 4, experts(1, 2, 1, 2, 1, false), 2);
+    check_parallel(moe, 6, 2, experts(2, 1, 2, 2, 2, true), 1);
+}
+
 /// Every layout loads an HF checkpoint by shard (each rank reads only its stage's tensors, and
 /// only its tp shard of each) and gives back the checkpoint's tensors whole on every rank.
 #[test]
 fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
     let _serial = serial();
     let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    for (name, tp, pp) in [
-        ("qwen2", 2, 2),
-        ("qwen2_moe", 2, 2),
-        ("qwen3", 2, 1),
-        ("qwen2", 1, 2),
+    // (fixture, tp, pp, ep, etp, dp)
+    for (name, tp, pp, ep, etp, dp) in [
+        ("qwen2", 2, 2, 1, 2, 1),
+        ("qwen2_moe", 2, 2, 1, 2, 1),
+        ("qwen3", 2, 1, 1, 2, 1),
+        ("qwen2", 1, 2, 1, 1, 1),
+        ("qwen2_moe", 1, 1, 2, 1, 2),
+        ("qwen2_moe", 2, 1, 2, 1, 1),
+        ("qwen2_moe", 2, 2, 2, 2, 2),
     ] {
         let dir = fixtures.join(name);
         let cfg = HfModelConfig::from_dir(&dir).unwrap();
@@ -871,9 +901,11 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
             ParallelConfig {
                 tp,
                 pp,
+                ep,
+                etp: Some(etp),
                 ..Default::default()
             },
-            tp * pp,
+            tp * pp * dp,
         )
         .unwrap();
         let split = stage_layers(cfg.num_hidden_layers, pp, None, None).unwrap();
@@ -883,13 +915,13 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
                 .map(|g| {
                     let (cfg, ckpt, split) = (&cfg, &ckpt, split.clone());
                     s.spawn(move || {
-                        let tp = TpGroup::new(g.tp().clone(), false);
+                        let groups = ModelGroups::of(&g, false);
                         let stage = PipelineStageLayout::of(g.pp().rank(), split);
                         let model = CausalLm::<CpuBackend>::from_checkpoint_stage(
                             cfg,
                             ckpt,
                             &Default::default(),
-                            &tp,
+                            &groups,
                             &stage,
                         )
                         .unwrap();
@@ -909,13 +941,13 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
             assert_eq!(
                 tensors.len(),
                 expected,
-                "{name} tp={tp} pp={pp} rank {rank}"
+                "{name} tp={tp} pp={pp} ep={ep} etp={etp} rank {rank}"
             );
             for (tensor, values) in tensors {
                 let (want, _) = ckpt.read_f32(tensor).unwrap();
                 assert_eq!(
                     &want, values,
-                    "{name} tp={tp} pp={pp} rank {rank}: {tensor}"
+                    "{name} tp={tp} pp={pp} ep={ep} etp={etp} rank {rank}: {tensor}"
                 );
             }
         }
@@ -987,7 +1019,8 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 10, ..Default::default() })]
 
     /// Random small models (flavour, depth, weights) on random layouts
-    /// (tp ∈ {1, 2, 4}, pp ∈ {1, 2}, cp ∈ {1, 2}, dp ∈ {1, 2}, sequence parallel on or off) update as the
+    /// (tp ∈ {1, 2, 4}, pp ∈ {1, 2}, cp ∈ {1, 2}, dp ∈ {1, 2}, for the MoE model ep ∈ {1, 2}
+    /// with etp ∈ {1, tp}, sequence parallel on or off) update as the
     /// single rank does.
     #[test]
     fn random_layouts_update_as_the_single_rank(
@@ -1002,13 +1035,19 @@ proptest::proptest! {
         pp in 1usize..=2,
         dp in 1usize..=2,
         cp in 1usize..=2,
+        ep in 1usize..=2,
+        etp_is_one in proptest::bool::ANY,
         sp in proptest::bool::ANY,
         deeper in proptest::bool::ANY,
     ) {
-        // At most 8 simulated ranks; 2 or 4 layers.
+        // At most 8 simulated ranks; 2 or 4 layers; expert parallel only on the MoE model,
+        // its expert groups fitting the world (ep·etp·pp must divide it).
         proptest::prop_assume!(tp * pp * cp * dp <= 8);
+        let etp = if etp_is_one { 1 } else { tp };
+        let ep = if matches!(flavour, Flavour::Qwen2Moe) { ep } else { 1 };
+        proptest::prop_assume!((tp * cp * dp).is_multiple_of(ep * etp));
         let _serial = serial();
-        let layout = ParallelConfig { cp, ..layout(tp, pp, 1, sp) };
+        let layout = ParallelConfig { cp, ep, etp: Some(etp), ..layout(tp, pp, 1, sp) };
         check_parallel(flavour, seed, if deeper { 4 } else { 2 }, layout, dp);
     }
 }

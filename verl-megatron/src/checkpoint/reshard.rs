@@ -29,6 +29,21 @@ pub struct SavedLayout {
     pub tp_size: usize,
     pub pp_stage: usize,
     pub pp_stages: usize,
+    /// Expert parallel place (which routed experts the rank holds, and its slice of them);
+    /// absent in checkpoints saved before expert parallelism (read as a single rank).
+    #[serde(default)]
+    pub ep_rank: usize,
+    #[serde(default = "one")]
+    pub ep_size: usize,
+    #[serde(default)]
+    pub etp_rank: usize,
+    /// `0` in checkpoints saved before expert parallelism: the experts then followed tp.
+    #[serde(default)]
+    pub etp_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// One tensor this rank wants: its name, where it sits in the full tensor, and the shape of

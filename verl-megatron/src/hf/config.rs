@@ -133,6 +133,12 @@ impl HfModelConfig {
     /// `ParallelConfig::validate_for_model`, plus Qwen2-MoE's shared expert), naming the model
     /// field that does not divide and the sizes that would.
     pub fn check_tensor_parallel(&self, tp: usize) -> Result<(), MegatronError> {
+        self.check_layout(tp, 1, tp)
+    }
+
+    /// [`Self::check_tensor_parallel`] with expert parallelism: `num_experts` split over `ep`
+    /// ranks and each expert's `moe_intermediate_size` over `etp`.
+    pub fn check_layout(&self, tp: usize, ep: usize, etp: usize) -> Result<(), MegatronError> {
         let field = "actor_rollout_ref.actor.megatron.tensor_model_parallel_size";
         let refuse = |message: String| MegatronError::Setting {
             field: field.into(),
@@ -143,6 +149,8 @@ impl HfModelConfig {
         }
         let layout = ParallelConfig {
             tp,
+            ep,
+            etp: Some(etp),
             ..ParallelConfig::default()
         };
         layout

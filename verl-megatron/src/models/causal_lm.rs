@@ -472,7 +472,8 @@ impl<B: ParallelBackend> CausalLm<B> {
     ) -> Result<Self, MegatronError> {
         let groups: ModelGroups = groups.into();
         let tp = &groups.tp;
-        cfg.check_tensor_parallel(tp.size)?;
+        let (ep, etp) = (&groups.ep, groups.expert_tp());
+        cfg.check_layout(tp.size, ep.size, etp.size)?;
         if stage.layers.end > cfg.num_hidden_layers || stage.stage >= stage.stages {
             return Err(MegatronError::Setting {
                 field: "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size".into(),
@@ -487,13 +488,14 @@ impl<B: ParallelBackend> CausalLm<B> {
             .map(|s| (s.name, s.shape))
             .collect();
         let w1 = |name: &str| source.load::<1>(name);
-        // This rank's part of dimension `dim` of `name`.
-        let part = |name: &str, dim: usize| -> Result<(usize, usize), MegatronError> {
-            let shape = shapes
-                .get(name)
-                .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
-            Ok(tp.part(shape[dim]))
-        };
+        // This rank's part of dimension `dim` of `name`, split over `group`.
+        let part =
+            |name: &str, dim: usize, group: &TpGroup| -> Result<(usize, usize), MegatronError> {
+                let shape = shapes
+                    .get(name)
+                    .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
+                Ok(group.part(shape[dim]))
+            };
         let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
             if present {
                 Ok(Some(w1(&name)?))
@@ -504,10 +506,13 @@ impl<B: ParallelBackend> CausalLm<B> {
         let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
             Ok(RmsNorm::new(w1(name)?, cfg.rms_norm_eps))
         };
-        // Output rows (and bias) split: q/k/v, gate/up, the LM head.
-        let column = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
+        // Output rows (and bias) split over `group`: q/k/v, gate/up, the LM head.
+        let column_of = |p: &str,
+                         bias: bool,
+                         group: &TpGroup|
+         -> Result<ColumnParallelLinear<B>, MegatronError> {
             let w = format!("{p}.weight");
-            let rows = part(&w, 0)?;
+            let rows = part(&w, 0, group)?;
             let bias = if bias {
                 Some(source.load_part::<1>(&format!("{p}.bias"), 0, rows)?)
             } else {
@@ -518,30 +523,35 @@ impl<B: ParallelBackend> CausalLm<B> {
                 bias,
             ))
         };
-        // Input columns split, bias whole: o_proj, down_proj.
-        let row = |p: &str, bias: bool| -> Result<RowParallelLinear<B>, MegatronError> {
-            let w = format!("{p}.weight");
-            let cols = part(&w, 1)?;
-            Ok(RowParallelLinear::new(
-                source.load_part::<2>(&w, 1, cols)?,
-                opt1(format!("{p}.bias"), bias)?,
-                tp,
-            ))
-        };
+        // Input columns split over `group`, bias whole: o_proj, down_proj.
+        let row_of =
+            |p: &str, bias: bool, group: &TpGroup| -> Result<RowParallelLinear<B>, MegatronError> {
+                let w = format!("{p}.weight");
+                let cols = part(&w, 1, group)?;
+                Ok(RowParallelLinear::new(
+                    source.load_part::<2>(&w, 1, cols)?,
+                    opt1(format!("{p}.bias"), bias)?,
+                    group,
+                ))
+            };
+        let column = |p: &str, bias: bool| column_of(p, bias, tp);
+        let row = |p: &str, bias: bool| row_of(p, bias, tp);
         let replicated = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
             Ok(ColumnParallelLinear::new(
                 source.load::<2>(&format!("{p}.weight"))?,
                 opt1(format!("{p}.bias"), bias)?,
             ))
         };
-        let swiglu = |p: &str| -> Result<SwiGlu<B>, MegatronError> {
+        // A SwiGLU MLP with its features split over `group` (tp, or expert tp for experts).
+        let swiglu_of = |p: &str, group: &TpGroup| -> Result<SwiGlu<B>, MegatronError> {
             Ok(SwiGlu {
-                gate_proj: column(&format!("{p}.gate_proj"), false)?,
-                up_proj: column(&format!("{p}.up_proj"), false)?,
-                down_proj: row(&format!("{p}.down_proj"), false)?,
-                tp: tp.clone(),
+                gate_proj: column_of(&format!("{p}.gate_proj"), false, group)?,
+                up_proj: column_of(&format!("{p}.up_proj"), false, group)?,
+                down_proj: row_of(&format!("{p}.down_proj"), false, group)?,
+                tp: group.clone(),
             })
         };
+        let swiglu = |p: &str| swiglu_of(p, tp);
         // This rank's rows of a vocabulary-split weight, zero rows for the padding.
         let vocab_rows = |name: &str| -> Result<Tensor<B, 2>, MegatronError> {
             let hidden = shapes
@@ -592,17 +602,29 @@ impl<B: ParallelBackend> CausalLm<B> {
                 cp: groups.cp.clone(),
             };
             let mlp = match &cfg.moe {
-                Some(moe) if moe.is_moe_layer(l) => FeedForward::Moe(SparseMoe {
-                    gate: replicated(&format!("{p}.mlp.gate"), false)?,
-                    experts: (0..moe.num_experts)
-                        .map(|e| swiglu(&format!("{p}.mlp.experts.{e}")))
-                        .collect::<Result<_, _>>()?,
-                    shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
-                    shared_expert_gate: replicated(&format!("{p}.mlp.shared_expert_gate"), false)?,
-                    top_k: moe.num_experts_per_tok,
-                    norm_topk_prob: moe.norm_topk_prob,
-                    tp: tp.clone(),
-                }),
+                Some(moe) if moe.is_moe_layer(l) => {
+                    // This ep rank's experts, each split over the expert tp group.
+                    let local = moe.num_experts / ep.size;
+                    let first = ep.rank * local;
+                    FeedForward::Moe(SparseMoe {
+                        gate: replicated(&format!("{p}.mlp.gate"), false)?,
+                        experts: (first..first + local)
+                            .map(|e| swiglu_of(&format!("{p}.mlp.experts.{e}"), etp))
+                            .collect::<Result<_, _>>()?,
+                        shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
+                        shared_expert_gate: replicated(
+                            &format!("{p}.mlp.shared_expert_gate"),
+                            false,
+                        )?,
+                        top_k: moe.num_experts_per_tok,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        num_experts: moe.num_experts,
+                        first_expert: first,
+                        tp: tp.clone(),
+                        ep: ep.clone(),
+                        etp: etp.clone(),
+                    })
+                }
                 _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
             };
             layers.push(DecoderLayer {
@@ -1204,6 +1226,11 @@ fn is_product_matrix(name: &str) -> bool {
     name == "lm_head.weight" || name.ends_with("_proj.weight")
 }
 
+/// Whether `name` is one of a routed expert's weights (distributed by expert parallelism).
+pub fn is_routed_expert(name: &str) -> bool {
+    name.contains(".mlp.experts.")
+}
+
 /// Whether `name` is split over the vocabulary (and so padded with tp > 1).
 fn is_vocab_split(name: &str) -> bool {
     name == "model.embed_tokens.weight" || name == "lm_head.weight"
@@ -1238,23 +1265,93 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// together.
     pub fn export_weights(&self) -> Vec<NamedTensor<B>> {
         let shards = self.export_shards();
-        if !self.tp.is_parallel() {
+        if self.distributed_experts().is_some() {
+            // Every stage tensor in the HF table's order, so that the ep ranks broadcast each
+            // routed expert from its owner together.
+            let mut shards: HashMap<String, NamedTensor<B>> =
+                shards.into_iter().map(|t| (t.name.clone(), t)).collect();
+            return hf_tensor_specs(&self.config)
+                .into_iter()
+                .filter(|s| !s.optional && self.stage.owner_of(&s.name) == self.stage.stage)
+                .map(|spec| {
+                    let shard = shards.remove(&spec.name);
+                    self.full_tensor(&spec, shard)
+                        .expect("an expert-parallel group's ranks hold every expert between them")
+                })
+                .collect();
+        }
+        if !self.tp.is_parallel() && self.expert_groups().is_none_or(|(_, e)| !e.is_parallel()) {
             return shards;
         }
         shards.into_iter().map(|t| self.gather_shard(t)).collect()
     }
 
+    /// The expert-parallel group, when the routed experts are spread over more than one rank.
+    fn distributed_experts(&self) -> Option<&TpGroup> {
+        self.expert_groups()
+            .map(|(ep, _)| ep)
+            .filter(|ep| ep.is_parallel())
+    }
+
+    /// The full tensor of `spec` from this rank's `shard` of it (gathered over its group), or,
+    /// for a routed expert another ep rank holds, broadcast from that rank. Every rank of the
+    /// tp (or expert tp) and ep groups calls this together for the same `spec`.
+    fn full_tensor(
+        &self,
+        spec: &TensorSpec,
+        shard: Option<NamedTensor<B>>,
+    ) -> Result<NamedTensor<B>, MegatronError> {
+        let ep = self
+            .distributed_experts()
+            .filter(|_| is_routed_expert(&spec.name));
+        let Some(ep) = ep else {
+            let shard = shard.ok_or_else(|| MegatronError::MissingWeight {
+                name: spec.name.clone(),
+            })?;
+            return Ok(self.gather_shard(shard));
+        };
+        let n: usize = spec.shape.iter().product();
+        let local = match shard {
+            Some(t) => self.gather_shard(t).values,
+            None => Tensor::zeros([n], &self.device()),
+        };
+        let expert: usize = spec
+            .name
+            .split(".mlp.experts.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|e| e.parse().ok())
+            .ok_or_else(|| MegatronError::UnknownWeight {
+                name: spec.name.clone(),
+            })?;
+        let per_rank = self
+            .config
+            .moe
+            .as_ref()
+            .map_or(1, |m| m.num_experts / ep.size);
+        let comm = ep
+            .comm::<B>()
+            .expect("a parallel group has its communicator");
+        let values = comm.broadcast(local, expert / per_rank.max(1))?;
+        Ok(NamedTensor {
+            name: spec.name.clone(),
+            shape: spec.shape.clone(),
+            values,
+        })
+    }
+
     /// The full tensor of this rank's shard `t`, all-gathered over the tensor-parallel group
     /// (every rank of it calls this together); a replicated tensor as it is.
     fn gather_shard(&self, t: NamedTensor<B>) -> NamedTensor<B> {
-        let Some(dim) = tp_split_dim(&t.name).filter(|_| self.tp.is_parallel()) else {
+        let group = self.split_group(&t.name);
+        let Some(dim) = tp_split_dim(&t.name).filter(|_| group.is_parallel()) else {
             return t;
         };
         let shard: Tensor<B, 2> = match t.shape.len() {
             2 => t.to_tensor::<2>().expect("rank checked"),
             _ => t.values.clone().unsqueeze_dim::<2>(1),
         };
-        let mut full = self.tp.collective(shard, Collective::AllGather(dim));
+        let mut full = group.collective(shard, Collective::AllGather(dim));
         if is_vocab_split(&t.name) {
             full = full.narrow(0, 0, self.vocab_size);
         }
@@ -1305,15 +1402,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             true => bucket
                 .tensors
                 .iter()
-                .map(|s| {
-                    let shard =
-                        shards
-                            .remove(&s.name)
-                            .ok_or_else(|| MegatronError::MissingWeight {
-                                name: s.name.clone(),
-                            })?;
-                    Ok(self.gather_shard(shard))
-                })
+                .map(|s| self.full_tensor(s, shards.remove(&s.name)))
                 .collect::<Result<Vec<_>, MegatronError>>()?,
             false => Vec::new(),
         };
@@ -1395,7 +1484,8 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// the shape must match; otherwise the error names it. This is how the rollout engine takes
     /// the actor's weights tensor by tensor.
     pub fn load_weight(&mut self, tensor: NamedTensor<B>) -> Result<(), MegatronError> {
-        let split = tp_split_dim(&tensor.name).filter(|_| self.tp.is_parallel());
+        let split =
+            tp_split_dim(&tensor.name).filter(|_| self.split_group(&tensor.name).is_parallel());
         // Already this rank's shard (a weight sync between equal tensor-parallel layouts).
         if split.is_some() && self.shard_shape(&tensor.name).as_ref() == Some(&tensor.shape) {
             return self.load_shard(tensor);
@@ -1421,14 +1511,15 @@ impl<B: ParallelBackend> CausalLm<B> {
             return self.load_shard(NamedTensor::new(tensor.name, rows));
         }
         let mut shape = tensor.shape.clone();
-        if dim >= shape.len() || !shape[dim].is_multiple_of(self.tp.size) {
+        let group = self.split_group(&tensor.name);
+        if dim >= shape.len() || !shape[dim].is_multiple_of(group.size) {
             return Err(MegatronError::WeightShape {
                 name: tensor.name.clone(),
                 expected: vec![],
                 found: shape,
             });
         }
-        let (start, len) = self.tp.part(shape[dim]);
+        let (start, len) = group.part(shape[dim]);
         shape[dim] = len;
         let values = match tensor.shape.len() {
             2 => {
@@ -1524,6 +1615,7 @@ impl<B: Backend> CausalLm<B> {
                         m.gate.weight.val(),
                     ));
                     for (e, expert) in m.experts.iter().enumerate() {
+                        let e = m.first_expert + e;
                         swiglu(&mut out, format!("{p}.mlp.experts.{e}"), expert);
                     }
                     swiglu(&mut out, format!("{p}.mlp.shared_expert"), &m.shared_expert);
@@ -1671,13 +1763,14 @@ impl<B: Backend> CausalLm<B> {
                     .get(&t.name)
                     .cloned()
                     .unwrap_or_else(|| t.shape.clone());
+                let group = self.split_group(&t.name);
                 let slice = match tp_split_dim(&t.name) {
-                    _ if self.tp.size == 1 => ShardSlice::whole(&shape),
+                    _ if group.size == 1 => ShardSlice::whole(&shape),
                     Some(dim) if is_vocab_split(&t.name) => {
                         let (start, real, _) = self.tp.vocab_part(self.vocab_size);
                         split(&shape, dim, (start, real))
                     }
-                    Some(dim) => split(&shape, dim, self.tp.part(shape[dim])),
+                    Some(dim) => split(&shape, dim, group.part(shape[dim])),
                     None => ShardSlice::whole(&shape),
                 };
                 (t.name, slice)
@@ -1736,6 +1829,10 @@ impl<B: Backend> CausalLm<B> {
             let on_sequence_shards = name.ends_with("layernorm.weight")
                 || name == "model.norm.weight"
                 || name.ends_with("o_proj.bias");
+            if is_routed_expert(&name) {
+                // Expert parallelism's business: see `expert_param_sets`.
+                continue;
+            }
             if tp_split_dim(&name).is_some() {
                 sharded.insert(id);
             } else if inside_region || (sp && on_sequence_shards) {
@@ -1743,6 +1840,36 @@ impl<B: Backend> CausalLm<B> {
             }
         }
         (sharded, partial)
+    }
+
+    /// The group that splits the weight called `name`: expert tensor parallel for a routed
+    /// expert's, tensor parallel otherwise.
+    pub fn split_group(&self, name: &str) -> &TpGroup {
+        match self.expert_groups() {
+            Some((_, etp)) if is_routed_expert(name) => etp,
+            _ => &self.tp,
+        }
+    }
+
+    /// The routed experts' parameters on this rank, and every other parameter.
+    pub fn expert_param_sets(&self) -> (HashSet<ParamId>, HashSet<ParamId>) {
+        let (mut experts, mut dense) = (HashSet::new(), HashSet::new());
+        for (name, id, _) in self.named_param_ids() {
+            match is_routed_expert(&name) {
+                true => experts.insert(id),
+                false => dense.insert(id),
+            };
+        }
+        (experts, dense)
+    }
+
+    /// The expert parallel and expert tensor parallel groups of this stage's MoE layers
+    /// (`None` without any).
+    pub fn expert_groups(&self) -> Option<(&TpGroup, &TpGroup)> {
+        self.layers.iter().find_map(|l| match &l.mlp {
+            FeedForward::Moe(m) => Some((&m.ep, &m.etp)),
+            FeedForward::Dense(_) => None,
+        })
     }
 
     fn param_mut(&mut self, name: &str) -> Option<ParamMut<'_, B>> {
@@ -1813,7 +1940,8 @@ impl<B: Backend> CausalLm<B> {
                     return swiglu_param(&mut m.shared_expert, r);
                 }
                 let (e, r) = mlp.strip_prefix("experts.")?.split_once('.')?;
-                swiglu_param(m.experts.get_mut(e.parse::<usize>().ok()?)?, r)
+                let local = e.parse::<usize>().ok()?.checked_sub(m.first_expert)?;
+                swiglu_param(m.experts.get_mut(local)?, r)
             }
         }
     }

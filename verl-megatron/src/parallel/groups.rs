@@ -161,6 +161,12 @@ impl ProcessGroups<verl_core::backend::CudaBackend> {
 pub struct ModelGroups {
     pub tp: TpGroup,
     pub cp: CpGroup,
+    /// Expert parallel: the ranks among which the routed experts are distributed and tokens
+    /// exchanged (all-to-all).
+    pub ep: TpGroup,
+    /// Expert tensor parallel: the ranks splitting each expert's features; `None` = the tp
+    /// group (Megatron's default, `expert_tensor_parallel_size` unset).
+    pub etp: Option<TpGroup>,
 }
 
 impl ModelGroups {
@@ -169,7 +175,14 @@ impl ModelGroups {
         Self {
             tp: TpGroup::new(groups.tp().clone(), sequence_parallel),
             cp: CpGroup::new(groups.get(GroupKind::Cp).clone()),
+            ep: TpGroup::new(groups.get(GroupKind::Ep).clone(), false),
+            etp: Some(TpGroup::new(groups.get(GroupKind::ExpertTp).clone(), false)),
         }
+    }
+
+    /// The expert tensor parallel group in force.
+    pub fn expert_tp(&self) -> &TpGroup {
+        self.etp.as_ref().unwrap_or(&self.tp)
     }
 }
 

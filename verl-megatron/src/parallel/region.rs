@@ -127,6 +127,16 @@ pub trait ParallelBackend: Backend {
         comm: &CommHandle<Self::Base>,
     ) -> Tensor<Self, D>;
 
+    /// Expert-parallel token exchange: `x`'s rows, in blocks of `send[j]` rows for rank `j`,
+    /// go to their ranks; this rank gets `recv[i]` rows from each rank `i`, in rank order. The
+    /// gradient goes back the same way with the counts swapped.
+    fn all_to_all_rows(
+        x: Tensor<Self, 2>,
+        send: &[usize],
+        recv: &[usize],
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, 2>;
+
     /// The device's memory in use and reserved, as far as the backend can tell: burn-cuda's
     /// pool for this thread's stream; on the CPU backend, host memory counted by
     /// `verl_core::memory::CountingAllocator` (`None` when the program did not install it).
@@ -245,6 +255,39 @@ pub fn run_collective<B: Backend, const D: usize>(
     }
 }
 
+/// [`ParallelBackend::all_to_all_rows`] on a plain backend.
+pub fn run_all_to_all_rows<B: Backend>(
+    x: Tensor<B, 2>,
+    send: &[usize],
+    recv: &[usize],
+    comm: &dyn Communicator<B>,
+) -> Tensor<B, 2> {
+    if comm.world_size() == 1 {
+        return x;
+    }
+    let [_, h] = x.dims();
+    let device = x.device();
+    let mut chunks = Vec::with_capacity(send.len());
+    let mut offset = 0;
+    for &n in send {
+        // burn cannot narrow to zero rows; an empty block is an empty tensor.
+        chunks.push(match n {
+            0 => Tensor::zeros([0], &device),
+            _ => x.clone().narrow(0, offset, n).reshape([n * h]),
+        });
+        offset += n;
+    }
+    let lens: Vec<usize> = recv.iter().map(|n| n * h).collect();
+    let got = comm.all_to_all(chunks, &lens).unwrap_or_else(|e| {
+        panic!(
+            "expert-parallel all-to-all failed on rank {}: {e}",
+            comm.rank()
+        )
+    });
+    let rows: usize = recv.iter().sum();
+    Tensor::cat(got, 0).reshape([rows, h])
+}
+
 /// [`sample_memory`] on the device of `model`'s parameters (looked up only when a phase is
 /// being measured).
 pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(model: &M) {
@@ -279,6 +322,15 @@ macro_rules! plain_parallel_backend {
             ) -> Tensor<Self, D> {
                 run_collective(x, region.forward(), comm.0.as_ref())
             }
+
+            fn all_to_all_rows(
+                x: Tensor<Self, 2>,
+                send: &[usize],
+                recv: &[usize],
+                comm: &CommHandle<Self>,
+            ) -> Tensor<Self, 2> {
+                run_all_to_all_rows(x, send, recv, comm.0.as_ref())
+            }
         }
     };
 }
@@ -310,8 +362,50 @@ impl<B: ParallelBackend, const D: usize> Backward<B, 1> for RegionBackward<D> {
     }
 }
 
+/// The backward step of an all-to-all: the reverse exchange of the gradient's rows.
+#[derive(Debug)]
+struct AllToAllBackward;
+
+impl<B: ParallelBackend> Backward<B, 1> for AllToAllBackward {
+    type State = (Vec<usize>, Vec<usize>, CommHandle<B::Base>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (send, recv, comm) = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
+            B::all_to_all_rows(grad, &recv, &send, &comm)
+                .into_primitive()
+                .tensor()
+        });
+    }
+}
+
 impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, C> {
     type Base = B::Base;
+
+    fn all_to_all_rows(
+        x: Tensor<Self, 2>,
+        send: &[usize],
+        recv: &[usize],
+        comm: &CommHandle<Self::Base>,
+    ) -> Tensor<Self, 2> {
+        let tracked = x.into_primitive().tensor();
+        let inner = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(tracked.primitive));
+        let out = B::all_to_all_rows(inner, send, recv, comm)
+            .into_primitive()
+            .tensor();
+        let prep = <AllToAllBackward as Backward<B, 1>>::prepare::<C>(
+            AllToAllBackward,
+            [tracked.node.clone()],
+        );
+        let out = match prep.compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                prep.finish((send.to_vec(), recv.to_vec(), comm.clone()), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
 
     fn memory_usage(device: &Self::Device) -> Option<MemoryUsage> {
         B::memory_usage(device)
@@ -447,6 +541,19 @@ impl TpGroup {
             return x;
         }
         B::collective(x, op, self.handle::<B::Base>())
+    }
+
+    /// [`ParallelBackend::all_to_all_rows`] over this group (the identity for one rank).
+    pub fn all_to_all_rows<B: ParallelBackend>(
+        &self,
+        x: Tensor<B, 2>,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Tensor<B, 2> {
+        if self.size == 1 {
+            return x;
+        }
+        B::all_to_all_rows(x, send, recv, self.handle::<B::Base>())
     }
 
     /// Into the tensor-parallel region from the residual stream (`[batch, seq, hidden]`): a

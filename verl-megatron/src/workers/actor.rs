@@ -197,6 +197,20 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         self
     }
 
+    /// With expert parallelism (ep > 1, or an expert tensor parallel size other than tp): the
+    /// routed experts' gradients are summed over `expert_dp`, the ranks holding the same expert
+    /// shard (Megatron's expert data-parallel group).
+    pub fn with_expert_data_parallel(
+        mut self,
+        expert_dp: Arc<dyn Communicator<B::InnerBackend>>,
+    ) -> Self {
+        self.optim = self.optim.with_expert_data_parallel(expert_dp.clone());
+        self.sft_optim = self
+            .sft_optim
+            .map(|o| o.with_expert_data_parallel(expert_dp));
+        self
+    }
+
     /// Trains one pipeline stage (the model built for its stage) with the pipeline group
     /// `comm`: each mini-batch runs through the stages in the 1F1B schedule, the gradient norm
     /// adds up over the stages and a tied embedding's gradient is summed between the first and

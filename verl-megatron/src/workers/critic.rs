@@ -182,6 +182,16 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         self
     }
 
+    /// Sums the routed experts' gradients over `expert_dp` (see
+    /// `MegatronActor::with_expert_data_parallel`).
+    pub fn with_expert_data_parallel(
+        mut self,
+        expert_dp: Arc<dyn Communicator<B::InnerBackend>>,
+    ) -> Self {
+        self.optim = self.optim.with_expert_data_parallel(expert_dp);
+        self
+    }
+
     /// The clipped value loss of one micro-batch from its response-window outputs (the value
     /// head's); pushes the micro-batch's metrics and returns the loss with its value.
     fn value_loss_of(

@@ -105,25 +105,47 @@ impl LrSchedule {
 struct SquaredNorm<'a, I: Backend> {
     grads: &'a GradientsParams,
     sharded: Option<&'a HashSet<ParamId>>,
+    /// Routed experts' parameters, counted apart (they are summed over other groups).
+    experts: Option<&'a HashSet<ParamId>>,
     /// A parameter another stage counts (the last stage's copy of a tied embedding).
     exclude: Option<ParamId>,
-    /// Each gradient's sum of squares, with whether it is a tensor-parallel shard.
-    sums: Vec<(Tensor<I, 1>, bool)>,
+    /// Each gradient's sum of squares, with its kind.
+    sums: Vec<(Tensor<I, 1>, NormPart)>,
     /// On burn-cuda, the gradients themselves (as matrices), summed in a few launches by
     /// `cuda::kernels::sum_squares` when the totals are read.
     #[cfg(feature = "cuda")]
-    deferred: Vec<(Tensor<I, 2>, bool)>,
+    deferred: Vec<(Tensor<I, 2>, NormPart)>,
+}
+
+/// Which total a gradient's squares go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormPart {
+    Replicated,
+    /// A tensor-parallel shard.
+    Sharded,
+    /// A routed expert (or its expert-tensor shard).
+    Expert,
+}
+
+/// The sums of squares of a stage's gradients by kind.
+#[derive(Debug, Clone, Copy, Default)]
+struct NormTotals {
+    replicated: f64,
+    sharded: f64,
+    experts: f64,
 }
 
 impl<'a, I: Backend> SquaredNorm<'a, I> {
     fn new(
         grads: &'a GradientsParams,
         sharded: Option<&'a HashSet<ParamId>>,
+        experts: Option<&'a HashSet<ParamId>>,
         exclude: Option<ParamId>,
     ) -> Self {
         Self {
             grads,
             sharded,
+            experts,
             exclude,
             sums: Vec::new(),
             #[cfg(feature = "cuda")]
@@ -131,9 +153,9 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
         }
     }
 
-    /// The sums of squares of the replicated and of the sharded gradients, added in the model's
-    /// order in f64.
-    fn totals(self) -> (f64, f64) {
+    /// The sums of squares of the replicated, the sharded and the experts' gradients, added in
+    /// the model's order in f64.
+    fn totals(self) -> NormTotals {
         #[cfg(feature = "cuda")]
         if !self.deferred.is_empty() {
             let (grads, sharded): (Vec<_>, Vec<_>) = self.deferred.into_iter().unzip();
@@ -151,7 +173,7 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
             return split_totals(values, sharded);
         }
         if self.sums.is_empty() {
-            return (0.0, 0.0);
+            return NormTotals::default();
         }
         let (sums, sharded): (Vec<_>, Vec<_>) = self.sums.into_iter().unzip();
         crate::host_reads::note(1);
@@ -164,17 +186,17 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
     }
 }
 
-/// The sums of squares of the replicated and of the sharded gradients, added in order.
-fn split_totals(values: Vec<f64>, sharded: Vec<bool>) -> (f64, f64) {
-    let (mut total, mut sharded_total) = (0.0, 0.0);
-    for (v, s) in values.into_iter().zip(sharded) {
-        if s {
-            sharded_total += v;
-        } else {
-            total += v;
+/// The sums of squares by kind, added in order.
+fn split_totals(values: Vec<f64>, parts: Vec<NormPart>) -> NormTotals {
+    let mut t = NormTotals::default();
+    for (v, part) in values.into_iter().zip(parts) {
+        match part {
+            NormPart::Replicated => t.replicated += v,
+            NormPart::Sharded => t.sharded += v,
+            NormPart::Expert => t.experts += v,
         }
     }
-    (total, sharded_total)
+    t
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
@@ -183,7 +205,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
             return;
         }
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            let sharded = self.sharded.is_some_and(|s| s.contains(&param.id));
+            let sharded = if self.experts.is_some_and(|s| s.contains(&param.id)) {
+                NormPart::Expert
+            } else if self.sharded.is_some_and(|s| s.contains(&param.id)) {
+                NormPart::Sharded
+            } else {
+                NormPart::Replicated
+            };
             #[cfg(feature = "cuda")]
             if crate::cuda::kernels::sum_squares::applies::<B::InnerBackend>() {
                 let dims = g.dims();
@@ -304,9 +332,9 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> f64 {
-    let mut v = SquaredNorm::<B::InnerBackend>::new(grads, None, None);
+    let mut v = SquaredNorm::<B::InnerBackend>::new(grads, None, None, None);
     model.visit(&mut v);
-    v.totals().0.sqrt()
+    v.totals().replicated.sqrt()
 }
 
 /// The global L2 norm of a model-parallel model's gradients: tensor-parallel shards' squares
@@ -318,11 +346,18 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
     grads: &GradientsParams,
     tp: Option<&TensorParallelGrads<B::InnerBackend>>,
     pp: Option<&PipelineParallelGrads<B::InnerBackend>>,
+    experts: Option<&ExpertParallelGrads<B::InnerBackend>>,
 ) -> Result<f64, MegatronError> {
     let exclude = pp.and_then(|p| (p.comm.rank() != 0).then_some(p.tied_embedding).flatten());
-    let mut v = SquaredNorm::<B::InnerBackend>::new(grads, tp.map(|t| &t.sharded), exclude);
+    let mut v = SquaredNorm::<B::InnerBackend>::new(
+        grads,
+        tp.map(|t| &t.sharded),
+        experts.map(|e| &e.experts),
+        exclude,
+    );
     model.visit(&mut v);
-    let (total, sharded_total) = v.totals();
+    let totals = v.totals();
+    let (total, sharded_total) = (totals.replicated, totals.sharded);
     // On the model's device: a communicator may only reach its own GPU's memory.
     let device = model.devices().into_iter().next().unwrap_or_default();
     let sum = |comm: &GroupHandle<B::InnerBackend>, x: f64| -> Result<f64, MegatronError> {
@@ -338,6 +373,14 @@ pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
         Some(tp) => sum(&tp.comm, sharded_total)?,
         None => sharded_total,
     };
+    // Each expert shard lives once in an expert-tensor × expert-parallel group.
+    if let Some(e) = experts {
+        let mut x = totals.experts;
+        for comm in [&e.etp, &e.ep].into_iter().flatten() {
+            x = sum(comm, x)?;
+        }
+        stage += x;
+    }
     let total = match pp {
         Some(pp) => sum(&pp.comm, stage)?,
         None => stage,
@@ -530,6 +573,27 @@ pub struct TensorParallelGrads<I: Backend> {
     pub partial: HashSet<ParamId>,
 }
 
+/// How a mixture-of-experts model holds its routed experts, for the optimizer: their
+/// gradients are summed over the expert data-parallel group (the ranks holding the same expert
+/// shard) instead of the data-parallel one, their squares over the expert tensor and expert
+/// parallel groups in the gradient norm, and the distributed optimizer leaves them to their
+/// rank (the dp ranks hold different experts).
+pub struct ExpertParallelGrads<I: Backend> {
+    pub experts: HashSet<ParamId>,
+    /// Every other parameter.
+    pub dense: HashSet<ParamId>,
+    /// Expert tensor parallel group (`None` for one rank).
+    pub etp: Option<GroupHandle<I>>,
+    /// Expert parallel group (`None` for one rank).
+    pub ep: Option<GroupHandle<I>>,
+    /// Expert data parallel group; `None`: the data-parallel group, which it equals when the
+    /// experts are not distributed (ep = 1, etp = tp).
+    pub expert_dp: Option<GroupHandle<I>>,
+    /// Whether the experts are distributed (ep > 1 or etp ≠ tp): then `expert_dp` must be set
+    /// whenever there is data parallelism.
+    pub distributed: bool,
+}
+
 /// AdamW with clipping and the schedule, stepping one model.
 pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     adamw: AdamW<B::InnerBackend>,
@@ -543,6 +607,7 @@ pub struct ModelOptimizer<B: AutodiffBackend, M: AutodiffModule<B>> {
     data_parallel: Option<(GroupHandle<B::InnerBackend>, usize)>,
     tensor_parallel: Option<TensorParallelGrads<B::InnerBackend>>,
     pipeline_parallel: Option<PipelineParallelGrads<B::InnerBackend>>,
+    expert_parallel: Option<ExpertParallelGrads<B::InnerBackend>>,
     /// `use_distributed_optimizer`: set once the parameters are known (first step).
     distributed: Option<Option<DistributedOptimizer>>,
 }
@@ -585,6 +650,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             data_parallel: None,
             tensor_parallel: None,
             pipeline_parallel: None,
+            expert_parallel: None,
             distributed: None,
         })
     }
@@ -648,12 +714,19 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         let Some(dist) = self.distributed.as_mut() else {
             return;
         };
+        let experts = self.expert_parallel.as_ref().map(|e| &e.experts);
         let dist = dist.get_or_insert_with(|| {
             let mut sizes = ParamSizes(Vec::new());
             model.visit(&mut sizes);
-            DistributedOptimizer::assign(sizes.0, dp.world_size())
+            let dense = sizes
+                .0
+                .into_iter()
+                .filter(|(id, _)| !experts.is_some_and(|e| e.contains(id)))
+                .collect();
+            DistributedOptimizer::assign(dense, dp.world_size())
         });
-        let keep = dist.owned_by(dp.rank());
+        let mut keep = dist.owned_by(dp.rank());
+        keep.extend(experts.into_iter().flatten().copied());
         model.visit(&mut KeepGrads { grads, keep: &keep });
         // Moments of parameters another rank owns (a checkpoint saved on another layout loads
         // them all) are never read again.
@@ -710,6 +783,20 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         (model.map(&mut write), Ok(()))
     }
 
+    /// Steps a mixture-of-experts model: see [`ExpertParallelGrads`].
+    pub fn with_expert_parallel(mut self, experts: ExpertParallelGrads<B::InnerBackend>) -> Self {
+        self.expert_parallel = (!experts.experts.is_empty()).then_some(experts);
+        self
+    }
+
+    /// Sets the expert data-parallel group (see [`ExpertParallelGrads::expert_dp`]).
+    pub fn with_expert_data_parallel(mut self, comm: GroupHandle<B::InnerBackend>) -> Self {
+        if let Some(e) = self.expert_parallel.as_mut() {
+            e.expert_dp = Some(comm);
+        }
+        self
+    }
+
     /// Steps a tensor-parallel model: see [`TensorParallelGrads`].
     pub fn with_tensor_parallel(mut self, tp: TensorParallelGrads<B::InnerBackend>) -> Self {
         self.tensor_parallel = (tp.comm.world_size() > 1).then_some(tp);
@@ -729,9 +816,39 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         if let Some(pp) = &self.pipeline_parallel {
             sum_tied_embedding::<B>(grads, pp)?;
         }
+        let experts = self.expert_parallel.as_ref();
         if let Some((comm, bucket)) = &self.data_parallel {
             if comm.world_size() > 1 {
-                all_reduce_grads(model, grads, comm.as_ref(), *bucket, None)?;
+                all_reduce_grads(
+                    model,
+                    grads,
+                    comm.as_ref(),
+                    *bucket,
+                    experts.map(|e| &e.dense),
+                )?;
+            }
+        }
+        if let Some(e) = experts {
+            let dp = self.data_parallel.as_ref().map(|(c, _)| c);
+            let group = match (&e.expert_dp, dp) {
+                (Some(edp), _) => Some(edp),
+                (None, Some(dp)) if dp.world_size() > 1 && e.distributed => {
+                    return Err(MegatronError::Setting {
+                        field: "expert_model_parallel_size".into(),
+                        message: "the routed experts are distributed over ranks, so their \
+                                  gradients need the expert data-parallel group \
+                                  (with_expert_data_parallel)"
+                            .into(),
+                    })
+                }
+                (None, dp) => dp,
+            };
+            if let Some(group) = group.filter(|g| g.world_size() > 1) {
+                let bucket = self
+                    .data_parallel
+                    .as_ref()
+                    .map_or(DEFAULT_GRAD_BUCKET_ELEMS, |(_, b)| *b);
+                all_reduce_grads(model, grads, group.as_ref(), bucket, Some(&e.experts))?;
             }
         }
         model_parallel_grad_norm(
@@ -739,6 +856,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
             grads,
             self.tensor_parallel.as_ref(),
             self.pipeline_parallel.as_ref(),
+            experts,
         )
     }
 

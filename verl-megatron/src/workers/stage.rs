@@ -61,10 +61,15 @@ where
         if !self.pipelined {
             return Ok(());
         }
-        // Tensor- and context-parallel backwards both run collectives.
+        // Tensor-, context- and expert-parallel backwards all run collectives.
+        let ep = self
+            .model
+            .expert_groups()
+            .and_then(|(ep, _)| ep.comm::<B::InnerBackend>());
         for comm in [
             self.model.tp.comm::<B::InnerBackend>(),
             self.model.cp.comm(),
+            ep,
         ]
         .into_iter()
         .flatten()

@@ -14,7 +14,7 @@ use verl_core::traits::{
 };
 use verl_core::NamedTensor;
 
-use super::optim::{ModelOptimizer, TensorParallelGrads};
+use super::optim::{ExpertParallelGrads, ModelOptimizer, TensorParallelGrads};
 use crate::checkpoint::{DistCheckpoint, SavedLayout, ShardedCheckpoint};
 use crate::models::CausalLm;
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
@@ -59,11 +59,25 @@ pub(crate) fn save_state<B: ParallelAutodiffBackend>(
 }
 
 fn layout_of<B: Backend>(model: &CausalLm<B>) -> SavedLayout {
+    let (ep, etp) = match model.expert_groups() {
+        Some((ep, etp)) => ((ep.rank, ep.size), (etp.rank, etp.size)),
+        // No experts here: nothing to place, as saved before expert parallelism.
+        None => ((0, 1), (0, 0)),
+    };
+    let etp = match etp {
+        // Experts following tp are recorded as older checkpoints recorded them.
+        (_, n) if n == model.tp.size && ep.1 == 1 => (0, 0),
+        e => e,
+    };
     SavedLayout {
         tp_rank: model.tp.rank,
         tp_size: model.tp.size,
         pp_stage: model.stage.stage,
         pp_stages: model.stage.stages,
+        ep_rank: ep.0,
+        ep_size: ep.1,
+        etp_rank: etp.0,
+        etp_size: etp.1,
     }
 }
 
@@ -185,10 +199,22 @@ pub(crate) fn for_model<B: ParallelAutodiffBackend>(
     optim: ModelOptimizer<B, CausalLm<B>>,
     model: &CausalLm<B>,
 ) -> ModelOptimizer<B, CausalLm<B>> {
-    match tp_grads(model) {
+    let optim = match tp_grads(model) {
         Some(tp) => optim.with_tensor_parallel(tp),
         None => optim,
-    }
+    };
+    let Some((ep, etp)) = model.expert_groups() else {
+        return optim;
+    };
+    let (experts, dense) = model.expert_param_sets();
+    optim.with_expert_parallel(ExpertParallelGrads {
+        experts,
+        dense,
+        etp: etp.comm::<B::InnerBackend>().filter(|c| c.world_size() > 1),
+        ep: ep.comm::<B::InnerBackend>().filter(|c| c.world_size() > 1),
+        expert_dp: None,
+        distributed: ep.size > 1 || etp.size != model.tp.size,
+    })
 }
 
 /// `values` summed over `dp` (as is without a group): the batch-wide counts a data-parallel

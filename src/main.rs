@@ -231,6 +231,29 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         repeat: usize,
     },
+    /// Qwen2-MoE's expert block with token dispatch against the dense every-expert form,
+    /// forward and forward + backward (peer: bench/peers/moe.py). The defaults are
+    /// Qwen1.5-MoE-A2.7B's block: hidden 2048, experts of 1408, shared expert 5632, top-4.
+    Moe {
+        /// Routed expert counts, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "8,64")]
+        experts: Vec<usize>,
+        #[arg(long, default_value_t = 4096)]
+        tokens: usize,
+        #[arg(long, default_value_t = 2048)]
+        hidden: usize,
+        #[arg(long, default_value_t = 1408)]
+        moe_ffn: usize,
+        #[arg(long, default_value_t = 5632)]
+        shared_ffn: usize,
+        #[arg(long, default_value_t = 4)]
+        top_k: usize,
+        /// Matrix products in f32 or bf16.
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        #[arg(long, default_value_t = 5)]
+        repeat: usize,
+    },
     /// GPU-host transfer rates of the offload stores, checked bit for bit, and how much of a
     /// prefetch hides behind compute (`cuda` build; peer: bench/peers/offload.py).
     Offload {
@@ -371,6 +394,30 @@ fn run(cli: Cli) -> Result<(), String> {
                     repeat,
                 },
         } => bench::weight_sync::weight_sync(&preset, &bucket_mb, repeat),
+        Command::Bench {
+            what:
+                BenchCommand::Moe {
+                    experts,
+                    tokens,
+                    hidden,
+                    moe_ffn,
+                    shared_ffn,
+                    top_k,
+                    dtype,
+                    repeat,
+                },
+        } => bench::moe::moe(
+            &experts,
+            &bench::moe::MoeShape {
+                hidden,
+                moe_ffn,
+                shared_ffn,
+                top_k,
+                tokens,
+            },
+            &dtype,
+            repeat,
+        ),
         #[cfg(not(feature = "cuda"))]
         Command::Bench {
             what:

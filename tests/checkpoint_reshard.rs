@@ -2,7 +2,8 @@
 //! checkpoints reshard on load: saved at tp=2 × pp=2, resumed at tp=1, tp=4 and pp=1, the next
 //! steps' metrics (actor, critic, reference KL) match the run that never stopped within f32
 //! summation tolerance; saved with the distributed optimizer over dp=2, resumed on a layout
-//! without it.
+//! without it; a Qwen2-MoE model saved with its experts spread over ep=2 (and cp=2), resumed on
+//! one rank and on tp=2 × ep=2 with etp=1.
 
 use std::path::Path;
 

@@ -244,7 +244,8 @@ fn context_parallel_trains_as_one() {
     ]);
 }
 
-/// Expert parallel on a Qwen2-MoE model (4 experts, top 2): ep = 2 with tp = 2 and its
+/// Expert parallel on a Qwen2-MoE model (4 experts, top 2, Megatron's load-balancing loss at
+/// 0.01, `actor/moe_aux_loss` compared like every metric): ep = 2 with tp = 2 and its
 /// experts split over etp = 1 (each tp rank routes half the tokens), and ep = 2 × cp = 2 with
 /// experts following tp = 1; actor, reference and critic; the rollout gets every expert.
 #[test]
@@ -252,6 +253,8 @@ fn expert_parallel_trains_as_one() {
     let moe = [
         "+actor_rollout_ref.model.override_config.num_experts=4",
         "+actor_rollout_ref.model.override_config.moe_intermediate_size=64",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+        "+critic.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
         "actor_rollout_ref.actor.use_kl_loss=true",
     ];
     let with = |layout: &[&'static str]| -> Vec<&'static str> {
@@ -275,4 +278,82 @@ fn expert_parallel_trains_as_one() {
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
         ]),
     );
+}
+
+/// verl's `model.override_config.moe_config.freeze_moe_router`: the routers and shared-expert
+/// gates keep their weights through the updates, on 2 data-parallel ranks with the distributed
+/// optimizer too (the HF copies
+/// saved after steps 1 and 2 hold the same routers, while the experts moved; without the switch
+/// the routers move too); `moe_router_load_balancing_type` other than aux_loss / none is
+/// refused naming the key.
+#[test]
+fn a_frozen_moe_router_keeps_its_weights() {
+    let routers_and_experts = |freeze: bool| -> (f32, f32) {
+        let mut overrides = vec![
+            "+actor_rollout_ref.model.override_config.num_experts=4",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=2",
+            "trainer.save_freq=1",
+            "trainer.sft_warmup_steps=0",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        ];
+        if freeze {
+            overrides
+                .push("+actor_rollout_ref.model.override_config.moe_config.freeze_moe_router=true");
+        }
+        let (_, _, dir) = run(&overrides);
+        let open = |step: usize| {
+            let path = dir
+                .path()
+                .join(format!("global_step_{step}/actor/huggingface"));
+            verl::megatron::hf::HfCheckpoint::open(&path).unwrap()
+        };
+        let (a, b) = (open(1), open(2));
+        let moved = |suffix: &str| -> f32 {
+            let names: Vec<String> = a
+                .names()
+                .filter(|n| n.ends_with(suffix))
+                .map(str::to_string)
+                .collect();
+            assert!(!names.is_empty(), "{suffix}");
+            names
+                .iter()
+                .map(|n| {
+                    let (x, _) = a.read_f32(n).unwrap();
+                    let (y, _) = b.read_f32(n).unwrap();
+                    x.iter()
+                        .zip(&y)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0f32, f32::max)
+                })
+                .fold(0f32, f32::max)
+        };
+        (
+            moved("mlp.gate.weight").max(moved("shared_expert_gate.weight")),
+            moved("experts.0.up_proj.weight"),
+        )
+    };
+    let (routers, experts) = routers_and_experts(true);
+    assert_eq!(
+        routers, 0.0,
+        "frozen routers (or shared-expert gates) moved"
+    );
+    assert!(experts > 0.0, "the experts should train");
+    let (routers, _) = routers_and_experts(false);
+    assert!(routers > 0.0, "control: an unfrozen router moves");
+    let refused = verl::ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "+actor_rollout_ref.model.override_config.num_experts=4",
+            "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_load_balancing_type=sinkhorn",
+        ])
+        .build()
+        .map(verl::trainer::PpoTrainer::new);
+    let text = match refused {
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+        Ok(Ok(_)) => panic!("sinkhorn balancing accepted"),
+    };
+    assert!(text.contains("moe_router_load_balancing_type"), "{text}");
 }

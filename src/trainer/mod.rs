@@ -141,7 +141,11 @@ fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainE
         "num_experts_per_tok",
         "moe_intermediate_size",
     ];
-    if let Some(k) = o.keys().find(|k| !KEYS.contains(&k.as_str())) {
+    // `moe_config` (verl's router switches) is read with the roles' settings.
+    if let Some(k) = o
+        .keys()
+        .find(|k| !KEYS.contains(&k.as_str()) && k.as_str() != "moe_config")
+    {
         return Err(setup(format!(
             "actor_rollout_ref.model.override_config.{k}: the built-in task's model takes only {}",
             KEYS.join(", ")

@@ -57,6 +57,103 @@ pub(crate) struct ActorPlan {
     offload: OffloadSwitches,
     /// `ref.megatron.param_offload`.
     ref_param_offload: bool,
+    /// `actor.megatron.override_transformer_config`'s MoE router settings.
+    moe: MoeRouterSettings,
+}
+
+/// The MoE router's training settings: Megatron's load-balancing loss from
+/// `{role}.megatron.override_transformer_config` and verl's router freeze from
+/// `{role}.model.override_config.moe_config`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct MoeRouterSettings {
+    /// `moe_aux_loss_coeff` (with `moe_router_load_balancing_type` `aux_loss`).
+    aux_loss_coeff: f64,
+    /// `moe_config.freeze_moe_router`.
+    freeze_router: bool,
+}
+
+impl MoeRouterSettings {
+    fn apply(self, model: CausalLm<Train>) -> CausalLm<Train> {
+        let model = model.with_moe_aux_loss(self.aux_loss_coeff);
+        match self.freeze_router {
+            true => model.freeze_moe_router(),
+            false => model,
+        }
+    }
+}
+
+/// Reads `moe_aux_loss_coeff` and `moe_router_load_balancing_type` from the role's
+/// `megatron.override_transformer_config` (`megatron_key` names it), and
+/// `moe_config.freeze_moe_router` from its model's `override_config` (`model_key`), where verl
+/// reads them. The loss applies when a coefficient is given: the balancing type defaults to
+/// `aux_loss` then and to `none` otherwise; `aux_loss` without a coefficient, another type, or
+/// a value of the wrong kind is refused naming the key.
+fn moe_router_settings(
+    megatron: &verl_core::config::MegatronConfig,
+    megatron_key: &str,
+    model_override: &serde_json::Map<String, serde_json::Value>,
+    model_key: &str,
+) -> Result<MoeRouterSettings, TrainError> {
+    use serde_json::Value;
+    let o = &megatron.override_transformer_config;
+    let key = |k: &str| format!("{megatron_key}.megatron.override_transformer_config.{k}");
+    let coeff = match o.get("moe_aux_loss_coeff") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_f64()
+                .filter(|c| *c >= 0.0 && c.is_finite())
+                .ok_or_else(|| {
+                    setup(format!(
+                        "{} = {v}: must be a number ≥ 0",
+                        key("moe_aux_loss_coeff")
+                    ))
+                })?,
+        ),
+    };
+    let balancing = match o.get("moe_router_load_balancing_type") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(v.as_str().map(str::to_string).ok_or_else(|| {
+            setup(format!(
+                "{} = {v}: must be a string",
+                key("moe_router_load_balancing_type")
+            ))
+        })?),
+    };
+    let aux_loss_coeff = match (balancing.as_deref(), coeff) {
+        (None, c) => c.unwrap_or(0.0),
+        (Some("aux_loss"), Some(c)) => c,
+        (Some("aux_loss"), None) => {
+            return Err(setup(format!(
+                "{} = aux_loss needs {} (the loss's weight, e.g. 0.001)",
+                key("moe_router_load_balancing_type"),
+                key("moe_aux_loss_coeff")
+            )))
+        }
+        (Some("none"), _) => 0.0,
+        (Some(other), _) => {
+            return Err(setup(format!(
+                "{} = {other}: not supported yet; use aux_loss (Megatron's switch \
+                 load-balancing loss) or none",
+                key("moe_router_load_balancing_type")
+            )))
+        }
+    };
+    let freeze_router = match model_override
+        .get("moe_config")
+        .and_then(|m| m.get("freeze_moe_router"))
+    {
+        None | Some(Value::Null) => false,
+        Some(v) => v.as_bool().ok_or_else(|| {
+            setup(format!(
+                "{model_key}.model.override_config.moe_config.freeze_moe_router = {v}: must be \
+                 true or false"
+            ))
+        })?,
+    };
+    Ok(MoeRouterSettings {
+        aux_loss_coeff,
+        freeze_router,
+    })
 }
 
 /// How every rank builds its critic.
@@ -74,6 +171,7 @@ pub(crate) struct CriticPlan {
     optim_steps: u64,
     /// `critic.megatron.*_offload`.
     offload: OffloadSwitches,
+    moe: MoeRouterSettings,
 }
 
 /// The roles of a run, as every rank builds them.
@@ -198,6 +296,12 @@ impl RolePlans {
                 .megatron
                 .as_ref()
                 .is_some_and(|m| m.param_offload),
+            moe: moe_router_settings(
+                &actor_cfg.megatron,
+                "actor_rollout_ref.actor",
+                &cfg.actor_rollout_ref.model.override_config,
+                "actor_rollout_ref",
+            )?,
         };
         let critic = if cfg.critic_enabled() {
             let c = &cfg.critic;
@@ -239,6 +343,12 @@ impl RolePlans {
                 optim: c.optim.clone(),
                 optim_steps,
                 offload: OffloadSwitches::of(&c.megatron),
+                moe: moe_router_settings(
+                    &c.megatron,
+                    "critic",
+                    &c.model.override_config,
+                    "critic",
+                )?,
             })
         } else {
             None
@@ -273,6 +383,7 @@ impl ActorPlan {
             Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, &model_groups, &stage)?,
         }
         .with_compute_dtype(self.actor_dtype);
+        let model = self.moe.apply(model);
         let inner = burn::module::AutodiffModule::valid(&model);
         // The rollout engine runs every layer on its own tensor-parallel group (consecutive
         // ranks, no sequence parallel); the hybrid engine streams the actor's weights into it
@@ -376,6 +487,7 @@ impl CriticPlan {
             &stage,
         )?
         .with_compute_dtype(self.dtype);
+        let model = self.moe.apply(model);
         let mut critic = MegatronCritic::new(
             model,
             ModelOptimizer::new(&self.optim, self.optim_steps)?

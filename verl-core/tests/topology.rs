@@ -26,7 +26,9 @@ fn layouts() -> impl Strategy<Value = (ParallelConfig, usize)> {
                 etp,
                 ..Default::default()
             };
-            (world % (cfg.expert_tp() * ep * pp) == 0).then_some((cfg, world))
+            // The expert-tensor groups split a tp group's ranks (etp divides tp).
+            let fits = world % (cfg.expert_tp() * ep * pp) == 0 && tp % cfg.expert_tp() == 0;
+            fits.then_some((cfg, world))
         })
 }
 
@@ -300,4 +302,18 @@ fn sequence_parallel_is_inert_at_tp_one() {
         ..Default::default()
     }
     .sequence_parallel_active());
+}
+
+/// An expert-tensor group wider than tp (or not dividing it) is refused, naming etp.
+#[test]
+fn an_expert_tensor_size_that_does_not_divide_tp_is_refused() {
+    for (tp, etp) in [(1, 2), (3, 2), (2, 4)] {
+        let cfg = ParallelConfig {
+            tp,
+            etp: Some(etp),
+            ..Default::default()
+        };
+        let e = Topology::new(cfg, 12).unwrap_err().to_string();
+        assert!(e.contains("etp") && e.contains("must divide tp"), "{e}");
+    }
 }

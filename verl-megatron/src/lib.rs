@@ -17,10 +17,10 @@
 //!
 //! - [`parallel`]: the in-process `LocalCommunicator` (ranks as threads), the process groups
 //!   of a topology, the tensor / sequence-parallel region operators (custom autodiff
-//!   operations running the conjugate collective backward), and the pipeline stage split and
-//!   1F1B schedule.
-//!
-//! Planned here (see the issue tracker): context and expert parallel.
+//!   operations running the conjugate collective backward), context parallel's load-balanced
+//!   sequence split ([`parallel::ContextSplit`]), the expert-parallel all-to-all, and the
+//!   pipeline stage split and 1F1B schedule. Qwen2-MoE's token dispatch lives with its block
+//!   ([`models::qwen2_moe`]).
 
 pub mod checkpoint;
 #[cfg(feature = "cuda")]

@@ -45,6 +45,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 const ROWS: usize = 8;
+/// A large load-balancing weight, so that a layout summing it wrongly shows in the updates.
+const MOE_AUX_LOSS_COEFF: f64 = 0.5;
 const PROMPT: usize = 3;
 /// Prompt + response = 7 tokens: sequence parallelism has to pad to a multiple of tp.
 const RESPONSE: usize = 4;
@@ -576,8 +578,11 @@ fn update_stage(
             )
         }
     };
-    let model =
-        CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7 + seed, &device, &tp, &stage).unwrap();
+    // MoE models train with Megatron's load-balancing loss, which must add up over the layout
+    // like everything else.
+    let model = CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7 + seed, &device, &tp, &stage)
+        .unwrap()
+        .with_moe_aux_loss(MOE_AUX_LOSS_COEFF);
     let mut actor = MegatronActor::new(
         model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -590,7 +595,9 @@ fn update_stage(
     vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
     vcfg.tie_word_embeddings = false;
     let value_model =
-        CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8 + seed, &device, &tp, &stage).unwrap();
+        CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8 + seed, &device, &tp, &stage)
+            .unwrap()
+            .with_moe_aux_loss(MOE_AUX_LOSS_COEFF);
     let mut critic = MegatronCritic::new(
         value_model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -775,7 +782,10 @@ fn check_layout_of(flavour: Flavour, seed: u64, layers: usize, layout: ParallelC
             }
         }
         if c.pp_rank + 1 == pp {
-            for key in COMPARED_METRICS {
+            let moe_keys = ["actor/moe_aux_loss", "critic/moe_aux_loss"]
+                .into_iter()
+                .filter(|k| single.0.contains_key(*k));
+            for key in COMPARED_METRICS.into_iter().chain(moe_keys) {
                 assert_eq!(single.0[key].len(), metrics.0[key].len(), "{label} {key}");
                 for (x, y) in single.0[key].iter().zip(&metrics.0[key]) {
                     rel_close(*x, *y, &format!("{label} rank {} {key}", c.rank));
@@ -1049,5 +1059,69 @@ proptest::proptest! {
         let _serial = serial();
         let layout = ParallelConfig { cp, ep, etp: Some(etp), ..layout(tp, pp, 1, sp) };
         check_parallel(flavour, seed, if deeper { 4 } else { 2 }, layout, dp);
+    }
+}
+
+/// An expert block on tp = 4 × ep = 4 with etp = 1 routes its tokens in 4 blocks; with 2
+/// tokens two ranks route none. They still take part in both exchanges, forward and backward
+/// (a rank whose backward skipped them would leave its peers waiting), and the output and the
+/// input's gradient are the single rank's.
+#[test]
+fn ranks_with_no_tokens_to_route_still_exchange() {
+    let _serial = serial();
+    let cfg = model_cfg(Flavour::Qwen2Moe);
+    let device = Default::default();
+    let x = Tensor::<CpuBackend, 3>::from_data(
+        TensorData::new(
+            (0..64)
+                .map(|i| ((i * 7) % 11) as f32 / 5.0 - 1.0)
+                .collect::<Vec<f32>>(),
+            [1, 2, 32],
+        ),
+        &device,
+    );
+    let run = |groups: ModelGroups| -> (Vec<f32>, Vec<f32>) {
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        let model =
+            CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 3, &device, &groups, &whole).unwrap();
+        let moe = match model.layers.into_iter().nth(1).map(|l| l.mlp) {
+            Some(verl_megatron::models::mlp::FeedForward::Moe(m)) => m,
+            _ => unreachable!("layer 1 is an expert block"),
+        };
+        let input = Tensor::<CpuAutodiff, 3>::from_inner(x.clone()).require_grad();
+        let y = moe.forward(input.clone());
+        let grads = (y.clone() * y.clone()).sum().backward();
+        let flat = |t: Tensor<CpuBackend, 3>| t.into_data().to_vec::<f32>().unwrap();
+        (flat(y.inner()), flat(input.grad(&grads).unwrap()))
+    };
+    let (single_y, single_g) = run(ModelGroups::default());
+    let topo = Topology::new(
+        ParallelConfig {
+            tp: 4,
+            ep: 4,
+            etp: Some(1),
+            sequence_parallel: false,
+            ..Default::default()
+        },
+        4,
+    )
+    .unwrap();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = ProcessGroups::<CpuBackend>::local(&topo)
+            .into_iter()
+            .map(|g| {
+                let run = &run;
+                s.spawn(move || run(ModelGroups::of(&g, false)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (y, g)) in results.iter().enumerate() {
+        for (a, b) in single_y.iter().zip(y).chain(single_g.iter().zip(g)) {
+            assert!(
+                (a - b).abs() <= 1e-5 * a.abs().max(1.0),
+                "rank {rank}: {a} vs {b}"
+            );
+        }
     }
 }

@@ -149,7 +149,7 @@ impl PipelineStage<A> for ToyStage {
         Ok(if self.last {
             StageOutput::Loss(loss_of(h, mb, self.micro_batches))
         } else {
-            StageOutput::Activation(h)
+            StageOutput::Activation(h, None)
         })
     }
 

@@ -5,7 +5,7 @@ use std::cell::OnceCell;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
-use burn::tensor::TensorData;
+use burn::tensor::{Bool, Int, TensorData};
 
 use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
 use crate::layers::precision::{self, ComputeDtype};
@@ -206,28 +206,22 @@ pub fn positional_bias<B: Backend>(
     device: &B::Device,
 ) -> Tensor<B, 4> {
     let (t, k) = (queries.len(), keys.len());
-    let grid = |f: &dyn Fn(usize, usize) -> bool| -> Vec<f32> {
-        queries
-            .iter()
-            .flat_map(|&q| keys.iter().map(move |&key| (q, key)))
-            .map(|(q, key)| if f(q, key) { 1.0 } else { 0.0 })
-            .collect()
+    // Built on the device from the two position lists (the grid is as large as the scores
+    // it masks; a long sequence's never passes through host memory).
+    let positions = |p: &[usize]| {
+        let v: Vec<i64> = p.iter().map(|&i| i as i64).collect();
+        Tensor::<B, 1, Int>::from_data(TensorData::new(v, [p.len()]), device)
     };
-    let to_bool = |values: Vec<f32>| {
-        Tensor::<B, 2>::from_data(TensorData::new(values, [t, k]), device)
-            .reshape([1, 1, t, k])
-            .repeat_dim(0, batch)
-            .greater_elem(0.5)
-    };
-    let mut allowed = to_bool(grid(&|q, key| key <= q));
+    let q = positions(queries).reshape([t, 1]).repeat_dim(1, k);
+    let key = positions(keys).reshape([1, k]).repeat_dim(0, t);
+    let expand = |m: Tensor<B, 2, Bool>| m.reshape([1, 1, t, k]).repeat_dim(0, batch);
+    let mut allowed = expand(key.clone().lower_equal(q.clone()));
     if let Some(mask) = key_mask {
         let token = mask
             .reshape([batch, 1, 1, k])
             .greater_elem(0.5)
             .repeat_dim(2, t);
-        allowed = allowed
-            .bool_and(token)
-            .bool_or(to_bool(grid(&|q, key| key == q)));
+        allowed = allowed.bool_and(token).bool_or(expand(key.equal(q)));
     }
     Tensor::<B, 4>::zeros([batch, 1, t, k], device).mask_fill(allowed.bool_not(), f32::NEG_INFINITY)
 }

@@ -201,6 +201,9 @@ pub struct CausalLm<B: Backend> {
     /// [`crate::layers::precision`].
     #[module(skip)]
     pub compute_dtype: ComputeDtype,
+    /// Megatron's `moe_aux_loss_coeff` (every stage knows it, MoE layers or not).
+    #[module(skip)]
+    pub moe_aux_loss_coeff: f64,
     /// A generation-only model's fused weights ([`Self::with_generation_matrices`]); cleared by
     /// any weight load and rebuilt by [`Self::prepare_generation`].
     #[module(skip)]
@@ -262,6 +265,26 @@ impl PipelineStageLayout {
 
     pub fn is_last(&self) -> bool {
         self.stage + 1 == self.stages
+    }
+}
+
+/// The attention mask's values at `positions` of each row, flattened `[batch · positions]`
+/// (all ones without a mask): the tokens an MoE block sees, for its load-balancing loss.
+fn attention_mask_local<B: Backend>(
+    mask: &Option<Tensor<B, 2>>,
+    positions: &[usize],
+    batch: usize,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let n = batch * positions.len();
+    match mask {
+        None => Tensor::ones([n], device),
+        Some(m) => {
+            let p: Vec<i64> = positions.iter().map(|&i| i as i64).collect();
+            let index =
+                Tensor::<B, 1, Int>::from_data(TensorData::new(p, [positions.len()]), device);
+            m.clone().select(1, index).reshape([n])
+        }
     }
 }
 
@@ -623,6 +646,8 @@ impl<B: ParallelBackend> CausalLm<B> {
                         tp: tp.clone(),
                         ep: ep.clone(),
                         etp: etp.clone(),
+                        cp: groups.cp.clone(),
+                        aux_loss_coeff: 0.0,
                     })
                 }
                 _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
@@ -675,6 +700,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             stage: stage.clone(),
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
             compute_dtype: ComputeDtype::F32,
+            moe_aux_loss_coeff: 0.0,
             config: cfg.clone(),
             generation: FusedWeights::default(),
         })
@@ -750,13 +776,24 @@ impl<B: ParallelBackend> CausalLm<B> {
                 Tensor::<B, 1, Int>::from_data(TensorData::new(p.clone(), [p.len()]), &device)
             };
             let (local, keys) = (split.local(), split.gathered_keys());
-            let key_mask = attention_mask.map(|m| m.select(1, index(keys.clone())));
+            let key_mask = attention_mask
+                .clone()
+                .map(|m| m.select(1, index(keys.clone())));
             let bias = positional_bias(b, &local, &keys, key_mask, &device);
             let ids = input_ids.select(1, index(local.clone()));
-            let positions = positions.select(1, index(local));
+            let positions = positions.select(1, index(local.clone()));
             let window = HeadWindow::Context(split.window(start, len));
+            if super::qwen2_moe::collecting_aux_losses() {
+                let mask = attention_mask_local(&attention_mask, &local, b, &device);
+                super::qwen2_moe::set_aux_token_mask(mask);
+            }
             (ids, positions, AttentionMask::from_bias(bias), window)
         } else {
+            if super::qwen2_moe::collecting_aux_losses() {
+                let all: Vec<usize> = (0..padded).collect();
+                let mask = attention_mask_local(&attention_mask, &all, b, &device);
+                super::qwen2_moe::set_aux_token_mask(mask);
+            }
             let mask = AttentionMask::causal(b, padded, attention_mask, &device);
             (input_ids, positions, mask, HeadWindow::Range(start, len))
         };
@@ -1849,6 +1886,35 @@ impl<B: Backend> CausalLm<B> {
             Some((_, etp)) if is_routed_expert(name) => etp,
             _ => &self.tp,
         }
+    }
+
+    /// Adds Megatron's load-balancing loss to every MoE block's training forward, weighted by
+    /// `coeff` (`moe_aux_loss_coeff`; 0 turns it off). See
+    /// [`super::qwen2_moe::collect_aux_losses`].
+    pub fn with_moe_aux_loss(mut self, coeff: f64) -> Self {
+        if self.config.moe.is_none() {
+            return self;
+        }
+        self.moe_aux_loss_coeff = coeff;
+        for layer in &mut self.layers {
+            if let FeedForward::Moe(m) = &mut layer.mlp {
+                m.aux_loss_coeff = coeff;
+            }
+        }
+        self
+    }
+
+    /// Freezes every MoE router and shared-expert gate (verl's `freeze_moe_router`, which
+    /// freezes both): they get no gradient and keep their weights. The load-balancing loss,
+    /// whose gradient only reaches the router, then moves nothing.
+    pub fn freeze_moe_router(mut self) -> Self {
+        for layer in &mut self.layers {
+            if let FeedForward::Moe(m) = &mut layer.mlp {
+                m.gate = m.gate.clone().no_grad();
+                m.shared_expert_gate = m.shared_expert_gate.clone().no_grad();
+            }
+        }
+        self
     }
 
     /// The routed experts' parameters on this rank, and every other parameter.

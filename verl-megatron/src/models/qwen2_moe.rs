@@ -19,6 +19,9 @@
 //! instead of all of them ([`SparseMoe::forward_dense`] keeps the every-expert form as the
 //! reference).
 
+use std::any::Any;
+use std::cell::RefCell;
+
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::{sigmoid, softmax};
@@ -26,7 +29,7 @@ use burn::tensor::{Int, TensorData};
 
 use super::mlp::SwiGlu;
 use crate::layers::ColumnParallelLinear;
-use crate::parallel::{ParallelBackend, TpGroup};
+use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
 /// Qwen2-MoE's block: a softmax router picks the top-k experts per token (weights renormalised
 /// when `norm_topk_prob`), plus a shared expert scaled by a sigmoid gate.
@@ -55,6 +58,79 @@ pub struct SparseMoe<B: Backend> {
     /// Expert tensor parallel group (each routed expert's features split over it).
     #[module(skip)]
     pub etp: TpGroup,
+    /// Context parallel group: the load-balancing loss counts the whole sequence's tokens.
+    #[module(skip)]
+    pub cp: CpGroup,
+    /// Megatron's `moe_aux_loss_coeff`: the weight of the load-balancing loss (0: none).
+    #[module(skip)]
+    pub aux_loss_coeff: f64,
+}
+
+thread_local! {
+    /// While a training forward runs ([`collect_aux_losses`]): the tokens' mask and the
+    /// load-balancing losses of the blocks it passed through (type-erased tensors).
+    static AUX: RefCell<Option<AuxSink>> = const { RefCell::new(None) };
+}
+
+struct AuxSink {
+    token_mask: Option<Box<dyn Any>>,
+    losses: Vec<Box<dyn Any>>,
+}
+
+/// Runs `forward` collecting the load-balancing losses of the MoE blocks it runs through (each
+/// already weighted by its `moe_aux_loss_coeff`), as Megatron's aux-loss scaler does: the
+/// caller adds them to the micro-batch's loss (or, on a pipeline stage without a loss, to its
+/// backward), so they reach the router on every stage.
+pub fn collect_aux_losses<B: Backend, T>(forward: impl FnOnce() -> T) -> (T, Vec<Tensor<B, 1>>) {
+    let previous = AUX.with(|a| {
+        a.borrow_mut().replace(AuxSink {
+            token_mask: None,
+            losses: Vec::new(),
+        })
+    });
+    let out = forward();
+    let sink = AUX.with(|a| std::mem::replace(&mut *a.borrow_mut(), previous));
+    let losses = sink
+        .map(|s| s.losses)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|l| l.downcast::<Tensor<B, 1>>().ok().map(|t| *t))
+        .collect();
+    (out, losses)
+}
+
+/// Whether a forward is collecting load-balancing losses.
+pub fn collecting_aux_losses() -> bool {
+    AUX.with(|a| a.borrow().is_some())
+}
+
+/// The mask (`[tokens]`, 1 = a real token) of the tokens the MoE blocks of the running forward
+/// see, in their order: padding is left out of the load-balancing loss, so that a layout's
+/// own padding changes nothing.
+pub fn set_aux_token_mask<B: Backend>(mask: Tensor<B, 1>) {
+    AUX.with(|a| {
+        if let Some(sink) = a.borrow_mut().as_mut() {
+            sink.token_mask = Some(Box::new(mask));
+        }
+    });
+}
+
+fn aux_token_mask<B: Backend>() -> Option<Tensor<B, 1>> {
+    AUX.with(|a| {
+        a.borrow()
+            .as_ref()
+            .and_then(|s| s.token_mask.as_ref())
+            .and_then(|m| m.downcast_ref::<Tensor<B, 1>>())
+            .cloned()
+    })
+}
+
+fn push_aux_loss<B: Backend>(loss: Tensor<B, 1>) {
+    AUX.with(|a| {
+        if let Some(sink) = a.borrow_mut().as_mut() {
+            sink.losses.push(Box::new(loss));
+        }
+    });
 }
 
 /// Where one block's routed (token, expert) pairs go and come back from, worked out on the
@@ -76,6 +152,38 @@ fn index<B: Backend>(values: &[usize], device: &B::Device) -> Tensor<B, 1, Int> 
     Tensor::from_data(TensorData::new(v, [values.len()]), device)
 }
 
+/// Each row's `k` largest entries' columns `[rows, k]`, largest first, by k rounds of argmax
+/// on the device (burn-cuda has no sort: its sort reads the tensor back to the host).
+fn top_k_columns<B: Backend>(x: Tensor<B, 2>, k: usize) -> Tensor<B, 2, Int> {
+    let e = x.dims()[1];
+    let mut rest = x;
+    let mut picks = Vec::with_capacity(k);
+    for i in 0..k {
+        let pick = rest.clone().argmax(1);
+        if i + 1 < k {
+            let taken = chosen_mask(pick.clone(), e).greater_elem(0.5);
+            rest = rest.mask_fill(taken, f32::NEG_INFINITY);
+        }
+        picks.push(pick);
+    }
+    match picks.len() {
+        1 => picks.remove(0),
+        _ => Tensor::cat(picks, 1),
+    }
+}
+
+/// `[rows, columns]`: 1 at each row's `chosen` columns `[rows, k]`, 0 elsewhere.
+fn chosen_mask<B: Backend>(chosen: Tensor<B, 2, Int>, columns: usize) -> Tensor<B, 2> {
+    let [n, k] = chosen.dims();
+    let device = chosen.device();
+    Tensor::<B, 2>::zeros([n, columns], &device).scatter(
+        1,
+        chosen,
+        Tensor::ones([n, k], &device),
+        burn::tensor::IndexingUpdateOp::Add,
+    )
+}
+
 /// The inverse of a permutation.
 fn inverse(perm: &[usize]) -> Vec<usize> {
     let mut inv = vec![0; perm.len()];
@@ -91,8 +199,46 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let [b, t, h] = x.dims();
         let tokens = x.reshape([b * t, h]);
         let probs = softmax(self.gate.forward(tokens.clone()), 1);
+        if self.aux_loss_coeff > 0.0 && collecting_aux_losses() {
+            push_aux_loss(self.load_balancing_loss(probs.clone()));
+        }
         let out = self.shared(tokens.clone()) + self.routed(tokens, probs);
         self.tp.exit(out.reshape([b, t, h]))
+    }
+
+    /// Megatron's switch load-balancing loss of the router's `probs` `[tokens, experts]`:
+    /// `coeff · E / (k · N²) · Σ_e (Σ_t p_te) · (tokens routed to e)`, over the real tokens
+    /// (`N` of them) of the whole micro-batch: each tp rank sums its slice of the tokens (so the
+    /// router's gradient, summed over tp, counts each once) and the sums are added over tp and
+    /// cp (a reduction whose backward is the identity).
+    fn load_balancing_loss(&self, probs: Tensor<B, 2>) -> Tensor<B, 1> {
+        let [n, e] = probs.dims();
+        let device = probs.device();
+        let mask = aux_token_mask::<B>()
+            .filter(|m| m.dims() == [n])
+            .unwrap_or_else(|| Tensor::ones([n], &device));
+        let per = n.div_ceil(self.tp.size);
+        let start = (self.tp.rank * per).min(n);
+        let count = per.min(n - start);
+        let mut sums = Tensor::<B, 1>::zeros([2 * e + 1], &device);
+        if count > 0 {
+            let mine = index::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
+            let probs = probs.select(0, mine.clone());
+            let mask = mask.select(0, mine).unsqueeze_dim::<2>(1);
+            // Each token's k choices, as dispatch makes them.
+            let chosen = top_k_columns(probs.clone().detach(), self.top_k);
+            let routed = chosen_mask(chosen, e) * mask.clone();
+            let prob_sums = (probs * mask.clone()).sum_dim(0).reshape([e]);
+            let counts = routed.sum_dim(0).reshape([e]);
+            sums = Tensor::cat(vec![prob_sums, counts, mask.sum().reshape([1])], 0);
+        }
+        let sums = self.tp.region(sums, Region::ReduceFrom);
+        let sums = self.cp.region(sums, Region::ReduceFrom);
+        let prob_sums = sums.clone().narrow(0, 0, e);
+        let counts = sums.clone().narrow(0, e, e).detach();
+        let tokens = sums.narrow(0, 2 * e, 1).detach().clamp_min(1.0);
+        let scale = self.aux_loss_coeff * e as f64 / self.top_k as f64;
+        (prob_sums * counts).sum() * scale / tokens.powi_scalar(2)
     }
 
     /// The shared expert scaled by its gate (partial over tp).
@@ -112,12 +258,8 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let [b, t, h] = x.dims();
         let tokens = x.reshape([b * t, h]);
         let probs = softmax(self.gate.forward(tokens.clone()), 1);
-        let kth = probs
-            .clone()
-            .detach()
-            .sort_descending(1)
-            .narrow(1, self.top_k - 1, 1);
-        let mut weights = probs.clone() * probs.greater_equal(kth).float();
+        let chosen = top_k_columns(probs.clone().detach(), self.top_k);
+        let mut weights = probs.clone() * chosen_mask(chosen, self.num_experts);
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
         }
@@ -137,21 +279,16 @@ impl<B: ParallelBackend> SparseMoe<B> {
         // This expert-tensor block's share of the tokens.
         let blocks = self.tp.size / self.etp.size;
         let block = self.tp.rank / self.etp.size;
-        let per = n.div_ceil(blocks);
-        let start = (block * per).min(n);
-        let count = per.min(n - start);
+        // Balanced: a block is empty only when there are fewer tokens than blocks.
+        let start = n * block / blocks;
+        let count = n * (block + 1) / blocks - start;
         // A block with no tokens (fewer tokens than blocks) still takes part in the exchange;
         // its router joins the graph with weight 0, as an idle expert does below.
         let (experts, weights, unused_router) = if count == 0 {
             (Vec::new(), None, Some(probs.sum().reshape([1, 1]) * 0.0))
         } else {
             let mine = index::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
-            let (_, chosen) = probs
-                .clone()
-                .select(0, mine.clone())
-                .detach()
-                .sort_descending_with_indices(1);
-            let chosen = chosen.narrow(1, 0, k);
+            let chosen = top_k_columns(probs.clone().select(0, mine.clone()).detach(), k);
             // The only host read of the block: which experts each token chose.
             let experts: Vec<usize> = chosen
                 .clone()
@@ -173,18 +310,34 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let received = self.ep.all_to_all_rows(rows, &plan.send, &plan.recv);
         let (computed, idle) = self.local_experts(received, &plan, h, &device);
         let back = self.ep.all_to_all_rows(computed, &plan.recv, &plan.send);
-        let mut parts = vec![Tensor::<B, 2>::zeros([start, h], &device)];
-        if let Some(weights) = weights {
-            // Back in pair order (token, slot), weighted and summed over each token's experts.
-            let pairs = back.select(0, index::<B>(&inverse(&plan.send_order), &device));
-            let routed = (pairs.reshape([count, k, h]) * weights.unsqueeze_dim::<3>(2))
-                .sum_dim(1)
-                .reshape([count, h]);
-            parts.push(routed);
+        // (burn-cuda cannot launch on empty tensors: only non-empty parts.)
+        let mut parts = Vec::new();
+        if start > 0 {
+            parts.push(Tensor::<B, 2>::zeros([start, h], &device));
         }
-        parts.push(Tensor::zeros([n - start - count, h], &device));
-        let out = Tensor::cat(parts, 0);
-        match [idle, unused_router]
+        // With no tokens here `back` is empty, but it must stay on the loss's path: its
+        // backward is the exchange the group's other ranks wait in.
+        let mut unused_back = None;
+        match weights {
+            Some(weights) => {
+                // Back in pair order (token, slot), weighted and summed over each token's
+                // experts.
+                let pairs = back.select(0, index::<B>(&inverse(&plan.send_order), &device));
+                let routed = (pairs.reshape([count, k, h]) * weights.unsqueeze_dim::<3>(2))
+                    .sum_dim(1)
+                    .reshape([count, h]);
+                parts.push(routed);
+            }
+            None => unused_back = Some(back.sum().reshape([1, 1])),
+        }
+        if n > start + count {
+            parts.push(Tensor::zeros([n - start - count, h], &device));
+        }
+        let out = match parts.len() {
+            1 => parts.remove(0),
+            _ => Tensor::cat(parts, 0),
+        };
+        match [idle, unused_router, unused_back]
             .into_iter()
             .flatten()
             .reduce(|a, b| a + b)
@@ -255,7 +408,12 @@ impl<B: ParallelBackend> SparseMoe<B> {
         h: usize,
         device: &B::Device,
     ) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
-        let sorted = received.select(0, index::<B>(&plan.by_expert, device));
+        // Nothing received: every expert idle, nothing to send back.
+        let sorted = (!plan.by_expert.is_empty()).then(|| {
+            received
+                .clone()
+                .select(0, index::<B>(&plan.by_expert, device))
+        });
         let mut outputs = Vec::new();
         // An expert nobody routed to still joins the graph (with weight 0), so that every
         // parameter of a step has a gradient, as data-parallel reduction needs.
@@ -270,14 +428,120 @@ impl<B: ParallelBackend> SparseMoe<B> {
                 });
                 continue;
             }
-            outputs.push(expert.forward_partial(sorted.clone().narrow(0, offset, rows)));
+            let rows_of = sorted
+                .clone()
+                .expect("rows were received")
+                .narrow(0, offset, rows);
+            outputs.push(expert.forward_partial(rows_of));
             offset += rows;
         }
-        let computed = match outputs.is_empty() {
-            true => Tensor::<B, 2>::zeros([0, h], device),
-            false => Tensor::cat(outputs, 0),
+        let computed = match outputs.len() {
+            // `received` is empty then: sent back as it is.
+            0 => received,
+            1 => outputs.remove(0),
+            _ => Tensor::cat(outputs, 0),
         };
-        let computed = computed.select(0, index::<B>(&inverse(&plan.by_expert), device));
+        let computed = match plan.by_expert.is_empty() {
+            true => computed,
+            false => computed.select(0, index::<B>(&inverse(&plan.by_expert), device)),
+        };
         (computed, idle.map(|z| z.sum().reshape([1, 1])))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::Param;
+    use verl_core::backend::CpuAutodiff;
+
+    use super::*;
+    use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
+    use crate::models::mlp::FeedForward;
+    use crate::models::CausalLm;
+
+    fn block(experts: usize, top_k: usize, coeff: f64) -> SparseMoe<CpuAutodiff> {
+        let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
+            vocab_size: 8,
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            max_position_embeddings: 16,
+        });
+        cfg.architecture = Architecture::Qwen2Moe;
+        cfg.moe = Some(MoeConfig {
+            num_experts: experts,
+            num_experts_per_tok: top_k,
+            moe_intermediate_size: 4,
+            shared_expert_intermediate_size: 8,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        });
+        let model = CausalLm::<CpuAutodiff>::init(&cfg, 0.3, 5, &Default::default())
+            .with_moe_aux_loss(coeff);
+        match model.layers.into_iter().next().map(|l| l.mlp) {
+            Some(FeedForward::Moe(m)) => m,
+            _ => unreachable!("a Qwen2-MoE layer"),
+        }
+    }
+
+    /// A router that ignores its input (zero weights) gives every expert 1/E of each token;
+    /// the top-k breaks the ties towards the first k experts (argmax's first maximum). By hand, with N tokens:
+    /// Σ_t p = N/E per expert, the first k experts get N tokens each, so the loss is
+    /// coeff · E/(k·N²) · k · (N/E) · N = coeff.
+    #[test]
+    fn a_uniform_router_costs_exactly_the_coefficient() {
+        let mut m = block(4, 2, 0.3);
+        let w = m.gate.weight.val();
+        m.gate.weight = Param::from_tensor(w.zeros_like());
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 5, 8], &Default::default());
+        let (_, losses) = collect_aux_losses::<CpuAutodiff, _>(|| m.forward(x));
+        assert_eq!(losses.len(), 1);
+        let loss = losses[0].clone().into_scalar().elem::<f64>();
+        assert!((loss - 0.3).abs() < 1e-6, "{loss}");
+    }
+
+    /// Padding tokens are left out: the loss over 3 real tokens and 2 padded ones is the loss
+    /// of the 3 alone, and it reaches the router only (its gradient is non-zero).
+    #[test]
+    fn padding_is_left_out_and_the_loss_reaches_the_router() {
+        let m = block(4, 2, 1.0);
+        let device = Default::default();
+        let x = Tensor::<CpuAutodiff, 3>::random(
+            [1, 5, 8],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let (_, padded) = collect_aux_losses::<CpuAutodiff, _>(|| {
+            set_aux_token_mask(Tensor::<CpuAutodiff, 1>::from_floats(
+                [1.0, 1.0, 1.0, 0.0, 0.0],
+                &device,
+            ));
+            m.forward(x.clone())
+        });
+        let (_, real) =
+            collect_aux_losses::<CpuAutodiff, _>(|| m.forward(x.clone().narrow(1, 0, 3)));
+        let (a, b) = (padded[0].clone(), real[0].clone());
+        let (va, vb) = (
+            a.clone().into_scalar().elem::<f64>(),
+            b.into_scalar().elem::<f64>(),
+        );
+        assert!((va - vb).abs() < 1e-6 && va > 0.0, "{va} vs {vb}");
+        let grads = a.backward();
+        let router = m.gate.weight.grad(&grads).expect("the router's gradient");
+        assert!(router.abs().sum().into_scalar().elem::<f64>() > 0.0);
+    }
+
+    /// No coefficient, or no collecting forward (log-prob passes): no loss.
+    #[test]
+    fn only_training_forwards_with_a_coefficient_collect() {
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 3, 8], &Default::default());
+        let (_, none) =
+            collect_aux_losses::<CpuAutodiff, _>(|| block(4, 2, 0.0).forward(x.clone()));
+        assert!(none.is_empty());
+        assert!(!collecting_aux_losses());
+        let _ = block(4, 2, 1.0).forward(x);
     }
 }

@@ -124,8 +124,9 @@ pub fn one_f_one_b(stage: usize, stages: usize, micro_batches: usize) -> Vec<Pip
 
 /// What a stage's forward on one micro-batch produced.
 pub enum StageOutput<B: AutodiffBackend> {
-    /// The activation for the next stage (every stage but the last), `[batch, seq, hidden]`.
-    Activation(Tensor<B, 3>),
+    /// The activation for the next stage (every stage but the last), `[batch, seq, hidden]`,
+    /// and a loss of the stage's own to add to its backward (MoE load balancing), if any.
+    Activation(Tensor<B, 3>, Option<Tensor<B, 1>>),
     /// The micro-batch's loss (the last stage), already scaled as it is to be summed.
     Loss(Tensor<B, 1>),
 }
@@ -191,7 +192,7 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                 };
                 let out = stage.forward(mb, input)?;
                 match &out {
-                    StageOutput::Activation(a) if !last => {
+                    StageOutput::Activation(a, _) if !last => {
                         comm.send(a.clone().inner().flatten(0, 2), me + 1)?;
                     }
                     StageOutput::Loss(l) if last => {
@@ -217,7 +218,7 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                             loss.backward()
                         })
                     }
-                    StageOutput::Activation(a) => {
+                    StageOutput::Activation(a, own) => {
                         // The next stage's gradient of our output seeds our backward.
                         let shape = a.dims();
                         let n = shape.iter().product();
@@ -225,7 +226,11 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
                         stage.before_backward()?;
                         let device = a.device();
                         verl_core::profiling::device_span::<B, _>(&device, "backward", || {
-                            (a * Tensor::from_inner(g)).sum().backward()
+                            let seed = (a * Tensor::from_inner(g)).sum();
+                            match own {
+                                Some(own) => (seed + own).backward(),
+                                None => seed.backward(),
+                            }
                         })
                     }
                 };

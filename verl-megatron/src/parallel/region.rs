@@ -270,9 +270,10 @@ pub fn run_all_to_all_rows<B: Backend>(
     let mut chunks = Vec::with_capacity(send.len());
     let mut offset = 0;
     for &n in send {
-        // burn cannot narrow to zero rows; an empty block is an empty tensor.
+        // burn cannot narrow to zero rows, and burn-cuda launches nothing on an empty tensor:
+        // an empty block is an empty allocation.
         chunks.push(match n {
-            0 => Tensor::zeros([0], &device),
+            0 => Tensor::empty([0], &device),
             _ => x.clone().narrow(0, offset, n).reshape([n * h]),
         });
         offset += n;
@@ -285,7 +286,12 @@ pub fn run_all_to_all_rows<B: Backend>(
         )
     });
     let rows: usize = recv.iter().sum();
-    Tensor::cat(got, 0).reshape([rows, h])
+    let mut got: Vec<_> = got.into_iter().filter(|t| t.dims()[0] > 0).collect();
+    match got.len() {
+        0 => Tensor::empty([0, h], &device),
+        1 => got.remove(0).reshape([rows, h]),
+        _ => Tensor::cat(got, 0).reshape([rows, h]),
+    }
 }
 
 /// [`sample_memory`] on the device of `model`'s parameters (looked up only when a phase is

@@ -331,11 +331,25 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         metrics: &mut Metrics,
     ) -> Result<(GradientsParams, f64)> {
         let mut total = 0.0;
-        let grads = train_micro_batches(self.model(), micros, self.pp.as_ref(), |micro, out| {
-            let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
-            total += value;
-            Ok(loss)
-        })?;
+        let aux = super::state::MoeAuxLoss::of(self.model(), micros.len(), self.dp.as_deref())?;
+        let (grads, aux_total) = train_micro_batches(
+            self.model(),
+            micros,
+            self.pp.as_ref(),
+            aux.scale,
+            |micro, out| {
+                let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
+                total += value;
+                Ok(loss)
+            },
+        )?;
+        aux.report(
+            aux_total,
+            self.pp.as_deref(),
+            self.dp.as_deref(),
+            "actor",
+            metrics,
+        )?;
         Ok((grads, total))
     }
 

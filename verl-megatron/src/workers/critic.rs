@@ -353,12 +353,26 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                     .map(|r| mini.slice(r.start, r.end))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
                 let mut total = 0.0;
-                let grads =
-                    train_micro_batches(self.model(), &micros, self.pp.as_ref(), |micro, out| {
+                let aux =
+                    super::state::MoeAuxLoss::of(self.model(), micros.len(), self.dp.as_deref())?;
+                let (grads, aux_total) = train_micro_batches(
+                    self.model(),
+                    &micros,
+                    self.pp.as_ref(),
+                    aux.scale,
+                    |micro, out| {
                         let (loss, value) = self.value_loss_of(micro, out, scale, &mut metrics)?;
                         total += value;
                         Ok(loss)
-                    })?;
+                    },
+                )?;
+                aux.report(
+                    aux_total,
+                    self.pp.as_deref(),
+                    self.dp.as_deref(),
+                    "critic",
+                    &mut metrics,
+                )?;
                 self.ready_optimizer()?;
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();

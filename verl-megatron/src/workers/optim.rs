@@ -468,7 +468,10 @@ struct ParamSizes(Vec<(ParamId, usize)>);
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for ParamSizes {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.0.push((param.id, param.val().shape().num_elements()));
+        // A frozen parameter (a frozen MoE router) never changes: nobody owns its update.
+        if param.val().is_require_grad() {
+            self.0.push((param.id, param.val().shape().num_elements()));
+        }
     }
 }
 
@@ -518,7 +521,9 @@ impl<B: AutodiffBackend> ModuleMapper<B> for WriteParams<B::InnerBackend> {
             burn::tensor::TensorData::new(v, old.dims()),
             &self.device,
         );
-        Param::from_mapped_value(id, Tensor::from_inner(inner).require_grad(), mapper)
+        // Trainable as it was (a frozen parameter stays frozen).
+        let value = Tensor::from_inner(inner).set_require_grad(old.is_require_grad());
+        Param::from_mapped_value(id, value, mapper)
     }
 }
 

@@ -28,6 +28,10 @@ struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     pipelined: bool,
     loss: L,
     acc: GradientsAccumulator<CausalLm<B>>,
+    /// What each micro-batch's MoE load-balancing losses are multiplied by (1 / the mini-batch's
+    /// micro-batches over all dp ranks), and their scaled sum so far.
+    aux_scale: f64,
+    aux_total: f64,
 }
 
 impl<B, L> PipelineStage<B> for ModelStage<'_, B, L>
@@ -39,14 +43,27 @@ where
         let micro = &self.micros[mb];
         let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
-        let out = inputs.stage_outputs(&model, input);
+        let (out, aux) = crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
+            inputs.stage_outputs(&model, input)
+        });
+        let aux = aux
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .map(|a| a * self.aux_scale);
+        if let Some(a) = &aux {
+            self.aux_total += a.clone().into_scalar().elem::<f64>();
+        }
         // The activations of the micro-batches in flight are all held now.
         crate::parallel::sample_memory::<B>(&out.device());
         self.in_flight.insert(mb, model);
         if !self.model.stage.is_last() {
-            return Ok(StageOutput::Activation(out));
+            return Ok(StageOutput::Activation(out, aux));
         }
-        Ok(StageOutput::Loss((self.loss)(micro, out)?.reshape([1])))
+        let loss = (self.loss)(micro, out)?.reshape([1]);
+        Ok(StageOutput::Loss(match aux {
+            Some(aux) => loss + aux,
+            None => loss,
+        }))
     }
 
     fn input_shape(&self, mb: usize) -> [usize; 3] {
@@ -130,14 +147,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradientCoverage<'_> {
 }
 
 /// Forward and backward of `model` over `micros`, in the 1F1B schedule through the pipeline
-/// group `pp` when there is one: the summed gradients. `loss` gives a micro-batch's loss from
+/// group `pp` when there is one: the summed gradients, and this stage's MoE load-balancing
+/// losses times `aux_scale`, summed (0 without them). `loss` gives a micro-batch's loss from
 /// the model's response-window outputs (on the last stage only).
 pub(crate) fn train_micro_batches<B, L>(
     model: &CausalLm<B>,
     micros: &[DataProto<B::InnerBackend>],
     pp: Option<&Arc<dyn Communicator<B::InnerBackend>>>,
+    aux_scale: f64,
     loss: L,
-) -> Result<GradientsParams>
+) -> Result<(GradientsParams, f64)>
 where
     B: ParallelAutodiffBackend,
     L: FnMut(&DataProto<B::InnerBackend>, Tensor<B, 3>) -> Result<Tensor<B, 1>>,
@@ -149,6 +168,8 @@ where
         pipelined: pp.is_some(),
         loss,
         acc: GradientsAccumulator::new(),
+        aux_scale,
+        aux_total: 0.0,
     };
     match pp {
         None => {
@@ -167,7 +188,7 @@ where
             run_one_f_one_b(&mut stage, pp.as_ref(), micros.len(), &device)?;
         }
     }
-    Ok(stage.acc.grads())
+    Ok((stage.acc.grads(), stage.aux_total))
 }
 
 #[cfg(test)]
@@ -211,7 +232,7 @@ mod tests {
     #[test]
     fn every_trainable_parameter_gets_its_gradient() {
         let model = model();
-        let grads = train_micro_batches(&model, &[micro(), micro()], None, |_, out| {
+        let (grads, _) = train_micro_batches(&model, &[micro(), micro()], None, 1.0, |_, out| {
             Ok(out.powi_scalar(2).mean().reshape([1]))
         })
         .unwrap();
@@ -233,8 +254,10 @@ mod tests {
         let elsewhere =
             Tensor::<CpuAutodiff, 1>::random([3], Distribution::Default, &Default::default())
                 .require_grad();
-        let e = train_micro_batches(&model, &[micro()], None, |_, _| Ok(elsewhere.clone().sum()))
-            .unwrap_err();
+        let e = train_micro_batches(&model, &[micro()], None, 1.0, |_, _| {
+            Ok(elsewhere.clone().sum())
+        })
+        .unwrap_err();
         let text = e.to_string();
         assert!(
             text.contains("got no gradient from micro-batch 0"),

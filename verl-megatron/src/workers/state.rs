@@ -233,3 +233,50 @@ pub(crate) fn dp_sum<B: ParallelBackend>(
         _ => Ok(values.to_vec()),
     }
 }
+
+/// How a mini-batch's MoE load-balancing losses are weighted and reported: Megatron averages
+/// them over the mini-batch's micro-batches (over every data-parallel rank), so each
+/// micro-batch's is multiplied by 1 / that count.
+pub(crate) struct MoeAuxLoss {
+    pub scale: f64,
+    enabled: bool,
+}
+
+impl MoeAuxLoss {
+    /// For `micro_batches` micro-batches on this rank (summed over `dp`).
+    pub fn of<B: ParallelAutodiffBackend>(
+        model: &CausalLm<B>,
+        micro_batches: usize,
+        dp: Option<&dyn Communicator<B::InnerBackend>>,
+    ) -> verl_core::Result<Self> {
+        if model.moe_aux_loss_coeff <= 0.0 {
+            return Ok(Self {
+                scale: 0.0,
+                enabled: false,
+            });
+        }
+        let all = dp_sum(dp, &[micro_batches as f64])?[0].max(1.0);
+        Ok(Self {
+            scale: 1.0 / all,
+            enabled: true,
+        })
+    }
+
+    /// Pushes `{role}/moe_aux_loss`: this stage's scaled sum added over the pipeline stages and
+    /// the data-parallel ranks (the mini-batch's mean load-balancing loss, all layers).
+    pub fn report<I: ParallelBackend>(
+        &self,
+        stage_total: f64,
+        pp: Option<&dyn Communicator<I>>,
+        dp: Option<&dyn Communicator<I>>,
+        role: &str,
+        metrics: &mut verl_core::Metrics,
+    ) -> verl_core::Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let stages = dp_sum(pp, &[stage_total])?[0];
+        metrics.push(format!("{role}/moe_aux_loss"), dp_sum(dp, &[stages])?[0]);
+        Ok(())
+    }
+}

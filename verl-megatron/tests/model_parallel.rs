@@ -886,6 +886,7 @@ fn expert_parallel_updates_as_the_single_rank() {
     check_parallel(moe, 4, 2, experts(2, 1, 1, 1, 1, true), 2);
     check_parallel(moe, 5, 4, experts(1, 2, 1, 2, 1, false), 2);
     check_parallel(moe, 6, 2, experts(2, 1, 2, 2, 2, true), 1);
+    check_parallel(moe, 7, 2, experts(2, 1, 1, 4, 2, false), 4);
 }
 
 /// Every layout loads an HF checkpoint by shard (each rank reads only its stage's tensors, and

@@ -357,3 +357,56 @@ fn a_frozen_moe_router_keeps_its_weights() {
     };
     assert!(text.contains("moe_router_load_balancing_type"), "{text}");
 }
+
+/// verl's dynamic batch size on every pass (actor update, old and reference log-probs, critic
+/// update and values) with a 40-token budget (rows of up to 12 tokens) on dp = 2: the
+/// micro-batches are regrouped by tokens and trimmed; losses, gradient norms, rewards,
+/// advantages and values are the fixed single rank's. (Metrics averaged per micro-batch —
+/// clip fractions, entropy, KL, predicted values — depend on the grouping, as verl's do, and
+/// are left out.)
+#[test]
+fn dynamic_batch_size_trains_as_fixed() {
+    let common = [
+        "algorithm.adv_estimator=gae",
+        "critic.enable=true",
+        "critic.ppo_micro_batch_size_per_gpu=16",
+        "trainer.sft_warmup_steps=8",
+        "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ];
+    let per_micro_batch = [
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_lower",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "critic/vpred_mean",
+        "critic/vf_clipfrac",
+    ];
+    let strip = |lines: Vec<BTreeMap<String, f64>>| -> Vec<BTreeMap<String, f64>> {
+        lines
+            .into_iter()
+            .map(|mut l| {
+                l.retain(|k, _| !per_micro_batch.contains(&k.as_str()));
+                l
+            })
+            .collect()
+    };
+    let (_, one, _d1) = run(&common);
+    let mut dynamic = common.to_vec();
+    dynamic.extend([
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=40",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=40",
+        "critic.use_dynamic_bsz=true",
+        "critic.ppo_max_token_len_per_gpu=40",
+    ]);
+    let (_, many, _d2) = run(&dynamic);
+    common::assert_same_metrics(&strip(one), &strip(many), "dynamic batch size");
+}

@@ -20,8 +20,8 @@ use verl_megatron::parallel::{ModelGroups, ProcessGroups, TpGroup};
 use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
-    HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer, ParamOffload,
-    TrainingOffload,
+    DynamicBatch, HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer,
+    ParamOffload, TrainingOffload,
 };
 use verl_offload::OffloadBackend;
 use verl_profiler::RoleProfiler;
@@ -59,6 +59,8 @@ pub(crate) struct ActorPlan {
     ref_param_offload: bool,
     /// `actor.megatron.override_transformer_config`'s MoE router settings.
     moe: MoeRouterSettings,
+    /// `use_dynamic_bsz` and the token budgets of the update, log-prob and reference passes.
+    dynamic: DynamicBatch,
 }
 
 /// The MoE router's training settings: Megatron's load-balancing loss from
@@ -172,6 +174,7 @@ pub(crate) struct CriticPlan {
     /// `critic.megatron.*_offload`.
     offload: OffloadSwitches,
     moe: MoeRouterSettings,
+    dynamic: DynamicBatch,
 }
 
 /// The roles of a run, as every rank builds them.
@@ -302,6 +305,23 @@ impl RolePlans {
                 &cfg.actor_rollout_ref.model.override_config,
                 "actor_rollout_ref",
             )?,
+            dynamic: {
+                let (rollout, reference) = (
+                    &cfg.actor_rollout_ref.rollout,
+                    &cfg.actor_rollout_ref.reference,
+                );
+                DynamicBatch {
+                    update_max_tokens: actor_cfg
+                        .use_dynamic_bsz
+                        .then_some(actor_cfg.ppo_max_token_len_per_gpu),
+                    forward_max_tokens: rollout
+                        .log_prob_use_dynamic_bsz
+                        .then_some(rollout.log_prob_max_token_len_per_gpu),
+                    reference_max_tokens: reference
+                        .log_prob_use_dynamic_bsz
+                        .then_some(reference.log_prob_max_token_len_per_gpu),
+                }
+            },
         };
         let critic = if cfg.critic_enabled() {
             let c = &cfg.critic;
@@ -349,6 +369,14 @@ impl RolePlans {
                     &c.model.override_config,
                     "critic",
                 )?,
+                dynamic: DynamicBatch {
+                    update_max_tokens: c.use_dynamic_bsz.then_some(c.ppo_max_token_len_per_gpu),
+                    forward_max_tokens: c.use_dynamic_bsz.then_some(
+                        c.forward_max_token_len_per_gpu
+                            .unwrap_or(c.ppo_max_token_len_per_gpu),
+                    ),
+                    reference_max_tokens: None,
+                },
             })
         } else {
             None
@@ -418,7 +446,8 @@ impl ActorPlan {
             .with_detokenizer(self.detokenizer.clone());
         let optim = ModelOptimizer::new(&self.optim, self.optim_steps)?
             .with_distributed_optimizer(self.distributed_optimizer);
-        let mut actor = MegatronActor::new(model, optim, self.settings.clone());
+        let mut actor = MegatronActor::new(model, optim, self.settings.clone())
+            .with_dynamic_batch(self.dynamic);
         if let Some(lr) = self.sft_lr {
             let mut o = self.optim.clone();
             o.lr = lr;
@@ -493,7 +522,8 @@ impl CriticPlan {
             ModelOptimizer::new(&self.optim, self.optim_steps)?
                 .with_distributed_optimizer(self.distributed_optimizer),
             self.settings.clone(),
-        );
+        )
+        .with_dynamic_batch(self.dynamic);
         if stage.stages > 1 {
             critic = critic.with_pipeline_parallel(groups.pp().clone());
         }

@@ -13,6 +13,7 @@
 
 pub mod algorithms;
 pub mod backend;
+pub mod batching;
 pub mod config;
 pub mod data_proto;
 pub mod dispatch;

@@ -28,8 +28,16 @@ use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
 use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{LocalCommunicator, ModelGroups, ProcessGroups, TpGroup};
 use verl_megatron::workers::{
-    ActorSettings, CriticSettings, MegatronActor, MegatronCritic, ModelOptimizer,
+    ActorSettings, CriticSettings, DynamicBatch, MegatronActor, MegatronCritic, MicroBatching,
+    ModelOptimizer,
 };
+
+/// The load-balancing loss is per micro-batch (as Megatron's): another grouping of the rows
+/// changes it, so runs comparing groupings leave it out (layouts run one at a time).
+static WITHOUT_AUX_LOSS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The single rank's micro-batching: 2 rows each.
+const ROWS_OF_2: MicroBatching = MicroBatching::Rows(2);
 
 /// burn's autodiff briefly locks every graph of the process at the end of each backward, and a
 /// rank blocked in a tensor-parallel collective inside its backward holds its graph's lock: two
@@ -562,9 +570,24 @@ fn update_stage(
     layers: usize,
     data: DataProto<CpuBackend>,
     rows: usize,
-    micro_rows: usize,
+    micro: MicroBatching,
     groups: Option<(ProcessGroups<CpuBackend>, usize, usize, bool)>,
 ) -> StageOutcome {
+    let aux = match WITHOUT_AUX_LOSS.load(std::sync::atomic::Ordering::SeqCst) {
+        true => 0.0,
+        false => MOE_AUX_LOSS_COEFF,
+    };
+    let (micro_rows, dynamic) = match micro {
+        MicroBatching::Rows(n) => (n, DynamicBatch::default()),
+        MicroBatching::Tokens { max_tokens, .. } => (
+            2,
+            DynamicBatch {
+                update_max_tokens: Some(max_tokens),
+                forward_max_tokens: Some(max_tokens),
+                reference_max_tokens: Some(max_tokens),
+            },
+        ),
+    };
     let device = Default::default();
     let mut cfg = model_cfg(flavour);
     cfg.num_hidden_layers = layers;
@@ -582,7 +605,7 @@ fn update_stage(
     // like everything else.
     let model = CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7 + seed, &device, &tp, &stage)
         .unwrap()
-        .with_moe_aux_loss(MOE_AUX_LOSS_COEFF);
+        .with_moe_aux_loss(aux);
     let mut actor = MegatronActor::new(
         model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -590,14 +613,15 @@ fn update_stage(
             micro_batch_rows: micro_rows,
             ..actor_settings(rows)
         },
-    );
+    )
+    .with_dynamic_batch(dynamic);
     let mut vcfg = cfg.clone();
     vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
     vcfg.tie_word_embeddings = false;
     let value_model =
         CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8 + seed, &device, &tp, &stage)
             .unwrap()
-            .with_moe_aux_loss(MOE_AUX_LOSS_COEFF);
+            .with_moe_aux_loss(aux);
     let mut critic = MegatronCritic::new(
         value_model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -717,9 +741,24 @@ fn check_layout_seeded(
 }
 
 fn check_layout_of(flavour: Flavour, seed: u64, layers: usize, layout: ParallelConfig, dp: usize) {
+    check_layout_batched(flavour, seed, layers, layout, dp, ROWS_OF_2);
+}
+
+/// [`check_layout_of`] with the layout's ranks forming micro-batches as `micro` says (the
+/// single rank always takes 2 rows per micro-batch).
+fn check_layout_batched(
+    flavour: Flavour,
+    seed: u64,
+    layers: usize,
+    layout: ParallelConfig,
+    dp: usize,
+    micro: MicroBatching,
+) {
+    let regrouped = matches!(micro, MicroBatching::Tokens { .. });
+    WITHOUT_AUX_LOSS.store(regrouped, std::sync::atomic::Ordering::SeqCst);
     let (tp, pp, sp) = (layout.tp, layout.pp, layout.sequence_parallel);
     let label = format!(
-        "{flavour:?} seed={seed} layers={layers} pp={pp} tp={tp} cp={} ep={} etp={} dp={dp} sp={sp}",
+        "{flavour:?} seed={seed} layers={layers} pp={pp} tp={tp} cp={} ep={} etp={} dp={dp} sp={sp} {micro:?}",
         layout.cp,
         layout.ep,
         layout.expert_tp()
@@ -727,7 +766,7 @@ fn check_layout_of(flavour: Flavour, seed: u64, layers: usize, layout: ParallelC
     eprintln!("layout: {label}");
     let data = batch();
     let (single, single_lp, single_w, single_full) =
-        update_stage(flavour, seed, layers, data.clone(), ROWS, 2, None);
+        update_stage(flavour, seed, layers, data.clone(), ROWS, ROWS_OF_2, None);
     let single_w: std::collections::HashMap<_, _> = single_w.into_iter().collect();
     let scale = single_w
         .values()
@@ -754,7 +793,7 @@ fn check_layout_of(flavour: Flavour, seed: u64, layers: usize, layout: ParallelC
                             layers,
                             part,
                             share,
-                            2,
+                            micro,
                             Some((g, c.pp_rank, pp, sp)),
                         ),
                     )
@@ -974,8 +1013,16 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
 fn micro_batch_split_drifts_below_the_layout_tolerance() {
     let _serial = serial();
     for (flavour, seed) in [(Flavour::OddVocabulary, 274), (Flavour::Qwen2Tied, 273)] {
-        let halves = update_stage(flavour, seed, 4, batch(), ROWS, 2, None);
-        let rows = update_stage(flavour, seed, 4, batch(), ROWS, 1, None);
+        let halves = update_stage(flavour, seed, 4, batch(), ROWS, ROWS_OF_2, None);
+        let rows = update_stage(
+            flavour,
+            seed,
+            4,
+            batch(),
+            ROWS,
+            MicroBatching::Rows(1),
+            None,
+        );
         let (values, weights) = drift(&halves, &rows);
         assert!(
             values > 0.0,
@@ -1125,4 +1172,113 @@ fn ranks_with_no_tokens_to_route_still_exchange() {
             );
         }
     }
+}
+
+/// Dynamic batch size: micro-batches of at most 12 or 20 tokens (rows of 4 to 7 real tokens,
+/// grouped by the balanced partition, the count agreed over dp, outputs put back in row
+/// order, each micro-batch trimmed of the padding it does not use) give the single rank's
+/// fixed 2-row update, log-probs and values on every kind of layout.
+#[test]
+fn dynamic_micro_batches_update_as_fixed_ones() {
+    let _serial = serial();
+    let tokens = |max_tokens| MicroBatching::Tokens {
+        max_tokens,
+        key: "ppo_max_token_len_per_gpu",
+    };
+    check_layout_batched(
+        Flavour::Qwen2Tied,
+        0,
+        2,
+        layout(1, 1, 1, false),
+        1,
+        tokens(12),
+    );
+    check_layout_batched(
+        Flavour::Qwen2Tied,
+        1,
+        2,
+        layout(1, 1, 1, false),
+        2,
+        tokens(20),
+    );
+    check_layout_batched(
+        Flavour::Qwen3Untied,
+        2,
+        2,
+        layout(2, 1, 1, true),
+        2,
+        tokens(12),
+    );
+    check_layout_batched(
+        Flavour::OddVocabulary,
+        3,
+        4,
+        layout(1, 2, 1, false),
+        2,
+        tokens(12),
+    );
+    check_layout_batched(
+        Flavour::Qwen2Tied,
+        4,
+        2,
+        layout(1, 1, 2, false),
+        1,
+        tokens(20),
+    );
+    check_layout_batched(
+        Flavour::Qwen2Moe,
+        5,
+        2,
+        experts(1, 1, 1, 2, 1, false),
+        2,
+        tokens(12),
+    );
+}
+
+/// Each micro-batch drops the response columns none of its rows uses (here 1-row micro-batches,
+/// each cut to its own length): the log-probs are the whole padded batch's at every token, and
+/// 0 at padding.
+#[test]
+fn trimmed_micro_batches_give_the_padded_batch_log_probs() {
+    let device = Default::default();
+    let cfg = model_cfg(Flavour::Qwen2Tied);
+    let model = CausalLm::<CpuAutodiff>::init(&cfg, 0.2, 7, &device);
+    let data = batch();
+    let int = |k: &str| data.int::<2>(k).unwrap();
+    let mask = data.to_data("attention_mask").unwrap().convert::<f32>();
+    let logits = model.valid().forward_window(
+        int("input_ids"),
+        Some(Tensor::from_data(mask, &device)),
+        Some(int("position_ids")),
+        PROMPT - 1,
+        RESPONSE,
+    );
+    let (full, _) = vocab_parallel_log_probs(logits, int("responses"), &TpGroup::none(), 0, false);
+    let mut actor = MegatronActor::new(
+        model,
+        ModelOptimizer::new(&optim(), 10).unwrap(),
+        ActorSettings {
+            log_prob_micro_batch_rows: 1,
+            ..actor_settings(ROWS)
+        },
+    );
+    let got = futures::executor::block_on(actor.compute_log_prob(&data, false)).unwrap();
+    let got = got.log_probs.into_data().to_vec::<f32>().unwrap();
+    let full = full.into_data().to_vec::<f32>().unwrap();
+    let response_mask = data
+        .to_data("response_mask")
+        .unwrap()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .unwrap();
+    let mut trimmed = 0;
+    for ((a, b), m) in full.iter().zip(&got).zip(&response_mask) {
+        if *m > 0.0 {
+            assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "{a} vs {b}");
+        } else {
+            assert_eq!(*b, 0.0);
+            trimmed += 1;
+        }
+    }
+    assert!(trimmed > 0, "the batch has padding to drop");
 }

@@ -34,6 +34,9 @@ pub struct CriticConfig {
     pub forward_micro_batch_size_per_gpu: Option<usize>,
     pub use_dynamic_bsz: bool,
     pub ppo_max_token_len_per_gpu: usize,
+    /// The value pass's token budget with `use_dynamic_bsz`; `None`: `ppo_max_token_len_per_gpu`
+    /// (verl's default).
+    pub forward_max_token_len_per_gpu: Option<usize>,
     /// `None`: the actor's `ppo_epochs`.
     pub ppo_epochs: Option<usize>,
     pub shuffle: bool,
@@ -61,6 +64,7 @@ impl Default for CriticConfig {
             forward_micro_batch_size_per_gpu: None,
             use_dynamic_bsz: false,
             ppo_max_token_len_per_gpu: 32768,
+            forward_max_token_len_per_gpu: None,
             ppo_epochs: None,
             shuffle: false,
             cliprange_value: 0.5,

@@ -113,22 +113,40 @@ fn strategy(key: &str, value: &str) -> Result<(), ConfigError> {
     )
 }
 
-/// Dynamic batch size: its token budgets would be ignored, so it is refused with them named.
+/// Dynamic batch size: a micro-batch must hold the longest row (prompt + response), so a
+/// smaller token budget is refused with it named.
 fn dynamic_batch(
+    cfg: &VerlConfig,
     prefix: &str,
     on: bool,
     budget_key: &str,
     budget: usize,
 ) -> Result<(), ConfigError> {
+    let longest = cfg.data.max_prompt_length + cfg.data.max_response_length;
+    require(
+        !on || budget >= longest,
+        &format!("{prefix}.{budget_key}"),
+        budget,
+        &format!(
+            "with {prefix}.use_dynamic_bsz a micro-batch holds at most this many tokens, less than \
+             one row of max_prompt_length + max_response_length = {longest}"
+        ),
+        &format!("set it to at least {longest}"),
+    )
+}
+
+/// Dynamic batch size for the reward model: its token budget would be ignored (its micro-batches
+/// are fixed), so it is refused with it named.
+fn reward_model_dynamic_batch(on: bool, budget: usize) -> Result<(), ConfigError> {
     require(
         !on,
-        &format!("{prefix}.use_dynamic_bsz"),
+        "reward_model.use_dynamic_bsz",
         on,
         &format!(
-            "dynamic batch size is not implemented yet, so {prefix}.{budget_key} = {budget} \
-             would be ignored"
+            "the reward model's passes take fixed micro-batches, so \
+             reward_model.forward_max_token_len_per_gpu = {budget} would be ignored"
         ),
-        "set use_dynamic_bsz to false and size micro-batches with *_micro_batch_size_per_gpu",
+        "set use_dynamic_bsz to false and size micro-batches with micro_batch_size_per_gpu",
     )
 }
 
@@ -237,6 +255,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let actor = &arr.actor;
     strategy("actor_rollout_ref.actor.strategy", &actor.strategy)?;
     dynamic_batch(
+        cfg,
         "actor_rollout_ref.actor",
         actor.use_dynamic_bsz,
         "ppo_max_token_len_per_gpu",
@@ -246,6 +265,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let reference = &arr.reference;
     strategy("actor_rollout_ref.ref.strategy", &reference.strategy)?;
     dynamic_batch(
+        cfg,
         "actor_rollout_ref.ref",
         reference.log_prob_use_dynamic_bsz,
         "log_prob_max_token_len_per_gpu",
@@ -257,6 +277,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     }
     let rollout = &arr.rollout;
     dynamic_batch(
+        cfg,
         "actor_rollout_ref.rollout",
         rollout.log_prob_use_dynamic_bsz,
         "log_prob_max_token_len_per_gpu",
@@ -280,10 +301,19 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             Some(c.model.enable_gradient_checkpointing),
         )?;
         dynamic_batch(
+            cfg,
             "critic",
             c.use_dynamic_bsz,
             "ppo_max_token_len_per_gpu",
             c.ppo_max_token_len_per_gpu,
+        )?;
+        dynamic_batch(
+            cfg,
+            "critic",
+            c.use_dynamic_bsz,
+            "forward_max_token_len_per_gpu",
+            c.forward_max_token_len_per_gpu
+                .unwrap_or(c.ppo_max_token_len_per_gpu),
         )?;
         megatron("critic", &c.megatron)?;
     }
@@ -297,12 +327,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             rm.model.trust_remote_code,
             None,
         )?;
-        dynamic_batch(
-            "reward_model",
-            rm.use_dynamic_bsz,
-            "forward_max_token_len_per_gpu",
-            rm.forward_max_token_len_per_gpu,
-        )?;
+        reward_model_dynamic_batch(rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu)?;
         require(
             rm.micro_batch_size.is_none(),
             "reward_model.micro_batch_size",
@@ -526,10 +551,6 @@ mod tests {
                 "actor_rollout_ref.actor.strategy",
             ),
             (
-                "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                "actor_rollout_ref.actor.use_dynamic_bsz",
-            ),
-            (
                 "actor_rollout_ref.rollout.enforce_eager=false",
                 "actor_rollout_ref.rollout.enforce_eager",
             ),
@@ -563,5 +584,29 @@ mod tests {
             "critic.megatron.use_dist_checkpointing=true",
         ];
         assert_eq!(refused(on), "critic.megatron.use_dist_checkpointing");
+    }
+
+    /// Dynamic batch size is built for actor, reference, rollout log-probs and critic; a token
+    /// budget smaller than one row is refused naming the budget's key.
+    #[test]
+    fn a_token_budget_below_one_row_is_refused() {
+        let on = |extra: &[&str]| {
+            let mut o = vec![
+                "data.max_prompt_length=100",
+                "data.max_response_length=28",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            ];
+            o.extend(extra);
+            let cfg = VerlConfig::from_layers(None, &o).expect("parses");
+            refuse_unsupported(&cfg)
+        };
+        assert!(on(&["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128"]).is_ok());
+        match on(&["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=127"]) {
+            Err(ConfigError::Invalid { key, fix, .. }) => {
+                assert_eq!(key, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu");
+                assert!(fix.contains("128"), "{fix}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -159,6 +159,19 @@ impl<B: Backend> Column<B> {
         self.with_rows(map_rows!(self.rows.clone(), t => t.slice(start..end)))
     }
 
+    /// Of a `[batch, width]` column, columns `start..start + len`; any other column as it is.
+    pub(crate) fn narrow_width(&self, width: usize, start: usize, len: usize) -> Self {
+        if self.shape.len() != 2 || self.shape[1] != width || (start == 0 && len == width) {
+            return self.clone();
+        }
+        let mut shape = self.shape.clone();
+        shape[1] = len;
+        Self {
+            rows: map_rows!(self.rows.clone(), t => t.narrow(1, start, len)),
+            shape,
+        }
+    }
+
     pub(crate) fn to_device(&self, device: &B::Device) -> Self {
         self.with_rows(map_rows!(self.rows.clone(), t => t.to_device(device)))
     }

@@ -342,6 +342,27 @@ impl<B: Backend> DataProto<B> {
         ))
     }
 
+    /// Columns `start..start + len` of every two-dimensional tensor column `width` wide
+    /// (`[batch, width]`); other columns as they are. How a micro-batch drops the padding
+    /// columns none of its rows uses (`len ≥ 1`).
+    ///
+    /// ```
+    /// use burn::tensor::{Int, Tensor};
+    /// use verl_core::backend::CpuBackend as B;
+    /// use verl_core::DataProto;
+    /// let d = Default::default();
+    /// let mut data = DataProto::<B>::new();
+    /// data.insert_int("input_ids", Tensor::<B, 2, Int>::from_ints([[0, 5, 6, 0], [7, 8, 9, 0]], &d))?;
+    /// data.insert_int("responses", Tensor::<B, 2, Int>::from_ints([[6, 0], [9, 0]], &d))?;
+    /// let trimmed = data.narrow_columns(4, 0, 3).narrow_columns(2, 0, 1);
+    /// assert_eq!(trimmed.int::<2>("input_ids")?.dims(), [2, 3]);
+    /// assert_eq!(trimmed.int::<2>("responses")?.dims(), [2, 1]);
+    /// # Ok::<(), verl_core::error::DataProtoError>(())
+    /// ```
+    pub fn narrow_columns(&self, width: usize, start: usize, len: usize) -> Self {
+        self.map_columns(|c| c.narrow_width(width, start, len), |v| v.to_vec())
+    }
+
     /// Rows `start..end`.
     pub fn slice(&self, start: usize, end: usize) -> Result<Self> {
         let len = self.len();

@@ -22,7 +22,9 @@ use verl_core::traits::{
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
 use super::adamw::AdamW;
-use super::batch::{float_col, micro_batches, ModelInputs};
+use super::batch::{
+    float_col, map_micro_batches, training_micro_batches, MicroBatching, ModelInputs,
+};
 use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
@@ -67,6 +69,36 @@ pub struct MegatronActor<B: ParallelAutodiffBackend> {
     /// Parameters and optimizer state in host memory between phases (`param_offload`,
     /// `optimizer_offload`).
     offload: Option<TrainingOffload<B>>,
+    dynamic: DynamicBatch,
+}
+
+/// verl's dynamic batch size for a role: micro-batches by token budget instead of row counts
+/// (`use_dynamic_bsz` with `ppo_max_token_len_per_gpu` for the update and
+/// `log_prob_max_token_len_per_gpu` for the forward-only passes); `None` keeps row counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DynamicBatch {
+    pub update_max_tokens: Option<usize>,
+    pub forward_max_tokens: Option<usize>,
+    /// The reference policy's log-prob pass (`ref.log_prob_max_token_len_per_gpu`).
+    pub reference_max_tokens: Option<usize>,
+}
+
+impl DynamicBatch {
+    /// The update's micro-batching: by tokens when set, else `rows` per micro-batch.
+    pub fn update(&self, rows: usize, key: &'static str) -> MicroBatching {
+        match self.update_max_tokens {
+            Some(max_tokens) => MicroBatching::Tokens { max_tokens, key },
+            None => MicroBatching::Rows(rows),
+        }
+    }
+
+    /// The forward-only passes' micro-batching.
+    pub fn forward(&self, rows: usize, key: &'static str) -> MicroBatching {
+        match self.forward_max_tokens {
+            Some(max_tokens) => MicroBatching::Tokens { max_tokens, key },
+            None => MicroBatching::Rows(rows),
+        }
+    }
 }
 
 fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
@@ -94,7 +126,46 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             dp: None,
             pp: None,
             offload: None,
+            dynamic: DynamicBatch::default(),
         }
+    }
+
+    /// Forms micro-batches by token budget ([`DynamicBatch`]); the loss normalisation is the
+    /// mini-batch's either way, so the update is the one fixed micro-batches make.
+    pub fn with_dynamic_batch(mut self, dynamic: DynamicBatch) -> Self {
+        self.dynamic = dynamic;
+        self
+    }
+
+    /// The forward-only passes' micro-batching (log-probs, and the reference's).
+    pub fn log_prob_batching(&self) -> MicroBatching {
+        self.dynamic.forward(
+            self.settings.log_prob_micro_batch_rows,
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+        )
+    }
+
+    /// The reference policy's log-prob pass.
+    pub fn reference_batching(&self) -> MicroBatching {
+        match self.dynamic.reference_max_tokens {
+            Some(max_tokens) => MicroBatching::Tokens {
+                max_tokens,
+                key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+            },
+            None => MicroBatching::Rows(self.settings.log_prob_micro_batch_rows),
+        }
+    }
+
+    fn update_batching(&self) -> MicroBatching {
+        self.dynamic.update(
+            self.settings.micro_batch_rows,
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        )
+    }
+
+    /// The data-parallel group (batch-wide counts are summed over it).
+    pub fn data_parallel_group(&self) -> Option<&Arc<dyn Communicator<B::InnerBackend>>> {
+        self.dp.as_ref()
     }
 
     /// Keeps the parameters and optimizer state in host memory between phases, as `offload`'s
@@ -274,10 +345,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
         let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
-        let micros = micro_batches(data.len(), self.settings.micro_batch_rows)
-            .into_iter()
-            .map(|r| data.slice(r.start, r.end))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let micros = training_micro_batches(data, self.update_batching(), self.dp.as_deref())?;
         let (grads, total) =
             self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
         self.ready_optimizer()?;
@@ -372,31 +440,29 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         let model = self.model().valid();
         let temperature = temperature_of(data, self.settings.temperature);
-        let mut lps = Vec::new();
-        let mut ents = Vec::new();
-        for range in micro_batches(data.len(), self.settings.log_prob_micro_batch_rows) {
-            let micro = data.slice(range.start, range.end)?;
-            let inputs = ModelInputs::from_batch(&micro)?;
-            let labels = micro.int::<2>("responses")?;
-            let Some(logits) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
-                // Not collected (MegatronCompute reads the last stage): zeros of the right
-                // shape keep this stage's output well-formed.
-                let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
-                lps.push(zeros.clone());
-                if calculate_entropy {
-                    ents.push(zeros);
-                }
-                continue;
-            };
-            let logits = logits / temperature;
-            let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
-            lps.push(lp);
-            ents.extend(ent);
-        }
-        Ok(LogProbOutput {
-            log_probs: Tensor::cat(lps, 0),
-            entropy: calculate_entropy.then(|| Tensor::cat(ents, 0)),
-        })
+        let outputs = map_micro_batches(
+            data,
+            self.log_prob_batching(),
+            self.dp.as_deref(),
+            |micro| {
+                let inputs = ModelInputs::from_batch(micro)?;
+                let labels = micro.int::<2>("responses")?;
+                let Some(logits) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
+                    // Not collected (MegatronCompute reads the last stage): zeros of the right
+                    // shape keep this stage's output well-formed.
+                    let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
+                    return Ok(vec![zeros.clone(), zeros]);
+                };
+                let logits = logits / temperature;
+                let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
+                let ent = ent.unwrap_or_else(|| lp.zeros_like());
+                Ok(vec![lp, ent])
+            },
+        )?;
+        let mut outputs = outputs.into_iter();
+        let log_probs = outputs.next().expect("log-probs");
+        let entropy = outputs.next().filter(|_| calculate_entropy);
+        Ok(LogProbOutput { log_probs, entropy })
     }
 
     /// The loss of one micro-batch from the model's response-window logits: the policy loss,
@@ -480,12 +546,12 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let scale = AggScale {
                     global_tokens: Some(counts[0].max(1.0)),
                     global_sequences: Some(counts[1]),
+                    // The mini-batch's response width, whatever padding a micro-batch drops.
+                    loss_scale_factor: Some(mini_mask.dims()[1] as f64),
                     ..Default::default()
                 };
-                let micros = micro_batches(mini.len(), s.micro_batch_rows)
-                    .into_iter()
-                    .map(|r| mini.slice(r.start, r.end))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let micros =
+                    training_micro_batches(&mini, self.update_batching(), self.dp.as_deref())?;
                 let kind = StageLoss::Ppo { scale, temperature };
                 let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
                 self.ready_optimizer()?;

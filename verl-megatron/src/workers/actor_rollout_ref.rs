@@ -22,7 +22,7 @@ use verl_core::worker::Worker;
 use verl_core::{DataProto, Metrics, Result};
 
 use super::actor::MegatronActor;
-use super::batch::{micro_batches, ModelInputs};
+use super::batch::{map_micro_batches, MicroBatching, ModelInputs};
 use super::critic::MegatronCritic;
 use super::offload::{push_phase_metrics, ParamOffload};
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
@@ -259,8 +259,9 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             self.reference.as_ref().expect("checked above"),
             &data,
             self.actor.settings().temperature,
-            self.actor.settings().log_prob_micro_batch_rows,
+            self.actor.reference_batching(),
             self.actor.pipeline_group().map(|g| g.as_ref()),
+            self.actor.data_parallel_group().map(|g| g.as_ref()),
         );
         if let Some(o) = self.reference_offload.as_mut() {
             o.offload_unchanged(&mut self.reference)?;
@@ -519,8 +520,9 @@ fn reference_log_probs<B: ParallelBackend>(
     model: &CausalLm<B>,
     data: &DataProto<B>,
     default_temperature: f64,
-    micro_batch_rows: usize,
+    how: MicroBatching,
     pp: Option<&dyn verl_core::traits::Communicator<B>>,
+    dp: Option<&dyn verl_core::traits::Communicator<B>>,
 ) -> Result<DataProto<B>> {
     let temperature = data
         .meta_info
@@ -528,15 +530,12 @@ fn reference_log_probs<B: ParallelBackend>(
         .and_then(serde_json::Value::as_f64)
         .filter(|t| *t > 0.0)
         .unwrap_or(default_temperature);
-    let mut parts = Vec::new();
-    for range in micro_batches(data.len(), micro_batch_rows) {
-        let micro = data.slice(range.start, range.end)?;
-        let inputs = ModelInputs::from_batch(&micro)?;
+    let parts = map_micro_batches(data, how, dp, |micro| {
+        let inputs = ModelInputs::from_batch(micro)?;
         let labels = micro.int::<2>("responses")?;
         let Some(logits) = inputs.pipelined_outputs(model, pp)? else {
             // Not collected (MegatronCompute reads the last stage).
-            parts.push(Tensor::zeros(labels.dims(), &labels.device()));
-            continue;
+            return Ok(vec![Tensor::zeros(labels.dims(), &labels.device())]);
         };
         let (log_probs, _) = vocab_parallel_log_probs(
             logits / temperature,
@@ -545,10 +544,10 @@ fn reference_log_probs<B: ParallelBackend>(
             model.vocab_start(),
             false,
         );
-        parts.push(log_probs);
-    }
+        Ok(vec![log_probs])
+    })?;
     let mut result = DataProto::new();
-    result.insert_float("ref_log_prob", Tensor::cat(parts, 0))?;
+    result.insert_float("ref_log_prob", parts.into_iter().next().expect("log-probs"))?;
     Ok(result)
 }
 
@@ -587,7 +586,14 @@ impl<B: ParallelBackend> ReferenceWorker<B> {
                 },
             )
         })?;
-        let out = reference_log_probs(model, &data, self.temperature, self.micro_batch_rows, None);
+        let out = reference_log_probs(
+            model,
+            &data,
+            self.temperature,
+            MicroBatching::Rows(self.micro_batch_rows),
+            None,
+            None,
+        );
         if let Some(o) = self.offload.as_mut() {
             o.offload_unchanged(&mut self.model)?;
         }

@@ -143,3 +143,178 @@ pub fn micro_batches(rows: usize, micro: usize) -> Vec<std::ops::Range<usize>> {
         .map(|s| s..(s + micro).min(rows))
         .collect()
 }
+
+/// How a batch's rows are grouped into micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicroBatching {
+    /// Consecutive rows, this many per micro-batch (`*_micro_batch_size_per_gpu`).
+    Rows(usize),
+    /// verl's dynamic batch size (`use_dynamic_bsz`): groups of at most `max_tokens` real
+    /// tokens, balanced ([`verl_core::batching`]), as many on every data-parallel rank; `key`
+    /// names the budget's config key for errors.
+    Tokens {
+        max_tokens: usize,
+        key: &'static str,
+    },
+}
+
+/// The rows of each micro-batch of `data` (every row once). With a token budget the count is
+/// agreed over `dp` (the largest any rank needs), so that every rank runs as many forward
+/// passes as its expert-parallel peers and pipeline schedule expect.
+pub fn plan_micro_batches<B: ParallelBackend>(
+    data: &DataProto<B>,
+    how: MicroBatching,
+    dp: Option<&dyn Communicator<B>>,
+) -> verl_core::Result<Vec<Vec<usize>>> {
+    let rows = data.len();
+    let (max_tokens, key) = match how {
+        MicroBatching::Rows(n) => {
+            return Ok(micro_batches(rows, n)
+                .into_iter()
+                .map(|r| r.collect())
+                .collect())
+        }
+        MicroBatching::Tokens { max_tokens, key } => (max_tokens, key),
+    };
+    let lengths: Vec<usize> = float_col(data, "attention_mask")?
+        .sum_dim(1)
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .map(|n| n.round() as usize)
+        .collect();
+    let dp = dp.filter(|c| c.world_size() > 1);
+    let mut count = verl_core::batching::micro_batch_count(&lengths, max_tokens, 1);
+    loop {
+        let groups = verl_core::batching::micro_batches_for(key, &lengths, max_tokens, count)?;
+        let Some(dp) = dp else {
+            return Ok(groups);
+        };
+        // The largest count and (negated) the smallest, in one reduction.
+        let n = groups.len() as f32;
+        let device = data_device(data)?;
+        let both = Tensor::<B, 1>::from_floats([n, -n], &device);
+        let agreed: Vec<f32> = dp
+            .all_reduce(both, verl_core::traits::ReduceOp::Max)?
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .unwrap_or_default();
+        let (max, min) = (agreed[0] as usize, (-agreed[1]) as usize);
+        // Equal everywhere, or nothing more to ask for (rows per rank are equal in verl, so a
+        // rank asked for `max` groups makes `max`).
+        if max == min || max > rows || count >= max {
+            return Ok(groups);
+        }
+        count = max;
+    }
+}
+
+/// `micro` without the padding columns none of its rows uses: the leading prompt columns and
+/// the trailing response columns whose attention mask is 0 on every row (exact: no real token
+/// attends to them). Returns it and how many response columns were dropped, to pad outputs
+/// back with.
+pub fn trim_padding<B: ParallelBackend>(
+    micro: &DataProto<B>,
+) -> verl_core::Result<(DataProto<B>, usize)> {
+    let mask = float_col(micro, "attention_mask")?;
+    let [_, t] = mask.dims();
+    let r = micro.int::<2>("responses")?.dims()[1];
+    let used: Vec<bool> = mask
+        .sum_dim(0)
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .map(|n| n > 0.0)
+        .collect();
+    // Never into the response window from the left, and at least one response column kept.
+    let lead = used.iter().take(t - r).take_while(|u| !**u).count();
+    let tail = used.iter().rev().take(r - 1).take_while(|u| !**u).count();
+    if lead == 0 && tail == 0 {
+        return Ok((micro.clone(), 0));
+    }
+    // The response-wide columns first: once the input columns are cut, they could be as wide.
+    let trimmed = micro
+        .narrow_columns(r, 0, r - tail)
+        .narrow_columns(t, lead, t - lead - tail);
+    Ok((trimmed, tail))
+}
+
+/// `[rows, len]` outputs of a trimmed micro-batch with `tail` zero columns appended.
+pub fn pad_response<B: Backend>(t: Tensor<B, 2>, tail: usize) -> Tensor<B, 2> {
+    if tail == 0 {
+        return t;
+    }
+    let [rows, _] = t.dims();
+    let zeros = Tensor::zeros([rows, tail], &t.device());
+    Tensor::cat(vec![t, zeros], 1)
+}
+
+/// Runs `per_micro` on each micro-batch of `data` (as `how` groups them, each trimmed of its
+/// unused padding) and puts its `[rows, len]` outputs back together in `data`'s row order,
+/// 0 at every padding position (trimmed or not): how the log-prob and value passes run.
+pub fn map_micro_batches<B: ParallelBackend>(
+    data: &DataProto<B>,
+    how: MicroBatching,
+    dp: Option<&dyn Communicator<B>>,
+    mut per_micro: impl FnMut(&DataProto<B>) -> verl_core::Result<Vec<Tensor<B, 2>>>,
+) -> verl_core::Result<Vec<Tensor<B, 2>>> {
+    let groups = plan_micro_batches(data, how, dp)?;
+    let mut outputs: Vec<Vec<Tensor<B, 2>>> = Vec::new();
+    for rows in &groups {
+        let micro = match how {
+            MicroBatching::Rows(_) => data.slice(rows[0], rows[rows.len() - 1] + 1)?,
+            MicroBatching::Tokens { .. } => data.select_rows(rows)?,
+        };
+        let (micro, tail) = trim_padding(&micro)?;
+        // Padding positions read 0 whatever micro-batch a row landed in (a position trimmed
+        // in one grouping is computed, as padding, in another).
+        let mask = float_col(&micro, "attention_mask")?;
+        let [_, t] = mask.dims();
+        for (i, out) in per_micro(&micro)?.into_iter().enumerate() {
+            if outputs.len() <= i {
+                outputs.push(Vec::new());
+            }
+            let r = out.dims()[1];
+            let out = out * mask.clone().narrow(1, t - r, r);
+            outputs[i].push(pad_response(out, tail));
+        }
+    }
+    let order: Vec<usize> = groups.concat();
+    let in_order = order.iter().enumerate().all(|(i, &r)| i == r);
+    let device = data_device(data)?;
+    Ok(outputs
+        .into_iter()
+        .map(|parts| {
+            let all = Tensor::cat(parts, 0);
+            if in_order {
+                return all;
+            }
+            let back: Vec<i64> = verl_core::batching::inverse(&order)
+                .into_iter()
+                .map(|i| i as i64)
+                .collect();
+            let n = back.len();
+            all.select(0, Tensor::from_data(TensorData::new(back, [n]), &device))
+        })
+        .collect())
+}
+
+/// The micro-batches of a training mini-batch, as `how` groups them, each trimmed of its
+/// unused padding (the loss reads only the columns left).
+pub fn training_micro_batches<B: ParallelBackend>(
+    mini: &DataProto<B>,
+    how: MicroBatching,
+    dp: Option<&dyn Communicator<B>>,
+) -> verl_core::Result<Vec<DataProto<B>>> {
+    plan_micro_batches(mini, how, dp)?
+        .into_iter()
+        .map(|rows| {
+            let micro = match how {
+                MicroBatching::Rows(_) => mini.slice(rows[0], rows[rows.len() - 1] + 1)?,
+                MicroBatching::Tokens { .. } => mini.select_rows(&rows)?,
+            };
+            Ok(trim_padding(&micro)?.0)
+        })
+        .collect()
+}

@@ -15,8 +15,9 @@ use verl_core::algorithms::value::value_loss;
 use verl_core::traits::{CheckpointContents, CheckpointState, Communicator, Critic};
 use verl_core::{DataProto, Metrics, Result};
 
+use super::actor::DynamicBatch;
 use super::adamw::AdamW;
-use super::batch::{float_col, micro_batches, ModelInputs};
+use super::batch::{float_col, map_micro_batches, training_micro_batches, ModelInputs};
 use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use super::stage::train_micro_batches;
@@ -48,6 +49,7 @@ pub struct MegatronCritic<B: ParallelAutodiffBackend> {
     pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
     /// Parameters and optimizer state in host memory between phases.
     offload: Option<TrainingOffload<B>>,
+    dynamic: DynamicBatch,
 }
 
 impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
@@ -65,7 +67,16 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
             dp: None,
             pp: None,
             offload: None,
+            dynamic: DynamicBatch::default(),
         }
+    }
+
+    /// Micro-batches by token budget (`critic.use_dynamic_bsz` with
+    /// `ppo_max_token_len_per_gpu` and `forward_max_token_len_per_gpu`): see
+    /// `MegatronActor::with_dynamic_batch`.
+    pub fn with_dynamic_batch(mut self, dynamic: DynamicBatch) -> Self {
+        self.dynamic = dynamic;
+        self
     }
 
     /// Keeps the parameters and optimizer state in host memory between phases, as `offload`'s
@@ -305,21 +316,25 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
         data: &DataProto<B::InnerBackend>,
     ) -> Result<Tensor<B::InnerBackend, 2>> {
         let model = self.model().valid();
-        let mut parts = Vec::new();
-        for range in micro_batches(data.len(), self.settings.forward_micro_batch_rows) {
-            let micro = data.slice(range.start, range.end)?;
-            let inputs = ModelInputs::from_batch(&micro)?;
-            let mask = float_col(&micro, "response_mask")?;
-            match inputs.pipelined_outputs(&model, self.pp.as_deref())? {
-                Some(out) => {
-                    let [b, r, _] = out.dims();
-                    parts.push(out.reshape([b, r]) * mask);
-                }
-                // Not collected (MegatronCompute reads the last stage).
-                None => parts.push(mask.zeros_like()),
-            }
-        }
-        Ok(Tensor::cat(parts, 0))
+        let how = self.dynamic.forward(
+            self.settings.forward_micro_batch_rows,
+            "critic.forward_max_token_len_per_gpu",
+        );
+        let values = map_micro_batches(data, how, self.dp.as_deref(), |micro| {
+            let inputs = ModelInputs::from_batch(micro)?;
+            let mask = float_col(micro, "response_mask")?;
+            Ok(vec![
+                match inputs.pipelined_outputs(&model, self.pp.as_deref())? {
+                    Some(out) => {
+                        let [b, r, _] = out.dims();
+                        out.reshape([b, r]) * mask
+                    }
+                    // Not collected (MegatronCompute reads the last stage).
+                    None => mask.zeros_like(),
+                },
+            ])
+        })?;
+        Ok(values.into_iter().next().expect("values"))
     }
 
     fn update_resident(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
@@ -346,12 +361,14 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                 let scale = AggScale {
                     global_tokens: Some(counts[0].max(1.0)),
                     global_sequences: Some(counts[1]),
+                    // The mini-batch's response width, whatever padding a micro-batch drops.
+                    loss_scale_factor: Some(mini.int::<2>("responses")?.dims()[1] as f64),
                     ..Default::default()
                 };
-                let micros = micro_batches(mini.len(), s.micro_batch_rows)
-                    .into_iter()
-                    .map(|r| mini.slice(r.start, r.end))
-                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                let how = self
+                    .dynamic
+                    .update(s.micro_batch_rows, "critic.ppo_max_token_len_per_gpu");
+                let micros = training_micro_batches(&mini, how, self.dp.as_deref())?;
                 let mut total = 0.0;
                 let aux =
                     super::state::MoeAuxLoss::of(self.model(), micros.len(), self.dp.as_deref())?;

@@ -410,3 +410,15 @@ fn dynamic_batch_size_trains_as_fixed() {
     let (_, many, _d2) = run(&dynamic);
     common::assert_same_metrics(&strip(one), &strip(many), "dynamic batch size");
 }
+
+/// `model.use_fused_kernels`: the actor's and reference's log-probs and entropies from the
+/// fused, chunked head on tp = 2 (vocabulary-parallel) log the plain single rank's metrics.
+#[test]
+fn the_fused_head_trains_as_the_plain_one() {
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.model.use_fused_kernels=true",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ]);
+}

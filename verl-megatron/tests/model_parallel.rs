@@ -36,6 +36,10 @@ use verl_megatron::workers::{
 /// changes it, so runs comparing groupings leave it out (layouts run one at a time).
 static WITHOUT_AUX_LOSS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Layouts (not the single rank they are compared with) compute the log-probs with the fused,
+/// chunked head while set.
+static FUSED_HEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The single rank's micro-batching: 2 rows each.
 const ROWS_OF_2: MicroBatching = MicroBatching::Rows(2);
 
@@ -603,9 +607,13 @@ fn update_stage(
     };
     // MoE models train with Megatron's load-balancing loss, which must add up over the layout
     // like everything else.
-    let model = CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7 + seed, &device, &tp, &stage)
+    let mut model = CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 7 + seed, &device, &tp, &stage)
         .unwrap()
         .with_moe_aux_loss(aux);
+    if groups.is_some() && FUSED_HEAD.load(std::sync::atomic::Ordering::SeqCst) {
+        // 3 tokens a chunk: every micro-batch's window spans several chunks.
+        model = model.with_fused_log_probs(3);
+    }
     let mut actor = MegatronActor::new(
         model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -1281,4 +1289,25 @@ fn trimmed_micro_batches_give_the_padded_batch_log_probs() {
         }
     }
     assert!(trimmed > 0, "the batch has padding to drop");
+}
+
+/// The fused, chunked head (log-softmax and entropy computed 3 tokens at a time, the backward
+/// recomputing the logits) on layouts, against the single rank's plain logits: the same
+/// losses, gradient norms, weights and log-probs, with tp and sp (vocabulary-parallel, a
+/// padded vocabulary), pp (a tied head on the last stage), cp and ep.
+#[test]
+fn the_fused_head_updates_as_the_plain_one() {
+    let _serial = serial();
+    FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
+    let outcome = std::panic::catch_unwind(|| {
+        check_parallel(Flavour::Qwen2Tied, 0, 2, layout(1, 1, 1, false), 1);
+        check_parallel(Flavour::OddVocabulary, 1, 2, layout(2, 1, 1, true), 1);
+        check_parallel(Flavour::Qwen2Tied, 2, 4, layout(1, 2, 1, false), 2);
+        check_parallel(Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
+        check_parallel(Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
+    });
+    FUSED_HEAD.store(false, std::sync::atomic::Ordering::SeqCst);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
 }

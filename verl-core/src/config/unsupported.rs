@@ -239,13 +239,6 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false",
     )?;
     require(
-        !m.use_fused_kernels,
-        "actor_rollout_ref.model.use_fused_kernels",
-        m.use_fused_kernels,
-        "the fused log-prob / entropy kernels are not implemented yet",
-        "set it to false",
-    )?;
-    require(
         m.custom_chat_template.is_none(),
         "actor_rollout_ref.model.custom_chat_template",
         &m.custom_chat_template,

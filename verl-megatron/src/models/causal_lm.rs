@@ -204,6 +204,11 @@ pub struct CausalLm<B: Backend> {
     /// Megatron's `moe_aux_loss_coeff` (every stage knows it, MoE layers or not).
     #[module(skip)]
     pub moe_aux_loss_coeff: f64,
+    /// With an LM head: passes given their labels ([`FusedTargets`]) return log-probs and
+    /// entropies computed by the fused, chunked head, this many tokens a chunk, never the
+    /// logits ([`super::fused_log_probs`]).
+    #[module(skip)]
+    pub fused_head_chunk: Option<usize>,
     /// A generation-only model's fused weights ([`Self::with_generation_matrices`]); cleared by
     /// any weight load and rebuilt by [`Self::prepare_generation`].
     #[module(skip)]
@@ -286,6 +291,14 @@ fn attention_mask_local<B: Backend>(
             m.clone().select(1, index).reshape([n])
         }
     }
+}
+
+/// What a fused head needs ([`CausalLm::forward_stage_with`]): the labels of the window's
+/// positions `[batch, len]` and the sampling temperature the logits are divided by.
+#[derive(Debug, Clone)]
+pub struct FusedTargets<B: Backend> {
+    pub labels: Tensor<B, 2, Int>,
+    pub temperature: f64,
 }
 
 /// Which positions the output head computes.
@@ -701,6 +714,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
             compute_dtype: ComputeDtype::F32,
             moe_aux_loss_coeff: 0.0,
+            fused_head_chunk: None,
             config: cfg.clone(),
             generation: FusedWeights::default(),
         })
@@ -757,6 +771,38 @@ impl<B: ParallelBackend> CausalLm<B> {
         start: usize,
         len: usize,
     ) -> Tensor<B, 3> {
+        self.forward_stage_with(
+            hidden,
+            input_ids,
+            attention_mask,
+            position_ids,
+            (start, len),
+            None,
+        )
+    }
+
+    /// Computes the output head fused with log-softmax and entropy, `chunk` tokens at a time
+    /// ([`super::fused_log_probs`]): passes that give their labels get `[batch, len, 2]`
+    /// log-probs and entropies instead of logits. Only for an LM head.
+    pub fn with_fused_log_probs(mut self, chunk: usize) -> Self {
+        if self.score.is_none() {
+            self.fused_head_chunk = Some(chunk.max(1));
+        }
+        self
+    }
+
+    /// [`Self::forward_stage`] with the window `(start, len)`; given `fused` targets and a
+    /// fused head ([`Self::with_fused_log_probs`]), the last stage returns log-probs and
+    /// entropies `[batch, len, 2]` instead of logits.
+    pub fn forward_stage_with(
+        &self,
+        hidden: Option<Tensor<B, 3>>,
+        input_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<Tensor<B, 2>>,
+        position_ids: Option<Tensor<B, 2, Int>>,
+        (start, len): (usize, usize),
+        fused: Option<FusedTargets<B>>,
+    ) -> Tensor<B, 3> {
         let [b, t] = input_ids.dims();
         let device = input_ids.device();
         let positions = position_ids.unwrap_or_else(|| {
@@ -803,10 +849,79 @@ impl<B: ParallelBackend> CausalLm<B> {
             None => StageInput::Ids(input_ids),
         };
         let h = self.decoder(input, &mask, &cos, &sin, CacheMode::None);
-        if self.stage.is_last() {
-            self.head(h, window)
-        } else {
-            h
+        if !self.stage.is_last() {
+            return h;
+        }
+        match (fused, self.fused_head_chunk) {
+            (Some(targets), Some(chunk)) => self.fused_head(h, window, targets, chunk),
+            _ => self.head(h, window),
+        }
+    }
+
+    /// This rank's rows of the output projection (the LM head, or the tied embedding).
+    fn head_rows(&self) -> Tensor<B, 3> {
+        let w = match &self.lm_head {
+            Some(head) => head.weight.val(),
+            None => self.embedding().weight.val(),
+        };
+        w.unsqueeze_dim(0)
+    }
+
+    /// The fused head on the window's hidden states: `[batch, len, 2]` log-probs of
+    /// `targets.labels` and entropies, gathered over cp like logits are.
+    fn fused_head(
+        &self,
+        h: Tensor<B, 3>,
+        window: HeadWindow,
+        targets: FusedTargets<B>,
+        chunk: usize,
+    ) -> Tensor<B, 3> {
+        let device = h.device();
+        let index = |v: &[usize]| {
+            let v: Vec<i64> = v.iter().map(|&i| i as i64).collect();
+            let n = v.len();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &device)
+        };
+        let h = self.head_input(h, &window, &index);
+        let labels = match &window {
+            HeadWindow::Context(w) => targets.labels.select(1, index(&w.offsets)),
+            _ => targets.labels,
+        };
+        let [b, n, hidden] = h.dims();
+        let (vocab_start, real_rows, _) = self.tp.vocab_part(self.vocab_size);
+        let spec = super::fused_log_probs::FusedHead {
+            vocab_start,
+            real_rows,
+            scale: 1.0 / targets.temperature,
+            chunk,
+        };
+        let w = self.head_rows().squeeze_dim::<2>(0);
+        let out = self
+            .tp
+            .fused_head_log_probs(h.reshape([b * n, hidden]), w, labels.reshape([b * n]), spec)
+            .reshape([b, n, 2]);
+        match &window {
+            HeadWindow::Context(w) => self
+                .cp
+                .region(out, Region::GatherFrom(1))
+                .select(1, index(&w.order)),
+            _ => out,
+        }
+    }
+
+    /// The hidden states the head reads: into the tensor-parallel region, cut to the window
+    /// (this cp rank's part of it).
+    fn head_input(
+        &self,
+        h: Tensor<B, 3>,
+        window: &HeadWindow,
+        index: &dyn Fn(&[usize]) -> Tensor<B, 1, Int>,
+    ) -> Tensor<B, 3> {
+        let h = self.tp.enter(h);
+        match window {
+            HeadWindow::All => h,
+            HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
+            HeadWindow::Context(w) => h.select(1, index(&w.local)),
         }
     }
 

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod causal_lm;
+pub mod fused_log_probs;
 pub mod generate;
 pub mod generation;
 pub mod kv_cache;

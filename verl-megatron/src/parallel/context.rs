@@ -112,6 +112,9 @@ pub struct ContextWindow {
     pub per_rank: usize,
     /// For each window position, its index among the gathered outputs.
     pub order: Vec<usize>,
+    /// Each of `local`'s entries' offset in the window (padding entries 0): which label a
+    /// fused head reads for it.
+    pub offsets: Vec<usize>,
 }
 
 impl ContextSplit {
@@ -170,18 +173,21 @@ impl ContextSplit {
                 slot[p - start] = r * per_rank + k;
             }
         }
-        let mut local: Vec<usize> = self
+        let held: Vec<(usize, usize)> = self
             .local()
-            .iter()
+            .into_iter()
             .enumerate()
             .filter(|(_, p)| inside(p))
-            .map(|(i, _)| i)
             .collect();
+        let mut local: Vec<usize> = held.iter().map(|(i, _)| *i).collect();
+        let mut offsets: Vec<usize> = held.iter().map(|(_, p)| p - start).collect();
         local.resize(per_rank, 0);
+        offsets.resize(per_rank, 0);
         ContextWindow {
             local,
             per_rank,
             order: slot,
+            offsets,
         }
     }
 }

@@ -137,6 +137,18 @@ pub trait ParallelBackend: Backend {
         comm: &CommHandle<Self::Base>,
     ) -> Tensor<Self, 2>;
 
+    /// The output head fused with log-softmax and entropy (`crate::models::fused_log_probs`):
+    /// `[tokens, 2]` log-probs of `labels` and entropies from hidden states `h` and this rank's
+    /// head rows `w`, over the tp group `tp` (`None` at tp = 1). Under autodiff its backward
+    /// recomputes each chunk's logits instead of keeping them.
+    fn fused_head_log_probs(
+        h: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        labels: Tensor<Self, 1, burn::tensor::Int>,
+        spec: crate::models::fused_log_probs::FusedHead,
+        tp: Option<&CommHandle<Self::Base>>,
+    ) -> Tensor<Self, 2>;
+
     /// The device's memory in use and reserved, as far as the backend can tell: burn-cuda's
     /// pool for this thread's stream; on the CPU backend, host memory counted by
     /// `verl_core::memory::CountingAllocator` (`None` when the program did not install it).
@@ -337,6 +349,23 @@ macro_rules! plain_parallel_backend {
             ) -> Tensor<Self, 2> {
                 run_all_to_all_rows(x, send, recv, comm.0.as_ref())
             }
+
+            fn fused_head_log_probs(
+                h: Tensor<Self, 2>,
+                w: Tensor<Self, 2>,
+                labels: Tensor<Self, 1, burn::tensor::Int>,
+                spec: crate::models::fused_log_probs::FusedHead,
+                tp: Option<&CommHandle<Self>>,
+            ) -> Tensor<Self, 2> {
+                crate::models::fused_log_probs::fused_forward(
+                    h,
+                    w,
+                    labels,
+                    &spec,
+                    tp.map(|c| c.0.as_ref()),
+                )
+                .0
+            }
         }
     };
 }
@@ -386,8 +415,78 @@ impl<B: ParallelBackend> Backward<B, 1> for AllToAllBackward {
     }
 }
 
+/// The backward step of the fused head: both inputs' gradients from recomputed logits.
+#[derive(Debug)]
+struct FusedHeadBackward;
+
+/// What the fused head's backward keeps: hidden states, head rows, labels, and each token's
+/// log-sum-exp and entropy (no logits).
+type FusedHeadState<B> = (
+    Tensor<B, 2>,
+    Tensor<B, 2>,
+    Tensor<B, 1, burn::tensor::Int>,
+    Tensor<B, 1>,
+    Tensor<B, 1>,
+    crate::models::fused_log_probs::FusedHead,
+);
+
+impl<B: ParallelBackend> Backward<B, 2> for FusedHeadBackward {
+    type State = FusedHeadState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad =
+            Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grads.consume::<B>(&ops.node)));
+        let (h, w, labels, lse, entropy, spec) = ops.state;
+        let (grad_h, grad_w) =
+            crate::models::fused_log_probs::fused_backward(grad, h, w, labels, lse, entropy, &spec);
+        let [parent_h, parent_w] = ops.parents;
+        if let Some(node) = parent_h {
+            grads.register::<B>(node.id, grad_h.into_primitive().tensor());
+        }
+        if let Some(node) = parent_w {
+            grads.register::<B>(node.id, grad_w.into_primitive().tensor());
+        }
+    }
+}
+
 impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, C> {
     type Base = B::Base;
+
+    fn fused_head_log_probs(
+        h: Tensor<Self, 2>,
+        w: Tensor<Self, 2>,
+        labels: Tensor<Self, 1, burn::tensor::Int>,
+        spec: crate::models::fused_log_probs::FusedHead,
+        tp: Option<&CommHandle<Self::Base>>,
+    ) -> Tensor<Self, 2> {
+        let h = h.into_primitive().tensor();
+        let w = w.into_primitive().tensor();
+        let h_inner = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(h.primitive.clone()));
+        let w_inner = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(w.primitive.clone()));
+        let labels = labels.inner();
+        // The forward on the inner backend (its collectives included), keeping the
+        // log-sum-exp and entropy the backward needs.
+        let (out, lse) = crate::models::fused_log_probs::fused_forward_on::<B>(
+            h_inner.clone(),
+            w_inner.clone(),
+            labels.clone(),
+            &spec,
+            tp,
+        );
+        let entropy = out.clone().narrow(1, 1, 1).reshape([out.dims()[0]]);
+        let prep = <FusedHeadBackward as Backward<B, 2>>::prepare::<C>(
+            FusedHeadBackward,
+            [h.node.clone(), w.node.clone()],
+        );
+        let out = out.into_primitive().tensor();
+        let out = match prep.compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                prep.finish((h_inner, w_inner, labels, lse, entropy, spec), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
 
     fn all_to_all_rows(
         x: Tensor<Self, 2>,
@@ -547,6 +646,18 @@ impl TpGroup {
             return x;
         }
         B::collective(x, op, self.handle::<B::Base>())
+    }
+
+    /// [`ParallelBackend::fused_head_log_probs`] over this group.
+    pub fn fused_head_log_probs<B: ParallelBackend>(
+        &self,
+        h: Tensor<B, 2>,
+        w: Tensor<B, 2>,
+        labels: Tensor<B, 1, burn::tensor::Int>,
+        spec: crate::models::fused_log_probs::FusedHead,
+    ) -> Tensor<B, 2> {
+        let comm = (self.size > 1).then(|| self.handle::<B::Base>());
+        B::fused_head_log_probs(h, w, labels, spec, comm)
     }
 
     /// [`ParallelBackend::all_to_all_rows`] over this group (the identity for one rank).

@@ -101,6 +101,31 @@ impl DynamicBatch {
     }
 }
 
+/// Log-probs of `labels` (and entropy) from a model's response-window outputs: logits, divided
+/// by `temperature` here and reduced vocabulary-parallel; or, from a fused head
+/// ([`CausalLm::with_fused_log_probs`], which was given the labels and the temperature), the
+/// log-probs and entropies it computed.
+pub(crate) fn log_probs_from<C: ParallelBackend>(
+    model: &CausalLm<C>,
+    out: Tensor<C, 3>,
+    labels: Tensor<C, 2, Int>,
+    temperature: f64,
+    with_entropy: bool,
+) -> (Tensor<C, 2>, Option<Tensor<C, 2>>) {
+    if model.fused_head_chunk.is_some() {
+        let [b, r, _] = out.dims();
+        let entropy = with_entropy.then(|| out.clone().narrow(2, 1, 1).reshape([b, r]));
+        return (out.narrow(2, 0, 1).reshape([b, r]), entropy);
+    }
+    vocab_parallel_log_probs(
+        out / temperature,
+        labels,
+        &model.tp,
+        model.vocab_start(),
+        with_entropy,
+    )
+}
+
 fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
     data.meta_info
         .get("temperature")
@@ -376,12 +401,12 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     ) -> Result<(Tensor<B, 1>, f64)> {
         match kind {
             StageLoss::Ppo { scale, temperature } => {
-                self.micro_batch_loss(micro, logits / temperature, scale, metrics)
+                self.micro_batch_loss(micro, logits, temperature, scale, metrics)
             }
             StageLoss::Sft { tokens } => {
                 let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
                 let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
-                let (log_probs, _) = self.log_probs_of(self.model(), logits, labels, false);
+                let (log_probs, _) = log_probs_from(self.model(), logits, labels, 1.0, false);
                 let nll = -(log_probs * mask).sum() / tokens;
                 let value = nll.clone().into_scalar().elem::<f64>();
                 Ok((nll.reshape([1]), value))
@@ -400,11 +425,15 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     ) -> Result<(GradientsParams, f64)> {
         let mut total = 0.0;
         let aux = super::state::MoeAuxLoss::of(self.model(), micros.len(), self.dp.as_deref())?;
+        let temperature = match kind {
+            StageLoss::Ppo { temperature, .. } => temperature,
+            StageLoss::Sft { .. } => 1.0,
+        };
         let (grads, aux_total) = train_micro_batches(
             self.model(),
             micros,
             self.pp.as_ref(),
-            aux.scale,
+            (aux.scale, temperature),
             |micro, out| {
                 let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
                 total += value;
@@ -421,18 +450,6 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok((grads, total))
     }
 
-    /// Log-probs of `labels` (and entropy) from `model`'s logits, vocabulary-parallel when the
-    /// model is tensor-parallel.
-    fn log_probs_of<C: ParallelBackend>(
-        &self,
-        model: &CausalLm<C>,
-        logits: Tensor<C, 3>,
-        labels: Tensor<C, 2, Int>,
-        with_entropy: bool,
-    ) -> (Tensor<C, 2>, Option<Tensor<C, 2>>) {
-        vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), with_entropy)
-    }
-
     fn log_probs_inner(
         &self,
         data: &DataProto<B::InnerBackend>,
@@ -445,16 +462,16 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             self.log_prob_batching(),
             self.dp.as_deref(),
             |micro| {
-                let inputs = ModelInputs::from_batch(micro)?;
+                let inputs =
+                    ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
                 let labels = micro.int::<2>("responses")?;
-                let Some(logits) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
+                let Some(out) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right
                     // shape keep this stage's output well-formed.
                     let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
                     return Ok(vec![zeros.clone(), zeros]);
                 };
-                let logits = logits / temperature;
-                let (lp, ent) = self.log_probs_of(&model, logits, labels, calculate_entropy);
+                let (lp, ent) = log_probs_from(&model, out, labels, temperature, calculate_entropy);
                 let ent = ent.unwrap_or_else(|| lp.zeros_like());
                 Ok(vec![lp, ent])
             },
@@ -472,6 +489,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         &self,
         micro: &DataProto<B::InnerBackend>,
         logits: Tensor<B, 3>,
+        temperature: f64,
         scale: AggScale,
         metrics: &mut Metrics,
     ) -> Result<(Tensor<B, 1>, f64)> {
@@ -481,7 +499,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
         let old = Tensor::<B, 2>::from_inner(float_col(micro, "old_log_probs")?);
         let adv = Tensor::<B, 2>::from_inner(float_col(micro, "advantages")?);
-        let (log_prob, entropy) = self.log_probs_of(self.model(), logits, labels, true);
+        let (log_prob, entropy) = log_probs_from(self.model(), logits, labels, temperature, true);
         let entropy = entropy.expect("asked for");
         let input = PolicyLossInput {
             old_log_prob: old,

@@ -26,7 +26,7 @@ use super::batch::{map_micro_batches, MicroBatching, ModelInputs};
 use super::critic::MegatronCritic;
 use super::offload::{push_phase_metrics, ParamOffload};
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
-use crate::models::{vocab_parallel_log_probs, CausalLm};
+use crate::models::CausalLm;
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
 /// Streams the actor's weights into the rollout engine before generation and puts the engine
@@ -531,19 +531,13 @@ fn reference_log_probs<B: ParallelBackend>(
         .filter(|t| *t > 0.0)
         .unwrap_or(default_temperature);
     let parts = map_micro_batches(data, how, dp, |micro| {
-        let inputs = ModelInputs::from_batch(micro)?;
+        let inputs = ModelInputs::from_batch(micro)?.fused_for(model, micro, temperature)?;
         let labels = micro.int::<2>("responses")?;
-        let Some(logits) = inputs.pipelined_outputs(model, pp)? else {
+        let Some(out) = inputs.pipelined_outputs(model, pp)? else {
             // Not collected (MegatronCompute reads the last stage).
             return Ok(vec![Tensor::zeros(labels.dims(), &labels.device())]);
         };
-        let (log_probs, _) = vocab_parallel_log_probs(
-            logits / temperature,
-            labels,
-            &model.tp,
-            model.vocab_start(),
-            false,
-        );
+        let (log_probs, _) = super::actor::log_probs_from(model, out, labels, temperature, false);
         Ok(vec![log_probs])
     })?;
     let mut result = DataProto::new();

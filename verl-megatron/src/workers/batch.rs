@@ -42,6 +42,9 @@ pub struct ModelInputs<B: ParallelBackend> {
     pub position_ids: Tensor<B, 2, Int>,
     /// Response length R.
     pub response_len: usize,
+    /// With a model whose head is fused ([`CausalLm::with_fused_log_probs`]): the responses
+    /// and the temperature, so the outputs are log-probs and entropies `[batch, R, 2]`.
+    pub fused: Option<crate::models::causal_lm::FusedTargets<B>>,
 }
 
 impl<B: ParallelBackend> ModelInputs<B> {
@@ -52,7 +55,25 @@ impl<B: ParallelBackend> ModelInputs<B> {
             attention_mask: float_col(data, "attention_mask")?,
             position_ids: data.int::<2>("position_ids")?,
             response_len: responses.dims()[1],
+            fused: None,
         })
+    }
+
+    /// Asks `model`'s fused head (when it has one) for the log-probs of `data`'s responses at
+    /// `temperature` and their entropies, instead of logits.
+    pub fn fused_for(
+        mut self,
+        model: &CausalLm<B>,
+        data: &DataProto<B>,
+        temperature: f64,
+    ) -> verl_core::Result<Self> {
+        if model.fused_head_chunk.is_some() {
+            self.fused = Some(crate::models::causal_lm::FusedTargets {
+                labels: data.int::<2>("responses")?,
+                temperature,
+            });
+        }
+        Ok(self)
     }
 
     /// The same inputs on another backend (the autodiff one, for training).
@@ -66,21 +87,17 @@ impl<B: ParallelBackend> ModelInputs<B> {
             attention_mask: f(self.attention_mask),
             position_ids: g(self.position_ids),
             response_len: self.response_len,
+            fused: self.fused.map(|t| crate::models::causal_lm::FusedTargets {
+                labels: g(t.labels),
+                temperature: t.temperature,
+            }),
         }
     }
 
     /// The model's outputs at the positions that predict each response token
     /// (`t − R − 1 .. t − 1`), `[batch, R, out]`.
     pub fn response_outputs(&self, model: &CausalLm<B>) -> Tensor<B, 3> {
-        let t = self.input_ids.dims()[1];
-        let r = self.response_len;
-        model.forward_window(
-            self.input_ids.clone(),
-            Some(self.attention_mask.clone()),
-            Some(self.position_ids.clone()),
-            t - r - 1,
-            r,
-        )
+        self.stage_outputs(model, None)
     }
 }
 
@@ -90,13 +107,13 @@ impl<B: ParallelBackend> ModelInputs<B> {
     pub fn stage_outputs(&self, model: &CausalLm<B>, input: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
         let t = self.input_ids.dims()[1];
         let r = self.response_len;
-        model.forward_stage(
+        model.forward_stage_with(
             input,
             self.input_ids.clone(),
             Some(self.attention_mask.clone()),
             Some(self.position_ids.clone()),
-            t - r - 1,
-            r,
+            (t - r - 1, r),
+            self.fused.clone(),
         )
     }
 }

@@ -376,7 +376,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                     self.model(),
                     &micros,
                     self.pp.as_ref(),
-                    aux.scale,
+                    (aux.scale, 1.0),
                     |micro, out| {
                         let (loss, value) = self.value_loss_of(micro, out, scale, &mut metrics)?;
                         total += value;

@@ -32,6 +32,8 @@ struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     /// micro-batches over all dp ranks), and their scaled sum so far.
     aux_scale: f64,
     aux_total: f64,
+    /// The temperature a fused head divides the logits by.
+    temperature: f64,
 }
 
 impl<B, L> PipelineStage<B> for ModelStage<'_, B, L>
@@ -41,7 +43,14 @@ where
 {
     fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
         let micro = &self.micros[mb];
-        let inputs = ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
+        let mut inputs =
+            ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
+        if self.model.fused_head_chunk.is_some() {
+            inputs.fused = Some(crate::models::causal_lm::FusedTargets {
+                labels: Tensor::from_inner(micro.int::<2>("responses")?),
+                temperature: self.temperature,
+            });
+        }
         let model = with_fresh_leaves(self.model.clone());
         let (out, aux) = crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
             inputs.stage_outputs(&model, input)
@@ -154,7 +163,7 @@ pub(crate) fn train_micro_batches<B, L>(
     model: &CausalLm<B>,
     micros: &[DataProto<B::InnerBackend>],
     pp: Option<&Arc<dyn Communicator<B::InnerBackend>>>,
-    aux_scale: f64,
+    (aux_scale, temperature): (f64, f64),
     loss: L,
 ) -> Result<(GradientsParams, f64)>
 where
@@ -170,6 +179,7 @@ where
         acc: GradientsAccumulator::new(),
         aux_scale,
         aux_total: 0.0,
+        temperature,
     };
     match pp {
         None => {
@@ -232,10 +242,11 @@ mod tests {
     #[test]
     fn every_trainable_parameter_gets_its_gradient() {
         let model = model();
-        let (grads, _) = train_micro_batches(&model, &[micro(), micro()], None, 1.0, |_, out| {
-            Ok(out.powi_scalar(2).mean().reshape([1]))
-        })
-        .unwrap();
+        let (grads, _) =
+            train_micro_batches(&model, &[micro(), micro()], None, (1.0, 1.0), |_, out| {
+                Ok(out.powi_scalar(2).mean().reshape([1]))
+            })
+            .unwrap();
         let mut check = GradientCoverage {
             grads: &grads,
             trainable: 0,
@@ -254,7 +265,7 @@ mod tests {
         let elsewhere =
             Tensor::<CpuAutodiff, 1>::random([3], Distribution::Default, &Default::default())
                 .require_grad();
-        let e = train_micro_batches(&model, &[micro()], None, 1.0, |_, _| {
+        let e = train_micro_batches(&model, &[micro()], None, (1.0, 1.0), |_, _| {
             Ok(elsewhere.clone().sum())
         })
         .unwrap_err();

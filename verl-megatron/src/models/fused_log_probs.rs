@@ -1,0 +1,297 @@
+//! The output projection fused with log-softmax and entropy, in token chunks, forward and
+//! backward, never holding the `[tokens, vocabulary]` logits (verl's fused linear-for-ppo):
+//! the forward keeps two numbers per token (the log-sum-exp and the entropy), the backward
+//! recomputes each chunk's logits from the hidden states and the head.
+//!
+//! Vocabulary-parallel over tp as [`super::vocab_parallel`] is: each rank holds its rows of
+//! the head, reduces its shard of each chunk to a few numbers per token and the group sums
+//! those. The hidden states' gradient is this rank's partial sum (the caller's tensor-parallel
+//! region reduces it); the head's gradient is this rank's rows, whole.
+//!
+//! The autodiff side is [`crate::parallel::ParallelBackend::fused_head_log_probs`]; this module
+//! holds the arithmetic, on any plain backend.
+
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use verl_core::traits::{Communicator, CommunicatorExt, ReduceOp};
+
+/// What the fused head computes: this rank's rows of the head start at vocabulary id
+/// `vocab_start`, the first `real_rows` of them real (the rest padding), logits multiplied by
+/// `scale` (1 / temperature), `chunk` tokens at a time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedHead {
+    pub vocab_start: usize,
+    pub real_rows: usize,
+    pub scale: f64,
+    pub chunk: usize,
+}
+
+/// The logit a padded vocabulary row gets (see `causal_lm::PADDED_LOGIT`).
+const PADDED: f32 = -1.0e30;
+
+/// This chunk's scaled logits `[n, rows]` of this rank's shard, padding rows masked.
+fn chunk_logits<B: Backend>(h: Tensor<B, 2>, w: &Tensor<B, 2>, spec: &FusedHead) -> Tensor<B, 2> {
+    let [n, _] = h.dims();
+    let rows = w.dims()[0];
+    let z = h.matmul(w.clone().transpose()) * spec.scale;
+    if spec.real_rows >= rows {
+        return z;
+    }
+    let pad: Vec<bool> = (0..rows).map(|r| r >= spec.real_rows).collect();
+    let pad = Tensor::<B, 1, Bool>::from_data(TensorData::new(pad, [rows]), &z.device())
+        .reshape([1, rows])
+        .repeat_dim(0, n);
+    z.mask_fill(pad, PADDED)
+}
+
+/// Labels as indices into this rank's rows `[n, 1]` (0 where outside) and whether each is
+/// outside them `[n, 1]`.
+fn local_labels<B: Backend>(
+    labels: Tensor<B, 1, Int>,
+    spec: &FusedHead,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
+    let n = labels.dims()[0];
+    let local = labels.reshape([n, 1]) - spec.vocab_start as i64;
+    let outside = local
+        .clone()
+        .lower_elem(0)
+        .bool_or(local.clone().greater_equal_elem(spec.real_rows as i64));
+    (local.mask_fill(outside.clone(), 0), outside)
+}
+
+/// Log-probs of `labels` and entropies `[tokens, 2]`, and each token's log-sum-exp `[tokens]`
+/// (for the backward), from hidden states `h` `[tokens, hidden]` and this rank's head rows `w`
+/// `[rows, hidden]`, summed over `tp` (`None` at tp = 1).
+pub fn fused_forward<B: Backend>(
+    h: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+    spec: &FusedHead,
+    tp: Option<&dyn Communicator<B>>,
+) -> (Tensor<B, 2>, Tensor<B, 1>) {
+    let tp = tp.filter(|c| c.world_size() > 1);
+    let reduce = |x: Tensor<B, 2>, op: crate::parallel::Collective| {
+        let op = match op {
+            crate::parallel::Collective::AllReduceMax => ReduceOp::Max,
+            _ => ReduceOp::Sum,
+        };
+        tp.expect("reduce is only called with a group")
+            .all_reduce_tensor(x, op)
+            .unwrap_or_else(|e| panic!("fused log-prob: tp all-reduce failed: {e}"))
+    };
+    fused_forward_with(
+        h,
+        w,
+        labels,
+        spec,
+        tp.map(|_| &reduce as &dyn Fn(_, _) -> _),
+    )
+}
+
+/// [`fused_forward`] with the group's reduction given as a function (max or sum over tp).
+#[allow(clippy::type_complexity)]
+fn fused_forward_with<B: Backend>(
+    h: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+    spec: &FusedHead,
+    tp: Option<&dyn Fn(Tensor<B, 2>, crate::parallel::Collective) -> Tensor<B, 2>>,
+) -> (Tensor<B, 2>, Tensor<B, 1>) {
+    let [tokens, _] = h.dims();
+    let chunk = spec.chunk.max(1);
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for start in (0..tokens).step_by(chunk) {
+        let n = chunk.min(tokens - start);
+        let z = chunk_logits(h.clone().narrow(0, start, n), &w, spec);
+        let mut max = z.clone().max_dim(1);
+        if let Some(reduce) = tp {
+            max = reduce(max, crate::parallel::Collective::AllReduceMax);
+        }
+        let shifted = z - max.clone();
+        let e = shifted.clone().exp();
+        let (local, outside) = local_labels(labels.clone().narrow(0, start, n), spec);
+        let picked = shifted.clone().gather(1, local).mask_fill(outside, 0.0);
+        // Σ e, Σ e·(z − max), the label's shifted logit: summed over the shards at once.
+        let mut sums = Tensor::cat(
+            vec![e.clone().sum_dim(1), (e * shifted).sum_dim(1), picked],
+            1,
+        );
+        if let Some(reduce) = tp {
+            sums = reduce(sums, crate::parallel::Collective::AllReduceSum);
+        }
+        let s = sums.clone().narrow(1, 0, 1);
+        let log_s = s.clone().log();
+        let weighted = sums.clone().narrow(1, 1, 1) / s;
+        let picked = sums.narrow(1, 2, 1);
+        let log_prob = picked - log_s.clone();
+        let entropy = log_s.clone() - weighted;
+        outs.push(Tensor::cat(vec![log_prob, entropy], 1));
+        lses.push((max + log_s).reshape([n]));
+    }
+    (Tensor::cat(outs, 0), Tensor::cat(lses, 0))
+}
+
+/// [`fused_forward`] on a backend whose collectives run on its base backend (`B::Base`): the
+/// forward of the autodiff op, which the inner backend runs.
+pub(crate) fn fused_forward_on<B: crate::parallel::ParallelBackend>(
+    h: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+    spec: &FusedHead,
+    tp: Option<&crate::parallel::CommHandle<B::Base>>,
+) -> (Tensor<B, 2>, Tensor<B, 1>) {
+    let tp = match tp {
+        Some(c) if c.0.world_size() > 1 => c,
+        _ => return fused_forward(h, w, labels, spec, None),
+    };
+    // The group's sums go through the backend's collective (its base backend's tensors).
+    let reduce = |x: Tensor<B, 2>, op: crate::parallel::Collective| B::collective(x, op, tp);
+    fused_forward_with(h, w, labels, spec, Some(&reduce))
+}
+
+/// The gradients of `h` (this rank's partial sum) and `w` (its rows, whole) from the gradient
+/// `grad` `[tokens, 2]` of [`fused_forward`]'s log-probs and entropies, recomputing each
+/// chunk's logits; `lse` and `entropy` are the forward's.
+pub fn fused_backward<B: Backend>(
+    grad: Tensor<B, 2>,
+    h: Tensor<B, 2>,
+    w: Tensor<B, 2>,
+    labels: Tensor<B, 1, Int>,
+    lse: Tensor<B, 1>,
+    entropy: Tensor<B, 1>,
+    spec: &FusedHead,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let [tokens, _] = h.dims();
+    let rows = w.dims()[0];
+    let chunk = spec.chunk.max(1);
+    let mut grad_h = Vec::new();
+    let mut grad_w = w.zeros_like();
+    for start in (0..tokens).step_by(chunk) {
+        let n = chunk.min(tokens - start);
+        let hc = h.clone().narrow(0, start, n);
+        let z = chunk_logits(hc.clone(), &w, spec);
+        let lse = lse.clone().narrow(0, start, n).reshape([n, 1]);
+        let log_p = z - lse;
+        let p = log_p.clone().exp();
+        let g = grad.clone().narrow(0, start, n);
+        let (g_lp, g_ent) = (g.clone().narrow(1, 0, 1), g.narrow(1, 1, 1));
+        let (local, outside) = local_labels(labels.clone().narrow(0, start, n), spec);
+        let inside = outside.bool_not().float();
+        let one_hot = Tensor::<B, 2>::zeros([n, rows], &p.device()).scatter(
+            1,
+            local,
+            inside,
+            burn::tensor::IndexingUpdateOp::Add,
+        );
+        let h_tok = entropy.clone().narrow(0, start, n).reshape([n, 1]);
+        // d log p_label / dz = 1[label] − p;  d H / dz = −p (log p + H).
+        let dz = (one_hot - p.clone()) * g_lp - p * (log_p + h_tok) * g_ent;
+        let dz = dz * spec.scale;
+        grad_h.push(dz.clone().matmul(w.clone()));
+        grad_w = grad_w + dz.transpose().matmul(hc);
+    }
+    (Tensor::cat(grad_h, 0), grad_w)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+    use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
+    use verl_core::backend::{CpuAutodiff, CpuBackend};
+
+    use super::*;
+
+    /// The chunked forward and the recomputing backward against autodiff through the full
+    /// logits, at one rank, with padded rows and a temperature.
+    #[test]
+    fn the_fused_head_equals_the_plain_one_in_values_and_gradients() {
+        let device = Default::default();
+        let (tokens, hidden, rows, real) = (7, 5, 6, 5);
+        let h = Tensor::<CpuBackend, 2>::random(
+            [tokens, hidden],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let w = Tensor::<CpuBackend, 2>::random(
+            [rows, hidden],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let labels = Tensor::<CpuBackend, 1, Int>::from_ints([0, 4, 2, 3, 1, 4, 0], &device);
+        let spec = FusedHead {
+            vocab_start: 0,
+            real_rows: real,
+            scale: 1.0 / 0.7,
+            chunk: 3,
+        };
+        let (out, lse) = fused_forward(h.clone(), w.clone(), labels.clone(), &spec, None);
+        // Plain: full logits of the real rows, through autodiff.
+        let ha = Tensor::<CpuAutodiff, 2>::from_inner(h.clone()).require_grad();
+        let wa = Tensor::<CpuAutodiff, 2>::from_inner(w.clone()).require_grad();
+        let logits = ha.clone().matmul(wa.clone().narrow(0, 0, real).transpose()) * spec.scale;
+        let logits = logits.reshape([1, tokens, real]);
+        let lp = log_probs_from_logits(
+            logits.clone(),
+            Tensor::from_inner(labels.clone()).reshape([1, tokens]),
+        );
+        let ent = entropy_from_logits(logits);
+        let close = |a: Vec<f32>, b: Vec<f32>, what: &str| {
+            for (x, y) in a.iter().zip(&b) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "{what}: {x} vs {y}"
+                );
+            }
+        };
+        let flat = |t: Tensor<CpuBackend, 2>| t.into_data().to_vec::<f32>().unwrap();
+        close(
+            flat(out.clone().narrow(1, 0, 1).reshape([1, tokens])),
+            flat(lp.clone().inner()),
+            "log-probs",
+        );
+        close(
+            flat(out.narrow(1, 1, 1).reshape([1, tokens])),
+            flat(ent.clone().inner()),
+            "entropy",
+        );
+        // A loss weighting both outputs: gradients of h and of the head rows.
+        let (a, b) = (0.3f32, -1.7f32);
+        let weights =
+            Tensor::<CpuBackend, 2>::random([tokens, 2], Distribution::Normal(0.0, 1.0), &device);
+        let wa2 = weights.clone().narrow(1, 0, 1).reshape([1, tokens]) * a;
+        let wb2 = weights.clone().narrow(1, 1, 1).reshape([1, tokens]) * b;
+        let loss = (lp * Tensor::from_inner(wa2.clone())).sum()
+            + (ent * Tensor::from_inner(wb2.clone())).sum();
+        let grads = loss.backward();
+        let grad = Tensor::cat(vec![wa2.reshape([tokens, 1]), wb2.reshape([tokens, 1])], 1);
+        let entropy = flat(ent_of(&h, &w, &labels, &spec))
+            .into_iter()
+            .collect::<Vec<f32>>();
+        let entropy = Tensor::<CpuBackend, 1>::from_floats(entropy.as_slice(), &device);
+        let (gh, gw) = fused_backward(grad, h, w, labels, lse, entropy, &spec);
+        close(flat(gh), flat(ha.grad(&grads).unwrap()), "hidden gradient");
+        let gw_plain = wa.grad(&grads).unwrap();
+        close(
+            flat(gw.clone().narrow(0, 0, real)),
+            flat(gw_plain.narrow(0, 0, real)),
+            "head gradient",
+        );
+        assert!(
+            flat(gw.narrow(0, real, rows - real))
+                .iter()
+                .all(|g| *g == 0.0),
+            "padding rows"
+        );
+    }
+
+    fn ent_of(
+        h: &Tensor<CpuBackend, 2>,
+        w: &Tensor<CpuBackend, 2>,
+        labels: &Tensor<CpuBackend, 1, Int>,
+        spec: &FusedHead,
+    ) -> Tensor<CpuBackend, 2> {
+        let (out, _) = fused_forward(h.clone(), w.clone(), labels.clone(), spec, None);
+        let n = out.dims()[0];
+        out.narrow(1, 1, 1).reshape([1, n])
+    }
+}

@@ -6,6 +6,7 @@ use std::time::Instant;
 pub mod host_profile;
 #[cfg(feature = "cuda")]
 pub mod kernels;
+pub mod log_prob;
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod offload;

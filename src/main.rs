@@ -231,6 +231,30 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         repeat: usize,
     },
+    /// The actor's log-prob pass and PPO update on mixed response lengths, with and without
+    /// the fused head (`model.use_fused_kernels`) and dynamic batch size (`use_dynamic_bsz`):
+    /// time and peak memory.
+    LogProb {
+        #[arg(long, default_value = "small")]
+        preset: String,
+        #[arg(long, default_value_t = 16)]
+        rows: usize,
+        #[arg(long, default_value_t = 64)]
+        prompt: usize,
+        /// Responses have 1..=this many tokens.
+        #[arg(long, default_value_t = 256)]
+        response: usize,
+        /// Rows per fixed micro-batch.
+        #[arg(long, default_value_t = 4)]
+        micro: usize,
+        /// Token budget per dynamic micro-batch.
+        #[arg(long, default_value_t = 1024)]
+        max_tokens: usize,
+        #[arg(long, default_value = "float32")]
+        dtype: String,
+        #[arg(long, default_value_t = 2)]
+        repeat: usize,
+    },
     /// Qwen2-MoE's expert block with token dispatch against the dense every-expert form,
     /// forward and forward + backward (peer: bench/peers/moe.py). The defaults are
     /// Qwen1.5-MoE-A2.7B's block: hidden 2048, experts of 1408, shared expert 5632, top-4.
@@ -394,6 +418,21 @@ fn run(cli: Cli) -> Result<(), String> {
                     repeat,
                 },
         } => bench::weight_sync::weight_sync(&preset, &bucket_mb, repeat),
+        Command::Bench {
+            what:
+                BenchCommand::LogProb {
+                    preset,
+                    rows,
+                    prompt,
+                    response,
+                    micro,
+                    max_tokens,
+                    dtype,
+                    repeat,
+                },
+        } => bench::log_prob::log_prob(
+            &preset, rows, prompt, response, micro, max_tokens, &dtype, repeat,
+        ),
         Command::Bench {
             what:
                 BenchCommand::Moe {

@@ -22,7 +22,7 @@ use verl::traits::{ShardingManager, WeightSyncPlan};
 
 use super::{median, preset};
 
-fn settings() -> ActorSettings {
+pub(crate) fn settings() -> ActorSettings {
     ActorSettings {
         mini_batch_rows: 1,
         micro_batch_rows: 1,

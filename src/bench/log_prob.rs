@@ -1,0 +1,171 @@
+//! `verl bench log-prob`: the actor's log-prob pass and PPO update on a batch of mixed response
+//! lengths, with and without the fused head (`model.use_fused_kernels`) and dynamic batch size
+//! (`use_dynamic_bsz`): time and peak memory of each.
+
+use std::time::Instant;
+
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use verl::backend::{DefaultAutodiff, DefaultBackend};
+use verl::config::OptimConfig;
+use verl::megatron::hf::HfModelConfig;
+use verl::megatron::layers::precision::ComputeDtype;
+use verl::megatron::models::CausalLm;
+use verl::megatron::parallel::ParallelBackend;
+use verl::megatron::workers::{ActorSettings, DynamicBatch, MegatronActor, ModelOptimizer};
+use verl::traits::Actor;
+use verl::DataProto;
+
+use super::{median, preset};
+
+/// A PPO batch of `rows` rows: prompts of `prompt` tokens, responses of 1..=`response` tokens
+/// spread evenly (the mixed lengths of RL), right-padded.
+fn batch(rows: usize, prompt: usize, response: usize, vocab: usize) -> DataProto<DefaultBackend> {
+    let device = Default::default();
+    let t = prompt + response;
+    let (mut ids, mut mask, mut pos, mut resp, mut resp_mask) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for r in 0..rows {
+        let len = 1 + (r * 7919) % response;
+        for j in 0..t {
+            let id = ((r * 31 + j * 17) % (vocab - 1)) as i64;
+            ids.push(id);
+            let live = j < prompt + len;
+            mask.push(live as i64);
+            pos.push(j as i64);
+            if j >= prompt {
+                resp.push(id);
+                resp_mask.push(live as i64);
+            }
+        }
+    }
+    let int = |v: Vec<i64>, w: usize| {
+        Tensor::<DefaultBackend, 2, Int>::from_data(TensorData::new(v, [rows, w]), &device)
+    };
+    let mut d = DataProto::new();
+    d.insert_int("input_ids", int(ids, t)).expect("fresh key");
+    d.insert_int("attention_mask", int(mask, t))
+        .expect("fresh key");
+    d.insert_int("position_ids", int(pos, t))
+        .expect("fresh key");
+    d.insert_int("responses", int(resp, response))
+        .expect("fresh key");
+    d.insert_int("response_mask", int(resp_mask, response))
+        .expect("fresh key");
+    let zeros = Tensor::<DefaultBackend, 2>::zeros([rows, response], &device);
+    d.insert_float("old_log_probs", zeros.clone() - 3.0)
+        .expect("fresh key");
+    d.insert_float("advantages", zeros + 0.5)
+        .expect("fresh key");
+    d
+}
+
+/// The device's peak while `f` runs: burn-cuda's pool (sampled where the actor samples), or on
+/// the CPU backend the counting allocator's high-water mark.
+fn peak_of<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let phase = verl::core::memory::PhasePeak::start();
+    let base = verl::core::memory::CountingAllocator::reset_peak();
+    let out = f();
+    let host = verl::core::memory::CountingAllocator::peak().saturating_sub(base);
+    let sampled = phase.finish().map(|u| u.allocated).unwrap_or(0);
+    let gpu = DefaultBackend::memory_usage(&Default::default()).is_some() && cfg!(feature = "cuda");
+    (
+        out,
+        if gpu { sampled } else { host } as f64 / (1u64 << 30) as f64,
+    )
+}
+
+/// Times the log-prob pass and one PPO update per variant (plain / fused head × fixed /
+/// dynamic micro-batches).
+#[allow(clippy::too_many_arguments)]
+pub fn log_prob(
+    preset_name: &str,
+    rows: usize,
+    prompt: usize,
+    response: usize,
+    micro: usize,
+    max_tokens: usize,
+    dtype: &str,
+    repeat: usize,
+) -> Result<(), String> {
+    let dims = preset(preset_name)?;
+    let cfg = HfModelConfig::qwen2(dims);
+    let compute: ComputeDtype = dtype
+        .parse()
+        .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
+    let data = batch(rows, prompt, response, dims.vocab_size);
+    let tokens: f64 = data
+        .to_data("attention_mask")
+        .map_err(|e| e.to_string())?
+        .convert::<f32>()
+        .iter::<f32>()
+        .map(f64::from)
+        .sum();
+    println!(
+        "{preset_name}: {rows} rows, prompt {prompt}, responses 1..={response} ({tokens} real of {} padded tokens), {compute} products, fixed micro-batches of {micro} rows or dynamic ≤ {max_tokens} tokens",
+        rows * (prompt + response)
+    );
+    println!("variant            | log-prob s | log-prob peak GiB | update s | update peak GiB");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .map_err(|e| e.to_string())?;
+    for (fused, dynamic) in [(false, false), (true, false), (false, true), (true, true)] {
+        let device = Default::default();
+        let mut model =
+            CausalLm::<DefaultAutodiff>::init(&cfg, 0.02, 1, &device).with_compute_dtype(compute);
+        if fused {
+            model = model.with_fused_log_probs(256);
+        }
+        let optim = ModelOptimizer::new(
+            &OptimConfig {
+                lr: 1e-6,
+                ..Default::default()
+            },
+            10,
+        )
+        .map_err(|e| e.to_string())?;
+        let settings = ActorSettings {
+            mini_batch_rows: rows,
+            micro_batch_rows: micro,
+            log_prob_micro_batch_rows: micro,
+            ..super::weight_sync::settings()
+        };
+        let budget = dynamic.then_some(max_tokens);
+        let mut actor =
+            MegatronActor::new(model, optim, settings).with_dynamic_batch(DynamicBatch {
+                update_max_tokens: budget,
+                forward_max_tokens: budget,
+                reference_max_tokens: budget,
+            });
+        let (mut lp_times, mut up_times, mut lp_peak, mut up_peak) = (vec![], vec![], 0f64, 0f64);
+        for i in 0..=repeat {
+            let _ = DefaultBackend::sync(&device);
+            let t = Instant::now();
+            let (r, peak) = peak_of(|| runtime.block_on(actor.compute_log_prob(&data, true)));
+            r.map_err(|e| e.to_string())?;
+            let _ = DefaultBackend::sync(&device);
+            let lp = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            let (r, upeak) = peak_of(|| runtime.block_on(actor.update_policy(&data)));
+            r.map_err(|e| e.to_string())?;
+            let _ = DefaultBackend::sync(&device);
+            if i > 0 {
+                lp_times.push(lp);
+                up_times.push(t.elapsed().as_secs_f64());
+            }
+            lp_peak = lp_peak.max(peak);
+            up_peak = up_peak.max(upeak);
+        }
+        let name = format!(
+            "{} {}",
+            if fused { "fused" } else { "plain" },
+            if dynamic { "dynamic" } else { "fixed" }
+        );
+        println!(
+            "{name:<18} | {:>10.3} | {lp_peak:>17.2} | {:>8.3} | {up_peak:>15.2}",
+            median(lp_times),
+            median(up_times)
+        );
+    }
+    Ok(())
+}

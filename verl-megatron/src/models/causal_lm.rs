@@ -894,6 +894,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             real_rows,
             scale: 1.0 / targets.temperature,
             chunk,
+            dtype: self.compute_dtype,
         };
         let w = self.head_rows().squeeze_dim::<2>(0);
         let out = self

@@ -24,6 +24,8 @@ pub struct FusedHead {
     pub real_rows: usize,
     pub scale: f64,
     pub chunk: usize,
+    /// The products' dtype (bf16 casts the head once per pass, not per chunk).
+    pub dtype: crate::layers::precision::ComputeDtype,
 }
 
 /// The logit a padded vocabulary row gets (see `causal_lm::PADDED_LOGIT`).
@@ -33,7 +35,7 @@ const PADDED: f32 = -1.0e30;
 fn chunk_logits<B: Backend>(h: Tensor<B, 2>, w: &Tensor<B, 2>, spec: &FusedHead) -> Tensor<B, 2> {
     let [n, _] = h.dims();
     let rows = w.dims()[0];
-    let z = h.matmul(w.clone().transpose()) * spec.scale;
+    let z = crate::layers::precision::linear(h, w.clone()) * spec.scale;
     if spec.real_rows >= rows {
         return z;
     }
@@ -99,6 +101,9 @@ fn fused_forward_with<B: Backend>(
 ) -> (Tensor<B, 2>, Tensor<B, 1>) {
     let [tokens, _] = h.dims();
     let chunk = spec.chunk.max(1);
+    let _precision = crate::layers::precision::enter(spec.dtype);
+    // One cast of the head for every chunk's product.
+    let w = crate::layers::precision::operand(w);
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
     for start in (0..tokens).step_by(chunk) {
         let n = chunk.min(tokens - start);
@@ -164,8 +169,10 @@ pub fn fused_backward<B: Backend>(
     let [tokens, _] = h.dims();
     let rows = w.dims()[0];
     let chunk = spec.chunk.max(1);
+    let mut grad_w = Tensor::<B, 2>::zeros(w.dims(), &w.device());
+    let _precision = crate::layers::precision::enter(spec.dtype);
+    let w = crate::layers::precision::operand(w);
     let mut grad_h = Vec::new();
-    let mut grad_w = w.zeros_like();
     for start in (0..tokens).step_by(chunk) {
         let n = chunk.min(tokens - start);
         let hc = h.clone().narrow(0, start, n);
@@ -187,8 +194,8 @@ pub fn fused_backward<B: Backend>(
         // d log p_label / dz = 1[label] − p;  d H / dz = −p (log p + H).
         let dz = (one_hot - p.clone()) * g_lp - p * (log_p + h_tok) * g_ent;
         let dz = dz * spec.scale;
-        grad_h.push(dz.clone().matmul(w.clone()));
-        grad_w = grad_w + dz.transpose().matmul(hc);
+        grad_h.push(crate::layers::precision::matmul(dz.clone(), w.clone()));
+        grad_w = grad_w + crate::layers::precision::matmul(dz.transpose(), hc);
     }
     (Tensor::cat(grad_h, 0), grad_w)
 }
@@ -223,6 +230,7 @@ mod tests {
             real_rows: real,
             scale: 1.0 / 0.7,
             chunk: 3,
+            dtype: Default::default(),
         };
         let (out, lse) = fused_forward(h.clone(), w.clone(), labels.clone(), &spec, None);
         // Plain: full logits of the real rows, through autodiff.

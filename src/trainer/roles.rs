@@ -321,16 +321,18 @@ impl RolePlans {
                     &cfg.actor_rollout_ref.rollout,
                     &cfg.actor_rollout_ref.reference,
                 );
+                // verl counts a budget per cp rank: a micro-batch holds cp times as many.
+                let cp = layout.cp;
                 DynamicBatch {
                     update_max_tokens: actor_cfg
                         .use_dynamic_bsz
-                        .then_some(actor_cfg.ppo_max_token_len_per_gpu),
+                        .then_some(actor_cfg.ppo_max_token_len_per_gpu * cp),
                     forward_max_tokens: rollout
                         .log_prob_use_dynamic_bsz
-                        .then_some(rollout.log_prob_max_token_len_per_gpu),
+                        .then_some(rollout.log_prob_max_token_len_per_gpu * cp),
                     reference_max_tokens: reference
                         .log_prob_use_dynamic_bsz
-                        .then_some(reference.log_prob_max_token_len_per_gpu),
+                        .then_some(reference.log_prob_max_token_len_per_gpu * cp),
                 }
             },
         };
@@ -380,11 +382,15 @@ impl RolePlans {
                     &c.model.override_config,
                     "critic",
                 )?,
+                // verl counts a budget per cp rank: a micro-batch holds cp times as many.
                 dynamic: DynamicBatch {
-                    update_max_tokens: c.use_dynamic_bsz.then_some(c.ppo_max_token_len_per_gpu),
+                    update_max_tokens: c
+                        .use_dynamic_bsz
+                        .then_some(c.ppo_max_token_len_per_gpu * layout.cp),
                     forward_max_tokens: c.use_dynamic_bsz.then_some(
                         c.forward_max_token_len_per_gpu
-                            .unwrap_or(c.ppo_max_token_len_per_gpu),
+                            .unwrap_or(c.ppo_max_token_len_per_gpu)
+                            * layout.cp,
                     ),
                     reference_max_tokens: None,
                 },

@@ -1311,3 +1311,63 @@ fn the_fused_head_updates_as_the_plain_one() {
         std::panic::resume_unwind(panic);
     }
 }
+
+/// Dynamic micro-batches on two dp ranks that need different counts (rank 0's short rows fit
+/// one 24-token micro-batch, rank 1's long ones need several): both end with the larger count
+/// after one reduction, every row once, every micro-batch within the budget.
+#[test]
+fn data_parallel_ranks_agree_on_the_dynamic_micro_batch_count() {
+    let _serial = serial();
+    let device = burn::tensor::Device::<CpuBackend>::default();
+    let data_of = |lens: &[usize]| {
+        let t = 8;
+        let mask: Vec<i64> = lens
+            .iter()
+            .flat_map(|&l| (0..t).map(move |j| (j < l) as i64))
+            .collect();
+        let mut d = DataProto::<CpuBackend>::new();
+        d.insert_int(
+            "attention_mask",
+            Tensor::<CpuBackend, 2, Int>::from_data(
+                TensorData::new(mask, [lens.len(), t]),
+                &device,
+            ),
+        )
+        .unwrap();
+        d.insert_int(
+            "input_ids",
+            Tensor::<CpuBackend, 2, Int>::zeros([lens.len(), t], &device),
+        )
+        .unwrap();
+        d
+    };
+    let ranks = [vec![2, 3, 2, 3], vec![8, 7, 8, 6]];
+    let how = verl_megatron::workers::MicroBatching::Tokens {
+        max_tokens: 24,
+        key: "ppo_max_token_len_per_gpu",
+    };
+    let plans: Vec<Vec<Vec<usize>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalCommunicator::group(2)
+            .into_iter()
+            .zip(&ranks)
+            .map(|(comm, lens)| {
+                let data = data_of(lens);
+                s.spawn(move || {
+                    verl_megatron::workers::batch::plan_micro_batches(&data, how, Some(&comm))
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(plans[0].len(), plans[1].len(), "{plans:?}");
+    assert!(plans[1].len() >= 2, "{plans:?}");
+    for (plan, lens) in plans.iter().zip(&ranks) {
+        let mut seen: Vec<usize> = plan.concat();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..lens.len()).collect::<Vec<_>>());
+        assert!(plan
+            .iter()
+            .all(|g| !g.is_empty() && g.iter().map(|&i| lens[i]).sum::<usize>() <= 24));
+    }
+}

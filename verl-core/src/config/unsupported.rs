@@ -117,21 +117,24 @@ fn strategy(key: &str, value: &str) -> Result<(), ConfigError> {
 /// smaller token budget is refused with it named.
 fn dynamic_batch(
     cfg: &VerlConfig,
-    prefix: &str,
+    (prefix, cp): (&str, usize),
     on: bool,
     budget_key: &str,
     budget: usize,
 ) -> Result<(), ConfigError> {
     let longest = cfg.data.max_prompt_length + cfg.data.max_response_length;
+    // As verl's, the budget is per context-parallel rank: a micro-batch holds cp times it.
+    let cp = cp.max(1);
     require(
-        !on || budget >= longest,
+        !on || budget * cp >= longest,
         &format!("{prefix}.{budget_key}"),
         budget,
         &format!(
-            "with {prefix}.use_dynamic_bsz a micro-batch holds at most this many tokens, less than \
-             one row of max_prompt_length + max_response_length = {longest}"
+            "with {prefix}.use_dynamic_bsz a micro-batch holds at most this many tokens per \
+             context-parallel rank (cp = {cp}), less than one row of max_prompt_length + \
+             max_response_length = {longest}"
         ),
-        &format!("set it to at least {longest}"),
+        &format!("set it to at least {}", longest.div_ceil(cp)),
     )
 }
 
@@ -247,9 +250,10 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     )?;
     let actor = &arr.actor;
     strategy("actor_rollout_ref.actor.strategy", &actor.strategy)?;
+    let actor_cp = actor.megatron.context_parallel_size;
     dynamic_batch(
         cfg,
-        "actor_rollout_ref.actor",
+        ("actor_rollout_ref.actor", actor_cp),
         actor.use_dynamic_bsz,
         "ppo_max_token_len_per_gpu",
         actor.ppo_max_token_len_per_gpu,
@@ -259,7 +263,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     strategy("actor_rollout_ref.ref.strategy", &reference.strategy)?;
     dynamic_batch(
         cfg,
-        "actor_rollout_ref.ref",
+        ("actor_rollout_ref.ref", actor_cp),
         reference.log_prob_use_dynamic_bsz,
         "log_prob_max_token_len_per_gpu",
         reference.log_prob_max_token_len_per_gpu,
@@ -271,7 +275,7 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let rollout = &arr.rollout;
     dynamic_batch(
         cfg,
-        "actor_rollout_ref.rollout",
+        ("actor_rollout_ref.rollout", actor_cp),
         rollout.log_prob_use_dynamic_bsz,
         "log_prob_max_token_len_per_gpu",
         rollout.log_prob_max_token_len_per_gpu,
@@ -295,14 +299,14 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         )?;
         dynamic_batch(
             cfg,
-            "critic",
+            ("critic", c.megatron.context_parallel_size),
             c.use_dynamic_bsz,
             "ppo_max_token_len_per_gpu",
             c.ppo_max_token_len_per_gpu,
         )?;
         dynamic_batch(
             cfg,
-            "critic",
+            ("critic", c.megatron.context_parallel_size),
             c.use_dynamic_bsz,
             "forward_max_token_len_per_gpu",
             c.forward_max_token_len_per_gpu

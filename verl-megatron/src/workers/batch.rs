@@ -177,7 +177,9 @@ pub enum MicroBatching {
 
 /// The rows of each micro-batch of `data` (every row once). With a token budget the count is
 /// agreed over `dp` (the largest any rank needs), so that every rank runs as many forward
-/// passes as its expert-parallel peers and pipeline schedule expect.
+/// passes as its expert-parallel peers and pipeline schedule expect. The budget counts real
+/// tokens (as verl's, which packs them); the micro-batch computed is its rows × the width
+/// their prompts and responses span.
 pub fn plan_micro_batches<B: ParallelBackend>(
     data: &DataProto<B>,
     how: MicroBatching,
@@ -200,31 +202,51 @@ pub fn plan_micro_batches<B: ParallelBackend>(
         .iter::<f32>()
         .map(|n| n.round() as usize)
         .collect();
-    let dp = dp.filter(|c| c.world_size() > 1);
-    let mut count = verl_core::batching::micro_batch_count(&lengths, max_tokens, 1);
-    loop {
-        let groups = verl_core::batching::micro_batches_for(key, &lengths, max_tokens, count)?;
-        let Some(dp) = dp else {
-            return Ok(groups);
-        };
-        // The largest count and (negated) the smallest, in one reduction.
-        let n = groups.len() as f32;
-        let device = data_device(data)?;
-        let both = Tensor::<B, 1>::from_floats([n, -n], &device);
-        let agreed: Vec<f32> = dp
-            .all_reduce(both, verl_core::traits::ReduceOp::Max)?
-            .into_data()
-            .convert::<f32>()
-            .to_vec()
-            .unwrap_or_default();
-        let (max, min) = (agreed[0] as usize, (-agreed[1]) as usize);
-        // Equal everywhere, or nothing more to ask for (rows per rank are equal in verl, so a
-        // rank asked for `max` groups makes `max`).
-        if max == min || max > rows || count >= max {
-            return Ok(groups);
-        }
-        count = max;
+    let mut groups = verl_core::batching::micro_batches_for(key, &lengths, max_tokens, 1)?;
+    let Some(dp) = dp.filter(|c| c.world_size() > 1) else {
+        return Ok(groups);
+    };
+    // Every rank makes as many as the rank that needs the most: one reduction, then this rank
+    // splits its heaviest groups (a split never breaks the budget).
+    let n = groups.len() as f32;
+    let device = data_device(data)?;
+    let agreed: Vec<f32> = dp
+        .all_reduce(
+            Tensor::<B, 1>::from_floats([n], &device),
+            verl_core::traits::ReduceOp::Max,
+        )?
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .unwrap_or_default();
+    let target = agreed.first().copied().unwrap_or(n) as usize;
+    if target > rows {
+        return Err(verl_core::Error::backend(
+            "megatron",
+            format!(
+                "dynamic batch size: another data-parallel rank makes {target} micro-batches but \
+                 this one has only {rows} rows (the ranks' batches must be equal)"
+            ),
+        ));
     }
+    while groups.len() < target {
+        let tokens = |g: &Vec<usize>| g.iter().map(|&i| lengths[i]).sum::<usize>();
+        let heaviest = (0..groups.len())
+            .filter(|&i| groups[i].len() > 1)
+            .max_by_key(|&i| (tokens(&groups[i]), std::cmp::Reverse(i)))
+            .expect("fewer groups than rows leaves a group of several rows");
+        let group = groups.remove(heaviest);
+        let part_lengths: Vec<usize> = group.iter().map(|&i| lengths[i]).collect();
+        let mut halves = verl_core::batching::balanced_partitions(&part_lengths, 2);
+        if halves.iter().any(Vec::is_empty) {
+            halves = vec![vec![0], (1..group.len()).collect()];
+        }
+        for half in halves {
+            groups.push(half.into_iter().map(|j| group[j]).collect());
+        }
+    }
+    groups.sort_by_key(|g| g.first().copied().unwrap_or(usize::MAX));
+    Ok(groups)
 }
 
 /// `micro` without the padding columns none of its rows uses: the leading prompt columns and
@@ -245,7 +267,12 @@ pub fn trim_padding<B: ParallelBackend>(
         .map(|n| n > 0.0)
         .collect();
     // Never into the response window from the left, and at least one response column kept.
-    let lead = used.iter().take(t - r).take_while(|u| !**u).count();
+    // (The last prompt column predicts the first response token: always kept.)
+    let lead = used
+        .iter()
+        .take((t - r).saturating_sub(1))
+        .take_while(|u| !**u)
+        .count();
     let tail = used.iter().rev().take(r - 1).take_while(|u| !**u).count();
     if lead == 0 && tail == 0 {
         return Ok((micro.clone(), 0));

@@ -5,7 +5,7 @@ use std::cell::OnceCell;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, Int, TensorData};
+use burn::tensor::{Bool, TensorData};
 
 use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
 use crate::layers::precision::{self, ComputeDtype};
@@ -208,10 +208,7 @@ pub fn positional_bias<B: Backend>(
     let (t, k) = (queries.len(), keys.len());
     // Built on the device from the two position lists (the grid is as large as the scores
     // it masks; a long sequence's never passes through host memory).
-    let positions = |p: &[usize]| {
-        let v: Vec<i64> = p.iter().map(|&i| i as i64).collect();
-        Tensor::<B, 1, Int>::from_data(TensorData::new(v, [p.len()]), device)
-    };
+    let positions = |p: &[usize]| super::index_tensor::<B>(p, device);
     let q = positions(queries).reshape([t, 1]).repeat_dim(1, k);
     let key = positions(keys).reshape([1, k]).repeat_dim(0, t);
     let expand = |m: Tensor<B, 2, Bool>| m.reshape([1, 1, t, k]).repeat_dim(0, batch);

@@ -284,12 +284,10 @@ fn attention_mask_local<B: Backend>(
     let n = batch * positions.len();
     match mask {
         None => Tensor::ones([n], device),
-        Some(m) => {
-            let p: Vec<i64> = positions.iter().map(|&i| i as i64).collect();
-            let index =
-                Tensor::<B, 1, Int>::from_data(TensorData::new(p, [positions.len()]), device);
-            m.clone().select(1, index).reshape([n])
-        }
+        Some(m) => m
+            .clone()
+            .select(1, super::index_tensor(positions, device))
+            .reshape([n]),
     }
 }
 
@@ -308,6 +306,33 @@ enum HeadWindow {
     Range(usize, usize),
     /// A context-parallel rank's part of a window, gathered over the group after the head.
     Context(ContextWindow),
+}
+
+impl HeadWindow {
+    /// The window's positions of `h` `[batch, seq, _]` (this cp rank's part of it).
+    fn cut<B: Backend>(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        match self {
+            HeadWindow::All => h,
+            HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
+            HeadWindow::Context(w) => {
+                let local = super::index_tensor(&w.local, &h.device());
+                h.select(1, local)
+            }
+        }
+    }
+
+    /// Outputs of the positions [`Self::cut`] kept, whole: with cp each rank computed its own,
+    /// gathered over the group (the gradient going back keeps each rank's part) and put in
+    /// sequence order.
+    fn gather<B: ParallelBackend>(&self, out: Tensor<B, 3>, cp: &CpGroup) -> Tensor<B, 3> {
+        match self {
+            HeadWindow::Context(w) => {
+                let order = super::index_tensor(&w.order, &out.device());
+                cp.region(out, Region::GatherFrom(1)).select(1, order)
+            }
+            _ => out,
+        }
+    }
 }
 
 /// What enters a forward pass: token ids (the first pipeline stage) or the previous stage's
@@ -817,10 +842,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         // reads the group's keys, gathered in `gathered_keys` order.
         let (input_ids, positions, mask, window) = if self.cp.is_parallel() {
             let split = self.cp.split(padded);
-            let index = |p: Vec<usize>| {
-                let p: Vec<i64> = p.into_iter().map(|i| i as i64).collect();
-                Tensor::<B, 1, Int>::from_data(TensorData::new(p.clone(), [p.len()]), &device)
-            };
+            let index = |p: Vec<usize>| super::index_tensor::<B>(&p, &device);
             let (local, keys) = (split.local(), split.gathered_keys());
             let key_mask = attention_mask
                 .clone()
@@ -859,12 +881,11 @@ impl<B: ParallelBackend> CausalLm<B> {
     }
 
     /// This rank's rows of the output projection (the LM head, or the tied embedding).
-    fn head_rows(&self) -> Tensor<B, 3> {
-        let w = match &self.lm_head {
+    fn head_rows(&self) -> Tensor<B, 2> {
+        match &self.lm_head {
             Some(head) => head.weight.val(),
             None => self.embedding().weight.val(),
-        };
-        w.unsqueeze_dim(0)
+        }
     }
 
     /// The fused head on the window's hidden states: `[batch, len, 2]` log-probs of
@@ -876,15 +897,11 @@ impl<B: ParallelBackend> CausalLm<B> {
         targets: FusedTargets<B>,
         chunk: usize,
     ) -> Tensor<B, 3> {
-        let device = h.device();
-        let index = |v: &[usize]| {
-            let v: Vec<i64> = v.iter().map(|&i| i as i64).collect();
-            let n = v.len();
-            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [n]), &device)
-        };
-        let h = self.head_input(h, &window, &index);
+        let h = window.cut(self.tp.enter(h));
         let labels = match &window {
-            HeadWindow::Context(w) => targets.labels.select(1, index(&w.offsets)),
+            HeadWindow::Context(w) => targets
+                .labels
+                .select(1, super::index_tensor(&w.offsets, &h.device())),
             _ => targets.labels,
         };
         let [b, n, hidden] = h.dims();
@@ -896,34 +913,16 @@ impl<B: ParallelBackend> CausalLm<B> {
             chunk,
             dtype: self.compute_dtype,
         };
-        let w = self.head_rows().squeeze_dim::<2>(0);
         let out = self
             .tp
-            .fused_head_log_probs(h.reshape([b * n, hidden]), w, labels.reshape([b * n]), spec)
+            .fused_head_log_probs(
+                h.reshape([b * n, hidden]),
+                self.head_rows(),
+                labels.reshape([b * n]),
+                spec,
+            )
             .reshape([b, n, 2]);
-        match &window {
-            HeadWindow::Context(w) => self
-                .cp
-                .region(out, Region::GatherFrom(1))
-                .select(1, index(&w.order)),
-            _ => out,
-        }
-    }
-
-    /// The hidden states the head reads: into the tensor-parallel region, cut to the window
-    /// (this cp rank's part of it).
-    fn head_input(
-        &self,
-        h: Tensor<B, 3>,
-        window: &HeadWindow,
-        index: &dyn Fn(&[usize]) -> Tensor<B, 1, Int>,
-    ) -> Tensor<B, 3> {
-        let h = self.tp.enter(h);
-        match window {
-            HeadWindow::All => h,
-            HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
-            HeadWindow::Context(w) => h.select(1, index(&w.local)),
-        }
+        window.gather(out, &self.cp)
     }
 
     /// Logits `[batch, seq, vocab]` for `input_ids` `[batch, seq]` (with a score head:
@@ -1092,37 +1091,13 @@ impl<B: ParallelBackend> CausalLm<B> {
     fn head(&self, h: Tensor<B, 3>, window: HeadWindow) -> Tensor<B, 3> {
         let device = h.device();
         device_span::<B, _>(&device, "lm_head", || {
-            let out = self.output_head(h, &window);
-            match &window {
-                // Each cp rank computed its own window positions: gathered (the gradient going
-                // back keeps each rank's own part), then put in sequence order.
-                HeadWindow::Context(w) => {
-                    let order: Vec<i64> = w.order.iter().map(|&i| i as i64).collect();
-                    let order = Tensor::<B, 1, Int>::from_data(
-                        TensorData::new(order, [w.order.len()]),
-                        &device,
-                    );
-                    self.cp.region(out, Region::GatherFrom(1)).select(1, order)
-                }
-                _ => out,
-            }
+            window.gather(self.output_head(h, &window), &self.cp)
         })
     }
 
     fn output_head(&self, h: Tensor<B, 3>, window: &HeadWindow) -> Tensor<B, 3> {
         let _precision = precision::enter(self.compute_dtype);
-        let cut = |h: Tensor<B, 3>| match window {
-            HeadWindow::All => h,
-            HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
-            HeadWindow::Context(w) => {
-                let local: Vec<i64> = w.local.iter().map(|&i| i as i64).collect();
-                let device = h.device();
-                h.select(
-                    1,
-                    Tensor::<B, 1, Int>::from_data(TensorData::new(local, [w.per_rank]), &device),
-                )
-            }
-        };
+        let cut = |h| window.cut(h);
         if let Some(score) = &self.score {
             // A replicated head reads whole sequences; each rank's gradient is then whole too,
             // so going back it is split, not summed.

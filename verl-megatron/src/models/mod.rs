@@ -19,3 +19,13 @@ pub use generate::{generate, GenerateOptions};
 pub use generation::GenerationWeights;
 pub use kv_cache::{ChunkLayout, KvCache, LayerKv, SlotKvCache};
 pub use vocab_parallel::vocab_parallel_log_probs;
+
+/// `values` as an index tensor (for `select` / `gather`) on `device`.
+pub(crate) fn index_tensor<B: burn::prelude::Backend>(
+    values: &[usize],
+    device: &B::Device,
+) -> burn::prelude::Tensor<B, 1, burn::tensor::Int> {
+    let v: Vec<i64> = values.iter().map(|&i| i as i64).collect();
+    let n = v.len();
+    burn::prelude::Tensor::from_data(burn::tensor::TensorData::new(v, [n]), device)
+}

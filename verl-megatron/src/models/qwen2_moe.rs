@@ -147,11 +147,6 @@ struct Dispatch {
     expert_rows: Vec<usize>,
 }
 
-fn index<B: Backend>(values: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
-    let v: Vec<i64> = values.iter().map(|&i| i as i64).collect();
-    Tensor::from_data(TensorData::new(v, [values.len()]), device)
-}
-
 /// Each row's `k` largest entries' columns `[rows, k]`, largest first, by k rounds of argmax
 /// on the device (burn-cuda has no sort: its sort reads the tensor back to the host).
 fn top_k_columns<B: Backend>(x: Tensor<B, 2>, k: usize) -> Tensor<B, 2, Int> {
@@ -222,7 +217,8 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let count = per.min(n - start);
         let mut sums = Tensor::<B, 1>::zeros([2 * e + 1], &device);
         if count > 0 {
-            let mine = index::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
+            let mine =
+                super::index_tensor::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
             let probs = probs.select(0, mine.clone());
             let mask = mask.select(0, mine).unsqueeze_dim::<2>(1);
             // Each token's k choices, as dispatch makes them.
@@ -287,7 +283,8 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let (experts, weights, unused_router) = if count == 0 {
             (Vec::new(), None, Some(probs.sum().reshape([1, 1]) * 0.0))
         } else {
-            let mine = index::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
+            let mine =
+                super::index_tensor::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
             let chosen = top_k_columns(probs.clone().select(0, mine.clone()).detach(), k);
             // The only host read of the block: which experts each token chose.
             let experts: Vec<usize> = chosen
@@ -306,7 +303,9 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let plan = self.dispatch(&experts, &device);
         // Each pair's token, to its expert's rank.
         let send_tokens: Vec<usize> = plan.send_order.iter().map(|p| start + p / k).collect();
-        let rows = tokens.clone().select(0, index::<B>(&send_tokens, &device));
+        let rows = tokens
+            .clone()
+            .select(0, super::index_tensor::<B>(&send_tokens, &device));
         let received = self.ep.all_to_all_rows(rows, &plan.send, &plan.recv);
         let (computed, idle) = self.local_experts(received, &plan, h, &device);
         let back = self.ep.all_to_all_rows(computed, &plan.recv, &plan.send);
@@ -322,7 +321,10 @@ impl<B: ParallelBackend> SparseMoe<B> {
             Some(weights) => {
                 // Back in pair order (token, slot), weighted and summed over each token's
                 // experts.
-                let pairs = back.select(0, index::<B>(&inverse(&plan.send_order), &device));
+                let pairs = back.select(
+                    0,
+                    super::index_tensor::<B>(&inverse(&plan.send_order), &device),
+                );
                 let routed = (pairs.reshape([count, k, h]) * weights.unsqueeze_dim::<3>(2))
                     .sum_dim(1)
                     .reshape([count, h]);
@@ -412,7 +414,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let sorted = (!plan.by_expert.is_empty()).then(|| {
             received
                 .clone()
-                .select(0, index::<B>(&plan.by_expert, device))
+                .select(0, super::index_tensor::<B>(&plan.by_expert, device))
         });
         let mut outputs = Vec::new();
         // An expert nobody routed to still joins the graph (with weight 0), so that every
@@ -443,7 +445,10 @@ impl<B: ParallelBackend> SparseMoe<B> {
         };
         let computed = match plan.by_expert.is_empty() {
             true => computed,
-            false => computed.select(0, index::<B>(&inverse(&plan.by_expert), device)),
+            false => computed.select(
+                0,
+                super::index_tensor::<B>(&inverse(&plan.by_expert), device),
+            ),
         };
         (computed, idle.map(|z| z.sum().reshape([1, 1])))
     }

@@ -86,18 +86,17 @@ pub struct DynamicBatch {
 impl DynamicBatch {
     /// The update's micro-batching: by tokens when set, else `rows` per micro-batch.
     pub fn update(&self, rows: usize, key: &'static str) -> MicroBatching {
-        match self.update_max_tokens {
-            Some(max_tokens) => MicroBatching::Tokens { max_tokens, key },
-            None => MicroBatching::Rows(rows),
-        }
+        MicroBatching::of(self.update_max_tokens, rows, key)
     }
 
     /// The forward-only passes' micro-batching.
     pub fn forward(&self, rows: usize, key: &'static str) -> MicroBatching {
-        match self.forward_max_tokens {
-            Some(max_tokens) => MicroBatching::Tokens { max_tokens, key },
-            None => MicroBatching::Rows(rows),
-        }
+        MicroBatching::of(self.forward_max_tokens, rows, key)
+    }
+
+    /// The reference policy's log-prob pass.
+    pub fn reference(&self, rows: usize, key: &'static str) -> MicroBatching {
+        MicroBatching::of(self.reference_max_tokens, rows, key)
     }
 }
 
@@ -172,13 +171,10 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
 
     /// The reference policy's log-prob pass.
     pub fn reference_batching(&self) -> MicroBatching {
-        match self.dynamic.reference_max_tokens {
-            Some(max_tokens) => MicroBatching::Tokens {
-                max_tokens,
-                key: "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-            },
-            None => MicroBatching::Rows(self.settings.log_prob_micro_batch_rows),
-        }
+        self.dynamic.reference(
+            self.settings.log_prob_micro_batch_rows,
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+        )
     }
 
     fn update_batching(&self) -> MicroBatching {
@@ -462,8 +458,11 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             self.log_prob_batching(),
             self.dp.as_deref(),
             |micro| {
-                let inputs =
-                    ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
+                let inputs = ModelInputs::from_batch(micro)?.fused_for(
+                    model.fused_head_chunk.is_some(),
+                    micro,
+                    temperature,
+                )?;
                 let labels = micro.int::<2>("responses")?;
                 let Some(out) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right

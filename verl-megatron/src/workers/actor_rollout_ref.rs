@@ -531,7 +531,11 @@ fn reference_log_probs<B: ParallelBackend>(
         .filter(|t| *t > 0.0)
         .unwrap_or(default_temperature);
     let parts = map_micro_batches(data, how, dp, |micro| {
-        let inputs = ModelInputs::from_batch(micro)?.fused_for(model, micro, temperature)?;
+        let inputs = ModelInputs::from_batch(micro)?.fused_for(
+            model.fused_head_chunk.is_some(),
+            micro,
+            temperature,
+        )?;
         let labels = micro.int::<2>("responses")?;
         let Some(out) = inputs.pipelined_outputs(model, pp)? else {
             // Not collected (MegatronCompute reads the last stage).

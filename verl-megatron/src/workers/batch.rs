@@ -59,15 +59,15 @@ impl<B: ParallelBackend> ModelInputs<B> {
         })
     }
 
-    /// Asks `model`'s fused head (when it has one) for the log-probs of `data`'s responses at
-    /// `temperature` and their entropies, instead of logits.
+    /// Asks a model with a fused head (`fused_head`: its `fused_head_chunk` is set) for the
+    /// log-probs of `data`'s responses at `temperature` and their entropies, instead of logits.
     pub fn fused_for(
         mut self,
-        model: &CausalLm<B>,
+        fused_head: bool,
         data: &DataProto<B>,
         temperature: f64,
     ) -> verl_core::Result<Self> {
-        if model.fused_head_chunk.is_some() {
+        if fused_head {
             self.fused = Some(crate::models::causal_lm::FusedTargets {
                 labels: data.int::<2>("responses")?,
                 temperature,
@@ -173,6 +173,17 @@ pub enum MicroBatching {
         max_tokens: usize,
         key: &'static str,
     },
+}
+
+impl MicroBatching {
+    /// By a token budget when there is one, else `rows` per micro-batch; `key` names the
+    /// budget's config key.
+    pub fn of(max_tokens: Option<usize>, rows: usize, key: &'static str) -> Self {
+        match max_tokens {
+            Some(max_tokens) => Self::Tokens { max_tokens, key },
+            None => Self::Rows(rows),
+        }
+    }
 }
 
 /// The rows of each micro-batch of `data` (every row once). With a token budget the count is
@@ -306,11 +317,7 @@ pub fn map_micro_batches<B: ParallelBackend>(
     let groups = plan_micro_batches(data, how, dp)?;
     let mut outputs: Vec<Vec<Tensor<B, 2>>> = Vec::new();
     for rows in &groups {
-        let micro = match how {
-            MicroBatching::Rows(_) => data.slice(rows[0], rows[rows.len() - 1] + 1)?,
-            MicroBatching::Tokens { .. } => data.select_rows(rows)?,
-        };
-        let (micro, tail) = trim_padding(&micro)?;
+        let (micro, tail) = trim_padding(&micro_batch(data, how, rows)?)?;
         // Padding positions read 0 whatever micro-batch a row landed in (a position trimmed
         // in one grouping is computed, as padding, in another).
         let mask = float_col(&micro, "attention_mask")?;
@@ -334,12 +341,8 @@ pub fn map_micro_batches<B: ParallelBackend>(
             if in_order {
                 return all;
             }
-            let back: Vec<i64> = verl_core::batching::inverse(&order)
-                .into_iter()
-                .map(|i| i as i64)
-                .collect();
-            let n = back.len();
-            all.select(0, Tensor::from_data(TensorData::new(back, [n]), &device))
+            let back = verl_core::batching::inverse(&order);
+            all.select(0, crate::models::index_tensor(&back, &device))
         })
         .collect())
 }
@@ -353,12 +356,18 @@ pub fn training_micro_batches<B: ParallelBackend>(
 ) -> verl_core::Result<Vec<DataProto<B>>> {
     plan_micro_batches(mini, how, dp)?
         .into_iter()
-        .map(|rows| {
-            let micro = match how {
-                MicroBatching::Rows(_) => mini.slice(rows[0], rows[rows.len() - 1] + 1)?,
-                MicroBatching::Tokens { .. } => mini.select_rows(&rows)?,
-            };
-            Ok(trim_padding(&micro)?.0)
-        })
+        .map(|rows| Ok(trim_padding(&micro_batch(mini, how, &rows)?)?.0))
         .collect()
+}
+
+/// The rows `rows` of `data` as one micro-batch (a slice when `how` made them consecutive).
+fn micro_batch<B: ParallelBackend>(
+    data: &DataProto<B>,
+    how: MicroBatching,
+    rows: &[usize],
+) -> verl_core::Result<DataProto<B>> {
+    Ok(match how {
+        MicroBatching::Rows(_) => data.slice(rows[0], rows[rows.len() - 1] + 1)?,
+        MicroBatching::Tokens { .. } => data.select_rows(rows)?,
+    })
 }

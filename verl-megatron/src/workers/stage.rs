@@ -43,14 +43,13 @@ where
 {
     fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
         let micro = &self.micros[mb];
-        let mut inputs =
-            ModelInputs::from_batch(micro)?.map(Tensor::from_inner, Tensor::from_inner);
-        if self.model.fused_head_chunk.is_some() {
-            inputs.fused = Some(crate::models::causal_lm::FusedTargets {
-                labels: Tensor::from_inner(micro.int::<2>("responses")?),
-                temperature: self.temperature,
-            });
-        }
+        let inputs = ModelInputs::from_batch(micro)?
+            .fused_for(
+                self.model.fused_head_chunk.is_some(),
+                micro,
+                self.temperature,
+            )?
+            .map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
         let (out, aux) = crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
             inputs.stage_outputs(&model, input)

@@ -422,3 +422,19 @@ fn the_fused_head_trains_as_the_plain_one() {
         "actor_rollout_ref.actor.use_kl_loss=true",
     ]);
 }
+
+/// `model.use_remove_padding` (actor and reference) and `critic.model.use_remove_padding`:
+/// each micro-batch's sequences packed into one row, on tp = 2 × cp = 2 (the packed row split
+/// over both, attention within each sequence only), log the padded single rank's metrics.
+#[test]
+fn packed_sequences_train_as_padded() {
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+        "critic.megatron.context_parallel_size=2",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "critic.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ]);
+}

@@ -63,6 +63,8 @@ pub(crate) struct ActorPlan {
     dynamic: DynamicBatch,
     /// `model.use_fused_kernels`: tokens per chunk of the fused head.
     fused_head_chunk: Option<usize>,
+    /// `model.use_remove_padding`: training and log-prob passes pack their sequences.
+    pack_sequences: bool,
 }
 
 /// The MoE router's training settings: Megatron's load-balancing loss from
@@ -181,6 +183,8 @@ pub(crate) struct CriticPlan {
     offload: OffloadSwitches,
     moe: MoeRouterSettings,
     dynamic: DynamicBatch,
+    /// `critic.model.use_remove_padding`.
+    pack_sequences: bool,
 }
 
 /// The roles of a run, as every rank builds them.
@@ -316,6 +320,7 @@ impl RolePlans {
                 .model
                 .use_fused_kernels
                 .then_some(FUSED_HEAD_CHUNK_TOKENS),
+            pack_sequences: cfg.actor_rollout_ref.model.use_remove_padding,
             dynamic: {
                 let (rollout, reference) = (
                     &cfg.actor_rollout_ref.rollout,
@@ -394,6 +399,7 @@ impl RolePlans {
                     ),
                     reference_max_tokens: None,
                 },
+                pack_sequences: c.model.use_remove_padding,
             })
         } else {
             None
@@ -434,7 +440,9 @@ impl ActorPlan {
         let model = match self.fused_head_chunk {
             Some(chunk) => model.with_fused_log_probs(chunk),
             None => model,
-        };
+        }
+        // `model.use_remove_padding` (actor and reference; the rollout generates padded).
+        .with_packed_sequences(self.pack_sequences);
         let inner = burn::module::AutodiffModule::valid(&model);
         // The rollout engine runs every layer on its own tensor-parallel group (consecutive
         // ranks, no sequence parallel); the hybrid engine streams the actor's weights into it
@@ -538,7 +546,8 @@ impl CriticPlan {
             &model_groups,
             &stage,
         )?
-        .with_compute_dtype(self.dtype);
+        .with_compute_dtype(self.dtype)
+        .with_packed_sequences(self.pack_sequences);
         let model = self.moe.apply(model);
         let mut critic = MegatronCritic::new(
             model,

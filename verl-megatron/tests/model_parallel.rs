@@ -40,6 +40,9 @@ static WITHOUT_AUX_LOSS: std::sync::atomic::AtomicBool = std::sync::atomic::Atom
 /// chunked head while set.
 static FUSED_HEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Layouts (not the single rank they are compared with) pack their sequences while set.
+static PACKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The single rank's micro-batching: 2 rows each.
 const ROWS_OF_2: MicroBatching = MicroBatching::Rows(2);
 
@@ -118,12 +121,14 @@ fn batch() -> DataProto<CpuBackend> {
     let (mut ids, mut attn, mut pos, mut resp_mask) = (vec![], vec![], vec![], vec![]);
     for r in 0..ROWS {
         let len = 1 + r % RESPONSE;
+        // Every third row's prompt is one token shorter, left-padded as verl pads prompts.
+        let left = usize::from(r % 3 == 1);
         for j in 0..t {
             // Ids below VOCAB - 1, so the odd vocabulary holds them too.
             ids.push(((r * 7 + j * 5) % (VOCAB - 1)) as i64);
-            let live = j < PROMPT + len;
+            let live = left <= j && j < PROMPT + len;
             attn.push(live as i64);
-            pos.push(j as i64);
+            pos.push(j.saturating_sub(left) as i64);
             if j >= PROMPT {
                 resp_mask.push(live as i64);
             }
@@ -614,6 +619,8 @@ fn update_stage(
         // 3 tokens a chunk: every micro-batch's window spans several chunks.
         model = model.with_fused_log_probs(3);
     }
+    let packed = groups.is_some() && PACKED.load(std::sync::atomic::Ordering::SeqCst);
+    let model = model.with_packed_sequences(packed);
     let mut actor = MegatronActor::new(
         model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -629,7 +636,8 @@ fn update_stage(
     let value_model =
         CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8 + seed, &device, &tp, &stage)
             .unwrap()
-            .with_moe_aux_loss(aux);
+            .with_moe_aux_loss(aux)
+            .with_packed_sequences(packed);
     let mut critic = MegatronCritic::new(
         value_model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -1306,6 +1314,36 @@ fn the_fused_head_updates_as_the_plain_one() {
         check_parallel(Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
         check_parallel(Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
     });
+    FUSED_HEAD.store(false, std::sync::atomic::Ordering::SeqCst);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Sequence packing (`use_remove_padding`) on layouts against the single rank's padded
+/// micro-batches: the same losses, gradient norms, weights, log-probs and values, with
+/// left-padded prompts and ragged responses, on tp + sp (the packed row padded to split over
+/// tp), pp with dp, cp (attention over the group's keys of each sequence only) with tp, ep,
+/// and with dynamic micro-batches and the fused head.
+#[test]
+fn packed_sequences_update_as_padded_ones() {
+    let _serial = serial();
+    PACKED.store(true, std::sync::atomic::Ordering::SeqCst);
+    let outcome = std::panic::catch_unwind(|| {
+        check_parallel(Flavour::Qwen2Tied, 0, 2, layout(1, 1, 1, false), 1);
+        check_parallel(Flavour::Qwen3Untied, 1, 2, layout(2, 1, 1, true), 1);
+        check_parallel(Flavour::OddVocabulary, 2, 4, layout(2, 2, 1, true), 2);
+        check_parallel(Flavour::Qwen2Tied, 3, 2, layout(2, 1, 2, true), 1);
+        check_parallel(Flavour::Qwen2Moe, 4, 2, experts(1, 1, 2, 2, 1, false), 1);
+        let tokens = MicroBatching::Tokens {
+            max_tokens: 20,
+            key: "ppo_max_token_len_per_gpu",
+        };
+        check_layout_batched(Flavour::Qwen2Tied, 5, 2, layout(1, 1, 1, false), 2, tokens);
+        FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
+        check_parallel(Flavour::Qwen2Tied, 6, 2, layout(2, 1, 2, false), 1);
+    });
+    PACKED.store(false, std::sync::atomic::Ordering::SeqCst);
     FUSED_HEAD.store(false, std::sync::atomic::Ordering::SeqCst);
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic);

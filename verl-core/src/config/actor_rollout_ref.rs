@@ -41,6 +41,8 @@ pub struct ModelConfig {
     pub external_lib: Option<String>,
     pub enable_gradient_checkpointing: bool,
     pub trust_remote_code: bool,
+    /// Pack each micro-batch's sequences into one row in the actor's and reference's
+    /// training and log-prob passes (no padding computed; the rollout generates padded).
     pub use_remove_padding: bool,
     pub use_fused_kernels: bool,
     pub custom_chat_template: Option<String>,

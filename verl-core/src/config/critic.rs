@@ -15,6 +15,8 @@ pub struct CriticModelConfig {
     pub external_lib: Option<String>,
     pub enable_gradient_checkpointing: bool,
     pub trust_remote_code: bool,
+    /// Pack each micro-batch's sequences into one row (no padding computed).
+    pub use_remove_padding: bool,
 }
 
 /// `critic`: the value model of PPO.

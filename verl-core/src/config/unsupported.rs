@@ -235,13 +235,6 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         Some(m.enable_gradient_checkpointing),
     )?;
     require(
-        !m.use_remove_padding,
-        "actor_rollout_ref.model.use_remove_padding",
-        m.use_remove_padding,
-        "sequences are padded, not packed (sequence packing is not implemented yet)",
-        "set it to false",
-    )?;
-    require(
         m.custom_chat_template.is_none(),
         "actor_rollout_ref.model.custom_chat_template",
         &m.custom_chat_template,
@@ -538,10 +531,6 @@ mod tests {
             (
                 "data.dataloader_num_workers=8",
                 "data.dataloader_num_workers",
-            ),
-            (
-                "actor_rollout_ref.model.use_remove_padding=true",
-                "actor_rollout_ref.model.use_remove_padding",
             ),
             (
                 "actor_rollout_ref.actor.strategy=fsdp",

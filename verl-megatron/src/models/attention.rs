@@ -5,9 +5,10 @@ use std::cell::OnceCell;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, TensorData};
+use burn::tensor::{Bool, Int, TensorData};
 
 use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
+use super::packing::PackedSequences;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
@@ -51,6 +52,21 @@ pub struct AttentionMask<B: Backend> {
     /// first `window`. The bias is built and uploaded only if some attention reads it (a step
     /// whose attention runs in the decode kernel never does).
     slots: Option<(Vec<usize>, usize, B::Device)>,
+    /// A packed row's sequences ([`Self::packed`]).
+    packed: Option<PackedRows<B>>,
+}
+
+/// A packed row's attention layout ([`super::packing::PackedSequences::attention_rows`]): each
+/// sequence's tokens in a row of their own, `width` wide, for the attention product alone.
+struct PackedRows<B: Backend> {
+    /// `[sequences · width]`: the packed position of each slot.
+    rows_index: Tensor<B, 1, Int>,
+    /// `[padded]`: the slot of each packed position.
+    packed_index: Tensor<B, 1, Int>,
+    sequences: usize,
+    width: usize,
+    /// `[sequences, width]`, 1 = token.
+    key_mask: Tensor<B, 2>,
 }
 
 /// A pass with no cache: causal over its own tokens, keys masked by `key_mask` (1 = token;
@@ -70,6 +86,7 @@ impl<B: Backend> AttentionMask<B> {
             causal: None,
             host: None,
             slots: None,
+            packed: None,
         }
     }
 
@@ -81,6 +98,7 @@ impl<B: Backend> AttentionMask<B> {
             causal: None,
             host: Some((values, shape, device.clone())),
             slots: None,
+            packed: None,
         }
     }
 
@@ -96,6 +114,7 @@ impl<B: Backend> AttentionMask<B> {
             causal: None,
             host: None,
             slots: Some((positions.to_vec(), window, device.clone())),
+            packed: None,
         }
     }
 
@@ -118,12 +137,43 @@ impl<B: Backend> AttentionMask<B> {
             }),
             host: None,
             slots: None,
+            packed: None,
+        }
+    }
+
+    /// A packed row of `padded` positions holding `packing`'s sequences
+    /// ([`super::packing`]): each token attends to the earlier tokens of its own sequence.
+    /// Attention runs with each sequence in a row of its own (the bias, if read, is that
+    /// layout's `[sequences, 1, width, width]`).
+    pub fn packed(packing: &PackedSequences, padded: usize, device: &B::Device) -> Self {
+        let (rows_index, packed_index, width) = packing.attention_rows(padded);
+        let sequences = packing.lens.len();
+        let key_mask = Tensor::from_data(
+            TensorData::new(packing.attention_key_mask(width), [sequences, width]),
+            device,
+        );
+        Self {
+            bias: OnceCell::new(),
+            causal: None,
+            host: None,
+            slots: None,
+            packed: Some(PackedRows {
+                rows_index: super::index_tensor(&rows_index, device),
+                packed_index: super::index_tensor(&packed_index, device),
+                sequences,
+                width,
+                key_mask,
+            }),
         }
     }
 
     /// The additive bias `[batch, 1, queries, keys]`.
     pub fn bias(&self) -> &Tensor<B, 4> {
         self.bias.get_or_init(|| {
+            if let Some(p) = &self.packed {
+                let device = p.key_mask.device();
+                return attention_bias(p.sequences, p.width, 0, Some(p.key_mask.clone()), &device);
+            }
             if let Some((values, shape, device)) = &self.host {
                 return Tensor::from_data(TensorData::new(values.clone(), *shape), device);
             }
@@ -205,21 +255,49 @@ pub fn positional_bias<B: Backend>(
     key_mask: Option<Tensor<B, 2>>,
     device: &B::Device,
 ) -> Tensor<B, 4> {
+    sequence_bias(batch, (queries, keys), None, key_mask, device)
+}
+
+/// [`positional_bias`] over a packed row ([`super::packing`]): `segments[p]` is the sequence
+/// of packed position `p`, and a query attends only to keys of its own sequence.
+pub fn packed_positional_bias<B: Backend>(
+    queries: &[usize],
+    keys: &[usize],
+    segments: &[usize],
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    sequence_bias(1, (queries, keys), Some(segments), None, device)
+}
+
+fn sequence_bias<B: Backend>(
+    batch: usize,
+    (queries, keys): (&[usize], &[usize]),
+    segments: Option<&[usize]>,
+    key_mask: Option<Tensor<B, 2>>,
+    device: &B::Device,
+) -> Tensor<B, 4> {
     let (t, k) = (queries.len(), keys.len());
-    // Built on the device from the two position lists (the grid is as large as the scores
-    // it masks; a long sequence's never passes through host memory).
-    let positions = |p: &[usize]| super::index_tensor::<B>(p, device);
-    let q = positions(queries).reshape([t, 1]).repeat_dim(1, k);
-    let key = positions(keys).reshape([1, k]).repeat_dim(0, t);
+    // Built on the device from the position lists (the grid is as large as the scores it
+    // masks; a long sequence's never passes through host memory).
+    let column = |p: &[usize]| super::index_tensor::<B>(p, device).reshape([t, 1]).repeat_dim(1, k);
+    let row = |p: &[usize]| super::index_tensor::<B>(p, device).reshape([1, k]).repeat_dim(0, t);
+    let (q, key) = (column(queries), row(keys));
     let expand = |m: Tensor<B, 2, Bool>| m.reshape([1, 1, t, k]).repeat_dim(0, batch);
-    let mut allowed = expand(key.clone().lower_equal(q.clone()));
+    let own = key.clone().equal(q.clone());
+    let mut earlier = key.lower_equal(q);
+    if let Some(seg) = segments {
+        let of = |p: &[usize]| p.iter().map(|&i| seg[i]).collect::<Vec<_>>();
+        earlier = earlier.bool_and(column(&of(queries)).equal(row(&of(keys))));
+    }
+    let mut allowed = expand(earlier);
     if let Some(mask) = key_mask {
         let token = mask
             .reshape([batch, 1, 1, k])
             .greater_elem(0.5)
             .repeat_dim(2, t);
-        allowed = allowed.bool_and(token).bool_or(expand(key.equal(q)));
+        allowed = allowed.bool_and(token);
     }
+    allowed = allowed.bool_or(expand(own));
     Tensor::<B, 4>::zeros([batch, 1, t, k], device).mask_fill(allowed.bool_not(), f32::NEG_INFINITY)
 }
 
@@ -406,6 +484,9 @@ impl<B: ParallelBackend> Attention<B> {
                 }
             }
         }
+        if let (AttnCache::None, Some(rows)) = (&cache, &mask.packed) {
+            return self.attend_packed(q, k, v, rows, mask, (cos, sin));
+        }
         // A pass with no cache and bf16 products may take the fused kernel, which reads this
         // layout directly (RoPE applied in it, cos/sin seen as [batch, seq, 1, head_dim]).
         let fused_keys = match (&cache, mask.causal_keys()) {
@@ -472,6 +553,52 @@ impl<B: ParallelBackend> Attention<B> {
             } => (k, v) = cache.write_chunks(layer, chunks, k, v),
         }
         decomposed_attention(q, k, v, mask.bias())
+    }
+}
+
+impl<B: ParallelBackend> Attention<B> {
+    /// Attention over a packed row (`q` `[1, tokens, heads, head_dim]`, `k`, `v` `[1, tokens,
+    /// kv_heads, head_dim]`, before RoPE): each sequence's tokens are laid in a row of their
+    /// own for the product (the fused kernel's layout on burn-cuda with bf16 products, else
+    /// the decomposed path with `mask`'s bias), and the outputs packed back, `[1, tokens,
+    /// heads · head_dim]`.
+    fn attend_packed(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        rows: &PackedRows<B>,
+        mask: &AttentionMask<B>,
+        (cos, sin): (&Tensor<B, 4>, &Tensor<B, 4>),
+    ) -> Tensor<B, 3> {
+        let [_, t, _, _] = q.dims();
+        let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        let (s, w) = (rows.sequences, rows.width);
+        // RoPE on the packed tokens, each at its own position (cos/sin as [1, tokens, 1, hd]).
+        let (cos, sin) = (cos.clone().reshape([1, t, 1, hd]), sin.clone().reshape([1, t, 1, hd]));
+        let to_rows = |x: Tensor<B, 4>, heads: usize| {
+            RotaryEmbedding::apply(x, &cos, &sin)
+                .reshape([t, heads, hd])
+                .select(0, rows.rows_index.clone())
+                .reshape([s, w, heads, hd])
+        };
+        let (q, k) = (to_rows(q, nh), to_rows(k, nkv));
+        let v = v
+            .reshape([t, nkv, hd])
+            .select(0, rows.rows_index.clone())
+            .reshape([s, w, nkv, hd]);
+        let fused = precision::current() == ComputeDtype::Bf16 && fused_attention_applies::<B>(hd);
+        let out = match fused {
+            true => fused_attention(q, k, v, Some(rows.key_mask.clone()), 1.0 / (hd as f32).sqrt())
+                .map(|out| out.reshape([s, w, nh * hd])),
+            false => Err((q, k, v)),
+        };
+        let out = out.unwrap_or_else(|(q, k, v)| {
+            decomposed_attention(q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2), mask.bias())
+        });
+        out.reshape([s * w, nh * hd])
+            .select(0, rows.packed_index.clone())
+            .reshape([1, t, nh * hd])
     }
 }
 

@@ -17,6 +17,7 @@ use super::attention::{
 use super::generation::{FusedWeights, GenerationWeights};
 use super::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
 use super::mlp::{FeedForward, SwiGlu};
+use super::packing::PackedSequences;
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;
 use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
@@ -209,6 +210,10 @@ pub struct CausalLm<B: Backend> {
     /// logits ([`super::fused_log_probs`]).
     #[module(skip)]
     pub fused_head_chunk: Option<usize>,
+    /// Training and log-prob passes pack each micro-batch's sequences into one row with no
+    /// padding ([`super::packing`], verl's `use_remove_padding`).
+    #[module(skip)]
+    pub pack_sequences: bool,
     /// A generation-only model's fused weights ([`Self::with_generation_matrices`]); cleared by
     /// any weight load and rebuilt by [`Self::prepare_generation`].
     #[module(skip)]
@@ -304,6 +309,8 @@ enum HeadWindow {
     All,
     /// `(start, len)`.
     Range(usize, usize),
+    /// Any positions of a single row, in this order (a packed batch's outputs).
+    Positions(Vec<usize>),
     /// A context-parallel rank's part of a window, gathered over the group after the head.
     Context(ContextWindow),
 }
@@ -314,6 +321,10 @@ impl HeadWindow {
         match self {
             HeadWindow::All => h,
             HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
+            HeadWindow::Positions(p) => {
+                let p = super::index_tensor(p, &h.device());
+                h.select(1, p)
+            }
             HeadWindow::Context(w) => {
                 let local = super::index_tensor(&w.local, &h.device());
                 h.select(1, local)
@@ -740,6 +751,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             compute_dtype: ComputeDtype::F32,
             moe_aux_loss_coeff: 0.0,
             fused_head_chunk: None,
+            pack_sequences: false,
             config: cfg.clone(),
             generation: FusedWeights::default(),
         })
@@ -775,6 +787,7 @@ impl<B: ParallelBackend> CausalLm<B> {
 
     /// The shape of the hidden states entering this stage for a micro-batch of `batch` rows of
     /// `seq` tokens (this rank's sequence shard with sequence parallelism).
+    /// (A packed batch is one row of its tokens.)
     pub fn stage_input_shape(&self, batch: usize, seq: usize) -> [usize; 3] {
         let hidden = self.layers[0].input_layernorm.weight.dims()[0];
         let shards = self.sequence_shards();
@@ -865,12 +878,92 @@ impl<B: ParallelBackend> CausalLm<B> {
             let mask = AttentionMask::causal(b, padded, attention_mask, &device);
             (input_ids, positions, mask, HeadWindow::Range(start, len))
         };
+        self.run_stage(hidden, input_ids, positions, &mask, window, fused)
+    }
+
+    /// [`Self::forward_stage_with`] over a packed batch ([`super::packing`]): `input_ids` and
+    /// `position_ids` `[1, tokens]` are `packing`'s packed row (positions restarting at each
+    /// sequence). The last stage returns the outputs at `packing.window`, `[rows, window_len,
+    /// out]` as the padded pass returns them (`fused` labels are `[rows, window_len]`); the
+    /// others, this stage's hidden states of the packed row.
+    pub fn forward_packed_stage(
+        &self,
+        hidden: Option<Tensor<B, 3>>,
+        packing: &PackedSequences,
+        (input_ids, position_ids): (Tensor<B, 2, Int>, Tensor<B, 2, Int>),
+        fused: Option<FusedTargets<B>>,
+    ) -> Tensor<B, 3> {
+        let device = input_ids.device();
+        let tokens = packing.tokens();
+        let padded = ContextSplit::padded_len(tokens, self.cp.size(), self.sequence_shards());
+        // Positions past the packed tokens (so the row splits over sp and cp) are sequences of
+        // their own, masked out of the MoE statistics.
+        let pad = |x: Tensor<B, 2, Int>| match padded - tokens {
+            0 => x,
+            extra => Tensor::cat(vec![x, Tensor::zeros([1, extra], &device)], 1),
+        };
+        let (input_ids, positions) = (pad(input_ids), pad(position_ids));
+        let real = || {
+            let mut m = vec![1.0f32; tokens];
+            m.resize(padded, 0.0);
+            Tensor::<B, 2>::from_data(TensorData::new(m, [1, padded]), &device)
+        };
+        let fused = fused.map(|f| FusedTargets {
+            labels: f.labels.reshape([1, packing.rows * packing.window_len]),
+            temperature: f.temperature,
+        });
+        let (input_ids, positions, mask, window) = if self.cp.is_parallel() {
+            let split = self.cp.split(padded);
+            let local = split.local();
+            let bias = super::attention::packed_positional_bias(
+                &local,
+                &split.gathered_keys(),
+                &packing.segments(padded),
+                &device,
+            );
+            if super::qwen2_moe::collecting_aux_losses() {
+                let mask = attention_mask_local(&Some(real()), &local, 1, &device);
+                super::qwen2_moe::set_aux_token_mask(mask);
+            }
+            let index = super::index_tensor::<B>(&local, &device);
+            (
+                input_ids.select(1, index.clone()),
+                positions.select(1, index),
+                AttentionMask::from_bias(bias),
+                HeadWindow::Context(split.window_at(&packing.window)),
+            )
+        } else {
+            if super::qwen2_moe::collecting_aux_losses() {
+                super::qwen2_moe::set_aux_token_mask(real().reshape([padded]));
+            }
+            let mask = AttentionMask::packed(packing, padded, &device);
+            (input_ids, positions, mask, HeadWindow::Positions(packing.window.clone()))
+        };
+        let out = self.run_stage(hidden, input_ids, positions, &mask, window, fused);
+        if !self.stage.is_last() {
+            return out;
+        }
+        let width = out.dims()[2];
+        out.reshape([packing.rows, packing.window_len, width])
+    }
+
+    /// The decoder of this stage over its tokens (`input_ids` or `hidden`) at `positions`,
+    /// and on the last stage the head's outputs at `window`.
+    fn run_stage(
+        &self,
+        hidden: Option<Tensor<B, 3>>,
+        input_ids: Tensor<B, 2, Int>,
+        positions: Tensor<B, 2, Int>,
+        mask: &AttentionMask<B>,
+        window: HeadWindow,
+        fused: Option<FusedTargets<B>>,
+    ) -> Tensor<B, 3> {
         let (cos, sin) = self.rope.tables(&positions);
         let input = match hidden {
             Some(h) => StageInput::Hidden(h),
             None => StageInput::Ids(input_ids),
         };
-        let h = self.decoder(input, &mask, &cos, &sin, CacheMode::None);
+        let h = self.decoder(input, mask, &cos, &sin, CacheMode::None);
         if !self.stage.is_last() {
             return h;
         }
@@ -878,6 +971,12 @@ impl<B: ParallelBackend> CausalLm<B> {
             (Some(targets), Some(chunk)) => self.fused_head(h, window, targets, chunk),
             _ => self.head(h, window),
         }
+    }
+
+    /// Training and log-prob passes pack their sequences ([`Self::pack_sequences`]).
+    pub fn with_packed_sequences(mut self, on: bool) -> Self {
+        self.pack_sequences = on;
+        self
     }
 
     /// This rank's rows of the output projection (the LM head, or the tied embedding).

@@ -11,6 +11,7 @@ pub mod generate;
 pub mod generation;
 pub mod kv_cache;
 pub mod mlp;
+pub mod packing;
 pub mod qwen2_moe;
 pub mod vocab_parallel;
 

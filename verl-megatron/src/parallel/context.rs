@@ -160,33 +160,42 @@ impl ContextSplit {
 
     /// Where the window `start..start + len` is on the ranks ([`ContextWindow`]).
     pub fn window(&self, start: usize, len: usize) -> ContextWindow {
-        let inside = |p: &usize| (start..start + len).contains(p);
-        let per_rank = (0..self.cp)
-            .map(|r| self.positions_of(r).iter().filter(|p| inside(p)).count())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut slot = vec![0; len];
-        for r in 0..self.cp {
-            let held = self.positions_of(r);
-            for (k, p) in held.iter().filter(|p| inside(p)).enumerate() {
-                slot[p - start] = r * per_rank + k;
+        self.window_at(&(start..start + len).collect::<Vec<_>>())
+    }
+
+    /// Where the outputs of `positions` (any positions, repeats allowed: a packed batch's
+    /// response positions) are on the ranks ([`ContextWindow`]); entry `j` is computed by the
+    /// rank holding `positions[j]`.
+    pub fn window_at(&self, positions: &[usize]) -> ContextWindow {
+        let c = self.chunk();
+        let owner = |p: usize| {
+            let chunk = p / c;
+            let rank = chunk.min(2 * self.cp - 1 - chunk);
+            // Local index: the early chunk first, then the late one.
+            let local = if chunk == rank { p - rank * c } else { c + p - chunk * c };
+            (rank, local)
+        };
+        let mut held = vec![Vec::new(); self.cp];
+        for (j, &p) in positions.iter().enumerate() {
+            let (rank, local) = owner(p);
+            held[rank].push((j, local));
+        }
+        let per_rank = held.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut order = vec![0; positions.len()];
+        for (r, entries) in held.iter().enumerate() {
+            for (k, &(j, _)) in entries.iter().enumerate() {
+                order[j] = r * per_rank + k;
             }
         }
-        let held: Vec<(usize, usize)> = self
-            .local()
-            .into_iter()
-            .enumerate()
-            .filter(|(_, p)| inside(p))
-            .collect();
-        let mut local: Vec<usize> = held.iter().map(|(i, _)| *i).collect();
-        let mut offsets: Vec<usize> = held.iter().map(|(_, p)| p - start).collect();
+        let mine = &held[self.rank];
+        let mut local: Vec<usize> = mine.iter().map(|&(_, l)| l).collect();
+        let mut offsets: Vec<usize> = mine.iter().map(|&(j, _)| j).collect();
         local.resize(per_rank, 0);
         offsets.resize(per_rank, 0);
         ContextWindow {
             local,
             per_rank,
-            order: slot,
+            order,
             offsets,
         }
     }
@@ -233,6 +242,29 @@ mod tests {
             let back: Vec<usize> = order.iter().map(|&i| gathered[i]).collect();
             assert_eq!(back, (start..start + wlen).collect::<Vec<_>>());
             assert!(windows.iter().all(|(_, w)| &w.order == order));
+        }
+    }
+
+    #[test]
+    fn any_positions_with_repeats_come_back_in_order() {
+        let (len, cp) = (16, 2);
+        let positions = [15, 0, 3, 3, 9, 15, 4, 12];
+        let splits: Vec<_> = (0..cp).map(|r| ContextSplit::new(len, cp, r)).collect();
+        let windows: Vec<_> = splits.iter().map(|s| s.window_at(&positions)).collect();
+        let gathered: Vec<usize> = splits
+            .iter()
+            .zip(&windows)
+            .flat_map(|(s, w)| w.local.iter().map(|&i| s.local()[i]).collect::<Vec<_>>())
+            .collect();
+        let back: Vec<usize> = windows[0].order.iter().map(|&i| gathered[i]).collect();
+        assert_eq!(back, positions);
+        // Each rank's label offsets name the entries it computes.
+        for (s, w) in splits.iter().zip(&windows) {
+            for (&i, &j) in w.local.iter().zip(&w.offsets) {
+                if w.order[j] / w.per_rank == s.rank {
+                    assert_eq!(s.local()[i], positions[j]);
+                }
+            }
         }
     }
 

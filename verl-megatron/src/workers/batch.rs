@@ -6,6 +6,7 @@ use burn::tensor::{Int, TensorData};
 use verl_core::traits::Communicator;
 use verl_core::DataProto;
 
+use crate::models::packing::PackedSequences;
 use crate::models::CausalLm;
 use crate::parallel::ParallelBackend;
 
@@ -45,18 +46,40 @@ pub struct ModelInputs<B: ParallelBackend> {
     /// With a model whose head is fused ([`CausalLm::with_fused_log_probs`]): the responses
     /// and the temperature, so the outputs are log-probs and entropies `[batch, R, 2]`.
     pub fused: Option<crate::models::causal_lm::FusedTargets<B>>,
+    /// The batch's sequences packed into one row (read from the attention mask already on
+    /// the host), for a model that packs them ([`CausalLm::with_packed_sequences`]).
+    pub packing: PackedSequences,
 }
 
 impl<B: ParallelBackend> ModelInputs<B> {
     pub fn from_batch(data: &DataProto<B>) -> verl_core::Result<Self> {
         let responses = data.int::<2>("responses")?;
+        let response_len = responses.dims()[1];
+        let mask = data.to_data("attention_mask")?;
+        let [rows, width] = [mask.shape[0], mask.shape[1]];
+        let values: Vec<f32> = mask.convert::<f32>().iter::<f32>().collect();
+        let window = (width.saturating_sub(response_len + 1), response_len);
+        let packing = PackedSequences::new(&values, rows, width, window);
         Ok(Self {
             input_ids: data.int::<2>("input_ids")?,
-            attention_mask: float_col(data, "attention_mask")?,
+            attention_mask: Tensor::from_data(
+                TensorData::new(values, [rows, width]),
+                &data_device(data)?,
+            ),
             position_ids: data.int::<2>("position_ids")?,
-            response_len: responses.dims()[1],
+            response_len,
             fused: None,
+            packing,
         })
+    }
+
+    /// The shape of the hidden states a pipeline stage of `model` receives for these inputs.
+    pub fn stage_input_shape<C: ParallelBackend>(&self, model: &CausalLm<C>) -> [usize; 3] {
+        if model.pack_sequences {
+            return model.stage_input_shape(1, self.packing.tokens());
+        }
+        let [b, t] = self.input_ids.dims();
+        model.stage_input_shape(b, t)
     }
 
     /// Asks a model with a fused head (`fused_head`: its `fused_head_chunk` is set) for the
@@ -91,6 +114,7 @@ impl<B: ParallelBackend> ModelInputs<B> {
                 labels: g(t.labels),
                 temperature: t.temperature,
             }),
+            packing: self.packing,
         }
     }
 
@@ -105,8 +129,20 @@ impl<B: ParallelBackend> ModelInputs<B> {
     /// [`Self::response_outputs`] for one pipeline stage: hidden states for the next stage,
     /// or on the last stage the response-window outputs.
     pub fn stage_outputs(&self, model: &CausalLm<B>, input: Option<Tensor<B, 3>>) -> Tensor<B, 3> {
-        let t = self.input_ids.dims()[1];
+        let [b, t] = self.input_ids.dims();
         let r = self.response_len;
+        if model.pack_sequences {
+            let p = &self.packing;
+            let index = crate::models::index_tensor::<B>(&p.gather, &self.input_ids.device());
+            let pack = |x: &Tensor<B, 2, Int>| {
+                x.clone()
+                    .reshape([b * t])
+                    .select(0, index.clone())
+                    .reshape([1, p.tokens()])
+            };
+            let row = (pack(&self.input_ids), pack(&self.position_ids));
+            return model.forward_packed_stage(input, p, row, self.fused.clone());
+        }
         model.forward_stage_with(
             input,
             self.input_ids.clone(),
@@ -133,11 +169,10 @@ impl<B: ParallelBackend> ModelInputs<B> {
             return Ok(Some(out));
         };
         let (me, stages) = (pp.rank(), pp.world_size());
-        let [b, t] = self.input_ids.dims();
         let input = if me == 0 {
             None
         } else {
-            let shape = model.stage_input_shape(b, t);
+            let shape = self.stage_input_shape(model);
             let n = shape.iter().product();
             let device = self.input_ids.device();
             Some(pp.recv(me - 1, n, &device)?.reshape(shape))

@@ -75,11 +75,9 @@ where
     }
 
     fn input_shape(&self, mb: usize) -> [usize; 3] {
-        let dims = self.micros[mb]
-            .int::<2>("input_ids")
-            .map(|t| t.dims())
-            .unwrap_or([0, 0]);
-        self.model.stage_input_shape(dims[0], dims[1])
+        ModelInputs::from_batch(&self.micros[mb])
+            .map(|inputs| inputs.stage_input_shape(self.model))
+            .unwrap_or([0, 0, 0])
     }
 
     fn before_backward(&mut self) -> Result<()> {

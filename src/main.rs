@@ -231,9 +231,10 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5)]
         repeat: usize,
     },
-    /// The actor's log-prob pass and PPO update on mixed response lengths, with and without
-    /// the fused head (`model.use_fused_kernels`) and dynamic batch size (`use_dynamic_bsz`):
-    /// time and peak memory.
+    /// The actor's log-prob pass and PPO update on mixed prompt and response lengths, with and
+    /// without the fused head (`model.use_fused_kernels`), dynamic batch size
+    /// (`use_dynamic_bsz`) and sequence packing (`use_remove_padding`): time, peak memory and
+    /// the log-probs' distance from the plain padded pass.
     LogProb {
         #[arg(long, default_value = "small")]
         preset: String,

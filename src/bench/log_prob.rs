@@ -1,6 +1,7 @@
-//! `verl bench log-prob`: the actor's log-prob pass and PPO update on a batch of mixed response
-//! lengths, with and without the fused head (`model.use_fused_kernels`) and dynamic batch size
-//! (`use_dynamic_bsz`): time and peak memory of each.
+//! `verl bench log-prob`: the actor's log-prob pass and PPO update on a batch of mixed prompt
+//! and response lengths, with and without the fused head (`model.use_fused_kernels`), dynamic
+//! batch size (`use_dynamic_bsz`) and sequence packing (`use_remove_padding`): time and peak
+//! memory of each, and how far each variant's log-probs are from the plain padded ones.
 
 use std::time::Instant;
 
@@ -18,8 +19,9 @@ use verl::DataProto;
 
 use super::{median, preset};
 
-/// A PPO batch of `rows` rows: prompts of `prompt` tokens, responses of 1..=`response` tokens
-/// spread evenly (the mixed lengths of RL), right-padded.
+/// A PPO batch of `rows` rows: prompts of `prompt` tokens (every other one a quarter shorter,
+/// left-padded), responses of 1..=`response` tokens spread evenly (the mixed lengths of RL),
+/// right-padded.
 fn batch(rows: usize, prompt: usize, response: usize, vocab: usize) -> DataProto<DefaultBackend> {
     let device = Default::default();
     let t = prompt + response;
@@ -27,12 +29,13 @@ fn batch(rows: usize, prompt: usize, response: usize, vocab: usize) -> DataProto
         (vec![], vec![], vec![], vec![], vec![]);
     for r in 0..rows {
         let len = 1 + (r * 7919) % response;
+        let left = (r % 2) * prompt / 4;
         for j in 0..t {
             let id = ((r * 31 + j * 17) % (vocab - 1)) as i64;
             ids.push(id);
-            let live = j < prompt + len;
+            let live = left <= j && j < prompt + len;
             mask.push(live as i64);
-            pos.push(j as i64);
+            pos.push(j.saturating_sub(left) as i64);
             if j >= prompt {
                 resp.push(id);
                 resp_mask.push(live as i64);
@@ -76,7 +79,7 @@ fn peak_of<T>(f: impl FnOnce() -> T) -> (T, f64) {
 }
 
 /// Times the log-prob pass and one PPO update per variant (plain / fused head × fixed /
-/// dynamic micro-batches).
+/// dynamic micro-batches × padded / packed sequences).
 #[allow(clippy::too_many_arguments)]
 pub fn log_prob(
     preset_name: &str,
@@ -105,14 +108,33 @@ pub fn log_prob(
         "{preset_name}: {rows} rows, prompt {prompt}, responses 1..={response} ({tokens} real of {} padded tokens), {compute} products, fixed micro-batches of {micro} rows or dynamic ≤ {max_tokens} tokens",
         rows * (prompt + response)
     );
-    println!("variant            | log-prob s | log-prob peak GiB | update s | update peak GiB");
+    println!(
+        "variant               | log-prob s | log-prob peak GiB | update s | update peak GiB | max |Δ log-prob|"
+    );
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .map_err(|e| e.to_string())?;
-    for (fused, dynamic) in [(false, false), (true, false), (false, true), (true, true)] {
+    let response_mask: Vec<f32> = data
+        .to_data("response_mask")
+        .map_err(|e| e.to_string())?
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| format!("{e:?}"))?;
+    // The plain padded pass's log-probs (the first variant's), which the others are compared to.
+    let mut reference: Option<Vec<f32>> = None;
+    for (fused, dynamic, packed) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, false),
+        (true, true, false),
+        (false, false, true),
+        (false, true, true),
+        (true, true, true),
+    ] {
         let device = Default::default();
-        let mut model =
-            CausalLm::<DefaultAutodiff>::init(&cfg, 0.02, 1, &device).with_compute_dtype(compute);
+        let mut model = CausalLm::<DefaultAutodiff>::init(&cfg, 0.02, 1, &device)
+            .with_compute_dtype(compute)
+            .with_packed_sequences(packed);
         if fused {
             model = model.with_fused_log_probs(256);
         }
@@ -138,11 +160,33 @@ pub fn log_prob(
                 reference_max_tokens: budget,
             });
         let (mut lp_times, mut up_times, mut lp_peak, mut up_peak) = (vec![], vec![], 0f64, 0f64);
+        let mut deviation = 0f32;
         for i in 0..=repeat {
             let _ = DefaultBackend::sync(&device);
             let t = Instant::now();
             let (r, peak) = peak_of(|| runtime.block_on(actor.compute_log_prob(&data, true)));
-            r.map_err(|e| e.to_string())?;
+            let out = r.map_err(|e| e.to_string())?;
+            if i == 0 {
+                // Before any update: every variant's model is the same.
+                let lp: Vec<f32> = out
+                    .log_probs
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec()
+                    .map_err(|e| format!("{e:?}"))?;
+                match &reference {
+                    None => reference = Some(lp),
+                    Some(r) => {
+                        deviation = r
+                            .iter()
+                            .zip(&lp)
+                            .zip(&response_mask)
+                            .filter(|(_, m)| **m > 0.5)
+                            .map(|((a, b), _)| (a - b).abs())
+                            .fold(0f32, f32::max);
+                    }
+                }
+            }
             let _ = DefaultBackend::sync(&device);
             let lp = t.elapsed().as_secs_f64();
             let t = Instant::now();
@@ -157,12 +201,13 @@ pub fn log_prob(
             up_peak = up_peak.max(upeak);
         }
         let name = format!(
-            "{} {}",
+            "{} {}{}",
             if fused { "fused" } else { "plain" },
-            if dynamic { "dynamic" } else { "fixed" }
+            if dynamic { "dynamic" } else { "fixed" },
+            if packed { " packed" } else { "" }
         );
         println!(
-            "{name:<18} | {:>10.3} | {lp_peak:>17.2} | {:>8.3} | {up_peak:>15.2}",
+            "{name:<21} | {:>10.3} | {lp_peak:>17.2} | {:>8.3} | {up_peak:>15.2} | {deviation:>16.2e}",
             median(lp_times),
             median(up_times)
         );

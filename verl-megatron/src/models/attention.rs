@@ -63,6 +63,10 @@ struct PackedRows<B: Backend> {
     rows_index: Tensor<B, 1, Int>,
     /// `[padded]`: the slot of each packed position.
     packed_index: Tensor<B, 1, Int>,
+    /// `[padded]`: 1 for the packed tokens, 0 for the positions past them (in no slot).
+    token_keep: Tensor<B, 1>,
+    /// `[sequences · width]`: 1 for the slots holding a token, 0 past a sequence's end.
+    slot_keep: Tensor<B, 1>,
     sequences: usize,
     width: usize,
     /// `[sequences, width]`, 1 = token.
@@ -148,10 +152,13 @@ impl<B: Backend> AttentionMask<B> {
     pub fn packed(packing: &PackedSequences, padded: usize, device: &B::Device) -> Self {
         let (rows_index, packed_index, width) = packing.attention_rows(padded);
         let sequences = packing.lens.len();
-        let key_mask = Tensor::from_data(
-            TensorData::new(packing.attention_key_mask(width), [sequences, width]),
+        let slot_keep = Tensor::<B, 1>::from_data(
+            TensorData::new(packing.attention_key_mask(width), [sequences * width]),
             device,
         );
+        let mut tokens = vec![1.0f32; packing.tokens()];
+        tokens.resize(packed_index.len(), 0.0);
+        let token_keep = Tensor::from_data(TensorData::new(tokens, [packed_index.len()]), device);
         Self {
             bias: OnceCell::new(),
             causal: None,
@@ -160,9 +167,11 @@ impl<B: Backend> AttentionMask<B> {
             packed: Some(PackedRows {
                 rows_index: super::index_tensor(&rows_index, device),
                 packed_index: super::index_tensor(&packed_index, device),
+                token_keep,
+                key_mask: slot_keep.clone().reshape([sequences, width]),
+                slot_keep,
                 sequences,
                 width,
-                key_mask,
             }),
         }
     }
@@ -279,8 +288,16 @@ fn sequence_bias<B: Backend>(
     let (t, k) = (queries.len(), keys.len());
     // Built on the device from the position lists (the grid is as large as the scores it
     // masks; a long sequence's never passes through host memory).
-    let column = |p: &[usize]| super::index_tensor::<B>(p, device).reshape([t, 1]).repeat_dim(1, k);
-    let row = |p: &[usize]| super::index_tensor::<B>(p, device).reshape([1, k]).repeat_dim(0, t);
+    let column = |p: &[usize]| {
+        super::index_tensor::<B>(p, device)
+            .reshape([t, 1])
+            .repeat_dim(1, k)
+    };
+    let row = |p: &[usize]| {
+        super::index_tensor::<B>(p, device)
+            .reshape([1, k])
+            .repeat_dim(0, t)
+    };
     let (q, key) = (column(queries), row(keys));
     let expand = |m: Tensor<B, 2, Bool>| m.reshape([1, 1, t, k]).repeat_dim(0, batch);
     let own = key.clone().equal(q.clone());
@@ -575,30 +592,54 @@ impl<B: ParallelBackend> Attention<B> {
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let (s, w) = (rows.sequences, rows.width);
         // RoPE on the packed tokens, each at its own position (cos/sin as [1, tokens, 1, hd]).
-        let (cos, sin) = (cos.clone().reshape([1, t, 1, hd]), sin.clone().reshape([1, t, 1, hd]));
+        let (cos, sin) = (
+            cos.clone().reshape([1, t, 1, hd]),
+            sin.clone().reshape([1, t, 1, hd]),
+        );
+        // Gathers both ways (`gather_rows`): a slot past a sequence's end gets no gradient
+        // (its query's output is never read, its key is masked).
         let to_rows = |x: Tensor<B, 4>, heads: usize| {
-            RotaryEmbedding::apply(x, &cos, &sin)
-                .reshape([t, heads, hd])
-                .select(0, rows.rows_index.clone())
-                .reshape([s, w, heads, hd])
+            let x = x.reshape([t, heads * hd]);
+            B::gather_rows(
+                x,
+                rows.rows_index.clone(),
+                rows.packed_index.clone(),
+                rows.token_keep.clone(),
+            )
+            .reshape([s, w, heads, hd])
         };
-        let (q, k) = (to_rows(q, nh), to_rows(k, nkv));
-        let v = v
-            .reshape([t, nkv, hd])
-            .select(0, rows.rows_index.clone())
-            .reshape([s, w, nkv, hd]);
+        let (q, k) = (
+            to_rows(RotaryEmbedding::apply(q, &cos, &sin), nh),
+            to_rows(RotaryEmbedding::apply(k, &cos, &sin), nkv),
+        );
+        let v = to_rows(v, nkv);
         let fused = precision::current() == ComputeDtype::Bf16 && fused_attention_applies::<B>(hd);
         let out = match fused {
-            true => fused_attention(q, k, v, Some(rows.key_mask.clone()), 1.0 / (hd as f32).sqrt())
-                .map(|out| out.reshape([s, w, nh * hd])),
+            true => fused_attention(
+                q,
+                k,
+                v,
+                Some(rows.key_mask.clone()),
+                1.0 / (hd as f32).sqrt(),
+            )
+            .map(|out| out.reshape([s, w, nh * hd])),
             false => Err((q, k, v)),
         };
         let out = out.unwrap_or_else(|(q, k, v)| {
-            decomposed_attention(q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2), mask.bias())
+            decomposed_attention(
+                q.swap_dims(1, 2),
+                k.swap_dims(1, 2),
+                v.swap_dims(1, 2),
+                mask.bias(),
+            )
         });
-        out.reshape([s * w, nh * hd])
-            .select(0, rows.packed_index.clone())
-            .reshape([1, t, nh * hd])
+        B::gather_rows(
+            out.reshape([s * w, nh * hd]),
+            rows.packed_index.clone(),
+            rows.rows_index.clone(),
+            rows.slot_keep.clone(),
+        )
+        .reshape([1, t, nh * hd])
     }
 }
 

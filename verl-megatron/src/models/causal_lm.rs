@@ -309,21 +309,26 @@ enum HeadWindow {
     All,
     /// `(start, len)`.
     Range(usize, usize),
-    /// Any positions of a single row, in this order (a packed batch's outputs).
-    Positions(Vec<usize>),
+    /// Any positions of a single row, in this order (a packed batch's outputs): `(positions,
+    /// inverse, keep)` as [`PackedSequences::window_inverse`] gives them.
+    Positions(Vec<usize>, Vec<usize>, Vec<f32>),
     /// A context-parallel rank's part of a window, gathered over the group after the head.
     Context(ContextWindow),
 }
 
 impl HeadWindow {
     /// The window's positions of `h` `[batch, seq, _]` (this cp rank's part of it).
-    fn cut<B: Backend>(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+    fn cut<B: ParallelBackend>(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         match self {
             HeadWindow::All => h,
             HeadWindow::Range(start, len) => h.narrow(1, *start, *len),
-            HeadWindow::Positions(p) => {
-                let p = super::index_tensor(p, &h.device());
-                h.select(1, p)
+            HeadWindow::Positions(p, inverse, keep) => {
+                let [_, t, width] = h.dims();
+                let device = h.device();
+                let keep = Tensor::from_data(TensorData::new(keep.clone(), [t]), &device);
+                let index = |i: &[usize]| super::index_tensor(i, &device);
+                B::gather_rows(h.reshape([t, width]), index(p), index(inverse), keep)
+                    .unsqueeze_dim(0)
             }
             HeadWindow::Context(w) => {
                 let local = super::index_tensor(&w.local, &h.device());
@@ -937,7 +942,9 @@ impl<B: ParallelBackend> CausalLm<B> {
                 super::qwen2_moe::set_aux_token_mask(real().reshape([padded]));
             }
             let mask = AttentionMask::packed(packing, padded, &device);
-            (input_ids, positions, mask, HeadWindow::Positions(packing.window.clone()))
+            let (inverse, keep) = packing.window_inverse(padded);
+            let window = HeadWindow::Positions(packing.window.clone(), inverse, keep);
+            (input_ids, positions, mask, window)
         };
         let out = self.run_stage(hidden, input_ids, positions, &mask, window, fused);
         if !self.stage.is_last() {

@@ -38,6 +38,9 @@ pub struct PackedSequences {
     /// For each output position (row-major `[rows, window_len]`), the packed index it is read
     /// from; a padded column reads its row's last token (an output masked downstream).
     pub window: Vec<usize>,
+    /// Whether each output position is a token (else it reads a stand-in, and carries no
+    /// gradient back).
+    pub window_real: Vec<bool>,
     pub rows: usize,
     pub window_len: usize,
 }
@@ -51,6 +54,7 @@ impl PackedSequences {
         let mut lens = Vec::with_capacity(rows);
         let mut gather = Vec::new();
         let mut window = Vec::with_capacity(rows * len);
+        let mut window_real = Vec::with_capacity(rows * len);
         for r in 0..rows {
             let first = gather.len();
             // Packed index of each column of this row that is a token.
@@ -68,11 +72,13 @@ impl PackedSequences {
             let last = gather.len() - 1;
             lens.push(gather.len() - first);
             window.extend((start..start + len).map(|c| at[c].unwrap_or(last)));
+            window_real.extend((start..start + len).map(|c| at[c].is_some()));
         }
         Self {
             lens,
             gather,
             window,
+            window_real,
             rows,
             window_len: len,
         }
@@ -131,6 +137,21 @@ impl PackedSequences {
         (rows_index, packed_index, width)
     }
 
+    /// For each of `padded` packed positions, the output position that reads it as a token
+    /// and 1, or 0 and 0 when none does: how the outputs' gradient goes back to the packed row
+    /// (`ParallelBackend::gather_rows`).
+    pub fn window_inverse(&self, padded: usize) -> (Vec<usize>, Vec<f32>) {
+        let mut inverse = vec![0; padded];
+        let mut keep = vec![0.0; padded];
+        for (j, (&p, &real)) in self.window.iter().zip(&self.window_real).enumerate() {
+            if real {
+                inverse[p] = j;
+                keep[p] = 1.0;
+            }
+        }
+        (inverse, keep)
+    }
+
     /// The key mask of [`Self::attention_rows`]'s layout, `[sequences · width]` (1 = token).
     pub fn attention_key_mask(&self, width: usize) -> Vec<f32> {
         self.lens
@@ -184,6 +205,13 @@ mod tests {
                 }
             }
             let padded = p.tokens() + 3;
+            let (inverse, keep) = p.window_inverse(padded);
+            for (j, (&w, &real)) in p.window.iter().zip(&p.window_real).enumerate() {
+                if real {
+                    prop_assert_eq!(inverse[w], j);
+                    prop_assert_eq!(keep[w], 1.0);
+                }
+            }
             let (rows_index, packed_index, w) = p.attention_rows(padded);
             let key_mask = p.attention_key_mask(w);
             for j in 0..p.tokens() {

@@ -172,7 +172,11 @@ impl ContextSplit {
             let chunk = p / c;
             let rank = chunk.min(2 * self.cp - 1 - chunk);
             // Local index: the early chunk first, then the late one.
-            let local = if chunk == rank { p - rank * c } else { c + p - chunk * c };
+            let local = if chunk == rank {
+                p - rank * c
+            } else {
+                c + p - chunk * c
+            };
             (rank, local)
         };
         let mut held = vec![Vec::new(); self.cp];

@@ -24,6 +24,28 @@
 //! # Ok::<(), verl::core::error::ConfigError>(())
 //! ```
 
+//! A run of your own: the trainer composed through [`trainer::PpoTrainer::builder`] from a
+//! config and your parts (a reward function here; also advantage estimators, policy losses, a
+//! rollout engine, data), then driven by [`trainer::PpoTrainer::fit`] or phase by phase
+//! (`generate`, `score`, `compute_advantages`, `update_actor`, ...). The `examples/` directory
+//! has one runnable program per part.
+//!
+//! ```no_run
+//! use verl::trainer::{PpoTrainer, MAIN_JOB};
+//! use verl::traits::RewardInput;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let cfg = verl::ConfigBuilder::new()
+//!     .overrides(MAIN_JOB)
+//!     .set("algorithm.adv_estimator", "grpo")
+//!     .resolve()?;
+//! let exact = |x: &RewardInput| f64::from(u8::from(x.solution_str.trim() == x.ground_truth));
+//! let mut trainer = PpoTrainer::builder(cfg).reward(exact).build()?;
+//! let summary = trainer.fit().await?;
+//! println!("val score {:?} after {} steps", summary.val_score_after, summary.steps);
+//! # Ok(()) }
+//! ```
+
 mod builder;
 
 pub mod launcher;

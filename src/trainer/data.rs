@@ -101,6 +101,22 @@ pub struct PromptRow {
     pub extra_info: Value,
 }
 
+impl PromptRow {
+    /// A prompt as text, scored against `ground_truth` by the reward of `data_source`. Its
+    /// token ids are filled in by the trainer that takes it
+    /// ([`PpoTrainerBuilder::data`](super::builder::PpoTrainerBuilder::data)), with the run's
+    /// tokenizer.
+    pub fn new(prompt: impl Into<String>, data_source: &str, ground_truth: &str) -> Self {
+        Self {
+            prompt: prompt.into(),
+            prompt_ids: Vec::new(),
+            data_source: data_source.to_string(),
+            ground_truth: ground_truth.to_string(),
+            extra_info: Value::Null,
+        }
+    }
+}
+
 /// Rows of the built-in arithmetic task.
 pub fn arithmetic_rows(
     task: &ArithmeticTask,

@@ -4,42 +4,44 @@
 //! advantages → critic update → actor update; validation every `trainer.test_freq` steps. Every
 //! step appends one JSON object to `<trainer.default_local_dir>/metrics.jsonl`.
 
+pub mod builder;
 pub mod checkpoint;
 pub mod data;
 pub mod log;
 pub mod plot;
 pub mod ranks;
 mod roles;
+mod setup;
+pub mod step;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::prelude::*;
 use serde_json::Value;
-use verl_core::algorithms::advantage::{AdvantageInput, AdvantageRegistry};
-use verl_core::algorithms::kl::{kl_controller, KlController, KlPenalty};
-use verl_core::algorithms::reward::{apply_kl_penalty, token_level_rewards};
+use verl_core::algorithms::advantage::AdvantageRegistry;
+use verl_core::algorithms::kl::{KlController, KlPenalty};
 use verl_core::backend::{DefaultAutodiff, DefaultBackend};
 use verl_core::config::{ValidatedConfig, VerlConfig};
 use verl_core::dispatch::DispatchMode;
-use verl_core::reward_score::default_compute_score;
 use verl_core::topology::Topology;
+use verl_core::traits::RewardInput;
 use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
-use verl_megatron::hf::{HeadKind, HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
+use verl_megatron::hf::{HfCheckpoint, HfModelConfig, Qwen2Dims, SaveOptions};
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::ProcessGroups;
 use verl_megatron::workers::{CheckpointRequest, RewardModelWorker};
 
-use crate::tasks::{ArithmeticTask, CharTokenizer};
+use crate::tasks::CharTokenizer;
 use checkpoint::{contents_of, LoopState};
-use data::{arithmetic_rows, file_rows, prompt_batch, sft_batch, Codec, PromptRow};
+use data::{prompt_batch, sft_batch, Codec, PromptRow};
 use log::RunLog;
-use ranks::{launcher_of, LauncherKind, RankProcesses};
-use roles::{actor_methods, critic_methods, ActorWorker, CriticRank, RolePlans};
+use ranks::RankProcesses;
+use roles::{ActorWorker, CriticRank};
 
 /// The main job's settings (`verl train` with no `--config`), applied before the command
 /// line's overrides: GRPO on the built-in addition task with a tiny Qwen2 trained from scratch.
@@ -284,6 +286,7 @@ pub struct PpoTrainer {
     kl_ctrl: Box<dyn KlController>,
     kl_penalty: KlPenalty,
     advantages: AdvantageRegistry<Infer>,
+    scorer: builder::Scorer,
     log: RunLog,
     needs_ref: bool,
     /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).
@@ -349,241 +352,11 @@ fn take_groups(groups: &RankGroups, rank: usize) -> verl_core::Result<ProcessGro
 }
 
 impl PpoTrainer {
-    /// Builds the workers and data of a checked config. A layout or batch that cannot work is
-    /// refused here, before any model memory is allocated.
+    /// Builds the workers and data of a checked config (`verl train`: the builder with no
+    /// parts of its own). A layout or batch that cannot work is refused here, before any model
+    /// memory is allocated.
     pub fn new(validated: ValidatedConfig) -> Result<Self, TrainError> {
-        let cfg = validated.config.clone();
-        // On the CPU default the ranks are threads of this process, talking through
-        // in-process communicators.
-        let world = validated.world_size;
-        let model_path = cfg.actor_rollout_ref.model.path.clone();
-        let (codec, model_cfg) = model_and_codec(&cfg)?;
-        // Data: parquet / JSONL files, or the built-in task.
-        let builtin = match &cfg.data.train_files {
-            None => Some(ArithmeticTask { digits: 2 }),
-            Some(f) => match f.paths().as_slice() {
-                [one] if one.starts_with("builtin:") => {
-                    Some(ArithmeticTask::from_spec(one).map_err(setup)?)
-                }
-                _ => None,
-            },
-        };
-        let (train, val) = match (&builtin, &cfg.data.train_files) {
-            (Some(task), _) => (
-                arithmetic_rows(task, &codec, 4096, cfg.data.seed).map_err(setup)?,
-                arithmetic_rows(task, &codec, 128, cfg.data.seed ^ 0x5eed).map_err(setup)?,
-            ),
-            (None, Some(files)) => {
-                let load = |paths: Vec<&str>| -> Result<Vec<PromptRow>, TrainError> {
-                    let mut rows = Vec::new();
-                    for p in paths {
-                        rows.extend(
-                            file_rows(
-                                Path::new(p),
-                                &codec,
-                                &cfg.data.prompt_key,
-                                &cfg.data.reward_fn_key,
-                            )
-                            .map_err(setup)?,
-                        );
-                    }
-                    Ok(rows)
-                };
-                let train = load(files.paths())?;
-                let val = match &cfg.data.val_files {
-                    Some(v) => load(v.paths())?,
-                    None => train.iter().take(64).cloned().collect(),
-                };
-                (train, val)
-            }
-            (None, None) => unreachable!("no files means the built-in task"),
-        };
-        if builtin.is_some() && model_path.is_some() {
-            return Err(setup("the built-in task uses its own character tokenizer: set data.train_files to parquet or JSONL files to train an HF model at actor_rollout_ref.model.path"));
-        }
-        let longest = train
-            .iter()
-            .chain(&val)
-            .map(|r| r.prompt_ids.len())
-            .max()
-            .unwrap_or(0);
-        if longest > cfg.data.max_prompt_length
-            && cfg.data.truncation == verl_core::config::Truncation::Error
-        {
-            return Err(setup(format!(
-                "a prompt has {longest} tokens, more than data.max_prompt_length = {}; raise it or set data.truncation",
-                cfg.data.max_prompt_length
-            )));
-        }
-        // Every row needs a scorer: the rule-based ones by data_source (validation always
-        // scores by rule, as verl's does), or the reward model for training rows.
-        let known = |ds: &str| {
-            ds == ArithmeticTask::DATA_SOURCE || default_compute_score(ds, "", "").is_some()
-        };
-        let must_score: Vec<&PromptRow> = if cfg.reward_model.enable {
-            val.iter().collect()
-        } else {
-            train.iter().chain(&val).collect()
-        };
-        if let Some(row) = must_score.iter().find(|r| !known(&r.data_source)) {
-            return Err(setup(format!(
-                "data_source `{}` has no rule-based scorer (built in: {}, openai/gsm8k); use one of those, or set reward_model.enable=true with reward_model.model.path for training rows",
-                row.data_source,
-                ArithmeticTask::DATA_SOURCE
-            )));
-        }
-        // Checkpoints: what to save and load, and where to resume from, checked before any
-        // model is built.
-        let out_dir = PathBuf::from(cfg.trainer.default_local_dir.clone().unwrap_or_else(|| {
-            format!(
-                "checkpoints/{}/{}",
-                cfg.trainer.project_name, cfg.trainer.experiment_name
-            )
-        }));
-        for save in [true, false] {
-            contents_of(
-                &cfg.actor_rollout_ref.actor.checkpoint,
-                "actor_rollout_ref.actor",
-                save,
-            )?;
-            if cfg.critic_enabled() {
-                contents_of(&cfg.critic.checkpoint, "critic", save)?;
-            }
-        }
-        let resume_dir = match cfg.trainer.resume_mode.as_str() {
-            "disable" => None,
-            "auto" => checkpoint::latest(&out_dir),
-            "resume_path" => Some(PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(
-                || setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)"),
-            )?)),
-            other => {
-                return Err(setup(format!(
-                    "trainer.resume_mode = `{other}`: use auto, disable or resume_path"
-                )))
-            }
-        };
-        let resume = match resume_dir {
-            Some(d) => {
-                let state = checkpoint::read_loop_state(&d)?;
-                if state.order.len() != train.len() {
-                    return Err(setup(format!(
-                        "{}: saved with {} training rows, the data now has {}; resume with the same data.train_files",
-                        d.display(),
-                        state.order.len(),
-                        train.len()
-                    )));
-                }
-                Some((d, state))
-            }
-            None => None,
-        };
-        let log = match &resume {
-            Some((_, state)) => RunLog::resume(
-                &out_dir,
-                total_steps_of(&cfg, train.len()),
-                &cfg.trainer.experiment_name,
-                state.step,
-            ),
-            None => RunLog::create(
-                &out_dir,
-                total_steps_of(&cfg, train.len()),
-                &cfg.trainer.experiment_name,
-            ),
-        }
-        .map_err(setup)?;
-        let actor_config_json = match &model_path {
-            Some(p) => verl_megatron::hf::read_config_json(p).map_err(setup)?,
-            None => model_cfg.to_config_json(),
-        };
-        let critic_config_json = cfg.critic_enabled().then(|| {
-            let mut v = model_cfg.clone();
-            v.head = HeadKind::TokenClassification { num_labels: 1 };
-            v.tie_word_embeddings = false;
-            v.to_config_json()
-        });
-        let reward_model = reward_model_group(&cfg, model_cfg.vocab_size)?;
-        let total_steps = total_steps_of(&cfg, train.len());
-        let plans = RolePlans::new(
-            &cfg,
-            &validated,
-            &model_cfg,
-            codec.detokenizer(),
-            codec.eos_token_ids(),
-            codec.pad_token_id(),
-            total_steps,
-        )?;
-        let needs_ref = plans.actor.needs_ref;
-        let old_log_prob_apart = plans.old_log_prob_apart;
-        let (actor, critic, processes) = match launcher_of(&cfg, world)? {
-            LauncherKind::Threads => {
-                // The ranks are threads of this process, talking through in-process
-                // communicators.
-                let groups = rank_groups(&plans.actor.topo);
-                let plan = plans.actor.clone();
-                let threads = WorkerGroup::spawn(world, move |ctx| {
-                    plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
-                })?;
-                let actor =
-                    RoleGroup::threads("actor", threads, actor_methods(&cfg), Default::default());
-                let critic = match plans.critic.clone() {
-                    Some(plan) => {
-                        let groups = rank_groups(&plan.topo);
-                        let threads = WorkerGroup::spawn(world, move |ctx| {
-                            plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
-                        })?;
-                        Some(RoleGroup::threads(
-                            "critic",
-                            threads,
-                            critic_methods(&cfg),
-                            Default::default(),
-                        ))
-                    }
-                    None => None,
-                };
-                (actor, critic, None)
-            }
-            LauncherKind::Processes => {
-                let launched = RankProcesses::launch(&cfg, world, total_steps)?;
-                let actor = RoleGroup::processes(
-                    "actor",
-                    launched.ranks.clone(),
-                    actor_methods(&cfg),
-                    Default::default(),
-                );
-                let critic = plans.critic.is_some().then(|| {
-                    RoleGroup::processes(
-                        "critic",
-                        launched.ranks.clone(),
-                        critic_methods(&cfg),
-                        Default::default(),
-                    )
-                });
-                (actor, critic, Some(launched))
-            }
-        };
-        Ok(Self {
-            kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
-            kl_penalty: cfg.algorithm.kl_penalty.parse().map_err(setup)?,
-            advantages: AdvantageRegistry::new(),
-            log,
-            cfg,
-            validated,
-            actor,
-            critic,
-            processes,
-            reward_model,
-            codec,
-            train,
-            val,
-            needs_ref,
-            old_log_prob_apart,
-            total_steps,
-            global_step: 0,
-            out_dir,
-            actor_config_json,
-            critic_config_json,
-            resume,
-        })
+        Self::assemble(validated, builder::Parts::default())
     }
 
     /// The validated config the run uses.
@@ -591,15 +364,28 @@ impl PpoTrainer {
         &self.validated
     }
 
-    fn score(&self, data_source: &str, solution: &str, ground_truth: &str) -> f64 {
-        if data_source == ArithmeticTask::DATA_SOURCE {
-            return ArithmeticTask::score(solution, ground_truth);
-        }
-        default_compute_score(data_source, solution, ground_truth).unwrap_or(0.0)
+    /// The training rows, in their loaded order (a hand-driven loop picks its batches here).
+    pub fn train_rows(&self) -> &[PromptRow] {
+        &self.train
     }
 
-    /// Scores of every row of a generated batch, and their response lengths.
-    fn rewards(&self, gen: &DataProto<Infer>) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
+    /// Appends one step's metrics (reduced to means) to `metrics.jsonl` and the progress line,
+    /// as [`Self::fit`] does after each step.
+    pub fn record(&mut self, step: u64, metrics: &Metrics) -> Result<(), TrainError> {
+        self.log.record(step, &metrics.reduce()).map_err(setup)
+    }
+
+    /// Saves every role's state as step `step`'s checkpoint (a hand-driven loop's save; its
+    /// data order is not the fit loop's, so a resumed [`Self::fit`] starts a fresh epoch).
+    pub async fn save(&mut self, step: u64) -> Result<PathBuf, TrainError> {
+        let mut state = LoopState::fresh(self.train.len(), self.kl_ctrl.value());
+        state.step = step;
+        self.save_checkpoint(&state).await
+    }
+
+    /// Scores of every row of a generated batch (by the trainer's [`Scorer`]), and their
+    /// response lengths.
+    async fn rewards(&self, gen: &DataProto<Infer>) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
         let responses: Vec<i64> = gen
             .to_data("responses")?
             .convert::<i64>()
@@ -613,7 +399,8 @@ impl PpoTrainer {
         let r = responses.len() / gen.len().max(1);
         let sources = gen.non_tensor("data_source")?;
         let truths = gen.non_tensor("reward_model")?;
-        let mut scores = Vec::with_capacity(gen.len());
+        let extras = gen.non_tensor("extra_info").ok();
+        let mut texts = Vec::with_capacity(gen.len());
         let mut lengths = Vec::with_capacity(gen.len());
         for i in 0..gen.len() {
             let len = mask[i * r..(i + 1) * r].iter().sum::<i64>() as usize;
@@ -621,14 +408,22 @@ impl PpoTrainer {
                 .iter()
                 .map(|&t| t as u32)
                 .collect();
-            let text = self.codec.decode(&ids);
-            let truth = truths[i]
-                .get("ground_truth")
-                .and_then(Value::as_str)
-                .unwrap_or_default();
-            scores.push(self.score(sources[i].as_str().unwrap_or_default(), &text, truth));
+            texts.push(self.codec.decode(&ids));
             lengths.push(len as f64);
         }
+        let null = Value::Null;
+        let inputs: Vec<RewardInput<'_>> = (0..gen.len())
+            .map(|i| RewardInput {
+                data_source: sources[i].as_str().unwrap_or_default(),
+                solution_str: &texts[i],
+                ground_truth: truths[i]
+                    .get("ground_truth")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                extra_info: extras.as_ref().map_or(&null, |e| &e[i]),
+            })
+            .collect();
+        let scores = self.scorer.score(&inputs).await?;
         Ok((scores, lengths))
     }
 
@@ -655,7 +450,7 @@ impl PpoTrainer {
                 .actor
                 .call_proto(&rollout_mesh(), "generate_sequences", batch)
                 .await?;
-            let (scores, _) = self.rewards(&gen)?;
+            let (scores, _) = self.rewards(&gen).await?;
             total += scores.iter().sum::<f64>();
             count += scores.len();
         }
@@ -684,282 +479,6 @@ impl PpoTrainer {
             self.actor.call_all::<_, ()>("set_reference", &()).await?;
         }
         Ok(())
-    }
-
-    /// One PPO / GRPO step on `rows`; returns the step's metrics (verl's names).
-    pub async fn step(&mut self, step: u64, rows: &[&PromptRow]) -> Result<Metrics, TrainError> {
-        let t_step = Instant::now();
-        let mut metrics = Metrics::default();
-        let device = Default::default();
-        let mut batch = prompt_batch::<Infer>(
-            rows,
-            self.codec.pad_token_id(),
-            &format!("s{step}"),
-            &device,
-        )?;
-        batch.meta_info.insert("global_steps".into(), step.into());
-        if self.old_log_prob_apart {
-            // The rollout's chunks are not the actor's (pipeline stages, or the rollout's own
-            // tensor parallel size), so the old log-probs are a separate pass.
-            batch
-                .meta_info
-                .insert("recompute_log_prob".into(), Value::Bool(false));
-        }
-
-        let t = Instant::now();
-        let mut gen = self
-            .actor
-            .call_proto(&rollout_mesh(), "generate_sequences", batch)
-            .await?;
-        let worker_metrics = metrics_of(&gen);
-        gen.meta_info.remove("metrics");
-        // The rollout alone: the old log-probs' recompute is timed apart (ranks run in
-        // parallel, so the slowest one's time).
-        let recompute: f64 = worker_metrics
-            .0
-            .get("timing_s/old_log_prob")
-            .map(|v| v.iter().copied().fold(0.0, f64::max))
-            .unwrap_or(0.0);
-        metrics.extend(worker_metrics);
-        metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
-        if self.old_log_prob_apart {
-            let t = Instant::now();
-            let old = self
-                .actor
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "compute_log_prob",
-                    gen.clone(),
-                )
-                .await?;
-            let old = take_metrics(old, &mut metrics);
-            gen = gen.union(old)?;
-            metrics.push("timing_s/old_log_prob", t.elapsed().as_secs_f64());
-        }
-
-        let mask = verl_megatron::workers::batch::float_col(&gen, "response_mask")?;
-        let inputs = gen.select(
-            Some(&[
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "responses",
-                "response_mask",
-            ]),
-            Some(&[]),
-            None,
-        )?;
-        let model_inputs = || -> Result<DataProto<Infer>, TrainError> { Ok(inputs.clone()) };
-
-        // Rewards: the reward model's scores when there is one (as verl's reward manager
-        // returns `rm_scores` directly), else the rule-based scorer of each row's data_source.
-        let t = Instant::now();
-        let (rule_scores, lengths) = self.rewards(&gen)?;
-        let (scores, token_scores) = match &self.reward_model {
-            Some(rm) => {
-                let out = rm
-                    .call_proto(
-                        &DispatchMode::MegatronCompute,
-                        "compute_rm_score",
-                        model_inputs()?,
-                        |w, _, d| Box::pin(w.compute_rm_score(d)),
-                    )
-                    .await?;
-                let token = out.float::<2>("rm_scores")?;
-                let per_seq: Vec<f64> = token
-                    .clone()
-                    .sum_dim(1)
-                    .into_data()
-                    .convert::<f64>()
-                    .iter::<f64>()
-                    .collect();
-                metrics.push("timing_s/rm", t.elapsed().as_secs_f64());
-                (per_seq, token)
-            }
-            None => {
-                let token = token_level_rewards(&rule_scores, &mask).map_err(setup)?;
-                (rule_scores, token)
-            }
-        };
-        metrics.push("timing_s/reward", t.elapsed().as_secs_f64());
-        // generate_sequences recomputed the old log-probs with the actor (verl's Megatron
-        // worker order); its time is in the metrics as `timing_s/old_log_prob`.
-        if let Ok(e) = gen.float::<2>("entropys") {
-            metrics.push(
-                "actor/entropy_rollout",
-                verl_core::algorithms::masked::masked_mean(e, mask.clone())
-                    .into_scalar()
-                    .elem::<f64>(),
-            );
-        }
-        let mut data = gen.clone();
-
-        if self.needs_ref {
-            let t = Instant::now();
-            let r = self
-                .actor
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "compute_ref_log_prob",
-                    model_inputs()?,
-                )
-                .await?;
-            let r = take_metrics(r, &mut metrics);
-            data = data.union(r)?;
-            metrics.push("timing_s/ref", t.elapsed().as_secs_f64());
-        }
-        if let Some(critic) = &self.critic {
-            let t = Instant::now();
-            let v = critic
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "compute_values",
-                    model_inputs()?,
-                )
-                .await?;
-            let v = take_metrics(v, &mut metrics);
-            data = data.union(v)?;
-            metrics.push("timing_s/values", t.elapsed().as_secs_f64());
-        }
-
-        let t = Instant::now();
-        let rewards = if self.cfg.algorithm.use_kl_in_reward {
-            let (r, m) = apply_kl_penalty(
-                token_scores.clone(),
-                data.float::<2>("old_log_probs")?,
-                data.float::<2>("ref_log_prob")?,
-                mask.clone(),
-                self.kl_ctrl.as_mut(),
-                self.kl_penalty,
-            )
-            .map_err(setup)?;
-            metrics.extend(m);
-            r
-        } else {
-            token_scores.clone()
-        };
-        let uids: Vec<String> = data
-            .non_tensor("uid")?
-            .iter()
-            .map(|v| v.as_str().unwrap_or_default().to_string())
-            .collect();
-        let alg = &self.cfg.algorithm;
-        let mut input = AdvantageInput::new(rewards.clone(), mask.clone())
-            .with_index(&uids)
-            .with_gamma_lam(alg.gamma, alg.lam);
-        input.norm_adv_by_std_in_grpo = alg.norm_adv_by_std_in_grpo;
-        if self.critic.is_some() {
-            input = input.with_values(data.float::<2>("values")?);
-        }
-        let (adv, returns) = self
-            .advantages
-            .compute(&alg.adv_estimator, &input)
-            .map_err(setup)?;
-        data.insert_float("advantages", adv.clone())?;
-        data.insert_float("returns", returns.clone())?;
-        data.insert_float("token_level_scores", token_scores.clone())?;
-        data.insert_float("token_level_rewards", rewards.clone())?;
-        metrics.push("timing_s/adv", t.elapsed().as_secs_f64());
-
-        let train_inputs = |keys: &[&str]| data.select(Some(keys), Some(&[]), None);
-        if let Some(critic) = &self.critic {
-            let t = Instant::now();
-            let out = critic
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "update_critic",
-                    train_inputs(&[
-                        "input_ids",
-                        "attention_mask",
-                        "position_ids",
-                        "responses",
-                        "response_mask",
-                        "values",
-                        "returns",
-                    ])?,
-                )
-                .await?;
-            metrics.extend(metrics_of(&out));
-            metrics.push("timing_s/update_critic", t.elapsed().as_secs_f64());
-        }
-        if step > self.cfg.trainer.critic_warmup {
-            let mut keys = vec![
-                "input_ids",
-                "attention_mask",
-                "position_ids",
-                "responses",
-                "response_mask",
-                "old_log_probs",
-                "advantages",
-            ];
-            if self.cfg.actor_rollout_ref.actor.use_kl_loss {
-                keys.push("ref_log_prob");
-            }
-            let out = self
-                .actor
-                .call_proto(
-                    &DispatchMode::MegatronCompute,
-                    "update_actor",
-                    train_inputs(&keys)?,
-                )
-                .await?;
-            metrics.extend(metrics_of(&out));
-        }
-
-        // Data metrics under verl's names.
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let masked = |t: Tensor<Infer, 2>| {
-            verl_core::algorithms::masked::masked_mean(t, mask.clone())
-                .into_scalar()
-                .elem::<f64>()
-        };
-        let seq_sum = |t: Tensor<Infer, 2>| -> Vec<f64> {
-            (t * mask.clone())
-                .sum_dim(1)
-                .into_data()
-                .convert::<f64>()
-                .iter::<f64>()
-                .collect()
-        };
-        metrics.push("critic/score/mean", mean(&scores));
-        metrics.push(
-            "critic/score/max",
-            scores.iter().copied().fold(f64::MIN, f64::max),
-        );
-        metrics.push(
-            "critic/score/min",
-            scores.iter().copied().fold(f64::MAX, f64::min),
-        );
-        metrics.push("critic/rewards/mean", mean(&seq_sum(rewards)));
-        metrics.push("critic/advantages/mean", masked(adv));
-        metrics.push("critic/returns/mean", masked(returns));
-        if let Ok(v) = data.float::<2>("values") {
-            metrics.push("critic/values/mean", masked(v));
-        }
-        metrics.push("response_length/mean", mean(&lengths));
-        metrics.push(
-            "response_length/max",
-            lengths.iter().copied().fold(0.0, f64::max),
-        );
-        let r = self
-            .cfg
-            .actor_rollout_ref
-            .rollout
-            .response_length
-            .unwrap_or(self.cfg.data.max_response_length) as f64;
-        metrics.push(
-            "response_length/clip_ratio",
-            lengths.iter().filter(|&&l| l >= r).count() as f64 / lengths.len().max(1) as f64,
-        );
-        let step_s = t_step.elapsed().as_secs_f64();
-        let tokens: f64 = verl_megatron::workers::batch::float_col(&data, "attention_mask")?
-            .sum()
-            .into_scalar()
-            .elem::<f64>();
-        metrics.push("timing_s/step", step_s);
-        metrics.push("perf/total_num_tokens", tokens);
-        metrics.push("perf/throughput", tokens / step_s.max(1e-9));
-        Ok(metrics)
     }
 
     /// Saves step `state.step` in verl's layout (see [`checkpoint`]): every rank of each role

@@ -231,15 +231,23 @@ pub fn run_rank_process() -> Result<(), String> {
             let fail = |e: String| verl_core::Error::backend("worker", e);
             let s: RankSetup = serde_json::from_slice(payload)
                 .map_err(|e| fail(format!("the driver's setup: {e}")))?;
-            let validated = s.config.validate().map_err(|e| fail(e.to_string()))?;
+            // The driver checked the estimator's name against what its program registered; the
+            // ranks never estimate advantages.
+            let estimator = [s.config.algorithm.adv_estimator.as_str()];
+            let validated = s
+                .config
+                .validate_with(&estimator, &[])
+                .map_err(|e| fail(e.to_string()))?;
             let (codec, model_cfg) = model_and_codec(&s.config).map_err(|e| fail(e.to_string()))?;
             let plans = RolePlans::new(
                 &s.config,
                 &validated,
                 &model_cfg,
-                codec.detokenizer(),
-                codec.eos_token_ids(),
-                codec.pad_token_id(),
+                (
+                    codec.detokenizer(),
+                    codec.eos_token_ids(),
+                    codec.pad_token_id(),
+                ),
                 s.total_steps,
             )
             .map_err(|e| fail(e.to_string()))?;

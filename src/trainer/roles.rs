@@ -29,10 +29,39 @@ use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
 
+/// Wraps (or replaces) the native rollout engine a rank builds: how an embedding program swaps
+/// in its own [`RolloutEngine`](verl_core::traits::RolloutEngine).
+pub type RolloutWrap = std::sync::Arc<
+    dyn Fn(
+            Box<dyn verl_core::traits::RolloutEngine<Infer>>,
+        ) -> Box<dyn verl_core::traits::RolloutEngine<Infer>>
+        + Send
+        + Sync,
+>;
+
+/// What an embedding program put into the ranks' workers through the trainer's builder
+/// (threads only: a rank process rebuilds its worker from the config).
+#[derive(Clone, Default)]
+pub(crate) struct RoleOverrides {
+    pub rollout: Option<RolloutWrap>,
+    pub policy_losses: Vec<(
+        String,
+        verl_core::algorithms::policy_loss::PolicyLossFn<Train>,
+    )>,
+}
+
+impl RoleOverrides {
+    pub fn is_empty(&self) -> bool {
+        self.rollout.is_none() && self.policy_losses.is_empty()
+    }
+}
+
 /// How every rank builds its actor / rollout / reference worker.
 #[derive(Clone)]
 pub(crate) struct ActorPlan {
     pub topo: Topology,
+    /// The embedding program's rollout engine and policy losses.
+    pub overrides: RoleOverrides,
     settings: ActorSettings,
     engine: EngineConfig,
     split: Vec<Range<usize>>,
@@ -205,38 +234,94 @@ impl RolePlans {
         cfg: &VerlConfig,
         validated: &verl_core::config::ValidatedConfig,
         model_cfg: &HfModelConfig,
-        detokenizer: Arc<dyn Detokenizer>,
-        eos_token_ids: Vec<u32>,
-        pad_token_id: u32,
+        tokens: (Arc<dyn Detokenizer>, Vec<u32>, u32),
         total_steps: u64,
     ) -> Result<Self, TrainError> {
-        let world = validated.world_size;
-        let batch = cfg.data.train_batch_size;
-        let n = cfg.actor_rollout_ref.rollout.n;
-        let actor_cfg = &cfg.actor_rollout_ref.actor;
-        let micro = actor_cfg
-            .ppo_micro_batch_size_per_gpu
-            .unwrap_or(validated.actor_mini_batch_per_dp);
-        let settings = ActorSettings {
-            mini_batch_rows: validated.actor_mini_batch_per_dp,
-            micro_batch_rows: micro,
-            log_prob_micro_batch_rows: cfg
-                .actor_rollout_ref
-                .rollout
-                .log_prob_micro_batch_size_per_gpu
-                .unwrap_or(micro),
-            ppo_epochs: actor_cfg.ppo_epochs,
-            shuffle: actor_cfg.shuffle,
-            seed: actor_cfg.data_loader_seed.unwrap_or(cfg.trainer.seed),
-            policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
-            loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
-            loss_agg_mode: actor_cfg.loss_agg_mode.parse().map_err(setup)?,
-            entropy_coeff: actor_cfg.entropy_coeff,
-            use_kl_loss: actor_cfg.use_kl_loss,
-            kl_loss_coef: actor_cfg.kl_loss_coef,
-            kl_loss_type: actor_cfg.kl_loss_type.parse().map_err(setup)?,
-            temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
+        let (actor, old_log_prob_apart) =
+            ActorPlan::new(cfg, validated, model_cfg, tokens, total_steps)?;
+        let critic = match cfg.critic_enabled() {
+            true => Some(CriticPlan::new(
+                cfg,
+                validated.world_size,
+                model_cfg,
+                total_steps,
+            )?),
+            false => None,
         };
+        Ok(Self {
+            actor,
+            critic,
+            old_log_prob_apart,
+        })
+    }
+}
+
+/// The actor's micro-batching and loss settings (`actor_rollout_ref.actor.*`).
+fn actor_settings(
+    cfg: &VerlConfig,
+    validated: &verl_core::config::ValidatedConfig,
+) -> Result<ActorSettings, TrainError> {
+    let actor_cfg = &cfg.actor_rollout_ref.actor;
+    let micro = actor_cfg
+        .ppo_micro_batch_size_per_gpu
+        .unwrap_or(validated.actor_mini_batch_per_dp);
+    Ok(ActorSettings {
+        mini_batch_rows: validated.actor_mini_batch_per_dp,
+        micro_batch_rows: micro,
+        log_prob_micro_batch_rows: cfg
+            .actor_rollout_ref
+            .rollout
+            .log_prob_micro_batch_size_per_gpu
+            .unwrap_or(micro),
+        ppo_epochs: actor_cfg.ppo_epochs,
+        shuffle: actor_cfg.shuffle,
+        seed: actor_cfg.data_loader_seed.unwrap_or(cfg.trainer.seed),
+        policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
+        loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
+        loss_agg_mode: actor_cfg.loss_agg_mode.parse().map_err(setup)?,
+        entropy_coeff: actor_cfg.entropy_coeff,
+        use_kl_loss: actor_cfg.use_kl_loss,
+        kl_loss_coef: actor_cfg.kl_loss_coef,
+        kl_loss_type: actor_cfg.kl_loss_type.parse().map_err(setup)?,
+        temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
+    })
+}
+
+/// `use_dynamic_bsz` and the token budgets of the actor's update, old log-prob and reference
+/// passes. verl counts a budget per cp rank: a micro-batch holds cp times as many.
+fn actor_dynamic_batch(cfg: &VerlConfig, cp: usize) -> DynamicBatch {
+    let actor_cfg = &cfg.actor_rollout_ref.actor;
+    let (rollout, reference) = (
+        &cfg.actor_rollout_ref.rollout,
+        &cfg.actor_rollout_ref.reference,
+    );
+    DynamicBatch {
+        update_max_tokens: actor_cfg
+            .use_dynamic_bsz
+            .then_some(actor_cfg.ppo_max_token_len_per_gpu * cp),
+        forward_max_tokens: rollout
+            .log_prob_use_dynamic_bsz
+            .then_some(rollout.log_prob_max_token_len_per_gpu * cp),
+        reference_max_tokens: reference
+            .log_prob_use_dynamic_bsz
+            .then_some(reference.log_prob_max_token_len_per_gpu * cp),
+    }
+}
+
+impl ActorPlan {
+    /// The actor / rollout / reference plan, and whether the old log-probs are a separate
+    /// pass.
+    fn new(
+        cfg: &VerlConfig,
+        validated: &verl_core::config::ValidatedConfig,
+        model_cfg: &HfModelConfig,
+        (detokenizer, eos_token_ids, pad_token_id): (Arc<dyn Detokenizer>, Vec<u32>, u32),
+        total_steps: u64,
+    ) -> Result<(Self, bool), TrainError> {
+        let world = validated.world_size;
+        let (batch, n) = (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n);
+        let actor_cfg = &cfg.actor_rollout_ref.actor;
+        let settings = actor_settings(cfg, validated)?;
         let needs_ref = actor_cfg.use_kl_loss || cfg.algorithm.use_kl_in_reward;
         let optim_steps = total_steps.max(1)
             * actor_cfg.ppo_epochs as u64
@@ -274,6 +359,7 @@ impl RolePlans {
             ))
         })?;
         let actor = ActorPlan {
+            overrides: RoleOverrides::default(),
             topo,
             settings,
             engine,
@@ -321,93 +407,75 @@ impl RolePlans {
                 .use_fused_kernels
                 .then_some(FUSED_HEAD_CHUNK_TOKENS),
             pack_sequences: cfg.actor_rollout_ref.model.use_remove_padding,
-            dynamic: {
-                let (rollout, reference) = (
-                    &cfg.actor_rollout_ref.rollout,
-                    &cfg.actor_rollout_ref.reference,
-                );
-                // verl counts a budget per cp rank: a micro-batch holds cp times as many.
-                let cp = layout.cp;
-                DynamicBatch {
-                    update_max_tokens: actor_cfg
-                        .use_dynamic_bsz
-                        .then_some(actor_cfg.ppo_max_token_len_per_gpu * cp),
-                    forward_max_tokens: rollout
-                        .log_prob_use_dynamic_bsz
-                        .then_some(rollout.log_prob_max_token_len_per_gpu * cp),
-                    reference_max_tokens: reference
-                        .log_prob_use_dynamic_bsz
-                        .then_some(reference.log_prob_max_token_len_per_gpu * cp),
-                }
+            dynamic: actor_dynamic_batch(cfg, layout.cp),
+        };
+        Ok((actor, old_log_prob_apart))
+    }
+}
+
+impl CriticPlan {
+    /// The critic's plan (`critic.*`), when the run has a critic.
+    fn new(
+        cfg: &VerlConfig,
+        world: usize,
+        model_cfg: &HfModelConfig,
+        total_steps: u64,
+    ) -> Result<Self, TrainError> {
+        let (batch, n) = (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n);
+        let actor_cfg = &cfg.actor_rollout_ref.actor;
+        let c = &cfg.critic;
+        let mini = c
+            .ppo_mini_batch_size
+            .unwrap_or(actor_cfg.ppo_mini_batch_size)
+            * n;
+        let micro = c.ppo_micro_batch_size_per_gpu.unwrap_or(mini);
+        let settings = CriticSettings {
+            mini_batch_rows: mini,
+            micro_batch_rows: micro,
+            forward_micro_batch_rows: c.forward_micro_batch_size_per_gpu.unwrap_or(micro),
+            ppo_epochs: c.ppo_epochs.unwrap_or(actor_cfg.ppo_epochs),
+            shuffle: c.shuffle,
+            seed: cfg.trainer.seed,
+            cliprange_value: c.cliprange_value,
+            loss_agg_mode: c.loss_agg_mode.parse::<LossAggMode>().map_err(setup)?,
+        };
+        let mut vcfg = model_cfg.clone();
+        vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
+        vcfg.tie_word_embeddings = false;
+        let optim_steps = total_steps.max(1)
+            * settings.ppo_epochs as u64
+            * (batch * n / mini.max(1)).max(1) as u64;
+        let layout = c.megatron.parallel();
+        let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
+        let topo = Topology::new(layout.clone(), world).map_err(setup)?;
+        vcfg.check_layout(layout.tp, layout.ep, layout.expert_tp())
+            .map_err(setup)?;
+        Ok(CriticPlan {
+            topo,
+            settings,
+            model: vcfg,
+            split,
+            sequence_parallel: layout.sequence_parallel_active(),
+            distributed_optimizer: c.megatron.use_distributed_optimizer,
+            dtype: compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?,
+            seed: cfg.trainer.seed,
+            optim: c.optim.clone(),
+            optim_steps,
+            offload: OffloadSwitches::of(&c.megatron),
+            moe: moe_router_settings(&c.megatron, "critic", &c.model.override_config, "critic")?,
+            // verl counts a budget per cp rank: a micro-batch holds cp times as many.
+            dynamic: DynamicBatch {
+                update_max_tokens: c
+                    .use_dynamic_bsz
+                    .then_some(c.ppo_max_token_len_per_gpu * layout.cp),
+                forward_max_tokens: c.use_dynamic_bsz.then_some(
+                    c.forward_max_token_len_per_gpu
+                        .unwrap_or(c.ppo_max_token_len_per_gpu)
+                        * layout.cp,
+                ),
+                reference_max_tokens: None,
             },
-        };
-        let critic = if cfg.critic_enabled() {
-            let c = &cfg.critic;
-            let mini = c
-                .ppo_mini_batch_size
-                .unwrap_or(actor_cfg.ppo_mini_batch_size)
-                * n;
-            let micro = c.ppo_micro_batch_size_per_gpu.unwrap_or(mini);
-            let settings = CriticSettings {
-                mini_batch_rows: mini,
-                micro_batch_rows: micro,
-                forward_micro_batch_rows: c.forward_micro_batch_size_per_gpu.unwrap_or(micro),
-                ppo_epochs: c.ppo_epochs.unwrap_or(actor_cfg.ppo_epochs),
-                shuffle: c.shuffle,
-                seed: cfg.trainer.seed,
-                cliprange_value: c.cliprange_value,
-                loss_agg_mode: c.loss_agg_mode.parse::<LossAggMode>().map_err(setup)?,
-            };
-            let mut vcfg = model_cfg.clone();
-            vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
-            vcfg.tie_word_embeddings = false;
-            let optim_steps = total_steps.max(1)
-                * settings.ppo_epochs as u64
-                * (batch * n / mini.max(1)).max(1) as u64;
-            let layout = c.megatron.parallel();
-            let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
-            let topo = Topology::new(layout.clone(), world).map_err(setup)?;
-            vcfg.check_layout(layout.tp, layout.ep, layout.expert_tp())
-                .map_err(setup)?;
-            Some(CriticPlan {
-                topo,
-                settings,
-                model: vcfg,
-                split,
-                sequence_parallel: layout.sequence_parallel_active(),
-                distributed_optimizer: c.megatron.use_distributed_optimizer,
-                dtype: compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?,
-                seed: cfg.trainer.seed,
-                optim: c.optim.clone(),
-                optim_steps,
-                offload: OffloadSwitches::of(&c.megatron),
-                moe: moe_router_settings(
-                    &c.megatron,
-                    "critic",
-                    &c.model.override_config,
-                    "critic",
-                )?,
-                // verl counts a budget per cp rank: a micro-batch holds cp times as many.
-                dynamic: DynamicBatch {
-                    update_max_tokens: c
-                        .use_dynamic_bsz
-                        .then_some(c.ppo_max_token_len_per_gpu * layout.cp),
-                    forward_max_tokens: c.use_dynamic_bsz.then_some(
-                        c.forward_max_token_len_per_gpu
-                            .unwrap_or(c.ppo_max_token_len_per_gpu)
-                            * layout.cp,
-                    ),
-                    reference_max_tokens: None,
-                },
-                pack_sequences: c.model.use_remove_padding,
-            })
-        } else {
-            None
-        };
-        Ok(Self {
-            actor,
-            critic,
-            old_log_prob_apart,
+            pack_sequences: c.model.use_remove_padding,
         })
     }
 }
@@ -419,19 +487,49 @@ impl ActorPlan {
         rank: usize,
         groups: ProcessGroups<Infer>,
     ) -> verl_core::Result<ActorRolloutRefWorker<Train>> {
-        let device = Default::default();
         let model_groups = ModelGroups::of(&groups, self.sequence_parallel);
-        let tp = model_groups.tp.clone();
         let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
         let ckpt = self
             .model_path
             .as_ref()
             .map(HfCheckpoint::open)
             .transpose()?;
+        let model = self.training_model(&ckpt, &model_groups, &stage)?;
+        let inner = burn::module::AutodiffModule::valid(&model);
+        let (rollout, weight_sync) =
+            self.rollout_engine(&ckpt, &groups, &model_groups, &stage, &inner)?;
+        let actor = self.training_actor(model, &groups, &model_groups, &stage)?;
+        let (reference, reference_offload) = self.reference(inner)?;
+        Ok(ActorRolloutRefWorker {
+            coords: self.topo.coords(rank)?,
+            actor,
+            rollout: match &self.overrides.rollout {
+                Some(wrap) => wrap(rollout),
+                None => rollout,
+            },
+            reference,
+            sharding: HybridShardingManager {
+                plan: weight_sync,
+                free_cache_engine: self.free_cache,
+                release_weights: self.offload.param,
+            },
+            reference_offload,
+        })
+    }
+
+    /// This rank's stage of the actor's model (from the checkpoint, or drawn), with the
+    /// role's compute dtype, MoE router settings, fused head and sequence packing.
+    fn training_model(
+        &self,
+        ckpt: &Option<HfCheckpoint>,
+        model_groups: &ModelGroups,
+        stage: &PipelineStageLayout,
+    ) -> verl_core::Result<CausalLm<Train>> {
+        let (device, stage) = (Default::default(), stage.clone());
         let mcfg = &self.model;
-        let model: CausalLm<Train> = match &ckpt {
-            None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, &model_groups, &stage)?,
-            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, &model_groups, &stage)?,
+        let model: CausalLm<Train> = match ckpt {
+            None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, model_groups, &stage)?,
+            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, model_groups, &stage)?,
         }
         .with_compute_dtype(self.actor_dtype);
         let model = self.moe.apply(model);
@@ -443,7 +541,23 @@ impl ActorPlan {
         }
         // `model.use_remove_padding` (actor and reference; the rollout generates padded).
         .with_packed_sequences(self.pack_sequences);
-        let inner = burn::module::AutodiffModule::valid(&model);
+        Ok(model)
+    }
+
+    /// The native rollout engine on this rank's rollout tensor-parallel group, and how the
+    /// hybrid engine syncs the actor's weights into it.
+    fn rollout_engine(
+        &self,
+        ckpt: &Option<HfCheckpoint>,
+        groups: &ProcessGroups<Infer>,
+        model_groups: &ModelGroups,
+        stage: &PipelineStageLayout,
+        inner: &CausalLm<Infer>,
+    ) -> verl_core::Result<(
+        Box<dyn verl_core::traits::RolloutEngine<Infer>>,
+        WeightSyncPlan,
+    )> {
+        let (device, mcfg, tp) = (Default::default(), &self.model, &model_groups.tp);
         // The rollout engine runs every layer on its own tensor-parallel group (consecutive
         // ranks, no sequence parallel); the hybrid engine streams the actor's weights into it
         // before every generation. A single-rank actor (no split of any kind) and rollout share
@@ -455,7 +569,7 @@ impl ActorPlan {
             || model_groups.ep.is_parallel()
             || model_groups.expert_tp().is_parallel();
         let rollout_model = if actor_split || rollout_tp.is_parallel() {
-            match &ckpt {
+            match ckpt {
                 None => {
                     CausalLm::<Infer>::init_sharded(mcfg, 0.02, self.seed, &device, &rollout_tp)?
                 }
@@ -475,10 +589,25 @@ impl ActorPlan {
         let rollout = NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
             .map_err(verl_core::Error::from)?
             .with_detokenizer(self.detokenizer.clone());
+        Ok((Box::new(rollout), weight_sync))
+    }
+
+    /// The actor worker over `model`: optimizers (the warm-up's too), the parallel groups its
+    /// gradients reduce over, offload, and the builder's policy losses.
+    fn training_actor(
+        &self,
+        model: CausalLm<Train>,
+        groups: &ProcessGroups<Infer>,
+        model_groups: &ModelGroups,
+        stage: &PipelineStageLayout,
+    ) -> verl_core::Result<MegatronActor<Train>> {
         let optim = ModelOptimizer::new(&self.optim, self.optim_steps)?
             .with_distributed_optimizer(self.distributed_optimizer);
         let mut actor = MegatronActor::new(model, optim, self.settings.clone())
             .with_dynamic_batch(self.dynamic);
+        for (name, loss) in &self.overrides.policy_losses {
+            actor = actor.with_policy_loss(name, loss.clone());
+        }
         if let Some(lr) = self.sft_lr {
             let mut o = self.optim.clone();
             o.lr = lr;
@@ -503,6 +632,16 @@ impl ActorPlan {
         if self.offload.any() {
             actor = actor.with_offload(training_offload(self.offload, "actor"))?;
         }
+        Ok(actor)
+    }
+
+    /// The reference policy (the warmed-up actor's copy, when the run needs one), offloaded to
+    /// the host with `ref.megatron.param_offload`.
+    #[allow(clippy::type_complexity)]
+    fn reference(
+        &self,
+        inner: CausalLm<Infer>,
+    ) -> verl_core::Result<(Option<CausalLm<Infer>>, Option<ParamOffload<Infer>>)> {
         let mut reference = self.needs_ref.then_some(inner);
         let reference_offload = match (self.ref_param_offload, reference.is_some()) {
             (true, true) => {
@@ -513,18 +652,7 @@ impl ActorPlan {
             }
             _ => None,
         };
-        Ok(ActorRolloutRefWorker {
-            coords: self.topo.coords(rank)?,
-            actor,
-            rollout: Box::new(rollout),
-            reference,
-            sharding: HybridShardingManager {
-                plan: weight_sync,
-                free_cache_engine: self.free_cache,
-                release_weights: self.offload.param,
-            },
-            reference_offload,
-        })
+        Ok((reference, reference_offload))
     }
 }
 

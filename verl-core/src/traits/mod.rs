@@ -20,6 +20,6 @@ pub use communicator::{reduce_scatter_chunk, Communicator, CommunicatorExt, Redu
 pub use critic::Critic;
 pub use offload::{HostOffload, OffloadSwitches, TransferReport};
 pub use profiler::{ProfileRange, Profiler};
-pub use reward::{RewardFn, RewardInput, RewardScore};
+pub use reward::{BatchRewardFn, RewardFn, RewardInput, RewardScore};
 pub use rollout::{RolloutEngine, SleepLevel};
 pub use sharding::{ReshardReport, ShardingManager, WeightExporter, WeightSyncPlan};

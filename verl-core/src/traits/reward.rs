@@ -47,3 +47,25 @@ impl<F: Fn(&RewardInput<'_>) -> f64 + Send + Sync> RewardFn for F {
         Ok(self(input).into())
     }
 }
+
+/// A reward computed for a whole batch at once, possibly asynchronously (a reward served over
+/// the network, a model scoring a batch): one score per input, in order.
+///
+/// ```
+/// use verl_core::traits::{BatchRewardFn, RewardInput, RewardScore};
+/// struct Length;
+/// #[async_trait::async_trait]
+/// impl BatchRewardFn for Length {
+///     async fn score_batch(&self, inputs: &[RewardInput<'_>]) -> verl_core::Result<Vec<RewardScore>> {
+///         Ok(inputs.iter().map(|x| RewardScore::from(x.solution_str.len() as f64)).collect())
+///     }
+/// }
+/// let input = RewardInput { data_source: "toy", solution_str: "abc", ground_truth: "", extra_info: &serde_json::Value::Null };
+/// let scores = futures::executor::block_on(Length.score_batch(&[input]))?;
+/// assert_eq!(scores[0].score, 3.0);
+/// # Ok::<(), verl_core::Error>(())
+/// ```
+#[async_trait::async_trait]
+pub trait BatchRewardFn: Send + Sync {
+    async fn score_batch(&self, inputs: &[RewardInput<'_>]) -> Result<Vec<RewardScore>>;
+}

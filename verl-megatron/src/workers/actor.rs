@@ -154,6 +154,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         }
     }
 
+    /// Registers (or replaces) a policy loss under `name`, for `policy_loss.loss_mode` to
+    /// select: an embedding program's own loss beside verl's.
+    pub fn with_policy_loss(
+        mut self,
+        name: &str,
+        loss: verl_core::algorithms::policy_loss::PolicyLossFn<B>,
+    ) -> Self {
+        self.losses.register(name, move |x| loss(x));
+        self
+    }
+
     /// Forms micro-batches by token budget ([`DynamicBatch`]); the loss normalisation is the
     /// mini-batch's either way, so the update is the one fixed micro-batches make.
     pub fn with_dynamic_batch(mut self, dynamic: DynamicBatch) -> Self {

@@ -1,0 +1,334 @@
+//! How [`PpoTrainer`] is put together from a checked config and the builder's parts, one named
+//! step per concern: data, scorers, checkpoints and resumption, the run log, the roles.
+
+use std::path::{Path, PathBuf};
+
+use verl_core::algorithms::advantage::AdvantageRegistry;
+use verl_core::algorithms::kl::kl_controller;
+use verl_core::config::{Truncation, ValidatedConfig, VerlConfig};
+use verl_core::worker::{RoleGroup, WorkerGroup};
+use verl_megatron::hf::HeadKind;
+
+use super::builder::{Parts, Scorer};
+use super::checkpoint::{self, contents_of, LoopState};
+use super::data::{arithmetic_rows, file_rows, Codec, PromptRow};
+use super::log::RunLog;
+use super::ranks::{launcher_of, LauncherKind, RankProcesses};
+use super::roles::{actor_methods, critic_methods, ActorWorker, CriticRank, RolePlans};
+use super::{
+    model_and_codec, rank_groups, reward_model_group, setup, take_groups, total_steps_of, Infer,
+    PpoTrainer, TrainError,
+};
+use crate::tasks::ArithmeticTask;
+
+/// The roles' worker groups, and the rank processes when the ranks are processes.
+type Roles = (
+    RoleGroup<ActorWorker, Infer>,
+    Option<RoleGroup<CriticRank, Infer>>,
+    Option<RankProcesses>,
+);
+
+impl PpoTrainer {
+    /// The trainer of `validated` with the builder's `parts`: every check first, the workers
+    /// (and their model memory) last.
+    pub(crate) fn assemble(validated: ValidatedConfig, parts: Parts) -> Result<Self, TrainError> {
+        let cfg = validated.config.clone();
+        let (codec, model_cfg) = model_and_codec(&cfg)?;
+        let (train, val) = match parts.train {
+            Some(rows) => {
+                let val = parts
+                    .val
+                    .unwrap_or_else(|| rows.iter().take(64).cloned().collect());
+                (tokenized(rows, &codec)?, tokenized(val, &codec)?)
+            }
+            None => config_rows(&cfg, &codec)?,
+        };
+        check_prompt_lengths(&cfg, &train, &val)?;
+        check_scorers(&cfg, &parts.scorer, &train, &val)?;
+        let out_dir = output_dir(&cfg);
+        check_checkpoint_contents(&cfg)?;
+        let resume = resume_point(&cfg, &out_dir, train.len())?;
+        let total_steps = total_steps_of(&cfg, train.len());
+        let log = open_log(&cfg, &out_dir, &resume, total_steps)?;
+        let actor_config_json = match &cfg.actor_rollout_ref.model.path {
+            Some(p) => verl_megatron::hf::read_config_json(p).map_err(setup)?,
+            None => model_cfg.to_config_json(),
+        };
+        let critic_config_json = cfg.critic_enabled().then(|| {
+            let mut v = model_cfg.clone();
+            v.head = HeadKind::TokenClassification { num_labels: 1 };
+            v.tie_word_embeddings = false;
+            v.to_config_json()
+        });
+        let reward_model = reward_model_group(&cfg, model_cfg.vocab_size)?;
+        let mut plans = RolePlans::new(
+            &cfg,
+            &validated,
+            &model_cfg,
+            (
+                codec.detokenizer(),
+                codec.eos_token_ids(),
+                codec.pad_token_id(),
+            ),
+            total_steps,
+        )?;
+        plans.actor.overrides = parts.roles;
+        let (actor, critic, processes) =
+            launch_roles(&cfg, validated.world_size, &plans, total_steps)?;
+        let mut advantages = AdvantageRegistry::new();
+        for (name, f) in parts.estimators {
+            advantages.register(&name, move |x| f(x));
+        }
+        Ok(Self {
+            kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
+            kl_penalty: cfg.algorithm.kl_penalty.parse().map_err(setup)?,
+            advantages,
+            scorer: parts.scorer,
+            log,
+            needs_ref: plans.actor.needs_ref,
+            old_log_prob_apart: plans.old_log_prob_apart,
+            cfg,
+            validated,
+            actor,
+            critic,
+            processes,
+            reward_model,
+            codec,
+            train,
+            val,
+            total_steps,
+            global_step: 0,
+            out_dir,
+            actor_config_json,
+            critic_config_json,
+            resume,
+        })
+    }
+}
+
+/// `rows` with token ids: those made from text ([`PromptRow::new`]) tokenised with `codec`.
+fn tokenized(rows: Vec<PromptRow>, codec: &Codec) -> Result<Vec<PromptRow>, TrainError> {
+    rows.into_iter()
+        .map(|mut r| {
+            if r.prompt_ids.is_empty() {
+                r.prompt_ids = codec.encode_prompt(&r.prompt).map_err(setup)?;
+            }
+            Ok(r)
+        })
+        .collect()
+}
+
+/// Training and validation rows from the config: parquet / JSONL files, or the built-in task.
+fn config_rows(
+    cfg: &VerlConfig,
+    codec: &Codec,
+) -> Result<(Vec<PromptRow>, Vec<PromptRow>), TrainError> {
+    let builtin = match &cfg.data.train_files {
+        None => Some(ArithmeticTask { digits: 2 }),
+        Some(f) => match f.paths().as_slice() {
+            [one] if one.starts_with("builtin:") => {
+                Some(ArithmeticTask::from_spec(one).map_err(setup)?)
+            }
+            _ => None,
+        },
+    };
+    if let Some(task) = builtin {
+        if cfg.actor_rollout_ref.model.path.is_some() {
+            return Err(setup("the built-in task uses its own character tokenizer: set data.train_files to parquet or JSONL files to train an HF model at actor_rollout_ref.model.path"));
+        }
+        return Ok((
+            arithmetic_rows(&task, codec, 4096, cfg.data.seed).map_err(setup)?,
+            arithmetic_rows(&task, codec, 128, cfg.data.seed ^ 0x5eed).map_err(setup)?,
+        ));
+    }
+    let load = |paths: Vec<&str>| -> Result<Vec<PromptRow>, TrainError> {
+        let mut rows = Vec::new();
+        for p in paths {
+            let file = file_rows(
+                Path::new(p),
+                codec,
+                &cfg.data.prompt_key,
+                &cfg.data.reward_fn_key,
+            );
+            rows.extend(file.map_err(setup)?);
+        }
+        Ok(rows)
+    };
+    let files = cfg
+        .data
+        .train_files
+        .as_ref()
+        .ok_or_else(|| setup("data.train_files: no files and no built-in task"))?;
+    let train = load(files.paths())?;
+    let val = match &cfg.data.val_files {
+        Some(v) => load(v.paths())?,
+        None => train.iter().take(64).cloned().collect(),
+    };
+    Ok((train, val))
+}
+
+/// A prompt longer than `data.max_prompt_length` is refused unless `data.truncation` says
+/// otherwise.
+fn check_prompt_lengths(
+    cfg: &VerlConfig,
+    train: &[PromptRow],
+    val: &[PromptRow],
+) -> Result<(), TrainError> {
+    let longest = train
+        .iter()
+        .chain(val)
+        .map(|r| r.prompt_ids.len())
+        .max()
+        .unwrap_or(0);
+    if longest > cfg.data.max_prompt_length && cfg.data.truncation == Truncation::Error {
+        return Err(setup(format!(
+            "a prompt has {longest} tokens, more than data.max_prompt_length = {}; raise it or set data.truncation",
+            cfg.data.max_prompt_length
+        )));
+    }
+    Ok(())
+}
+
+/// Every row needs a scorer: the run's reward function, or the reward model for training rows
+/// (validation always scores by the reward function, as verl's does).
+fn check_scorers(
+    cfg: &VerlConfig,
+    scorer: &Scorer,
+    train: &[PromptRow],
+    val: &[PromptRow],
+) -> Result<(), TrainError> {
+    let must_score: Vec<&PromptRow> = if cfg.reward_model.enable {
+        val.iter().collect()
+    } else {
+        train.iter().chain(val).collect()
+    };
+    match must_score.iter().find(|r| !scorer.knows(&r.data_source)) {
+        Some(row) => Err(setup(format!(
+            "data_source `{}` has no rule-based scorer (built in: {}, openai/gsm8k); use one of those, give the trainer a reward function (PpoTrainer::builder(..).reward(..)), or set reward_model.enable=true with reward_model.model.path for training rows",
+            row.data_source,
+            ArithmeticTask::DATA_SOURCE
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `trainer.default_local_dir`, else verl's `checkpoints/<project>/<experiment>`.
+fn output_dir(cfg: &VerlConfig) -> PathBuf {
+    PathBuf::from(cfg.trainer.default_local_dir.clone().unwrap_or_else(|| {
+        format!(
+            "checkpoints/{}/{}",
+            cfg.trainer.project_name, cfg.trainer.experiment_name
+        )
+    }))
+}
+
+/// What each role saves and loads, checked before any model is built.
+fn check_checkpoint_contents(cfg: &VerlConfig) -> Result<(), TrainError> {
+    for save in [true, false] {
+        contents_of(
+            &cfg.actor_rollout_ref.actor.checkpoint,
+            "actor_rollout_ref.actor",
+            save,
+        )?;
+        if cfg.critic_enabled() {
+            contents_of(&cfg.critic.checkpoint, "critic", save)?;
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint to resume from (`trainer.resume_mode`) and where its loop stood.
+fn resume_point(
+    cfg: &VerlConfig,
+    out_dir: &Path,
+    train_rows: usize,
+) -> Result<Option<(PathBuf, LoopState)>, TrainError> {
+    let dir = match cfg.trainer.resume_mode.as_str() {
+        "disable" => None,
+        "auto" => checkpoint::latest(out_dir),
+        "resume_path" => Some(PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(
+            || setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)"),
+        )?)),
+        other => {
+            return Err(setup(format!(
+                "trainer.resume_mode = `{other}`: use auto, disable or resume_path"
+            )))
+        }
+    };
+    let Some(dir) = dir else {
+        return Ok(None);
+    };
+    let state = checkpoint::read_loop_state(&dir)?;
+    if state.order.len() != train_rows {
+        return Err(setup(format!(
+            "{}: saved with {} training rows, the data now has {train_rows}; resume with the same data.train_files",
+            dir.display(),
+            state.order.len(),
+        )));
+    }
+    Ok(Some((dir, state)))
+}
+
+/// The run's metrics log: a fresh one, or the resumed run's, continued.
+fn open_log(
+    cfg: &VerlConfig,
+    out_dir: &Path,
+    resume: &Option<(PathBuf, LoopState)>,
+    total_steps: u64,
+) -> Result<RunLog, TrainError> {
+    let name = &cfg.trainer.experiment_name;
+    match resume {
+        Some((_, state)) => RunLog::resume(out_dir, total_steps, name, state.step),
+        None => RunLog::create(out_dir, total_steps, name),
+    }
+    .map_err(setup)
+}
+
+/// Starts every rank's workers: threads of this process talking through in-process
+/// communicators, or rank processes (`trainer.launcher`).
+fn launch_roles(
+    cfg: &VerlConfig,
+    world: usize,
+    plans: &RolePlans,
+    total_steps: u64,
+) -> Result<Roles, TrainError> {
+    match launcher_of(cfg, world)? {
+        LauncherKind::Threads => {
+            let groups = rank_groups(&plans.actor.topo);
+            let plan = plans.actor.clone();
+            let threads = WorkerGroup::spawn(world, move |ctx| {
+                plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+            })?;
+            let actor =
+                RoleGroup::threads("actor", threads, actor_methods(cfg), Default::default());
+            let critic = match plans.critic.clone() {
+                Some(plan) => {
+                    let groups = rank_groups(&plan.topo);
+                    let threads = WorkerGroup::spawn(world, move |ctx| {
+                        plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+                    })?;
+                    let methods = critic_methods(cfg);
+                    Some(RoleGroup::threads(
+                        "critic",
+                        threads,
+                        methods,
+                        Default::default(),
+                    ))
+                }
+                None => None,
+            };
+            Ok((actor, critic, None))
+        }
+        LauncherKind::Processes => {
+            let launched = RankProcesses::launch(cfg, world, total_steps)?;
+            let ranks = launched.ranks.clone();
+            let actor =
+                RoleGroup::processes("actor", ranks, actor_methods(cfg), Default::default());
+            let critic = plans.critic.is_some().then(|| {
+                let ranks = launched.ranks.clone();
+                RoleGroup::processes("critic", ranks, critic_methods(cfg), Default::default())
+            });
+            Ok((actor, critic, Some(launched)))
+        }
+    }
+}

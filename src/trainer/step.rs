@@ -1,0 +1,402 @@
+//! One PPO / GRPO step as public phases, in verl's order: [`PpoTrainer::generate`] →
+//! [`PpoTrainer::score`] → [`PpoTrainer::compute_ref_log_prob`] →
+//! [`PpoTrainer::compute_values`] → [`PpoTrainer::compute_advantages`] →
+//! [`PpoTrainer::update_critic`] → [`PpoTrainer::update_actor`] → [`PpoTrainer::finish_step`].
+//! [`PpoTrainer::step`] runs them in that order; a program driving the loop itself can call
+//! them one by one and add its own phases between them (filter a batch, keep a replay buffer),
+//! reading and changing [`StepBatch::data`].
+
+use std::time::Instant;
+
+use burn::prelude::*;
+use serde_json::Value;
+use verl_core::algorithms::advantage::AdvantageInput;
+use verl_core::algorithms::reward::{apply_kl_penalty, token_level_rewards};
+use verl_core::dispatch::DispatchMode;
+use verl_core::{DataProto, Metrics};
+
+use super::data::{prompt_batch, PromptRow};
+use super::{metrics_of, rollout_mesh, setup, take_metrics, Infer, PpoTrainer, TrainError};
+
+/// A step's batch between phases: verl's columns (`responses`, `old_log_probs`,
+/// `token_level_scores`, `advantages`, ...) as the phases add them, and the step's metrics.
+pub struct StepBatch {
+    pub step: u64,
+    pub data: DataProto<Infer>,
+    pub metrics: Metrics,
+    /// Each row's sequence score (set by [`PpoTrainer::score`]).
+    pub scores: Vec<f64>,
+    /// Each row's response length in tokens.
+    pub lengths: Vec<f64>,
+    started: Instant,
+}
+
+impl StepBatch {
+    /// The response mask as floats.
+    fn mask(&self) -> Result<Tensor<Infer, 2>, TrainError> {
+        Ok(verl_megatron::workers::batch::float_col(
+            &self.data,
+            "response_mask",
+        )?)
+    }
+
+    /// The columns a forward pass reads.
+    fn model_inputs(&self) -> Result<DataProto<Infer>, TrainError> {
+        self.columns(&[
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "responses",
+            "response_mask",
+        ])
+    }
+
+    fn columns(&self, keys: &[&str]) -> Result<DataProto<Infer>, TrainError> {
+        Ok(self.data.select(Some(keys), Some(&[]), None)?)
+    }
+
+    /// Records the time since `since` as `timing_s/<name>`.
+    fn time(&mut self, name: &str, since: Instant) {
+        self.metrics
+            .push(format!("timing_s/{name}"), since.elapsed().as_secs_f64());
+    }
+}
+
+impl PpoTrainer {
+    /// One PPO / GRPO step on `rows`, every phase in verl's order; returns the step's metrics
+    /// (verl's names).
+    pub async fn step(&mut self, step: u64, rows: &[&PromptRow]) -> Result<Metrics, TrainError> {
+        let mut batch = self.generate(step, rows).await?;
+        self.score(&mut batch).await?;
+        self.compute_ref_log_prob(&mut batch).await?;
+        self.compute_values(&mut batch).await?;
+        self.compute_advantages(&mut batch)?;
+        self.update_critic(&mut batch).await?;
+        self.update_actor(&mut batch).await?;
+        self.finish_step(batch)
+    }
+
+    /// Samples `rollout.n` responses per prompt of `rows` with the current policy, and the old
+    /// log-probs (recomputed by the actor, in the same call unless the rollout's layout differs
+    /// from the actor's).
+    pub async fn generate(
+        &mut self,
+        step: u64,
+        rows: &[&PromptRow],
+    ) -> Result<StepBatch, TrainError> {
+        let started = Instant::now();
+        let mut metrics = Metrics::default();
+        let mut batch = prompt_batch::<Infer>(
+            rows,
+            self.codec.pad_token_id(),
+            &format!("s{step}"),
+            &Default::default(),
+        )?;
+        batch.meta_info.insert("global_steps".into(), step.into());
+        if self.old_log_prob_apart {
+            // The rollout's chunks are not the actor's (pipeline stages, or the rollout's own
+            // tensor parallel size), so the old log-probs are a separate pass.
+            batch
+                .meta_info
+                .insert("recompute_log_prob".into(), Value::Bool(false));
+        }
+        let t = Instant::now();
+        let mut gen = self
+            .actor
+            .call_proto(&rollout_mesh(), "generate_sequences", batch)
+            .await?;
+        let worker_metrics = metrics_of(&gen);
+        gen.meta_info.remove("metrics");
+        // The rollout alone: the old log-probs' recompute is timed apart (ranks run in
+        // parallel, so the slowest one's time).
+        let recompute: f64 = worker_metrics
+            .0
+            .get("timing_s/old_log_prob")
+            .map(|v| v.iter().copied().fold(0.0, f64::max))
+            .unwrap_or(0.0);
+        metrics.extend(worker_metrics);
+        metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
+        if self.old_log_prob_apart {
+            let t = Instant::now();
+            let old = self
+                .actor
+                .call_proto(
+                    &DispatchMode::MegatronCompute,
+                    "compute_log_prob",
+                    gen.clone(),
+                )
+                .await?;
+            gen = gen.union(take_metrics(old, &mut metrics))?;
+            metrics.push("timing_s/old_log_prob", t.elapsed().as_secs_f64());
+        }
+        Ok(StepBatch {
+            step,
+            data: gen,
+            metrics,
+            scores: Vec::new(),
+            lengths: Vec::new(),
+            started,
+        })
+    }
+
+    /// Scores every response: the reward model's token scores when there is one (as verl's
+    /// reward manager returns `rm_scores`), else the trainer's reward function (the builder's,
+    /// or the rule-based scorer of each row's `data_source`) at each response's last token.
+    /// Adds `token_level_scores`.
+    pub async fn score(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        let t = Instant::now();
+        let (rule_scores, lengths) = self.rewards(&batch.data).await?;
+        let (scores, token_scores) = match &self.reward_model {
+            Some(rm) => {
+                let out = rm
+                    .call_proto(
+                        &DispatchMode::MegatronCompute,
+                        "compute_rm_score",
+                        batch.model_inputs()?,
+                        |w, _, d| Box::pin(w.compute_rm_score(d)),
+                    )
+                    .await?;
+                let token = out.float::<2>("rm_scores")?;
+                let per_seq: Vec<f64> = token
+                    .clone()
+                    .sum_dim(1)
+                    .into_data()
+                    .convert::<f64>()
+                    .iter::<f64>()
+                    .collect();
+                batch.time("rm", t);
+                (per_seq, token)
+            }
+            None => {
+                let token = token_level_rewards(&rule_scores, &batch.mask()?).map_err(setup)?;
+                (rule_scores, token)
+            }
+        };
+        batch.time("reward", t);
+        if let Ok(e) = batch.data.float::<2>("entropys") {
+            let mean = verl_core::algorithms::masked::masked_mean(e, batch.mask()?)
+                .into_scalar()
+                .elem::<f64>();
+            batch.metrics.push("actor/entropy_rollout", mean);
+        }
+        batch
+            .data
+            .insert_float("token_level_scores", token_scores)?;
+        batch.scores = scores;
+        batch.lengths = lengths;
+        Ok(())
+    }
+
+    /// The reference policy's log-probs (`ref_log_prob`), when the run has a reference (a KL
+    /// loss or a KL penalty in the reward).
+    pub async fn compute_ref_log_prob(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        if !self.needs_ref {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let r = self
+            .actor
+            .call_proto(
+                &DispatchMode::MegatronCompute,
+                "compute_ref_log_prob",
+                batch.model_inputs()?,
+            )
+            .await?;
+        batch.data = batch
+            .data
+            .clone()
+            .union(take_metrics(r, &mut batch.metrics))?;
+        batch.time("ref", t);
+        Ok(())
+    }
+
+    /// The critic's values (`values`), when the run has a critic.
+    pub async fn compute_values(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        let Some(critic) = &self.critic else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let v = critic
+            .call_proto(
+                &DispatchMode::MegatronCompute,
+                "compute_values",
+                batch.model_inputs()?,
+            )
+            .await?;
+        batch.data = batch
+            .data
+            .clone()
+            .union(take_metrics(v, &mut batch.metrics))?;
+        batch.time("values", t);
+        Ok(())
+    }
+
+    /// `token_level_rewards` (the scores, minus the KL penalty with
+    /// `algorithm.use_kl_in_reward`), then `advantages` and `returns` from the estimator
+    /// `algorithm.adv_estimator` names (verl's, or one registered through the builder).
+    pub fn compute_advantages(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        let t = Instant::now();
+        let mask = batch.mask()?;
+        let scores = batch.data.float::<2>("token_level_scores")?;
+        let rewards = if self.cfg.algorithm.use_kl_in_reward {
+            let (r, m) = apply_kl_penalty(
+                scores,
+                batch.data.float::<2>("old_log_probs")?,
+                batch.data.float::<2>("ref_log_prob")?,
+                mask.clone(),
+                self.kl_ctrl.as_mut(),
+                self.kl_penalty,
+            )
+            .map_err(setup)?;
+            batch.metrics.extend(m);
+            r
+        } else {
+            scores
+        };
+        let uids: Vec<String> = batch
+            .data
+            .non_tensor("uid")?
+            .iter()
+            .map(|v| v.as_str().unwrap_or_default().to_string())
+            .collect();
+        let alg = &self.cfg.algorithm;
+        let mut input = AdvantageInput::new(rewards.clone(), mask)
+            .with_index(&uids)
+            .with_gamma_lam(alg.gamma, alg.lam);
+        input.norm_adv_by_std_in_grpo = alg.norm_adv_by_std_in_grpo;
+        if self.critic.is_some() {
+            input = input.with_values(batch.data.float::<2>("values")?);
+        }
+        let (adv, returns) = self
+            .advantages
+            .compute(&alg.adv_estimator, &input)
+            .map_err(setup)?;
+        batch.data.insert_float("advantages", adv)?;
+        batch.data.insert_float("returns", returns)?;
+        batch.data.insert_float("token_level_rewards", rewards)?;
+        batch.time("adv", t);
+        Ok(())
+    }
+
+    /// The critic's PPO update on the batch's values and returns (when the run has a critic).
+    pub async fn update_critic(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        let Some(critic) = &self.critic else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let inputs = batch.columns(&[
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "responses",
+            "response_mask",
+            "values",
+            "returns",
+        ])?;
+        let out = critic
+            .call_proto(&DispatchMode::MegatronCompute, "update_critic", inputs)
+            .await?;
+        batch.metrics.extend(metrics_of(&out));
+        batch.time("update_critic", t);
+        Ok(())
+    }
+
+    /// The actor's PPO update on the batch's advantages (after `trainer.critic_warmup` steps).
+    pub async fn update_actor(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
+        if batch.step <= self.cfg.trainer.critic_warmup {
+            return Ok(());
+        }
+        let mut keys = vec![
+            "input_ids",
+            "attention_mask",
+            "position_ids",
+            "responses",
+            "response_mask",
+            "old_log_probs",
+            "advantages",
+        ];
+        if self.cfg.actor_rollout_ref.actor.use_kl_loss {
+            keys.push("ref_log_prob");
+        }
+        let out = self
+            .actor
+            .call_proto(
+                &DispatchMode::MegatronCompute,
+                "update_actor",
+                batch.columns(&keys)?,
+            )
+            .await?;
+        batch.metrics.extend(metrics_of(&out));
+        Ok(())
+    }
+
+    /// The step's metrics: the phases' and the batch's data metrics under verl's names
+    /// (scores, rewards, advantages, returns, values, response lengths, throughput).
+    pub fn finish_step(&self, batch: StepBatch) -> Result<Metrics, TrainError> {
+        let mask = batch.mask()?;
+        let StepBatch {
+            data,
+            mut metrics,
+            scores,
+            lengths,
+            started,
+            ..
+        } = batch;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        let masked = |t: Tensor<Infer, 2>| {
+            verl_core::algorithms::masked::masked_mean(t, mask.clone())
+                .into_scalar()
+                .elem::<f64>()
+        };
+        let seq_sum = |t: Tensor<Infer, 2>| -> Vec<f64> {
+            (t * mask.clone())
+                .sum_dim(1)
+                .into_data()
+                .convert::<f64>()
+                .iter::<f64>()
+                .collect()
+        };
+        metrics.push("critic/score/mean", mean(&scores));
+        let (lo, hi) = scores
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+        metrics.push("critic/score/max", hi);
+        metrics.push("critic/score/min", lo);
+        if let Ok(r) = data.float::<2>("token_level_rewards") {
+            metrics.push("critic/rewards/mean", mean(&seq_sum(r)));
+        }
+        for (column, key) in [
+            ("advantages", "critic/advantages/mean"),
+            ("returns", "critic/returns/mean"),
+            ("values", "critic/values/mean"),
+        ] {
+            if let Ok(t) = data.float::<2>(column) {
+                metrics.push(key, masked(t));
+            }
+        }
+        metrics.push("response_length/mean", mean(&lengths));
+        metrics.push(
+            "response_length/max",
+            lengths.iter().copied().fold(0.0, f64::max),
+        );
+        let r = self
+            .cfg
+            .actor_rollout_ref
+            .rollout
+            .response_length
+            .unwrap_or(self.cfg.data.max_response_length) as f64;
+        metrics.push(
+            "response_length/clip_ratio",
+            lengths.iter().filter(|&&l| l >= r).count() as f64 / lengths.len().max(1) as f64,
+        );
+        let step_s = started.elapsed().as_secs_f64();
+        let tokens: f64 = verl_megatron::workers::batch::float_col(&data, "attention_mask")?
+            .sum()
+            .into_scalar()
+            .elem::<f64>();
+        metrics.push("timing_s/step", step_s);
+        metrics.push("perf/total_num_tokens", tokens);
+        metrics.push("perf/throughput", tokens / step_s.max(1e-9));
+        Ok(metrics)
+    }
+}

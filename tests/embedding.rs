@@ -117,3 +117,27 @@ fn build_refuses_missing_or_incompatible_parts() {
         .to_string();
     assert!(err.contains("no rows"), "{err}");
 }
+
+/// Typed settings through the builder change the run: offload switches put the actor's state
+/// in host memory between phases (its size is logged).
+#[test]
+fn the_builders_offload_switches_are_honoured() {
+    let dir = tempfile::tempdir().unwrap();
+    let switches = verl::traits::OffloadSwitches {
+        param: true,
+        grad: true,
+        optimizer: true,
+    };
+    let mut trainer = PpoTrainer::builder(config(dir.path(), &[]))
+        .offload(switches)
+        .build()
+        .unwrap();
+    let summary = block_on(trainer.fit()).unwrap();
+    let lines = common::step_lines(&summary.metrics_path);
+    let host = lines
+        .iter()
+        .filter_map(|l| l.get("perf/offload_host_gb/actor_rollout_ref"))
+        .copied()
+        .fold(0.0, f64::max);
+    assert!(host > 0.0, "offloaded state is logged: {lines:?}");
+}

@@ -1,6 +1,6 @@
 //! [`PpoTrainer::builder`]: a run composed from a config and the embedding program's own parts
 //! (reward, advantage estimator, policy loss, rollout engine, data), each plugged in through a
-//! core trait or function type. `verl train` is this builder with no parts of its own.
+//! core trait or function type, and typed settings for the profiler, offload and checkpoints. `verl train` is this builder with no parts of its own.
 //!
 //! What the types check at compile time: each part's signature (a reward is a
 //! [`RewardFn`] or a [`BatchRewardFn`]; an estimator maps an [`AdvantageInput`] to advantages
@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use verl_core::algorithms::advantage::{AdvantageInput, AdvantageOutput};
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossOutput};
-use verl_core::config::VerlConfig;
+use verl_core::config::{CheckpointConfig, GlobalProfilerConfig, VerlConfig};
 use verl_core::error::AlgorithmError;
-use verl_core::traits::{BatchRewardFn, RewardFn, RewardInput, RolloutEngine};
+use verl_core::traits::{BatchRewardFn, OffloadSwitches, RewardFn, RewardInput, RolloutEngine};
 
 use super::data::PromptRow;
 use super::ranks::{launcher_of, LauncherKind};
@@ -211,6 +211,29 @@ impl PpoTrainerBuilder {
     /// Validates on `rows` (default with [`Self::data`]: its first 64 rows).
     pub fn val_data(mut self, rows: impl IntoIterator<Item = PromptRow>) -> Self {
         self.parts.val = Some(rows.into_iter().collect());
+        self
+    }
+
+    /// Profiles the run as `global_profiler` says (tool, steps, ranks, output directory); the
+    /// roles' own `profiler` sections still select which roles are captured.
+    pub fn profiler(mut self, profiler: GlobalProfilerConfig) -> Self {
+        self.cfg.global_profiler = profiler;
+        self
+    }
+
+    /// Moves the actor's parameters, gradients and optimizer state to host memory between the
+    /// phases that use them (`actor.megatron.{param,grad,optimizer}_offload`).
+    pub fn offload(mut self, switches: OffloadSwitches) -> Self {
+        let m = &mut self.cfg.actor_rollout_ref.actor.megatron;
+        (m.param_offload, m.grad_offload, m.optimizer_offload) =
+            (switches.param, switches.grad, switches.optimizer);
+        self
+    }
+
+    /// What the actor's checkpoints save and load (`actor.checkpoint`: `model`, `optimizer`,
+    /// `extra`, `hf_model`); when is `trainer.save_freq`.
+    pub fn checkpoint(mut self, checkpoint: CheckpointConfig) -> Self {
+        self.cfg.actor_rollout_ref.actor.checkpoint = checkpoint;
         self
     }
 

@@ -438,3 +438,31 @@ fn packed_sequences_train_as_padded() {
         "actor_rollout_ref.actor.use_kl_loss=true",
     ]);
 }
+
+/// `algorithm.rollout_correction` (decoupled mode): the rollout returns its log-probs, token
+/// IS weights and a k3 rejection come from them against the recomputed old log-probs, and
+/// their metrics are logged. On the CPU default the sampler and the recompute agree to f32
+/// rounding, so the weights are 1 and nothing is rejected; the update runs with the weights.
+#[test]
+fn rollout_correction_weights_and_rejects() {
+    let (_, lines, _dir) = run(&[
+        "trainer.total_training_steps=2",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=seq_max_k3",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+    ]);
+    let steps: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains_key("rollout_corr/kl"))
+        .collect();
+    assert_eq!(steps.len(), 2, "{lines:?}");
+    for l in steps {
+        assert!(
+            (l["rollout_corr/rollout_is_mean"] - 1.0).abs() < 1e-3,
+            "{l:?}"
+        );
+        assert!(l["rollout_corr/kl"].abs() < 1e-3, "{l:?}");
+        assert_eq!(l["rollout_corr/rollout_rs_masked_fraction"], 0.0, "{l:?}");
+        assert!(l.contains_key("actor/pg_loss"), "the actor updated: {l:?}");
+    }
+}

@@ -287,6 +287,8 @@ pub struct PpoTrainer {
     kl_penalty: KlPenalty,
     advantages: AdvantageRegistry<Infer>,
     scorer: builder::Scorer,
+    /// `algorithm.rollout_correction`, parsed.
+    rollout_correction: Option<verl_core::algorithms::rollout_correction::RolloutCorrection>,
     log: RunLog,
     needs_ref: bool,
     /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).

@@ -331,13 +331,20 @@ impl ActorPlan {
             } else {
                 cfg.trainer.sft_warmup_steps
             };
-        let engine = EngineConfig::from_verl(
+        let mut engine = EngineConfig::from_verl(
             &cfg.actor_rollout_ref.rollout,
             &cfg.data,
             eos_token_ids,
             pad_token_id,
         )
         .map_err(setup)?;
+        // Rollout correction compares the sampler's log-probs with training's recompute.
+        engine.calculate_log_probs |= cfg
+            .algorithm
+            .rollout_correction
+            .parsed()
+            .map_err(setup)?
+            .is_active();
         // Fail on an impossible optimizer or schedule before spawning anything.
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;

@@ -84,6 +84,7 @@ impl PpoTrainer {
             kl_penalty: cfg.algorithm.kl_penalty.parse().map_err(setup)?,
             advantages,
             scorer: parts.scorer,
+            rollout_correction: Some(cfg.algorithm.rollout_correction.parsed().map_err(setup)?),
             log,
             needs_ref: plans.actor.needs_ref,
             old_log_prob_apart: plans.old_log_prob_apart,

@@ -253,6 +253,7 @@ impl PpoTrainer {
         } else {
             scores
         };
+        let mask = self.correct_rollout(batch, mask)?;
         let uids: Vec<String> = batch
             .data
             .non_tensor("uid")?
@@ -267,6 +268,9 @@ impl PpoTrainer {
         if self.critic.is_some() {
             input = input.with_values(batch.data.float::<2>("values")?);
         }
+        if batch.data.contains("rollout_is_weights") {
+            input.rollout_is_weights = Some(batch.data.float::<2>("rollout_is_weights")?);
+        }
         let (adv, returns) = self
             .advantages
             .compute(&alg.adv_estimator, &input)
@@ -276,6 +280,36 @@ impl PpoTrainer {
         batch.data.insert_float("token_level_rewards", rewards)?;
         batch.time("adv", t);
         Ok(())
+    }
+
+    /// `algorithm.rollout_correction`: truncated importance weights (`rollout_is_weights`) and
+    /// rejection (a new `response_mask`) from the rollout's log-probs against training's
+    /// recompute. Returns the mask the advantages use.
+    fn correct_rollout(
+        &self,
+        batch: &mut StepBatch,
+        mask: Tensor<Infer, 2>,
+    ) -> Result<Tensor<Infer, 2>, TrainError> {
+        let Some(correction) = self.rollout_correction.as_ref().filter(|c| c.is_active()) else {
+            return Ok(mask);
+        };
+        let out = verl_core::algorithms::rollout_correction::rollout_correction(
+            batch.data.float::<2>("old_log_probs")?,
+            batch.data.float::<2>("rollout_log_probs")?,
+            mask,
+            correction,
+        )
+        .map_err(setup)?;
+        for (k, v) in out.metrics {
+            batch.metrics.push(k, v);
+        }
+        if let Some(w) = out.weights {
+            batch.data.insert_float("rollout_is_weights", w)?;
+        }
+        batch
+            .data
+            .insert_int("response_mask", out.response_mask.clone().int())?;
+        Ok(out.response_mask)
     }
 
     /// The critic's PPO update on the batch's values and returns (when the run has a critic).
@@ -317,6 +351,9 @@ impl PpoTrainer {
         ];
         if self.cfg.actor_rollout_ref.actor.use_kl_loss {
             keys.push("ref_log_prob");
+        }
+        if batch.data.contains("rollout_is_weights") {
+            keys.push("rollout_is_weights");
         }
         let out = self
             .actor

@@ -376,3 +376,121 @@ fn masked_statistics_by_hand() {
     let shifted = host(&(masked_whiten(v, m.clone(), false) * m));
     assert!(close(&shifted, &[vec![2.0 - s, 2.0 + s, 0.0]], 1e-5));
 }
+
+/// On an f64 backend the estimators' results stay f64: a reward difference of 1e-12, lost in
+/// f32, still separates the two samples' advantages.
+#[test]
+fn advantages_keep_the_backends_float_type() {
+    type B64 = burn_ndarray::NdArray<f64>;
+    let device = Default::default();
+    let rewards =
+        Tensor::<B64, 2>::from_data(TensorData::new(vec![1.0 + 1e-12, 1.0], [2, 1]), &device);
+    let mask = Tensor::<B64, 2>::ones([2, 1], &device);
+    let uid = vec!["p".to_string(), "p".to_string()];
+    let mut input = AdvantageInput::new(rewards, mask).with_index(&uid);
+    input.norm_adv_by_std_in_grpo = false;
+    let (adv, _) = AdvantageRegistry::<B64>::new()
+        .compute("grpo", &input)
+        .unwrap();
+    assert_eq!(adv.dtype(), burn::tensor::DType::F64);
+    let adv: Vec<f64> = adv.into_data().to_vec().unwrap();
+    assert!(
+        (adv[0] - 0.5e-12).abs() < 1e-15 && (adv[1] + adv[0]).abs() < 1e-18,
+        "{adv:?}"
+    );
+}
+
+/// verl's two vectorised registrations and the plain ones on the cases where they differ: a
+/// prompt sampled once (RLOO keeps its score, `rloo_vectorized` gives 0), a group whose scores
+/// are equal (`grpo_vectorized` floors the variance at ε: 0 / (√ε + ε) = 0, no blow-up), and
+/// `grpo_vectorized` normalising by std even with `norm_adv_by_std_in_grpo` off. GPG divides
+/// by `f_norm`. GAE is 0 at padding (advantages and returns).
+#[test]
+fn vectorised_registrations_f_norm_and_gae_padding_by_hand() {
+    let reg = AdvantageRegistry::<B>::new();
+    let r = vec![vec![3.0], vec![1.0], vec![2.0], vec![5.0], vec![5.0]];
+    let m = vec![vec![1.0]; 5];
+    let uid: Vec<String> = ["a", "b", "b", "c", "c"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let run = |name: &str, norm: bool| {
+        let mut input = AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid);
+        input.norm_adv_by_std_in_grpo = norm;
+        host(&reg.compute(name, &input).unwrap().0).concat()
+    };
+    assert!(close(
+        &[run("rloo", true)],
+        &[vec![3.0, -1.0, 1.0, 0.0, 0.0]],
+        1e-6
+    ));
+    assert!(close(
+        &[run("rloo_vectorized", true)],
+        &[vec![0.0, -1.0, 1.0, 0.0, 0.0]],
+        1e-6
+    ));
+    // Group b: mean 1.5, unbiased std √0.5.
+    let z = 0.5 / (0.5f64.sqrt() + 1e-6);
+    assert!(close(
+        &[run("grpo_vectorized", false)],
+        &[vec![3.0 / (1.0 + 1e-6), -z, z, 0.0, 0.0]],
+        1e-5
+    ));
+    assert!(close(
+        &[run("grpo", false)],
+        &[vec![3.0, -0.5, 0.5, 0.0, 0.0]],
+        1e-6
+    ));
+    let mut input = AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid);
+    input.f_norm = 2.0;
+    let gpg = host(&reg.compute("gpg", &input).unwrap().0).concat();
+    // α = 5 / 5 non-zero = 1; group a (alone): mean 0 → 3 / 2.
+    assert!(
+        (gpg[0] - 1.5).abs() < 1e-6 && (gpg[2] - 0.25).abs() < 1e-6,
+        "{gpg:?}"
+    );
+    let rewards = vec![vec![0.0, 1.0, 0.0]];
+    let mask = vec![vec![1.0, 1.0, 0.0]];
+    let values = vec![vec![0.5, 0.25, 9.0]];
+    let input = AdvantageInput::new(t2(&rewards), t2(&mask)).with_values(t2(&values));
+    let (adv, ret) = reg.compute("gae", &input).unwrap();
+    assert_eq!((host(&adv)[0][2], host(&ret)[0][2]), (0.0, 0.0));
+}
+
+/// Optimal token baseline: importance weights of 1 change nothing; `handle_zero_tail` gives
+/// the one longest trajectory its return past the second longest, where otherwise its own
+/// return is its baseline (advantage 0).
+#[test]
+fn optimal_token_baseline_weights_and_zero_tail_by_hand() {
+    let reg = AdvantageRegistry::<B>::new();
+    let r = vec![vec![1.0, 0.0, 0.0], vec![0.0, 0.0, 2.0]];
+    let m = vec![vec![1.0, 0.0, 0.0], vec![1.0, 1.0, 1.0]];
+    let lp = vec![vec![-1.0, -1.0, -1.0], vec![-0.5, -0.7, -0.2]];
+    let sp = vec![vec![0.3, 0.3, 0.3], vec![0.4, 0.2, 0.5]];
+    let uid: Vec<String> = vec!["g".into(), "g".into()];
+    let base = || {
+        let mut x = AdvantageInput::new(t2(&r), t2(&m)).with_index(&uid);
+        x.old_log_probs = Some(t2(&lp));
+        x.sum_pi_squared = Some(t2(&sp));
+        x
+    };
+    let plain = host(&reg.compute("optimal_token_baseline", &base()).unwrap().0);
+    let mut weighted = base();
+    weighted.rollout_is_weights = Some(t2(&[vec![1.0; 3], vec![1.0; 3]]));
+    let same = host(&reg.compute("optimal_token_baseline", &weighted).unwrap().0);
+    assert!(close(&plain, &same, 1e-9));
+    // Past token 0 only the long trajectory is valid: its baseline is its own return.
+    assert!(
+        plain[1][1].abs() < 1e-6 && plain[1][2].abs() < 1e-6,
+        "{plain:?}"
+    );
+    let mut tail = base();
+    tail.handle_zero_tail = true;
+    let tail = host(&reg.compute("optimal_token_baseline", &tail).unwrap().0);
+    // Returns-to-go of the long one: 2 at t = 1 and t = 2.
+    assert!(
+        (tail[1][1] - 2.0).abs() < 1e-6 && (tail[1][2] - 2.0).abs() < 1e-6,
+        "{tail:?}"
+    );
+    assert!(close(&[tail[0].clone()], &[plain[0].clone()], 1e-9));
+}

@@ -282,8 +282,9 @@ fn policy_losses_by_hand_at_ratio_one() {
     assert!(loss("gspo").abs() < 1e-6 && loss("geo_mean").abs() < 1e-6);
     // GPG: −mean(log π·A) = −((−1)(1) + (−2)(3) + (−0.5)(−2))/3 = 6/3 = 2.
     assert!((loss("gpg") - 2.0).abs() < 1e-6);
-    // SAPO: gate(1) = 4/τ·σ(0) = 2/τ: −(2/1·1 + 2/1·3 + 2/1.05·(−2))/3.
-    let sapo = -(2.0 + 6.0 - 4.0 / 1.05) / 3.0;
+    // SAPO: gate(1) = 4/τ·σ(0) = 2/τ, averaged per sequence then over sequences (verl's
+    // fixed seq-mean-token-mean): (−(2·1 + 2·3)/2 − (2/1.05)·(−2)) / 2.
+    let sapo = (-(2.0 + 6.0) / 2.0 + 4.0 / 1.05) / 2.0;
     assert!((loss("sapo") - sapo).abs() < 1e-5);
     assert!(
         (loss("cispo") - (1.0 + 6.0 - 1.0) / 3.0).abs() < 1e-6,
@@ -437,4 +438,47 @@ fn registry_lists_verl_names_and_refuses_unknown_ones() {
         .to_string()
         .contains("old_log_prob"));
     assert!("mean".parse::<LossAggMode>().is_err());
+}
+
+proptest! {
+    /// Importance weights of 1 leave every loss as it was; weights of 2 double every loss
+    /// (token losses are linear in them; geo_mean's sequence weight is their geometric mean).
+    #[test]
+    fn rollout_is_weights_scale_every_loss(x in inputs()) {
+        let reg = PolicyLossRegistry::<B>::new();
+        let ones: Vec<Vec<f64>> = x[0].iter().map(|r| vec![1.0; r.len()]).collect();
+        let twos: Vec<Vec<f64>> = x[0].iter().map(|r| vec![2.0; r.len()]).collect();
+        for name in ["vanilla", "gspo", "sapo", "gpg", "geo_mean", "cispo"] {
+            let plain = s(reg.compute(name, &input(&x)).unwrap().loss);
+            let one = s(reg.compute(name, &input(&x).with_rollout_is_weights(t2(&ones))).unwrap().loss);
+            let two = s(reg.compute(name, &input(&x).with_rollout_is_weights(t2(&twos))).unwrap().loss);
+            prop_assert!((plain - one).abs() <= 1e-5 * plain.abs().max(1.0), "{name}: {plain} vs {one}");
+            prop_assert!((2.0 * plain - two).abs() <= 1e-4 * plain.abs().max(1.0), "{name}: 2·{plain} vs {two}");
+        }
+    }
+}
+
+/// A hand-checked weighted loss at ratio 1: vanilla's token losses −A, weighted (0.5, 2; 1),
+/// token-mean over 3 tokens: −(0.5·1 + 2·3 − 1·2)/3 = −1.5. SAPO reports no clip fraction even
+/// with ratios far outside the band.
+#[test]
+fn weighted_vanilla_by_hand_and_sapo_reports_no_clip() {
+    let old = vec![vec![-1.0, -2.0], vec![-0.5, -0.5]];
+    let adv = vec![vec![1.0, 3.0], vec![-2.0, 0.0]];
+    let mask = vec![vec![1.0, 1.0], vec![1.0, 0.0]];
+    let reg = PolicyLossRegistry::<B>::new();
+    let w = t2(&[vec![0.5, 2.0], vec![1.0, 7.0]]);
+    let x = [old.clone(), old.clone(), adv.clone(), mask.clone()];
+    let loss = s(reg
+        .compute("vanilla", &input(&x).with_rollout_is_weights(w))
+        .unwrap()
+        .loss);
+    assert!((loss + 1.5).abs() < 1e-6, "{loss}");
+    let far: Vec<Vec<f64>> = old
+        .iter()
+        .map(|r| r.iter().map(|v| v + 1.0).collect())
+        .collect();
+    let out = reg.compute("sapo", &input(&[old, far, adv, mask])).unwrap();
+    assert_eq!((out.pg_clipfrac, out.pg_clipfrac_lower), (0.0, 0.0));
+    assert!(out.ppo_kl < -0.9, "ppo_kl still measured: {}", out.ppo_kl);
 }

@@ -37,6 +37,14 @@ pub struct AdvantageInput<'a, B: Backend> {
     /// GRPO: divide by the group std (false gives Dr.GRPO).
     pub norm_adv_by_std_in_grpo: bool,
     pub epsilon: f64,
+    /// GPG's divisor of the advantages (verl's `f_norm`, 1 unless given).
+    pub f_norm: f64,
+    /// Rollout correction's importance weights (optimal token baseline: each token's weight
+    /// is multiplied by their square).
+    pub rollout_is_weights: Option<Tensor<B, 2>>,
+    /// Optimal token baseline: where one trajectory of a group is longer than all the others,
+    /// its baseline is 0 past the second longest (its tail's advantage is the return, not 0).
+    pub handle_zero_tail: bool,
 }
 
 impl<'a, B: Backend> AdvantageInput<'a, B> {
@@ -54,6 +62,9 @@ impl<'a, B: Backend> AdvantageInput<'a, B> {
             lam: 1.0,
             norm_adv_by_std_in_grpo: true,
             epsilon: 1e-6,
+            f_norm: 1.0,
+            rollout_is_weights: None,
+            handle_zero_tail: false,
         }
     }
     pub fn with_index(mut self, index: &'a [String]) -> Self {
@@ -182,7 +193,13 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
 
 /// GAE (Schulman et al. 2016, arXiv:1506.02438). Backward over tokens:
 /// δ_t = r_t + γ·V_{t+1} − V_t, A_t = δ_t + γλ·A_{t+1}, where masked tokens pass the next value and
-/// advantage through unchanged. Returns = A + V (before whitening); advantages are whitened.
+/// advantage through unchanged. Returns = A + V (before whitening); advantages are whitened over
+/// the masked tokens.
+///
+/// A deliberate difference from verl: advantages *and* returns are 0 at masked positions. verl
+/// leaves the whitened value (0 − μ)/σ at padding and returns A + V there; every loss reads
+/// them through the response mask, so the updates are the same, and a 0 cannot leak into a
+/// metric or a custom loss that forgets the mask.
 pub fn gae<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> {
     let (r, m) = input.check("gae")?;
     let v = input.optional_2d("gae", "values", &input.values)?;
@@ -321,11 +338,54 @@ pub fn rloo<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput
         let n = g.len() as f64;
         let sum: f64 = g.iter().map(|&i| s[i]).sum();
         for &i in &g {
+            // A prompt sampled once has no others to compare with: verl keeps its score.
             a[i] = if g.len() > 1 {
                 (n * s[i] - sum) / (n - 1.0)
             } else {
-                0.0
+                s[i]
             };
+        }
+    }
+    let h = tile(&a, &m);
+    Ok(out(input, &h, &h))
+}
+
+/// verl's `rloo_vectorized`: [`rloo`], except that a prompt sampled once gets 0.
+pub fn rloo_vectorized<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> {
+    let (r, m) = input.check("rloo_vectorized")?;
+    let s = scores(&r, &m);
+    let mut a = vec![0.0; s.len()];
+    for g in input.groups("rloo_vectorized")? {
+        let n = g.len() as f64;
+        let sum: f64 = g.iter().map(|&i| s[i]).sum();
+        for &i in &g {
+            if g.len() > 1 {
+                a[i] = (n * s[i] - sum) / (n - 1.0);
+            }
+        }
+    }
+    let h = tile(&a, &m);
+    Ok(out(input, &h, &h))
+}
+
+/// verl's `grpo_vectorized`: [`grpo`] with the group variance floored at ε before its square
+/// root (so the std is at least √ε), and always normalised by it (verl does not pass
+/// `norm_adv_by_std_in_grpo` to it).
+pub fn grpo_vectorized<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput<B>> {
+    let (r, m) = input.check("grpo_vectorized")?;
+    let s = scores(&r, &m);
+    let mut a = vec![0.0; s.len()];
+    for g in input.groups("grpo_vectorized")? {
+        let xs: Vec<f64> = g.iter().map(|&i| s[i]).collect();
+        let (mean, std) = match xs.len() {
+            1 => (0.0, 1.0),
+            _ => {
+                let (mean, std) = mean_std(&xs);
+                (mean, (std * std).max(input.epsilon).sqrt())
+            }
+        };
+        for &i in &g {
+            a[i] = (s[i] - mean) / (std + input.epsilon);
         }
     }
     let h = tile(&a, &m);
@@ -394,7 +454,7 @@ pub fn gpg<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput<
             g.iter().map(|&i| s[i]).sum::<f64>() / g.len() as f64
         };
         for &i in &g {
-            a[i] = alpha * (s[i] - mean);
+            a[i] = alpha * (s[i] - mean) / input.f_norm;
         }
     }
     let h = tile(&a, &m);
@@ -411,6 +471,11 @@ pub fn optimal_token_baseline<B: Backend>(
     let (r, m) = input.check(name)?;
     let lp = input.optional_2d(name, "old_log_probs", &input.old_log_probs)?;
     let sp = input.optional_2d(name, "sum_pi_squared", &input.sum_pi_squared)?;
+    let is = input
+        .rollout_is_weights
+        .as_ref()
+        .map(|w| input.optional_2d(name, "rollout_is_weights", &Some(w.clone())))
+        .transpose()?;
     let (rows, cols) = (r.rows, r.cols);
     let mut ret = Host2::zeros(rows, cols);
     let mut w = Host2::zeros(rows, cols);
@@ -422,7 +487,8 @@ pub fn optimal_token_baseline<B: Backend>(
         }
         let mut cum = 0.0;
         for t in 0..cols {
-            cum += (1.0 - 2.0 * lp.at(i, t).exp() + sp.at(i, t)) * m.at(i, t);
+            let is2 = is.as_ref().map_or(1.0, |h| h.at(i, t).powi(2));
+            cum += (1.0 - 2.0 * lp.at(i, t).exp() + sp.at(i, t)) * is2 * m.at(i, t);
             w.set(i, t, cum);
         }
     }
@@ -432,6 +498,15 @@ pub fn optimal_token_baseline<B: Backend>(
         if g.len() == 1 {
             continue;
         }
+        // handle_zero_tail: the one trajectory longer than every other keeps its return as
+        // the advantage past the second longest (alone there, its baseline would be itself).
+        let tail = if input.handle_zero_tail {
+            let mut lens: Vec<(f64, usize)> = g.iter().map(|&i| (m.row_sum(i), i)).collect();
+            lens.sort_by(|a, b| b.0.total_cmp(&a.0));
+            (lens[0].0 > lens[1].0).then_some((lens[0].1, lens[1].0 as usize))
+        } else {
+            None
+        };
         for t in 0..cols {
             let num: f64 = g
                 .iter()
@@ -439,6 +514,9 @@ pub fn optimal_token_baseline<B: Backend>(
                 .sum();
             let den: f64 = g.iter().map(|&i| w.at(i, t) * m.at(i, t)).sum::<f64>() + eps;
             for &i in &g {
+                if tail.is_some_and(|(longest, from)| i == longest && t >= from) {
+                    continue;
+                }
                 adv[i * cols + t] -= num / den;
             }
         }
@@ -475,7 +553,7 @@ pub struct AdvantageRegistry<B: Backend> {
 }
 
 /// verl's built-in estimator names.
-pub const BUILTIN_ESTIMATORS: [&str; 10] = [
+pub const BUILTIN_ESTIMATORS: [&str; 12] = [
     "gae",
     "grpo",
     "reinforce_plus_plus",
@@ -486,6 +564,8 @@ pub const BUILTIN_ESTIMATORS: [&str; 10] = [
     "gpg",
     "grpo_passk",
     "optimal_token_baseline",
+    "grpo_vectorized",
+    "rloo_vectorized",
 ];
 
 impl<B: Backend> Default for AdvantageRegistry<B> {
@@ -500,7 +580,7 @@ impl<B: Backend> AdvantageRegistry<B> {
         let mut r = Self {
             estimators: NamedRegistry::new("advantage estimator"),
         };
-        let builtins: [(&str, BuiltinEstimator<B>); 10] = [
+        let builtins: [(&str, BuiltinEstimator<B>); 12] = [
             ("gae", gae),
             ("grpo", grpo),
             ("reinforce_plus_plus", reinforce_plus_plus),
@@ -511,6 +591,8 @@ impl<B: Backend> AdvantageRegistry<B> {
             ("gpg", gpg),
             ("grpo_passk", grpo_passk),
             ("optimal_token_baseline", optimal_token_baseline),
+            ("grpo_vectorized", grpo_vectorized),
+            ("rloo_vectorized", rloo_vectorized),
         ];
         for (name, f) in builtins {
             r.register(name, f);

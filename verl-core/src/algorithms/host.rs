@@ -7,6 +7,7 @@ use burn::prelude::*;
 use burn::tensor::TensorData;
 
 /// Row-major host copy of a 2-D tensor.
+#[derive(Clone)]
 pub(crate) struct Host2 {
     pub data: Vec<f64>,
     pub rows: usize,
@@ -42,9 +43,10 @@ impl Host2 {
         self.data[r * self.cols..(r + 1) * self.cols].iter().sum()
     }
 
+    /// As a tensor of the backend's float type (f64 stays f64 on an f64 backend).
     pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
-        let v: Vec<f32> = self.data.iter().map(|&x| x as f32).collect();
-        Tensor::from_data(TensorData::new(v, [self.rows, self.cols]), device)
+        let data = TensorData::new(self.data.clone(), [self.rows, self.cols]);
+        Tensor::from_data(data.convert::<B::FloatElem>(), device)
     }
 
     /// verl's `masked_whiten`: (x − mean) / sqrt(var + 1e-8) over masked entries, with the

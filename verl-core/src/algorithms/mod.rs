@@ -24,6 +24,7 @@ pub mod masked;
 pub mod policy_loss;
 pub mod registry;
 pub mod reward;
+pub mod rollout_correction;
 pub mod value;
 
 mod host;

@@ -65,6 +65,10 @@ pub struct PolicyLossInput<B: Backend> {
     pub loss_agg_mode: LossAggMode,
     pub agg_scale: AggScale,
     pub params: PolicyLossParams,
+    /// verl's `rollout_is_weights` (rollout correction's truncated importance weights, no
+    /// gradient): multiply each token's loss before aggregation (geo_mean: their geometric
+    /// mean multiplies each sequence's loss).
+    pub rollout_is_weights: Option<Tensor<B, 2>>,
 }
 
 impl<B: Backend> PolicyLossInput<B> {
@@ -83,7 +87,14 @@ impl<B: Backend> PolicyLossInput<B> {
             loss_agg_mode: LossAggMode::TokenMean,
             agg_scale: AggScale::default(),
             params: PolicyLossParams::default(),
+            rollout_is_weights: None,
         }
+    }
+
+    /// With rollout correction's importance weights ([`Self::rollout_is_weights`]).
+    pub fn with_rollout_is_weights(mut self, weights: Tensor<B, 2>) -> Self {
+        self.rollout_is_weights = Some(weights);
+        self
     }
 
     fn check(&self, name: &str) -> Result<()> {
@@ -94,6 +105,9 @@ impl<B: Backend> PolicyLossInput<B> {
             &self.old_log_prob.dims(),
         )?;
         same_shape(&format!("{name}: advantages"), &d, &self.advantages.dims())?;
+        if let Some(w) = &self.rollout_is_weights {
+            same_shape(&format!("{name}: rollout_is_weights"), &d, &w.dims())?;
+        }
         same_shape(
             &format!("{name}: response_mask"),
             &d,
@@ -101,11 +115,24 @@ impl<B: Backend> PolicyLossInput<B> {
         )
     }
 
+    /// Each token's loss times its importance weight, when there are weights.
+    fn weighted(&self, losses: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.rollout_is_weights {
+            Some(w) => losses * w.clone().detach(),
+            None => losses,
+        }
+    }
+
     fn agg(&self, losses: Tensor<B, 2>) -> Tensor<B, 1> {
+        self.agg_as(losses, self.loss_agg_mode)
+    }
+
+    /// [`Self::agg`] in `mode` whatever the configured one (GSPO and SAPO fix theirs).
+    fn agg_as(&self, losses: Tensor<B, 2>, mode: LossAggMode) -> Tensor<B, 1> {
         agg_loss(
-            losses,
+            self.weighted(losses),
             self.response_mask.clone(),
-            self.loss_agg_mode,
+            mode,
             self.agg_scale,
         )
     }
@@ -187,7 +214,7 @@ pub fn gspo<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
     let l1 = -adv.clone() * ratio.clone();
     let l2 = -adv * ratio.clamp(1.0 - p.clip_ratio_low, 1.0 + p.clip_ratio_high);
     let losses = l1.clone().max_pair(l2.clone());
-    let loss = agg_loss(losses, mask, LossAggMode::SeqMeanTokenMean, x.agg_scale);
+    let loss = x.agg_as(losses, LossAggMode::SeqMeanTokenMean);
     Ok(PolicyLossOutput {
         loss,
         pg_clipfrac: x.mean(l2.greater(l1).float()),
@@ -197,8 +224,9 @@ pub fn gspo<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
 }
 
 /// SAPO (soft adaptive policy optimisation): a smooth gate f(r) = σ(τ(r − 1))·4/τ replaces the
-/// hard clip, with τ = `tau_pos` for A > 0 and `tau_neg` otherwise; L = −f(r)·A. The clip
-/// fractions report ratios outside [1 − ε_low, 1 + ε_high].
+/// hard clip, with τ = `tau_pos` for A > 0 and `tau_neg` otherwise; L = −f(r)·A, averaged as
+/// `seq-mean-token-mean` whatever `loss_agg_mode` says (as verl's). Having no clip, it reports
+/// clip fractions of 0 (as verl's).
 pub fn sapo<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
     x.check("sapo")?;
     let p = x.params;
@@ -208,11 +236,13 @@ pub fn sapo<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
     let tau = adv.clone().greater_elem(0.0).float() * (p.tau_pos - p.tau_neg) + p.tau_neg;
     let gate = burn::tensor::activation::sigmoid(tau.clone() * (ratio.clone() - 1.0)) * 4.0 / tau;
     let losses = -gate * adv;
+    // As verl: SAPO always averages tokens within a sequence, then sequences, and has no clip,
+    // so it reports no clip fraction.
     Ok(PolicyLossOutput {
-        loss: x.agg(losses),
-        pg_clipfrac: x.mean(ratio.clone().greater_elem(1.0 + p.clip_ratio_high).float()),
+        loss: x.agg_as(losses, LossAggMode::SeqMeanTokenMean),
+        pg_clipfrac: 0.0,
         ppo_kl: x.mean(-neg_kl),
-        pg_clipfrac_lower: x.mean(ratio.lower_elem(1.0 - p.clip_ratio_low).float()),
+        pg_clipfrac_lower: 0.0,
     })
 }
 
@@ -347,8 +377,14 @@ pub fn geo_mean<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B
     let pessimistic = sgn * min;
     let len = mask.clone().sum_dim(1) + 1e-8;
     let ratio = ((pessimistic * mask.clone()).sum_dim(1) / len.clone()).exp();
-    let seq_adv = (x.advantages.clone() * mask).sum_dim(1) / len;
-    let loss = (-seq_adv * ratio).mean();
+    let seq_adv = (x.advantages.clone() * mask.clone()).sum_dim(1) / len.clone();
+    let mut seq_loss = -seq_adv * ratio;
+    if let Some(w) = &x.rollout_is_weights {
+        // One weight per sequence: the tokens' geometric mean.
+        let log_w = (w.clone().detach() + 1e-10).log() * mask;
+        seq_loss = seq_loss * (log_w.sum_dim(1) / len).exp();
+    }
+    let loss = seq_loss.mean();
     let was_clipped = neg_kl.clone().not_equal(clamped).float();
     Ok(PolicyLossOutput {
         loss,

@@ -39,6 +39,70 @@ pub struct AlgorithmConfig {
     pub kl_penalty: String,
     pub kl_ctrl: KlCtrlConfig,
     pub use_pf_ppo: bool,
+    /// Rollout–training mismatch correction
+    /// ([`crate::algorithms::rollout_correction`]).
+    pub rollout_correction: RolloutCorrectionConfig,
+}
+
+/// `algorithm.rollout_correction` (verl's keys; off by default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutCorrectionConfig {
+    /// `token`, `sequence`, or `null` (no importance weights).
+    pub rollout_is: Option<String>,
+    /// Weights are truncated above at this.
+    pub rollout_is_threshold: f64,
+    /// Divide the weights by their batch mean.
+    pub rollout_is_batch_normalize: bool,
+    /// Rejection criteria, comma-separated (`token_k1`, `seq_mean_k3`, ...), or `null`.
+    pub rollout_rs: Option<String>,
+    /// One threshold for every criterion or one per criterion (a number, or `lower_upper`
+    /// for k1 ones).
+    pub rollout_rs_threshold: Option<serde_json::Value>,
+    /// verl's bypass mode (the rollout's log-probs as the old ones): not supported yet.
+    pub bypass_mode: bool,
+    /// The bypass mode's loss (`ppo_clip`, `reinforce`).
+    pub loss_type: String,
+}
+
+impl Default for RolloutCorrectionConfig {
+    fn default() -> Self {
+        Self {
+            rollout_is: None,
+            rollout_is_threshold: 2.0,
+            rollout_is_batch_normalize: false,
+            rollout_rs: None,
+            rollout_rs_threshold: None,
+            bypass_mode: false,
+            loss_type: "ppo_clip".into(),
+        }
+    }
+}
+
+impl RolloutCorrectionConfig {
+    /// The parsed correction; an error names the key to fix.
+    pub fn parsed(
+        &self,
+    ) -> Result<crate::algorithms::rollout_correction::RolloutCorrection, crate::error::ConfigError>
+    {
+        let threshold = self.rollout_rs_threshold.as_ref().map(|v| match v {
+            serde_json::Value::String(s) => s.clone(),
+            other => other.to_string(),
+        });
+        crate::algorithms::rollout_correction::RolloutCorrection::parse(
+            self.rollout_is.as_deref(),
+            self.rollout_is_threshold,
+            self.rollout_is_batch_normalize,
+            self.rollout_rs.as_deref(),
+            threshold.as_deref(),
+        )
+        .map_err(|e| crate::error::ConfigError::Invalid {
+            key: "algorithm.rollout_correction".into(),
+            value: format!("{self:?}"),
+            message: e.to_string(),
+            fix: "see the rollout_is / rollout_rs keys in README's Algorithms section".into(),
+        })
+    }
 }
 
 impl Default for AlgorithmConfig {
@@ -52,6 +116,7 @@ impl Default for AlgorithmConfig {
             kl_penalty: "kl".into(),
             kl_ctrl: KlCtrlConfig::default(),
             use_pf_ppo: false,
+            rollout_correction: RolloutCorrectionConfig::default(),
         }
     }
 }

@@ -45,7 +45,7 @@ pub use actor_rollout_ref::{
     ActorConfig, ActorRolloutRefConfig, ModelConfig, PolicyLossConfig, RefConfig, RolloutConfig,
     ValKwargs,
 };
-pub use algorithm::{AlgorithmConfig, KlCtrlConfig};
+pub use algorithm::{AlgorithmConfig, KlCtrlConfig, RolloutCorrectionConfig};
 pub use critic::{
     CriticConfig, CriticModelConfig, CustomRewardFunctionConfig, RewardModelConfig,
     RewardModelModelConfig,

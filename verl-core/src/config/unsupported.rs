@@ -371,6 +371,22 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false",
     )?;
 
+    let rc = &cfg.algorithm.rollout_correction;
+    require(
+        !rc.bypass_mode,
+        "algorithm.rollout_correction.bypass_mode",
+        rc.bypass_mode,
+        "bypass mode (the rollout's log-probs as the old ones) is not supported yet",
+        "set it to false (decoupled mode: old log-probs recomputed, rollout_is / rollout_rs applied)",
+    )?;
+    require(
+        rc.loss_type == "ppo_clip",
+        "algorithm.rollout_correction.loss_type",
+        &rc.loss_type,
+        "the loss type is bypass mode's, which is not supported yet",
+        "set it to ppo_clip",
+    )?;
+    rc.parsed()?;
     refuse_unsupported_profiling(cfg)?;
     Ok(())
 }
@@ -515,6 +531,17 @@ mod tests {
     }
 
     #[test]
+    fn a_bad_rollout_correction_is_refused_by_key() {
+        let cfg = VerlConfig::from_layers(None, &["algorithm.rollout_correction.rollout_is=seq"])
+            .expect("parses");
+        let err = refuse_unsupported(&cfg).unwrap_err().to_string();
+        assert!(
+            err.contains("algorithm.rollout_correction") && err.contains("rollout_is"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn the_defaults_are_supported() {
         refuse_unsupported(&VerlConfig::default()).expect("defaults are honoured");
     }
@@ -549,6 +576,10 @@ mod tests {
                 "custom_reward_function.path",
             ),
             ("global_profiler.tool=npu", "global_profiler.tool"),
+            (
+                "algorithm.rollout_correction.bypass_mode=true",
+                "algorithm.rollout_correction.bypass_mode",
+            ),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
         }

@@ -519,6 +519,11 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             loss_agg_mode: s.loss_agg_mode,
             agg_scale: scale,
             params: s.loss_params,
+            // Rollout correction's importance weights, when the batch carries them.
+            rollout_is_weights: match micro.contains("rollout_is_weights") {
+                true => Some(Tensor::from_inner(float_col(micro, "rollout_is_weights")?)),
+                false => None,
+            },
         };
         let out = loss_fn(&input)?;
         let mut loss = out.loss.clone();

@@ -1,0 +1,465 @@
+//! Rollout–training mismatch correction (verl's `algorithm.rollout_correction`, decoupled
+//! mode): the rollout samples with one numeric path (bf16 on GPUs, its own batch layout) and
+//! training recomputes the old log-probs with another, so the samples are slightly off-policy
+//! for the policy PPO thinks produced them. From each token's `log_ratio = old_log_prob −
+//! rollout_log_prob`:
+//!
+//! - **Truncated importance sampling** (`rollout_is`): per token `w = exp(log_ratio)`, or per
+//!   sequence `w = exp(Σ log_ratio)` on every token; clamped to ±20 in log space, then
+//!   truncated above at `rollout_is_threshold`, optionally divided by its batch mean. The policy
+//!   losses multiply each token's loss by `w` (`rollout_is_weights`).
+//! - **Rejection sampling** (`rollout_rs`): tokens or whole sequences whose divergence
+//!   statistic leaves its bounds are dropped from `response_mask`. Statistics: `k1 = −log_ratio`
+//!   (bounds `lower_upper` as ratios, log taken), `k2 = ½·log_ratio²`, `k3 = exp(log_ratio) − 1 −
+//!   log_ratio` (an upper bound), per token (`token_*`) or per sequence (`seq_sum_*`,
+//!   `seq_mean_*`, `seq_max_*`); several options all have to keep a token.
+//!
+//! Weights are computed on the mask before rejection, as verl's are. Metrics go under
+//! `rollout_corr/`.
+//!
+//! ```
+//! use burn::tensor::{Tensor, TensorData};
+//! use verl_core::algorithms::rollout_correction::{rollout_correction, RolloutCorrection};
+//! use verl_core::backend::CpuBackend as B;
+//! let d = Default::default();
+//! let t = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [1, 2]), &d);
+//! // Training is twice as likely as the rollout on token 0, 8× on token 1 (truncated to 2).
+//! let old = t(vec![0.5f32.ln(), 0.8f32.ln()]);
+//! let rollout = t(vec![0.25f32.ln(), 0.1f32.ln()]);
+//! let correction = RolloutCorrection::parse(Some("token"), 2.0, false, None, None).unwrap();
+//! let out = rollout_correction(old, rollout, t(vec![1.0, 1.0]), &correction).unwrap();
+//! let w: Vec<f32> = out.weights.unwrap().into_data().to_vec().unwrap();
+//! assert!((w[0] - 2.0).abs() < 1e-5 && (w[1] - 2.0).abs() < 1e-5);
+//! ```
+
+use std::collections::BTreeMap;
+
+use burn::prelude::*;
+
+use super::host::Host2;
+use crate::error::AlgorithmError;
+
+type Result<T> = std::result::Result<T, AlgorithmError>;
+
+/// How importance weights are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IsLevel {
+    Token,
+    Sequence,
+}
+
+/// A rejection statistic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RsStatistic {
+    K1,
+    K2,
+    K3,
+}
+
+/// Over what a rejection statistic is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RsScope {
+    Token,
+    SeqSum,
+    SeqMean,
+    SeqMax,
+}
+
+/// One rejection criterion: keep where `lower ≤ statistic ≤ upper`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RsOption {
+    pub name: String,
+    pub scope: RsScope,
+    pub statistic: RsStatistic,
+    pub lower: f64,
+    pub upper: f64,
+}
+
+/// A parsed `algorithm.rollout_correction`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutCorrection {
+    pub is_level: Option<IsLevel>,
+    pub is_threshold: f64,
+    pub batch_normalize: bool,
+    pub rejection: Vec<RsOption>,
+}
+
+fn invalid(message: String) -> AlgorithmError {
+    AlgorithmError::Invalid {
+        algorithm: "rollout_correction".into(),
+        message,
+    }
+}
+
+impl RolloutCorrection {
+    /// From verl's keys: `rollout_is` (`token` / `sequence` / none), `rollout_is_threshold`,
+    /// `rollout_is_batch_normalize`, `rollout_rs` (comma-separated options) and
+    /// `rollout_rs_threshold` (one threshold for every option, or one per option,
+    /// comma-separated; a k1 option's is `lower_upper`, or `u` for `1/u_u`).
+    pub fn parse(
+        rollout_is: Option<&str>,
+        is_threshold: f64,
+        batch_normalize: bool,
+        rollout_rs: Option<&str>,
+        rs_threshold: Option<&str>,
+    ) -> Result<Self> {
+        let is_level = match rollout_is {
+            None => None,
+            Some("token") => Some(IsLevel::Token),
+            Some("sequence") => Some(IsLevel::Sequence),
+            Some(other) => {
+                return Err(invalid(format!(
+                    "rollout_is = `{other}`: use token, sequence or null"
+                )))
+            }
+        };
+        if !(is_threshold > 0.0 && is_threshold.is_finite()) {
+            return Err(invalid(format!(
+                "rollout_is_threshold = {is_threshold}: must be a positive number"
+            )));
+        }
+        let rejection = match rollout_rs {
+            None => Vec::new(),
+            Some(options) => parse_rejection(options, rs_threshold)?,
+        };
+        Ok(Self {
+            is_level,
+            is_threshold,
+            batch_normalize,
+            rejection,
+        })
+    }
+
+    /// Whether it changes anything.
+    pub fn is_active(&self) -> bool {
+        self.is_level.is_some() || !self.rejection.is_empty()
+    }
+}
+
+fn parse_rejection(options: &str, thresholds: Option<&str>) -> Result<Vec<RsOption>> {
+    let names: Vec<&str> = options
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let thresholds = thresholds.ok_or_else(|| {
+        invalid(format!(
+            "rollout_rs = `{options}` needs rollout_rs_threshold"
+        ))
+    })?;
+    let specs: Vec<&str> = thresholds.split(',').map(str::trim).collect();
+    if specs.len() != 1 && specs.len() != names.len() {
+        return Err(invalid(format!(
+            "rollout_rs_threshold = `{thresholds}`: one threshold, or one per option of `{options}`"
+        )));
+    }
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let spec = specs[if specs.len() == 1 { 0 } else { i }];
+            parse_option(name, spec)
+        })
+        .collect()
+}
+
+fn parse_option(name: &str, spec: &str) -> Result<RsOption> {
+    let (scope, stat) = name.rsplit_once('_').ok_or_else(|| unknown_option(name))?;
+    let scope = match scope {
+        "token" => RsScope::Token,
+        "seq_sum" => RsScope::SeqSum,
+        "seq_mean" => RsScope::SeqMean,
+        "seq_max" => RsScope::SeqMax,
+        _ => return Err(unknown_option(name)),
+    };
+    let statistic = match stat {
+        "k1" if scope != RsScope::SeqMax => RsStatistic::K1,
+        "k2" => RsStatistic::K2,
+        "k3" => RsStatistic::K3,
+        _ => return Err(unknown_option(name)),
+    };
+    let number = |s: &str| -> Result<f64> {
+        s.trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "rollout_rs_threshold for {name}: `{spec}` is not a positive number"
+                ))
+            })
+    };
+    let (lower, upper) = match statistic {
+        // k1 bounds are ratios; the statistic is a log-ratio.
+        RsStatistic::K1 => {
+            let (lo, hi) = match spec.split_once('_') {
+                Some((lo, hi)) => (number(lo)?, number(hi)?),
+                None => {
+                    let u = number(spec)?;
+                    (1.0 / u, u)
+                }
+            };
+            if lo > hi {
+                return Err(invalid(format!(
+                    "rollout_rs_threshold for {name}: lower {lo} above upper {hi}"
+                )));
+            }
+            (lo.ln(), hi.ln())
+        }
+        _ => (f64::NEG_INFINITY, number(spec)?),
+    };
+    Ok(RsOption {
+        name: name.to_string(),
+        scope,
+        statistic,
+        lower,
+        upper,
+    })
+}
+
+fn unknown_option(name: &str) -> AlgorithmError {
+    invalid(format!(
+        "rollout_rs option `{name}`: use token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 or seq_max_k2/k3"
+    ))
+}
+
+/// What the correction gives: the weights (with `rollout_is`), the mask after rejection and
+/// the `rollout_corr/` metrics.
+#[derive(Debug, Clone)]
+pub struct CorrectionOutput<B: Backend> {
+    pub weights: Option<Tensor<B, 2>>,
+    pub response_mask: Tensor<B, 2>,
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Applies `correction` to a batch's `old_log_probs` (training's recompute) and
+/// `rollout_log_probs` (the sampler's), `[batch, response]` under `response_mask`.
+pub fn rollout_correction<B: Backend>(
+    old_log_probs: Tensor<B, 2>,
+    rollout_log_probs: Tensor<B, 2>,
+    response_mask: Tensor<B, 2>,
+    correction: &RolloutCorrection,
+) -> Result<CorrectionOutput<B>> {
+    let dims = old_log_probs.dims();
+    for (what, d) in [
+        ("rollout_log_probs", rollout_log_probs.dims()),
+        ("response_mask", response_mask.dims()),
+    ] {
+        if d != dims {
+            return Err(AlgorithmError::Shape {
+                what: format!("rollout_correction: {what}"),
+                expected: dims.to_vec(),
+                found: d.to_vec(),
+            });
+        }
+    }
+    let device = old_log_probs.device();
+    let old = Host2::from_tensor(&old_log_probs);
+    let rollout = Host2::from_tensor(&rollout_log_probs);
+    let mask = Host2::from_tensor(&response_mask);
+    let mut ratio = Host2::zeros(old.rows, old.cols);
+    for (r, (o, l)) in ratio
+        .data
+        .iter_mut()
+        .zip(old.data.iter().zip(&rollout.data))
+    {
+        *r = (o - l).clamp(-20.0, 20.0);
+    }
+    let mut metrics = mismatch_metrics(&old, &rollout, &mask);
+    let weights = correction
+        .is_level
+        .map(|level| importance_weights(&ratio, &mask, level, correction, &mut metrics));
+    let mut kept = mask.clone();
+    for option in &correction.rejection {
+        reject(&ratio, &mut kept, option, &mut metrics);
+    }
+    let (tokens, dropped) = mask
+        .data
+        .iter()
+        .zip(&kept.data)
+        .fold((0.0, 0.0), |(n, d), (m, k)| (n + m, d + m - k));
+    metrics.insert(
+        "rollout_corr/rollout_rs_masked_fraction".into(),
+        dropped / tokens.max(1.0),
+    );
+    let rows_dropped = (0..mask.rows)
+        .filter(|&r| mask.row_sum(r) > 0.0 && kept.row_sum(r) < mask.row_sum(r))
+        .count();
+    metrics.insert(
+        "rollout_corr/rollout_rs_seq_masked_fraction".into(),
+        rows_dropped as f64 / mask.rows.max(1) as f64,
+    );
+    Ok(CorrectionOutput {
+        weights: weights.map(|w| w.to_tensor(&device)),
+        response_mask: kept.to_tensor(&device),
+        metrics,
+    })
+}
+
+/// Masked mean of `values` over `mask`.
+fn masked_mean(values: &[f64], mask: &[f64]) -> f64 {
+    let n: f64 = mask.iter().sum();
+    values.iter().zip(mask).map(|(v, m)| v * m).sum::<f64>() / n.max(1e-8)
+}
+
+/// Truncated importance weights (on the mask before rejection), with their metrics.
+fn importance_weights(
+    ratio: &Host2,
+    mask: &Host2,
+    level: IsLevel,
+    correction: &RolloutCorrection,
+    metrics: &mut BTreeMap<String, f64>,
+) -> Host2 {
+    let thr = correction.is_threshold;
+    let mut w = Host2::zeros(ratio.rows, ratio.cols);
+    for r in 0..ratio.rows {
+        let seq: f64 = (0..ratio.cols)
+            .map(|c| ratio.at(r, c) * mask.at(r, c))
+            .sum();
+        for c in 0..ratio.cols {
+            let log_w = match level {
+                IsLevel::Token => ratio.at(r, c),
+                IsLevel::Sequence => seq.clamp(-20.0, 20.0),
+            };
+            w.set(r, c, log_w.exp() * mask.at(r, c));
+        }
+    }
+    // Before truncation, as verl's.
+    let valid: Vec<f64> = w
+        .data
+        .iter()
+        .zip(&mask.data)
+        .filter(|(_, m)| **m > 0.0)
+        .map(|(v, _)| *v)
+        .collect();
+    let mean = masked_mean(&w.data, &mask.data);
+    let var = valid.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / valid.len().max(1) as f64;
+    let frac = |f: &dyn Fn(f64) -> bool| {
+        valid.iter().filter(|v| f(**v)).count() as f64 / valid.len().max(1) as f64
+    };
+    // Effective sample size of the weights clamped to [1/thr, thr], normalised to mean 1.
+    let clamped: Vec<f64> = valid.iter().map(|v| v.clamp(1.0 / thr, thr)).collect();
+    let cm = clamped.iter().sum::<f64>() / clamped.len().max(1) as f64;
+    let ess = 1.0
+        / (clamped.iter().map(|v| (v / cm).powi(2)).sum::<f64>() / clamped.len().max(1) as f64)
+            .max(1e-12);
+    let prefix = "rollout_corr/rollout_is";
+    for (k, v) in [
+        ("mean", mean),
+        ("max", valid.iter().copied().fold(f64::MIN, f64::max)),
+        ("min", valid.iter().copied().fold(f64::MAX, f64::min)),
+        ("std", var.sqrt()),
+        ("eff_sample_size", ess),
+        ("ratio_fraction_high", frac(&|v| v > thr)),
+        ("ratio_fraction_low", frac(&|v| v < 1.0 / thr)),
+    ] {
+        metrics.insert(
+            format!("{prefix}_{k}"),
+            if valid.is_empty() { 0.0 } else { v },
+        );
+    }
+    for v in &mut w.data {
+        *v = v.min(thr);
+    }
+    if correction.batch_normalize {
+        let norm = match level {
+            IsLevel::Token => masked_mean(&w.data, &mask.data),
+            IsLevel::Sequence => {
+                let rows: Vec<f64> = (0..w.rows)
+                    .filter(|&r| mask.row_sum(r) > 0.0)
+                    .map(|r| {
+                        (0..w.cols).map(|c| w.at(r, c) * mask.at(r, c)).sum::<f64>()
+                            / mask.row_sum(r)
+                    })
+                    .collect();
+                rows.iter().sum::<f64>() / rows.len().max(1) as f64
+            }
+        };
+        if norm > 1e-8 {
+            w.data.iter_mut().for_each(|v| *v /= norm);
+        }
+        metrics.insert(format!("{prefix}_batch_norm_factor"), norm);
+    }
+    w
+}
+
+/// Drops from `kept` the tokens (or sequences) whose statistic leaves `option`'s bounds.
+fn reject(ratio: &Host2, kept: &mut Host2, option: &RsOption, metrics: &mut BTreeMap<String, f64>) {
+    let stat = |lr: f64| match option.statistic {
+        RsStatistic::K1 => -lr,
+        RsStatistic::K2 => 0.5 * lr * lr,
+        RsStatistic::K3 => lr.exp() - 1.0 - lr,
+    };
+    let inside = |s: f64| option.lower <= s && s <= option.upper;
+    let before: f64 = kept.data.iter().sum();
+    for r in 0..ratio.rows {
+        let valid: Vec<usize> = (0..ratio.cols).filter(|&c| kept.at(r, c) > 0.0).collect();
+        if valid.is_empty() {
+            continue;
+        }
+        let stats: Vec<f64> = valid.iter().map(|&c| stat(ratio.at(r, c))).collect();
+        let sequence = match option.scope {
+            RsScope::Token => None,
+            RsScope::SeqSum => Some(stats.iter().sum::<f64>()),
+            RsScope::SeqMean => Some(stats.iter().sum::<f64>() / stats.len() as f64),
+            RsScope::SeqMax => Some(stats.iter().copied().fold(f64::MIN, f64::max)),
+        };
+        for (&c, &s) in valid.iter().zip(&stats) {
+            if !inside(sequence.unwrap_or(s)) {
+                kept.set(r, c, 0.0);
+            }
+        }
+    }
+    let after: f64 = kept.data.iter().sum();
+    metrics.insert(
+        format!("rollout_corr/rollout_rs_{}_masked_fraction", option.name),
+        (before - after) / before.max(1.0),
+    );
+}
+
+/// The off-policy diagnostics: KL between the rollout and training policies on the sampled
+/// tokens, both perplexities and their log difference.
+fn mismatch_metrics(old: &Host2, rollout: &Host2, mask: &Host2) -> BTreeMap<String, f64> {
+    let mut m = BTreeMap::new();
+    let diff: Vec<f64> = rollout
+        .data
+        .iter()
+        .zip(&old.data)
+        .map(|(r, o)| r - o)
+        .collect();
+    m.insert("rollout_corr/kl".into(), masked_mean(&diff, &mask.data));
+    let k3: Vec<f64> = diff.iter().map(|d| (-d).exp() - 1.0 + d).collect();
+    m.insert("rollout_corr/k3_kl".into(), masked_mean(&k3, &mask.data));
+    let log_ppl = |lp: &Host2| -> Vec<f64> {
+        (0..lp.rows)
+            .filter(|&r| mask.row_sum(r) > 0.0)
+            .map(|r| {
+                -(0..lp.cols)
+                    .map(|c| lp.at(r, c) * mask.at(r, c))
+                    .sum::<f64>()
+                    / mask.row_sum(r)
+            })
+            .collect()
+    };
+    let (train, roll) = (log_ppl(old), log_ppl(rollout));
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let ppl = |v: &[f64]| v.iter().map(|x| x.exp()).collect::<Vec<_>>();
+    m.insert("rollout_corr/training_ppl".into(), mean(&ppl(&train)));
+    m.insert("rollout_corr/rollout_ppl".into(), mean(&ppl(&roll)));
+    let d: Vec<f64> = train.iter().zip(&roll).map(|(t, r)| t - r).collect();
+    m.insert("rollout_corr/log_ppl_diff".into(), mean(&d));
+    m.insert(
+        "rollout_corr/log_ppl_abs_diff".into(),
+        mean(&d.iter().map(|x| x.abs()).collect::<Vec<_>>()),
+    );
+    // χ² of the token ratio π_train/π_rollout: E[w²] − 1.
+    let w2: Vec<f64> = diff
+        .iter()
+        .map(|d| (-2.0 * d).clamp(-40.0, 40.0).exp())
+        .collect();
+    m.insert(
+        "rollout_corr/chi2_token".into(),
+        masked_mean(&w2, &mask.data) - 1.0,
+    );
+    m
+}

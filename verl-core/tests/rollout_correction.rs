@@ -1,0 +1,153 @@
+//! Rollout correction: truncated importance weights and rejection masks from
+//! `rollout_log_probs` vs `old_log_probs`.
+
+use burn::tensor::{Tensor, TensorData};
+use proptest::prelude::*;
+use verl_core::algorithms::rollout_correction::{rollout_correction, RolloutCorrection};
+use verl_core::backend::CpuBackend as B;
+
+fn t2(v: &[Vec<f64>]) -> Tensor<B, 2> {
+    let (r, c) = (v.len(), v[0].len());
+    let flat: Vec<f32> = v.iter().flatten().map(|&x| x as f32).collect();
+    Tensor::from_data(TensorData::new(flat, [r, c]), &Default::default())
+}
+
+fn host(t: Tensor<B, 2>) -> Vec<Vec<f64>> {
+    let [_, c] = t.dims();
+    let v: Vec<f64> = t.into_data().iter::<f64>().collect();
+    v.chunks(c).map(<[f64]>::to_vec).collect()
+}
+
+type Rows = Vec<Vec<f64>>;
+
+/// (old, rollout, mask): log-probs in (−4, −0.01), right-padded rows of at least one token.
+fn batch() -> impl Strategy<Value = (Rows, Rows, Rows)> {
+    (1usize..5, 1usize..6).prop_flat_map(|(rows, len)| {
+        (
+            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, len), rows),
+            prop::collection::vec(prop::collection::vec(-4.0f64..-0.01, len), rows),
+            prop::collection::vec(1usize..=len, rows),
+        )
+            .prop_map(move |(old, rollout, lens)| {
+                let mask = lens
+                    .iter()
+                    .map(|&l| (0..len).map(|t| f64::from(u8::from(t < l))).collect())
+                    .collect();
+                (old, rollout, mask)
+            })
+    })
+}
+
+fn correction(level: &str, rs: Option<&str>, threshold: Option<&str>) -> RolloutCorrection {
+    RolloutCorrection::parse(Some(level), 2.0, false, rs, threshold).unwrap()
+}
+
+proptest! {
+    /// Weights lie in [0, threshold], are 0 at padding, and a sequence's are one value.
+    #[test]
+    fn weights_are_bounded_masked_and_per_sequence((old, rollout, mask) in batch(), seq in any::<bool>()) {
+        let level = if seq { "sequence" } else { "token" };
+        let out = rollout_correction(t2(&old), t2(&rollout), t2(&mask), &correction(level, None, None)).unwrap();
+        let w = host(out.weights.unwrap());
+        for (wr, mr) in w.iter().zip(&mask) {
+            for (&x, &m) in wr.iter().zip(mr) {
+                prop_assert!((0.0..=2.0 + 1e-6).contains(&x), "{x}");
+                if m == 0.0 { prop_assert_eq!(x, 0.0); }
+            }
+            if seq {
+                let live: Vec<f64> = wr.iter().zip(mr).filter(|(_, m)| **m > 0.0).map(|(x, _)| *x).collect();
+                prop_assert!(live.iter().all(|x| (x - live[0]).abs() < 1e-6));
+            }
+        }
+        prop_assert_eq!(host(out.response_mask), mask);
+    }
+
+    /// Equal log-probs: weights 1 on every token, nothing rejected by any criterion.
+    #[test]
+    fn equal_log_probs_change_nothing((old, _, mask) in batch(), seq in any::<bool>()) {
+        let level = if seq { "sequence" } else { "token" };
+        let rs = "token_k1,seq_sum_k1,seq_mean_k2,seq_max_k3,token_k3";
+        let c = correction(level, Some(rs), Some("1.001"));
+        let out = rollout_correction(t2(&old), t2(&old), t2(&mask), &c).unwrap();
+        prop_assert_eq!(host(out.weights.unwrap()), mask.clone());
+        prop_assert_eq!(host(out.response_mask), mask);
+        prop_assert_eq!(out.metrics["rollout_corr/rollout_rs_masked_fraction"], 0.0);
+    }
+}
+
+/// By hand: token 1 of row 0 is 4× likelier under training (k1 = −ln 4), row 1 matches.
+/// `token_k1` with bounds 0.5_2 drops that token alone; `seq_sum_k1` drops all of row 0;
+/// sequence IS gives row 0 the truncated weight 2 (raw 4) and row 1 weight 1.
+#[test]
+fn rejection_and_sequence_weights_by_hand() {
+    let old = vec![vec![-1.0, -1.0], vec![-2.0, -3.0]];
+    let rollout = vec![vec![-1.0, -1.0 - 4f64.ln()], vec![-2.0, -3.0]];
+    let mask = vec![vec![1.0, 1.0], vec![1.0, 1.0]];
+    let run = |rs: &str| {
+        let c = RolloutCorrection::parse(Some("sequence"), 2.0, false, Some(rs), Some("0.5_2"))
+            .unwrap();
+        rollout_correction(t2(&old), t2(&rollout), t2(&mask), &c).unwrap()
+    };
+    let token = run("token_k1");
+    assert_eq!(
+        host(token.response_mask),
+        vec![vec![1.0, 0.0], vec![1.0, 1.0]]
+    );
+    assert!((token.metrics["rollout_corr/rollout_rs_masked_fraction"] - 0.25).abs() < 1e-9);
+    let w = host(token.weights.unwrap());
+    assert!(
+        w[0].iter().all(|x| (x - 2.0).abs() < 1e-5) && w[1].iter().all(|x| (x - 1.0).abs() < 1e-5),
+        "{w:?}"
+    );
+    assert!(
+        (token.metrics["rollout_corr/rollout_is_max"] - 4.0).abs() < 1e-4,
+        "before truncation"
+    );
+    let seq = run("seq_sum_k1");
+    assert_eq!(
+        host(seq.response_mask),
+        vec![vec![0.0, 0.0], vec![1.0, 1.0]]
+    );
+    assert!((seq.metrics["rollout_corr/rollout_rs_seq_masked_fraction"] - 0.5).abs() < 1e-9);
+}
+
+/// Bad settings are refused by key.
+#[test]
+fn bad_settings_name_the_key() {
+    let err =
+        |r: Result<RolloutCorrection, verl_core::error::AlgorithmError>| r.unwrap_err().to_string();
+    assert!(err(RolloutCorrection::parse(
+        Some("tok"),
+        2.0,
+        false,
+        None,
+        None
+    ))
+    .contains("rollout_is"));
+    assert!(err(RolloutCorrection::parse(None, 0.0, false, None, None))
+        .contains("rollout_is_threshold"));
+    assert!(err(RolloutCorrection::parse(
+        None,
+        2.0,
+        false,
+        Some("seq_max_k1"),
+        Some("2")
+    ))
+    .contains("seq_max_k1"));
+    assert!(err(RolloutCorrection::parse(
+        None,
+        2.0,
+        false,
+        Some("token_k2"),
+        None
+    ))
+    .contains("rollout_rs_threshold"));
+    assert!(err(RolloutCorrection::parse(
+        None,
+        2.0,
+        false,
+        Some("token_k1,token_k2"),
+        Some("1,2,3")
+    ))
+    .contains("one per option"));
+}

@@ -41,6 +41,8 @@ fn grpo_raises_the_score() {
         "trainer.sft_warmup_steps=120",
         "trainer.total_training_steps=80",
         "actor_rollout_ref.actor.optim.lr=0.0003",
+        // This short recipe learns at a constant rate (the main job decays it).
+        "actor_rollout_ref.actor.optim.lr_decay_style=constant",
     ]);
     // The plot of score and response length is there, as a PNG.
     let png = std::fs::read(&summary.plot_path).unwrap();
@@ -447,6 +449,7 @@ fn packed_sequences_train_as_padded() {
 fn rollout_correction_weights_and_rejects() {
     let (_, lines, _dir) = run(&[
         "trainer.total_training_steps=2",
+        "trainer.sft_warmup_steps=4",
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_rs=seq_max_k3",
         "algorithm.rollout_correction.rollout_rs_threshold=0.01",

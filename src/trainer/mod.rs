@@ -51,7 +51,7 @@ pub const MAIN_JOB: &[&str] = &[
     "trainer.experiment_name=tiny_grpo_addition",
     "trainer.default_local_dir=outputs/tiny_grpo_addition",
     "trainer.total_training_steps=200",
-    "trainer.sft_warmup_steps=300",
+    "trainer.sft_warmup_steps=600",
     "trainer.sft_warmup_lr=0.001",
     "trainer.test_freq=20",
     "trainer.val_before_train=true",
@@ -69,6 +69,8 @@ pub const MAIN_JOB: &[&str] = &[
     "actor_rollout_ref.actor.use_kl_loss=false",
     "actor_rollout_ref.actor.entropy_coeff=0",
     "actor_rollout_ref.actor.optim.lr=0.0001",
+    // Cosine decay over the RL steps: the score keeps its gains instead of drifting.
+    "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
     "actor_rollout_ref.actor.optim.weight_decay=0.0",
     "actor_rollout_ref.actor.optim.clip_grad=1.0",
 ];

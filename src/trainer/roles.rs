@@ -325,7 +325,10 @@ impl ActorPlan {
         let needs_ref = actor_cfg.use_kl_loss || cfg.algorithm.use_kl_in_reward;
         let optim_steps = total_steps.max(1)
             * actor_cfg.ppo_epochs as u64
-            * (batch * n / validated.actor_mini_batch_per_dp.max(1)).max(1) as u64
+            // Optimizer steps per step: the global batch over the global mini-batch (each dp
+            // rank steps once per mini-batch of its share, all of them together).
+            * (batch * n / (validated.actor_mini_batch_per_dp * validated.actor_dp).max(1)).max(1)
+                as u64
             + if cfg.trainer.sft_warmup_lr.is_some() {
                 0
             } else {

@@ -13,7 +13,7 @@
 
 use std::sync::Arc;
 
-use verl_core::algorithms::advantage::{AdvantageInput, AdvantageOutput};
+use verl_core::algorithms::advantage::{AdvantageFn, AdvantageInput, AdvantageOutput};
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossOutput};
 use verl_core::config::{CheckpointConfig, GlobalProfilerConfig, VerlConfig};
 use verl_core::error::AlgorithmError;
@@ -89,18 +89,11 @@ impl Scorer {
     }
 }
 
-/// An estimator as the builder takes it.
-pub type EstimatorFn = Arc<
-    dyn Fn(&AdvantageInput<'_, Infer>) -> Result<AdvantageOutput<Infer>, AlgorithmError>
-        + Send
-        + Sync,
->;
-
 /// What the builder hands to the trainer's assembly.
 #[derive(Clone, Default)]
 pub(crate) struct Parts {
     pub scorer: Scorer,
-    pub estimators: Vec<(String, EstimatorFn)>,
+    pub estimators: Vec<(String, AdvantageFn<Infer>)>,
     pub train: Option<Vec<PromptRow>>,
     pub val: Option<Vec<PromptRow>>,
     pub roles: RoleOverrides,

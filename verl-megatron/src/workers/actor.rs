@@ -125,7 +125,8 @@ pub(crate) fn log_probs_from<C: ParallelBackend>(
     )
 }
 
-fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
+/// The temperature the batch was sampled at (`meta_info["temperature"]`), else `default`.
+pub(crate) fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
     data.meta_info
         .get("temperature")
         .and_then(serde_json::Value::as_f64)
@@ -469,11 +470,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             self.log_prob_batching(),
             self.dp.as_deref(),
             |micro| {
-                let inputs = ModelInputs::from_batch(micro)?.fused_for(
-                    model.fused_head_chunk.is_some(),
-                    micro,
-                    temperature,
-                )?;
+                let inputs =
+                    ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
                 let labels = micro.int::<2>("responses")?;
                 let Some(out) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right

@@ -524,18 +524,9 @@ fn reference_log_probs<B: ParallelBackend>(
     pp: Option<&dyn verl_core::traits::Communicator<B>>,
     dp: Option<&dyn verl_core::traits::Communicator<B>>,
 ) -> Result<DataProto<B>> {
-    let temperature = data
-        .meta_info
-        .get("temperature")
-        .and_then(serde_json::Value::as_f64)
-        .filter(|t| *t > 0.0)
-        .unwrap_or(default_temperature);
+    let temperature = super::actor::temperature_of(data, default_temperature);
     let parts = map_micro_batches(data, how, dp, |micro| {
-        let inputs = ModelInputs::from_batch(micro)?.fused_for(
-            model.fused_head_chunk.is_some(),
-            micro,
-            temperature,
-        )?;
+        let inputs = ModelInputs::from_batch(micro)?.fused_for(model, micro, temperature)?;
         let labels = micro.int::<2>("responses")?;
         let Some(out) = inputs.pipelined_outputs(model, pp)? else {
             // Not collected (MegatronCompute reads the last stage).

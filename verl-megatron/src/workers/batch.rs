@@ -82,15 +82,15 @@ impl<B: ParallelBackend> ModelInputs<B> {
         model.stage_input_shape(b, t)
     }
 
-    /// Asks a model with a fused head (`fused_head`: its `fused_head_chunk` is set) for the
+    /// Asks `model`, when its head is fused ([`CausalLm::with_fused_log_probs`]), for the
     /// log-probs of `data`'s responses at `temperature` and their entropies, instead of logits.
-    pub fn fused_for(
+    pub fn fused_for<C: ParallelBackend>(
         mut self,
-        fused_head: bool,
+        model: &CausalLm<C>,
         data: &DataProto<B>,
         temperature: f64,
     ) -> verl_core::Result<Self> {
-        if fused_head {
+        if model.fused_head_chunk.is_some() {
             self.fused = Some(crate::models::causal_lm::FusedTargets {
                 labels: data.int::<2>("responses")?,
                 temperature,

@@ -44,11 +44,7 @@ where
     fn forward(&mut self, mb: usize, input: Option<Tensor<B, 3>>) -> Result<StageOutput<B>> {
         let micro = &self.micros[mb];
         let inputs = ModelInputs::from_batch(micro)?
-            .fused_for(
-                self.model.fused_head_chunk.is_some(),
-                micro,
-                self.temperature,
-            )?
+            .fused_for(self.model, micro, self.temperature)?
             .map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
         let (out, aux) = crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
@@ -75,9 +71,18 @@ where
     }
 
     fn input_shape(&self, mb: usize) -> [usize; 3] {
-        ModelInputs::from_batch(&self.micros[mb])
-            .map(|inputs| inputs.stage_input_shape(self.model))
-            .unwrap_or([0, 0, 0])
+        let micro = &self.micros[mb];
+        if self.model.pack_sequences {
+            // The packed row's length comes from the attention mask.
+            return ModelInputs::from_batch(micro)
+                .map(|inputs| inputs.stage_input_shape(self.model))
+                .unwrap_or([0, 0, 0]);
+        }
+        let [b, t] = micro
+            .int::<2>("input_ids")
+            .map(|t| t.dims())
+            .unwrap_or([0, 0]);
+        self.model.stage_input_shape(b, t)
     }
 
     fn before_backward(&mut self) -> Result<()> {

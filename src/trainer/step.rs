@@ -433,7 +433,9 @@ impl PpoTrainer {
             .elem::<f64>();
         metrics.push("timing_s/step", step_s);
         metrics.push("perf/total_num_tokens", tokens);
-        metrics.push("perf/throughput", tokens / step_s.max(1e-9));
+        // verl's definition: tokens per second per GPU (rank) of the run.
+        let ranks = (self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes).max(1) as f64;
+        metrics.push("perf/throughput", tokens / step_s.max(1e-9) / ranks);
         Ok(metrics)
     }
 }

@@ -490,25 +490,27 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for KeepGrads<'_> {
 }
 
 /// The values of the given parameters, flattened, in the model's order.
-struct ReadParams<'a> {
+struct ReadParams<'a, I: Backend> {
     ids: &'a HashSet<ParamId>,
-    values: Vec<f32>,
+    values: Vec<Tensor<I, 1>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for ReadParams<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for ReadParams<'_, B::InnerBackend> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.ids.contains(&param.id) {
-            let v = param.val().inner().into_data().convert::<f32>();
+            // Flattened on the parameter's device, in f32 so that one buffer holds them all.
+            let v = param.val().inner();
+            let n = v.shape().num_elements();
             self.values
-                .extend(v.to_vec::<f32>().expect("f32 parameters"));
+                .push(v.reshape([n]).cast(burn::tensor::FloatDType::F32));
         }
     }
 }
 
-/// Replaces parameters by the values other ranks broadcast (still trained leaves).
+/// Replaces parameters by the values other ranks broadcast (still trained leaves), on the
+/// parameters' device and in each parameter's own precision.
 struct WriteParams<I: Backend> {
-    values: HashMap<ParamId, Vec<f32>>,
-    device: I::Device,
+    values: HashMap<ParamId, Tensor<I, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for WriteParams<B::InnerBackend> {
@@ -517,10 +519,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for WriteParams<B::InnerBackend> {
             return param;
         };
         let (id, old, mapper) = param.consume();
-        let inner = Tensor::<B::InnerBackend, D>::from_data(
-            burn::tensor::TensorData::new(v, old.dims()),
-            &self.device,
-        );
+        let inner = v.reshape(old.dims()).cast(old.dtype());
         // Trainable as it was (a frozen parameter stays frozen).
         let value = Tensor::from_inner(inner).set_require_grad(old.is_require_grad());
         Param::from_mapped_value(id, value, mapper)
@@ -739,7 +738,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     }
 
     /// With the distributed optimizer: each owner broadcasts its updated parameters (one
-    /// collective per owner rank) and every rank takes the others'.
+    /// collective per owner rank, a flat f32 buffer built and split on the parameters' device)
+    /// and every rank takes the others'.
     fn gather_updated(&self, model: M) -> (M, Result<(), MegatronError>) {
         let (Some((dp, _)), Some(Some(dist))) = (&self.data_parallel, &self.distributed) else {
             return (model, Ok(()));
@@ -748,43 +748,41 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
         let mut values = HashMap::new();
         let device = model.devices().into_iter().next().unwrap_or_default();
         for owner in 0..dp.world_size() {
-            let ids = dist.owned_by(owner);
-            let len: usize = dist
+            let owned: Vec<(ParamId, usize)> = dist
                 .owners
                 .iter()
                 .filter(|(_, _, r)| *r == owner)
-                .map(|(_, n, _)| n)
-                .sum();
+                .map(|(id, n, _)| (*id, *n))
+                .collect();
+            let len: usize = owned.iter().map(|(_, n)| n).sum();
             if len == 0 {
                 continue;
             }
-            let mut read = ReadParams {
-                ids: &ids,
-                values: Vec::new(),
-            };
-            if owner == me {
+            let t = if owner == me {
+                let ids: HashSet<ParamId> = owned.iter().map(|(id, _)| *id).collect();
+                let mut read = ReadParams::<B::InnerBackend> {
+                    ids: &ids,
+                    values: Vec::new(),
+                };
                 model.visit(&mut read);
+                Tensor::cat(read.values, 0)
             } else {
-                read.values = vec![0.0; len];
-            }
-            let t = Tensor::<B::InnerBackend, 1>::from_data(
-                burn::tensor::TensorData::new(read.values, [len]),
-                &device,
-            );
+                Tensor::<B::InnerBackend, 1>::zeros([len], (&device, burn::tensor::DType::F32))
+            };
             let got = match dp.broadcast(t, owner) {
-                Ok(t) => t.into_data().convert::<f32>().to_vec::<f32>().expect("f32"),
+                Ok(t) => t,
                 Err(e) => return (model, Err(e.into())),
             };
             if owner == me {
                 continue;
             }
             let mut offset = 0;
-            for (id, n, _) in dist.owners.iter().filter(|(_, _, r)| *r == owner) {
-                values.insert(*id, got[offset..offset + n].to_vec());
+            for (id, n) in owned {
+                values.insert(id, got.clone().narrow(0, offset, n));
                 offset += n;
             }
         }
-        let mut write = WriteParams::<B::InnerBackend> { values, device };
+        let mut write = WriteParams::<B::InnerBackend> { values };
         (model.map(&mut write), Ok(()))
     }
 

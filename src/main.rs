@@ -76,12 +76,14 @@ enum Command {
         #[command(subcommand)]
         what: BenchCommand,
     },
-    /// Generate from a Hugging Face model directory with the native rollout engine.
+    /// Generate from a Hugging Face causal LM directory (an `…ForCausalLM` architecture; value
+    /// and reward models are refused) with the native rollout engine.
     Generate {
         /// The model directory (config.json, safetensors, tokenizer.json).
         #[arg(long)]
         model: PathBuf,
-        /// A prompt (repeat for a batch); wrapped in the model's chat template unless --raw.
+        /// A prompt (repeat for a batch); wrapped in the model's chat template unless --raw or
+        /// the model has none (a base model: the prompt is used as is, with a note on stderr).
         #[arg(long, required = true)]
         prompt: Vec<String>,
         #[arg(long, default_value_t = 64)]
@@ -106,7 +108,8 @@ enum Command {
         /// kept).
         #[arg(long)]
         stop: Vec<String>,
-        /// Use the prompt as is, without the chat template.
+        /// Use the prompt as is, without the chat template (what a model with no chat
+        /// template gets anyway).
         #[arg(long)]
         raw: bool,
         /// Print prompt and response token ids and text as JSON.
@@ -548,15 +551,44 @@ fn generate_cmd(
     json: bool,
 ) -> Result<(), String> {
     use verl::backend::DefaultBackend;
-    use verl::megatron::hf::{ChatMessage, HfCheckpoint, HfModelConfig, HfTokenizer};
+    use verl::megatron::hf::{ChatMessage, HeadKind, HfCheckpoint, HfModelConfig, HfTokenizer};
     use verl::megatron::models::CausalLm;
     use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler};
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
+    // A value or reward head scores tokens rather than predicting the next one: sampling from
+    // it would yield nothing useful, so refuse before loading the weights.
+    let scorer = match cfg.head {
+        HeadKind::CausalLm => None,
+        HeadKind::TokenClassification { .. } => Some("a value model (a per-token score head)"),
+        HeadKind::SequenceClassification { .. } => Some("a reward model (a sequence score head)"),
+    };
+    if let Some(what) = scorer {
+        let config_json = cfg.to_config_json();
+        let arch = config_json["architectures"][0]
+            .as_str()
+            .unwrap_or("this architecture");
+        return Err(format!(
+            "{}: {arch} is {what}; `verl generate` needs a causal LM (an `…ForCausalLM` \
+             architecture in config.json)",
+            model.display()
+        ));
+    }
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
     let lm = CausalLm::<DefaultBackend>::from_checkpoint(&cfg, &ckpt, &device)
         .map_err(|e| e.to_string())?;
     let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
+    // A base model has no chat template: its prompts are plain text, as --raw gives.
+    let raw = raw || {
+        let missing = !tok.has_chat_template();
+        if missing {
+            eprintln!(
+                "note: {} has no chat template; using each prompt as is (as --raw does)",
+                model.display()
+            );
+        }
+        missing
+    };
     let mut texts = Vec::new();
     let mut ids = Vec::new();
     for p in prompts {
@@ -655,8 +687,11 @@ fn train_cmd(args: &ConfigArgs) -> Result<(), String> {
         let mut trainer = PpoTrainer::new(validated).map_err(|e| e.to_string())?;
         trainer.fit().await.map_err(|e| e.to_string())
     })?;
+    let resumed = summary
+        .resumed_at
+        .map_or(String::new(), |s| format!(" (resumed after step {s})"));
     println!(
-        "done: {} steps in {:.0}s; val/score/mean {} → {}; metrics in {}",
+        "done: {} steps{resumed} in {:.0}s; val/score/mean {} → {}; metrics in {}",
         summary.steps,
         summary.seconds,
         summary

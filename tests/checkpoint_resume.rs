@@ -127,8 +127,9 @@ fn a_resumed_run_continues_exactly() {
         &Default::default(),
     )
     .unwrap();
-    // max_actor_ckpt_to_keep=1 removed step 2 once step 4 was saved.
-    assert!(!resumed.path().join("global_step_2").exists());
+    // max_actor_ckpt_to_keep=1 prunes only what this run saved (as verl's checkpoint manager):
+    // the step 2 it resumed from was the earlier run's, so it stays.
+    assert!(resumed.path().join("global_step_2/trainer.json").exists());
     assert!(resumed
         .path()
         .join("global_step_4/critic/dist_ckpt")
@@ -194,4 +195,191 @@ fn bad_checkpoint_settings_are_refused_before_building() {
     assert!(e.contains("global_step_<N>"), "{e}");
     let e = build(&["trainer.resume_mode=sometimes"]);
     assert!(e.contains("auto, disable or resume_path"), "{e}");
+}
+
+/// A run of 3 steps saving every step, then its directory damaged by `damage`, then resumed to
+/// 4 steps: the step it resumed after (`None`: started over).
+fn resume_after_damage(damage: impl FnOnce(&Path)) -> (tempfile::TempDir, Option<u64>, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    fit(dir.path(), 3, &["trainer.save_freq=1"]);
+    damage(dir.path());
+    let summary = fit(dir.path(), 4, &["trainer.save_freq=1"]);
+    (dir, summary.resumed_at, summary.steps)
+}
+
+#[test]
+fn a_damaged_run_directory_resumes_from_its_newest_complete_checkpoint() {
+    let marker = |d: &Path| d.join("latest_checkpointed_iteration.txt");
+    // The marker missing, garbled or naming a missing step: the newest complete one (3).
+    for (name, damage) in [
+        (
+            "missing marker",
+            Box::new(|d: &Path| std::fs::remove_file(marker(d)).unwrap()) as Box<dyn FnOnce(&Path)>,
+        ),
+        (
+            "garbled marker",
+            Box::new(|d: &Path| std::fs::write(marker(d), "abc").unwrap()),
+        ),
+        (
+            "marker names a missing step",
+            Box::new(|d: &Path| std::fs::write(marker(d), "9").unwrap()),
+        ),
+    ] {
+        let (_dir, resumed, steps) = resume_after_damage(damage);
+        assert_eq!(resumed, Some(3), "{name}");
+        assert_eq!(steps, 1, "{name}: `done` counts the steps this run did");
+    }
+    // The newest trainer.json gone, or a flipped byte in a weight file: the one before (2).
+    let (dir, resumed, steps) = resume_after_damage(|d| {
+        std::fs::remove_file(d.join("global_step_3/trainer.json")).unwrap()
+    });
+    assert_eq!((resumed, steps), (Some(2), 2));
+    // The unfinished step 3 was set aside, not overwritten or deleted.
+    assert!(dir.path().join("global_step_3.aside-1").is_dir());
+    assert!(dir.path().join("global_step_3/trainer.json").is_file());
+    let (_dir, resumed, _) = resume_after_damage(|d| {
+        let shard = common::files_under(&d.join("global_step_3/actor"))
+            .into_iter()
+            .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .unwrap();
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x40;
+        std::fs::write(&shard, bytes).unwrap();
+    });
+    assert_eq!(
+        resumed,
+        Some(2),
+        "a checkpoint failing its checksum is passed over"
+    );
+}
+
+#[test]
+fn an_explicit_damaged_checkpoint_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    fit(dir.path(), 2, &[]);
+    let step = dir.path().join("global_step_2");
+    let file = step.join("trainer.json");
+    let mut text = std::fs::read_to_string(&file).unwrap();
+    text.push(' ');
+    std::fs::write(&file, text).unwrap();
+    let err = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .set("trainer.resume_mode", "resume_path")
+        .set("trainer.resume_from_path", step.display())
+        .set("trainer.default_local_dir", dir.path().display())
+        .build()
+        .map(|v| PpoTrainer::new(v).err().map(|e| e.to_string()));
+    let msg = err.unwrap().expect("a damaged checkpoint is refused");
+    assert!(
+        msg.contains("trainer.json") && msg.contains("damaged"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_torn_metrics_line_is_dropped_on_resume_and_lines_are_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    fit(dir.path(), 2, &[]);
+    let metrics = dir.path().join("metrics.jsonl");
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.push_str("{\"step\": 3, \"actor/pg_lo");
+    std::fs::write(&metrics, text).unwrap();
+    let summary = fit(dir.path(), 3, &[]);
+    assert_eq!((summary.resumed_at, summary.steps), (Some(2), 1));
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    assert!(text.ends_with('\n'));
+    for line in text.lines() {
+        serde_json::from_str::<serde_json::Value>(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    }
+    let steps: Vec<u64> = text
+        .lines()
+        .filter_map(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()?
+                .get("step")?
+                .as_u64()
+        })
+        .filter(|&s| s > 0)
+        .collect();
+    assert_eq!(steps, vec![1, 2, 3]);
+}
+
+#[test]
+fn a_fresh_run_never_deletes_or_overwrites_an_earlier_runs_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    fit(dir.path(), 3, &["trainer.save_freq=1"]);
+    let before = std::fs::read(dir.path().join("global_step_1/trainer.json")).unwrap();
+    // A new run in the same directory that starts over, keeping one checkpoint.
+    fit(
+        dir.path(),
+        2,
+        &[
+            "trainer.save_freq=1",
+            "trainer.resume_mode=disable",
+            "trainer.max_actor_ckpt_to_keep=1",
+        ],
+    );
+    let aside = dir.path().join("global_step_1.aside-1/trainer.json");
+    assert_eq!(
+        std::fs::read(aside).unwrap(),
+        before,
+        "the earlier step 1 is kept aside"
+    );
+    assert!(dir.path().join("global_step_2.aside-1").is_dir());
+    assert!(
+        dir.path().join("global_step_3/trainer.json").is_file(),
+        "step 3 was not ours to prune"
+    );
+    assert!(
+        !dir.path().join("global_step_1").exists(),
+        "our own step 1 was pruned (keep 1)"
+    );
+    assert!(dir.path().join("global_step_2/trainer.json").is_file());
+}
+
+/// `trainer.max_*_ckpt_to_keep`: 0 keeps every checkpoint (verl's meaning), and since one step
+/// directory holds both roles, it is pruned only when both limits let it go (0 on either keeps
+/// all, an unset limit has no say, else the larger limit wins).
+#[test]
+fn checkpoint_limits_keep_all_at_zero_and_the_larger_of_actor_and_critic() {
+    let kept = |extra: &[&str]| -> Vec<u64> {
+        let dir = tempfile::tempdir().unwrap();
+        let mut overrides = vec!["trainer.save_freq=1"];
+        overrides.extend_from_slice(extra);
+        fit(dir.path(), 3, &overrides);
+        (1..=3)
+            .filter(|s| {
+                dir.path()
+                    .join(format!("global_step_{s}/trainer.json"))
+                    .is_file()
+            })
+            .collect()
+    };
+    assert_eq!(
+        kept(&["trainer.max_actor_ckpt_to_keep=0"]),
+        vec![1, 2, 3],
+        "0 keeps all"
+    );
+    assert_eq!(
+        kept(&[
+            "trainer.max_actor_ckpt_to_keep=0",
+            "trainer.max_critic_ckpt_to_keep=1",
+        ]),
+        vec![1, 2, 3],
+        "0 on either role keeps all"
+    );
+    assert_eq!(
+        kept(&[
+            "trainer.max_actor_ckpt_to_keep=1",
+            "trainer.max_critic_ckpt_to_keep=2",
+        ]),
+        vec![2, 3],
+        "the larger limit wins"
+    );
+    assert_eq!(
+        kept(&["trainer.max_critic_ckpt_to_keep=1"]),
+        vec![3],
+        "an unset actor limit has no say"
+    );
 }

@@ -94,25 +94,121 @@ pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
 }
 
 const LATEST: &str = "latest_checkpointed_iteration.txt";
+/// Every file of a step directory with its size and CRC-32, written after everything else.
+const CHECKSUMS: &str = "checksums.json";
 
-/// The newest complete checkpoint under `dir`, from `latest_checkpointed_iteration.txt`.
-pub fn latest(dir: &Path) -> Option<PathBuf> {
-    let text = std::fs::read_to_string(dir.join(LATEST)).ok()?;
-    let step: u64 = text.trim().parse().ok()?;
-    let d = step_dir(dir, step);
-    d.join("trainer.json").exists().then_some(d)
+/// A file's size and CRC-32 (enough to catch a torn write or a flipped bit, cheap to compute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct FileSum {
+    bytes: u64,
+    crc32: u32,
 }
 
-/// Marks `step` as the newest complete checkpoint (after everything else is written).
-pub fn mark_latest(dir: &Path, step: u64) -> std::io::Result<()> {
-    let tmp = dir.join(format!("{LATEST}.tmp"));
-    std::fs::write(&tmp, step.to_string())?;
-    std::fs::rename(tmp, dir.join(LATEST))
+fn sum_of(path: &Path) -> std::io::Result<FileSum> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut bytes = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        bytes += n as u64;
+        h.update(&buf[..n]);
+    }
+    Ok(FileSum {
+        bytes,
+        crc32: h.finalize(),
+    })
 }
 
-/// Removes the oldest `global_step_*` directories so that at most `keep` remain.
-pub fn prune(dir: &Path, keep: usize) -> std::io::Result<()> {
-    let mut steps: Vec<u64> = std::fs::read_dir(dir)?
+/// The regular files under `dir`, as `/`-separated paths relative to it, sorted.
+fn files_under(dir: &Path) -> std::io::Result<Vec<String>> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for entry in std::fs::read_dir(dir.join(&rel))? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            let name = rel.join(entry.file_name());
+            if kind.is_dir() {
+                stack.push(name);
+            } else if kind.is_file() {
+                let text = name.to_string_lossy().replace('\\', "/");
+                if text != CHECKSUMS {
+                    out.push(text);
+                }
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Writes `<step dir>/checksums.json`: every file of the checkpoint with its size and CRC-32.
+pub fn write_checksums(step_dir: &Path) -> Result<(), TrainError> {
+    let io = |e: std::io::Error| setup(format!("{}: {e}", step_dir.display()));
+    let mut sums = std::collections::BTreeMap::new();
+    for rel in files_under(step_dir).map_err(io)? {
+        sums.insert(rel.clone(), sum_of(&step_dir.join(&rel)).map_err(io)?);
+    }
+    let tmp = step_dir.join(format!("{CHECKSUMS}.tmp"));
+    let text = serde_json::to_string_pretty(&sums).map_err(setup)?;
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, step_dir.join(CHECKSUMS)).map_err(io)
+}
+
+/// Whether `step_dir` holds a complete, undamaged checkpoint: `trainer.json` (written after
+/// every shard) and, when `checksums.json` exists, every file it lists with its size and
+/// CRC-32. A checkpoint saved before checksums existed is accepted on `trainer.json` alone.
+/// `Err` says what is wrong, naming the file.
+pub fn verify(step_dir: &Path) -> Result<(), String> {
+    if !step_dir.is_dir() {
+        return Err(format!("{} does not exist", step_dir.display()));
+    }
+    if !step_dir.join("trainer.json").is_file() {
+        return Err(format!(
+            "{} has no trainer.json (its save did not finish)",
+            step_dir.display()
+        ));
+    }
+    let text = match std::fs::read_to_string(step_dir.join(CHECKSUMS)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(format!("{}/{CHECKSUMS}: {e}", step_dir.display())),
+    };
+    let sums: std::collections::BTreeMap<String, FileSum> = serde_json::from_str(&text)
+        .map_err(|e| format!("{}/{CHECKSUMS} is damaged: {e}", step_dir.display()))?;
+    for (rel, want) in &sums {
+        if rel.split('/').any(|part| part == ".." || part.is_empty()) {
+            return Err(format!(
+                "{}/{CHECKSUMS} names `{rel}`, outside the checkpoint",
+                step_dir.display()
+            ));
+        }
+        let path = step_dir.join(rel);
+        let got = sum_of(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if got != *want {
+            return Err(format!(
+                "{} is damaged: {} bytes with CRC-32 {:08x}, saved as {} bytes with {:08x}",
+                path.display(),
+                got.bytes,
+                got.crc32,
+                want.bytes,
+                want.crc32
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The `global_step_<N>` directories under `dir`, newest first.
+pub fn saved_steps(dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             e.file_name()
@@ -122,10 +218,143 @@ pub fn prune(dir: &Path, keep: usize) -> std::io::Result<()> {
                 .ok()
         })
         .collect();
-    steps.sort_unstable();
-    let excess = steps.len().saturating_sub(keep.max(1));
-    for s in &steps[..excess] {
-        std::fs::remove_dir_all(step_dir(dir, *s))?;
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    steps
+}
+
+/// The checkpoint a resumed run continues from, and what was passed over on the way.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    pub dir: PathBuf,
+    pub step: u64,
+    /// Why the marker, or a newer directory, was not used (empty when the marker was good).
+    pub passed_over: Vec<String>,
+}
+
+/// The newest complete, undamaged checkpoint under `dir`: the one
+/// `latest_checkpointed_iteration.txt` names when it verifies, else the newest `global_step_<N>`
+/// that does (the marker missing, garbled, naming a missing or damaged step). `None` when no
+/// directory verifies.
+pub fn latest(dir: &Path) -> Option<Found> {
+    let mut passed_over = Vec::new();
+    let marker = match std::fs::read_to_string(dir.join(LATEST)) {
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(step) => Some(step),
+            Err(_) => {
+                passed_over.push(format!(
+                    "{} holds `{}`, not a step number",
+                    dir.join(LATEST).display(),
+                    text.trim().chars().take(40).collect::<String>()
+                ));
+                None
+            }
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            passed_over.push(format!("{}: {e}", dir.join(LATEST).display()));
+            None
+        }
+    };
+    if let Some(step) = marker {
+        let d = step_dir(dir, step);
+        match verify(&d) {
+            Ok(()) => {
+                return Some(Found {
+                    dir: d,
+                    step,
+                    passed_over,
+                })
+            }
+            Err(why) => passed_over.push(format!("the marker names step {step}, but {why}")),
+        }
+    }
+    let steps = saved_steps(dir);
+    if marker.is_none() && passed_over.is_empty() && !steps.is_empty() {
+        passed_over.push(format!("{} is missing", dir.join(LATEST).display()));
+    }
+    for step in steps {
+        if Some(step) == marker {
+            continue;
+        }
+        let d = step_dir(dir, step);
+        match verify(&d) {
+            Ok(()) => {
+                return Some(Found {
+                    dir: d,
+                    step,
+                    passed_over,
+                })
+            }
+            Err(why) => passed_over.push(why),
+        }
+    }
+    None
+}
+
+/// Marks `step` as the newest complete checkpoint (after everything else is written).
+pub fn mark_latest(dir: &Path, step: u64) -> std::io::Result<()> {
+    let tmp = dir.join(format!("{LATEST}.tmp"));
+    std::fs::write(&tmp, step.to_string())?;
+    std::fs::rename(tmp, dir.join(LATEST))
+}
+
+/// Moves `global_step_<step>` out of the way (to `global_step_<step>.aside-<k>`) when this run
+/// is about to save that step over a directory it did not write: nothing it did not write is
+/// ever overwritten or deleted. Returns where it went.
+pub fn set_aside(dir: &Path, step: u64) -> std::io::Result<Option<PathBuf>> {
+    let d = step_dir(dir, step);
+    if !d.exists() {
+        return Ok(None);
+    }
+    let mut k = 1;
+    let to = loop {
+        let to = dir.join(format!("global_step_{step}.aside-{k}"));
+        if !to.exists() {
+            break to;
+        }
+        k += 1;
+    };
+    std::fs::rename(&d, &to)?;
+    Ok(Some(to))
+}
+
+/// How many of its own step directories a run keeps, from `trainer.max_actor_ckpt_to_keep` and
+/// `trainer.max_critic_ckpt_to_keep` (`critic`: `None` too when the run has no critic); `None`
+/// keeps every one.
+///
+/// verl prunes each role's checkpoints on its own, `None` or 0 keeping all. Here one
+/// `global_step_<N>` holds both roles and resumes only whole, so a step directory goes only when
+/// every role's limit lets it go: an unset limit has no say, 0 keeps all whatever the other
+/// says, and otherwise the larger limit wins. Both unset: keep all (verl's default).
+///
+/// ```
+/// use verl::trainer::checkpoint::keep_limit;
+/// assert_eq!(keep_limit(None, None), None);
+/// assert_eq!(keep_limit(Some(0), Some(2)), None);
+/// assert_eq!(keep_limit(Some(1), Some(3)), Some(3));
+/// assert_eq!(keep_limit(Some(2), None), Some(2));
+/// ```
+pub fn keep_limit(actor: Option<usize>, critic: Option<usize>) -> Option<usize> {
+    let set = [actor, critic].into_iter().flatten();
+    if set.clone().any(|k| k == 0) {
+        return None;
+    }
+    set.max()
+}
+
+/// Removes the oldest of `written` (the steps this run saved, oldest first) so that `keep`
+/// remain; `keep = 0` keeps every one (verl's meaning of 0). Checkpoints of earlier runs are
+/// never touched.
+pub fn prune(dir: &Path, written: &mut Vec<u64>, keep: usize) -> std::io::Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    while written.len() > keep {
+        let s = written.remove(0);
+        let d = step_dir(dir, s);
+        if d.exists() {
+            std::fs::remove_dir_all(d)?;
+        }
     }
     Ok(())
 }
@@ -144,7 +373,8 @@ pub fn read_loop_state(step_dir: &Path) -> Result<LoopState, TrainError> {
 
 /// Writes `<step dir>/trainer.json`.
 pub fn write_loop_state(step_dir: &Path, state: &LoopState) -> Result<(), TrainError> {
-    std::fs::create_dir_all(step_dir).map_err(setup)?;
+    std::fs::create_dir_all(step_dir)
+        .map_err(|e| setup(format!("checkpoint directory {}: {e}", step_dir.display())))?;
     let p = step_dir.join("trainer.json");
     let text = serde_json::to_string(state).map_err(setup)?;
     std::fs::write(&p, text).map_err(|e| setup(format!("{}: {e}", p.display())))

@@ -109,7 +109,10 @@ fn setup(e: impl std::fmt::Display) -> TrainError {
 /// What a run ended with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunSummary {
+    /// The RL steps this run did (a resumed run counts only its own).
     pub steps: u64,
+    /// The step of the checkpoint the run resumed from, if it did.
+    pub resumed_at: Option<u64>,
     /// `val/score/mean` after the warm-up (before RL) and at the end.
     pub val_score_before: Option<f64>,
     pub val_score_after: Option<f64>,
@@ -304,6 +307,8 @@ pub struct PpoTrainer {
     critic_config_json: Option<Value>,
     /// The checkpoint to resume from, and where its loop stood.
     resume: Option<(PathBuf, LoopState)>,
+    /// The steps this run saved, oldest first: the only checkpoints it may prune.
+    saved: Vec<u64>,
 }
 
 /// Each rank's communicators, to be taken by that rank's thread when it builds its worker.
@@ -342,8 +347,14 @@ fn pipeline_split(
     .map_err(setup)
 }
 
-fn take_groups(groups: &RankGroups, rank: usize) -> verl_core::Result<ProcessGroups<Infer>> {
-    groups
+/// Rank `ctx.rank`'s communicators; a failure of any of its methods aborts them all, so its
+/// peers stop waiting at once.
+fn take_groups(
+    groups: &RankGroups,
+    ctx: &verl_core::worker::RankContext,
+) -> verl_core::Result<ProcessGroups<Infer>> {
+    let rank = ctx.rank;
+    let taken = groups
         .lock()
         .map_err(|_| {
             verl_core::Error::backend("trainer", "a rank panicked while taking its groups")
@@ -352,7 +363,10 @@ fn take_groups(groups: &RankGroups, rank: usize) -> verl_core::Result<ProcessGro
         .and_then(Option::take)
         .ok_or_else(|| {
             verl_core::Error::backend("trainer", format!("rank {rank}'s groups were taken"))
-        })
+        })?;
+    let aborter = taken.aborter();
+    ctx.on_failure(move |why: &str| aborter(why));
+    Ok(taken)
 }
 
 impl PpoTrainer {
@@ -485,9 +499,6 @@ impl PpoTrainer {
         Ok(())
     }
 
-    /// Saves step `state.step` in verl's layout (see [`checkpoint`]): every rank of each role
-    /// writes its shard, then the loop state, then `latest_checkpointed_iteration.txt`; older
-    /// checkpoints beyond `trainer.max_actor_ckpt_to_keep` are removed.
     /// verl's `start_profile` / `stop_profile` on every rank of every role around a profiled
     /// step (nothing when the step is not listed in `global_profiler.steps`); the files the
     /// captures wrote are logged.
@@ -515,8 +526,24 @@ impl PpoTrainer {
         Ok(())
     }
 
+    /// Saves step `state.step` in verl's layout (see [`checkpoint`]): every rank of each role
+    /// writes its shard, then the loop state, then `latest_checkpointed_iteration.txt`; older
+    /// checkpoints this run saved beyond the `trainer.max_*_ckpt_to_keep` limits are removed
+    /// (see [`checkpoint::keep_limit`]: 0 keeps all, as in verl). A directory of the same step that this run did not write is set aside,
+    /// never overwritten; `checksums.json` lists every file for verification at resume.
     pub async fn save_checkpoint(&mut self, state: &LoopState) -> Result<PathBuf, TrainError> {
         let dir = checkpoint::step_dir(&self.out_dir, state.step);
+        if !self.saved.contains(&state.step) {
+            let moved = checkpoint::set_aside(&self.out_dir, state.step)
+                .map_err(|e| setup(format!("{}: {e}", dir.display())))?;
+            if let Some(to) = moved {
+                tracing::warn!(
+                    "{} was not written by this run: moved to {} rather than overwritten",
+                    dir.display(),
+                    to.display()
+                );
+            }
+        }
         let (contents, hf) = contents_of(
             &self.cfg.actor_rollout_ref.actor.checkpoint,
             "actor_rollout_ref.actor",
@@ -549,16 +576,18 @@ impl PpoTrainer {
             critic.call_all::<_, ()>("save_checkpoint", &req).await?;
         }
         checkpoint::write_loop_state(&dir, state)?;
-        checkpoint::mark_latest(&self.out_dir, state.step).map_err(setup)?;
-        let keep = [
-            self.cfg.trainer.max_actor_ckpt_to_keep,
-            self.cfg.trainer.max_critic_ckpt_to_keep,
-        ]
-        .into_iter()
-        .flatten()
-        .min();
+        checkpoint::write_checksums(&dir)?;
+        checkpoint::mark_latest(&self.out_dir, state.step)
+            .map_err(|e| setup(format!("{}: {e}", self.out_dir.display())))?;
+        self.saved.retain(|&s| s != state.step);
+        self.saved.push(state.step);
+        let t = &self.cfg.trainer;
+        // A run without a critic has no critic checkpoints for its limit to count.
+        let critic_limit = t.max_critic_ckpt_to_keep.filter(|_| self.critic.is_some());
+        let keep = checkpoint::keep_limit(t.max_actor_ckpt_to_keep, critic_limit);
         if let Some(k) = keep {
-            checkpoint::prune(&self.out_dir, k).map_err(setup)?;
+            checkpoint::prune(&self.out_dir, &mut self.saved, k)
+                .map_err(|e| setup(format!("{}: {e}", self.out_dir.display())))?;
         }
         Ok(dir)
     }
@@ -631,6 +660,7 @@ impl PpoTrainer {
         };
         let b = self.cfg.data.train_batch_size;
         let mut after = ls.val_before;
+        let first_step = ls.step + 1;
         for step in ls.step + 1..=self.total_steps {
             self.global_step = step;
             if ls.cursor + b > ls.order.len() {
@@ -673,7 +703,8 @@ impl PpoTrainer {
             p.finish()?;
         }
         Ok(RunSummary {
-            steps: self.total_steps,
+            steps: (self.total_steps + 1).saturating_sub(first_step),
+            resumed_at: first_step.checked_sub(1).filter(|&s| s > 0),
             val_score_before: ls.val_before,
             val_score_after: after,
             metrics_path: self.log.metrics_path().to_path_buf(),

@@ -251,3 +251,91 @@ fn mismatches_and_departed_peers_are_errors() {
         );
     }
 }
+
+/// A rank that fails aborts its group: a peer blocked in a collective gets the failing rank's
+/// reason at once, not after `VERL_COMM_TIMEOUT_S` (600 s by default here).
+#[test]
+fn a_failing_rank_aborts_its_peers_collectives_at_once() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use verl_core::worker::{RankContext, Worker, WorkerGroup};
+
+    struct Ranked {
+        rank: usize,
+        comm: Arc<dyn Communicator<B>>,
+    }
+    impl Worker for Ranked {
+        fn dispatch_info(&self, _mesh: &str) -> Option<verl_core::dispatch::DispatchInfo> {
+            None
+        }
+    }
+    let handles = std::sync::Mutex::new(
+        LocalCommunicator::group(3)
+            .into_iter()
+            .map(Some)
+            .collect::<Vec<_>>(),
+    );
+    let group = WorkerGroup::spawn(3, move |ctx: RankContext| {
+        let comm: Arc<dyn Communicator<B>> =
+            Arc::new(handles.lock().unwrap()[ctx.rank].take().unwrap());
+        let aborting = comm.clone();
+        ctx.on_failure(move |why: &str| aborting.abort(why));
+        Ok(Ranked {
+            rank: ctx.rank,
+            comm,
+        })
+    })
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let err = rt
+        .block_on(
+            group.execute_all("save_checkpoint", (), |w: &mut Ranked, _ctx, ()| {
+                Box::pin(async move {
+                    if w.rank == 2 {
+                        // Give the peers time to block in the collective first.
+                        std::thread::sleep(Duration::from_millis(300));
+                        return Err(verl_core::Error::backend("test", "disk full"));
+                    }
+                    w.comm.all_reduce(t(&[1.0]), ReduceOp::Sum)?;
+                    Ok(())
+                })
+            }),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(
+        err.contains("rank 2") && err.contains("save_checkpoint"),
+        "{err}"
+    );
+    assert!(err.contains("disk full"), "the cause comes first: {err}");
+}
+
+#[test]
+fn an_aborted_group_answers_every_waiting_rank() {
+    let comms = LocalCommunicator::group(2);
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let mut it = comms.into_iter();
+        let (a, b) = (it.next().unwrap(), it.next().unwrap());
+        let waiter = s.spawn(move || {
+            Communicator::<B>::all_reduce(&b, t(&[1.0]), ReduceOp::Sum)
+                .unwrap_err()
+                .to_string()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        Communicator::<B>::abort(&a, "rank 0 failed in update_actor: out of memory");
+        let late = Communicator::<B>::barrier(&a).unwrap_err().to_string();
+        vec![waiter.join().unwrap(), late]
+    });
+    for e in errs {
+        assert!(e.contains("rank 0 failed in update_actor"), "{e}");
+    }
+}

@@ -39,6 +39,39 @@ pub fn reduce_scatter_chunk(len: usize, world: usize) -> Result<usize, CommError
     Ok(len / world)
 }
 
+/// The environment variable that bounds how long a rank waits for its peers in a collective.
+pub const COMM_TIMEOUT_ENV: &str = "VERL_COMM_TIMEOUT_S";
+
+/// How long a rank waits for its peers before reporting them gone: `VERL_COMM_TIMEOUT_S`
+/// seconds (a whole number ≥ 1), 600 when unset. A value that is not such a number is an
+/// error naming the variable, never a silent default.
+///
+/// ```
+/// use verl_core::traits::comm_timeout_from;
+/// assert_eq!(comm_timeout_from(None).unwrap().as_secs(), 600);
+/// assert_eq!(comm_timeout_from(Some("30")).unwrap().as_secs(), 30);
+/// for bad in ["0", "abc", "-5"] {
+///     assert!(comm_timeout_from(Some(bad)).unwrap_err().to_string().contains("VERL_COMM_TIMEOUT_S"));
+/// }
+/// ```
+pub fn comm_timeout_from(value: Option<&str>) -> Result<std::time::Duration, CommError> {
+    let Some(text) = value else {
+        return Ok(std::time::Duration::from_secs(600));
+    };
+    match text.trim().parse::<u64>() {
+        Ok(s) if s >= 1 => Ok(std::time::Duration::from_secs(s)),
+        _ => Err(CommError::Setting(format!(
+            "{COMM_TIMEOUT_ENV}={text:?}: must be a whole number of seconds ≥ 1 (the default is 600)"
+        ))),
+    }
+}
+
+/// [`comm_timeout_from`] of the process environment.
+pub fn comm_timeout() -> Result<std::time::Duration, CommError> {
+    let value = std::env::var(COMM_TIMEOUT_ENV).ok();
+    comm_timeout_from(value.as_deref())
+}
+
 /// One rank's handle on a process group.
 pub trait Communicator<B: Backend>: Send + Sync {
     /// This rank's index in the group, `0..world_size()`.
@@ -77,6 +110,14 @@ pub trait Communicator<B: Backend>: Send + Sync {
 
     /// Returns once every rank of the group has called it.
     fn barrier(&self) -> Result<(), CommError>;
+
+    /// This rank failed (`reason` says where): every peer waiting in, or later entering, a
+    /// collective of this group gets [`CommError::Aborted`] with `reason` at once, instead of
+    /// waiting out the timeout. The default does nothing (a communicator whose ranks are
+    /// processes is aborted by the driver ending them).
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
 }
 
 /// Shaped collectives on top of the flat core, for any communicator.

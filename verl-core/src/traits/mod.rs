@@ -16,7 +16,10 @@ mod sharding;
 
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};
-pub use communicator::{reduce_scatter_chunk, Communicator, CommunicatorExt, ReduceOp};
+pub use communicator::{
+    comm_timeout, comm_timeout_from, reduce_scatter_chunk, Communicator, CommunicatorExt, ReduceOp,
+    COMM_TIMEOUT_ENV,
+};
 pub use critic::Critic;
 pub use offload::{HostOffload, OffloadSwitches, TransferReport};
 pub use profiler::{ProfileRange, Profiler};

@@ -13,6 +13,8 @@ mod role_group;
 mod serve;
 mod threads;
 
+use std::sync::{Arc, Mutex};
+
 use futures::future::LocalBoxFuture;
 
 use crate::dispatch::DispatchInfo;
@@ -36,20 +38,65 @@ pub trait Worker: 'static {
     fn dispatch_info(&self, mesh: &str) -> Option<DispatchInfo>;
 }
 
+/// What a rank runs right after one of its methods failed: aborting its communicators, so
+/// that peers blocked in a collective fail at once (see
+/// [`crate::traits::Communicator::abort`]) instead of after the peer timeout.
+type AbortFn = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// A rank's registered [`AbortFn`], shared by its contexts and its thread.
+#[derive(Clone, Default)]
+pub(crate) struct AbortHook(Arc<Mutex<Option<AbortFn>>>);
+
+impl AbortHook {
+    /// Runs the registered hook (if any) with `reason`.
+    pub(crate) fn fire(&self, reason: &str) {
+        let hook = self.0.lock().ok().and_then(|h| h.clone());
+        if let Some(h) = hook {
+            h(reason);
+        }
+    }
+}
+
 /// What a rank knows about itself while running a method.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RankContext {
     pub rank: usize,
     pub world_size: usize,
     cancel: watch::Receiver<bool>,
+    abort: AbortHook,
+}
+
+impl std::fmt::Debug for RankContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RankContext")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("cancelled", &*self.cancel.borrow())
+            .finish()
+    }
 }
 
 impl RankContext {
-    pub(crate) fn new(rank: usize, world_size: usize, cancel: watch::Receiver<bool>) -> Self {
+    pub(crate) fn new(
+        rank: usize,
+        world_size: usize,
+        cancel: watch::Receiver<bool>,
+        abort: AbortHook,
+    ) -> Self {
         Self {
             rank,
             world_size,
             cancel,
+            abort,
+        }
+    }
+
+    /// Registers what this rank runs when one of its methods fails, with a reason naming the
+    /// rank and the method: typically aborting every communicator the worker holds, so that
+    /// its peers stop waiting in their collectives at once. A worker factory calls it.
+    pub fn on_failure(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        if let Ok(mut h) = self.abort.0.lock() {
+            *h = Some(Arc::new(hook));
         }
     }
 
@@ -59,7 +106,7 @@ impl RankContext {
         let (tx, cancel) = watch::channel(false);
         // Keep the sender alive for good: a dropped sender would read as cancelled.
         std::mem::forget(tx);
-        Self::new(rank, world_size, cancel)
+        Self::new(rank, world_size, cancel, AbortHook::default())
     }
 
     /// True once another rank failed and this call should stop.

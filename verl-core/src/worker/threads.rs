@@ -39,12 +39,13 @@ use burn::prelude::Backend;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{oneshot, watch};
 
-use super::{panic_message, MethodFuture, RankContext, Worker, AUTO_PADDING_KEY};
+use super::{panic_message, AbortHook, MethodFuture, RankContext, Worker, AUTO_PADDING_KEY};
 use crate::dispatch::{DispatchInfo, DispatchMode, DispatchPlan};
 use crate::error::{DispatchError, Error, Result, WorkerError};
 use crate::DataProto;
 
-type Job<W> = Box<dyn FnOnce(&mut W, &tokio::runtime::Runtime, watch::Receiver<bool>) + Send>;
+type Job<W> =
+    Box<dyn FnOnce(&mut W, &tokio::runtime::Runtime, watch::Receiver<bool>, &AbortHook) + Send>;
 
 enum RankOutcome<O> {
     Done(Result<O>),
@@ -107,7 +108,8 @@ impl<W: Worker> WorkerGroup<W> {
                         }
                     };
                     let (_never, cancel) = watch::channel(false);
-                    let ctx = RankContext::new(rank, world_size, cancel);
+                    let hook = AbortHook::default();
+                    let ctx = RankContext::new(rank, world_size, cancel, hook.clone());
                     let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
                     let mut worker = match built {
                         Ok(Ok(w)) => {
@@ -128,7 +130,7 @@ impl<W: Worker> WorkerGroup<W> {
                     };
                     drop(ready);
                     while let Ok(job) = job_rx.recv() {
-                        job(&mut worker, &runtime, _never.subscribe());
+                        job(&mut worker, &runtime, _never.subscribe(), &hook);
                     }
                 })
                 .map_err(|e| WorkerError::Spawn {
@@ -227,6 +229,8 @@ impl<W: Worker> WorkerGroup<W> {
         let f = Arc::new(f);
         let world_size = self.world_size();
         let (cancel_tx, _) = watch::channel(false);
+        // The rank that failed first: its error is the cause, the others' the consequence.
+        let origin: Arc<Mutex<Option<usize>>> = Arc::new(Mutex::new(None));
         let mut pending = FuturesUnordered::new();
         let mut outputs: Vec<Option<O>> = (0..world_size).map(|_| None).collect();
         let mut running: Vec<usize> = Vec::new();
@@ -235,8 +239,10 @@ impl<W: Worker> WorkerGroup<W> {
             let (tx, rx) = oneshot::channel::<RankOutcome<O>>();
             let f = f.clone();
             let cancel = cancel_tx.subscribe();
-            let job: Job<W> = Box::new(move |worker, runtime, _| {
-                let ctx = RankContext::new(rank, world_size, cancel.clone());
+            let origin = origin.clone();
+            let method_name = method.to_string();
+            let job: Job<W> = Box::new(move |worker, runtime, _, hook| {
+                let ctx = RankContext::new(rank, world_size, cancel.clone(), hook.clone());
                 let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
                     runtime.block_on(async {
                         let stop = ctx.clone();
@@ -246,8 +252,21 @@ impl<W: Worker> WorkerGroup<W> {
                         }
                     })
                 }));
-                let _ =
-                    tx.send(outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p))));
+                let outcome = outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p)));
+                let failure = match &outcome {
+                    RankOutcome::Done(Err(e)) => Some(e.to_string()),
+                    RankOutcome::Panicked(m) => Some(format!("panicked: {m}")),
+                    _ => None,
+                };
+                // The first rank to fail aborts its collectives at once, so that peers blocked
+                // in one learn why in milliseconds rather than after the peer timeout.
+                if let Some(why) = failure {
+                    let first = origin.lock().map(|mut o| *o.get_or_insert(rank) == rank);
+                    if first.unwrap_or(false) {
+                        hook.fire(&format!("rank {rank} failed in {method_name}: {why}"));
+                    }
+                }
+                let _ = tx.send(outcome);
             });
             self.ranks[rank]
                 .jobs
@@ -314,9 +333,12 @@ impl<W: Worker> WorkerGroup<W> {
             };
             if let Some(e) = failure {
                 let _ = cancel_tx.send(true);
-                // Keep the root cause: a cancellation is only a consequence.
+                // Keep the root cause: the rank that failed first, else anything but a
+                // cancellation (only a consequence).
+                let is_origin = origin.lock().ok().and_then(|o| *o) == Some(rank);
                 let is_cancel = matches!(e, Error::Worker(WorkerError::Cancelled { .. }));
-                if first_error.is_none()
+                if is_origin
+                    || first_error.is_none()
                     || (!is_cancel
                         && matches!(
                             first_error,

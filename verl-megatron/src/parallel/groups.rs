@@ -42,6 +42,19 @@ impl<B: Backend> ProcessGroups<B> {
         self.get(GroupKind::DpCp)
     }
 
+    /// A function that aborts every communicator of this rank (see
+    /// [`Communicator::abort`]): what a worker registers to run when one of its methods fails.
+    pub fn aborter(&self) -> impl Fn(&str) + Send + Sync + 'static {
+        let all: Vec<Arc<dyn Communicator<B>>> = std::iter::once(self.world.clone())
+            .chain(self.groups.values().cloned())
+            .collect();
+        move |reason: &str| {
+            for c in &all {
+                c.abort(reason);
+            }
+        }
+    }
+
     /// In-process groups for every rank of `topo` (index = global rank), each rank's handles to
     /// be moved to its thread: how CPU runs simulate a multi-GPU layout.
     pub fn local(topo: &Topology) -> Vec<ProcessGroups<B>> {

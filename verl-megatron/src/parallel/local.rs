@@ -10,16 +10,7 @@ use std::time::{Duration, Instant};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 use verl_core::error::CommError;
-use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
-
-/// A rank waiting longer than this for its peers reports them gone rather than hanging.
-/// `VERL_COMM_TIMEOUT_S` overrides it (tests that might deadlock fail fast with it).
-fn peer_timeout() -> Duration {
-    std::env::var("VERL_COMM_TIMEOUT_S")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .map_or(Duration::from_secs(600), Duration::from_secs)
-}
+use verl_core::traits::{comm_timeout, reduce_scatter_chunk, Communicator, ReduceOp};
 
 type Payload = Arc<Vec<Vec<f32>>>;
 
@@ -31,6 +22,8 @@ struct HubState {
     mail: HashMap<(usize, usize), VecDeque<Vec<f32>>>,
     /// Ranks whose handle was dropped (their thread ended or panicked).
     gone: Vec<bool>,
+    /// Set by a rank that failed ([`Communicator::abort`]): why, naming it and its method.
+    aborted: Option<String>,
 }
 
 struct Hub {
@@ -44,7 +37,7 @@ struct Hub {
 ///
 /// ```
 /// use burn::prelude::*;
-/// use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
+/// use verl_core::traits::{comm_timeout, reduce_scatter_chunk, Communicator, ReduceOp};
 /// use verl_megatron::parallel::LocalCommunicator;
 /// type B = verl_core::backend::CpuBackend;
 ///
@@ -104,8 +97,12 @@ impl LocalCommunicator {
         waiting_for: impl Fn() -> String,
         mut ready: impl FnMut(&mut HubState) -> Option<Result<T, CommError>>,
     ) -> Result<(T, MutexGuard<'a, HubState>), CommError> {
-        let (start, timeout) = (Instant::now(), peer_timeout());
+        // A rank waiting longer than the timeout reports its peers gone rather than hanging.
+        let (start, timeout) = (Instant::now(), comm_timeout()?);
         loop {
+            if let Some(why) = &st.aborted {
+                return Err(CommError::Aborted(why.clone()));
+            }
             if let Some(answer) = ready(&mut st) {
                 return answer.map(|v| (v, st));
             }
@@ -353,5 +350,12 @@ impl<B: Backend> Communicator<B> for LocalCommunicator {
 
     fn barrier(&self) -> Result<(), CommError> {
         self.exchange(vec![Vec::new()]).map(|_| ())
+    }
+
+    fn abort(&self, reason: &str) {
+        if let Ok(mut st) = self.hub.state.lock() {
+            st.aborted.get_or_insert_with(|| reason.to_string());
+        }
+        self.hub.changed.notify_all();
     }
 }

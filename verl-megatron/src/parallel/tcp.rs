@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 use verl_core::error::CommError;
-use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
+use verl_core::traits::{comm_timeout, reduce_scatter_chunk, Communicator, ReduceOp};
 
 use super::local::{device_tensor, equal_lengths, host, reduce_in_rank_order};
 use super::Rendezvous;
@@ -30,15 +30,6 @@ use super::Rendezvous;
 /// point-to-point message.
 const COLLECTIVE: u8 = 0;
 const POINT_TO_POINT: u8 = 1;
-
-/// A rank waiting longer than this for a peer that is still connected reports it
-/// (`VERL_COMM_TIMEOUT_S` overrides, as for the in-process communicator).
-fn peer_timeout() -> Duration {
-    std::env::var("VERL_COMM_TIMEOUT_S")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .map_or(Duration::from_secs(600), Duration::from_secs)
-}
 
 #[derive(Default)]
 struct InboxState {
@@ -294,7 +285,7 @@ impl TcpCommunicator {
         what: impl Fn() -> String,
         mut take: impl FnMut(&mut InboxState) -> Option<T>,
     ) -> Result<T, CommError> {
-        let (start, timeout) = (Instant::now(), peer_timeout());
+        let (start, timeout) = (Instant::now(), comm_timeout()?);
         let mut st = self.inbox.lock();
         loop {
             if let Some(v) = take(&mut st) {

@@ -141,3 +141,121 @@ fn the_builders_offload_switches_are_honoured() {
         .fold(0.0, f64::max);
     assert!(host > 0.0, "offloaded state is logged: {lines:?}");
 }
+
+/// Every float in the safetensors files under `dir` is finite (F32 and BF16 tensors).
+fn saved_weights_are_finite(dir: &std::path::Path) -> usize {
+    let mut checked = 0;
+    for file in common::files_under(dir) {
+        if file.extension().is_none_or(|e| e != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in st.tensors() {
+            let values: Vec<f32> = match view.dtype() {
+                safetensors::Dtype::F32 => view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                safetensors::Dtype::BF16 => view
+                    .data()
+                    .chunks_exact(2)
+                    .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+                    .collect(),
+                _ => continue,
+            };
+            assert!(
+                values.iter().all(|v| v.is_finite()),
+                "{}: `{name}` holds a non-finite value",
+                file.display()
+            );
+            checked += 1;
+        }
+    }
+    checked
+}
+
+/// A NaN loss (one micro-batch of one step) skips that optimizer step, counted as
+/// `actor/skipped_steps`; training goes on and every saved weight stays finite.
+#[test]
+fn a_nan_loss_skips_the_step_and_no_non_finite_weight_is_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        &[
+            "trainer.total_training_steps=3",
+            "trainer.save_freq=1",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=nan_once",
+            // One micro-batch (and one mini-batch) per update: one loss call per step.
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",
+        ],
+    );
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let mut trainer = PpoTrainer::builder(cfg)
+        .policy_loss("nan_once", move |x| {
+            let mut out = verl::core::algorithms::policy_loss::vanilla(x)?;
+            // The second step's update.
+            if seen.fetch_add(1, Ordering::SeqCst) == 1 {
+                out.loss = out.loss * f32::NAN;
+            }
+            Ok(out)
+        })
+        .build()
+        .unwrap();
+    let summary = block_on(trainer.fit()).unwrap();
+    let lines = common::step_lines(&summary.metrics_path);
+    let skipped: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("actor/skipped_steps").copied())
+        .collect();
+    assert_eq!(skipped, vec![0.0, 1.0, 0.0], "{lines:?}");
+    // The step after the skipped one updates again, with a finite gradient norm.
+    assert!(lines.last().unwrap()["actor/grad_norm"].is_finite());
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    for step in 1..=3 {
+        let n = saved_weights_are_finite(&dir.path().join(format!("global_step_{step}/actor")));
+        assert!(n > 0, "step {step}: no tensor checked");
+    }
+}
+
+/// One tensor-parallel rank failing inside the update (its policy loss errs) aborts its peers'
+/// collectives at once: the run ends with that rank's own error, not a peer's timeout after
+/// `VERL_COMM_TIMEOUT_S` (600 s by default).
+#[test]
+fn a_rank_failing_mid_update_ends_the_run_with_its_own_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        &[
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=fails_once",
+        ],
+    );
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    let mut trainer = PpoTrainer::builder(cfg)
+        .policy_loss("fails_once", move |x| {
+            // The first rank to get here fails; its peer goes on into the backward's
+            // collectives and would wait there for the failed rank.
+            if seen.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Err(verl::core::error::AlgorithmError::Invalid {
+                    algorithm: "fails_once".into(),
+                    message: "injected failure".into(),
+                });
+            }
+            verl::core::algorithms::policy_loss::vanilla(x)
+        })
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let err = block_on(trainer.fit()).unwrap_err().to_string();
+    assert!(err.contains("injected failure"), "{err}");
+    assert!(err.contains("update_actor"), "names the method: {err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(120),
+        "the peer waited out its timeout: {err}"
+    );
+}

@@ -1,5 +1,6 @@
 //! [`Metrics`]: named scalar series a worker returns and the trainer reduces (mean, as verl's
-//! `reduce_metrics` does; the largest value for peaks such as `perf/max_memory_allocated_gb`).
+//! `reduce_metrics` does; the largest value for peaks such as `perf/max_memory_allocated_gb`;
+//! the sum for the rollout's counts, which each rollout group reports for its share).
 
 use std::collections::BTreeMap;
 
@@ -8,7 +9,9 @@ use serde::{Deserialize, Serialize};
 /// Named lists of values; [`Metrics::reduce`] averages each list, except that a peak
 /// (a key whose last-but-one or last segment starts with `max_`, as `perf/max_memory_allocated_gb`
 /// or `perf/max_memory_allocated_gb/update_actor`) keeps its largest value: the peak of a step
-/// over ranks and phases is their maximum.
+/// over ranks and phases is their maximum; and a count in [`SUMMED`] adds up: each rollout
+/// group reports the tokens and sequences of its own share of the prompts, so a run over
+/// several groups logs what one rank would.
 ///
 /// ```
 /// use verl_core::Metrics;
@@ -19,6 +22,9 @@ use serde::{Deserialize, Serialize};
 /// m.push("perf/max_memory_allocated_gb", 3.0);
 /// assert_eq!(m.reduce()["actor/pg_loss"], 2.0);
 /// assert_eq!(m.reduce()["perf/max_memory_allocated_gb"], 3.0);
+/// m.push("rollout/generated_tokens", 10.0);
+/// m.push("rollout/generated_tokens", 12.0);
+/// assert_eq!(m.reduce()["rollout/generated_tokens"], 22.0);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Metrics(pub BTreeMap<String, Vec<f64>>);
@@ -44,6 +50,8 @@ impl Metrics {
             .map(|(k, v)| {
                 let value = if is_peak(k) {
                     v.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                } else if SUMMED.contains(&k.as_str()) {
+                    v.iter().sum::<f64>()
                 } else {
                     v.iter().sum::<f64>() / v.len() as f64
                 };
@@ -52,6 +60,13 @@ impl Metrics {
             .collect()
     }
 }
+
+/// Counts that add up over the ranks reporting them (one per rollout group).
+pub const SUMMED: &[&str] = &[
+    "rollout/prompt_tokens",
+    "rollout/generated_tokens",
+    "rollout/peak_batch",
+];
 
 /// Whether `key` names a peak (`…/max_…` or `…/max_…/<phase>`), reduced by its maximum.
 fn is_peak(key: &str) -> bool {

@@ -559,6 +559,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let rows = data.len();
         let temperature = temperature_of(data, s.temperature);
         let mut metrics = Metrics::default();
+        // Optimizer steps skipped for a non-finite gradient norm (Megatron's skipped iterations).
+        let mut skipped = 0u32;
         for epoch in 0..s.ppo_epochs {
             let mut order: Vec<usize> = (0..rows).collect();
             if s.shuffle {
@@ -599,6 +601,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 drop(step_span);
                 self.model = Some(model);
                 let report = report?;
+                skipped += u32::from(!report.applied);
                 if self.is_last_stage() {
                     // Each rank's loss is its share of the mini-batch loss.
                     metrics.push("actor/pg_loss", self.dp_sum(&[pg_total])?[0]);
@@ -606,6 +609,9 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     metrics.push("actor/lr", report.lr);
                 }
             }
+        }
+        if self.is_last_stage() {
+            metrics.push("actor/skipped_steps", f64::from(skipped));
         }
         self.updates += 1;
         Ok(metrics)

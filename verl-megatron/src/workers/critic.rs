@@ -340,6 +340,8 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
     fn update_resident(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let s = self.settings.clone();
         let mut metrics = Metrics::default();
+        // Optimizer steps skipped for a non-finite gradient norm (Megatron's skipped iterations).
+        let mut skipped = 0u32;
         for epoch in 0..s.ppo_epochs {
             let mut order: Vec<usize> = (0..data.len()).collect();
             if s.shuffle {
@@ -404,6 +406,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                 drop(step_span);
                 self.model = Some(model);
                 let report = report?;
+                skipped += u32::from(!report.applied);
                 if self.model().stage.is_last() {
                     metrics.push(
                         "critic/vf_loss",
@@ -413,6 +416,9 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                     metrics.push("critic/lr", report.lr);
                 }
             }
+        }
+        if self.model().stage.is_last() {
+            metrics.push("critic/skipped_steps", f64::from(skipped));
         }
         self.updates += 1;
         Ok(metrics)

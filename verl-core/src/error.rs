@@ -22,6 +22,12 @@ pub enum CommError {
     /// The driver ↔ worker connection failed or carried something unreadable.
     #[error("driver/worker connection: {0}")]
     Transport(String),
+    /// A peer failed and aborted the group; the message says which rank and where.
+    #[error("{0}")]
+    Aborted(String),
+    /// A communication setting (an environment variable) is not usable.
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// Errors of [`crate::DataProto`] operations.
@@ -168,6 +174,10 @@ pub enum WorkerError {
 pub enum ConfigError {
     #[error("{path}: {message}")]
     Read { path: PathBuf, message: String },
+    /// A config file sets one key twice (YAML's and JSON's readers would keep the last
+    /// silently); `key` is dotted from the top.
+    #[error("{path}: `{key}` is set twice; set each key once (the later value would silently replace the earlier)")]
+    DuplicateKey { path: PathBuf, key: String },
     #[error("config key `{key}`: {message}")]
     Key { key: String, message: String },
     #[error("override `{text}` is not of the form key=value (e.g. trainer.total_epochs=3)")]

@@ -174,6 +174,74 @@ fn files_in_yaml_toml_and_json_with_overrides_on_top() {
     assert!(matches!(e, ConfigError::Read { .. }));
 }
 
+/// A key given twice in one map would silently keep the last value in YAML and JSON: refused,
+/// naming the file and the dotted key, whether the key is a setting or a whole section.
+#[test]
+fn duplicate_keys_in_a_config_file_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "setting.yaml",
+            "trainer:\n  total_epochs: 3\n  n_gpus_per_node: 2\n  total_epochs: 4\n",
+            "trainer.total_epochs",
+        ),
+        (
+            "section.yaml",
+            "trainer:\n  total_epochs: 3\nalgorithm:\n  adv_estimator: grpo\ntrainer:\n  n_gpus_per_node: 2\n",
+            "trainer",
+        ),
+        (
+            "nested.yml",
+            "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-6\n      lr: 1.0e-5\n",
+            "actor_rollout_ref.actor.optim.lr",
+        ),
+        (
+            "setting.json",
+            r#"{"trainer": {"total_epochs": 3, "total_epochs": 4}}"#,
+            "trainer.total_epochs",
+        ),
+    ];
+    for (name, text, key) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        let e = VerlConfig::from_layers(Some(&path), &[]).unwrap_err();
+        let msg = e.to_string();
+        match e {
+            ConfigError::DuplicateKey { path: p, key: k } => {
+                assert_eq!((p.as_path(), k.as_str()), (path.as_path(), *key), "{msg}");
+            }
+            other => panic!("{name}: expected a duplicate-key error, got {other}"),
+        }
+        assert!(
+            msg.contains(&path.display().to_string()) && msg.contains(&format!("`{key}`")),
+            "{msg}"
+        );
+    }
+
+    // TOML's reader refuses duplicates itself; the error still names the file and the key.
+    let toml = dir.path().join("twice.toml");
+    std::fs::write(&toml, "[trainer]\ntotal_epochs = 3\ntotal_epochs = 4\n").unwrap();
+    let e = VerlConfig::from_layers(Some(&toml), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&toml.display().to_string())
+            && e.contains("total_epochs")
+            && e.contains("duplicate"),
+        "{e}"
+    );
+
+    // The same key in different maps is no duplicate, and a byte-order mark is skipped.
+    let ok = dir.path().join("ok.json");
+    std::fs::write(
+        &ok,
+        "\u{feff}{\"trainer\": {\"total_epochs\": 3}, \"critic\": {\"ppo_epochs\": 2}, \"actor_rollout_ref\": {\"actor\": {\"ppo_epochs\": 2}}}",
+    )
+    .unwrap();
+    let c = VerlConfig::from_layers(Some(&ok), &[]).unwrap();
+    assert_eq!(c.trainer.total_epochs, 3);
+}
+
 #[test]
 fn printed_config_reloads_to_the_same_config() {
     let c = with(&["trainer.total_epochs=7"]).unwrap();
@@ -338,4 +406,87 @@ fn config_names_match_the_algorithm_registries() {
     let kl: verl_core::algorithms::kl::KlPenalty =
         c.actor_rollout_ref.actor.kl_loss_type.parse().unwrap();
     assert_eq!(kl.kind, verl_core::algorithms::kl::KlType::K3);
+}
+
+/// Numbers that no run could mean are refused by field at validation: negative rates, decay,
+/// clipping and clip ranges, betas outside [0, 1), a non-positive eps.
+#[test]
+fn meaningless_numbers_are_refused_by_field() {
+    for (set, key) in [
+        (
+            "actor_rollout_ref.actor.optim.lr=-1e-6",
+            "actor_rollout_ref.actor.optim.lr",
+        ),
+        ("trainer.sft_warmup_lr=-0.1", "trainer.sft_warmup_lr"),
+        (
+            "actor_rollout_ref.actor.clip_ratio=-0.2",
+            "actor_rollout_ref.actor.clip_ratio",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_low=-0.1",
+            "actor_rollout_ref.actor.clip_ratio_low",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_high=-0.1",
+            "actor_rollout_ref.actor.clip_ratio_high",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.weight_decay=-0.01",
+            "actor_rollout_ref.actor.optim.weight_decay",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.clip_grad=-1",
+            "actor_rollout_ref.actor.optim.clip_grad",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.eps=0",
+            "actor_rollout_ref.actor.optim.eps",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.eps=-1e-8",
+            "actor_rollout_ref.actor.optim.eps",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.betas=[0.9, 1.0]",
+            "actor_rollout_ref.actor.optim.betas",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.betas=[-0.1, 0.99]",
+            "actor_rollout_ref.actor.optim.betas",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1.5",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio",
+        ),
+    ] {
+        let cfg = with(&[set]).unwrap_or_else(|e| panic!("{set} parses: {e}"));
+        let e = cfg.validate().expect_err(set);
+        assert_eq!(invalid_key(e), key, "{set}");
+    }
+    // The critic's optimizer is checked when a critic runs.
+    let cfg = with(&["algorithm.adv_estimator=gae", "critic.optim.lr=-1"]).unwrap();
+    assert_eq!(invalid_key(cfg.validate().unwrap_err()), "critic.optim.lr");
+    // Zero is a meaningful bound for each of them.
+    let cfg = with(&[
+        "actor_rollout_ref.actor.optim.weight_decay=0",
+        "actor_rollout_ref.actor.optim.clip_grad=0",
+        "actor_rollout_ref.actor.optim.betas=[0.0, 0.0]",
+    ])
+    .unwrap();
+    cfg.validate()
+        .expect("zero decay, clipping off and zero betas are valid");
+}
+
+/// verl's `ref.megatron` takes each layout key it does not set from the actor's.
+#[test]
+fn the_reference_inherits_the_actors_layout_key_by_key() {
+    let cfg = with(&[
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.ref.megatron.param_offload=true",
+    ])
+    .unwrap();
+    let r = cfg.actor_rollout_ref.reference.megatron.clone().unwrap();
+    assert_eq!(r.tensor_model_parallel_size, 2);
+    assert!(r.param_offload);
+    cfg.validate().expect("the same layout as the actor's");
 }

@@ -50,26 +50,14 @@ pub fn read_prompts<B: Backend>(
         if p.is_empty() {
             return Err(RolloutError::EmptyPrompt { row: r });
         }
-        if p.len() > limit {
-            p = match truncation {
-                Truncation::Error => {
-                    return Err(RolloutError::PromptTooLong {
-                        row: r,
-                        len: p.len(),
-                        limit,
-                        field: "data.max_prompt_length",
-                    })
-                }
-                Truncation::Left => p[p.len() - limit..].to_vec(),
-                Truncation::Right => p[..limit].to_vec(),
-                Truncation::Middle => {
-                    let head = limit / 2;
-                    let mut kept = p[..head].to_vec();
-                    kept.extend_from_slice(&p[p.len() - (limit - head)..]);
-                    kept
-                }
-            };
-        }
+        p = truncation
+            .apply(p, limit)
+            .map_err(|len| RolloutError::PromptTooLong {
+                row: r,
+                len,
+                limit,
+                field: "data.max_prompt_length",
+            })?;
         prompts.push(p);
     }
     Ok((prompts, width))

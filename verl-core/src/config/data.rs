@@ -22,6 +22,8 @@ pub struct DataConfig {
     pub return_full_prompt: bool,
     pub shuffle: bool,
     pub seed: u64,
+    /// Drop prompts longer than `max_prompt_length` (in tokens, chat template applied) from the
+    /// training and validation sets, as verl's dataset does, instead of truncating them.
     pub filter_overlong_prompts: bool,
     /// What to do with a prompt longer than `max_prompt_length`: `error`, `left`, `right`, `middle`.
     pub truncation: Truncation,
@@ -53,6 +55,39 @@ pub enum Truncation {
     Left,
     Right,
     Middle,
+}
+
+impl Truncation {
+    /// `ids` cut to at most `limit` tokens as verl's dataset does: `left` keeps the last
+    /// `limit`, `right` the first, `middle` the first `limit / 2` and the last
+    /// `limit - limit / 2`. `error` returns `Err(len)` for a prompt that is too long.
+    ///
+    /// ```
+    /// use verl_core::config::Truncation;
+    /// let ids: Vec<u32> = (0..7).collect();
+    /// assert_eq!(Truncation::Left.apply(ids.clone(), 4).unwrap(), vec![3, 4, 5, 6]);
+    /// assert_eq!(Truncation::Right.apply(ids.clone(), 4).unwrap(), vec![0, 1, 2, 3]);
+    /// assert_eq!(Truncation::Middle.apply(ids.clone(), 5).unwrap(), vec![0, 1, 4, 5, 6]);
+    /// assert_eq!(Truncation::Error.apply(ids.clone(), 4), Err(7));
+    /// assert_eq!(Truncation::Error.apply(ids, 7).unwrap().len(), 7);
+    /// ```
+    pub fn apply<T: Copy>(self, ids: Vec<T>, limit: usize) -> Result<Vec<T>, usize> {
+        let len = ids.len();
+        if len <= limit {
+            return Ok(ids);
+        }
+        Ok(match self {
+            Truncation::Error => return Err(len),
+            Truncation::Left => ids[len - limit..].to_vec(),
+            Truncation::Right => ids[..limit].to_vec(),
+            Truncation::Middle => {
+                let head = limit / 2;
+                let mut kept = ids[..head].to_vec();
+                kept.extend_from_slice(&ids[len - (limit - head)..]);
+                kept
+            }
+        })
+    }
 }
 
 impl Default for DataConfig {

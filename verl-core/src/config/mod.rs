@@ -2,7 +2,8 @@
 //!
 //! A config is built in layers: the defaults, then a file (YAML, TOML or JSON, by extension),
 //! then dotted `key=value` overrides as on verl's command line. Keys that do not exist are refused
-//! with the valid keys beside them; a value of the wrong type names its key. [`VerlConfig::validate`]
+//! with the valid keys beside them, as is a key a file sets twice; a value of the wrong type
+//! names its key. [`VerlConfig::validate`]
 //! then checks the parallel layout and batch arithmetic before anything is allocated.
 //!
 //! ```
@@ -36,8 +37,11 @@ mod trainer;
 mod unsupported;
 mod validate;
 
+use std::cell::RefCell;
+use std::fmt;
 use std::path::Path;
 
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -90,6 +94,7 @@ impl VerlConfig {
         for text in overrides {
             apply_override(&mut tree, text)?;
         }
+        inherit_reference_layout(&mut tree);
         let mut cfg = from_tree(tree)?;
         cfg.resolve();
         Ok(cfg)
@@ -157,22 +162,43 @@ fn read_file(path: &Path) -> Result<Value> {
         path: path.into(),
         message: e.to_string(),
     })?;
+    // Editors on Windows start files with a byte-order mark, which the JSON reader refuses; it
+    // carries nothing.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text.as_str());
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
         .unwrap_or("")
         .to_ascii_lowercase();
+    // serde_yaml and serde_json keep the last of a key given twice in one map, silently, so a
+    // stray copy of a key would override the intended one unseen: both are read through
+    // `StrictTree`, which refuses it. The TOML reader refuses duplicates itself.
+    let duplicate = RefCell::new(None);
     let parsed: std::result::Result<Value, String> = match ext.as_str() {
-        "yaml" | "yml" => serde_yaml::from_str(&text).map_err(|e| e.to_string()),
-        "toml" => toml::from_str(&text).map_err(|e| e.to_string()),
-        "json" => serde_json::from_str(&text).map_err(|e| e.to_string()),
+        "yaml" | "yml" => StrictTree::new(&duplicate)
+            .deserialize(serde_yaml::Deserializer::from_str(text))
+            .map_err(|e| e.to_string()),
+        "toml" => toml::from_str(text).map_err(|e| e.to_string()),
+        "json" => {
+            let mut reader = serde_json::Deserializer::from_str(text);
+            StrictTree::new(&duplicate)
+                .deserialize(&mut reader)
+                .and_then(|v| reader.end().map(|()| v))
+                .map_err(|e| e.to_string())
+        }
         other => Err(format!(
             "unknown config extension `.{other}`; use .yaml, .yml, .toml or .json"
         )),
     };
-    let value = parsed.map_err(|message| ConfigError::Read {
-        path: path.into(),
-        message,
+    let value = parsed.map_err(|message| match duplicate.take() {
+        Some(key) => ConfigError::DuplicateKey {
+            path: path.into(),
+            key,
+        },
+        None => ConfigError::Read {
+            path: path.into(),
+            message,
+        },
     })?;
     match value {
         Value::Object(_) => Ok(value),
@@ -181,6 +207,123 @@ fn read_file(path: &Path) -> Result<Value> {
             path: path.into(),
             message: "the top level must be a map of sections".into(),
         }),
+    }
+}
+
+/// A JSON tree read from a self-describing format (YAML, JSON) that refuses a key given twice
+/// in one map; otherwise it reads as `serde_json::Value` does. The first duplicate's dotted key
+/// is left in `duplicate`, for a typed error (the parser's own error carries only a message,
+/// and for YAML the line of the enclosing map rather than the key's).
+struct StrictTree<'a> {
+    /// The dotted key of the value being read (`""` at the top).
+    at: String,
+    duplicate: &'a RefCell<Option<String>>,
+}
+
+impl<'a> StrictTree<'a> {
+    fn new(duplicate: &'a RefCell<Option<String>>) -> Self {
+        Self {
+            at: String::new(),
+            duplicate,
+        }
+    }
+
+    fn child(&self, at: String) -> Self {
+        Self {
+            at,
+            duplicate: self.duplicate,
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for StrictTree<'_> {
+    type Value = Value;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for StrictTree<'_> {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a config value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> std::result::Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    // As serde_json's own `Value` reads integers beyond 64 bits (YAML gives them).
+    fn visit_i128<E: de::Error>(self, v: i128) -> std::result::Result<Value, E> {
+        serde_json::Number::deserialize(de::value::I128Deserializer::<E>::new(v)).map(Value::Number)
+    }
+
+    fn visit_u128<E: de::Error>(self, v: u128) -> std::result::Result<Value, E> {
+        serde_json::Number::deserialize(de::value::U128Deserializer::<E>::new(v)).map(Value::Number)
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_string<E: de::Error>(self, v: String) -> std::result::Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_none<E: de::Error>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> std::result::Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Value, A::Error> {
+        let mut items = Vec::new();
+        loop {
+            let child = self.child(format!("{}[{}]", self.at, items.len()));
+            match seq.next_element_seed(child)? {
+                Some(item) => items.push(item),
+                None => return Ok(Value::Array(items)),
+            }
+        }
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let at = if self.at.is_empty() {
+                key.clone()
+            } else {
+                format!("{}.{key}", self.at)
+            };
+            if out.contains_key(&key) {
+                let message = format!("`{at}` is set twice");
+                *self.duplicate.borrow_mut() = Some(at);
+                return Err(de::Error::custom(message));
+            }
+            let value = map.next_value_seed(self.child(at))?;
+            out.insert(key, value);
+        }
+        Ok(Value::Object(out))
     }
 }
 
@@ -256,6 +399,25 @@ fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// verl's `ref.megatron` takes each unset layout key from `actor.megatron` (interpolations in
+/// its YAML); the offload switches stay the reference's own.
+fn inherit_reference_layout(tree: &mut Value) {
+    let Some(actor) = tree
+        .pointer("/actor_rollout_ref/actor/megatron")
+        .and_then(Value::as_object)
+        .cloned()
+    else {
+        return;
+    };
+    if let Some(Value::Object(r)) = tree.pointer_mut("/actor_rollout_ref/ref/megatron") {
+        for (k, v) in actor {
+            if !k.ends_with("_offload") && !r.contains_key(&k) {
+                r.insert(k, v);
+            }
+        }
+    }
 }
 
 /// Deep-merges `user` into `base`: maps merge key by key, anything else replaces.

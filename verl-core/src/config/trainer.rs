@@ -37,7 +37,13 @@ pub struct TrainerConfig {
     /// `None`: `checkpoints/{project_name}/{experiment_name}`.
     pub default_local_dir: Option<String>,
     pub del_local_ckpt_after_load: bool,
+    /// How many of the run's own `global_step_<N>` checkpoints to keep (older ones this run
+    /// saved are removed; earlier runs' are never touched). `None` (unset) has no say, 0 keeps
+    /// all as in verl. A step directory holds both roles and resumes only whole, so it goes
+    /// only when both limits let it: any 0 keeps all, else the larger set limit wins
+    /// (`actor=1, critic=3` keeps 3); both unset keeps all.
     pub max_actor_ckpt_to_keep: Option<usize>,
+    /// The critic's limit, combined with the actor's as above (ignored without a critic).
     pub max_critic_ckpt_to_keep: Option<usize>,
     /// `cpu` or `cuda`.
     pub device: String,

@@ -66,8 +66,43 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
         m.use_mbridge,
         "verl-rs always loads and saves Hugging Face checkpoints directly (what mbridge does)",
         "set it to true or remove it",
-    )
+    )?;
+    require(
+        m.seed == 42,
+        &format!("{prefix}.megatron.seed"),
+        m.seed,
+        "not supported yet: weights are initialised from trainer.seed",
+        "remove it and set trainer.seed",
+    )?;
+    require(
+        m.virtual_pipeline_model_parallel_size.unwrap_or(1) == 1,
+        &format!("{prefix}.megatron.virtual_pipeline_model_parallel_size"),
+        m.virtual_pipeline_model_parallel_size,
+        "not supported yet: the pipeline runs the non-interleaved 1F1B schedule",
+        "remove it (or set it to 1)",
+    )?;
+    for key in m.override_transformer_config.keys() {
+        require(
+            OVERRIDES_READ.contains(&key.as_str()),
+            &format!("{prefix}.megatron.override_transformer_config.{key}"),
+            &m.override_transformer_config[key],
+            &format!(
+                "not supported yet: the keys read are {}",
+                OVERRIDES_READ.join(", ")
+            ),
+            "remove it",
+        )?;
+    }
+    Ok(())
 }
+
+/// The `override_transformer_config` keys the Megatron models read.
+const OVERRIDES_READ: &[&str] = &[
+    "moe_aux_loss_coeff",
+    "moe_router_load_balancing_type",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+];
 
 /// A model block's options that need Python or recomputation.
 fn model_options(
@@ -170,13 +205,6 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         )?;
     }
     require(
-        !d.filter_overlong_prompts,
-        "data.filter_overlong_prompts",
-        d.filter_overlong_prompts,
-        "over-long prompts are not dropped",
-        "set it to false and choose data.truncation (error, left, right or middle)",
-    )?;
-    require(
         d.dataloader_num_workers == 0,
         "data.dataloader_num_workers",
         d.dataloader_num_workers,
@@ -241,6 +269,56 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "the chat template comes from the tokenizer's files",
         "remove it, or put the template in the model's tokenizer_config.json",
     )?;
+    if m.path.is_some() {
+        // With a Hugging Face model the sizes come from its config.json; only the MoE
+        // router switch is read from override_config.
+        for (key, v) in &m.override_config {
+            let router_only = key == "moe_config"
+                && v.as_object()
+                    .is_some_and(|o| o.keys().all(|k| k == "freeze_moe_router"));
+            require(
+                router_only,
+                &format!("actor_rollout_ref.model.override_config.{key}"),
+                v,
+                "not supported yet with actor_rollout_ref.model.path: the model's sizes come from its config.json (only moe_config.freeze_moe_router is read)",
+                "remove it, or edit the model's config.json",
+            )?;
+        }
+    }
+    require(
+        cfg.data.tokenizer.is_none(),
+        "data.tokenizer",
+        &cfg.data.tokenizer,
+        "not supported yet: the tokenizer is the model's",
+        "set actor_rollout_ref.model.tokenizer_path instead",
+    )?;
+    for (key, value, fix) in [
+        ("actor_rollout_ref.actor.optim.total_training_steps", arr.actor.optim.total_training_steps, "remove it: the schedule's length comes from trainer.total_training_steps (or set optim.lr_decay_steps)"),
+        ("critic.optim.total_training_steps", cfg.critic.optim.total_training_steps, "remove it: the schedule's length comes from trainer.total_training_steps (or set optim.lr_decay_steps)"),
+    ] {
+        require(
+            value.is_none(),
+            key,
+            value,
+            "not supported yet: the trainer sets it from the run's length, as verl does",
+            fix,
+        )?;
+    }
+    for (key, on) in [
+        ("actor_rollout_ref.actor.load_weight", arr.actor.load_weight),
+        (
+            "actor_rollout_ref.ref.load_weight",
+            arr.reference.load_weight,
+        ),
+    ] {
+        require(
+            on,
+            key,
+            on,
+            "not supported yet: the actor and the reference always load actor_rollout_ref.model.path when it is set",
+            "set it to true, or unset actor_rollout_ref.model.path to train from scratch",
+        )?;
+    }
     let actor = &arr.actor;
     strategy("actor_rollout_ref.actor.strategy", &actor.strategy)?;
     let actor_cp = actor.megatron.context_parallel_size;
@@ -264,6 +342,67 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     if let Some(mc) = &reference.megatron {
         megatron("actor_rollout_ref.ref", mc)?;
         frozen_offload("actor_rollout_ref.ref", mc)?;
+        // The reference is a frozen copy of the actor's model on the actor's ranks.
+        let a = &actor.megatron;
+        for (key, same) in [
+            (
+                "tensor_model_parallel_size",
+                mc.tensor_model_parallel_size == a.tensor_model_parallel_size,
+            ),
+            (
+                "pipeline_model_parallel_size",
+                mc.pipeline_model_parallel_size == a.pipeline_model_parallel_size,
+            ),
+            (
+                "context_parallel_size",
+                mc.context_parallel_size == a.context_parallel_size,
+            ),
+            (
+                "expert_model_parallel_size",
+                mc.expert_model_parallel_size == a.expert_model_parallel_size,
+            ),
+            (
+                "expert_tensor_parallel_size",
+                mc.expert_tensor_parallel_size == a.expert_tensor_parallel_size,
+            ),
+            (
+                "sequence_parallel",
+                mc.sequence_parallel == a.sequence_parallel,
+            ),
+            ("dtype", mc.dtype == a.dtype),
+            (
+                "override_transformer_config",
+                mc.override_transformer_config == a.override_transformer_config,
+            ),
+        ] {
+            require(
+                same,
+                &format!("actor_rollout_ref.ref.megatron.{key}"),
+                "differs from the actor's",
+                "not supported yet: the reference runs with the actor's layout and precision",
+                &format!("remove it or set it as actor_rollout_ref.actor.megatron.{key}"),
+            )?;
+        }
+    }
+    for (key, value) in [
+        (
+            "log_prob_micro_batch_size_per_gpu",
+            reference.log_prob_micro_batch_size_per_gpu,
+        ),
+        (
+            "log_prob_micro_batch_size",
+            reference.log_prob_micro_batch_size,
+        ),
+    ] {
+        require(
+            value.is_none()
+                || value == arr.rollout.log_prob_micro_batch_size_per_gpu
+                || value == arr.rollout.log_prob_micro_batch_size,
+            &format!("actor_rollout_ref.ref.{key}"),
+            value,
+            "not supported yet: the reference pass takes the rollout's log-prob micro-batches (actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)",
+            "remove it, or set the rollout's to the same value",
+        )?;
     }
     let rollout = &arr.rollout;
     dynamic_batch(
@@ -272,6 +411,28 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         rollout.log_prob_use_dynamic_bsz,
         "log_prob_max_token_len_per_gpu",
         rollout.log_prob_max_token_len_per_gpu,
+    )?;
+    require(
+        rollout.name == "native",
+        "actor_rollout_ref.rollout.name",
+        &rollout.name,
+        "the rollout is verl-rs's own engine (continuous batching, paged KV cache), not vLLM or SGLang",
+        "set it to native",
+    )?;
+    require(
+        rollout.mode == "sync",
+        "actor_rollout_ref.rollout.mode",
+        &rollout.mode,
+        "not supported yet: generation runs synchronously inside the training step",
+        "set it to sync",
+    )?;
+    let needed = cfg.data.max_prompt_length + cfg.data.max_response_length;
+    require(
+        rollout.max_model_len.is_none_or(|m| m >= needed),
+        "actor_rollout_ref.rollout.max_model_len",
+        rollout.max_model_len,
+        &format!("is shorter than data.max_prompt_length + data.max_response_length = {needed}, which every sequence may reach"),
+        &format!("remove it or set it to at least {needed}"),
     )?;
     require(
         rollout.enforce_eager,
@@ -306,6 +467,25 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
                 .unwrap_or(c.ppo_max_token_len_per_gpu),
         )?;
         megatron("critic", &c.megatron)?;
+        for (key, v) in [
+            ("path", &c.model.path),
+            ("tokenizer_path", &c.model.tokenizer_path),
+        ] {
+            require(
+                v.is_none(),
+                &format!("critic.model.{key}"),
+                v,
+                "not supported yet: the critic is initialised at random with the actor's architecture and tokenizer",
+                "remove it",
+            )?;
+        }
+        require(
+            c.load_weight,
+            "critic.load_weight",
+            c.load_weight,
+            "not supported yet: the critic is initialised at random",
+            "set it to true or remove it",
+        )?;
     }
 
     let rm = &cfg.reward_model;
@@ -335,6 +515,20 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         megatron("reward_model", &rm.megatron)?;
         frozen_offload("reward_model", &rm.megatron)?;
         require(
+            rm.megatron.dtype == "auto",
+            "reward_model.megatron.dtype",
+            &rm.megatron.dtype,
+            "not supported yet: the reward model computes in its checkpoint's precision",
+            "set it to auto or remove it",
+        )?;
+        require(
+            rm.load_weight,
+            "reward_model.load_weight",
+            rm.load_weight,
+            "a reward model always loads reward_model.model.path",
+            "set it to true or remove it",
+        )?;
+        require(
             !rm.megatron.param_offload,
             "reward_model.megatron.param_offload",
             rm.megatron.param_offload,
@@ -361,6 +555,13 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "custom_reward_function.path",
         &cfg.custom_reward_function.path,
         "Python reward functions cannot be loaded",
+        "remove it and register a RewardFn in your program through verl's embedding API",
+    )?;
+    require(
+        cfg.custom_reward_function.name == "compute_score",
+        "custom_reward_function.name",
+        &cfg.custom_reward_function.name,
+        "it names a function of custom_reward_function.path, which cannot be loaded",
         "remove it and register a RewardFn in your program through verl's embedding API",
     )?;
     require(
@@ -554,6 +755,32 @@ mod tests {
                 "actor_rollout_ref.ref.megatron.optimizer_offload",
             ),
             ("trainer.balance_batch=true", "trainer.balance_batch"),
+            ("actor_rollout_ref.actor.megatron.seed=7", "actor_rollout_ref.actor.megatron.seed"),
+            (
+                "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
+            ),
+            (
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+                "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity",
+            ),
+            (
+                "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
+            ),
+            (
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3",
+                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            ),
+            ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
+            ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.mode"),
+            ("data.tokenizer=/models/x", "data.tokenizer"),
+            (
+                "actor_rollout_ref.actor.optim.total_training_steps=10",
+                "actor_rollout_ref.actor.optim.total_training_steps",
+            ),
+            ("actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.actor.load_weight"),
+            ("custom_reward_function.name=my_score", "custom_reward_function.name"),
             ("trainer.logger=[console, wandb]", "trainer.logger"),
             (
                 "data.dataloader_num_workers=8",
@@ -580,9 +807,94 @@ mod tests {
                 "algorithm.rollout_correction.bypass_mode=true",
                 "algorithm.rollout_correction.bypass_mode",
             ),
+            (
+                "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                "actor_rollout_ref.model.enable_gradient_checkpointing",
+            ),
+            (
+                "actor_rollout_ref.model.trust_remote_code=true",
+                "actor_rollout_ref.model.trust_remote_code",
+            ),
+            ("trainer.val_only=true", "trainer.val_only"),
+            ("trainer.log_val_generations=10", "trainer.log_val_generations"),
+            (
+                "actor_rollout_ref.actor.megatron.use_mbridge=false",
+                "actor_rollout_ref.actor.megatron.use_mbridge",
+            ),
+            (
+                "actor_rollout_ref.ref.megatron.use_mbridge=false",
+                "actor_rollout_ref.ref.megatron.use_mbridge",
+            ),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
         }
+    }
+
+    /// The same keys of the critic and the reward model, refused when those roles run.
+    #[test]
+    fn each_unsupported_role_setting_is_refused_by_name() {
+        for (set, key) in [
+            (
+                [
+                    "critic.enable=true",
+                    "critic.model.enable_gradient_checkpointing=true",
+                ],
+                "critic.model.enable_gradient_checkpointing",
+            ),
+            (
+                ["critic.enable=true", "critic.model.trust_remote_code=true"],
+                "critic.model.trust_remote_code",
+            ),
+            (
+                ["critic.enable=true", "critic.megatron.use_mbridge=false"],
+                "critic.megatron.use_mbridge",
+            ),
+            (
+                [
+                    "reward_model.enable=true",
+                    "reward_model.model.trust_remote_code=true",
+                ],
+                "reward_model.model.trust_remote_code",
+            ),
+            (
+                [
+                    "reward_model.enable=true",
+                    "reward_model.megatron.use_mbridge=false",
+                ],
+                "reward_model.megatron.use_mbridge",
+            ),
+        ] {
+            assert_eq!(refused(&set), key, "{set:?}");
+        }
+        // Off, the roles' settings are not checked.
+        for set in [
+            ["critic.enable=false", "critic.model.trust_remote_code=true"],
+            [
+                "reward_model.enable=false",
+                "reward_model.model.trust_remote_code=true",
+            ],
+        ] {
+            let cfg = VerlConfig::from_layers(None, &set).expect("parses");
+            refuse_unsupported(&cfg).unwrap_or_else(|e| panic!("{set:?}: {e}"));
+        }
+    }
+
+    /// The default of each key above is accepted: only the value verl-rs cannot honour is
+    /// refused.
+    #[test]
+    fn the_supported_values_of_those_keys_are_accepted() {
+        let cfg = VerlConfig::from_layers(
+            None,
+            &[
+                "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                "actor_rollout_ref.model.trust_remote_code=false",
+                "trainer.val_only=false",
+                "trainer.log_val_generations=0",
+                "actor_rollout_ref.actor.megatron.use_mbridge=true",
+            ],
+        )
+        .expect("parses");
+        refuse_unsupported(&cfg).expect("the supported values");
     }
 
     #[test]

@@ -72,6 +72,67 @@ fn one_of(key: &str, value: &str, allowed: &[&str]) -> Result<(), ConfigError> {
     ))
 }
 
+/// `value` must be finite and ≥ 0 (a rate, a coefficient, a bound).
+fn non_negative(key: &str, value: f64, fix: &str) -> Result<(), ConfigError> {
+    if value.is_finite() && value >= 0.0 {
+        return Ok(());
+    }
+    Err(invalid(key, value, "must be a finite number ≥ 0", fix))
+}
+
+/// An optimizer block: rates, decay, betas, eps and clipping, each by field.
+fn optim(prefix: &str, o: &super::OptimConfig) -> Result<(), ConfigError> {
+    let key = |f: &str| format!("{prefix}.optim.{f}");
+    non_negative(
+        &key("lr"),
+        o.lr,
+        "e.g. 1e-6 for an actor, 1e-5 for a critic",
+    )?;
+    non_negative(&key("min_lr"), o.min_lr, "the rate a decay ends at, e.g. 0")?;
+    non_negative(
+        &key("lr_warmup_init"),
+        o.lr_warmup_init,
+        "the rate warm-up starts at, e.g. 0",
+    )?;
+    if !(0.0..=1.0).contains(&o.lr_warmup_steps_ratio) {
+        return Err(invalid(
+            &key("lr_warmup_steps_ratio"),
+            o.lr_warmup_steps_ratio,
+            "must be in [0, 1]",
+            "the fraction of the run spent warming up, e.g. 0",
+        ));
+    }
+    non_negative(
+        &key("weight_decay"),
+        o.weight_decay,
+        "e.g. 0.01, or 0 for none",
+    )?;
+    non_negative(
+        &key("clip_grad"),
+        o.clip_grad,
+        "the gradient-norm bound, e.g. 1.0 (0 turns clipping off)",
+    )?;
+    if !(o.eps.is_finite() && o.eps > 0.0) {
+        return Err(invalid(
+            &key("eps"),
+            o.eps,
+            "must be a finite number > 0",
+            "e.g. 1e-8",
+        ));
+    }
+    for (i, b) in o.betas.iter().enumerate() {
+        if !(0.0..1.0).contains(b) {
+            return Err(invalid(
+                &key("betas"),
+                format!("{:?}", o.betas),
+                format!("β{} = {b} must be in [0, 1)", i + 1),
+                "e.g. [0.9, 0.999]",
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn layout(prefix: &str, m: &MegatronConfig, world: usize) -> Result<usize, ConfigError> {
     m.parallel().validate(world).map_err(|e| match e {
         TopologyError::Invalid { field, message } => {
@@ -267,7 +328,41 @@ impl VerlConfig {
                 "e.g. 0.5",
             ));
         }
-        if actor.clip_ratio_c <= 1.0 {
+        optim("actor_rollout_ref.actor", &actor.optim)?;
+        if cfg.critic_enabled() {
+            optim("critic", &cfg.critic.optim)?;
+        }
+        if let Some(lr) = t.sft_warmup_lr {
+            non_negative(
+                "trainer.sft_warmup_lr",
+                lr,
+                "e.g. 1e-3, or leave it unset to use the actor's optim.lr",
+            )?;
+        }
+        non_negative(
+            "actor_rollout_ref.actor.clip_ratio",
+            actor.clip_ratio,
+            "PPO's clip range ε, e.g. 0.2",
+        )?;
+        for (k, v) in [
+            (
+                "actor_rollout_ref.actor.clip_ratio_low",
+                actor.clip_ratio_low,
+            ),
+            (
+                "actor_rollout_ref.actor.clip_ratio_high",
+                actor.clip_ratio_high,
+            ),
+        ] {
+            if let Some(v) = v {
+                non_negative(
+                    k,
+                    v,
+                    "a clip range, e.g. 0.2 (or leave it unset to use clip_ratio)",
+                )?;
+            }
+        }
+        if actor.clip_ratio_c.is_nan() || actor.clip_ratio_c <= 1.0 {
             return Err(invalid(
                 "actor_rollout_ref.actor.clip_ratio_c",
                 actor.clip_ratio_c,

@@ -260,6 +260,100 @@ fn generate_stops_at_the_token_completing_a_stop_string() {
     assert!(!ok && err.contains("stop"), "{err}");
 }
 
+/// A copy of the qwen2 fixture in a temporary directory, without the files `drop` names and
+/// with `edit` applied to its config.json.
+fn fixture_copy(drop: &[&str], edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let src = std::path::Path::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen2"
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(src).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if !drop.iter().any(|d| name.to_str() == Some(*d)) {
+            std::fs::copy(entry.path(), dir.path().join(&name)).unwrap();
+        }
+    }
+    let path = dir.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir
+}
+
+/// A value or reward model has no next-token head: `generate` refuses it by architecture
+/// rather than printing empty responses.
+#[test]
+fn generate_refuses_value_and_reward_models() {
+    for arch in [
+        "Qwen2ForTokenClassification",
+        "Qwen2ForSequenceClassification",
+    ] {
+        let dir = fixture_copy(&[], |c| {
+            c["architectures"] = serde_json::json!([arch]);
+            c["num_labels"] = serde_json::json!(1);
+        });
+        let (ok, out, err) = verl(&[
+            "generate",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--prompt",
+            "abc",
+            "--max-new-tokens",
+            "4",
+        ]);
+        assert!(!ok, "{arch}: {out}");
+        assert!(
+            err.contains(arch) && err.contains("ForCausalLM") && err.contains("causal LM"),
+            "{arch}: {err}"
+        );
+        assert!(out.is_empty(), "{arch}: nothing is generated: {out}");
+    }
+}
+
+/// A base model with no chat template: the prompt is used as is (as with --raw), with a note on
+/// stderr, and the output is the --raw output.
+#[test]
+fn generate_without_a_chat_template_uses_the_raw_prompt() {
+    let dir = fixture_copy(&["chat_template.jinja"], |_| {});
+    let model = dir.path().to_str().unwrap();
+    let args = |raw: bool| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "abc",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ];
+        if raw {
+            a.push("--raw");
+        }
+        a
+    };
+    let (ok, out, err) = verl(&args(false));
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("no chat template") && err.contains("--raw"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["prompt"], "abc", "the prompt is not wrapped");
+    let (ok, raw_out, raw_err) = verl(&args(true));
+    assert!(ok, "{raw_err}");
+    assert_eq!(out, raw_out);
+    assert!(
+        !raw_err.contains("no chat template"),
+        "--raw asks for no template: no note ({raw_err})"
+    );
+    let (_, help, _) = verl(&["generate", "--help"]);
+    assert!(help.contains("has none"), "{help}");
+}
+
 /// `verl train` with the torch profiler writes a capture that `verl profile summarize` reads
 /// back into a table of the worker methods.
 #[test]

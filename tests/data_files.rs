@@ -1,5 +1,6 @@
 //! verl's dataset files: parquet in the layout pandas/pyarrow write (verl's
-//! `examples/data_preprocess` scripts) and JSONL, read to the same rows; bad rows named.
+//! `examples/data_preprocess` scripts), JSONL and JSON arrays, read to the same rows; bad rows
+//! named by file, place and field.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,9 +10,9 @@ use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
 use parquet::schema::parser::parse_message_type;
-use serde_json::json;
+use serde_json::{json, Value};
 use verl::tasks::CharTokenizer;
-use verl::trainer::data::{file_rows, Codec};
+use verl::trainer::data::{file_rows, Codec, DataFileError, RowAt};
 
 /// One row of verl's layout; `truth: None` leaves `reward_model` null (a bad row).
 struct Row {
@@ -139,20 +140,24 @@ fn write_parquet(path: &Path, rows: &[Row]) {
     writer.close().unwrap();
 }
 
-fn write_jsonl(path: &Path, rows: &[Row]) {
-    let text: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            json!({
-                "data_source": r.source,
-                "prompt": r.messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect::<Vec<_>>(),
-                "reward_model": r.truth.map(|t| json!({"ground_truth": t, "style": "rule"})),
-                "extra_info": {"index": r.index, "split": "train"},
-            })
-            .to_string()
-        })
-        .collect();
+/// `r` as the JSON object verl's JSONL rows are.
+fn row_json(r: &Row) -> Value {
+    json!({
+        "data_source": r.source,
+        "prompt": r.messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect::<Vec<_>>(),
+        "reward_model": r.truth.map(|t| json!({"ground_truth": t, "style": "rule"})),
+        "extra_info": {"index": r.index, "split": "train"},
+    })
+}
+
+/// `values` one per line.
+fn write_lines(path: &Path, values: &[Value]) {
+    let text: Vec<String> = values.iter().map(Value::to_string).collect();
     std::fs::write(path, text.join("\n") + "\n").unwrap();
+}
+
+fn write_jsonl(path: &Path, rows: &[Row]) {
+    write_lines(path, &rows.iter().map(row_json).collect::<Vec<_>>());
 }
 
 fn codec() -> Codec {
@@ -212,29 +217,247 @@ fn a_bad_row_is_named_by_its_index() {
     let (pq, jl) = (dir.path().join("bad.parquet"), dir.path().join("bad.jsonl"));
     write_parquet(&pq, &bad);
     write_jsonl(&jl, &bad);
-    let err = file_rows(&pq, &codec(), "prompt", "data_source").unwrap_err();
+    let err = file_rows(&pq, &codec(), "prompt", "data_source")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("row 1") && err.contains("reward_model.ground_truth"),
         "{err}"
     );
-    let err = file_rows(&jl, &codec(), "prompt", "data_source").unwrap_err();
+    let err = file_rows(&jl, &codec(), "prompt", "data_source")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("line 2") && err.contains("reward_model.ground_truth"),
         "{err}"
     );
 
     // A prompt column under another name: the error says which key to set.
-    let err = file_rows(&pq, &codec(), "question", "data_source").unwrap_err();
+    let err = file_rows(&pq, &codec(), "question", "data_source")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("data.prompt_key"), "{err}");
     // A character the tokenizer lacks is refused with the row.
     let mut odd = rows();
     odd[2].messages = vec![("user", "what is 1+1?")];
     write_jsonl(&jl, &odd);
-    let err = file_rows(&jl, &codec(), "prompt", "data_source").unwrap_err();
+    let err = file_rows(&jl, &codec(), "prompt", "data_source")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("line 3"), "{err}");
     // Unknown extensions are refused.
-    let err = file_rows(&dir.path().join("x.csv"), &codec(), "prompt", "data_source").unwrap_err();
-    assert!(err.contains(".parquet or .jsonl"), "{err}");
+    let err = file_rows(&dir.path().join("x.csv"), &codec(), "prompt", "data_source")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(".parquet, .jsonl or .json"), "{err}");
+}
+
+/// The place, field and message of a field error.
+fn field_error(err: DataFileError) -> (RowAt, String, String) {
+    let text = err.to_string();
+    match err {
+        DataFileError::Field { at, field, .. } => (at, field, text),
+        other => panic!("expected a field error, got {other}"),
+    }
+}
+
+/// A two-row parquet file whose `data_source` column is INT64: null in row 0 (read as
+/// `unknown`, as a missing column is), 7 in row 1.
+fn write_parquet_numeric_source(path: &Path) {
+    let schema = parse_message_type(
+        "message schema {
+            OPTIONAL INT64 data_source;
+            OPTIONAL BYTE_ARRAY prompt (UTF8);
+            OPTIONAL group reward_model {
+                OPTIONAL BYTE_ARRAY ground_truth (UTF8);
+            }
+        }",
+    )
+    .unwrap();
+    let props = WriterProperties::builder().build();
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    let mut col = group.next_column().unwrap().unwrap();
+    col.typed::<Int64Type>()
+        .write_batch(&[7], Some(&[0i16, 1][..]), None)
+        .unwrap();
+    col.close().unwrap();
+    for (values, def) in [(["1+1=", "1+2="], 1i16), (["2", "3"], 2)] {
+        let mut col = group.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = values.iter().map(|v| ByteArray::from(*v)).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, Some(&[def, def][..]), None)
+            .unwrap();
+        col.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+}
+
+/// A field of the wrong type (`data_source: 7`) is refused naming the file, the row (1-based
+/// line in JSONL, 0-based index in a JSON array or parquet) and the field.
+#[test]
+fn a_malformed_field_names_the_file_row_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let (jl, js) = (dir.path().join("bad.jsonl"), dir.path().join("bad.json"));
+    let cases = [
+        ("/data_source", json!(7), "data_source", "a number (7)"),
+        ("/prompt", json!(5), "prompt", "a number (5)"),
+        (
+            "/prompt/0/content",
+            json!(3),
+            "prompt[0].content",
+            "a number (3)",
+        ),
+        ("/prompt/0", json!("hi"), "prompt[0]", "a string (\"hi\")"),
+        (
+            "/reward_model",
+            json!("15"),
+            "reward_model",
+            "a string (\"15\")",
+        ),
+    ];
+    for (pointer, value, field, found) in cases {
+        let mut bad: Vec<Value> = rows().iter().map(row_json).collect();
+        *bad[1].pointer_mut(pointer).unwrap() = value;
+
+        write_lines(&jl, &bad);
+        let err = file_rows(&jl, &codec(), "prompt", "data_source").unwrap_err();
+        let (at, named, text) = field_error(err);
+        assert_eq!((at, named.as_str()), (RowAt::Line(2), field), "{text}");
+        for part in [
+            jl.display().to_string(),
+            "line 2".to_string(),
+            format!("`{field}`"),
+            found.to_string(),
+        ] {
+            assert!(text.contains(&part), "{part}: {text}");
+        }
+
+        std::fs::write(&js, Value::Array(bad).to_string()).unwrap();
+        let err = file_rows(&js, &codec(), "prompt", "data_source").unwrap_err();
+        let (at, named, text) = field_error(err);
+        assert_eq!((at, named.as_str()), (RowAt::Row(1), field), "{text}");
+        assert!(text.contains(&js.display().to_string()), "{text}");
+    }
+
+    let pq = dir.path().join("bad.parquet");
+    write_parquet_numeric_source(&pq);
+    let err = file_rows(&pq, &codec(), "prompt", "data_source").unwrap_err();
+    let (at, named, text) = field_error(err);
+    assert_eq!(
+        (at, named.as_str()),
+        (RowAt::Row(1), "data_source"),
+        "{text}"
+    );
+    assert!(
+        text.contains(&pq.display().to_string()) && text.contains("a number (7)"),
+        "{text}"
+    );
+
+    // A row that is no object, and bytes that are not UTF-8, are named by line.
+    let good = row_json(&rows()[0]);
+    write_lines(&jl, &[good.clone(), json!(7)]);
+    match file_rows(&jl, &codec(), "prompt", "data_source") {
+        Err(DataFileError::NotAnObject { at, found, .. }) => {
+            assert_eq!((at, found.as_str()), (RowAt::Line(2), "a number (7)"))
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut bytes = format!("{good}\n{{\"prompt\": \"").into_bytes();
+    bytes.extend(b"\xff\"}\n");
+    std::fs::write(&jl, bytes).unwrap();
+    match file_rows(&jl, &codec(), "prompt", "data_source") {
+        Err(DataFileError::NotUtf8 { line, .. }) => assert_eq!(line, 2),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Files saved with a UTF-8 byte-order mark (Windows editors, pandas' `utf-8-sig`) read as
+/// without it, and their lines are counted as before.
+#[test]
+fn a_byte_order_mark_before_the_first_row_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain.jsonl");
+    write_jsonl(&plain, &rows());
+    let expected = file_rows(&plain, &codec(), "prompt", "data_source").unwrap();
+
+    let bom = dir.path().join("bom.jsonl");
+    let mut bytes = "\u{feff}".as_bytes().to_vec();
+    bytes.extend(std::fs::read(&plain).unwrap());
+    std::fs::write(&bom, &bytes).unwrap();
+    assert_eq!(
+        file_rows(&bom, &codec(), "prompt", "data_source").unwrap(),
+        expected
+    );
+
+    let array = dir.path().join("bom.json");
+    let values: Vec<Value> = rows().iter().map(row_json).collect();
+    std::fs::write(&array, format!("\u{feff}{}", Value::Array(values))).unwrap();
+    assert_eq!(
+        file_rows(&array, &codec(), "prompt", "data_source").unwrap(),
+        expected
+    );
+
+    let mut bad = rows();
+    bad[0].truth = None;
+    write_jsonl(&plain, &bad);
+    let mut bytes = "\u{feff}".as_bytes().to_vec();
+    bytes.extend(std::fs::read(&plain).unwrap());
+    std::fs::write(&bom, &bytes).unwrap();
+    let (at, field, text) =
+        field_error(file_rows(&bom, &codec(), "prompt", "data_source").unwrap_err());
+    assert_eq!(
+        (at, field.as_str()),
+        (RowAt::Line(1), "reward_model.ground_truth"),
+        "{text}"
+    );
+}
+
+/// A `.json` data file may hold a JSON array of row objects (`json.dump(rows, f)`) or one
+/// object per line, and reads to the same rows as JSONL.
+#[test]
+fn a_json_file_holds_an_array_of_rows_or_one_row_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let jl = dir.path().join("train.jsonl");
+    write_jsonl(&jl, &rows());
+    let expected = file_rows(&jl, &codec(), "prompt", "data_source").unwrap();
+
+    let array = dir.path().join("train.json");
+    let values: Vec<Value> = rows().iter().map(row_json).collect();
+    std::fs::write(&array, serde_json::to_string_pretty(&values).unwrap()).unwrap();
+    assert_eq!(
+        file_rows(&array, &codec(), "prompt", "data_source").unwrap(),
+        expected
+    );
+
+    let lines = dir.path().join("lines.json");
+    write_jsonl(&lines, &rows());
+    assert_eq!(
+        file_rows(&lines, &codec(), "prompt", "data_source").unwrap(),
+        expected
+    );
+
+    std::fs::write(&array, " [ ]\n").unwrap();
+    assert!(matches!(
+        file_rows(&array, &codec(), "prompt", "data_source"),
+        Err(DataFileError::Empty { .. })
+    ));
+    std::fs::write(&array, format!("[{}, 7]", values[0])).unwrap();
+    match file_rows(&array, &codec(), "prompt", "data_source") {
+        Err(DataFileError::NotAnObject { at, found, .. }) => {
+            assert_eq!((at, found.as_str()), (RowAt::Row(1), "a number (7)"))
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(&array, format!("[{},\n", values[0])).unwrap();
+    let err = file_rows(&array, &codec(), "prompt", "data_source").unwrap_err();
+    assert!(
+        matches!(err, DataFileError::NotJsonArray { .. })
+            && err.to_string().contains(&array.display().to_string()),
+        "{err}"
+    );
 }
 
 /// `PpoTrainer::new` on data files, with a tiny model and short run.
@@ -301,6 +524,20 @@ fn a_data_source_without_a_scorer_is_refused_at_setup() {
     let err = trainer(&pq, &jl, &dir.path().join("out")).err().unwrap();
     assert!(
         err.contains("my/unknown_task") && err.contains("reward_model.enable"),
+        "{err}"
+    );
+
+    // Rows without the column read as `unknown`: the error says which column was looked for.
+    let text = std::fs::read_to_string(&jl)
+        .unwrap()
+        .replace("\"data_source\"", "\"source\"");
+    let unlabelled = dir.path().join("unlabelled.jsonl");
+    std::fs::write(&unlabelled, text).unwrap();
+    let err = trainer(&unlabelled, &jl, &dir.path().join("out"))
+        .err()
+        .unwrap();
+    assert!(
+        err.contains("`unknown`") && err.contains("`data_source` column"),
         "{err}"
     );
 }

@@ -1,6 +1,6 @@
 //! The prompt dataset of a run and the batches the trainer feeds the workers.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::prelude::*;
@@ -139,48 +139,155 @@ pub fn arithmetic_rows(
         .collect()
 }
 
+/// Where a row sits in its data file, as its errors name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowAt {
+    /// A JSONL line, 1-based as editors count.
+    Line(usize),
+    /// A parquet row or an element of a JSON array, 0-based as pandas counts.
+    Row(usize),
+}
+
+impl std::fmt::Display for RowAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RowAt::Line(n) => write!(f, "line {n}"),
+            RowAt::Row(i) => write!(f, "row {i}"),
+        }
+    }
+}
+
+/// Why a data file (`data.train_files` / `data.val_files`) could not be read: each names the
+/// file, and a bad row also its place and field.
+#[derive(Debug, thiserror::Error)]
+pub enum DataFileError {
+    #[error("{path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: line {line}: not UTF-8 text")]
+    NotUtf8 { path: PathBuf, line: usize },
+    #[error("{path}: unknown data file type `.{ext}`: data.train_files / data.val_files take .parquet, .jsonl or .json files")]
+    UnknownType { path: PathBuf, ext: String },
+    #[error("{path}: {source}")]
+    Parquet {
+        path: PathBuf,
+        source: parquet::errors::ParquetError,
+    },
+    #[error("{path}: {at}: {source}")]
+    ParquetRow {
+        path: PathBuf,
+        at: RowAt,
+        source: parquet::errors::ParquetError,
+    },
+    #[error("{path}: {at}: not JSON: {source}")]
+    NotJson {
+        path: PathBuf,
+        at: RowAt,
+        source: serde_json::Error,
+    },
+    #[error("{path}: not a JSON array of row objects: {source}")]
+    NotJsonArray {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{path}: no rows")]
+    Empty { path: PathBuf },
+    #[error("{path}: {at}: a row must be a JSON object of columns, found {found}")]
+    NotAnObject {
+        path: PathBuf,
+        at: RowAt,
+        found: String,
+    },
+    /// A column (or a part of one, such as `prompt[1].role`) is missing or of the wrong type.
+    #[error("{path}: {at}: `{field}` {problem}")]
+    Field {
+        path: PathBuf,
+        at: RowAt,
+        field: String,
+        problem: String,
+    },
+}
+
 /// Rows of a data file in verl's layout, chosen by extension: `.parquet` (what verl's
-/// preprocessing scripts write) or `.jsonl` / `.json` (one row object per line).
+/// preprocessing scripts write) or `.jsonl` / `.json` (one row object per line, or a JSON
+/// array of row objects).
 pub fn file_rows(
     path: &Path,
     codec: &Codec,
     prompt_key: &str,
     reward_fn_key: &str,
-) -> Result<Vec<PromptRow>, String> {
+) -> Result<Vec<PromptRow>, DataFileError> {
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let values = match ext {
         "parquet" => parquet_values(path)?,
-        "jsonl" | "json" => jsonl_values(path)?,
+        "jsonl" | "json" => json_values(path)?,
         _ => {
-            return Err(format!(
-                "{}: unknown data file type `.{ext}`: data.train_files / data.val_files take .parquet or .jsonl files",
-                path.display()
-            ))
+            return Err(DataFileError::UnknownType {
+                path: path.into(),
+                ext: ext.to_string(),
+            })
         }
     };
     if values.is_empty() {
-        return Err(format!("{}: no rows", path.display()));
+        return Err(DataFileError::Empty { path: path.into() });
     }
     values
         .iter()
-        .map(|(at, v)| {
-            row_from_value(v, codec, prompt_key, reward_fn_key)
-                .map_err(|e| format!("{}: {at}: {e}", path.display()))
-        })
+        .map(|(at, v)| row_from_value(v, path, *at, codec, prompt_key, reward_fn_key))
         .collect()
 }
 
-/// Each JSONL line's object, labelled with its line number.
-fn jsonl_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+/// The text of a JSON data file, without a leading byte-order mark: editors on Windows and
+/// pandas' `to_json(encoding="utf-8-sig")` write one, and JSON parsers refuse it.
+fn json_text(path: &Path) -> Result<String, DataFileError> {
+    let bytes = std::fs::read(path).map_err(|source| DataFileError::Read {
+        path: path.into(),
+        source,
+    })?;
+    let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
+    match std::str::from_utf8(body) {
+        Ok(text) => Ok(text.to_string()),
+        Err(e) => Err(DataFileError::NotUtf8 {
+            path: path.into(),
+            line: 1 + body[..e.valid_up_to()]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count(),
+        }),
+    }
+}
+
+/// Each row object of a JSON data file, labelled with its place: JSONL's line number, or the
+/// index in a JSON array (`json.dump(rows, f)`, which verl users also keep datasets as; a row
+/// line cannot start with `[`, so the first character tells the two apart).
+fn json_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
+    let text = json_text(path)?;
+    if text.trim_start().starts_with('[') {
+        let rows: Vec<Value> =
+            serde_json::from_str(&text).map_err(|source| DataFileError::NotJsonArray {
+                path: path.into(),
+                source,
+            })?;
+        return Ok(rows
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (RowAt::Row(i), v))
+            .collect());
+    }
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, line)| {
-            let at = format!("line {}", i + 1);
+            let at = RowAt::Line(i + 1);
             serde_json::from_str(line)
-                .map(|v| (at.clone(), v))
-                .map_err(|e| format!("{}: {at}: not JSON: {e}", path.display()))
+                .map(|v| (at, v))
+                .map_err(|source| DataFileError::NotJson {
+                    path: path.into(),
+                    at,
+                    source,
+                })
         })
         .collect()
 }
@@ -188,50 +295,122 @@ fn jsonl_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
 /// Each parquet row as a JSON object (nested lists and structs included), labelled with its
 /// row index. Parquet's record reader does the nesting, so files written by pandas/pyarrow
 /// (verl's `examples/data_preprocess`) read as they are.
-fn parquet_values(path: &Path) -> Result<Vec<(String, Value)>, String> {
+fn parquet_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let err = |e: parquet::errors::ParquetError| format!("{}: {e}", path.display());
-    let file = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let err = |source| DataFileError::Parquet {
+        path: path.into(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(|source| DataFileError::Read {
+        path: path.into(),
+        source,
+    })?;
     let reader = SerializedFileReader::new(file).map_err(err)?;
     let rows = reader.get_row_iter(None).map_err(err)?;
     rows.enumerate()
         .map(|(i, row)| {
-            let row = row.map_err(|e| format!("{}: row {i}: {e}", path.display()))?;
-            Ok((format!("row {i}"), row.to_json_value()))
+            let at = RowAt::Row(i);
+            let row = row.map_err(|source| DataFileError::ParquetRow {
+                path: path.into(),
+                at,
+                source,
+            })?;
+            Ok((at, row.to_json_value()))
         })
         .collect()
 }
 
+/// `v`'s JSON type and a short excerpt, for errors about a field of the wrong type.
+fn described(v: &Value) -> String {
+    // A whole conversation would bury the message.
+    const SHOWN: usize = 40;
+    let kind = match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    };
+    let text = v.to_string();
+    let shown: String = if text.chars().count() > SHOWN {
+        text.chars().take(SHOWN).chain("…".chars()).collect()
+    } else {
+        text
+    };
+    format!("{kind} ({shown})")
+}
+
 /// One row of verl's layout: `prompt` (chat messages, or a string; the column `prompt_key`),
 /// `data_source` (the column `reward_fn_key`, which picks the scorer), `reward_model.ground_truth`,
-/// `extra_info`.
+/// `extra_info`. Errors name `path`, the row's place `at` and the field.
 fn row_from_value(
     v: &Value,
+    path: &Path,
+    at: RowAt,
     codec: &Codec,
     prompt_key: &str,
     reward_fn_key: &str,
-) -> Result<PromptRow, String> {
-    let messages: Vec<ChatMessage> = match v.get(prompt_key) {
+) -> Result<PromptRow, DataFileError> {
+    let bad = |field: &str, problem: String| DataFileError::Field {
+        path: path.into(),
+        at,
+        field: field.to_string(),
+        problem,
+    };
+    let Value::Object(row) = v else {
+        return Err(DataFileError::NotAnObject {
+            path: path.into(),
+            at,
+            found: described(v),
+        });
+    };
+    let messages: Vec<ChatMessage> = match row.get(prompt_key) {
         Some(Value::String(s)) => vec![ChatMessage::user(s.clone())],
         Some(Value::Array(msgs)) => msgs
             .iter()
             .enumerate()
-            .map(|(j, m)| {
-                let field = |k: &str| {
-                    m.get(k).and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
-                        format!("`{prompt_key}[{j}].{k}` is missing: chat messages need `role` and `content`")
-                    })
+            .map(|(j, m)| -> Result<ChatMessage, DataFileError> {
+                if !m.is_object() {
+                    return Err(bad(
+                        &format!("{prompt_key}[{j}]"),
+                        format!(
+                            "is {}; chat messages are objects with `role` and `content`",
+                            described(m)
+                        ),
+                    ));
+                }
+                let field = |k: &str| match m.get(k) {
+                    Some(Value::String(s)) => Ok(s.clone()),
+                    None | Some(Value::Null) => Err(bad(
+                        &format!("{prompt_key}[{j}].{k}"),
+                        "is missing: chat messages need `role` and `content`".into(),
+                    )),
+                    Some(other) => Err(bad(
+                        &format!("{prompt_key}[{j}].{k}"),
+                        format!(
+                            "is {}; chat messages need string `role` and `content`",
+                            described(other)
+                        ),
+                    )),
                 };
                 Ok(ChatMessage {
                     role: field("role")?,
                     content: field("content")?,
                 })
             })
-            .collect::<Result<_, String>>()?,
-        _ => {
-            return Err(format!(
-                "`{prompt_key}` is missing (a string or chat messages); set data.prompt_key to the prompt column"
-            ))
+            .collect::<Result<_, DataFileError>>()?,
+        None | Some(Value::Null) => {
+            let fix = "set data.prompt_key to the prompt column";
+            let problem = format!("is missing (a string or chat messages); {fix}");
+            return Err(bad(prompt_key, problem));
+        }
+        Some(other) => {
+            let found = described(other);
+            let problem = format!(
+                "is {found}; it must be a string or chat messages ({{role, content}} objects)"
+            );
+            return Err(bad(prompt_key, problem));
         }
     };
     let prompt = messages
@@ -239,24 +418,50 @@ fn row_from_value(
         .rev()
         .find(|m| m.role == "user")
         .map(|m| m.content.clone())
-        .ok_or_else(|| format!("`{prompt_key}` has no user message"))?;
-    let ground_truth = match v.pointer("/reward_model/ground_truth") {
+        .ok_or_else(|| bad(prompt_key, "has no user message".into()))?;
+    let ground_truth = match row.get("reward_model") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(rm)) => rm.get("ground_truth"),
+        Some(other) => {
+            return Err(bad(
+                "reward_model",
+                format!(
+                    "is {}; it must be an object with `ground_truth`",
+                    described(other)
+                ),
+            ))
+        }
+    };
+    let ground_truth = match ground_truth {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Null) | None => {
-            return Err("`reward_model.ground_truth` is missing".into());
+            return Err(bad("reward_model.ground_truth", "is missing".into()));
         }
+        // Numbers and lists (several accepted answers) are kept as their JSON text.
         Some(other) => other.to_string(),
     };
+    let data_source = match row.get(reward_fn_key) {
+        Some(Value::String(s)) => s.clone(),
+        // A row without the column reads as `unknown`, which setup refuses unless the run's
+        // reward function takes it (a builder-given scorer may take any source).
+        None | Some(Value::Null) => "unknown".to_string(),
+        Some(other) => {
+            let found = described(other);
+            let why = "naming the row's scorer (data.reward_fn_key names this column)";
+            return Err(bad(
+                reward_fn_key,
+                format!("is {found}; it must be a string {why}"),
+            ));
+        }
+    };
     Ok(PromptRow {
-        prompt_ids: codec.encode_chat(&messages)?,
+        prompt_ids: codec
+            .encode_chat(&messages)
+            .map_err(|e| bad(prompt_key, format!("cannot be tokenized: {e}")))?,
         prompt,
-        data_source: v
-            .get(reward_fn_key)
-            .and_then(Value::as_str)
-            .unwrap_or("unknown")
-            .to_string(),
+        data_source,
         ground_truth,
-        extra_info: v.get("extra_info").cloned().unwrap_or(Value::Null),
+        extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
     })
 }
 

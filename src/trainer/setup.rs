@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use verl_core::algorithms::advantage::AdvantageRegistry;
 use verl_core::algorithms::kl::kl_controller;
-use verl_core::config::{Truncation, ValidatedConfig, VerlConfig};
+use verl_core::config::{ValidatedConfig, VerlConfig};
 use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_megatron::hf::HeadKind;
 
@@ -33,6 +33,7 @@ impl PpoTrainer {
     /// (and their model memory) last.
     pub(crate) fn assemble(validated: ValidatedConfig, parts: Parts) -> Result<Self, TrainError> {
         let cfg = validated.config.clone();
+        verl_core::traits::comm_timeout().map_err(setup)?;
         let (codec, model_cfg) = model_and_codec(&cfg)?;
         let (train, val) = match parts.train {
             Some(rows) => {
@@ -43,7 +44,20 @@ impl PpoTrainer {
             }
             None => config_rows(&cfg, &codec)?,
         };
-        check_prompt_lengths(&cfg, &train, &val)?;
+        check_token_ids(&codec, model_cfg.vocab_size, &train, &val)?;
+        let (train, val) = (
+            fit_prompts(&cfg, train, "training")?,
+            fit_prompts(&cfg, val, "validation")?,
+        );
+        if train.len() < cfg.data.train_batch_size {
+            return Err(setup(format!(
+                "data.train_batch_size = {} but the training data has {} rows{}: lower data.train_batch_size to at most {} or add rows",
+                cfg.data.train_batch_size,
+                train.len(),
+                if cfg.data.filter_overlong_prompts { " (after data.filter_overlong_prompts)" } else { "" },
+                train.len(),
+            )));
+        }
         check_scorers(&cfg, &parts.scorer, &train, &val)?;
         let out_dir = output_dir(&cfg);
         check_checkpoint_contents(&cfg)?;
@@ -103,6 +117,7 @@ impl PpoTrainer {
             actor_config_json,
             critic_config_json,
             resume,
+            saved: Vec::new(),
         })
     }
 }
@@ -168,24 +183,80 @@ fn config_rows(
     Ok((train, val))
 }
 
-/// A prompt longer than `data.max_prompt_length` is refused unless `data.truncation` says
-/// otherwise.
-fn check_prompt_lengths(
+/// `rows` fitted to `data.max_prompt_length` as verl's dataset does: with
+/// `data.filter_overlong_prompts` longer prompts are dropped (saying how many), otherwise they
+/// are cut by `data.truncation` (`error` refuses them, naming the row). `which` names the set.
+fn fit_prompts(
     cfg: &VerlConfig,
+    rows: Vec<PromptRow>,
+    which: &str,
+) -> Result<Vec<PromptRow>, TrainError> {
+    let limit = cfg.data.max_prompt_length;
+    let before = rows.len();
+    if cfg.data.filter_overlong_prompts {
+        let kept: Vec<PromptRow> = rows
+            .into_iter()
+            .filter(|r| r.prompt_ids.len() <= limit)
+            .collect();
+        if kept.len() < before {
+            tracing::info!(
+                "data.filter_overlong_prompts: dropped {} of {before} {which} prompts longer than data.max_prompt_length = {limit}",
+                before - kept.len()
+            );
+        }
+        if kept.is_empty() && before > 0 {
+            return Err(setup(format!(
+                "data.filter_overlong_prompts dropped every one of the {before} {which} prompts: all are longer than data.max_prompt_length = {limit}; raise it"
+            )));
+        }
+        return Ok(kept);
+    }
+    rows.into_iter()
+        .enumerate()
+        .map(|(i, mut r)| {
+            r.prompt_ids = cfg
+                .data
+                .truncation
+                .apply(std::mem::take(&mut r.prompt_ids), limit)
+                .map_err(|len| {
+                    setup(format!(
+                        "{which} prompt {i} has {len} tokens, more than data.max_prompt_length = {limit}; raise it, set data.truncation to left, right or middle, or set data.filter_overlong_prompts=true"
+                    ))
+                })?;
+            Ok(r)
+        })
+        .collect()
+}
+
+/// Every prompt token id (and the tokenizer's special ids) must be a row of the model's
+/// embedding: a tokenizer larger than the model is refused here, not deep in a gather.
+fn check_token_ids(
+    codec: &Codec,
+    vocab_size: usize,
     train: &[PromptRow],
     val: &[PromptRow],
 ) -> Result<(), TrainError> {
-    let longest = train
-        .iter()
-        .chain(val)
-        .map(|r| r.prompt_ids.len())
-        .max()
-        .unwrap_or(0);
-    if longest > cfg.data.max_prompt_length && cfg.data.truncation == Truncation::Error {
-        return Err(setup(format!(
-            "a prompt has {longest} tokens, more than data.max_prompt_length = {}; raise it or set data.truncation",
-            cfg.data.max_prompt_length
-        )));
+    let fix = "the tokenizer and the model disagree: use the tokenizer that came with the model (actor_rollout_ref.model.tokenizer_path), or a model whose vocab_size covers it";
+    for (which, rows) in [("training", train), ("validation", val)] {
+        for (i, r) in rows.iter().enumerate() {
+            if let Some(&id) = r.prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
+                return Err(setup(format!(
+                    "{which} prompt {i} has token id {id}, but the model's vocab_size is {vocab_size}; {fix}"
+                )));
+            }
+        }
+    }
+    let specials = codec
+        .eos_token_ids()
+        .into_iter()
+        .map(|id| ("an end-of-sequence", id))
+        .chain([("the padding", codec.pad_token_id())]);
+    for (what, id) in specials {
+        if id as usize >= vocab_size {
+            return Err(setup(format!(
+                "{what} token id is {id}, but the model's vocab_size is {vocab_size}; {fix}"
+            )));
+        }
     }
     Ok(())
 }
@@ -205,9 +276,19 @@ fn check_scorers(
     };
     match must_score.iter().find(|r| !scorer.knows(&r.data_source)) {
         Some(row) => Err(setup(format!(
-            "data_source `{}` has no rule-based scorer (built in: {}, openai/gsm8k); use one of those, give the trainer a reward function (PpoTrainer::builder(..).reward(..)), or set reward_model.enable=true with reward_model.model.path for training rows",
+            "data_source `{}` has no rule-based scorer (built in: {}, openai/gsm8k){}; use one of those, give the trainer a reward function (PpoTrainer::builder(..).reward(..)), or set reward_model.enable=true with reward_model.model.path for training rows",
             row.data_source,
-            ArithmeticTask::DATA_SOURCE
+            ArithmeticTask::DATA_SOURCE,
+            // `unknown` is what a row without the column reads as (data.rs), so say which
+            // column was looked for.
+            if row.data_source == "unknown" {
+                format!(
+                    " (rows without a `{}` column read as `unknown`; data.reward_fn_key names the column)",
+                    cfg.data.reward_fn_key
+                )
+            } else {
+                String::new()
+            },
         ))),
         None => Ok(()),
     }
@@ -246,16 +327,45 @@ fn resume_point(
 ) -> Result<Option<(PathBuf, LoopState)>, TrainError> {
     let dir = match cfg.trainer.resume_mode.as_str() {
         "disable" => None,
-        "auto" => checkpoint::latest(out_dir),
-        "resume_path" => Some(PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(
-            || setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)"),
-        )?)),
+        "auto" => checkpoint::latest(out_dir).map(|found| {
+            for why in &found.passed_over {
+                tracing::warn!("resume: passed over: {why}");
+            }
+            if !found.passed_over.is_empty() {
+                tracing::warn!(
+                    "resume: the newest complete checkpoint is {} (step {})",
+                    found.dir.display(),
+                    found.step
+                );
+            }
+            found.dir
+        }),
+        "resume_path" => {
+            let dir = PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(|| {
+                setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)")
+            })?);
+            checkpoint::verify(&dir).map_err(|why| {
+                setup(format!(
+                    "trainer.resume_from_path: {why}; name another global_step_<N> directory, or use trainer.resume_mode=auto to take the newest complete one"
+                ))
+            })?;
+            Some(dir)
+        }
         other => {
             return Err(setup(format!(
                 "trainer.resume_mode = `{other}`: use auto, disable or resume_path"
             )))
         }
     };
+    if dir.is_none() && cfg.trainer.resume_mode == "auto" {
+        let left = checkpoint::saved_steps(out_dir);
+        if !left.is_empty() {
+            tracing::warn!(
+                "resume: no complete checkpoint under {} (steps {left:?} are damaged or unfinished); starting from step 0, setting aside any directory a save would reuse",
+                out_dir.display()
+            );
+        }
+    }
     let Some(dir) = dir else {
         return Ok(None);
     };
@@ -298,7 +408,7 @@ fn launch_roles(
             let groups = rank_groups(&plans.actor.topo);
             let plan = plans.actor.clone();
             let threads = WorkerGroup::spawn(world, move |ctx| {
-                plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+                plan.build(ctx.rank, take_groups(&groups, &ctx)?)
             })?;
             let actor =
                 RoleGroup::threads("actor", threads, actor_methods(cfg), Default::default());
@@ -306,7 +416,7 @@ fn launch_roles(
                 Some(plan) => {
                     let groups = rank_groups(&plan.topo);
                     let threads = WorkerGroup::spawn(world, move |ctx| {
-                        plan.build(ctx.rank, take_groups(&groups, ctx.rank)?)
+                        plan.build(ctx.rank, take_groups(&groups, &ctx)?)
                     })?;
                     let methods = critic_methods(cfg);
                     Some(RoleGroup::threads(

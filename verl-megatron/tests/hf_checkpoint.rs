@@ -194,3 +194,290 @@ fn half_precision_tensors_convert_to_f32() {
     );
     assert_eq!(a[0], 1.5);
 }
+
+/// A copy of fixture `name`'s files in a temporary directory.
+fn fixture_copy(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+/// Rewrites the JSON file `path` with `edit` applied.
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(path, v.to_string()).unwrap();
+}
+
+/// The error of opening `dir`, which must be refused.
+fn open_err(dir: &Path) -> String {
+    match HfCheckpoint::open(dir) {
+        Ok(_) => panic!("{} opened", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A `num_hidden_layers` (or `num_experts`) larger than the weights on disk hold is refused
+/// naming the field before anything is sized by it: 10¹² layers must not allocate.
+#[test]
+fn counts_beyond_the_weights_on_disk_are_refused_by_field() {
+    use verl_megatron::models::CausalLm;
+    for layers in [1_000_000_000_000u64, 3] {
+        let dir = fixture_copy("qwen2");
+        edit_json(&dir.path().join("config.json"), |c| {
+            c["num_hidden_layers"] = layers.into();
+        });
+        let cfg = HfModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!(cfg.num_hidden_layers as u64, layers);
+        let ckpt = HfCheckpoint::open(dir.path()).unwrap();
+        let e = ckpt.verify(&cfg).unwrap_err();
+        assert!(
+            matches!(&e, MegatronError::Config { field, .. } if field == "num_hidden_layers"),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("says {layers}")) && msg.contains("hold 2 layers"),
+            "{msg}"
+        );
+        assert!(msg.contains("config.json"), "names the file: {msg}");
+        // Building the model checks first too.
+        let e = CausalLm::<B>::from_checkpoint(&cfg, &ckpt, &Default::default())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("`num_hidden_layers`"), "{e}");
+    }
+
+    let dir = fixture_copy("qwen2_moe");
+    edit_json(&dir.path().join("config.json"), |c| {
+        c["num_experts"] = 1_000_000_000_000u64.into();
+    });
+    let cfg = HfModelConfig::from_dir(dir.path()).unwrap();
+    let e = HfCheckpoint::open(dir.path())
+        .unwrap()
+        .verify(&cfg)
+        .unwrap_err();
+    assert!(
+        matches!(&e, MegatronError::Config { field, .. } if field == "num_experts"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("hold 4 experts"), "{e}");
+}
+
+/// A shard index may only name files inside the model directory: `..`, an absolute path or
+/// an empty name is refused naming the shard and the index, before any file is opened.
+#[test]
+fn shard_names_leaving_the_model_directory_are_refused() {
+    let shard = "model-00002-of-00003.safetensors";
+    for evil in [
+        "../../../../etc/passwd",
+        "/etc/passwd",
+        "sub/../../x.safetensors",
+        "",
+    ] {
+        let dir = fixture_copy("qwen2_sharded_tf4");
+        edit_json(&dir.path().join("model.safetensors.index.json"), |v| {
+            for file in v["weight_map"].as_object_mut().unwrap().values_mut() {
+                if *file == shard {
+                    *file = evil.into();
+                }
+            }
+        });
+        let e = open_err(dir.path());
+        assert!(
+            e.contains(&format!("shard `{evil}`")) && e.contains("inside the model directory"),
+            "{evil}: {e}"
+        );
+        assert!(e.contains("model.safetensors.index.json"), "{e}");
+    }
+    // A shard in a subfolder of the directory is inside it.
+    let dir = fixture_copy("qwen2_sharded_tf4");
+    std::fs::create_dir(dir.path().join("part")).unwrap();
+    std::fs::rename(dir.path().join(shard), dir.path().join("part").join(shard)).unwrap();
+    edit_json(&dir.path().join("model.safetensors.index.json"), |v| {
+        for file in v["weight_map"].as_object_mut().unwrap().values_mut() {
+            if *file == shard {
+                *file = format!("part/{shard}").into();
+            }
+        }
+    });
+    let cfg = HfModelConfig::from_dir(dir.path()).unwrap();
+    HfCheckpoint::open(dir.path())
+        .unwrap()
+        .verify(&cfg)
+        .unwrap();
+}
+
+/// A weight file that is a symbolic link out of the model directory is refused naming it — a
+/// shard of the index and the single `model.safetensors` alike — while links that stay inside,
+/// a model directory that is itself a link, and the Hugging Face hub cache's layout (each file
+/// of `snapshots/<revision>` a link to `../../blobs/<hash>`) load.
+#[cfg(unix)]
+#[test]
+fn weight_files_linked_from_outside_the_directory_are_refused() {
+    use std::os::unix::fs::symlink;
+    let outside = tempfile::tempdir().unwrap();
+
+    // A shard linked from outside.
+    let shard = "model-00002-of-00003.safetensors";
+    let dir = fixture_copy("qwen2_sharded_tf4");
+    std::fs::rename(dir.path().join(shard), outside.path().join(shard)).unwrap();
+    symlink(outside.path().join(shard), dir.path().join(shard)).unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.contains(&format!("shard `{shard}`")) && e.contains("outside the model directory"),
+        "{e}"
+    );
+    assert!(e.contains("model.safetensors.index.json"), "{e}");
+
+    // The single model.safetensors linked from outside.
+    let dir = fixture_copy("qwen2");
+    let single = dir.path().join("model.safetensors");
+    std::fs::rename(&single, outside.path().join("model.safetensors")).unwrap();
+    symlink(outside.path().join("model.safetensors"), &single).unwrap();
+    let e = open_err(dir.path());
+    assert!(
+        e.contains("`model.safetensors`") && e.contains("outside the model directory"),
+        "{e}"
+    );
+    // ... also by a relative link.
+    std::fs::remove_file(&single).unwrap();
+    let up = format!(
+        "../{}/model.safetensors",
+        outside.path().file_name().unwrap().to_str().unwrap()
+    );
+    symlink(&up, &single).unwrap();
+    assert!(single.exists(), "{up} resolves");
+    let e = open_err(dir.path());
+    assert!(e.contains("outside the model directory"), "{e}");
+
+    // A link that stays inside the directory loads.
+    let dir = fixture_copy("qwen2");
+    let cfg = HfModelConfig::from_dir(dir.path()).unwrap();
+    std::fs::create_dir(dir.path().join("real")).unwrap();
+    std::fs::rename(
+        dir.path().join("model.safetensors"),
+        dir.path().join("real/model.safetensors"),
+    )
+    .unwrap();
+    symlink(
+        "real/model.safetensors",
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    HfCheckpoint::open(dir.path())
+        .unwrap()
+        .verify(&cfg)
+        .unwrap();
+
+    // A model directory that is itself a link loads.
+    let links = tempfile::tempdir().unwrap();
+    for name in ["qwen2", "qwen2_sharded_tf4"] {
+        let linked = links.path().join(name);
+        symlink(fixture(name), &linked).unwrap();
+        let cfg = HfModelConfig::from_dir(&linked).unwrap();
+        HfCheckpoint::open(&linked).unwrap().verify(&cfg).unwrap();
+    }
+
+    // The hub cache: every file of a snapshot links into its repository's blobs.
+    let hub = tempfile::tempdir().unwrap();
+    for name in ["qwen2", "qwen2_sharded_tf4"] {
+        let repo = hub.path().join(format!("models--tiny--{name}"));
+        let snapshot = repo.join("snapshots/0123456789abcdef");
+        std::fs::create_dir_all(repo.join("blobs")).unwrap();
+        std::fs::create_dir_all(&snapshot).unwrap();
+        for (i, entry) in std::fs::read_dir(fixture(name)).unwrap().enumerate() {
+            let entry = entry.unwrap();
+            let blob = format!("blob{i:04}");
+            std::fs::copy(entry.path(), repo.join("blobs").join(&blob)).unwrap();
+            symlink(
+                format!("../../blobs/{blob}"),
+                snapshot.join(entry.file_name()),
+            )
+            .unwrap();
+        }
+        let cfg = HfModelConfig::from_dir(&snapshot).unwrap();
+        HfCheckpoint::open(&snapshot)
+            .unwrap_or_else(|e| panic!("{name} in the hub cache: {e}"))
+            .verify(&cfg)
+            .unwrap();
+    }
+    // ... but a snapshot's link into another repository's blobs leads outside.
+    let repo = hub.path().join("models--tiny--qwen2");
+    let snapshot = repo.join("snapshots/0123456789abcdef");
+    std::fs::remove_file(snapshot.join("model.safetensors")).unwrap();
+    std::fs::create_dir_all(hub.path().join("models--other--x/blobs")).unwrap();
+    std::fs::copy(
+        fixture("qwen2").join("model.safetensors"),
+        hub.path().join("models--other--x/blobs/elsewhere"),
+    )
+    .unwrap();
+    symlink(
+        "../../../models--other--x/blobs/elsewhere",
+        snapshot.join("model.safetensors"),
+    )
+    .unwrap();
+    let e = open_err(&snapshot);
+    assert!(e.contains("outside the model directory"), "{e}");
+}
+
+/// A safetensors file of hand-written `header` JSON and `data` (the safetensors crate will not
+/// write an inconsistent one), as `dir/model.safetensors`.
+fn write_raw(dir: &Path, header: serde_json::Value, data: &[u8]) {
+    let mut h = header.to_string().into_bytes();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(h);
+    bytes.extend_from_slice(data);
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+}
+
+/// An F16 or BF16 tensor whose byte range disagrees with its shape, or runs past the file's
+/// end, is refused naming the tensor and the file.
+#[test]
+fn half_precision_tensors_of_the_wrong_byte_length_are_named() {
+    use serde_json::json;
+    for dtype in ["F16", "BF16"] {
+        // `a` is sound; `b` says 3 elements (6 bytes) but its range holds 4.
+        let dir = tempfile::tempdir().unwrap();
+        let header = json!({
+            "a": {"dtype": dtype, "shape": [2], "data_offsets": [0, 4]},
+            "b": {"dtype": dtype, "shape": [3], "data_offsets": [4, 8]},
+        });
+        write_raw(dir.path(), header, &[0u8; 8]);
+        let e = open_err(dir.path());
+        assert!(
+            e.contains("tensor `b`") && e.contains("needs 6 bytes") && e.contains("give 4"),
+            "{dtype}: {e}"
+        );
+        assert!(e.contains("model.safetensors"), "names the file: {e}");
+
+        // `b`'s range is right for its shape but the file ends before it does.
+        let header = json!({
+            "a": {"dtype": dtype, "shape": [2], "data_offsets": [0, 4]},
+            "b": {"dtype": dtype, "shape": [3], "data_offsets": [4, 10]},
+        });
+        write_raw(dir.path(), header, &[0u8; 8]);
+        let e = open_err(dir.path());
+        assert!(
+            e.contains("tensor `b`") && e.contains("truncated"),
+            "{dtype}: {e}"
+        );
+
+        // The same file with consistent ranges opens and reads.
+        let header = json!({
+            "a": {"dtype": dtype, "shape": [2], "data_offsets": [0, 4]},
+            "b": {"dtype": dtype, "shape": [2], "data_offsets": [4, 8]},
+        });
+        write_raw(dir.path(), header, &[0u8; 8]);
+        let ckpt = HfCheckpoint::open(dir.path()).unwrap();
+        assert_eq!(ckpt.read_f32("b").unwrap(), (vec![0.0, 0.0], vec![2]));
+    }
+}

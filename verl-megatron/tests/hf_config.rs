@@ -187,3 +187,131 @@ fn written_config_json_reads_back_unchanged() {
         assert_eq!(back, cfg, "{name}");
     }
 }
+
+/// A small Llama config.json with `patch`'s keys set (or, where `null`, removed).
+fn llama_with(patch: serde_json::Value) -> String {
+    let mut base = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+    });
+    for (k, v) in patch.as_object().unwrap() {
+        if v.is_null() {
+            base.as_object_mut().unwrap().remove(k);
+        } else {
+            base[k] = v.clone();
+        }
+    }
+    base.to_string()
+}
+
+/// The error of parsing `llama_with(patch)`, which must be refused.
+fn refused_llama(patch: serde_json::Value) -> String {
+    let text = llama_with(patch);
+    match HfModelConfig::from_json(&text, Path::new("m/config.json")) {
+        Ok(c) => panic!("accepted {text}: {c:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Values that parse but mean nothing (a negative epsilon, a non-positive RoPE base, a zero
+/// scaling factor, no attention heads) are refused naming their field, in transformers 4's
+/// spelling (`rope_theta`, `rope_scaling`) and 5's (`rope_parameters`).
+#[test]
+fn meaningless_numbers_are_refused_by_field_name() {
+    use serde_json::json;
+    // The base itself parses, so each refusal below is the patched field's.
+    HfModelConfig::from_json(&llama_with(json!({})), Path::new("m/config.json")).unwrap();
+
+    for eps in [json!(-1e-6), json!(0.0)] {
+        let e = refused_llama(json!({ "rms_norm_eps": eps }));
+        assert!(e.contains("`rms_norm_eps`"), "{e}");
+        assert!(e.contains("m/config.json"), "names the file: {e}");
+    }
+
+    for theta in [json!(-10000.0), json!(0.0), json!(0)] {
+        // transformers 4: a top-level key.
+        let e = refused_llama(json!({ "rope_theta": theta.clone() }));
+        assert!(e.contains("`rope_theta`") && e.contains("positive"), "{e}");
+        // transformers 5: inside rope_parameters.
+        let e = refused_llama(json!({
+            "rope_parameters": { "rope_type": "default", "rope_theta": theta }
+        }));
+        assert!(e.contains("`rope_theta`") && e.contains("positive"), "{e}");
+    }
+
+    let llama3 = |factor: serde_json::Value| {
+        json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        })
+    };
+    // The same scaling with a sound factor parses in both spellings.
+    for key in ["rope_scaling", "rope_parameters"] {
+        let mut patch = json!({ "rope_theta": 500000.0 });
+        patch[key] = llama3(json!(8.0));
+        let c = HfModelConfig::from_json(&llama_with(patch), Path::new("m/config.json")).unwrap();
+        assert!(
+            matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0),
+            "{key}: {:?}",
+            c.rope_scaling
+        );
+    }
+    for factor in [json!(0.0), json!(0), json!(-2.0)] {
+        // transformers 4: `rope_scaling` beside `rope_theta`.
+        let e = refused_llama(json!({
+            "rope_theta": 500000.0,
+            "rope_scaling": llama3(factor.clone()),
+        }));
+        assert!(
+            e.contains("`rope_scaling.factor`") && e.contains("positive"),
+            "{e}"
+        );
+        // transformers 5: one `rope_parameters` object.
+        let mut params = llama3(factor);
+        params["rope_theta"] = json!(500000.0);
+        let e = refused_llama(json!({ "rope_parameters": params }));
+        assert!(e.contains("factor`") && e.contains("positive"), "{e}");
+        assert!(!e.contains("freq_factor"), "blames the factor itself: {e}");
+    }
+    // transformers 4 also spells the rope type `type`.
+    let mut old = llama3(json!(0.0));
+    let o = old.as_object_mut().unwrap();
+    o.remove("rope_type");
+    o.insert("type".into(), json!("llama3"));
+    let e = refused_llama(json!({ "rope_scaling": old }));
+    assert!(e.contains("`rope_scaling.factor`"), "{e}");
+
+    // No attention heads: blamed on num_attention_heads, not on the key/value heads that
+    // cannot divide it.
+    let e = refused_llama(json!({ "num_attention_heads": 0, "num_key_value_heads": null }));
+    assert!(e.contains("`num_attention_heads`"), "{e}");
+    assert!(!e.contains("num_key_value_heads"), "{e}");
+    let e = refused_llama(json!({ "num_attention_heads": 0 }));
+    assert!(e.contains("`num_attention_heads`"), "{e}");
+
+    // Sizes of zero.
+    for field in [
+        "hidden_size",
+        "vocab_size",
+        "intermediate_size",
+        "num_hidden_layers",
+    ] {
+        let mut patch = json!({});
+        patch[field] = json!(0);
+        let e = refused_llama(patch);
+        assert!(e.contains(&format!("`{field}`")), "{field}: {e}");
+    }
+    // A layer count written as a float (1e12 in JSON) is not an integer: refused by name
+    // before anything is sized by it.
+    let e = refused_llama(json!({ "num_hidden_layers": 1e12 }));
+    assert!(e.contains("`num_hidden_layers`"), "{e}");
+}

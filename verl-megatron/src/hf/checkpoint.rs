@@ -19,6 +19,97 @@ use crate::error::MegatronError;
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
 
+/// Refuses a weight file `name` (a shard named by the index, or the single
+/// `model.safetensors`) that would be read outside `dir`: an absolute path, `..`, or a
+/// symbolic link that leads out. `named_by` is the file that names it, for the error. A link
+/// into the blobs of the Hugging Face hub cache that holds `dir` as one of its snapshots is
+/// inside (every file of a snapshot is one: `snapshots/<revision>/x -> ../../blobs/<hash>`).
+fn check_inside(dir: &Path, name: &str, named_by: &Path) -> Result<(), MegatronError> {
+    use std::path::Component;
+    let plain = !name.is_empty()
+        && Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    if !plain {
+        return Err(io(
+            named_by,
+            format!("shard `{name}` is not a file inside the model directory; the index may only name files next to it"),
+        ));
+    }
+    let path = dir.join(name);
+    if let (Ok(real_dir), Ok(real)) = (dir.canonicalize(), path.canonicalize()) {
+        if !real.starts_with(&real_dir) && !is_hub_blob(&real_dir, &real) {
+            let what = if name == SINGLE {
+                "weight file"
+            } else {
+                "shard"
+            };
+            return Err(io(
+                named_by,
+                format!(
+                    "{what} `{name}` leads to {} outside the model directory (a symbolic link); copy the file in instead",
+                    real.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `real` is a file of the `blobs` folder of the Hugging Face hub cache repository
+/// that holds `real_dir` under its `snapshots` folder (both paths canonical).
+fn is_hub_blob(real_dir: &Path, real: &Path) -> bool {
+    real_dir
+        .ancestors()
+        .find(|a| a.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .is_some_and(|repo| real.parent() == Some(repo.join("blobs").as_path()))
+}
+
+/// When safetensors refuses a header, the first tensor whose byte range disagrees with its
+/// shape and dtype (safetensors' own error does not name it), or a range past the file's end.
+fn first_bad_tensor(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header = bytes.get(8..8usize.checked_add(n)?)?;
+    let v: serde_json::Value = serde_json::from_slice(header).ok()?;
+    let data_len = bytes.len() - 8 - n;
+    for (name, info) in v.as_object()? {
+        if name == "__metadata__" {
+            continue;
+        }
+        let width: u128 = match info.get("dtype")?.as_str()? {
+            "F64" | "I64" | "U64" => 8,
+            "F32" | "I32" | "U32" => 4,
+            "F16" | "BF16" | "I16" | "U16" => 2,
+            "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+            _ => continue,
+        };
+        let elements: u128 = info
+            .get("shape")?
+            .as_array()?
+            .iter()
+            .map(|d| d.as_u64().map(u128::from))
+            .product::<Option<u128>>()?;
+        let offsets = info.get("data_offsets")?.as_array()?;
+        let (start, end) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
+        let len = u128::from(end.saturating_sub(start));
+        if len != elements * width {
+            return Some(format!(
+                "tensor `{name}` ({} of shape {}) needs {} bytes but its data_offsets give {len}",
+                info["dtype"],
+                info["shape"],
+                elements * width
+            ));
+        }
+        if end as usize > data_len {
+            return Some(format!(
+                "tensor `{name}` ends at byte {end} of the data, past its end ({data_len}): the file is truncated"
+            ));
+        }
+    }
+    None
+}
+
 /// Where one tensor lives.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -63,8 +154,12 @@ impl HfCheckpoint {
                 .collect();
             names.sort();
             names.dedup();
+            for name in &names {
+                check_inside(&dir, name, &index_path)?;
+            }
             names
         } else {
+            check_inside(&dir, SINGLE, &dir.join(SINGLE))?;
             vec![SINGLE.to_string()]
         };
         Self::open_files(dir, &file_names)
@@ -91,8 +186,12 @@ impl HfCheckpoint {
             // SAFETY: the mapping is read-only; a checkpoint must not be rewritten while it is
             // open (the same contract every mmap-based loader, safetensors' own included, has).
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io(&path, e))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&mmap[..])
-                .map_err(|e| io(&path, format!("not a safetensors file: {e}")))?;
+            let (header_len, meta) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| {
+                match first_bad_tensor(&mmap[..]) {
+                    Some(why) => io(&path, why),
+                    None => io(&path, format!("not a safetensors file: {e}")),
+                }
+            })?;
             let base = 8 + header_len;
             for (tname, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
@@ -252,9 +351,51 @@ impl HfCheckpoint {
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
     }
 
+    /// The layer and expert counts of `config.json` against the tensors on disk, before any
+    /// list as long as them is built (a `num_hidden_layers` of 10¹² must not allocate).
+    fn check_counts(&self, cfg: &HfModelConfig) -> Result<(), MegatronError> {
+        let index_after = |name: &str, key: &str| -> Option<usize> {
+            let rest = &name[name.find(key)? + key.len()..];
+            rest.split('.').next()?.parse().ok()
+        };
+        let count = |key: &str| {
+            self.entries
+                .keys()
+                .filter_map(|n| index_after(n, key))
+                .max()
+                .map_or(0, |i| i + 1)
+        };
+        let config = self.dir.join("config.json");
+        let field = |field: &str, want: usize, found: usize, what: &str| MegatronError::Config {
+            path: config.clone(),
+            field: field.into(),
+            message: format!(
+                "says {want}, but the weights in {} hold {found} {what}",
+                self.dir.display()
+            ),
+        };
+        let layers = count("model.layers.");
+        if cfg.num_hidden_layers != layers {
+            return Err(field(
+                "num_hidden_layers",
+                cfg.num_hidden_layers,
+                layers,
+                "layers",
+            ));
+        }
+        if let Some(moe) = &cfg.moe {
+            let experts = count(".mlp.experts.");
+            if experts > 0 && moe.num_experts != experts {
+                return Err(field("num_experts", moe.num_experts, experts, "experts"));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the checkpoint against the tensors `cfg` implies: every tensor present, none
     /// extra, every shape right. Errors name the tensor, both shapes and the file.
     pub fn verify(&self, cfg: &HfModelConfig) -> Result<(), MegatronError> {
+        self.check_counts(cfg)?;
         let specs = hf_tensor_specs(cfg);
         for spec in &specs {
             match self.entries.get(&spec.name) {

@@ -193,6 +193,13 @@ impl Reader<'_> {
     fn get(&self, field: &str) -> Option<&Value> {
         self.map.get(field).filter(|v| !v.is_null())
     }
+    /// A size that must be at least 1.
+    fn positive(&self, field: &str) -> Result<usize, MegatronError> {
+        match self.usize(field)? {
+            0 => Err(self.err(field, "must be at least 1")),
+            v => Ok(v),
+        }
+    }
     fn usize(&self, field: &str) -> Result<usize, MegatronError> {
         let v = self
             .get(field)
@@ -365,11 +372,16 @@ impl HfModelConfig {
 
         let hidden_size = r.usize("hidden_size")?;
         let num_attention_heads = r.usize("num_attention_heads")?;
+        for (field, v) in [
+            ("hidden_size", hidden_size),
+            ("num_attention_heads", num_attention_heads),
+        ] {
+            if v == 0 {
+                return Err(r.err(field, "must be at least 1"));
+            }
+        }
         let num_key_value_heads = r.usize_or("num_key_value_heads", num_attention_heads)?;
-        if num_attention_heads == 0
-            || num_key_value_heads == 0
-            || num_attention_heads % num_key_value_heads != 0
-        {
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
             return Err(r.err("num_key_value_heads", format!("({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})")));
         }
         let head_dim = r.usize_or("head_dim", hidden_size / num_attention_heads)?;
@@ -393,6 +405,12 @@ impl HfModelConfig {
             .f64_in(&rope_map, "rope_theta")?
             .or(r.f64_in(map, "rope_theta")?)
             .unwrap_or(10000.0);
+        if !(rope_theta.is_finite() && rope_theta > 0.0) {
+            return Err(r.err(
+                "rope_theta",
+                format!("({rope_theta}) must be a positive number, e.g. 10000 or 1000000"),
+            ));
+        }
         let rope_type = rope_map
             .get("rope_type")
             .or(rope_map.get("type"))
@@ -409,11 +427,29 @@ impl HfModelConfig {
                         )
                     })
                 };
+                let positive = |f: &str| -> Result<f64, MegatronError> {
+                    let v = need(f)?;
+                    if v.is_finite() && v > 0.0 {
+                        Ok(v)
+                    } else {
+                        Err(r.err(
+                            &format!("rope_scaling.{f}"),
+                            format!("({v}) must be a positive number"),
+                        ))
+                    }
+                };
+                let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+                if high <= low {
+                    return Err(r.err(
+                        "rope_scaling.high_freq_factor",
+                        format!("({high}) must be greater than low_freq_factor ({low}); Llama 3 uses 4 and 1"),
+                    ));
+                }
                 RopeScaling::Llama3 {
-                    factor: need("factor")?,
-                    low_freq_factor: need("low_freq_factor")?,
-                    high_freq_factor: need("high_freq_factor")?,
-                    original_max_position_embeddings: need("original_max_position_embeddings")?
+                    factor: positive("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: positive("original_max_position_embeddings")?
                         as usize,
                 }
             }
@@ -485,18 +521,25 @@ impl HfModelConfig {
             None
         };
 
+        let rms_norm_eps = r.f64_in(map, "rms_norm_eps")?.unwrap_or(1e-6);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(r.err(
+                "rms_norm_eps",
+                format!("({rms_norm_eps}) must be a small positive number, e.g. 1e-6"),
+            ));
+        }
         let bos_token_id = r.token_ids("bos_token_id")?.first().copied();
         Ok(Self {
             architecture,
             head,
-            vocab_size: r.usize("vocab_size")?,
+            vocab_size: r.positive("vocab_size")?,
             hidden_size,
-            intermediate_size: r.usize("intermediate_size")?,
-            num_hidden_layers: r.usize("num_hidden_layers")?,
+            intermediate_size: r.positive("intermediate_size")?,
+            num_hidden_layers: r.positive("num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: r.f64_in(map, "rms_norm_eps")?.unwrap_or(1e-6),
+            rms_norm_eps,
             rope_theta,
             rope_scaling,
             max_position_embeddings: r.usize_or("max_position_embeddings", 4096)?,

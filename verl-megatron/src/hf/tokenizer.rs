@@ -127,6 +127,11 @@ impl HfTokenizer {
             })
     }
 
+    /// Whether the model ships a chat template (base models often do not).
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
     /// Renders the chat template over `messages`.
     pub fn apply_chat_template(
         &self,

@@ -1,0 +1,271 @@
+//! Bad input is refused at setup, before any model exists, with the cause named: fewer rows
+//! than a batch, token ids the model has no embedding for, over-long prompts under
+//! `data.truncation=error`. And the prompt-length settings are honoured: `data.truncation`
+//! cuts as verl does, `data.filter_overlong_prompts` drops.
+
+mod common;
+
+use std::path::Path;
+
+use verl::config::VerlConfig;
+use verl::tasks::CharTokenizer;
+use verl::trainer::builder::PpoTrainerBuilder;
+use verl::trainer::data::PromptRow;
+use verl::trainer::{PpoTrainer, MAIN_JOB};
+use verl::ConfigBuilder;
+
+/// A batch of 2 prompts, 2 samples each: what the runs that must build use.
+const SMALL_BATCH: &[&str] = &[
+    "data.train_batch_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.n=2",
+];
+
+/// The tiny built-in job (`data.max_prompt_length=8`, `data.train_batch_size=16`) writing
+/// under `dir`, with `extra` overrides.
+fn config(dir: &Path, extra: &[&str]) -> VerlConfig {
+    ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=2",
+        ])
+        .overrides(extra.iter().copied())
+        .set("trainer.default_local_dir", dir.display())
+        .resolve()
+        .unwrap()
+}
+
+/// An arithmetic prompt given as text.
+fn row(prompt: &str) -> PromptRow {
+    PromptRow::new(prompt, "verl_rs/arithmetic", "0")
+}
+
+/// A prompt given as token ids (as a program that tokenised it itself would).
+fn ids_row(ids: Vec<u32>) -> PromptRow {
+    PromptRow {
+        prompt_ids: ids,
+        ..row("1+1=")
+    }
+}
+
+/// The message `builder` is refused with.
+fn refused(builder: PpoTrainerBuilder) -> String {
+    match builder.build() {
+        Ok(_) => panic!("the trainer was built"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// Ids of `text` in the built-in task's tokenizer.
+fn char_ids(text: &str) -> Vec<u32> {
+    CharTokenizer::arithmetic().encode(text).unwrap()
+}
+
+/// Fewer rows than `data.train_batch_size` is a setup error naming the key and both numbers
+/// (it was a slice-range panic in the training loop): rows from the builder, and from a data
+/// file.
+#[test]
+fn fewer_rows_than_a_batch_are_refused_naming_train_batch_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = ["1+1=", "2+2=", "3+3="].map(row);
+    let e = refused(PpoTrainer::builder(config(dir.path(), &[])).data(rows));
+    assert!(
+        e.contains("data.train_batch_size = 16") && e.contains("has 3 rows"),
+        "{e}"
+    );
+
+    let train = dir.path().join("train.jsonl");
+    let line = |p: &str| {
+        serde_json::json!({
+            "data_source": "verl_rs/arithmetic",
+            "prompt": [{"role": "user", "content": p}],
+            "reward_model": {"ground_truth": "2"},
+        })
+        .to_string()
+    };
+    std::fs::write(
+        &train,
+        [line("1+1="), line("2+2="), line("3+3=")].join("\n"),
+    )
+    .unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .set("data.train_files", train.display())
+        .set(
+            "trainer.default_local_dir",
+            dir.path().join("out").display(),
+        )
+        .build()
+        .unwrap();
+    let e = match PpoTrainer::new(validated) {
+        Ok(_) => panic!("the trainer was built"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("data.train_batch_size = 16") && e.contains("has 3 rows"),
+        "{e}"
+    );
+}
+
+/// A token id at or above the model's vocab_size (a tokenizer larger than the model) is refused
+/// naming the row, the id and the disagreement, instead of failing in the embedding gather:
+/// ids given through the embedding API, and an HF model whose config.json has fewer rows than
+/// its tokenizer.
+#[test]
+fn token_ids_beyond_the_models_vocabulary_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |extra: &[&str]| {
+        let mut o = vec!["+actor_rollout_ref.model.override_config.vocab_size=32"];
+        o.extend_from_slice(extra);
+        config(dir.path(), &o)
+    };
+    let fine = char_ids("1+1=");
+    let e = refused(
+        PpoTrainer::builder(cfg(&[])).data([ids_row(fine.clone()), ids_row(vec![2, 3, 32, 4])]),
+    );
+    assert!(
+        e.contains("training prompt 1")
+            && e.contains("token id 32")
+            && e.contains("vocab_size is 32")
+            && e.contains("the tokenizer and the model disagree"),
+        "{e}"
+    );
+    // The validation rows are checked too.
+    let e = refused(
+        PpoTrainer::builder(cfg(SMALL_BATCH))
+            .data([ids_row(fine.clone()), ids_row(fine)])
+            .val_data([ids_row(vec![40])]),
+    );
+    assert!(
+        e.contains("validation prompt 0") && e.contains("token id 40"),
+        "{e}"
+    );
+
+    // An HF model: the qwen2 fixture's tokenizer has 320 tokens (`<|im_start|>` is id 3);
+    // its config.json here says 3.
+    let model = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("verl-megatron/tests/fixtures/qwen2");
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.path().join(entry.file_name())).unwrap();
+    }
+    let config_json = model.path().join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_json).unwrap()).unwrap();
+    c["vocab_size"] = serde_json::json!(3);
+    std::fs::write(&config_json, c.to_string()).unwrap();
+    let cfg = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=2",
+        ])
+        .set("actor_rollout_ref.model.path", model.path().display())
+        .set("trainer.default_local_dir", dir.path().join("hf").display())
+        .resolve()
+        .unwrap();
+    let e = refused(PpoTrainer::builder(cfg).data([row("1+1=")]));
+    assert!(
+        e.contains("training prompt 0")
+            && e.contains("vocab_size is 3")
+            && e.contains("the tokenizer and the model disagree"),
+        "{e}"
+    );
+}
+
+/// `data.truncation=left|right|middle` cuts an over-long prompt to `data.max_prompt_length`
+/// (8 here) as verl does — the last 8 tokens, the first 8, the first 4 and the last 4 — and
+/// leaves a short one whole; `error` refuses it naming the prompt and the settings.
+#[test]
+fn over_long_prompts_are_truncated_as_data_truncation_says() {
+    let long = "12345+67890=";
+    assert_eq!(char_ids(long).len(), 12);
+    for (mode, kept) in [
+        ("left", "5+67890="),
+        ("right", "12345+67"),
+        ("middle", "1234890="),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let setting = format!("data.truncation={mode}");
+        let mut o = SMALL_BATCH.to_vec();
+        o.push(&setting);
+        let trainer = PpoTrainer::builder(config(dir.path(), &o))
+            .data([row(long), row("1+2=")])
+            .build()
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+        let got: Vec<Vec<u32>> = trainer
+            .train_rows()
+            .iter()
+            .map(|r| r.prompt_ids.clone())
+            .collect();
+        assert_eq!(got, [char_ids(kept), char_ids("1+2=")], "{mode}");
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = SMALL_BATCH.to_vec();
+    o.push("data.truncation=error");
+    let cfg = config(dir.path(), &o);
+    let e = refused(PpoTrainer::builder(cfg).data([row("1+2="), row(long)]));
+    assert!(
+        e.contains("training prompt 1")
+            && e.contains("12 tokens")
+            && e.contains("data.max_prompt_length = 8")
+            && e.contains("data.truncation")
+            && e.contains("data.filter_overlong_prompts"),
+        "{e}"
+    );
+    // `error` is the default.
+    let cfg = config(dir.path(), SMALL_BATCH);
+    let e = refused(PpoTrainer::builder(cfg).data([row(long), row(long)]));
+    assert!(
+        e.contains("training prompt 0") && e.contains("12 tokens"),
+        "{e}"
+    );
+}
+
+/// `data.filter_overlong_prompts=true` drops prompts longer than `data.max_prompt_length`
+/// (instead of cutting them), counts the batch after dropping, and refuses a set it would
+/// leave empty.
+#[test]
+fn filter_overlong_prompts_drops_them_and_refuses_an_empty_set() {
+    let long = "12345+67890=";
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = SMALL_BATCH.to_vec();
+    // Dropping wins over truncation, as in verl's dataset.
+    o.extend(["data.filter_overlong_prompts=true", "data.truncation=left"]);
+    let trainer = PpoTrainer::builder(config(dir.path(), &o))
+        .data([row(long), row("1+2="), row(long), row("3+4=")])
+        .build()
+        .unwrap();
+    let kept: Vec<&str> = trainer
+        .train_rows()
+        .iter()
+        .map(|r| r.prompt.as_str())
+        .collect();
+    assert_eq!(kept, ["1+2=", "3+4="]);
+    drop(trainer);
+
+    // Every prompt too long: refused, not an empty run.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), &o);
+    let e = refused(PpoTrainer::builder(cfg).data([row(long), row(long)]));
+    assert!(
+        e.contains("data.filter_overlong_prompts dropped every one of the 2 training prompts")
+            && e.contains("data.max_prompt_length = 8"),
+        "{e}"
+    );
+
+    // Fewer rows than a batch once the long ones are dropped: the batch error says so.
+    let e = refused(
+        PpoTrainer::builder(config(dir.path(), &["data.filter_overlong_prompts=true"]))
+            .data((0..18).map(|_| row(long)).chain([row("1+2="), row("3+4=")])),
+    );
+    assert!(
+        e.contains("data.train_batch_size = 16")
+            && e.contains("has 2 rows (after data.filter_overlong_prompts)"),
+        "{e}"
+    );
+}

@@ -368,7 +368,28 @@ pub fn read_loop_state(step_dir: &Path) -> Result<LoopState, TrainError> {
             p.display()
         ))
     })?;
-    serde_json::from_str(&text).map_err(|e| setup(format!("{}: {e}", p.display())))
+    let state: LoopState =
+        serde_json::from_str(&text).map_err(|e| setup(format!("{}: {e}", p.display())))?;
+    // Positions index the training rows: `order` must be a permutation of 0..len and the
+    // cursor within it, or a resume would index outside the data.
+    let len = state.order.len();
+    let mut seen = vec![false; len];
+    for &i in &state.order {
+        if i >= len || std::mem::replace(&mut seen[i], true) {
+            return Err(setup(format!(
+                "{}: `order` is not a permutation of the {len} training rows (entry {i}); the file is damaged",
+                p.display()
+            )));
+        }
+    }
+    if state.cursor > len {
+        return Err(setup(format!(
+            "{}: `cursor` {} is past the {len} training rows; the file is damaged",
+            p.display(),
+            state.cursor
+        )));
+    }
+    Ok(state)
 }
 
 /// Writes `<step dir>/trainer.json`.

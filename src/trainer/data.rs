@@ -175,6 +175,8 @@ pub enum DataFileError {
         path: PathBuf,
         source: parquet::errors::ParquetError,
     },
+    #[error("{path}: the file is damaged ({why}); write it again")]
+    Damaged { path: PathBuf, why: String },
     #[error("{path}: {at}: {source}")]
     ParquetRow {
         path: PathBuf,
@@ -222,7 +224,8 @@ pub fn file_rows(
     let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
     let values = match ext {
         "parquet" => parquet_values(path)?,
-        "jsonl" | "json" => json_values(path)?,
+        "jsonl" => json_values(path, false)?,
+        "json" => json_values(path, true)?,
         _ => {
             return Err(DataFileError::UnknownType {
                 path: path.into(),
@@ -259,12 +262,14 @@ fn json_text(path: &Path) -> Result<String, DataFileError> {
     }
 }
 
-/// Each row object of a JSON data file, labelled with its place: JSONL's line number, or the
-/// index in a JSON array (`json.dump(rows, f)`, which verl users also keep datasets as; a row
-/// line cannot start with `[`, so the first character tells the two apart).
-fn json_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
+/// Each row object of a JSON data file, labelled with its place: JSONL's line number, or, for
+/// a `.json` file (`may_be_array`), the index in a JSON array (`json.dump(rows, f)`, which verl
+/// users also keep datasets as; a row line cannot start with `[`, so the first character tells
+/// the two apart). A `.jsonl` file is always read line by line, so a stray array line is named
+/// by its line.
+fn json_values(path: &Path, may_be_array: bool) -> Result<Vec<(RowAt, Value)>, DataFileError> {
     let text = json_text(path)?;
-    if text.trim_start().starts_with('[') {
+    if may_be_array && text.trim_start().starts_with('[') {
         let rows: Vec<Value> =
             serde_json::from_str(&text).map_err(|source| DataFileError::NotJsonArray {
                 path: path.into(),
@@ -296,6 +301,22 @@ fn json_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
 /// row index. Parquet's record reader does the nesting, so files written by pandas/pyarrow
 /// (verl's `examples/data_preprocess`) read as they are.
 fn parquet_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
+    // The parquet crate asserts on some damaged files (definition levels, byte ranges)
+    // instead of returning an error: a panic there is a damaged file, named as such.
+    std::panic::catch_unwind(|| parquet_values_unguarded(path)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "the reader gave up".into());
+        Err(DataFileError::Damaged {
+            path: path.into(),
+            why,
+        })
+    })
+}
+
+fn parquet_values_unguarded(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let err = |source| DataFileError::Parquet {
         path: path.into(),

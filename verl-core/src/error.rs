@@ -54,6 +54,8 @@ pub enum DataProtoError {
         expected: usize,
         found: usize,
     },
+    #[error("column `{key}` has shape {shape:?}, whose elements per row overflow a machine word")]
+    ShapeOverflow { key: String, shape: Vec<usize> },
     #[error("a batch tensor needs a leading batch dimension; `{key}` is a scalar (rank 0)")]
     ScalarColumn { key: String },
     #[error("union: key `{key}` is present on both sides with different values; rename one side or pop it first")]

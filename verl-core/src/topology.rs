@@ -89,7 +89,7 @@ impl ParallelConfig {
 
     /// Ranks one model replica spans, dense view: tp·cp·pp.
     pub fn model_ranks(&self) -> usize {
-        self.tp * self.cp * self.pp
+        self.tp.saturating_mul(self.cp).saturating_mul(self.pp)
     }
 
     /// Checks the layout against a world size and returns the derived data-parallel size.
@@ -156,7 +156,10 @@ impl ParallelConfig {
                 ),
             ));
         }
-        let expert = self.expert_tp() * self.ep * self.pp;
+        let expert = self
+            .expert_tp()
+            .saturating_mul(self.ep)
+            .saturating_mul(self.pp);
         if !world_size.is_multiple_of(expert) {
             return Err(invalid(
                 "ep",
@@ -207,7 +210,7 @@ impl ParallelConfig {
         check("tp", "intermediate_size", model.intermediate_size, tp, "tp")?;
         // The vocabulary need not divide: it is padded to a multiple of tp (as Megatron pads
         // it), the padding masked out of the logits.
-        let stages = self.pp * self.vpp.unwrap_or(1);
+        let stages = self.pp.saturating_mul(self.vpp.unwrap_or(1));
         if model.num_layers < stages {
             return Err(invalid(
                 "pp",
@@ -263,8 +266,22 @@ fn invalid(field: &'static str, message: String) -> TopologyError {
     TopologyError::Invalid { field, message }
 }
 
+/// The divisors of `n`, ascending (pairs up to √n, so a huge `n` in an error message costs
+/// microseconds rather than a count to `n`).
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+    let (mut low, mut high) = (Vec::new(), Vec::new());
+    let mut d = 1usize;
+    while d.checked_mul(d).is_some_and(|sq| sq <= n) {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
 }
 
 fn list(v: impl IntoIterator<Item = usize>) -> String {
@@ -275,7 +292,7 @@ fn list(v: impl IntoIterator<Item = usize>) -> String {
 }
 
 fn fits(world: usize, product: usize) -> String {
-    let worlds = (1..=4).map(|k| k * product);
+    let worlds = (1..=4).filter_map(|k| product.checked_mul(k));
     format!(
         "World sizes that fit this layout: {}; or make the product one of {}",
         list(worlds),

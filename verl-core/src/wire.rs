@@ -229,9 +229,15 @@ impl WireReader {
                 "a frame of {len} bytes (the limit is {MAX_FRAME_BYTES}): not a verl peer?"
             )));
         }
-        let mut frame = vec![0u8; len];
-        match self.stream.read_exact(&mut frame) {
-            Ok(()) => Message::decode(BytesMut::from(&frame[..])).map(Some),
+        // Grown as the bytes arrive: a garbled length prefix costs what the peer really sends,
+        // not a buffer of the claimed size up front.
+        let mut frame = Vec::with_capacity(len.min(1 << 20));
+        let read = Read::by_ref(&mut self.stream)
+            .take(len as u64)
+            .read_to_end(&mut frame);
+        match read {
+            Ok(n) if n < len => Ok(None),
+            Ok(_) => Message::decode(BytesMut::from(&frame[..])).map(Some),
             Err(e)
                 if matches!(
                     e.kind(),

@@ -226,7 +226,25 @@ fn open_err(dir: &Path) -> String {
 #[test]
 fn counts_beyond_the_weights_on_disk_are_refused_by_field() {
     use verl_megatron::models::CausalLm;
-    for layers in [1_000_000_000_000u64, 3] {
+    // Beyond any model: refused as config.json is read.
+    for field in ["num_hidden_layers", "num_experts"] {
+        let dir = fixture_copy(if field == "num_experts" {
+            "qwen2_moe"
+        } else {
+            "qwen2"
+        });
+        edit_json(&dir.path().join("config.json"), |c| {
+            c[field] = 1_000_000_000_000u64.into();
+        });
+        let e = HfModelConfig::from_dir(dir.path()).unwrap_err();
+        assert!(
+            matches!(&e, MegatronError::Config { field: f, .. } if f == field),
+            "{e}"
+        );
+    }
+    // Within bounds but more than the weights hold: refused against them, before a list of
+    // that length exists (2^24 layers' tensor table would take gigabytes).
+    for layers in [1u64 << 24, 3] {
         let dir = fixture_copy("qwen2");
         edit_json(&dir.path().join("config.json"), |c| {
             c["num_hidden_layers"] = layers.into();
@@ -246,16 +264,16 @@ fn counts_beyond_the_weights_on_disk_are_refused_by_field() {
         );
         assert!(msg.contains("config.json"), "names the file: {msg}");
         // Building the model checks first too.
-        let e = CausalLm::<B>::from_checkpoint(&cfg, &ckpt, &Default::default())
-            .err()
-            .expect("refused")
-            .to_string();
+        let Err(e) = CausalLm::<B>::from_checkpoint(&cfg, &ckpt, &Default::default()) else {
+            panic!("a model of {layers} layers was built from weights that hold fewer");
+        };
+        let e = e.to_string();
         assert!(e.contains("`num_hidden_layers`"), "{e}");
     }
 
     let dir = fixture_copy("qwen2_moe");
     edit_json(&dir.path().join("config.json"), |c| {
-        c["num_experts"] = 1_000_000_000_000u64.into();
+        c["num_experts"] = (1u64 << 24).into();
     });
     let cfg = HfModelConfig::from_dir(dir.path()).unwrap();
     let e = HfCheckpoint::open(dir.path())
@@ -430,7 +448,7 @@ fn weight_files_linked_from_outside_the_directory_are_refused() {
 /// write an inconsistent one), as `dir/model.safetensors`.
 fn write_raw(dir: &Path, header: serde_json::Value, data: &[u8]) {
     let mut h = header.to_string().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut bytes = (h.len() as u64).to_le_bytes().to_vec();

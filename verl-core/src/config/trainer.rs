@@ -85,7 +85,8 @@ impl Default for TrainerConfig {
 impl TrainerConfig {
     /// Ranks in the run: `nnodes × n_gpus_per_node`.
     pub fn world_size(&self) -> usize {
-        self.nnodes * self.n_gpus_per_node
+        // Saturating: an absurd product is refused by validation, not an overflow.
+        self.nnodes.saturating_mul(self.n_gpus_per_node)
     }
 
     /// Where checkpoints and metrics go.

@@ -30,6 +30,57 @@ pub const KL_TYPES: &[&str] = &[
 /// Estimators that compare samples of one prompt and so need `rollout.n > 1`.
 const GROUP_ESTIMATORS: &[&str] = &["grpo", "rloo", "grpo_passk", "opo"];
 
+/// The most ranks (and samples per prompt) a size may name: far beyond any real run, low
+/// enough that products of three such sizes cannot overflow.
+const MAX_RANKS: u64 = 1 << 16;
+/// The most any other count or length may be (batch sizes, token budgets, lengths).
+const MAX_COUNT: u64 = 1 << 32;
+
+/// Refuses, by key, any whole number in the config beyond what a run could use, before any
+/// arithmetic on it: rank counts and parallel sizes above [`MAX_RANKS`], every other count
+/// above [`MAX_COUNT`] (seeds excepted). The checks after this one multiply sizes freely.
+fn sizes_in_range(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    fn walk(v: &serde_json::Value, path: &str) -> Result<(), ConfigError> {
+        match v {
+            serde_json::Value::Object(map) => {
+                for (k, child) in map {
+                    let key = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    walk(child, &key)?;
+                }
+            }
+            serde_json::Value::Number(n) => {
+                let Some(x) = n.as_u64() else { return Ok(()) };
+                let leaf = path.rsplit('.').next().unwrap_or(path);
+                if leaf.contains("seed") {
+                    return Ok(());
+                }
+                let ranks = leaf.ends_with("parallel_size")
+                    || matches!(leaf, "nnodes" | "n_gpus_per_node" | "n");
+                let max = if ranks { MAX_RANKS } else { MAX_COUNT };
+                if x > max {
+                    return Err(invalid(
+                        path,
+                        x,
+                        format!("is beyond any run (at most {max})"),
+                        "give a realistic size",
+                    ));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    // A config that cannot be written out has nothing to bound here.
+    match serde_json::to_value(cfg) {
+        Ok(tree) => walk(&tree, ""),
+        Err(_) => Ok(()),
+    }
+}
+
 /// A config that passed [`VerlConfig::validate`], with the numbers derived on the way.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidatedConfig {
@@ -205,6 +256,7 @@ impl VerlConfig {
             .collect();
         let mut cfg = self.clone();
         cfg.resolve();
+        sizes_in_range(&cfg)?;
         super::unsupported::refuse_unsupported(&cfg)?;
         let t = &cfg.trainer;
         let world = t.world_size();

@@ -56,7 +56,15 @@ fn row_view(key: &str, dims: &[usize]) -> Result<[usize; 2], DataProtoError> {
         None => Err(DataProtoError::ScalarColumn {
             key: key.to_string(),
         }),
-        Some((batch, rest)) => Ok([*batch, rest.iter().product()]),
+        // Checked: a shape from outside (the wire, a saved file) may name absurd sizes.
+        Some((batch, rest)) => rest
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .map(|per_row| [*batch, per_row])
+            .ok_or_else(|| DataProtoError::ShapeOverflow {
+                key: key.to_string(),
+                shape: dims.to_vec(),
+            }),
     }
 }
 

@@ -131,11 +131,26 @@ impl<B: Backend> DataProto<B> {
                     shape,
                     burn::tensor::DType::F32,
                 ),
-                (ColumnKind::Int, Dtype::I64) => TensorData::from_bytes_vec(
-                    view.data().to_vec(),
-                    shape,
-                    burn::tensor::DType::I64,
-                ),
+                (ColumnKind::Int, Dtype::I64) => {
+                    // Backends keep ints in 32 bits (token ids, positions and counts fit):
+                    // a wider value is a damaged or foreign buffer, refused by name rather
+                    // than left to panic in the backend's conversion.
+                    let wide = view.data().chunks_exact(8).find_map(|b| {
+                        let v = i64::from_le_bytes(b.try_into().unwrap_or([0; 8]));
+                        i32::try_from(v).is_err().then_some(v)
+                    });
+                    if let Some(v) = wide {
+                        return Err(format_err(
+                            at,
+                            format!("tensor `{key}` holds {v}, beyond 32-bit integers"),
+                        ));
+                    }
+                    TensorData::from_bytes_vec(
+                        view.data().to_vec(),
+                        shape,
+                        burn::tensor::DType::I64,
+                    )
+                }
                 (ColumnKind::Bool, Dtype::U8) => TensorData::new(
                     view.data().iter().map(|&b| b != 0).collect::<Vec<bool>>(),
                     shape,

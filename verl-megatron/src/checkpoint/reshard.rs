@@ -122,10 +122,33 @@ impl ShardedCheckpoint {
                 Ok(text) => serde_json::from_str(&text).map_err(|e| io(&p, e))?,
                 Err(_) => Value::Null,
             };
-            let shards = match extra.get("shards") {
+            let shards: BTreeMap<String, ShardSlice> = match extra.get("shards") {
                 Some(s) => serde_json::from_value(s.clone()).map_err(|e| io(&p, e))?,
                 None => BTreeMap::new(),
             };
+            // The slices are read from disk: each must lie inside its full tensor before any
+            // arithmetic trusts it.
+            for (name, slice) in &shards {
+                let fits = match slice.dim {
+                    None => true,
+                    Some(d) => slice.global_shape.get(d).is_some_and(|&full| {
+                        slice
+                            .start
+                            .checked_add(slice.len)
+                            .is_some_and(|end| end <= full)
+                    }),
+                };
+                let elements = slice
+                    .global_shape
+                    .iter()
+                    .try_fold(1usize, |a, &x| a.checked_mul(x));
+                if !fits || elements.is_none() {
+                    return Err(io(
+                        &p,
+                        format!("shard `{name}` records a slice outside its tensor: {slice:?}"),
+                    ));
+                }
+            }
             ranks.insert(
                 rank,
                 SavedRank {
@@ -232,7 +255,24 @@ impl ShardedCheckpoint {
             }
             let (part, part_shape) =
                 file.read_part_f32(key, dim, Some((from - have_start, to - from)))?;
-            if part_shape.len() != target.shape.len() {
+            // The stored tensor must agree with the slice extra.json records for it.
+            let agrees = part_shape.len() == target.shape.len()
+                && dim < part_shape.len()
+                && part_shape
+                    .iter()
+                    .zip(&target.shape)
+                    .enumerate()
+                    .all(
+                        |(d, (&p, &t))| {
+                            if d == dim {
+                                p == to - from
+                            } else {
+                                p == t
+                            }
+                        },
+                    )
+                && from - want_start + (to - from) <= target.shape[dim];
+            if !agrees {
                 return Err(shape_error(key, file, &target.shape));
             }
             write_along(

@@ -84,24 +84,23 @@ fn first_bad_tensor(bytes: &[u8]) -> Option<String> {
             "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
             _ => continue,
         };
-        let elements: u128 = info
+        // Checked: the dimensions come from the file and may multiply past any integer.
+        let needed: Option<u128> = info
             .get("shape")?
             .as_array()?
             .iter()
-            .map(|d| d.as_u64().map(u128::from))
-            .product::<Option<u128>>()?;
+            .try_fold(width, |acc, d| acc.checked_mul(u128::from(d.as_u64()?)));
         let offsets = info.get("data_offsets")?.as_array()?;
         let (start, end) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
         let len = u128::from(end.saturating_sub(start));
-        if len != elements * width {
+        if needed != Some(len) {
+            let needs = needed.map_or("more than 2^128".to_string(), |n| n.to_string());
             return Some(format!(
-                "tensor `{name}` ({} of shape {}) needs {} bytes but its data_offsets give {len}",
-                info["dtype"],
-                info["shape"],
-                elements * width
+                "tensor `{name}` ({} of shape {}) needs {needs} bytes but its data_offsets give {len}",
+                info["dtype"], info["shape"],
             ));
         }
-        if end as usize > data_len {
+        if end > data_len as u64 {
             return Some(format!(
                 "tensor `{name}` ends at byte {end} of the data, past its end ({data_len}): the file is truncated"
             ));
@@ -186,12 +185,13 @@ impl HfCheckpoint {
             // SAFETY: the mapping is read-only; a checkpoint must not be rewritten while it is
             // open (the same contract every mmap-based loader, safetensors' own included, has).
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io(&path, e))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&mmap[..]).map_err(|e| {
-                match first_bad_tensor(&mmap[..]) {
-                    Some(why) => io(&path, why),
-                    None => io(&path, format!("not a safetensors file: {e}")),
-                }
-            })?;
+            // Our own check first, in checked arithmetic: it names the tensor, and absurd
+            // dimensions never reach the safetensors crate's unchecked products.
+            if let Some(why) = first_bad_tensor(&mmap[..]) {
+                return Err(io(&path, why));
+            }
+            let (header_len, meta) = SafeTensors::read_metadata(&mmap[..])
+                .map_err(|e| io(&path, format!("not a safetensors file: {e}")))?;
             let base = 8 + header_len;
             for (tname, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
@@ -277,7 +277,11 @@ impl HfCheckpoint {
         };
         let mut shape = e.shape.clone();
         let (start, len) = match part {
-            Some((start, len)) if dim < shape.len() && start + len <= shape[dim] => (start, len),
+            Some((start, len))
+                if dim < shape.len() && start.checked_add(len).is_some_and(|e| e <= shape[dim]) =>
+            {
+                (start, len)
+            }
             Some(_) => {
                 return Err(MegatronError::TensorShape {
                     name: name.into(),
@@ -290,8 +294,26 @@ impl HfCheckpoint {
         };
         let dim = if part.is_some() { dim } else { 0 };
         let full = shape.get(dim).copied().unwrap_or(1);
-        let outer: usize = shape[..dim.min(shape.len())].iter().product();
-        let inner: usize = shape.get(dim + 1..).map_or(1, |s| s.iter().product());
+        // Checked products: a tensor with a zero dimension is valid to safetensors whatever
+        // its other dimensions, and holds nothing.
+        let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if shape.contains(&0) || len == 0 {
+            if let Some(d) = shape.get_mut(dim) {
+                *d = len;
+            }
+            return Ok((Vec::new(), shape));
+        }
+        let (Some(outer), Some(inner)) = (
+            product(&shape[..dim.min(shape.len())]),
+            shape.get(dim + 1..).map_or(Some(1), product),
+        ) else {
+            return Err(MegatronError::TensorShape {
+                name: name.into(),
+                file: path.clone(),
+                expected: vec![],
+                found: shape,
+            });
+        };
         let bytes = &mmap[e.start..e.end];
         let mut values = Vec::with_capacity(outer * len * inner);
         for o in 0..outer {
@@ -363,7 +385,7 @@ impl HfCheckpoint {
                 .keys()
                 .filter_map(|n| index_after(n, key))
                 .max()
-                .map_or(0, |i| i + 1)
+                .map_or(0, |i| i.saturating_add(1))
         };
         let config = self.dir.join("config.json");
         let field = |field: &str, want: usize, found: usize, what: &str| MegatronError::Config {

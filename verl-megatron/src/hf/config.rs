@@ -17,6 +17,8 @@ use verl_core::topology::{ModelDims, ParallelConfig};
 
 use crate::error::MegatronError;
 
+/// The largest size `config.json` may give (2^24).
+const MAX_SIZE: u64 = 1 << 24;
 /// The decoder families verl-rs implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
@@ -204,9 +206,18 @@ impl Reader<'_> {
         let v = self
             .get(field)
             .ok_or_else(|| self.err(field, "is required"))?;
-        v.as_u64()
-            .map(|x| x as usize)
-            .ok_or_else(|| self.err(field, format!("must be a non-negative integer, got {v}")))
+        let x = v
+            .as_u64()
+            .ok_or_else(|| self.err(field, format!("must be a non-negative integer, got {v}")))?;
+        // Beyond any model (the largest vocabularies and context lengths are ~2^20), and low
+        // enough that products of a tensor's dimensions cannot overflow.
+        if x > MAX_SIZE {
+            return Err(self.err(
+                field,
+                format!("({x}) is beyond any model (at most {MAX_SIZE})"),
+            ));
+        }
+        Ok(x as usize)
     }
     fn usize_or(&self, field: &str, default: usize) -> Result<usize, MegatronError> {
         if self.get(field).is_some() {
@@ -239,16 +250,20 @@ impl Reader<'_> {
                 .iter()
                 .map(|v| {
                     v.as_u64()
-                        .map(|x| x as u32)
-                        .ok_or_else(|| self.err(field, "must hold token ids"))
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| self.err(field, "must hold token ids (below 2^32)"))
                 })
                 .collect(),
-            Some(v) => v.as_u64().map(|x| vec![x as u32]).ok_or_else(|| {
-                self.err(
-                    field,
-                    format!("must be a token id or a list of them, got {v}"),
-                )
-            }),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(|x| vec![x])
+                .ok_or_else(|| {
+                    self.err(
+                        field,
+                        format!("must be a token id or a list of them, got {v}"),
+                    )
+                }),
         }
     }
 }
@@ -495,6 +510,7 @@ impl HfModelConfig {
                     .iter()
                     .map(|v| {
                         v.as_u64()
+                            .filter(|&x| x <= MAX_SIZE)
                             .map(|x| x as usize)
                             .ok_or_else(|| r.err("mlp_only_layers", "must list layer indices"))
                     })

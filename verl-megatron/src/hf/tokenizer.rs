@@ -79,7 +79,28 @@ impl HfTokenizer {
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
         let dir = dir.as_ref();
         let path = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&path).map_err(|e| io(&path, e))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| io(&path, e))?;
+        // The tokenizers crate panics on some malformed files (inside its deserialisers):
+        // such a panic is a damaged tokenizer.json, reported as one.
+        let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
+        let mut tokenizer = match parsed {
+            Ok(t) => t.map_err(|e| io(&path, e))?,
+            Err(panic) => {
+                let why = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                return Err(io(&path, format!("not a tokenizer file ({why})")));
+            }
+        };
+        // As transformers does: a tokenizer.json's truncation and padding blocks are training
+        // leftovers that would cut or pad every prompt (and a bad stride panics inside
+        // tokenizers); prompt lengths are data.max_prompt_length's business.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| io(&path, e))?
+            .with_padding(None);
         let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.exists() {

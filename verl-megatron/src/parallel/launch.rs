@@ -70,6 +70,14 @@ impl LaunchEnv {
                 })
                 .transpose()
         };
+        // A TCP port: 1..=65535, refused by name otherwise (not silently cut to 16 bits).
+        let port_of = |v: usize| -> Result<u16, CommError> {
+            u16::try_from(v).ok().filter(|&p| p > 0).ok_or_else(|| {
+                CommError::Backend(format!(
+                    "environment variable MASTER_PORT={v} is not a TCP port (1..=65535)"
+                ))
+            })
+        };
         let missing = |name: &str, launcher: &str| {
             CommError::Backend(format!(
                 "environment variable {name} is not set ({launcher} sets it for every process)"
@@ -80,7 +88,8 @@ impl LaunchEnv {
                 number("WORLD_SIZE")?.ok_or_else(|| missing("WORLD_SIZE", "torchrun"))?;
             let local_rank = number("LOCAL_RANK")?.unwrap_or(rank);
             let local_world_size = number("LOCAL_WORLD_SIZE")?.unwrap_or(world_size);
-            let port = number("MASTER_PORT")?.ok_or_else(|| missing("MASTER_PORT", "torchrun"))?;
+            let port =
+                port_of(number("MASTER_PORT")?.ok_or_else(|| missing("MASTER_PORT", "torchrun"))?)?;
             let host = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
             LaunchEnv {
                 launcher: Launcher::Torchrun,
@@ -109,7 +118,7 @@ impl LaunchEnv {
                 }
             };
             let port = match number("MASTER_PORT")? {
-                Some(p) => p as u64,
+                Some(p) => u64::from(port_of(p)?),
                 None => {
                     let job =
                         number("SLURM_JOB_ID")?.ok_or_else(|| missing("SLURM_JOB_ID", "srun"))?;

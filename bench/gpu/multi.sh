@@ -4,7 +4,7 @@
 # with tp=N, pp=N and dp=N (the same global batch: strong scaling) and dp=N with N times the
 # batch (weak scaling), each run's first steps compared with the one-GPU run; then a rank
 # process killed with SIGKILL mid-run. Usage: VERL=/path/to/verl N=2 STEPS=3 [PARTS=nccl,train,kill]
-# bench/gpu/multi.sh. The job adds an entropy bonus (entropy_coeff=0.01) so that the first steps
+# [BATCH=16 MICRO=64] bench/gpu/multi.sh. The job adds an entropy bonus (entropy_coeff=0.01) so that the first steps
 # have non-zero losses and gradients to compare (a random-init model earns no reward yet).
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
@@ -25,17 +25,22 @@ wait; tail -5 "$OUT/nccl-0.log"
 echo "== torch peer"
 timeout 120 torchrun --nproc-per-node "$N" --master-port 29544 "$(dirname "$0")/../peers/allreduce.py" 16 256 1024 2>&1 | grep -v Warning | tail -5
 fi
+# BATCH prompts a step (8 samples each), MICRO samples a micro-batch per GPU.
+BATCH=${BATCH:-16}
+MICRO=${MICRO:-64}
 job=(data.train_files=builtin:addition:1 trainer.test_freq=-1 trainer.val_before_train=false
      trainer.save_freq=-1 trainer.sft_warmup_steps=0 trainer.total_training_steps=${STEPS:-3}
      trainer.launcher=processes actor_rollout_ref.actor.entropy_coeff=0.01
+     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=$MICRO
      "${QWEN05B[@]}")
 M=actor_rollout_ref.actor.megatron
+batch() { echo "data.train_batch_size=$1 actor_rollout_ref.actor.ppo_mini_batch_size=$1"; }
 declare -A layouts=(
-  [gpu1]="trainer.n_gpus_per_node=1"
-  [tp$N]="trainer.n_gpus_per_node=$N $M.tensor_model_parallel_size=$N"
-  [pp$N]="trainer.n_gpus_per_node=$N $M.pipeline_model_parallel_size=$N"
-  [dp$N]="trainer.n_gpus_per_node=$N"
-  [dp${N}_weak]="trainer.n_gpus_per_node=$N data.train_batch_size=$((16 * N)) actor_rollout_ref.actor.ppo_mini_batch_size=$((16 * N))"
+  [gpu1]="trainer.n_gpus_per_node=1 $(batch $BATCH)"
+  [tp$N]="trainer.n_gpus_per_node=$N $M.tensor_model_parallel_size=$N $(batch $BATCH)"
+  [pp$N]="trainer.n_gpus_per_node=$N $M.pipeline_model_parallel_size=$N $(batch $BATCH)"
+  [dp$N]="trainer.n_gpus_per_node=$N $(batch $BATCH)"
+  [dp${N}_weak]="trainer.n_gpus_per_node=$N $(batch $((BATCH * N)))"
 )
 order=(gpu1 tp$N pp$N dp$N dp${N}_weak)
 if [[ $PARTS == *train* ]]; then

@@ -45,7 +45,9 @@ pub struct TrainerConfig {
     pub max_actor_ckpt_to_keep: Option<usize>,
     /// The critic's limit, combined with the actor's as above (ignored without a critic).
     pub max_critic_ckpt_to_keep: Option<usize>,
-    /// `cpu` or `cuda`.
+    /// Where the workers run: `cuda` (the default of a `cuda` build, and verl's) or `cpu` (the
+    /// default of the CPU build, which also takes `cuda` as its embedded default). A `cuda`
+    /// build refuses `cpu`: its workers run on burn-cuda.
     pub device: String,
     pub seed: u64,
 }
@@ -76,7 +78,12 @@ impl Default for TrainerConfig {
             del_local_ckpt_after_load: false,
             max_actor_ckpt_to_keep: None,
             max_critic_ckpt_to_keep: None,
-            device: "cpu".into(),
+            device: if cfg!(feature = "cuda") {
+                "cuda"
+            } else {
+                "cpu"
+            }
+            .into(),
             seed: 42,
         }
     }

@@ -26,6 +26,14 @@ fn require(
     }
 }
 
+/// Whether an `override_config` entry is only MoE's `moe_config.freeze_moe_router`, the one key
+/// read from it when the model's sizes come from elsewhere.
+fn router_switch_only(key: &str, v: &serde_json::Value) -> bool {
+    key == "moe_config"
+        && v.as_object()
+            .is_some_and(|o| o.keys().all(|k| k == "freeze_moe_router"))
+}
+
 /// A frozen model's offload keys: it has parameters to offload, but no gradients and no
 /// optimizer state.
 fn frozen_offload(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
@@ -213,6 +221,28 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
     )?;
 
     let t = &cfg.trainer;
+    // The workers run on burn-cuda in a `cuda` build and on the CPU default otherwise; `cuda`
+    // is verl's default, so a CPU build takes it too (as its embedded default).
+    let devices: &[&str] = if cfg!(feature = "cuda") {
+        &["cuda"]
+    } else {
+        &["cuda", "cpu"]
+    };
+    require(
+        devices.contains(&t.device.as_str()),
+        "trainer.device",
+        &t.device,
+        if cfg!(feature = "cuda") {
+            "this build runs its workers on burn-cuda"
+        } else {
+            "the workers run on the CPU default (cuda names verl's default and means the same here)"
+        },
+        if cfg!(feature = "cuda") {
+            "set it to cuda, or build without --features cuda for the CPU"
+        } else {
+            "set it to cpu or cuda"
+        },
+    )?;
     require(
         !t.balance_batch,
         "trainer.balance_batch",
@@ -273,11 +303,8 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         // With a Hugging Face model the sizes come from its config.json; only the MoE
         // router switch is read from override_config.
         for (key, v) in &m.override_config {
-            let router_only = key == "moe_config"
-                && v.as_object()
-                    .is_some_and(|o| o.keys().all(|k| k == "freeze_moe_router"));
             require(
-                router_only,
+                router_switch_only(key, v),
                 &format!("actor_rollout_ref.model.override_config.{key}"),
                 v,
                 "not supported yet with actor_rollout_ref.model.path: the model's sizes come from its config.json (only moe_config.freeze_moe_router is read)",
@@ -384,20 +411,21 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             )?;
         }
     }
-    for (key, value) in [
+    // Each compared with the rollout's key of the same unit (per GPU, or global).
+    for (key, value, rollouts) in [
         (
             "log_prob_micro_batch_size_per_gpu",
             reference.log_prob_micro_batch_size_per_gpu,
+            arr.rollout.log_prob_micro_batch_size_per_gpu,
         ),
         (
             "log_prob_micro_batch_size",
             reference.log_prob_micro_batch_size,
+            arr.rollout.log_prob_micro_batch_size,
         ),
     ] {
         require(
-            value.is_none()
-                || value == arr.rollout.log_prob_micro_batch_size_per_gpu
-                || value == arr.rollout.log_prob_micro_batch_size,
+            value.is_none() || value == rollouts,
             &format!("actor_rollout_ref.ref.{key}"),
             value,
             "not supported yet: the reference pass takes the rollout's log-prob micro-batches (actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu)",
@@ -486,6 +514,16 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "not supported yet: the critic is initialised at random",
             "set it to true or remove it",
         )?;
+        // The critic takes the actor's architecture; only its router switch is its own.
+        for (key, v) in &c.model.override_config {
+            require(
+                router_switch_only(key, v),
+                &format!("critic.model.override_config.{key}"),
+                v,
+                "not supported yet: the critic takes the actor's architecture (only moe_config.freeze_moe_router is read here)",
+                "set it under actor_rollout_ref.model.override_config, or remove it",
+            )?;
+        }
     }
 
     let rm = &cfg.reward_model;
@@ -848,6 +886,17 @@ mod tests {
             (
                 ["critic.enable=true", "critic.megatron.use_mbridge=false"],
                 "critic.megatron.use_mbridge",
+            ),
+            (
+                [
+                    "critic.enable=true",
+                    "+critic.model.override_config.hidden_size=32",
+                ],
+                "critic.model.override_config.hidden_size",
+            ),
+            (
+                ["critic.enable=false", "trainer.device=npu"],
+                "trainer.device",
             ),
             (
                 [

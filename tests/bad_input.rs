@@ -25,17 +25,7 @@ const SMALL_BATCH: &[&str] = &[
 /// The tiny built-in job (`data.max_prompt_length=8`, `data.train_batch_size=16`) writing
 /// under `dir`, with `extra` overrides.
 fn config(dir: &Path, extra: &[&str]) -> VerlConfig {
-    ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=2",
-            "trainer.sft_warmup_steps=2",
-        ])
-        .overrides(extra.iter().copied())
-        .set("trainer.default_local_dir", dir.display())
-        .resolve()
-        .unwrap()
+    common::tiny_config(dir, extra)
 }
 
 /// An arithmetic prompt given as text.

@@ -8,22 +8,11 @@ use std::sync::Arc;
 
 use verl::config::VerlConfig;
 use verl::trainer::data::PromptRow;
-use verl::trainer::{PpoTrainer, MAIN_JOB};
+use verl::trainer::PpoTrainer;
 use verl::traits::RewardInput;
-use verl::ConfigBuilder;
 
 fn config(dir: &std::path::Path, extra: &[&str]) -> VerlConfig {
-    ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=2",
-            "trainer.sft_warmup_steps=2",
-        ])
-        .overrides(extra.iter().copied())
-        .set("trainer.default_local_dir", dir.display())
-        .resolve()
-        .unwrap()
+    common::tiny_config(dir, extra)
 }
 
 fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {

@@ -255,7 +255,15 @@ pub fn latest(dir: &Path) -> Option<Found> {
             None
         }
     };
-    if let Some(step) = marker {
+    let steps = saved_steps(dir);
+    if marker.is_none() && passed_over.is_empty() && !steps.is_empty() {
+        passed_over.push(format!("{} is missing", dir.join(LATEST).display()));
+    }
+    // The marker's step first, then every other step, newest first.
+    let candidates = marker
+        .into_iter()
+        .chain(steps.into_iter().filter(|&s| Some(s) != marker));
+    for step in candidates {
         let d = step_dir(dir, step);
         match verify(&d) {
             Ok(()) => {
@@ -265,25 +273,8 @@ pub fn latest(dir: &Path) -> Option<Found> {
                     passed_over,
                 })
             }
-            Err(why) => passed_over.push(format!("the marker names step {step}, but {why}")),
-        }
-    }
-    let steps = saved_steps(dir);
-    if marker.is_none() && passed_over.is_empty() && !steps.is_empty() {
-        passed_over.push(format!("{} is missing", dir.join(LATEST).display()));
-    }
-    for step in steps {
-        if Some(step) == marker {
-            continue;
-        }
-        let d = step_dir(dir, step);
-        match verify(&d) {
-            Ok(()) => {
-                return Some(Found {
-                    dir: d,
-                    step,
-                    passed_over,
-                })
+            Err(why) if Some(step) == marker => {
+                passed_over.push(format!("the marker names step {step}, but {why}"))
             }
             Err(why) => passed_over.push(why),
         }

@@ -304,14 +304,9 @@ fn parquet_values(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFileError> {
     // The parquet crate asserts on some damaged files (definition levels, byte ranges)
     // instead of returning an error: a panic there is a damaged file, named as such.
     std::panic::catch_unwind(|| parquet_values_unguarded(path)).unwrap_or_else(|panic| {
-        let why = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "the reader gave up".into());
         Err(DataFileError::Damaged {
             path: path.into(),
-            why,
+            why: verl_core::error::panic_message(panic),
         })
     })
 }

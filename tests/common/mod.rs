@@ -20,6 +20,22 @@ pub const TINY_JOB: &[&str] = &[
     "+actor_rollout_ref.model.override_config.num_hidden_layers=2",
 ];
 
+/// The tiny built-in job for two steps after two warm-up steps, writing under `dir`, with
+/// `extra` overrides on top: what the builder and bad-input tests start from.
+pub fn tiny_config(dir: &Path, extra: &[&str]) -> verl::config::VerlConfig {
+    verl::ConfigBuilder::new()
+        .overrides(verl::trainer::MAIN_JOB)
+        .overrides(TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=2",
+        ])
+        .overrides(extra.iter().copied())
+        .set("trainer.default_local_dir", dir.display())
+        .resolve()
+        .unwrap()
+}
+
 /// Every file under `dir` (none when it does not exist), in no particular order.
 pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();

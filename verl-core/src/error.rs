@@ -252,3 +252,13 @@ impl Error {
         }
     }
 }
+
+/// The message of a caught panic (`std::panic::catch_unwind`'s payload): what a rank reports
+/// when its method panicked, and what a reader reports when a third-party parser panicked on a
+/// damaged file.
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}

@@ -125,9 +125,4 @@ impl RankContext {
 /// The boxed async body of a worker method, as run on a rank.
 pub type MethodFuture<'a, O> = LocalBoxFuture<'a, Result<O>>;
 
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".into())
-}
+use crate::error::panic_message;

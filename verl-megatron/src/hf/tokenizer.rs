@@ -86,11 +86,7 @@ impl HfTokenizer {
         let mut tokenizer = match parsed {
             Ok(t) => t.map_err(|e| io(&path, e))?,
             Err(panic) => {
-                let why = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
+                let why = verl_core::error::panic_message(panic);
                 return Err(io(&path, format!("not a tokenizer file ({why})")));
             }
         };

@@ -2,6 +2,8 @@
 //! `examples/data_preprocess` scripts), JSONL and JSON arrays, read to the same rows; bad rows
 //! named by file, place and field.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -14,140 +16,32 @@ use serde_json::{json, Value};
 use verl::tasks::CharTokenizer;
 use verl::trainer::data::{file_rows, Codec, DataFileError, RowAt};
 
-/// One row of verl's layout; `truth: None` leaves `reward_model` null (a bad row).
-struct Row {
-    source: &'static str,
-    messages: Vec<(&'static str, &'static str)>,
-    truth: Option<&'static str>,
-    index: i64,
-}
+use common::verl_rows::{write_parquet as write_rows, VerlRow as Row};
 
 fn rows() -> Vec<Row> {
     vec![
-        Row {
-            source: "verl_rs/arithmetic",
-            messages: vec![("system", "be brief"), ("user", "12+30=")],
-            truth: Some("42"),
-            index: 0,
-        },
-        Row {
-            source: "verl_rs/arithmetic",
-            messages: vec![("user", "7+8=")],
-            truth: Some("15"),
-            index: 1,
-        },
-        Row {
-            source: "openai/gsm8k",
-            messages: vec![("user", "1+1=")],
-            truth: Some("2"),
-            index: 2,
-        },
+        Row::new(
+            "verl_rs/arithmetic",
+            &[("system", "be brief"), ("user", "12+30=")],
+            Some("42"),
+            0,
+        ),
+        Row::new("verl_rs/arithmetic", &[("user", "7+8=")], Some("15"), 1),
+        Row::new("openai/gsm8k", &[("user", "1+1=")], Some("2"), 2),
     ]
 }
 
-/// Writes `rows` as pyarrow does from a pandas frame of verl's columns: `prompt` a list of
-/// structs, `reward_model` and `extra_info` structs, snappy-compressed. Written leaf by leaf
-/// with Dremel definition/repetition levels, so the test needs no arrow.
+/// Writes `rows` as pyarrow does from a pandas frame of verl's columns, snappy-compressed.
 fn write_parquet(path: &Path, rows: &[Row]) {
-    let schema = parse_message_type(
-        "message schema {
-            OPTIONAL BYTE_ARRAY data_source (UTF8);
-            OPTIONAL group prompt (LIST) {
-                REPEATED group list {
-                    OPTIONAL group element {
-                        OPTIONAL BYTE_ARRAY content (UTF8);
-                        OPTIONAL BYTE_ARRAY role (UTF8);
-                    }
-                }
-            }
-            OPTIONAL group reward_model {
-                OPTIONAL BYTE_ARRAY ground_truth (UTF8);
-                OPTIONAL BYTE_ARRAY style (UTF8);
-            }
-            OPTIONAL group extra_info {
-                OPTIONAL INT64 index;
-                OPTIONAL BYTE_ARRAY split (UTF8);
-            }
-        }",
-    )
-    .unwrap();
     let props = WriterProperties::builder()
         .set_compression(Compression::SNAPPY)
         .build();
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
-    let mut group = writer.next_row_group().unwrap();
-    let bytes = |s: &str| ByteArray::from(s);
-
-    // data_source: optional leaf at top level (max def 1).
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<ByteArray> = rows.iter().map(|r| bytes(r.source)).collect();
-    col.typed::<ByteArrayType>()
-        .write_batch(&values, Some(&vec![1; rows.len()]), None)
-        .unwrap();
-    col.close().unwrap();
-
-    // prompt.list.element.{content, role}: max def 4, max rep 1.
-    for content in [true, false] {
-        let mut col = group.next_column().unwrap().unwrap();
-        let mut values = Vec::new();
-        let (mut defs, mut reps) = (Vec::new(), Vec::new());
-        for r in rows {
-            for (j, m) in r.messages.iter().enumerate() {
-                values.push(bytes(if content { m.1 } else { m.0 }));
-                defs.push(4);
-                reps.push(if j == 0 { 0 } else { 1 });
-            }
-        }
-        col.typed::<ByteArrayType>()
-            .write_batch(&values, Some(&defs), Some(&reps))
-            .unwrap();
-        col.close().unwrap();
-    }
-
-    // reward_model.{ground_truth, style}: def 2 present, 0 when the struct is null.
-    for style in [false, true] {
-        let mut col = group.next_column().unwrap().unwrap();
-        let values: Vec<ByteArray> = rows
-            .iter()
-            .filter_map(|r| r.truth.map(|t| bytes(if style { "rule" } else { t })))
-            .collect();
-        let defs: Vec<i16> = rows
-            .iter()
-            .map(|r| if r.truth.is_some() { 2 } else { 0 })
-            .collect();
-        col.typed::<ByteArrayType>()
-            .write_batch(&values, Some(&defs), None)
-            .unwrap();
-        col.close().unwrap();
-    }
-
-    // extra_info.{index, split}.
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<i64> = rows.iter().map(|r| r.index).collect();
-    col.typed::<Int64Type>()
-        .write_batch(&values, Some(&vec![2; rows.len()]), None)
-        .unwrap();
-    col.close().unwrap();
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<ByteArray> = rows.iter().map(|_| bytes("train")).collect();
-    col.typed::<ByteArrayType>()
-        .write_batch(&values, Some(&vec![2; rows.len()]), None)
-        .unwrap();
-    col.close().unwrap();
-
-    group.close().unwrap();
-    writer.close().unwrap();
+    write_rows(path, rows, props);
 }
 
 /// `r` as the JSON object verl's JSONL rows are.
 fn row_json(r: &Row) -> Value {
-    json!({
-        "data_source": r.source,
-        "prompt": r.messages.iter().map(|(role, content)| json!({"role": role, "content": content})).collect::<Vec<_>>(),
-        "reward_model": r.truth.map(|t| json!({"ground_truth": t, "style": "rule"})),
-        "extra_info": {"index": r.index, "split": "train"},
-    })
+    r.to_json()
 }
 
 /// `values` one per line.
@@ -239,7 +133,7 @@ fn a_bad_row_is_named_by_its_index() {
     assert!(err.contains("data.prompt_key"), "{err}");
     // A character the tokenizer lacks is refused with the row.
     let mut odd = rows();
-    odd[2].messages = vec![("user", "what is 1+1?")];
+    odd[2].messages = vec![("user".into(), "what is 1+1?".into())];
     write_jsonl(&jl, &odd);
     let err = file_rows(&jl, &codec(), "prompt", "data_source")
         .unwrap_err()
@@ -514,7 +408,7 @@ fn a_run_trains_on_parquet_files() {
 fn a_data_source_without_a_scorer_is_refused_at_setup() {
     let dir = tempfile::tempdir().unwrap();
     let mut odd = rows();
-    odd[1].source = "my/unknown_task";
+    odd[1].source = "my/unknown_task".into();
     let (pq, jl) = (
         dir.path().join("train.parquet"),
         dir.path().join("val.jsonl"),

@@ -13,18 +13,16 @@
 //! and checks shared with the other crates' fuzzing tests are in
 //! `verl-core/tests/fuzz_support`.
 
+mod common;
+
 #[path = "../verl-core/tests/fuzz_support/mod.rs"]
 mod fuzz_support;
 use fuzz_support::*;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use parquet::basic::Compression;
-use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
 use parquet::file::properties::WriterProperties;
-use parquet::file::writer::SerializedFileWriter;
-use parquet::schema::parser::parse_message_type;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::{json, Value};
@@ -38,25 +36,10 @@ use verl::trainer::log::RunLog;
 // ---------------------------------------------------------------------------------------------
 // Data files.
 
-/// One row of verl's layout (`prompt` as chat messages).
-#[derive(Debug, Clone)]
-struct Row {
-    source: String,
-    /// (role, content)
-    messages: Vec<(String, String)>,
-    truth: Option<String>,
-    index: i64,
-}
+use common::verl_rows::VerlRow as Row;
 
 fn row_json(r: &Row) -> Value {
-    json!({
-        "data_source": r.source,
-        "prompt": r.messages.iter()
-            .map(|(role, content)| json!({ "role": role, "content": content }))
-            .collect::<Vec<_>>(),
-        "reward_model": r.truth.as_ref().map(|t| json!({ "ground_truth": t, "style": "rule" })),
-        "extra_info": { "index": r.index, "split": "train" },
-    })
+    r.to_json()
 }
 
 /// Rows whose prompts the character tokenizer may or may not take, with or without a user
@@ -104,94 +87,15 @@ fn valid_rows() -> impl Strategy<Value = Vec<Row>> {
     prop::collection::vec(row, 1..5)
 }
 
-/// Writes `rows` as pyarrow writes verl's columns (`prompt` a list of structs, `reward_model`
-/// and `extra_info` structs), leaf by leaf with Dremel levels (as `tests/data_files.rs`
-/// does). Uncompressed and without dictionary pages: parquet sizes a dictionary by the count
-/// its page header claims, so a flipped byte there could ask for 2³¹ entries.
+/// Writes `rows` as pyarrow writes verl's columns. Uncompressed and without dictionary pages:
+/// parquet sizes a dictionary by the count its page header claims, so a flipped byte there
+/// could ask for 2³¹ entries.
 fn write_parquet(path: &Path, rows: &[Row]) {
-    let schema = parse_message_type(
-        "message schema {
-            OPTIONAL BYTE_ARRAY data_source (UTF8);
-            OPTIONAL group prompt (LIST) {
-                REPEATED group list {
-                    OPTIONAL group element {
-                        OPTIONAL BYTE_ARRAY content (UTF8);
-                        OPTIONAL BYTE_ARRAY role (UTF8);
-                    }
-                }
-            }
-            OPTIONAL group reward_model {
-                OPTIONAL BYTE_ARRAY ground_truth (UTF8);
-            }
-            OPTIONAL group extra_info {
-                OPTIONAL INT64 index;
-            }
-        }",
-    )
-    .unwrap();
     let props = WriterProperties::builder()
         .set_compression(Compression::UNCOMPRESSED)
         .set_dictionary_enabled(false)
         .build();
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer = SerializedFileWriter::new(file, Arc::new(schema), Arc::new(props)).unwrap();
-    let mut group = writer.next_row_group().unwrap();
-    let bytes = |s: &str| ByteArray::from(s);
-
-    // data_source: an optional leaf at the top (max definition level 1).
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<ByteArray> = rows.iter().map(|r| bytes(r.source.as_str())).collect();
-    col.typed::<ByteArrayType>()
-        .write_batch(&values, Some(&vec![1; rows.len()]), None)
-        .unwrap();
-    col.close().unwrap();
-
-    // prompt.list.element.{content, role}: max definition level 4, max repetition level 1.
-    for content in [true, false] {
-        let mut col = group.next_column().unwrap().unwrap();
-        let (mut values, mut defs, mut reps) = (Vec::new(), Vec::new(), Vec::new());
-        for r in rows {
-            for (j, (role, text)) in r.messages.iter().enumerate() {
-                values.push(bytes(if content {
-                    text.as_str()
-                } else {
-                    role.as_str()
-                }));
-                defs.push(4);
-                reps.push(if j == 0 { 0 } else { 1 });
-            }
-        }
-        col.typed::<ByteArrayType>()
-            .write_batch(&values, Some(&defs), Some(&reps))
-            .unwrap();
-        col.close().unwrap();
-    }
-
-    // reward_model.ground_truth: level 2 when present, 0 when the struct is null.
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<ByteArray> = rows
-        .iter()
-        .filter_map(|r| r.truth.as_deref().map(bytes))
-        .collect();
-    let defs: Vec<i16> = rows
-        .iter()
-        .map(|r| if r.truth.is_some() { 2 } else { 0 })
-        .collect();
-    col.typed::<ByteArrayType>()
-        .write_batch(&values, Some(&defs), None)
-        .unwrap();
-    col.close().unwrap();
-
-    // extra_info.index.
-    let mut col = group.next_column().unwrap().unwrap();
-    let values: Vec<i64> = rows.iter().map(|r| r.index).collect();
-    col.typed::<Int64Type>()
-        .write_batch(&values, Some(&vec![2; rows.len()]), None)
-        .unwrap();
-    col.close().unwrap();
-
-    group.close().unwrap();
-    writer.close().unwrap();
+    common::verl_rows::write_parquet(path, rows, props);
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -4,6 +4,8 @@
 // Each test binary includes this module and uses a part of it.
 #![allow(dead_code)]
 
+pub mod verl_rows;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -721,7 +721,7 @@ fn check_bias(device: &Device, failures: &mut Vec<String>) {
             let ya = Tensor::<CudaAutodiff, 2>::from_inner(y.clone()).require_grad();
             let ba = Tensor::<CudaAutodiff, 1>::from_inner(b.clone()).require_grad();
             let out = if fused {
-                match bias::try_add_bias(ya.clone(), ba.clone()) {
+                match bias::add_bias_tracked(ya.clone(), ba.clone()) {
                     Ok(out) => out,
                     Err(_) => return None,
                 }
@@ -826,7 +826,7 @@ fn check_rope(device: &Device, failures: &mut Vec<String>) {
 /// The multi-tensor sums of squares against burn's square and sum per tensor: 37 tensors (three
 /// launches) of odd sizes, a vector, a transposed view and a [151 936, 896] matrix.
 fn check_sum_squares(device: &Device, failures: &mut Vec<String>) {
-    use verl::megatron::cuda::kernels::sum_squares::try_sums_of_squares;
+    use verl::megatron::cuda::kernels::sum_squares::sums_of_squares;
     println!("\nsums of squares: one launch per 16 tensors vs burn's square and sum per tensor");
     let mut tensors: Vec<Tensor<CudaBackend, 2>> = (0..34)
         .map(|i| random([1 + 37 * i, 1 + (i * 53) % 900], 7000 + i as u64, device))
@@ -838,7 +838,7 @@ fn check_sum_squares(device: &Device, failures: &mut Vec<String>) {
         .iter()
         .map(|t| t.clone().powi_scalar(2).sum().into_scalar() as f64)
         .collect();
-    match try_sums_of_squares(&tensors) {
+    match sums_of_squares(&tensors) {
         Some(sums) if sums.len() == reference.len() => {
             let worst = sums
                 .iter()
@@ -886,7 +886,7 @@ fn vocab_run(
 /// gradient (f32 logits, and bf16 logits against the chain on their f32 values), then the
 /// raw statistics with labels outside the shard against the same formulas in burn.
 fn check_vocab(device: &Device, failures: &mut Vec<String>) {
-    use verl::megatron::cuda::kernels::vocab::try_vocab_stats;
+    use verl::megatron::cuda::kernels::vocab::vocab_stats;
     println!(
         "
 vocabulary log-probs: fused kernel vs burn's log_softmax + gather chain"
@@ -957,7 +957,7 @@ vocabulary log-probs: fused kernel vs burn's log_softmax + gather chain"
         .collect();
     let labels_t =
         Tensor::<CudaBackend, 1, Int>::from_data(TensorData::new(labels.clone(), [rows]), device);
-    match try_vocab_stats(x.clone(), labels_t) {
+    match vocab_stats(x.clone(), labels_t) {
         Ok(stats) => {
             let m = x.clone().max_dim(1);
             let e = (x.clone() - m.clone()).exp();

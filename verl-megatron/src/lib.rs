@@ -30,6 +30,7 @@ pub mod hf;
 pub mod host_reads;
 pub mod layers;
 pub mod models;
+pub mod ops;
 pub mod parallel;
 pub mod sampling;
 pub mod workers;

@@ -19,66 +19,18 @@
 
 use burn::prelude::*;
 
-/// How one row is sampled: vLLM's order is temperature, then min-p, then top-k, then top-p
-/// over what min-p and top-k kept; then one draw from the renormalised rest.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RowSampling {
-    /// 0: greedy (the first largest logit).
-    pub temperature: f32,
-    /// Keep the `top_k` largest logits (and any tied with the k-th); ≤ 0: off.
-    pub top_k: i32,
-    /// Keep the smallest most-likely set holding `top_p` of the probability; 1: off.
-    pub top_p: f32,
-    /// Keep tokens at least `min_p` times as likely as the most likely one; 0: off.
-    pub min_p: f32,
-    /// The request's random stream.
-    pub seed: u64,
-    /// Which draw of the stream this is (tokens the request generated so far).
-    pub step: u32,
-}
+use crate::ops::FusedOps;
 
-impl Default for RowSampling {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-            step: 0,
-        }
-    }
-}
-
-/// One row's chosen token.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SampledToken {
-    pub token: u32,
-    /// `log softmax(logits / T)[token]` over the whole vocabulary (T = 1 when greedy): the
-    /// log-prob the actor recomputes.
-    pub log_prob: f32,
-    /// Entropy of `softmax(logits / T)` over the whole vocabulary.
-    pub entropy: f32,
-    /// Tokens left after the filters (1 when greedy).
-    pub kept: u32,
-}
+pub use crate::ops::{RowSampling, SampledToken};
 
 /// Samples every row of `logits` `[rows, vocab]` (f32) on the device, `rows[i]` for row `i`;
 /// the logits come back where no kernel applies (every backend but burn-cuda, the kernel
 /// switched off with `VERL_SAMPLING=decomposed`).
-pub fn sample_rows<B: Backend>(
+pub fn sample_rows<B: FusedOps>(
     logits: Tensor<B, 2>,
     rows: &[RowSampling],
 ) -> Result<Vec<SampledToken>, Tensor<B, 2>> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::sampling::try_sample(logits, rows)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = rows;
-        Err(logits)
-    }
+    B::sample(logits, rows)
 }
 
 /// The logit's order-preserving unsigned key (larger float, larger key).

@@ -2,10 +2,9 @@
 //! `x · wᵀ` and, under autodiff, a custom backward whose two products (`dy · w`, `dyᵀ · x`) go
 //! through cuBLASLt too.
 //!
-//! Switched on by `VERL_CUBLASLT=1` in the environment or [`set_enabled`]. It applies where
-//! [`crate::layers::precision::linear`] runs in bf16 on burn-cuda (`CudaBackend` or
-//! `Autodiff<CudaBackend>`); any other backend, or a failure of cuBLASLt (logged once, after
-//! which it stays off), falls back to burn's own product.
+//! Switched on by `VERL_CUBLASLT=1` in the environment or [`set_enabled`]. It is burn-cuda's
+//! `FusedOps::linear_bf16` (plain and under autodiff) when on; a failure of cuBLASLt (logged
+//! once, after which it stays off) falls back to the products' seam.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -16,11 +15,12 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{binary, Backward, Ops};
 use verl_core::backend::CudaBackend;
 
-use super::kernels::{downcast, record, same};
+use super::kernels::record;
 use super::CublasLt;
 
 /// burn-cuda's float tensor, as autodiff stores it.
@@ -87,43 +87,38 @@ fn give_up(e: String) {
 /// The operands handed back: burn's own product takes over.
 type Operands<B> = (Tensor<B, 2>, Tensor<B, 2>);
 
-/// `x · wᵀ` for bf16 `x` `[rows, in]` and `w` `[out, in]` through cuBLASLt, or the operands
-/// back when it does not apply (switched off, another backend, or cuBLASLt failed).
-pub fn try_linear<B: Backend>(
+/// `x · wᵀ` for bf16 `x` `[rows, in]` and `w` `[out, in]` through cuBLASLt (inference, the
+/// rollout engine), or the operands back when it does not apply (switched off, or cuBLASLt
+/// failed, which switches it off).
+pub fn linear(
+    x: Tensor<CudaBackend, 2>,
+    w: Tensor<CudaBackend, 2>,
+) -> Result<Tensor<CudaBackend, 2>, Operands<CudaBackend>> {
+    routed(x, w, |x, w| gemm(x, false, w, true))
+}
+
+/// [`linear`] under autodiff (training), with the custom backward.
+pub fn linear_tracked<C: CheckpointStrategy>(
+    x: Tensor<Autodiff<CudaBackend, C>, 2>,
+    w: Tensor<Autodiff<CudaBackend, C>, 2>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 2>, Operands<Autodiff<CudaBackend, C>>> {
+    routed(x, w, linear_autodiff)
+}
+
+/// `product(x, w)` when switched on; the operands back when not, or when the product failed
+/// (which switches the routing off).
+fn routed<B: Backend>(
     x: Tensor<B, 2>,
     w: Tensor<B, 2>,
+    product: impl FnOnce(Tensor<B, 2>, Tensor<B, 2>) -> Result<Tensor<B, 2>, String>,
 ) -> Result<Tensor<B, 2>, Operands<B>> {
     if !enabled() {
         return Err((x, w));
     }
-    // Inference (the rollout engine) on the plain backend; training under autodiff, with the
-    // custom backward.
-    routed::<B, CudaBackend>(x, w, |x, w| gemm(x, false, w, true))
-        .or_else(|(x, w)| routed::<B, Autodiff<CudaBackend>>(x, w, linear_autodiff))
-}
-
-/// `product(x, w)` when `B` is `C`; the operands back when it is not, or when the product
-/// failed (which switches the routing off).
-fn routed<B: Backend, C: Backend>(
-    x: Tensor<B, 2>,
-    w: Tensor<B, 2>,
-    product: impl FnOnce(Tensor<C, 2>, Tensor<C, 2>) -> Result<Tensor<C, 2>, String>,
-) -> Result<Tensor<B, 2>, Operands<B>> {
-    let (x, w) = match (
-        downcast::<_, Tensor<C, 2>>(x),
-        downcast::<_, Tensor<C, 2>>(w),
-    ) {
-        (Ok(x), Ok(w)) => (x, w),
-        (Err(x), Err(w)) => return Err((x, w)),
-        _ => unreachable!("x and w share one backend"),
-    };
-    match product(x.clone(), w.clone()) {
-        Ok(y) => Ok(same(y)),
-        Err(e) => {
-            give_up(e);
-            Err((same(x), same(w)))
-        }
-    }
+    product(x.clone(), w.clone()).map_err(|e| {
+        give_up(e);
+        (x, w)
+    })
 }
 
 /// The backward step of `y = x · wᵀ`: `dx = dy · w`, `dw = dyᵀ · x`.
@@ -154,10 +149,10 @@ impl Backward<CudaBackend, 2> for LinearBackward {
     }
 }
 
-fn linear_autodiff(
-    x: Tensor<Autodiff<CudaBackend>, 2>,
-    w: Tensor<Autodiff<CudaBackend>, 2>,
-) -> Result<Tensor<Autodiff<CudaBackend>, 2>, String> {
+fn linear_autodiff<C: CheckpointStrategy>(
+    x: Tensor<Autodiff<CudaBackend, C>, 2>,
+    w: Tensor<Autodiff<CudaBackend, C>, 2>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 2>, String> {
     let x = x.into_primitive().tensor();
     let w = w.into_primitive().tensor();
     let inner =

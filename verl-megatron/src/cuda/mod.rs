@@ -1,5 +1,7 @@
-//! burn-cuda specifics (feature `cuda`): the GPUs of a node, raw access to burn-cuda buffers for
-//! libraries that take device pointers, the NCCL communicator, and a cuBLASLt matrix product.
+//! burn-cuda specifics (feature `cuda`): the backend's fused operations ([`ops`], over the
+//! kernels of [`kernels`]) and its tensor-parallel regions, the GPUs of a node, raw access to
+//! burn-cuda buffers for libraries that take device pointers, the NCCL communicator, and a
+//! cuBLASLt matrix product.
 //!
 //! The ranks of one process each drive their own GPU ([`rank_device`]); everything here loads
 //! the CUDA driver and libraries at run time, so the `cuda` feature builds without CUDA.
@@ -9,6 +11,7 @@ pub mod cublaslt;
 pub mod kernels;
 pub mod linear;
 pub mod nccl;
+pub mod ops;
 
 pub use buffer::DeviceBuffer;
 pub use cublaslt::CublasLt;
@@ -38,3 +41,12 @@ pub fn memory_usage(device: &CudaDevice) -> Option<(u64, u64)> {
         .ok()?;
     Some((usage.bytes_in_use, usage.bytes_reserved))
 }
+
+// Tensor-parallel regions on burn-cuda: the collectives through its communicators (NCCL between
+// rank processes), memory from its pool.
+crate::plain_parallel_backend!(verl_core::backend::CudaBackend, |device| {
+    memory_usage(device).map(|(allocated, reserved)| verl_core::memory::MemoryUsage {
+        allocated,
+        reserved,
+    })
+});

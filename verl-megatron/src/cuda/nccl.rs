@@ -28,7 +28,11 @@ use verl_core::error::CommError;
 use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
 
 use super::buffer::DeviceBuffer;
-use crate::parallel::Rendezvous;
+use std::collections::BTreeMap;
+
+use verl_core::topology::{GroupKind, Topology};
+
+use crate::parallel::{ProcessGroups, Rendezvous};
 
 fn err(what: &str, e: impl std::fmt::Debug) -> CommError {
     CommError::Backend(format!("NCCL {what}: {e:?}"))
@@ -422,5 +426,34 @@ impl Communicator<CudaBackend> for NcclCommunicator {
     fn barrier(&self) -> Result<(), CommError> {
         let one = Tensor::<CudaBackend, 1>::ones([1], &self.device);
         self.all_reduce(one, ReduceOp::Sum).map(|_| ())
+    }
+}
+
+impl ProcessGroups<CudaBackend> {
+    /// This rank's groups of `topo` as NCCL communicators on `device`, when the ranks are
+    /// processes with one GPU each: every group's id is made by its first member and handed to
+    /// the others through `rendezvous`, under names that start with `prefix`. Every rank of the
+    /// job calls it with the same `topo` and `prefix` (NCCL's initialisation is collective).
+    pub fn nccl(
+        topo: &Topology,
+        rank: usize,
+        rendezvous: Rendezvous,
+        device: burn::backend::cuda::CudaDevice,
+        prefix: &str,
+    ) -> Result<Self, CommError> {
+        let exchange = NcclIdExchange { rendezvous };
+        let world = topo.world_size();
+        let join = |key: String, position: usize, size: usize| {
+            let id = exchange.id(&key, position == 0)?;
+            NcclCommunicator::new(&id, position, size, device.clone())
+        };
+        let world_comm = join(format!("{prefix}.world"), rank, world)?;
+        let mut groups: BTreeMap<GroupKind, Arc<dyn Communicator<_>>> = BTreeMap::new();
+        for kind in GroupKind::ALL {
+            let (index, position, size) = crate::parallel::membership(topo, kind, rank)?;
+            let comm = join(format!("{prefix}.{kind:?}{index}"), position, size)?;
+            groups.insert(kind, Arc::new(comm));
+        }
+        Ok(ProcessGroups::from_parts(Arc::new(world_comm), groups))
     }
 }

@@ -1,6 +1,7 @@
 use burn::module::{Module, Param};
 use burn::prelude::*;
 
+use crate::ops::FusedOps;
 use crate::parallel::{ParallelBackend, TpGroup};
 
 /// `y = x·Wᵀ + b` with W's output rows split over tp ranks (HF layout `[out, in]`).
@@ -28,18 +29,7 @@ pub struct RowParallelLinear<B: Backend> {
     pub tp: TpGroup,
 }
 
-/// `y + b` on every row; on burn-cuda under autodiff the bias's gradient is summed by our
-/// kernel (`crate::cuda::kernels::bias`).
-fn add_bias<B: Backend>(y: Tensor<B, 2>, b: Tensor<B, 1>) -> Tensor<B, 2> {
-    #[cfg(feature = "cuda")]
-    let (y, b) = match crate::cuda::kernels::bias::try_add_bias(y, b) {
-        Ok(out) => return out,
-        Err(operands) => operands,
-    };
-    y + b.unsqueeze_dim(0)
-}
-
-fn affine<B: Backend, const D: usize>(
+fn affine<B: FusedOps, const D: usize>(
     x: Tensor<B, D>,
     weight: &Tensor<B, 2>,
     bias: Option<&Tensor<B, 1>>,
@@ -50,14 +40,14 @@ fn affine<B: Backend, const D: usize>(
     let [out_features, _] = weight.dims();
     let mut y = super::precision::linear(x.reshape([rows, in_features]), weight.clone());
     if let Some(b) = bias {
-        y = add_bias(y, b.clone());
+        y = B::add_bias(y, b.clone());
     }
     let mut out = dims;
     out[D - 1] = out_features;
     y.reshape(out)
 }
 
-impl<B: Backend> ColumnParallelLinear<B> {
+impl<B: FusedOps> ColumnParallelLinear<B> {
     /// From this rank's rows `[out / tp, in]` (and bias `[out / tp]`).
     pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {

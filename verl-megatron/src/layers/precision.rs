@@ -32,6 +32,7 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 
 use crate::error::MegatronError;
+use crate::ops::FusedOps;
 
 /// The dtype matrix products run in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -119,41 +120,23 @@ pub fn operand<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     }
 }
 
-/// `a · b` in the current compute dtype, returned as f32.
-pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
+/// `a · b` in the current compute dtype, returned as f32. bf16 products go through the
+/// backend's [`FusedOps::matmul_bf16`] (the GPU products' seam on burn-cuda).
+pub fn matmul<B: FusedOps, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match current() {
         ComputeDtype::F32 => a.matmul(b),
-        ComputeDtype::Bf16 => product(low(a), low(b)).cast(FloatDType::F32),
+        ComputeDtype::Bf16 => B::matmul_bf16(low(a), low(b)).cast(FloatDType::F32),
     }
-}
-
-/// `a · b` of bf16 operands: through the GPU products' seam on burn-cuda
-/// (`crate::cuda::kernels::gemm`), burn's `matmul` everywhere else.
-fn product<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
-    #[cfg(feature = "cuda")]
-    let (a, b) = match crate::cuda::kernels::gemm::try_matmul(a, b) {
-        Ok(c) => return c,
-        Err(operands) => operands,
-    };
-    a.matmul(b)
 }
 
 /// `x · wᵀ` for `x` `[rows, in]` and a weight in the HF layout `[out, in]`, in the current
 /// compute dtype, returned as f32. The weight is cast before it is transposed, so the cast
 /// reads it contiguously and the product gets a transposed view.
-pub fn linear<B: Backend>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
+pub fn linear<B: FusedOps>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
     match current() {
         ComputeDtype::F32 => x.matmul(w.transpose()),
-        ComputeDtype::Bf16 => {
-            let (x, w) = (low(x), low(w));
-            // The cuBLASLt prototype, where switched on (crate::cuda::linear).
-            #[cfg(feature = "cuda")]
-            let (x, w) = match crate::cuda::linear::try_linear(x, w) {
-                Ok(y) => return y.cast(FloatDType::F32),
-                Err(operands) => operands,
-            };
-            product(x, w.transpose()).cast(FloatDType::F32)
-        }
+        // The backend's seam: on burn-cuda our kernels, or cuBLASLt where switched on.
+        ComputeDtype::Bf16 => B::linear_bf16(low(x), low(w)).cast(FloatDType::F32),
     }
 }
 

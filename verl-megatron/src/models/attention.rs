@@ -11,6 +11,7 @@ use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
 use super::packing::PackedSequences;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
+use crate::ops::{AttentionInputs, FusedOps};
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
@@ -342,22 +343,7 @@ pub struct Attention<B: Backend> {
     pub cp: CpGroup,
 }
 
-/// A decode step's projections of one layer, as the decode-attention kernel reads them.
-pub enum DecodeProjections<B: Backend> {
-    /// `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads · head_dim]`, biases (if
-    /// any) already added.
-    Split {
-        q: Tensor<B, 2>,
-        k: Tensor<B, 2>,
-        v: Tensor<B, 2>,
-    },
-    /// The fused q/k/v product `[slots, (heads + 2 · kv_heads) · head_dim]` (q, then k, then
-    /// v) and its bias `[(heads + 2 · kv_heads) · head_dim]`, still to be added.
-    Packed {
-        qkv: Tensor<B, 2>,
-        bias: Option<Tensor<B, 1>>,
-    },
-}
+pub use crate::ops::DecodeProjections;
 
 impl<B: ParallelBackend> Attention<B> {
     /// `x` `[batch, seq, hidden]`; `mask` says which keys each query attends to (causal and
@@ -644,94 +630,55 @@ impl<B: ParallelBackend> Attention<B> {
 }
 
 /// Whether the fused attention kernel can take backend `B` and head size `head_dim`.
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-fn fused_attention_applies<B: Backend>(head_dim: usize) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::cuda::kernels::attention;
-        attention::SWITCH.enabled()
-            && attention::supports_head_dim(head_dim)
-            && crate::cuda::kernels::is_cuda_or_autodiff::<B>()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = head_dim;
-        false
-    }
+fn fused_attention_applies<B: FusedOps>(head_dim: usize) -> bool {
+    B::fused_attention_applies(head_dim)
 }
 
 /// Whether the decode-attention kernel takes `heads` query heads over `kv_heads` of size
 /// `head_dim` on backend `B` (burn-cuda without autodiff).
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-pub fn decode_kernel_applies<B: Backend>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::decode_attention::applies::<B>(heads, kv_heads, head_dim)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (heads, kv_heads, head_dim);
-        false
-    }
+pub fn decode_kernel_applies<B: FusedOps>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    B::decode_attention_applies(heads, kv_heads, head_dim)
 }
 
-/// One decode step's attention through the slot cache's kernel (see
-/// `cuda::kernels::decode_attention::try_decode_attention`), or the projections back where it
-/// does not apply. `(round_bf16, out_bf16)`: round the products' operands to bf16; write the
-/// output as bf16.
-fn decode_attention<B: Backend>(
+/// One decode step's attention through the slot cache's kernel ([`FusedOps::decode_attention`]),
+/// or the projections back where it does not apply. `(round_bf16, out_bf16)`: round the
+/// products' operands to bf16; write the output as bf16.
+fn decode_attention<B: FusedOps>(
     projections: DecodeProjections<B>,
     (cos, sin): (Tensor<B, 2>, Tensor<B, 2>),
     positions: &Tensor<B, 1>,
     cache: (&Tensor<B, 4>, &Tensor<B, 4>),
     (round_bf16, out_bf16): (bool, bool),
 ) -> Result<Tensor<B, 2>, DecodeProjections<B>> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::decode_attention::try_decode_attention(
-            projections,
-            &cos,
-            &sin,
-            positions,
-            cache,
-            round_bf16,
-            out_bf16,
-        )
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (cos, sin, positions, cache, round_bf16, out_bf16);
-        Err(projections)
-    }
+    B::decode_attention(
+        projections,
+        &cos,
+        &sin,
+        positions,
+        cache,
+        round_bf16,
+        out_bf16,
+    )
 }
 
 /// The fused kernel's attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
-/// `[batch, seq, kv_heads, head_dim]` (see `cuda::kernels::attention::try_attention`), or the
-/// inputs back where it does not apply (every backend but burn-cuda).
-#[allow(clippy::type_complexity)]
-pub fn fused_attention<B: Backend>(
+/// `[batch, seq, kv_heads, head_dim]` ([`FusedOps::fused_attention`]), or the inputs back where
+/// it does not apply (every backend but burn-cuda).
+pub fn fused_attention<B: FusedOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     key_mask: Option<Tensor<B, 2>>,
     scale: f32,
-) -> Result<Tensor<B, 4>, (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::attention::try_attention(q, k, v, key_mask, scale)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (key_mask, scale);
-        Err((q, k, v))
-    }
+) -> Result<Tensor<B, 4>, AttentionInputs<B>> {
+    B::fused_attention(q, k, v, key_mask, scale)
 }
 
 /// Softmax attention of `q` `[batch, heads, seq, head_dim]` over `k`, `v`
 /// `[batch, kv_heads, keys, head_dim]` with the additive `bias` `[batch, 1, seq, keys]`, products
 /// in the current compute dtype: `[batch, seq, heads · head_dim]`. The path every backend runs,
 /// and the reference for the fused kernel.
-pub fn decomposed_attention<B: Backend>(
+pub fn decomposed_attention<B: FusedOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,

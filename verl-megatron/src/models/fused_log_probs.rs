@@ -15,6 +15,8 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use verl_core::traits::{Communicator, CommunicatorExt, ReduceOp};
 
+use crate::ops::FusedOps;
+
 /// What the fused head computes: this rank's rows of the head start at vocabulary id
 /// `vocab_start`, the first `real_rows` of them real (the rest padding), logits multiplied by
 /// `scale` (1 / temperature), `chunk` tokens at a time.
@@ -32,7 +34,7 @@ pub struct FusedHead {
 const PADDED: f32 = -1.0e30;
 
 /// This chunk's scaled logits `[n, rows]` of this rank's shard, padding rows masked.
-fn chunk_logits<B: Backend>(h: Tensor<B, 2>, w: &Tensor<B, 2>, spec: &FusedHead) -> Tensor<B, 2> {
+fn chunk_logits<B: FusedOps>(h: Tensor<B, 2>, w: &Tensor<B, 2>, spec: &FusedHead) -> Tensor<B, 2> {
     let [n, _] = h.dims();
     let rows = w.dims()[0];
     let z = crate::layers::precision::linear(h, w.clone()) * spec.scale;
@@ -48,7 +50,7 @@ fn chunk_logits<B: Backend>(h: Tensor<B, 2>, w: &Tensor<B, 2>, spec: &FusedHead)
 
 /// Labels as indices into this rank's rows `[n, 1]` (0 where outside) and whether each is
 /// outside them `[n, 1]`.
-fn local_labels<B: Backend>(
+fn local_labels<B: FusedOps>(
     labels: Tensor<B, 1, Int>,
     spec: &FusedHead,
 ) -> (Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
@@ -64,7 +66,7 @@ fn local_labels<B: Backend>(
 /// Log-probs of `labels` and entropies `[tokens, 2]`, and each token's log-sum-exp `[tokens]`
 /// (for the backward), from hidden states `h` `[tokens, hidden]` and this rank's head rows `w`
 /// `[rows, hidden]`, summed over `tp` (`None` at tp = 1).
-pub fn fused_forward<B: Backend>(
+pub fn fused_forward<B: FusedOps>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,
     labels: Tensor<B, 1, Int>,
@@ -92,7 +94,7 @@ pub fn fused_forward<B: Backend>(
 
 /// [`fused_forward`] with the group's reduction given as a function (max or sum over tp).
 #[allow(clippy::type_complexity)]
-fn fused_forward_with<B: Backend>(
+fn fused_forward_with<B: FusedOps>(
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,
     labels: Tensor<B, 1, Int>,
@@ -157,7 +159,7 @@ pub(crate) fn fused_forward_on<B: crate::parallel::ParallelBackend>(
 /// The gradients of `h` (this rank's partial sum) and `w` (its rows, whole) from the gradient
 /// `grad` `[tokens, 2]` of [`fused_forward`]'s log-probs and entropies, recomputing each
 /// chunk's logits; `lse` and `entropy` are the forward's.
-pub fn fused_backward<B: Backend>(
+pub fn fused_backward<B: FusedOps>(
     grad: Tensor<B, 2>,
     h: Tensor<B, 2>,
     w: Tensor<B, 2>,

@@ -29,6 +29,7 @@ use super::kv_cache::SlotKvCache;
 use super::mlp::{swiglu, FeedForward};
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::RmsNorm;
+use crate::ops::FusedOps;
 use crate::parallel::ParallelBackend;
 
 /// One dense decoder layer's stacked matrices (bf16).
@@ -155,7 +156,7 @@ fn stack<B: Backend>(parts: &mut [&mut Param<Tensor<B, 2>>]) -> Tensor<B, 2> {
     stacked
 }
 
-impl<B: Backend> RmsNorm<B> {
+impl<B: FusedOps> RmsNorm<B> {
     /// A decode step's residual sum `s = h + delta` (`h` itself without `delta`) and this norm
     /// of `s` as the next products' operand (bf16 under bf16 products): `(s, operand)`. One
     /// kernel on burn-cuda with bf16 products; elsewhere the add, [`Self::forward`] and the
@@ -165,21 +166,9 @@ impl<B: Backend> RmsNorm<B> {
         h: Tensor<B, 2>,
         delta: Option<Tensor<B, 2>>,
     ) -> (Tensor<B, 2>, Tensor<B, 2>) {
-        #[cfg(feature = "cuda")]
-        let (h, delta) = match precision::current() {
-            ComputeDtype::Bf16 => {
-                match crate::cuda::kernels::norm::try_add_rms_norm_bf16(
-                    h,
-                    delta,
-                    self.weight.val(),
-                    self.eps,
-                ) {
-                    Ok(out) => return out,
-                    Err((h, delta, _)) => (h, delta),
-                }
-            }
-            ComputeDtype::F32 => (h, delta),
-        };
+        if precision::current() == ComputeDtype::Bf16 {
+            return B::add_rms_norm_bf16(h, delta, self.weight.val(), self.eps);
+        }
         let s = match delta {
             Some(d) => h + d,
             None => h,
@@ -192,15 +181,10 @@ impl<B: Backend> RmsNorm<B> {
 /// `silu(gate) · up` from the fused gate/up product `gu` `[rows, 2 · inter]`, as the down
 /// projection's operand: one kernel on burn-cuda, else the halves through [`swiglu`] and a
 /// cast.
-fn swiglu_operand<B: Backend>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
-    #[cfg(feature = "cuda")]
-    let gu = match precision::current() {
-        ComputeDtype::Bf16 => match crate::cuda::kernels::swiglu::try_swiglu_packed_bf16(gu) {
-            Ok(out) => return out,
-            Err(gu) => gu,
-        },
-        ComputeDtype::F32 => gu,
-    };
+fn swiglu_operand<B: FusedOps>(gu: Tensor<B, 2>) -> Tensor<B, 2> {
+    if precision::current() == ComputeDtype::Bf16 {
+        return B::swiglu_packed_bf16(gu);
+    }
     let [_, width] = gu.dims();
     let inter = width / 2;
     let gate = gu.clone().narrow(1, 0, inter);

@@ -10,6 +10,8 @@
 use burn::prelude::*;
 use burn::tensor::{IndexingUpdateOp, Int, TensorData};
 
+use crate::ops::FusedOps;
+
 /// One layer's cached keys and values `[batch, kv_heads, cached_len, head_dim]` (after RoPE).
 pub type LayerKv<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
 
@@ -57,7 +59,7 @@ pub struct SlotKvCache<B: Backend> {
     capacity: usize,
 }
 
-impl<B: Backend> SlotKvCache<B> {
+impl<B: FusedOps> SlotKvCache<B> {
     /// Allocates (zeroed) the cache for `num_layers` layers.
     pub fn new(
         num_layers: usize,
@@ -144,21 +146,15 @@ impl<B: Backend> SlotKvCache<B> {
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
     ) {
-        let (sources, slots, lens, starts) = targets;
         // On burn-cuda, one kernel writes the rows in place (a scatter copies the whole layer).
-        #[cfg(feature = "cuda")]
         let (k, v) = {
             let (ck, cv) = &self.layers[layer];
-            match crate::cuda::kernels::decode_attention::try_write_prefix(
-                k,
-                v,
-                (sources, slots, lens, starts),
-                (ck, cv),
-            ) {
+            match B::write_prefix(k, v, targets, (ck, cv)) {
                 Ok(()) => return,
                 Err(kv) => kv,
             }
         };
+        let (sources, slots, lens, starts) = targets;
         let [n, kh, t, hd] = k.dims();
         let mut at = Vec::new();
         let mut rows = Vec::new();
@@ -180,12 +176,7 @@ impl<B: Backend> SlotKvCache<B> {
     /// A decode step's positions (one per slot) as the u32 words the decode-attention kernel
     /// reads, uploaded once per step for every layer.
     pub fn step_positions(positions: &[usize], device: &B::Device) -> Tensor<B, 1> {
-        let bits: Vec<f32> = positions
-            .iter()
-            .map(|&p| f32::from_bits(p as u32))
-            .collect();
-        let n = bits.len();
-        Tensor::from_data(TensorData::new(bits, [n]), device)
+        crate::ops::reference::step_positions(positions, device)
     }
 
     /// This layer's keys and values `[slots, kv_heads, capacity, head_dim]` (kernels that
@@ -220,9 +211,7 @@ impl<B: Backend> SlotKvCache<B> {
     }
 }
 
-/// Where [`SlotKvCache::write_prefix`] writes: per target, the prompt row it copies, the slot,
-/// the number of positions and the first position.
-pub(crate) type PrefixTargets<'a> = (&'a [usize], &'a [usize], &'a [usize], &'a [usize]);
+pub(crate) use crate::ops::PrefixTargets;
 
 /// Where the chunks of a chunked prefill go: chunk `i` of `lens[i]` tokens continues slot
 /// `slots[i]` from position `starts[i]`.
@@ -257,7 +246,7 @@ impl ChunkLayout {
     }
 }
 
-impl<B: Backend> SlotKvCache<B> {
+impl<B: FusedOps> SlotKvCache<B> {
     /// Writes a chunked prefill's keys and values `[chunks, kv_heads, t, head_dim]` of layer
     /// `layer` where `chunks` says, and returns the chunks' slots' first `window()` positions of
     /// keys and values `[chunks, kv_heads, window, head_dim]`, which their attention reads.

@@ -1,8 +1,8 @@
 //! Feed-forward blocks: the SwiGLU MLP, and the choice between it and a mixture of experts.
 
+use crate::ops::FusedOps;
 use burn::module::Module;
 use burn::prelude::*;
-use burn::tensor::activation::silu;
 
 use super::qwen2_moe::SparseMoe;
 use crate::layers::{ColumnParallelLinear, RowParallelLinear};
@@ -38,15 +38,10 @@ impl<B: ParallelBackend> SwiGlu<B> {
     }
 }
 
-/// `silu(gate) · up`: one fused kernel each way on burn-cuda (`cuda::kernels::swiglu`), burn's
-/// operations elsewhere.
-pub fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
-    #[cfg(feature = "cuda")]
-    let (gate, up) = match crate::cuda::kernels::swiglu::try_swiglu(gate, up) {
-        Ok(out) => return out,
-        Err(inputs) => inputs,
-    };
-    silu(gate) * up
+/// `silu(gate) · up` through the backend's [`FusedOps::swiglu`]: one fused kernel each way on
+/// burn-cuda, burn's operations elsewhere.
+pub fn swiglu<B: FusedOps, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    B::swiglu(gate, up)
 }
 
 /// A decoder layer's feed-forward block.

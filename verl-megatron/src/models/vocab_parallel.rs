@@ -11,6 +11,7 @@ use burn::prelude::*;
 use burn::tensor::Int;
 use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
 
+use crate::ops::{FusedOps, VocabInputs};
 use crate::parallel::{Collective, ParallelBackend, Region, TpGroup};
 
 /// log softmax(logits)[label] per position `[batch, len]` and, when `with_entropy`, the
@@ -110,31 +111,14 @@ fn fused_log_probs<B: ParallelBackend>(
 }
 
 /// Whether the fused kernel can take backend `B` (burn-cuda, plain or under autodiff).
-#[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-fn fused_applies<B: Backend>() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::vocab::SWITCH.enabled()
-            && crate::cuda::kernels::is_cuda_or_autodiff::<B>()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
+fn fused_applies<B: FusedOps>() -> bool {
+    B::vocab_stats_applies()
 }
 
-/// `cuda::kernels::vocab::try_vocab_stats`, or the inputs back (every backend but burn-cuda).
-#[allow(clippy::type_complexity)]
-fn vocab_stats<B: Backend>(
+/// [`FusedOps::vocab_stats`], or the inputs back (every backend but burn-cuda).
+fn vocab_stats<B: FusedOps>(
     logits: Tensor<B, 2>,
     labels: Tensor<B, 1, Int>,
-) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 1, Int>)> {
-    #[cfg(feature = "cuda")]
-    {
-        crate::cuda::kernels::vocab::try_vocab_stats(logits, labels)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        Err((logits, labels))
-    }
+) -> Result<Tensor<B, 2>, VocabInputs<B>> {
+    B::vocab_stats(logits, labels)
 }

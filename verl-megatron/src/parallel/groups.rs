@@ -20,6 +20,14 @@ pub struct ProcessGroups<B: Backend> {
 }
 
 impl<B: Backend> ProcessGroups<B> {
+    /// A rank's groups from their communicators (the world's and one per group kind).
+    pub fn from_parts(
+        world: Arc<dyn Communicator<B>>,
+        groups: BTreeMap<GroupKind, Arc<dyn Communicator<B>>>,
+    ) -> Self {
+        Self { world, groups }
+    }
+
     /// The communicator of this rank's group of `kind`.
     pub fn get(&self, kind: GroupKind) -> &Arc<dyn Communicator<B>> {
         &self.groups[&kind]
@@ -114,7 +122,7 @@ impl<B: Backend> ProcessGroups<B> {
 
 /// Which group of family `kind` holds `rank` (its index among the family's groups), the
 /// rank's position in it, and its size.
-fn membership(
+pub fn membership(
     topo: &Topology,
     kind: GroupKind,
     rank: usize,
@@ -131,40 +139,6 @@ fn membership(
             rank,
             world: topo.world_size(),
         })
-}
-
-#[cfg(feature = "cuda")]
-impl ProcessGroups<verl_core::backend::CudaBackend> {
-    /// This rank's groups of `topo` as NCCL communicators on `device`, when the ranks are
-    /// processes with one GPU each: every group's id is made by its first member and handed to
-    /// the others through `rendezvous`, under names that start with `prefix`. Every rank of the
-    /// job calls it with the same `topo` and `prefix` (NCCL's initialisation is collective).
-    pub fn nccl(
-        topo: &Topology,
-        rank: usize,
-        rendezvous: Rendezvous,
-        device: burn::backend::cuda::CudaDevice,
-        prefix: &str,
-    ) -> Result<Self, CommError> {
-        use crate::cuda::nccl::{NcclCommunicator, NcclIdExchange};
-        let exchange = NcclIdExchange { rendezvous };
-        let world = topo.world_size();
-        let join = |key: String, position: usize, size: usize| {
-            let id = exchange.id(&key, position == 0)?;
-            NcclCommunicator::new(&id, position, size, device.clone())
-        };
-        let world_comm = join(format!("{prefix}.world"), rank, world)?;
-        let mut groups: BTreeMap<GroupKind, Arc<dyn Communicator<_>>> = BTreeMap::new();
-        for kind in GroupKind::ALL {
-            let (index, position, size) = membership(topo, kind, rank)?;
-            let comm = join(format!("{prefix}.{kind:?}{index}"), position, size)?;
-            groups.insert(kind, Arc::new(comm));
-        }
-        Ok(ProcessGroups {
-            world: Arc::new(world_comm),
-            groups,
-        })
-    }
 }
 
 /// The groups a model's layers hold: tensor (with sequence parallel), context and expert

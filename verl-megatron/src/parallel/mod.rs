@@ -16,7 +16,7 @@ mod tcp;
 
 pub use context::{ContextSplit, ContextWindow, CpGroup};
 pub use fresh_leaves::with_fresh_leaves;
-pub use groups::{ModelGroups, ProcessGroups};
+pub use groups::{membership, ModelGroups, ProcessGroups};
 pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{

@@ -26,6 +26,8 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{unary, Backward, Ops, OpsKind};
 use verl_core::memory::MemoryUsage;
+
+use crate::ops::FusedOps;
 use verl_core::traits::{Communicator, ReduceOp};
 
 /// A collective on one tensor, seen from one rank of the group. Chunks along a dimension are
@@ -110,7 +112,7 @@ impl<B: Backend> fmt::Debug for CommHandle<B> {
 
 /// A backend on which tensor-parallel regions can run. Collectives run on [`Self::Base`]'s
 /// tensors: the backend itself for plain backends, the inner backend under autodiff.
-pub trait ParallelBackend: Backend {
+pub trait ParallelBackend: FusedOps {
     type Base: Backend;
 
     /// The collective on `x`'s values, as a constant for autodiff.
@@ -329,57 +331,61 @@ pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(mode
     }
 }
 
+/// `ParallelBackend` for a plain backend `$ty` whose memory usage `$memory` reports: the
+/// collectives through its communicators (the CPU default here, burn-cuda in `crate::cuda`).
+#[doc(hidden)]
+#[macro_export]
 macro_rules! plain_parallel_backend {
     ($ty:ty, $memory:expr) => {
-        impl ParallelBackend for $ty {
+        impl $crate::parallel::ParallelBackend for $ty {
             type Base = $ty;
 
-            fn memory_usage(device: &Self::Device) -> Option<MemoryUsage> {
+            fn memory_usage(device: &Self::Device) -> Option<verl_core::memory::MemoryUsage> {
                 $memory(device)
             }
 
             fn collective<const D: usize>(
-                x: Tensor<Self, D>,
-                op: Collective,
-                comm: &CommHandle<Self>,
-            ) -> Tensor<Self, D> {
-                run_collective(x, op, comm.0.as_ref())
+                x: burn::tensor::Tensor<Self, D>,
+                op: $crate::parallel::Collective,
+                comm: &$crate::parallel::CommHandle<Self>,
+            ) -> burn::tensor::Tensor<Self, D> {
+                $crate::parallel::run_collective(x, op, comm.0.as_ref())
             }
 
             fn region<const D: usize>(
-                x: Tensor<Self, D>,
-                region: Region,
-                comm: &CommHandle<Self>,
-            ) -> Tensor<Self, D> {
-                run_collective(x, region.forward(), comm.0.as_ref())
+                x: burn::tensor::Tensor<Self, D>,
+                region: $crate::parallel::Region,
+                comm: &$crate::parallel::CommHandle<Self>,
+            ) -> burn::tensor::Tensor<Self, D> {
+                $crate::parallel::run_collective(x, region.forward(), comm.0.as_ref())
             }
 
             fn all_to_all_rows(
-                x: Tensor<Self, 2>,
+                x: burn::tensor::Tensor<Self, 2>,
                 send: &[usize],
                 recv: &[usize],
-                comm: &CommHandle<Self>,
-            ) -> Tensor<Self, 2> {
-                run_all_to_all_rows(x, send, recv, comm.0.as_ref())
+                comm: &$crate::parallel::CommHandle<Self>,
+            ) -> burn::tensor::Tensor<Self, 2> {
+                $crate::parallel::run_all_to_all_rows(x, send, recv, comm.0.as_ref())
             }
 
             fn gather_rows(
-                x: Tensor<Self, 2>,
-                index: Tensor<Self, 1, burn::tensor::Int>,
-                _inverse: Tensor<Self, 1, burn::tensor::Int>,
-                _keep: Tensor<Self, 1>,
-            ) -> Tensor<Self, 2> {
+                x: burn::tensor::Tensor<Self, 2>,
+                index: burn::tensor::Tensor<Self, 1, burn::tensor::Int>,
+                _inverse: burn::tensor::Tensor<Self, 1, burn::tensor::Int>,
+                _keep: burn::tensor::Tensor<Self, 1>,
+            ) -> burn::tensor::Tensor<Self, 2> {
                 x.select(0, index)
             }
 
             fn fused_head_log_probs(
-                h: Tensor<Self, 2>,
-                w: Tensor<Self, 2>,
-                labels: Tensor<Self, 1, burn::tensor::Int>,
-                spec: crate::models::fused_log_probs::FusedHead,
-                tp: Option<&CommHandle<Self>>,
-            ) -> Tensor<Self, 2> {
-                crate::models::fused_log_probs::fused_forward(
+                h: burn::tensor::Tensor<Self, 2>,
+                w: burn::tensor::Tensor<Self, 2>,
+                labels: burn::tensor::Tensor<Self, 1, burn::tensor::Int>,
+                spec: $crate::models::fused_log_probs::FusedHead,
+                tp: Option<&$crate::parallel::CommHandle<Self>>,
+            ) -> burn::tensor::Tensor<Self, 2> {
+                $crate::models::fused_log_probs::fused_forward(
                     h,
                     w,
                     labels,
@@ -392,14 +398,7 @@ macro_rules! plain_parallel_backend {
     };
 }
 
-plain_parallel_backend!(burn::backend::Flex, |_: &_| verl_core::memory::host_usage());
-#[cfg(feature = "cuda")]
-plain_parallel_backend!(verl_core::backend::CudaBackend, |device| {
-    crate::cuda::memory_usage(device).map(|(allocated, reserved)| MemoryUsage {
-        allocated,
-        reserved,
-    })
-});
+crate::plain_parallel_backend!(burn::backend::Flex, |_: &_| verl_core::memory::host_usage());
 
 /// The backward step of a region: the adjoint region on the gradient.
 #[derive(Debug)]

@@ -1,10 +1,11 @@
 //! AdamW with decoupled weight decay (Loshchilov & Hutter), one update per parameter tensor.
 //!
-//! The update is burn-optim's `AdamW` formula, written once here so that the state (the two
-//! moments and their update count) is ours: on burn-cuda every parameter is updated by one fused
-//! kernel (`crate::cuda::kernels::adamw`, in place, with the gradient-clipping factor folded in),
-//! everywhere else by the same chain of tensor operations burn's optimizer runs, so the CPU
-//! default's results are unchanged bit for bit (`tests` below checks that against burn's own).
+//! The update is burn-optim's `AdamW` formula, written once so that the state (the two moments
+//! and their update count) is ours. Each parameter goes through the backend's
+//! [`FusedOps::adamw_step`]: on burn-cuda one fused kernel (in place, with the gradient-clipping
+//! factor folded in), everywhere else the same chain of tensor operations burn's optimizer runs
+//! ([`reference::adamw_step`]), so the CPU default's results are unchanged bit for bit (`tests`
+//! below checks that against burn's own).
 //!
 //! ```
 //! use burn::module::Param;
@@ -32,15 +33,8 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 
-/// AdamW's hyper-parameters (the learning rate comes with each step).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWHyper {
-    pub beta_1: f32,
-    pub beta_2: f32,
-    pub epsilon: f32,
-    /// Decoupled weight decay: each step multiplies the parameter by `1 - lr * weight_decay`.
-    pub weight_decay: f32,
-}
+use crate::ops::{reference, FusedOps};
+pub use crate::ops::{AdamWHyper, AdamWStep};
 
 /// One parameter's AdamW state, flattened in row-major order.
 #[derive(Debug, Clone)]
@@ -55,46 +49,13 @@ pub struct Moments<B: Backend> {
     pub exp_avg_sq: Tensor<B, 1>,
 }
 
-/// The scalars of one parameter's update, computed once on the host.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWStep {
-    /// Multiplies the gradient first (global-norm clipping), 1 when not clipping.
-    pub grad_scale: f32,
-    pub beta_1: f32,
-    pub beta_2: f32,
-    /// `1 - beta_1^t` and `1 - beta_2^t` for this update's `t`.
-    pub bias_correction_1: f32,
-    pub bias_correction_2: f32,
-    pub epsilon: f32,
-    /// `1 - lr * weight_decay`.
-    pub decay: f32,
-    pub lr: f32,
-}
-
-impl AdamWStep {
-    /// The scalars of update number `time` (1 for the first).
-    pub fn new(hyper: &AdamWHyper, lr: f64, grad_scale: f64, time: usize) -> Self {
-        let t = time as i32;
-        Self {
-            grad_scale: grad_scale as f32,
-            beta_1: hyper.beta_1,
-            beta_2: hyper.beta_2,
-            bias_correction_1: 1.0 - hyper.beta_1.powi(t),
-            bias_correction_2: 1.0 - hyper.beta_2.powi(t),
-            epsilon: hyper.epsilon,
-            decay: (1.0 - lr * hyper.weight_decay as f64) as f32,
-            lr: lr as f32,
-        }
-    }
-}
-
 /// AdamW over one model's parameters: see the module documentation.
 #[derive(Debug)]
 pub struct AdamW<B: Backend> {
     pub hyper: AdamWHyper,
     moments: HashMap<ParamId, Moments<B>>,
-    /// Whether burn-cuda parameters go through the fused kernel (on by default).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Whether parameters go through the backend's [`FusedOps::adamw_step`] (on by default);
+    /// off, through the plain chain even where a kernel exists (to compare them).
     fused: bool,
 }
 
@@ -137,7 +98,9 @@ impl<B: Backend> AdamW<B> {
     pub fn set_moments(&mut self, moments: HashMap<ParamId, Moments<B>>) {
         self.moments = moments;
     }
+}
 
+impl<B: FusedOps> AdamW<B> {
     /// Updates every parameter of `model` that has a gradient in `grads` (the others, and their
     /// state, stay as they are), with the gradients multiplied by `grad_scale` first.
     pub fn step<A, M>(
@@ -188,48 +151,13 @@ impl<B: Backend> AdamW<B> {
         grad_scale: f64,
     ) -> (Tensor<B, 1>, Moments<B>) {
         let time = state.as_ref().map_or(0, |s| s.time) + 1;
-        let scalars = AdamWStep::new(&self.hyper, lr, grad_scale, time);
-        #[cfg(feature = "cuda")]
-        let (param, grad, state) = if self.fused {
-            let moments = state.map(|s| (s.exp_avg, s.exp_avg_sq));
-            match crate::cuda::kernels::adamw::try_step(param, grad, moments, &scalars) {
-                Ok((param, exp_avg, exp_avg_sq)) => {
-                    let moments = Moments {
-                        time,
-                        shape,
-                        exp_avg,
-                        exp_avg_sq,
-                    };
-                    return (param, moments);
-                }
-                Err((param, grad, moments)) => (
-                    param,
-                    grad,
-                    moments.map(|(exp_avg, exp_avg_sq)| Moments {
-                        time: time - 1,
-                        shape: shape.clone(),
-                        exp_avg,
-                        exp_avg_sq,
-                    }),
-                ),
-            }
+        let step = AdamWStep::new(&self.hyper, lr, grad_scale, time);
+        let moments = state.map(|s| (s.exp_avg, s.exp_avg_sq));
+        let (param, exp_avg, exp_avg_sq) = if self.fused {
+            B::adamw_step(param, grad, moments, &step)
         } else {
-            (param, grad, state)
+            reference::adamw_step(param, grad, moments, &step)
         };
-        let grad = if grad_scale != 1.0 {
-            grad * grad_scale
-        } else {
-            grad
-        };
-        let (exp_avg, exp_avg_sq) = chained_moments(&self.hyper, grad, state);
-        let param = chained_update(
-            param,
-            exp_avg.clone(),
-            exp_avg_sq.clone(),
-            &scalars,
-            lr,
-            &self.hyper,
-        );
         let moments = Moments {
             time,
             shape,
@@ -240,50 +168,6 @@ impl<B: Backend> AdamW<B> {
     }
 }
 
-/// The moments after one update, as burn-optim's chain of operations computes them.
-fn chained_moments<B: Backend>(
-    hyper: &AdamWHyper,
-    grad: Tensor<B, 1>,
-    state: Option<Moments<B>>,
-) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    let (factor_1, factor_2) = (1.0 - hyper.beta_1, 1.0 - hyper.beta_2);
-    match state {
-        Some(s) => (
-            s.exp_avg
-                .mul_scalar(hyper.beta_1)
-                .add(grad.clone().mul_scalar(factor_1)),
-            s.exp_avg_sq
-                .mul_scalar(hyper.beta_2)
-                .add(grad.square().mul_scalar(factor_2)),
-        ),
-        None => (
-            grad.clone().mul_scalar(factor_1),
-            grad.square().mul_scalar(factor_2),
-        ),
-    }
-}
-
-/// The decayed parameter minus the bias-corrected step, as burn-optim's chain computes it.
-fn chained_update<B: Backend>(
-    param: Tensor<B, 1>,
-    exp_avg: Tensor<B, 1>,
-    exp_avg_sq: Tensor<B, 1>,
-    s: &AdamWStep,
-    lr: f64,
-    hyper: &AdamWHyper,
-) -> Tensor<B, 1> {
-    let m = exp_avg.div_scalar(s.bias_correction_1);
-    let v = exp_avg_sq.div_scalar(s.bias_correction_2);
-    let delta = m.div(v.sqrt().add_scalar(s.epsilon));
-    let decay_rate = lr * hyper.weight_decay as f64;
-    let decayed = if decay_rate == 0.0 {
-        param
-    } else {
-        param.mul_scalar(1.0 - decay_rate)
-    };
-    decayed - delta.mul_scalar(lr)
-}
-
 struct StepMapper<'a, B: Backend> {
     adamw: &'a mut AdamW<B>,
     grads: &'a mut GradientsParams,
@@ -291,7 +175,9 @@ struct StepMapper<'a, B: Backend> {
     grad_scale: f64,
 }
 
-impl<A: AutodiffBackend> ModuleMapper<A> for StepMapper<'_, A::InnerBackend> {
+impl<A: AutodiffBackend<InnerBackend: FusedOps>> ModuleMapper<A>
+    for StepMapper<'_, A::InnerBackend>
+{
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<A, D>>) -> Param<Tensor<A, D>> {
         let (id, tensor, mapper) = param.consume();
         let Some(grad) = self.grads.remove::<A::InnerBackend, D>(id) else {

@@ -16,6 +16,7 @@ use verl_core::NamedTensor;
 
 use super::adamw::{AdamW, AdamWHyper, Moments};
 use crate::error::MegatronError;
+use crate::ops::FusedOps;
 
 /// The learning rate at each optimizer step.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,11 +110,8 @@ struct SquaredNorm<'a, I: Backend> {
     experts: Option<&'a HashSet<ParamId>>,
     /// A parameter another stage counts (the last stage's copy of a tied embedding).
     exclude: Option<ParamId>,
-    /// Each gradient's sum of squares, with its kind.
-    sums: Vec<(Tensor<I, 1>, NormPart)>,
-    /// On burn-cuda, the gradients themselves (as matrices), summed in a few launches by
-    /// `cuda::kernels::sum_squares` when the totals are read.
-    #[cfg(feature = "cuda")]
+    /// The gradients themselves (as matrices) with their kinds, summed by the backend's
+    /// [`FusedOps::sums_of_squares`] when the totals are read (a few launches on burn-cuda).
     deferred: Vec<(Tensor<I, 2>, NormPart)>,
 }
 
@@ -135,7 +133,7 @@ struct NormTotals {
     experts: f64,
 }
 
-impl<'a, I: Backend> SquaredNorm<'a, I> {
+impl<'a, I: FusedOps> SquaredNorm<'a, I> {
     fn new(
         grads: &'a GradientsParams,
         sharded: Option<&'a HashSet<ParamId>>,
@@ -147,8 +145,6 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
             sharded,
             experts,
             exclude,
-            sums: Vec::new(),
-            #[cfg(feature = "cuda")]
             deferred: Vec::new(),
         }
     }
@@ -156,33 +152,8 @@ impl<'a, I: Backend> SquaredNorm<'a, I> {
     /// The sums of squares of the replicated, the sharded and the experts' gradients, added in
     /// the model's order in f64.
     fn totals(self) -> NormTotals {
-        #[cfg(feature = "cuda")]
-        if !self.deferred.is_empty() {
-            let (grads, sharded): (Vec<_>, Vec<_>) = self.deferred.into_iter().unzip();
-            let n = grads.len();
-            let values = crate::cuda::kernels::sum_squares::try_sums_of_squares(&grads)
-                .inspect(|_| crate::host_reads::note(1))
-                .unwrap_or_else(|| {
-                    // Not taken (a dtype the kernel lacks): burn's square and sum per tensor.
-                    crate::host_reads::note(n);
-                    grads
-                        .into_iter()
-                        .map(|g| g.powi_scalar(2).sum().into_scalar().elem::<f64>())
-                        .collect()
-                });
-            return split_totals(values, sharded);
-        }
-        if self.sums.is_empty() {
-            return NormTotals::default();
-        }
-        let (sums, sharded): (Vec<_>, Vec<_>) = self.sums.into_iter().unzip();
-        crate::host_reads::note(1);
-        let values = Tensor::cat(sums, 0)
-            .into_data()
-            .convert::<f64>()
-            .to_vec::<f64>()
-            .expect("f64 data");
-        split_totals(values, sharded)
+        let (grads, parts): (Vec<_>, Vec<_>) = self.deferred.into_iter().unzip();
+        split_totals(I::sums_of_squares(grads), parts)
     }
 }
 
@@ -212,22 +183,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredNorm<'_, B::InnerBackend> {
             } else {
                 NormPart::Replicated
             };
-            #[cfg(feature = "cuda")]
-            if crate::cuda::kernels::sum_squares::applies::<B::InnerBackend>() {
-                let dims = g.dims();
-                // A matrix as it is (its primitive carries its shape and pitch); anything else
-                // as rows of its last dimension.
-                let matrix = if D == 2 {
-                    Tensor::<B::InnerBackend, 2>::from_primitive(g.into_primitive())
-                } else {
-                    let cols = dims[D - 1];
-                    g.reshape([dims.iter().product::<usize>() / cols.max(1), cols])
-                };
-                self.deferred.push((matrix, sharded));
-                return;
-            }
-            let sq = g.powi_scalar(2).sum();
-            self.sums.push((sq, sharded));
+            let dims = g.dims();
+            // A matrix as it is (its primitive carries its shape and pitch); anything else as
+            // rows of its last dimension.
+            let matrix = if D == 2 {
+                Tensor::<B::InnerBackend, 2>::from_primitive(g.into_primitive())
+            } else {
+                let cols = dims[D - 1];
+                g.reshape([dims.iter().product::<usize>() / cols.max(1), cols])
+            };
+            self.deferred.push((matrix, sharded));
         }
     }
 }
@@ -328,7 +293,7 @@ pub fn all_reduce_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// The global L2 norm of all gradients of `model`.
-pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn grad_norm<B: AutodiffBackend<InnerBackend: FusedOps>, M: AutodiffModule<B>>(
     model: &M,
     grads: &GradientsParams,
 ) -> f64 {
@@ -341,7 +306,10 @@ pub fn grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 /// summed over the tp group and replicated parameters counted once, then the pipeline stages'
 /// sums added over the pp group (a tied embedding counted on the first stage only), as Megatron
 /// counts each parameter once. The same on every rank of the model-parallel group.
-pub fn model_parallel_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn model_parallel_grad_norm<
+    B: AutodiffBackend<InnerBackend: FusedOps>,
+    M: AutodiffModule<B>,
+>(
     model: &M,
     grads: &GradientsParams,
     tp: Option<&TensorParallelGrads<B::InnerBackend>>,
@@ -430,7 +398,7 @@ fn sum_tied_embedding<B: AutodiffBackend>(
 /// Scales gradients so their global norm is at most `max_norm` (Megatron's `clip_grad`);
 /// returns the norm before clipping. A non-finite norm is returned as is and the caller skips
 /// the step.
-pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+pub fn clip_grad_norm<B: AutodiffBackend<InnerBackend: FusedOps>, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     max_norm: f64,
@@ -441,7 +409,7 @@ pub fn clip_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Scales gradients whose global norm is `norm` to at most `max_norm`.
-fn scale_to_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+fn scale_to_norm<B: AutodiffBackend<InnerBackend: FusedOps>, M: AutodiffModule<B>>(
     model: &M,
     grads: &mut GradientsParams,
     norm: f64,
@@ -631,7 +599,7 @@ pub struct StepReport {
     pub applied: bool,
 }
 
-impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
+impl<B: AutodiffBackend<InnerBackend: FusedOps>, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     pub fn new(cfg: &OptimConfig, total_steps: u64) -> Result<Self, MegatronError> {
         if cfg.optimizer != "adam" && cfg.optimizer != "adamw" {
             return Err(MegatronError::Setting {
@@ -914,7 +882,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
 /// matrix (else a vector). See [`crate::models::CausalLm::named_param_ids`].
 pub type NamedParam = (String, ParamId, bool);
 
-impl<B: AutodiffBackend, M: AutodiffModule<B>> ModelOptimizer<B, M> {
+impl<B: AutodiffBackend<InnerBackend: FusedOps>, M: AutodiffModule<B>> ModelOptimizer<B, M> {
     /// The AdamW moments by parameter name (`{name}.exp_avg`, `{name}.exp_avg_sq`, as torch
     /// names them) and the counters (optimizer step, each moment's update count) as JSON.
     /// Parameters not yet stepped have no moments.

@@ -2,7 +2,7 @@
 //! moments once and writes the parameter and the moments in place. burn's optimizer runs about
 //! fifteen element-wise kernels per tensor for the same update, each a full pass over memory.
 //!
-//! The fallback is [`crate::workers::adamw`]'s chain of burn operations (the same formula);
+//! The fallback is `crate::ops::reference::adamw_step`'s chain of burn operations (the same formula);
 //! results differ from it only by rounding (the kernel may contract a multiply and an add into
 //! one fused multiply-add), which `verl bench kernels` measures on a GPU.
 
@@ -14,10 +14,10 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::CubeDim;
 use verl_core::backend::CudaBackend;
 
-use super::{is_cuda, same, CudaPrimitive};
-use crate::workers::adamw::AdamWStep;
+use super::CudaPrimitive;
+use crate::ops::AdamWStep;
 
-/// What [`try_step`] hands back when it does not apply: the parameter, the gradient and the
+/// What [`step`] hands back when it does not apply: the parameter, the gradient and the
 /// moments, unchanged.
 pub type NotApplied<B> = (
     Tensor<B, 1>,
@@ -75,28 +75,26 @@ fn wrap(p: CudaPrimitive) -> Tensor<CudaBackend, 1> {
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
-/// One AdamW update of a flat f32 parameter on burn-cuda, by the fused kernel; `moments` is
-/// `None` before the first update. Any other backend or dtype gets its inputs back.
-pub fn try_step<B: Backend>(
-    param: Tensor<B, 1>,
-    grad: Tensor<B, 1>,
-    moments: Option<(Tensor<B, 1>, Tensor<B, 1>)>,
+/// One AdamW update of a flat f32 parameter by the fused kernel; `moments` is `None` before the
+/// first update. Another dtype gets its inputs back.
+pub fn step(
+    param: Tensor<CudaBackend, 1>,
+    grad: Tensor<CudaBackend, 1>,
+    moments: Option<(Tensor<CudaBackend, 1>, Tensor<CudaBackend, 1>)>,
     s: &AdamWStep,
-) -> Result<Updated<B>, NotApplied<B>> {
+) -> Result<Updated<CudaBackend>, NotApplied<CudaBackend>> {
     let all_f32 = param.dtype() == DType::F32
         && grad.dtype() == DType::F32
         && moments
             .as_ref()
             .is_none_or(|(a, b)| a.dtype() == DType::F32 && b.dtype() == DType::F32);
-    if !is_cuda::<B>() || !all_f32 {
+    if !all_f32 {
         return Err((param, grad, moments));
     }
-    let param: Tensor<CudaBackend, 1> = same(param);
-    let grad: Tensor<CudaBackend, 1> = same(grad);
     let n = param.dims()[0];
     let device = param.device();
     let (exp_avg, exp_avg_sq) = match moments {
-        Some((a, b)) => (same(a), same(b)),
+        Some(moments) => moments,
         None => (
             Tensor::<CudaBackend, 1>::zeros([n], &device),
             Tensor::<CudaBackend, 1>::zeros([n], &device),
@@ -119,16 +117,16 @@ pub fn try_step<B: Backend>(
                 g.into_array_arg(),
                 m1.clone().into_array_arg(),
                 m2.clone().into_array_arg(),
-                s.grad_scale,
+                s.grad_scale as f32,
                 s.beta_1,
                 s.beta_2,
                 s.bias_correction_1,
                 s.bias_correction_2,
                 s.epsilon,
-                s.decay,
-                s.lr,
+                (1.0 - s.decay_rate) as f32,
+                s.lr as f32,
             );
         }
     }
-    Ok((same(wrap(p)), same(wrap(m1)), same(wrap(m2))))
+    Ok((wrap(p), wrap(m1), wrap(m2)))
 }

@@ -12,13 +12,14 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("attention.cu");
 /// Rows per block (queries or keys) and threads per block, as in `attention.cu`.
@@ -195,23 +196,21 @@ fn wrap<const D: usize>(p: CudaPrimitive) -> Tensor<CudaBackend, D> {
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
-/// Causal attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
-/// `[batch, seq, kv_heads, head_dim]` (f32; query head `h` reads kv head
-/// `h / (heads / kv_heads)`), scores scaled by `scale`; `key_mask` `[batch, seq]` (1 = token)
-/// masks padded keys, a padded query attending to itself. Returns `[batch, seq, heads,
-/// head_dim]` f32, differentiable in q, k and v, on burn-cuda when the fused kernel applies;
-/// otherwise the inputs come back for the decomposed path.
-pub fn try_attention<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    key_mask: Option<Tensor<B, 2>>,
-    scale: f32,
-) -> Result<Tensor<B, 4>, NotApplied<B>> {
+/// Whether the fused kernel is on and takes heads of `head_dim`.
+pub fn applies(head_dim: usize) -> bool {
+    SWITCH.enabled() && supports_head_dim(head_dim)
+}
+
+/// The launch's sizes when the kernel takes these operands.
+fn dims_of<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    v: &Tensor<B, 4>,
+    key_mask: Option<&Tensor<B, 2>>,
+) -> Option<Dims> {
     let [batch, seq, heads, head_dim] = q.dims();
     let [kb, ks, kv_heads, kd] = k.dims();
-    let applies = SWITCH.enabled()
-        && supports_head_dim(head_dim)
+    let fits = applies(head_dim)
         && [kb, ks, kd] == [batch, seq, head_dim]
         && v.dims() == k.dims()
         && kv_heads > 0
@@ -224,61 +223,59 @@ pub fn try_attention<B: Backend>(
             .iter()
             .all(|t| *t == DType::F32)
         // The kernel reads the keys' mask as dense f32 [batch, seq].
-        && key_mask
-            .as_ref()
-            .is_none_or(|m| m.dtype() == DType::F32 && m.dims() == [batch, seq]);
-    if !applies {
-        return Err((q, k, v));
-    }
-    let d = Dims {
+        && key_mask.is_none_or(|m| m.dtype() == DType::F32 && m.dims() == [batch, seq]);
+    fits.then_some(Dims {
         batch,
         seq,
         heads,
         kv_heads,
         head_dim,
-    };
-    let mask = key_mask.unwrap_or_else(|| Tensor::ones([batch, seq], &q.device()));
-    // Inference (no autodiff): the forward kernel alone.
-    let q = match downcast::<_, Tensor<CudaBackend, 4>>(q) {
-        Ok(q) => {
-            let mask: Tensor<CudaBackend, 2> = same(mask);
-            let (k, v): (Tensor<CudaBackend, 4>, Tensor<CudaBackend, 4>) = (same(k), same(v));
-            let (out, _) = forward_primitive(
-                d,
-                scale,
-                &contiguous(q),
-                &contiguous(k),
-                &contiguous(v),
-                &contiguous(mask),
-            );
-            return Ok(same(wrap::<4>(out)));
-        }
-        Err(q) => q,
-    };
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, 4>>(q) {
-        Ok(q) => {
-            let mask: Tensor<Autodiff<CudaBackend>, 2> = same(mask);
-            Ok(same(attention_autodiff(
-                d,
-                scale,
-                q,
-                same(k),
-                same(v),
-                mask.inner(),
-            )))
-        }
-        Err(q) => Err((q, k, v)),
-    }
+    })
 }
 
-fn attention_autodiff(
-    d: Dims,
+/// Causal attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
+/// `[batch, seq, kv_heads, head_dim]` (f32; query head `h` reads kv head
+/// `h / (heads / kv_heads)`), scores scaled by `scale`; `key_mask` `[batch, seq]` (1 = token)
+/// masks padded keys, a padded query attending to itself. Returns `[batch, seq, heads,
+/// head_dim]` f32 by the forward kernel (inference); otherwise the inputs come back for the
+/// decomposed path.
+pub fn attention(
+    q: Tensor<CudaBackend, 4>,
+    k: Tensor<CudaBackend, 4>,
+    v: Tensor<CudaBackend, 4>,
+    key_mask: Option<Tensor<CudaBackend, 2>>,
     scale: f32,
-    q: Tensor<Autodiff<CudaBackend>, 4>,
-    k: Tensor<Autodiff<CudaBackend>, 4>,
-    v: Tensor<Autodiff<CudaBackend>, 4>,
-    mask: Tensor<CudaBackend, 2>,
-) -> Tensor<Autodiff<CudaBackend>, 4> {
+) -> Result<Tensor<CudaBackend, 4>, NotApplied<CudaBackend>> {
+    let Some(d) = dims_of(&q, &k, &v, key_mask.as_ref()) else {
+        return Err((q, k, v));
+    };
+    let mask = key_mask.unwrap_or_else(|| Tensor::ones([d.batch, d.seq], &q.device()));
+    let (out, _) = forward_primitive(
+        d,
+        scale,
+        &contiguous(q),
+        &contiguous(k),
+        &contiguous(v),
+        &contiguous(mask),
+    );
+    Ok(wrap::<4>(out))
+}
+
+/// [`attention`] under autodiff, differentiable in q, k and v by the backward kernels.
+pub fn attention_tracked<C: CheckpointStrategy>(
+    q: Tensor<Autodiff<CudaBackend, C>, 4>,
+    k: Tensor<Autodiff<CudaBackend, C>, 4>,
+    v: Tensor<Autodiff<CudaBackend, C>, 4>,
+    key_mask: Option<Tensor<Autodiff<CudaBackend, C>, 2>>,
+    scale: f32,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 4>, NotApplied<Autodiff<CudaBackend, C>>> {
+    let Some(d) = dims_of(&q, &k, &v, key_mask.as_ref()) else {
+        return Err((q, k, v));
+    };
+    let mask = match key_mask {
+        Some(m) => m.inner(),
+        None => Tensor::ones([d.batch, d.seq], &q.device()),
+    };
     let (q, k, v) = (
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -301,7 +298,7 @@ fn attention_autodiff(
         out: out.clone(),
         lse,
     };
-    record(AttentionBackward, [&q, &k, &v], saved, out)
+    Ok(record(AttentionBackward, [&q, &k, &v], saved, out))
 }
 
 #[cfg(test)]

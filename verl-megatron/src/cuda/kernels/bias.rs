@@ -6,20 +6,21 @@
 //!
 //! It applies on `Autodiff<CudaBackend>` to f32 operands (the linear layers add their bias to
 //! the f32 product). The fallback, and every other backend, is burn's broadcast add
-//! ([`crate::layers::linear`]), which `verl bench kernels` compares this against.
+//! (`crate::ops::reference::add_bias`), which `verl bench kernels` compares this against.
 
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::DType;
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("bias.cu");
 /// Threads (columns) per block, as in `bias.cu`.
@@ -94,16 +95,18 @@ impl Backward<CudaBackend, 2> for BiasBackward {
     }
 }
 
-/// `y + b` with `b` added to every row of `y` `[rows, cols]`, for f32 operands under autodiff
-/// on burn-cuda, the bias's gradient summed by [`sum_rows`]; otherwise the operands come back
-/// for burn's broadcast add.
-pub fn try_add_bias<B: Backend>(
-    y: Tensor<B, 2>,
-    b: Tensor<B, 1>,
-) -> Result<Tensor<B, 2>, (Tensor<B, 2>, Tensor<B, 1>)> {
+/// The operands handed back.
+pub type NotApplied<B> = (Tensor<B, 2>, Tensor<B, 1>);
+
+/// `y + b` with `b` added to every row of `y` `[rows, cols]`, for f32 operands under autodiff,
+/// the bias's gradient summed by [`sum_rows`]; otherwise the operands come back for burn's
+/// broadcast add. (Without autodiff there is no gradient to sum: burn's add is the whole job.)
+pub fn add_bias_tracked<C: CheckpointStrategy>(
+    y: Tensor<Autodiff<CudaBackend, C>, 2>,
+    b: Tensor<Autodiff<CudaBackend, C>, 1>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 2>, NotApplied<Autodiff<CudaBackend, C>>> {
     let [rows, cols] = y.dims();
     let applies = SWITCH.enabled()
-        && super::is_cuda_or_autodiff::<B>()
         && b.dims() == [cols]
         && rows > 0
         && cols > 0
@@ -114,22 +117,10 @@ pub fn try_add_bias<B: Backend>(
     if !applies {
         return Err((y, b));
     }
-    // Without autodiff there is no gradient to sum: burn's add is the whole job.
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(y) {
-        Ok(y) => Ok(same(add_bias_autodiff(y, same(b)))),
-        Err(y) => Err((y, b)),
-    }
-}
-
-fn add_bias_autodiff(
-    y: Tensor<Autodiff<CudaBackend>, 2>,
-    b: Tensor<Autodiff<CudaBackend>, 1>,
-) -> Tensor<Autodiff<CudaBackend>, 2> {
-    let cols = b.dims()[0];
     let (y, b) = (y.into_primitive().tensor(), b.into_primitive().tensor());
     let row = CudaBackend::float_reshape(b.primitive.clone(), [1, cols].into());
     let out = CudaBackend::float_add(y.primitive.clone(), row);
-    record(BiasBackward, [&y, &b], (), out)
+    Ok(record(BiasBackward, [&y, &b], (), out))
 }
 
 #[cfg(test)]

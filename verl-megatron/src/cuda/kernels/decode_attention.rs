@@ -4,8 +4,8 @@
 //! scatters (each copying the cache layer), a slice, a mask and a dozen attention operations.
 //!
 //! It applies on plain burn-cuda (generation has no autodiff) to f32 operands and contiguous
-//! caches. The fallback, and every other backend, is `SlotKvCache::write_step` with
-//! `decomposed_attention`, which `verl bench kernels` compares this against.
+//! caches. The fallback, and every other backend, is the slot cache's own write with the
+//! model's decomposed attention, which `verl bench kernels` compares this against.
 
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
@@ -13,9 +13,8 @@ use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{is_cuda, same, CudaPrimitive, KernelSwitch};
-use crate::models::attention::DecodeProjections as Projections;
-use crate::models::SlotKvCache;
+use super::{CudaPrimitive, KernelSwitch};
+use crate::ops::{reference, DecodeProjections as Projections, PrefixTargets};
 
 /// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
 const SOURCE: &str = concat!(
@@ -28,11 +27,10 @@ const THREADS: usize = 128;
 /// Whether the kernels are used where they apply: on unless `VERL_DECODE_ATTENTION=decomposed`.
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_DECODE_ATTENTION");
 
-/// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim` on backend
-/// `B`: whole groups, a head a multiple of one warp's lanes, the group's accumulators in
-/// registers.
-pub fn applies<B: 'static>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
-    SWITCH.enabled() && is_cuda::<B>() && shape_fits(heads, kv_heads, head_dim)
+/// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim`: whole
+/// groups, a head a multiple of one warp's lanes, the group's accumulators in registers.
+pub fn applies(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
+    SWITCH.enabled() && shape_fits(heads, kv_heads, head_dim)
 }
 
 fn shape_fits(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
@@ -50,14 +48,14 @@ fn plain_f32(t: &CudaPrimitive) -> bool {
 }
 
 /// `values` as a device buffer of u32 words (as a decode step's positions go up).
-fn words<B: Backend>(values: &[usize], device: &B::Device) -> CudaPrimitive {
-    let t: Tensor<CudaBackend, 1> = same(SlotKvCache::<B>::step_positions(values, device));
-    t.into_primitive().tensor()
+fn words(values: &[usize], device: &burn::backend::cuda::CudaDevice) -> CudaPrimitive {
+    reference::step_positions::<CudaBackend>(values, device)
+        .into_primitive()
+        .tensor()
 }
 
-fn primitive<B: Backend, const D: usize>(t: &Tensor<B, D>) -> CudaPrimitive {
-    let t: Tensor<CudaBackend, D> = same(t.clone());
-    t.into_primitive().tensor()
+fn primitive<const D: usize>(t: &Tensor<CudaBackend, D>) -> CudaPrimitive {
+    t.clone().into_primitive().tensor()
 }
 
 /// The kernel's pointer operands: q, k, v, bias (a stand-in when there is none).
@@ -79,8 +77,8 @@ fn row_stride(t: &CudaPrimitive) -> Option<usize> {
 
 /// The kernel's operands for `projections`, or `None` where their dtype or layout does not
 /// fit.
-fn bind<B: Backend>(
-    projections: &Projections<B>,
+fn bind(
+    projections: &Projections<CudaBackend>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -137,15 +135,15 @@ fn bind<B: Backend>(
 /// back where the kernel does not apply (checked by the caller with [`applies`]; here too for
 /// tensors of other dtypes or layouts).
 #[allow(clippy::too_many_arguments)]
-pub fn try_decode_attention<B: Backend>(
-    projections: Projections<B>,
-    cos: &Tensor<B, 2>,
-    sin: &Tensor<B, 2>,
-    positions: &Tensor<B, 1>,
-    (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
+pub fn decode_attention(
+    projections: Projections<CudaBackend>,
+    cos: &Tensor<CudaBackend, 2>,
+    sin: &Tensor<CudaBackend, 2>,
+    positions: &Tensor<CudaBackend, 1>,
+    (cache_k, cache_v): (&Tensor<CudaBackend, 4>, &Tensor<CudaBackend, 4>),
     round_bf16: bool,
     out_bf16: bool,
-) -> Result<Tensor<B, 2>, Projections<B>> {
+) -> Result<Tensor<CudaBackend, 2>, Projections<CudaBackend>> {
     let [slots, kv_heads, capacity, head_dim] = cache_k.dims();
     let (q_cols, kv_cols) = match &projections {
         Projections::Split { q, k, v } => {
@@ -169,7 +167,7 @@ pub fn try_decode_attention<B: Backend>(
         && cache_v.dims() == cache_k.dims()
         && positions.dims() == [slots]
         && slots < 65_536;
-    if !(shapes_fit && applies::<B>(heads, kv_heads, head_dim)) {
+    if !(shapes_fit && applies(heads, kv_heads, head_dim)) {
         return Err(projections);
     }
     let (ck, cv) = (primitive(cache_k), primitive(cache_v));
@@ -224,25 +222,23 @@ pub fn try_decode_attention<B: Backend>(
             v_offset as u32,
         ]),
     );
-    let out = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(out));
-    Ok(same(out))
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
 /// Writes a prefill's keys and values `[prompts, kv_heads, len, head_dim]` into the cache
 /// (target `i`: the first `lens[i]` positions of prompt `sources[i]` into slot `slots[i]` from
 /// position `starts[i]`), in place; the operands come back where the kernel does not apply.
 #[allow(clippy::type_complexity)]
-pub fn try_write_prefix<B: Backend>(
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    (sources, slots, lens, starts): (&[usize], &[usize], &[usize], &[usize]),
-    (cache_k, cache_v): (&Tensor<B, 4>, &Tensor<B, 4>),
-) -> Result<(), (Tensor<B, 4>, Tensor<B, 4>)> {
+pub fn write_prefix(
+    k: Tensor<CudaBackend, 4>,
+    v: Tensor<CudaBackend, 4>,
+    (sources, slots, lens, starts): PrefixTargets<'_>,
+    (cache_k, cache_v): (&Tensor<CudaBackend, 4>, &Tensor<CudaBackend, 4>),
+) -> Result<(), (Tensor<CudaBackend, 4>, Tensor<CudaBackend, 4>)> {
     let [prompts, kv_heads, len, head_dim] = k.dims();
     let [cache_slots, cache_heads, capacity, cache_dim] = cache_k.dims();
     let targets = slots.len();
     let fits = SWITCH.enabled()
-        && is_cuda::<B>()
         && v.dims() == k.dims()
         && cache_v.dims() == cache_k.dims()
         && cache_heads == kv_heads
@@ -271,7 +267,7 @@ pub fn try_write_prefix<B: Backend>(
     }
     let device = k.device();
     let [source_words, slot_words, len_words, start_words] =
-        [sources, slots, lens, starts].map(|values| words::<B>(values, &device));
+        [sources, slots, lens, starts].map(|values| words(values, &device));
     CudaSource {
         entry: "verl_cache_write_prefix",
         text: SOURCE,

@@ -26,6 +26,7 @@ use burn::prelude::*;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{binary, Backward, Ops};
 use burn_cubecl::kernel::matmul::init_matmul_output;
@@ -35,7 +36,7 @@ use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, record, same, CudaPrimitive};
+use super::{record, CudaPrimitive};
 
 /// Which implementation runs the seam's products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -588,42 +589,42 @@ impl Backward<CudaBackend, 2> for MatmulBackward {
     }
 }
 
-fn matmul_autodiff<const D: usize>(
-    a: Tensor<Autodiff<CudaBackend>, D>,
-    b: Tensor<Autodiff<CudaBackend>, D>,
-) -> Tensor<Autodiff<CudaBackend>, D> {
+/// The operands handed back.
+pub type NotApplied<B, const D: usize> = (Tensor<B, D>, Tensor<B, D>);
+
+/// Whether the seam takes operands of these shapes (same batch dimensions).
+fn applies<const D: usize>(da: [usize; D], db: [usize; D]) -> bool {
+    kind() != GemmKind::Burn && D >= 2 && da[..D - 2] == db[..D - 2]
+}
+
+/// `a · b` through the seam when both operands have the same batch dimensions; the operands
+/// back otherwise (the caller multiplies with burn). The result may come as f32 (callers cast
+/// to f32 either way).
+pub fn matmul<const D: usize>(
+    a: Tensor<CudaBackend, D>,
+    b: Tensor<CudaBackend, D>,
+) -> Result<Tensor<CudaBackend, D>, NotApplied<CudaBackend, D>> {
+    if !applies(a.dims(), b.dims()) {
+        return Err((a, b));
+    }
+    let c = matmul_primitive_f32(a.into_primitive().tensor(), b.into_primitive().tensor());
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(c)))
+}
+
+/// [`matmul`] under autodiff: one custom operation whose two backward products go through the
+/// seam too.
+pub fn matmul_tracked<C: CheckpointStrategy, const D: usize>(
+    a: Tensor<Autodiff<CudaBackend, C>, D>,
+    b: Tensor<Autodiff<CudaBackend, C>, D>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, D>, NotApplied<Autodiff<CudaBackend, C>, D>> {
+    if !applies(a.dims(), b.dims()) {
+        return Err((a, b));
+    }
     let a = a.into_primitive().tensor();
     let b = b.into_primitive().tensor();
     let c = matmul_primitive(a.primitive.clone(), b.primitive.clone());
     let saved = (a.primitive.clone(), b.primitive.clone());
-    record(MatmulBackward, [&a, &b], saved, c)
-}
-
-/// `a · b` through the seam when `B` is burn-cuda (plain or autodiff) and both operands have
-/// the same batch dimensions; the operands back otherwise (the caller multiplies with burn).
-pub fn try_matmul<B: Backend, const D: usize>(
-    a: Tensor<B, D>,
-    b: Tensor<B, D>,
-) -> Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B, D>)> {
-    let (da, db) = (a.dims(), b.dims());
-    if kind() == GemmKind::Burn || D < 2 || da[..D - 2] != db[..D - 2] {
-        return Err((a, b));
-    }
-    let a = match downcast::<_, Tensor<CudaBackend, D>>(a) {
-        Ok(a) => {
-            let b: Tensor<CudaBackend, D> = same(b);
-            // Outside autodiff the result may come as f32 (callers cast to f32 either way).
-            let c = matmul_primitive_f32(a.into_primitive().tensor(), b.into_primitive().tensor());
-            return Ok(same(Tensor::<CudaBackend, D>::from_primitive(
-                TensorPrimitive::Float(c),
-            )));
-        }
-        Err(a) => a,
-    };
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(a) {
-        Ok(a) => Ok(same(matmul_autodiff(a, same(b)))),
-        Err(a) => Err((a, b)),
-    }
+    Ok(record(MatmulBackward, [&a, &b], saved, c))
 }
 
 #[cfg(test)]

@@ -1,8 +1,11 @@
-//! Kernels of our own on burn-cuda's stream (`#[cube]` kernels, and cubek's matmul with fixed
-//! strategies), one module per family. Each is launched through the `CubeTensor`'s own client,
-//! so it is ordered with burn's operations with no host synchronisation, and each has a
-//! plain-burn fallback that runs where it does not apply (another backend, another dtype, a
-//! launch that fails) and that `verl bench kernels` compares it against on a GPU.
+//! Kernels of our own on burn-cuda's stream (`#[cube]` kernels, CUDA C++ through a `CubeTask`,
+//! and cubek's matmul with fixed strategies), one module per family. Each is launched through
+//! the `CubeTensor`'s own client, so it is ordered with burn's operations with no host
+//! synchronisation. Each entry point takes burn-cuda tensors (plain, or under autodiff for the
+//! `*_tracked` ones) and hands its inputs back where it does not apply (a dtype, a size, its
+//! switch); [`super::ops`] then runs the plain chain of `crate::ops::reference`, which
+//! `verl bench kernels` compares each kernel against on a GPU. This module knows no model or
+//! worker type: the values it exchanges are `crate::ops`'.
 
 pub mod adamw;
 pub mod attention;
@@ -17,13 +20,12 @@ pub mod sum_squares;
 pub mod swiglu;
 pub mod vocab;
 
-use std::any::Any;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::backend::Autodiff;
 use burn::prelude::Tensor;
 use burn::tensor::{DType, TensorPrimitive};
-use burn_autodiff::checkpoint::strategy::NoCheckpointing;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::ops::{Backward, OpsKind};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
@@ -31,37 +33,6 @@ use verl_core::backend::CudaBackend;
 
 /// burn-cuda's float tensor primitive.
 pub type CudaPrimitive = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;
-
-/// `a` as a `T` when that is its type, else `a` back.
-pub(crate) fn downcast<A: 'static, T: 'static>(a: A) -> Result<T, A> {
-    let boxed: Box<dyn Any> = Box::new(a);
-    match boxed.downcast::<T>() {
-        Ok(t) => Ok(*t),
-        Err(back) => Err(*back
-            .downcast::<A>()
-            .expect("a box holds the type it was made from")),
-    }
-}
-
-/// A value whose type is known to be `T` (checked by an earlier downcast).
-pub(crate) fn same<A: 'static, T: 'static>(a: A) -> T {
-    match downcast(a) {
-        Ok(t) => t,
-        Err(_) => unreachable!("the backend was checked"),
-    }
-}
-
-/// Whether tensors of backend `B` are burn-cuda's plain (not autodiff) tensors.
-pub(crate) fn is_cuda<B: 'static>() -> bool {
-    std::any::TypeId::of::<B>() == std::any::TypeId::of::<CudaBackend>()
-}
-
-/// Whether tensors of backend `B` are burn-cuda's, plain or under autodiff.
-pub(crate) fn is_cuda_or_autodiff<B: 'static>() -> bool {
-    is_cuda::<B>()
-        || std::any::TypeId::of::<B>()
-            == std::any::TypeId::of::<burn::backend::Autodiff<CudaBackend>>()
-}
 
 /// An on/off switch for one kernel family, read from an environment variable the first time
 /// (`VAR=decomposed` turns the kernel off) and settable for the process (benchmarks compare
@@ -114,21 +85,22 @@ pub(crate) fn empty_of(like: &CudaPrimitive, shape: Vec<usize>, dtype: DType) ->
     )
 }
 
-/// burn-cuda's float tensor primitive under autodiff (the values and their graph node).
+/// burn-cuda's float tensor primitive under autodiff (the values and their graph node; the
+/// same type whatever the checkpointing strategy).
 pub(crate) type AutodiffPrimitive = burn::tensor::ops::FloatTensor<Autodiff<CudaBackend>>;
 
 /// `output`, computed by our kernel from `parents`, as a node of burn's autodiff graph whose
 /// backward is `op` (given `state` when some parent is tracked).
-pub(crate) fn record<Op, const N: usize, const D: usize>(
+pub(crate) fn record<C: CheckpointStrategy, Op, const N: usize, const D: usize>(
     op: Op,
     parents: [&AutodiffPrimitive; N],
     state: Op::State,
     output: CudaPrimitive,
-) -> Tensor<Autodiff<CudaBackend>, D>
+) -> Tensor<Autodiff<CudaBackend, C>, D>
 where
     Op: Backward<CudaBackend, N>,
 {
-    let prep = op.prepare::<NoCheckpointing>(parents.map(|p| p.node.clone()));
+    let prep = op.prepare::<C>(parents.map(|p| p.node.clone()));
     let output = match prep.compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(state, output),
         OpsKind::UnTracked(prep) => prep.finish(output),

@@ -3,21 +3,22 @@
 //! burn's ~7 operations forward and ~15 backward per norm: two norms per decoder layer make
 //! this one of the step's larger sources of launches.
 //!
-//! It applies on burn-cuda to f32 rows. The fallback, and every other backend, is
-//! [`crate::layers::RmsNorm`]'s chain of burn operations, which `verl bench kernels` compares
-//! this kernel against (output and both gradients, odd sizes).
+//! It applies to f32 rows. The fallback, and every other backend, is
+//! `crate::ops::reference::rms_norm`'s chain of burn operations, which `verl bench kernels`
+//! compares this kernel against (output and both gradients, odd sizes).
 
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
 /// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
 const SOURCE: &str = concat!(include_str!("bf16_round.cuh"), include_str!("norm.cu"));
@@ -129,22 +130,19 @@ impl Backward<CudaBackend, 2> for NormBackward {
     }
 }
 
-/// What [`try_rms_norm`] hands back when it does not apply.
+/// What [`rms_norm`] hands back when it does not apply.
 pub type NotApplied<B, const D: usize> = (Tensor<B, D>, Tensor<B, 1>);
 
-/// `x / sqrt(mean(x², last dim) + eps) · weight` for f32 `x` `[..., hidden]` and `weight`
-/// `[hidden]`, differentiable in both, on burn-cuda when the kernel applies; otherwise the
-/// inputs come back for the chain of burn operations.
-pub fn try_rms_norm<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    weight: Tensor<B, 1>,
+/// The launch's sizes when the kernel takes f32 `x` `[..., hidden]` and `weight` `[hidden]`.
+fn applies<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    weight: &Tensor<B, 1>,
     eps: f64,
-) -> Result<Tensor<B, D>, NotApplied<B, D>> {
+) -> Option<Dims> {
     let dims = x.dims();
     let hidden = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
-    let applies = SWITCH.enabled()
-        && super::is_cuda_or_autodiff::<B>()
+    let fits = SWITCH.enabled()
         && hidden > 0
         && hidden <= MAX_HIDDEN
         && rows > 0
@@ -152,51 +150,59 @@ pub fn try_rms_norm<B: Backend, const D: usize>(
         && weight.dims() == [hidden]
         && x.dtype() == DType::F32
         && weight.dtype() == DType::F32;
-    if !applies {
-        return Err((x, weight));
-    }
-    let d = Dims {
+    fits.then_some(Dims {
         rows,
         hidden,
         eps: eps as f32,
-    };
-    let x = match downcast::<_, Tensor<CudaBackend, D>>(x) {
-        Ok(x) => {
-            let w: Tensor<CudaBackend, 1> = same(weight);
-            let x = into_contiguous(x.reshape([rows, hidden]).into_primitive().tensor());
-            let w = into_contiguous(w.into_primitive().tensor());
-            let (y, _) = forward_primitive(d, &x, &w);
-            let y = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(y));
-            return Ok(same(y.reshape(dims)));
-        }
-        Err(x) => x,
-    };
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(x) {
-        Ok(x) => {
-            let w: Tensor<Autodiff<CudaBackend>, 1> = same(weight);
-            let y = norm_autodiff(d, x.reshape([rows, hidden]), w);
-            Ok(same(y.reshape(dims)))
-        }
-        Err(x) => Err((x, weight)),
-    }
+    })
 }
 
-/// What [`try_add_rms_norm_bf16`] hands back when it does not apply.
+/// `x / sqrt(mean(x², last dim) + eps) · weight` by the forward kernel, or the inputs back.
+pub fn rms_norm<const D: usize>(
+    x: Tensor<CudaBackend, D>,
+    weight: Tensor<CudaBackend, 1>,
+    eps: f64,
+) -> Result<Tensor<CudaBackend, D>, NotApplied<CudaBackend, D>> {
+    let Some(d) = applies(&x, &weight, eps) else {
+        return Err((x, weight));
+    };
+    let dims = x.dims();
+    let x = into_contiguous(x.reshape([d.rows, d.hidden]).into_primitive().tensor());
+    let w = into_contiguous(weight.into_primitive().tensor());
+    let (y, _) = forward_primitive(d, &x, &w);
+    let y = Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(y));
+    Ok(y.reshape(dims))
+}
+
+/// [`rms_norm`] under autodiff, differentiable in both inputs by the backward kernel.
+pub fn rms_norm_tracked<C: CheckpointStrategy, const D: usize>(
+    x: Tensor<Autodiff<CudaBackend, C>, D>,
+    weight: Tensor<Autodiff<CudaBackend, C>, 1>,
+    eps: f64,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, D>, NotApplied<Autodiff<CudaBackend, C>, D>> {
+    let Some(d) = applies(&x, &weight, eps) else {
+        return Err((x, weight));
+    };
+    let dims = x.dims();
+    Ok(norm_autodiff(d, x.reshape([d.rows, d.hidden]), weight).reshape(dims))
+}
+
+/// What [`add_rms_norm_bf16`] hands back when it does not apply.
 pub type AddNormNotApplied<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Tensor<B, 1>);
 
 /// A decode step's residual sum and the next norm in one launch: `s = h + delta` (`h` itself
 /// without `delta`) and `rms_norm(s) · weight` rounded to bf16 (the next products' operand),
-/// for f32 `h`, `delta` `[rows, hidden]` and `weight` `[hidden]` on plain burn-cuda:
-/// `(s, y)`. Otherwise the inputs come back (the caller adds, norms and casts).
-pub fn try_add_rms_norm_bf16<B: Backend>(
-    h: Tensor<B, 2>,
-    delta: Option<Tensor<B, 2>>,
-    weight: Tensor<B, 1>,
+/// for f32 `h`, `delta` `[rows, hidden]` and `weight` `[hidden]`: `(s, y)`. Otherwise the
+/// inputs come back (the caller adds, norms and casts).
+#[allow(clippy::type_complexity)]
+pub fn add_rms_norm_bf16(
+    h: Tensor<CudaBackend, 2>,
+    delta: Option<Tensor<CudaBackend, 2>>,
+    weight: Tensor<CudaBackend, 1>,
     eps: f64,
-) -> Result<(Tensor<B, 2>, Tensor<B, 2>), AddNormNotApplied<B>> {
+) -> Result<(Tensor<CudaBackend, 2>, Tensor<CudaBackend, 2>), AddNormNotApplied<CudaBackend>> {
     let [rows, hidden] = h.dims();
     let applies = SWITCH.enabled()
-        && super::is_cuda::<B>()
         && hidden > 0
         && rows > 0
         && rows < (1 << 31)
@@ -209,12 +215,8 @@ pub fn try_add_rms_norm_bf16<B: Backend>(
     if !applies {
         return Err((h, delta, weight));
     }
-    let prim = |t: Tensor<B, 2>| {
-        let t: Tensor<CudaBackend, 2> = same(t);
-        into_contiguous(t.into_primitive().tensor())
-    };
-    let w: Tensor<CudaBackend, 1> = same(weight);
-    let w = into_contiguous(w.into_primitive().tensor());
+    let prim = |t: Tensor<CudaBackend, 2>| into_contiguous(t.into_primitive().tensor());
+    let w = into_contiguous(weight.into_primitive().tensor());
     let h = prim(h);
     let add = delta.is_some();
     let (delta, sum) = match delta {
@@ -241,19 +243,16 @@ pub fn try_add_rms_norm_bf16<B: Backend>(
             add as u32,
         ]),
     );
-    let wrap = |p: CudaPrimitive| -> Tensor<B, 2> {
-        same(Tensor::<CudaBackend, 2>::from_primitive(
-            TensorPrimitive::Float(p),
-        ))
-    };
+    let wrap =
+        |p: CudaPrimitive| Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p));
     Ok((wrap(sum), wrap(y)))
 }
 
-fn norm_autodiff(
+fn norm_autodiff<C: CheckpointStrategy>(
     d: Dims,
-    x: Tensor<Autodiff<CudaBackend>, 2>,
-    w: Tensor<Autodiff<CudaBackend>, 1>,
-) -> Tensor<Autodiff<CudaBackend>, 2> {
+    x: Tensor<Autodiff<CudaBackend, C>, 2>,
+    w: Tensor<Autodiff<CudaBackend, C>, 1>,
+) -> Tensor<Autodiff<CudaBackend, C>, 2> {
     let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
     let (xp, wp) = (
         into_contiguous(x.primitive.clone()),

@@ -11,13 +11,14 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("rope.cu");
 /// Threads per block, as in `rope.cu`.
@@ -84,18 +85,12 @@ impl Backward<CudaBackend, 1> for RopeBackward {
     }
 }
 
-/// `x · cos + rotate_half(x) · sin` for `x` `[batch, seq, heads, dim]` and tables
-/// `[batch, seq, 1, dim]` (constants: no gradient flows to them), differentiable in `x`, on
-/// burn-cuda when the kernel applies; otherwise `x` comes back.
-pub fn try_rope<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: &Tensor<B, 4>,
-    sin: &Tensor<B, 4>,
-) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
+/// The launch's sizes when the kernel takes f32 `x` `[batch, seq, heads, dim]` and tables
+/// `[batch, seq, 1, dim]`.
+fn applies<B: Backend>(x: &Tensor<B, 4>, cos: &Tensor<B, 4>, sin: &Tensor<B, 4>) -> Option<Dims> {
     let [b, t, heads, dim] = x.dims();
     let n = b * t * heads * dim;
-    let applies = SWITCH.enabled()
-        && super::is_cuda_or_autodiff::<B>()
+    let fits = SWITCH.enabled()
         && n > 0
         && n < (1 << 31)
         && dim.is_multiple_of(2)
@@ -104,40 +99,45 @@ pub fn try_rope<B: Backend>(
         && [x.dtype(), cos.dtype(), sin.dtype()]
             .iter()
             .all(|d| *d == DType::F32);
-    if !applies {
-        return Err(x);
-    }
-    let d = Dims {
+    fits.then_some(Dims {
         rows: b * t,
         heads,
         dim,
+    })
+}
+
+fn table(t: Tensor<CudaBackend, 4>) -> CudaPrimitive {
+    into_contiguous(t.into_primitive().tensor())
+}
+
+/// `x · cos + rotate_half(x) · sin` for `x` `[batch, seq, heads, dim]` and tables
+/// `[batch, seq, 1, dim]` by the forward kernel; otherwise `x` comes back.
+pub fn rope(
+    x: Tensor<CudaBackend, 4>,
+    cos: &Tensor<CudaBackend, 4>,
+    sin: &Tensor<CudaBackend, 4>,
+) -> Result<Tensor<CudaBackend, 4>, Tensor<CudaBackend, 4>> {
+    let Some(d) = applies(&x, cos, sin) else {
+        return Err(x);
     };
-    let table = |c: &Tensor<B, 4>| -> CudaPrimitive {
-        let inner: Tensor<CudaBackend, 4> = match downcast::<_, Tensor<CudaBackend, 4>>(c.clone()) {
-            Ok(c) => c,
-            Err(c) => same::<_, Tensor<Autodiff<CudaBackend>, 4>>(c).inner(),
-        };
-        into_contiguous(inner.into_primitive().tensor())
+    let xp = into_contiguous(x.into_primitive().tensor());
+    let y = launch(d, false, &xp, &table(cos.clone()), &table(sin.clone()));
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(y)))
+}
+
+/// [`rope`] under autodiff, differentiable in `x` (the tables are constants: no gradient flows
+/// to them).
+pub fn rope_tracked<C: CheckpointStrategy>(
+    x: Tensor<Autodiff<CudaBackend, C>, 4>,
+    cos: &Tensor<Autodiff<CudaBackend, C>, 4>,
+    sin: &Tensor<Autodiff<CudaBackend, C>, 4>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 4>, Tensor<Autodiff<CudaBackend, C>, 4>> {
+    let Some(d) = applies(&x, cos, sin) else {
+        return Err(x);
     };
-    let (cos, sin) = (table(cos), table(sin));
-    let x = match downcast::<_, Tensor<CudaBackend, 4>>(x) {
-        Ok(x) => {
-            let xp = into_contiguous(x.into_primitive().tensor());
-            let y = launch(d, false, &xp, &cos, &sin);
-            return Ok(same(Tensor::<CudaBackend, 4>::from_primitive(
-                TensorPrimitive::Float(y),
-            )));
-        }
-        Err(x) => x,
-    };
-    let x: Tensor<Autodiff<CudaBackend>, 4> = same(x);
+    let (cos, sin) = (table(cos.clone().inner()), table(sin.clone().inner()));
     let x = x.into_primitive().tensor();
     let xp = into_contiguous(x.primitive.clone());
     let y = launch(d, false, &xp, &cos, &sin);
-    Ok(same(record::<_, 1, 4>(
-        RopeBackward,
-        [&x],
-        Saved { d, cos, sin },
-        y,
-    )))
+    Ok(record(RopeBackward, [&x], Saved { d, cos, sin }, y))
 }

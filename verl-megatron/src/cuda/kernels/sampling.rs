@@ -9,8 +9,8 @@ use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{empty_f32, is_cuda, same, KernelSwitch};
-use crate::sampling::{RowSampling, SampledToken};
+use super::{empty_f32, KernelSwitch};
+use crate::ops::{RowSampling, SampledToken};
 
 const SOURCE: &str = include_str!("sampling.cu");
 /// Threads per block (one block per row), as in `sampling.cu`.
@@ -33,15 +33,14 @@ fn row_words(r: &RowSampling) -> [u32; 8] {
     ]
 }
 
-/// Samples each row of f32 `logits` `[rows, vocab]` on burn-cuda (see
-/// [`crate::sampling::sample_rows`]); the logits come back where the kernel does not apply.
-pub fn try_sample<B: Backend>(
-    logits: Tensor<B, 2>,
+/// Samples each row of f32 `logits` `[rows, vocab]` (the draw `crate::sampling` documents);
+/// the logits come back where the kernel does not apply.
+pub fn sample(
+    logits: Tensor<CudaBackend, 2>,
     rows: &[RowSampling],
-) -> Result<Vec<SampledToken>, Tensor<B, 2>> {
+) -> Result<Vec<SampledToken>, Tensor<CudaBackend, 2>> {
     let [n, vocab] = logits.dims();
     let applies = SWITCH.enabled()
-        && is_cuda::<B>()
         && n == rows.len()
         && n > 0
         && n < (1 << 31)
@@ -51,7 +50,6 @@ pub fn try_sample<B: Backend>(
     if !applies {
         return Err(logits);
     }
-    let logits: Tensor<CudaBackend, 2> = same(logits);
     let device = logits.device();
     let x = into_contiguous(logits.into_primitive().tensor());
     let words: Vec<f32> = rows

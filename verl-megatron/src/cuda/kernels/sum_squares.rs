@@ -6,8 +6,8 @@
 //! adds in a fixed order.
 //!
 //! It applies on burn-cuda to f32 tensors (a matrix as it is, any other rank as rows of its
-//! last dimension). The fallback, and every other backend, is the square-and-sum per tensor in
-//! `workers::optim` (the CPU default's gradient norm is unchanged bit for bit), which
+//! last dimension). The fallback, and every other backend, is the square-and-sum per tensor of
+//! `crate::ops::reference::sums_of_squares` (the CPU default's gradient norm), which
 //! `verl bench kernels` compares this kernel against.
 
 use burn::prelude::*;
@@ -16,7 +16,7 @@ use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{empty_f32, is_cuda, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("sum_squares.cu");
 /// Tensors per launch and threads per block, as in `sum_squares.cu`.
@@ -28,12 +28,6 @@ const BLOCKS: usize = 128;
 /// Whether the kernel is used where it applies: on unless `VERL_SUM_SQUARES=decomposed` in the
 /// environment, or `SWITCH.set(false)` (benchmarks compare the kernel with its fallback).
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_SUM_SQUARES");
-
-/// Whether the kernel takes tensors of backend `B` (plain burn-cuda; gradients are not
-/// autodiff tensors).
-pub fn applies<B: Backend>() -> bool {
-    SWITCH.enabled() && is_cuda::<B>()
-}
 
 /// `(rows, cols, row stride)` of a matrix whose rows are contiguous (copied first otherwise).
 fn as_rows(p: CudaPrimitive) -> (CudaPrimitive, [u32; 3]) {
@@ -49,11 +43,11 @@ fn as_rows(p: CudaPrimitive) -> (CudaPrimitive, [u32; 3]) {
 
 /// The sum of the squares of each tensor's elements (f64, in order), or `None` when the kernel
 /// does not apply (another backend, another dtype, or a tensor too large for its indexing).
-pub fn try_sums_of_squares<B: Backend>(tensors: &[Tensor<B, 2>]) -> Option<Vec<f64>> {
-    if !applies::<B>() || tensors.is_empty() {
+pub fn sums_of_squares(tensors: &[Tensor<CudaBackend, 2>]) -> Option<Vec<f64>> {
+    if !SWITCH.enabled() || tensors.is_empty() {
         return None;
     }
-    let fits = |t: &Tensor<B, 2>| {
+    let fits = |t: &Tensor<CudaBackend, 2>| {
         let [r, c] = t.dims();
         t.dtype() == DType::F32 && r < (1 << 31) && c < (1 << 31)
     };
@@ -65,8 +59,7 @@ pub fn try_sums_of_squares<B: Backend>(tensors: &[Tensor<B, 2>]) -> Option<Vec<f
         let mut buffers = Vec::with_capacity(TENSORS);
         let mut shapes = Vec::with_capacity(TENSORS);
         for t in chunk {
-            let t: Tensor<CudaBackend, 2> = same(t.clone());
-            let (p, dims) = as_rows(t.into_primitive().tensor());
+            let (p, dims) = as_rows(t.clone().into_primitive().tensor());
             buffers.push(p);
             shapes.push(dims);
         }

@@ -9,13 +9,14 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, empty_f32, record, same, CudaPrimitive, KernelSwitch};
+use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
 /// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
 const SOURCE: &str = concat!(include_str!("bf16_round.cuh"), include_str!("swiglu.cu"));
@@ -87,51 +88,68 @@ impl Backward<CudaBackend, 2> for SwigluBackward {
     }
 }
 
-/// `silu(gate) · up` for f32 tensors of one shape, differentiable in both, on burn-cuda when
-/// the kernel applies; otherwise the inputs come back for burn's operations.
-pub fn try_swiglu<B: Backend, const D: usize>(
-    gate: Tensor<B, D>,
-    up: Tensor<B, D>,
-) -> Result<Tensor<B, D>, (Tensor<B, D>, Tensor<B, D>)> {
+/// Whether the kernel takes `gate` and `up` (f32, one shape).
+fn applies<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> bool {
     let n = gate.shape().num_elements();
-    let applies = SWITCH.enabled()
-        && super::is_cuda_or_autodiff::<B>()
+    SWITCH.enabled()
         && gate.dims() == up.dims()
         && n > 0
         && n < (1 << 31)
         && gate.dtype() == DType::F32
-        && up.dtype() == DType::F32;
-    if !applies {
+        && up.dtype() == DType::F32
+}
+
+/// The inputs handed back.
+pub type NotApplied<B, const D: usize> = (Tensor<B, D>, Tensor<B, D>);
+
+/// `silu(gate) · up` for f32 tensors of one shape by the forward kernel; otherwise the inputs
+/// come back for burn's operations.
+pub fn swiglu<const D: usize>(
+    gate: Tensor<CudaBackend, D>,
+    up: Tensor<CudaBackend, D>,
+) -> Result<Tensor<CudaBackend, D>, NotApplied<CudaBackend, D>> {
+    if !applies(&gate, &up) {
         return Err((gate, up));
     }
-    let gate = match downcast::<_, Tensor<CudaBackend, D>>(gate) {
-        Ok(g) => {
-            let u: Tensor<CudaBackend, D> = same(up);
-            let out = forward_primitive(
-                &into_contiguous(g.into_primitive().tensor()),
-                &into_contiguous(u.into_primitive().tensor()),
-            );
-            return Ok(same(Tensor::<CudaBackend, D>::from_primitive(
-                TensorPrimitive::Float(out),
-            )));
-        }
-        Err(g) => g,
-    };
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, D>>(gate) {
-        Ok(g) => Ok(same(swiglu_autodiff(g, same(up)))),
-        Err(g) => Err((g, up)),
+    let out = forward_primitive(
+        &into_contiguous(gate.into_primitive().tensor()),
+        &into_contiguous(up.into_primitive().tensor()),
+    );
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
+}
+
+/// [`swiglu`] under autodiff, differentiable in both inputs by the backward kernel.
+pub fn swiglu_tracked<C: CheckpointStrategy, const D: usize>(
+    gate: Tensor<Autodiff<CudaBackend, C>, D>,
+    up: Tensor<Autodiff<CudaBackend, C>, D>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, D>, NotApplied<Autodiff<CudaBackend, C>, D>> {
+    if !applies(&gate, &up) {
+        return Err((gate, up));
     }
+    let (g, u) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
+    let (gp, up) = (
+        into_contiguous(g.primitive.clone()),
+        into_contiguous(u.primitive.clone()),
+    );
+    let out = forward_primitive(&gp, &up);
+    Ok(record(
+        SwigluBackward,
+        [&g, &u],
+        Saved { g: gp, u: up },
+        out,
+    ))
 }
 
 /// A decode step's `silu(gate) · up` from the fused gate/up product `gu` `[rows, 2 · inter]`
 /// (gate columns first, f32), rounded to bf16 for the down projection: `[rows, inter]` bf16 in
-/// one launch, on plain burn-cuda; otherwise `gu` comes back (the caller splits it and takes
-/// [`try_swiglu`]'s path and a cast).
-pub fn try_swiglu_packed_bf16<B: Backend>(gu: Tensor<B, 2>) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+/// one launch; otherwise `gu` comes back (the caller splits it and takes [`swiglu`]'s path and
+/// a cast).
+pub fn swiglu_packed_bf16(
+    gu: Tensor<CudaBackend, 2>,
+) -> Result<Tensor<CudaBackend, 2>, Tensor<CudaBackend, 2>> {
     let [rows, width] = gu.dims();
     let inter = width / 2;
     let applies = SWITCH.enabled()
-        && super::is_cuda::<B>()
         && width.is_multiple_of(2)
         && rows * inter > 0
         && rows * width < (1 << 31)
@@ -139,7 +157,6 @@ pub fn try_swiglu_packed_bf16<B: Backend>(gu: Tensor<B, 2>) -> Result<Tensor<B, 
     if !applies {
         return Err(gu);
     }
-    let gu: Tensor<CudaBackend, 2> = same(gu);
     let gu = into_contiguous(gu.into_primitive().tensor());
     let out = super::empty_of(&gu, vec![rows, inter], DType::BF16);
     CudaSource {
@@ -155,20 +172,5 @@ pub fn try_swiglu_packed_bf16<B: Backend>(gu: Tensor<B, 2>) -> Result<Tensor<B, 
         &[&gu, &out],
         pack_words(&[rows as u32, inter as u32]),
     );
-    Ok(same(Tensor::<CudaBackend, 2>::from_primitive(
-        TensorPrimitive::Float(out),
-    )))
-}
-
-fn swiglu_autodiff<const D: usize>(
-    g: Tensor<Autodiff<CudaBackend>, D>,
-    u: Tensor<Autodiff<CudaBackend>, D>,
-) -> Tensor<Autodiff<CudaBackend>, D> {
-    let (g, u) = (g.into_primitive().tensor(), u.into_primitive().tensor());
-    let (gp, up) = (
-        into_contiguous(g.primitive.clone()),
-        into_contiguous(u.primitive.clone()),
-    );
-    let out = forward_primitive(&gp, &up);
-    record(SwigluBackward, [&g, &u], Saved { g: gp, u: up }, out)
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }

@@ -15,6 +15,7 @@ use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::{DType, IntDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::into_contiguous;
@@ -22,7 +23,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{downcast, record, same, CudaPrimitive, KernelSwitch};
+use super::{record, CudaPrimitive, KernelSwitch};
 
 const SOURCE: &str = include_str!("vocab.cu");
 /// Threads per block and elements per backward thread, as in `vocab.cu`.
@@ -138,61 +139,55 @@ impl Backward<CudaBackend, 1> for StatsBackward {
     }
 }
 
-/// What [`try_vocab_stats`] hands back when it does not apply.
+/// What [`vocab_stats`] hands back when it does not apply.
 pub type NotApplied<B> = (Tensor<B, 2>, Tensor<B, 1, Int>);
 
-/// Per-row `[m, s, p, w]` (`[rows, 4]`, f32) of `logits` `[rows, vocab]` (f32 or bf16) for
-/// `labels` `[rows]` (an index into this shard, or negative when the label lies outside it:
-/// then `p` is 0); see the module documentation. Differentiable in the logits through `s`,
-/// `p` and `w` (`m` must be used as a constant). On burn-cuda when the kernel applies;
-/// otherwise the inputs come back.
-pub fn try_vocab_stats<B: Backend>(
-    logits: Tensor<B, 2>,
-    labels: Tensor<B, 1, Int>,
-) -> Result<Tensor<B, 2>, NotApplied<B>> {
+/// The launch's sizes when the kernel takes `logits` `[rows, vocab]` (f32 or bf16) and
+/// `labels` `[rows]`.
+fn dims_of<B: Backend>(logits: &Tensor<B, 2>, labels: &Tensor<B, 1, Int>) -> Option<Dims> {
     let [rows, vocab] = logits.dims();
     let bf16 = match logits.dtype() {
         DType::F32 => false,
         DType::BF16 => true,
-        _ => return Err((logits, labels)),
+        _ => return None,
     };
     // The backward's grid is (rows, vocabulary chunks): y may not pass 65 535.
     let chunks = vocab.div_ceil(BACKWARD_THREADS as usize * BACKWARD_UNROLL);
     let fits = rows > 0 && vocab > 0 && rows < (1 << 31) && chunks <= 65_535;
-    if !SWITCH.enabled() || !fits || labels.dims() != [rows] {
-        return Err((logits, labels));
-    }
-    let d = Dims { rows, vocab, bf16 };
-    // Labels are integers: under autodiff their values are the inner backend's.
-    let inner_labels = match downcast::<_, Tensor<CudaBackend, 1, Int>>(labels.clone()) {
-        Ok(l) => l,
-        Err(l) => match downcast::<_, Tensor<Autodiff<CudaBackend>, 1, Int>>(l) {
-            Ok(l) => l.inner(),
-            Err(_) => return Err((logits, labels)),
-        },
-    };
-    let labels_i32 = into_contiguous(inner_labels.cast(IntDType::I32).into_primitive());
-    let logits = match downcast::<_, Tensor<CudaBackend, 2>>(logits) {
-        Ok(x) => {
-            let x = rows_contiguous(x.into_primitive().tensor());
-            let stats = stats_primitive(d, &x, &labels_i32);
-            return Ok(same(Tensor::<CudaBackend, 2>::from_primitive(
-                TensorPrimitive::Float(stats),
-            )));
-        }
-        Err(x) => x,
-    };
-    match downcast::<_, Tensor<Autodiff<CudaBackend>, 2>>(logits) {
-        Ok(x) => Ok(same(stats_autodiff(d, x, labels_i32))),
-        Err(logits) => Err((logits, labels)),
-    }
+    (SWITCH.enabled() && fits && labels.dims() == [rows]).then_some(Dims { rows, vocab, bf16 })
 }
 
-fn stats_autodiff(
-    d: Dims,
-    logits: Tensor<Autodiff<CudaBackend>, 2>,
-    labels: CudaPrimitive,
-) -> Tensor<Autodiff<CudaBackend>, 2> {
+fn labels_i32(labels: Tensor<CudaBackend, 1, Int>) -> CudaPrimitive {
+    into_contiguous(labels.cast(IntDType::I32).into_primitive())
+}
+
+/// Per-row `[m, s, p, w]` (`[rows, 4]`, f32) of `logits` `[rows, vocab]` (f32 or bf16) for
+/// `labels` `[rows]` (an index into this shard, or negative when the label lies outside it:
+/// then `p` is 0); see the module documentation. By the statistics kernel when it applies;
+/// otherwise the inputs come back.
+pub fn vocab_stats(
+    logits: Tensor<CudaBackend, 2>,
+    labels: Tensor<CudaBackend, 1, Int>,
+) -> Result<Tensor<CudaBackend, 2>, NotApplied<CudaBackend>> {
+    let Some(d) = dims_of(&logits, &labels) else {
+        return Err((logits, labels));
+    };
+    let x = rows_contiguous(logits.into_primitive().tensor());
+    let stats = stats_primitive(d, &x, &labels_i32(labels));
+    Ok(Tensor::from_primitive(TensorPrimitive::Float(stats)))
+}
+
+/// [`vocab_stats`] under autodiff: differentiable in the logits through `s`, `p` and `w` (`m`
+/// must be used as a constant), the gradient written by the backward kernel in one pass.
+pub fn vocab_stats_tracked<C: CheckpointStrategy>(
+    logits: Tensor<Autodiff<CudaBackend, C>, 2>,
+    labels: Tensor<Autodiff<CudaBackend, C>, 1, Int>,
+) -> Result<Tensor<Autodiff<CudaBackend, C>, 2>, NotApplied<Autodiff<CudaBackend, C>>> {
+    let Some(d) = dims_of(&logits, &labels) else {
+        return Err((logits, labels));
+    };
+    // Labels are integers: under autodiff their values are the inner backend's.
+    let labels = labels_i32(labels.inner());
     let x = logits.into_primitive().tensor();
     let xp = rows_contiguous(x.primitive.clone());
     let stats = stats_primitive(d, &xp, &labels);
@@ -202,5 +197,5 @@ fn stats_autodiff(
         labels,
         stats: stats.clone(),
     };
-    record(StatsBackward, [&x], saved, stats)
+    Ok(record(StatsBackward, [&x], saved, stats))
 }

@@ -1,0 +1,69 @@
+//! The values the kernels exchange with the models, the rollout and the optimizer.
+
+use burn::prelude::*;
+
+/// How one row is sampled: vLLM's order is temperature, then min-p, then top-k, then top-p
+/// over what min-p and top-k kept; then one draw from the renormalised rest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowSampling {
+    /// 0: greedy (the first largest logit).
+    pub temperature: f32,
+    /// Keep the `top_k` largest logits (and any tied with the k-th); ≤ 0: off.
+    pub top_k: i32,
+    /// Keep the smallest most-likely set holding `top_p` of the probability; 1: off.
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the most likely one; 0: off.
+    pub min_p: f32,
+    /// The request's random stream.
+    pub seed: u64,
+    /// Which draw of the stream this is (tokens the request generated so far).
+    pub step: u32,
+}
+
+impl Default for RowSampling {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+            step: 0,
+        }
+    }
+}
+
+/// One row's chosen token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampledToken {
+    pub token: u32,
+    /// `log softmax(logits / T)[token]` over the whole vocabulary (T = 1 when greedy): the
+    /// log-prob the actor recomputes.
+    pub log_prob: f32,
+    /// Entropy of `softmax(logits / T)` over the whole vocabulary.
+    pub entropy: f32,
+    /// Tokens left after the filters (1 when greedy).
+    pub kept: u32,
+}
+
+/// A decode step's projections of one layer, as the decode-attention kernel reads them.
+pub enum DecodeProjections<B: Backend> {
+    /// `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads · head_dim]`, biases (if
+    /// any) already added.
+    Split {
+        q: Tensor<B, 2>,
+        k: Tensor<B, 2>,
+        v: Tensor<B, 2>,
+    },
+    /// The fused q/k/v product `[slots, (heads + 2 · kv_heads) · head_dim]` (q, then k, then
+    /// v) and its bias `[(heads + 2 · kv_heads) · head_dim]`, still to be added.
+    Packed {
+        qkv: Tensor<B, 2>,
+        bias: Option<Tensor<B, 1>>,
+    },
+}
+
+/// Where a prefill's keys and values go in a slot cache: target `i` copies the first `lens[i]`
+/// positions of prompt `sources[i]` into slot `slots[i]` at positions `starts[i]..starts[i] +
+/// lens[i]`: `(sources, slots, lens, starts)`.
+pub type PrefixTargets<'a> = (&'a [usize], &'a [usize], &'a [usize], &'a [usize]);

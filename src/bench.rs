@@ -2,6 +2,8 @@
 
 use std::time::Instant;
 
+#[cfg(feature = "cuda")]
+mod agreement;
 #[cfg(feature = "host-profile")]
 pub mod host_profile;
 #[cfg(feature = "cuda")]

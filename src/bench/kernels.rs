@@ -14,32 +14,10 @@ use verl::megatron::cuda::rank_device;
 use verl::megatron::layers::precision::{self, ComputeDtype};
 use verl::megatron::workers::adamw::{AdamW, AdamWHyper};
 
+use super::agreement::{relative_error, require_below};
 use super::median;
 
 type Device = burn::backend::cuda::CudaDevice;
-
-/// ‖a − b‖ / ‖b‖ (0 when both are zero).
-pub(super) fn relative_error<const D: usize>(
-    a: Tensor<CudaBackend, D>,
-    b: Tensor<CudaBackend, D>,
-) -> f64 {
-    let norm = |t: Tensor<CudaBackend, D>| {
-        t.cast(FloatDType::F32)
-            .powf_scalar(2.0)
-            .sum()
-            .sqrt()
-            .into_scalar()
-            .elem::<f64>()
-    };
-    let (a, b) = (a.cast(FloatDType::F32), b.cast(FloatDType::F32));
-    let den = norm(b.clone());
-    let num = norm(a - b);
-    if den == 0.0 {
-        num
-    } else {
-        num / den
-    }
-}
 
 /// max |a − b| (f32).
 fn max_abs_diff<const D: usize>(a: Tensor<CudaBackend, D>, b: Tensor<CudaBackend, D>) -> f64 {
@@ -310,14 +288,6 @@ fn check_gemm_kernel(kernel: &str, device: &Device, failures: &mut Vec<String>) 
             }
         }
         println!();
-    }
-}
-
-/// Records a failure named `what` unless every relative error in `errors` is finite and below
-/// `bound`.
-pub(super) fn require_below(failures: &mut Vec<String>, what: String, errors: &[f64], bound: f64) {
-    if !errors.iter().all(|e| e.is_finite() && *e < bound) {
-        failures.push(format!("{what}: {errors:?}"));
     }
 }
 

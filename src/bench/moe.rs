@@ -9,7 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use verl::backend::{DefaultAutodiff, DefaultBackend};
 use verl::megatron::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
 use verl::megatron::layers::precision::{self, ComputeDtype};
-use verl::megatron::models::mlp::FeedForward;
+use verl::megatron::models::feed_forward::FeedForward;
 use verl::megatron::models::qwen2_moe::SparseMoe;
 use verl::megatron::models::CausalLm;
 use verl::megatron::parallel::ParallelBackend;

@@ -254,7 +254,7 @@ pub fn check_decode(device: &Device, failures: &mut Vec<String>) {
             let compare = |a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]| {
                 a.iter()
                     .zip(b)
-                    .map(|(a, b)| super::kernels::relative_error(a.clone(), b.clone()))
+                    .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
                     .collect::<Vec<f64>>()
             };
             let errors = compare(&with, &without);
@@ -268,7 +268,7 @@ pub fn check_decode(device: &Device, failures: &mut Vec<String>) {
                 let layered = compare(&with, &run(&unfused, true));
                 let worst = layered.iter().copied().fold(0.0, f64::max);
                 println!("    fused step vs layer-by-layer step (kernels on): {worst:.2e}");
-                super::kernels::require_below(
+                super::agreement::require_below(
                     failures,
                     format!("fused decode step {heads}/{kv}x{hd}"),
                     &layered,
@@ -282,7 +282,7 @@ pub fn check_decode(device: &Device, failures: &mut Vec<String>) {
             } else {
                 3e-2
             };
-            super::kernels::require_below(
+            super::agreement::require_below(
                 failures,
                 format!("decode attention {heads}/{kv}x{hd} {compute}"),
                 &errors,

@@ -22,6 +22,7 @@ pub mod memory;
 pub mod metrics;
 pub mod profiling;
 pub mod reward_score;
+pub mod switch;
 pub mod topology;
 pub mod traits;
 pub mod weights;

@@ -85,7 +85,7 @@ pub fn listening() -> bool {
 /// Where every sample goes while [`listen`]'s guards are alive (set once per process; the
 /// profiler's memory timeline sets it).
 static LISTENER: std::sync::OnceLock<fn(MemoryUsage)> = std::sync::OnceLock::new();
-static LISTENING: crate::profiling::Switch = crate::profiling::Switch::new();
+static LISTENING: crate::switch::Switch = crate::switch::Switch::new();
 
 /// Sets the process's sample listener; `false` when another was set before (the first
 /// stays).
@@ -95,7 +95,7 @@ pub fn set_listener(listener: fn(MemoryUsage)) -> bool {
 
 /// Samples flow to the listener until the guard drops (guards count: the last one stops the
 /// flow).
-pub fn listen() -> crate::profiling::SwitchGuard {
+pub fn listen() -> crate::switch::SwitchGuard {
     LISTENING.hold()
 }
 

@@ -1149,7 +1149,7 @@ fn ranks_with_no_tokens_to_route_still_exchange() {
         let model =
             CausalLm::<CpuAutodiff>::init_stage(&cfg, 0.2, 3, &device, &groups, &whole).unwrap();
         let moe = match model.layers.into_iter().nth(1).map(|l| l.mlp) {
-            Some(verl_megatron::models::mlp::FeedForward::Moe(m)) => m,
+            Some(verl_megatron::models::feed_forward::FeedForward::Moe(m)) => m,
             _ => unreachable!("layer 1 is an expert block"),
         };
         let input = Tensor::<CpuAutodiff, 3>::from_inner(x.clone()).require_grad();

@@ -7,7 +7,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Int, TensorData};
 
-use super::kv_cache::{ChunkLayout, LayerKv, SlotKvCache};
+use super::kv_cache::{keys_up_to, ChunkLayout, LayerKv, SlotKvCache};
 use super::packing::PackedSequences;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
@@ -212,15 +212,6 @@ pub fn causal_bias<B: Backend>(t: usize, past: usize, device: &B::Device) -> Ten
     let keys = past + t;
     let allowed = keys_up_to(past..past + t, keys);
     Tensor::<B, 2>::from_data(TensorData::new(allowed, [t, keys]), device).reshape([1, 1, t, keys])
-}
-
-/// Additive bias rows over `keys` keys, one per entry of `lasts`: 0 for keys `0..=last`, −∞
-/// after (every causal mask here is this, row by row).
-pub(crate) fn keys_up_to(lasts: impl IntoIterator<Item = usize>, keys: usize) -> Vec<f32> {
-    lasts
-        .into_iter()
-        .flat_map(|last| (0..keys).map(move |j| if j <= last { 0.0 } else { f32::NEG_INFINITY }))
-        .collect()
 }
 
 /// `[batch, 1, t, past + t]`: causal, no padded key (`attention_mask` covers every key, 1 =

@@ -14,9 +14,10 @@ use super::attention::{
     attention_bias, causal_bias, decode_kernel_applies, positional_bias, Attention, AttentionMask,
     AttnCache,
 };
+use super::feed_forward::FeedForward;
 use super::generation::{FusedWeights, GenerationWeights};
 use super::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
-use super::mlp::{FeedForward, SwiGlu};
+use super::mlp::SwiGlu;
 use super::packing::PackedSequences;
 use super::qwen2_moe::SparseMoe;
 use crate::error::MegatronError;

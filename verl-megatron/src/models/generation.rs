@@ -25,8 +25,9 @@ use burn::prelude::*;
 
 use super::attention::{AttentionMask, AttnCache};
 use super::causal_lm::CausalLm;
+use super::feed_forward::FeedForward;
 use super::kv_cache::SlotKvCache;
-use super::mlp::{swiglu, FeedForward};
+use super::mlp::swiglu;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::RmsNorm;
 use crate::ops::FusedOps;

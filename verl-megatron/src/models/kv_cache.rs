@@ -242,7 +242,7 @@ impl ChunkLayout {
             .iter()
             .zip(&self.lens)
             .flat_map(|(&start, &len)| (0..t).map(move |q| if q < len { start + q } else { 0 }));
-        super::attention::keys_up_to(lasts, self.window())
+        keys_up_to(lasts, self.window())
     }
 }
 
@@ -277,4 +277,13 @@ impl<B: FusedOps> SlotKvCache<B> {
             cv.clone().select(0, idx).narrow(2, 0, window),
         )
     }
+}
+
+/// Additive bias rows over `keys` keys, one per entry of `lasts`: 0 for keys `0..=last`, −∞
+/// after (every causal mask here is this, row by row).
+pub(crate) fn keys_up_to(lasts: impl IntoIterator<Item = usize>, keys: usize) -> Vec<f32> {
+    lasts
+        .into_iter()
+        .flat_map(|last| (0..keys).map(move |j| if j <= last { 0.0 } else { f32::NEG_INFINITY }))
+        .collect()
 }

@@ -1,11 +1,10 @@
-//! Feed-forward blocks: the SwiGLU MLP, and the choice between it and a mixture of experts.
+//! The SwiGLU MLP of a decoder layer.
 
-use crate::ops::FusedOps;
 use burn::module::Module;
 use burn::prelude::*;
 
-use super::qwen2_moe::SparseMoe;
 use crate::layers::{ColumnParallelLinear, RowParallelLinear};
+use crate::ops::FusedOps;
 use crate::parallel::{ParallelBackend, TpGroup};
 
 /// down(silu(gate(x)) · up(x)), the intermediate features split over tp ranks.
@@ -42,22 +41,4 @@ impl<B: ParallelBackend> SwiGlu<B> {
 /// burn-cuda, burn's operations elsewhere.
 pub fn swiglu<B: FusedOps, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
     B::swiglu(gate, up)
-}
-
-/// A decoder layer's feed-forward block.
-// One per layer: the size difference between variants costs nothing worth boxing for.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum FeedForward<B: Backend> {
-    Dense(SwiGlu<B>),
-    Moe(SparseMoe<B>),
-}
-
-impl<B: ParallelBackend> FeedForward<B> {
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        match self {
-            FeedForward::Dense(m) => m.forward(x),
-            FeedForward::Moe(m) => m.forward(x),
-        }
-    }
 }

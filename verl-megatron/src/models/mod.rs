@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod causal_lm;
+pub mod feed_forward;
 pub mod fused_log_probs;
 pub mod generate;
 pub mod generation;

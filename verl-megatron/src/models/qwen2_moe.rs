@@ -461,7 +461,7 @@ mod tests {
 
     use super::*;
     use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
-    use crate::models::mlp::FeedForward;
+    use crate::models::feed_forward::FeedForward;
     use crate::models::CausalLm;
 
     fn block(experts: usize, top_k: usize, coeff: f64) -> SparseMoe<CpuAutodiff> {

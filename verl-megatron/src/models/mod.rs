@@ -10,6 +10,7 @@ pub mod feed_forward;
 pub mod fused_log_probs;
 pub mod generate;
 pub mod generation;
+pub mod generation_weights;
 pub mod kv_cache;
 pub mod mlp;
 pub mod packing;
@@ -18,7 +19,7 @@ pub mod vocab_parallel;
 
 pub use causal_lm::{tp_split_dim, CausalLm, WeightBucket};
 pub use generate::{generate, GenerateOptions};
-pub use generation::GenerationWeights;
+pub use generation_weights::GenerationWeights;
 pub use kv_cache::{ChunkLayout, KvCache, LayerKv, SlotKvCache};
 pub use vocab_parallel::vocab_parallel_log_probs;
 

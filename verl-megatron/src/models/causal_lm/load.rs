@@ -1,0 +1,500 @@
+//! Building a [`CausalLm`] from a Hugging Face checkpoint, from named tensors, or from a random
+//! init: every tensor by its HF name through a [`TensorSource`], sharded for this rank's layout.
+
+use super::{CausalLm, DecoderLayer, PipelineStageLayout};
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use burn::prelude::*;
+use burn::tensor::TensorData;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use verl_core::NamedTensor;
+
+use crate::error::MegatronError;
+use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
+use crate::layers::precision::ComputeDtype;
+use crate::layers::{
+    ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
+};
+use crate::models::attention::Attention;
+use crate::models::feed_forward::FeedForward;
+use crate::models::generation_weights::FusedWeights;
+use crate::models::mlp::SwiGlu;
+use crate::models::qwen2_moe::SparseMoe;
+use crate::parallel::{ModelGroups, ParallelBackend, TpGroup};
+
+/// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.
+pub trait TensorSource<B: Backend> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError>;
+
+    /// `(start, len)` of dimension `dim` of the tensor: a tensor-parallel rank's shard. By
+    /// default the whole tensor is loaded and narrowed.
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        (start, len): (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        Ok(self.load::<D>(name)?.narrow(dim, start, len))
+    }
+}
+
+/// Tensors read from an HF checkpoint.
+struct CheckpointSource<'a, B: Backend> {
+    ckpt: &'a HfCheckpoint,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> TensorSource<B> for CheckpointSource<'_, B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        self.ckpt.load::<B, D>(name, self.device)
+    }
+
+    /// Reads only the shard's bytes.
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        part: (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        self.ckpt
+            .load_part::<B, D>(name, dim, Some(part), self.device)
+    }
+}
+
+/// Tensors handed over by name, each taken (moved out) when loaded: full tensors, or this
+/// rank's shards (told apart by their extent along the split dimension against the full
+/// shape in `full`).
+struct NamedSource<B: Backend> {
+    tensors: RefCell<HashMap<String, NamedTensor<B>>>,
+    full: HashMap<String, Vec<usize>>,
+}
+
+impl<B: Backend> TensorSource<B> for NamedSource<B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        let t = self
+            .tensors
+            .borrow_mut()
+            .remove(name)
+            .ok_or_else(|| MegatronError::MissingWeight { name: name.into() })?;
+        t.to_tensor::<D>().map_err(|_| MegatronError::WeightShape {
+            name: name.into(),
+            expected: vec![0; D],
+            found: t.shape.clone(),
+        })
+    }
+
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        (start, len): (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        let t = self.load::<D>(name)?;
+        let full_extent = self.full.get(name).and_then(|s| s.get(dim)).copied();
+        Ok(match full_extent == Some(t.dims()[dim]) {
+            true => t.narrow(dim, start, len),
+            // Already this rank's shard: its real part (padding after it).
+            false => t.narrow(dim, 0, len),
+        })
+    }
+}
+
+/// Random initialisation, seeded per tensor name; shapes from the architecture's tensor table.
+struct RandomInit<'a, B: Backend> {
+    shapes: HashMap<String, Vec<usize>>,
+    std: f64,
+    seed: u64,
+    device: &'a B::Device,
+}
+
+impl<B: Backend> TensorSource<B> for RandomInit<'_, B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        let shape = self
+            .shapes
+            .get(name)
+            .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else if name.ends_with(".bias") {
+            vec![0.0; n]
+        } else {
+            // FNV-1a of the name, mixed with the seed: an order-independent stream per tensor.
+            let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            let mut rng = StdRng::seed_from_u64(h ^ self.seed);
+            (0..n)
+                .map(|_| {
+                    // Box–Muller.
+                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+                    let u2: f64 = rng.random();
+                    let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                    (z * self.std) as f32
+                })
+                .collect()
+        };
+        let mut dims = [0; D];
+        dims.copy_from_slice(shape);
+        Ok(Tensor::from_data(
+            TensorData::new(values, dims),
+            self.device,
+        ))
+    }
+}
+
+impl<B: ParallelBackend> CausalLm<B> {
+    /// Loads the model from an open checkpoint (verified against `cfg` first), one tensor at a
+    /// time.
+    pub fn from_checkpoint(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+    ) -> Result<Self, MegatronError> {
+        Self::from_checkpoint_sharded(cfg, ckpt, device, &TpGroup::none())
+    }
+
+    /// This tensor-parallel rank's shard of the checkpoint's model: each tensor's shard is
+    /// read alone from the mapped file (the full tensors are never materialised).
+    pub fn from_checkpoint_sharded(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
+        ckpt.verify(cfg)?;
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, tp, &whole)
+    }
+
+    /// This tensor- and pipeline-parallel rank's part of the checkpoint's model.
+    pub fn from_checkpoint_stage(
+        cfg: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        device: &B::Device,
+        groups: impl Into<ModelGroups>,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
+        ckpt.verify(cfg)?;
+        Self::from_source(cfg, &CheckpointSource { ckpt, device }, groups, stage)
+    }
+
+    /// A freshly initialised model (training from scratch): weights drawn from
+    /// N(0, `std`²) (HF's `initializer_range`, 0.02 by default), norms at 1, biases at 0, each
+    /// tensor seeded by `seed` and its name so the result does not depend on load order.
+    pub fn init(cfg: &HfModelConfig, std: f64, seed: u64, device: &B::Device) -> Self {
+        Self::init_sharded(cfg, std, seed, device, &TpGroup::none())
+            .expect("an unsharded model fits any configuration")
+    }
+
+    /// This tensor-parallel rank's shard of [`Self::init`]'s model: the same weights whatever
+    /// the layout (each full tensor is drawn, then cut), so layouts can be compared exactly.
+    pub fn init_sharded(
+        cfg: &HfModelConfig,
+        std: f64,
+        seed: u64,
+        device: &B::Device,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        Self::init_stage(cfg, std, seed, device, tp, &whole)
+    }
+
+    /// This tensor- and pipeline-parallel rank's part of [`Self::init`]'s model.
+    pub fn init_stage(
+        cfg: &HfModelConfig,
+        std: f64,
+        seed: u64,
+        device: &B::Device,
+        groups: impl Into<ModelGroups>,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
+        let shapes = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        Self::from_source(
+            cfg,
+            &RandomInit {
+                shapes,
+                std,
+                seed,
+                device,
+            },
+            groups,
+            stage,
+        )
+    }
+
+    /// Builds the model from named full tensors (the rollout engine rebuilding its weights
+    /// from a stream). Every tensor `cfg` implies must be present with its shape.
+    pub fn from_named_tensors(
+        cfg: &HfModelConfig,
+        tensors: HashMap<String, NamedTensor<B>>,
+    ) -> Result<Self, MegatronError> {
+        let specs = hf_tensor_specs(cfg);
+        let wanted: HashMap<&str, &TensorSpec> =
+            specs.iter().map(|s| (s.name.as_str(), s)).collect();
+        for t in tensors.values() {
+            let spec = wanted
+                .get(t.name.as_str())
+                .ok_or_else(|| MegatronError::UnknownWeight {
+                    name: t.name.clone(),
+                })?;
+            if spec.shape != t.shape {
+                return Err(MegatronError::WeightShape {
+                    name: t.name.clone(),
+                    expected: spec.shape.clone(),
+                    found: t.shape.clone(),
+                });
+            }
+        }
+        Self::from_named_shards(cfg, tensors, &TpGroup::none())
+    }
+
+    /// This tensor-parallel rank's whole model (every layer) from tensors by HF name, each
+    /// either full or already this rank's shard: how a tensor-parallel rollout engine rebuilds
+    /// its model from a weight stream.
+    pub fn from_named_shards(
+        cfg: &HfModelConfig,
+        tensors: HashMap<String, NamedTensor<B>>,
+        tp: &TpGroup,
+    ) -> Result<Self, MegatronError> {
+        let full = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let whole = PipelineStageLayout::whole(cfg.num_hidden_layers);
+        let source = NamedSource {
+            tensors: RefCell::new(tensors),
+            full,
+        };
+        Self::from_source(cfg, &source, tp, &whole)
+    }
+
+    /// Builds this tensor-parallel rank's model taking each tensor (or its shard), by HF name,
+    /// from `source`. A layout the model cannot be split into is refused first
+    /// ([`HfModelConfig::check_tensor_parallel`]).
+    pub fn from_source<S: TensorSource<B>>(
+        cfg: &HfModelConfig,
+        source: &S,
+        groups: impl Into<ModelGroups>,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
+        let groups: ModelGroups = groups.into();
+        let tp = &groups.tp;
+        let (ep, etp) = (&groups.ep, groups.expert_tp());
+        cfg.check_layout(tp.size, ep.size, etp.size)?;
+        if stage.layers.end > cfg.num_hidden_layers || stage.stage >= stage.stages {
+            return Err(MegatronError::Setting {
+                field: "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size".into(),
+                message: format!(
+                    "stage {} of {} cannot hold layers {:?} of a {}-layer model",
+                    stage.stage, stage.stages, stage.layers, cfg.num_hidden_layers
+                ),
+            });
+        }
+        let shapes: HashMap<String, Vec<usize>> = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let w1 = |name: &str| source.load::<1>(name);
+        // This rank's part of dimension `dim` of `name`, split over `group`.
+        let part =
+            |name: &str, dim: usize, group: &TpGroup| -> Result<(usize, usize), MegatronError> {
+                let shape = shapes
+                    .get(name)
+                    .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
+                Ok(group.part(shape[dim]))
+            };
+        let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
+            if present {
+                Ok(Some(w1(&name)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
+            Ok(RmsNorm::new(w1(name)?, cfg.rms_norm_eps))
+        };
+        // Output rows (and bias) split over `group`: q/k/v, gate/up, the LM head.
+        let column_of = |p: &str,
+                         bias: bool,
+                         group: &TpGroup|
+         -> Result<ColumnParallelLinear<B>, MegatronError> {
+            let w = format!("{p}.weight");
+            let rows = part(&w, 0, group)?;
+            let bias = if bias {
+                Some(source.load_part::<1>(&format!("{p}.bias"), 0, rows)?)
+            } else {
+                None
+            };
+            Ok(ColumnParallelLinear::new(
+                source.load_part::<2>(&w, 0, rows)?,
+                bias,
+            ))
+        };
+        // Input columns split over `group`, bias whole: o_proj, down_proj.
+        let row_of =
+            |p: &str, bias: bool, group: &TpGroup| -> Result<RowParallelLinear<B>, MegatronError> {
+                let w = format!("{p}.weight");
+                let cols = part(&w, 1, group)?;
+                Ok(RowParallelLinear::new(
+                    source.load_part::<2>(&w, 1, cols)?,
+                    opt1(format!("{p}.bias"), bias)?,
+                    group,
+                ))
+            };
+        let column = |p: &str, bias: bool| column_of(p, bias, tp);
+        let row = |p: &str, bias: bool| row_of(p, bias, tp);
+        let replicated = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
+            Ok(ColumnParallelLinear::new(
+                source.load::<2>(&format!("{p}.weight"))?,
+                opt1(format!("{p}.bias"), bias)?,
+            ))
+        };
+        // A SwiGLU MLP with its features split over `group` (tp, or expert tp for experts).
+        let swiglu_of = |p: &str, group: &TpGroup| -> Result<SwiGlu<B>, MegatronError> {
+            Ok(SwiGlu {
+                gate_proj: column_of(&format!("{p}.gate_proj"), false, group)?,
+                up_proj: column_of(&format!("{p}.up_proj"), false, group)?,
+                down_proj: row_of(&format!("{p}.down_proj"), false, group)?,
+                tp: group.clone(),
+            })
+        };
+        let swiglu = |p: &str| swiglu_of(p, tp);
+        // This rank's rows of a vocabulary-split weight, zero rows for the padding.
+        let vocab_rows = |name: &str| -> Result<Tensor<B, 2>, MegatronError> {
+            let hidden = shapes
+                .get(name)
+                .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?[1];
+            let (start, real, per) = tp.vocab_part(cfg.vocab_size);
+            if real == per {
+                return source.load_part::<2>(name, 0, (start, real));
+            }
+            let (rows, device) = if real > 0 {
+                let rows = source.load_part::<2>(name, 0, (start, real))?;
+                let device = rows.device();
+                (Some(rows), device)
+            } else {
+                // All padding: one real row only tells the device.
+                (None, source.load_part::<2>(name, 0, (0, 1))?.device())
+            };
+            let pad = Tensor::<B, 2>::zeros([per - real, hidden], &device);
+            Ok(match rows {
+                Some(rows) => Tensor::cat(vec![rows, pad], 0),
+                None => pad,
+            })
+        };
+        let mut layers = Vec::with_capacity(stage.layers.len());
+        for l in stage.layers.clone() {
+            let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
+            let qk_norm = cfg.architecture == Architecture::Qwen3;
+            let self_attn = Attention {
+                q_proj: column(&format!("{a}.q_proj"), cfg.qkv_bias)?,
+                k_proj: column(&format!("{a}.k_proj"), cfg.qkv_bias)?,
+                v_proj: column(&format!("{a}.v_proj"), cfg.qkv_bias)?,
+                o_proj: row(&format!("{a}.o_proj"), cfg.o_bias)?,
+                q_norm: if qk_norm {
+                    Some(norm(&format!("{a}.q_norm.weight"))?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(norm(&format!("{a}.k_norm.weight"))?)
+                } else {
+                    None
+                },
+                num_heads: cfg.num_attention_heads / tp.size,
+                num_kv_heads: cfg.num_key_value_heads / tp.size,
+                head_dim: cfg.head_dim,
+                tp: tp.clone(),
+                cp: groups.cp.clone(),
+            };
+            let mlp = match &cfg.moe {
+                Some(moe) if moe.is_moe_layer(l) => {
+                    // This ep rank's experts, each split over the expert tp group.
+                    let local = moe.num_experts / ep.size;
+                    let first = ep.rank * local;
+                    FeedForward::Moe(SparseMoe {
+                        gate: replicated(&format!("{p}.mlp.gate"), false)?,
+                        experts: (first..first + local)
+                            .map(|e| swiglu_of(&format!("{p}.mlp.experts.{e}"), etp))
+                            .collect::<Result<_, _>>()?,
+                        shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
+                        shared_expert_gate: replicated(
+                            &format!("{p}.mlp.shared_expert_gate"),
+                            false,
+                        )?,
+                        top_k: moe.num_experts_per_tok,
+                        norm_topk_prob: moe.norm_topk_prob,
+                        num_experts: moe.num_experts,
+                        first_expert: first,
+                        tp: tp.clone(),
+                        ep: ep.clone(),
+                        etp: etp.clone(),
+                        cp: groups.cp.clone(),
+                        aux_loss_coeff: 0.0,
+                    })
+                }
+                _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+                self_attn,
+                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                mlp,
+            });
+        }
+        let (lm_head, score) = match cfg.head {
+            _ if !stage.is_last() => (None, None),
+            HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
+            HeadKind::CausalLm => (
+                Some(ColumnParallelLinear::new(
+                    vocab_rows("lm_head.weight")?,
+                    None,
+                )),
+                None,
+            ),
+            HeadKind::TokenClassification { .. } => (None, Some(replicated("score", true)?)),
+            HeadKind::SequenceClassification { .. } => (None, Some(replicated("score", false)?)),
+        };
+        // The last stage computes tied logits with its own copy of the embedding (its gradient
+        // is summed with the first stage's, as Megatron's embedding group does).
+        let tied_head =
+            stage.is_last() && cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings;
+        Ok(Self {
+            embed_tokens: if stage.is_first() || tied_head {
+                Some(VocabParallelEmbedding::new(
+                    vocab_rows("model.embed_tokens.weight")?,
+                    tp,
+                ))
+            } else {
+                None
+            },
+            layers,
+            norm: if stage.is_last() {
+                Some(norm("model.norm.weight")?)
+            } else {
+                None
+            },
+            lm_head,
+            score,
+            rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            tp: tp.clone(),
+            cp: groups.cp.clone(),
+            vocab_size: cfg.vocab_size,
+            stage: stage.clone(),
+            tie_word_embeddings: cfg.head == HeadKind::CausalLm && cfg.tie_word_embeddings,
+            compute_dtype: ComputeDtype::F32,
+            moe_aux_loss_coeff: 0.0,
+            fused_head_chunk: None,
+            pack_sequences: false,
+            config: cfg.clone(),
+            generation: FusedWeights::default(),
+        })
+    }
+}

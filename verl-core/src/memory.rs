@@ -148,6 +148,7 @@ impl CountingAllocator {
 // SAFETY: every call is forwarded to `System` unchanged; only counters are added.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract (a valid, non-zero-size layout) is passed on unchanged.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             grew(layout.size() as u64);
@@ -157,6 +158,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as `alloc`: the caller's layout is passed on unchanged.
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             grew(layout.size() as u64);
@@ -166,11 +168,15 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `System` through this allocator with `layout` (every
+        // allocation above forwards to it).
         unsafe { System.dealloc(ptr, layout) };
         LIVE_BYTES.fetch_sub(layout.size() as u64, Ordering::Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from `System` with `layout` (as in `dealloc`) and the caller
+        // guarantees `new_size` is valid for that layout's alignment.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
             grew(new_size as u64);

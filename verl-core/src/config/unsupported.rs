@@ -3,6 +3,7 @@
 //! what to do instead. A key that parses but changes nothing would be a silent lie; a key that
 //! starts to be honoured leaves this list.
 
+use super::profiler::{NpuToolConfig, ProfilerTool, ToolConfig};
 use super::{MegatronConfig, VerlConfig};
 use crate::error::ConfigError;
 
@@ -198,6 +199,20 @@ fn reward_model_dynamic_batch(on: bool, budget: usize) -> Result<(), ConfigError
 
 /// Refuses every key of `cfg` that is set to a value verl-rs does not act on.
 pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    refuse_data(cfg)?;
+    refuse_trainer(cfg)?;
+    refuse_model(cfg)?;
+    refuse_actor_and_reference(cfg)?;
+    refuse_rollout(cfg)?;
+    refuse_critic(cfg)?;
+    refuse_reward_model(cfg)?;
+    refuse_rollout_correction(cfg)?;
+    refuse_unsupported_profiling(cfg)?;
+    Ok(())
+}
+
+/// Refuses the keys of data set to values verl-rs does not act on.
+fn refuse_data(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let d = &cfg.data;
     for (key, on) in [
         ("data.return_raw_input_ids", d.return_raw_input_ids),
@@ -220,6 +235,11 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to 0 or remove it",
     )?;
 
+    Ok(())
+}
+
+/// Refuses the keys of trainer set to values verl-rs does not act on.
+fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let t = &cfg.trainer;
     // The workers run on burn-cuda in a `cuda` build and on the CPU default otherwise; `cuda`
     // is verl's default, so a CPU build takes it too (as its embedded default).
@@ -277,6 +297,11 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false (validation runs every trainer.test_freq steps)",
     )?;
 
+    Ok(())
+}
+
+/// Refuses the keys of the actor / rollout / reference model set to values verl-rs does not act on.
+fn refuse_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let arr = &cfg.actor_rollout_ref;
     require(
         arr.hybrid_engine,
@@ -346,6 +371,12 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "set it to true, or unset actor_rollout_ref.model.path to train from scratch",
         )?;
     }
+    Ok(())
+}
+
+/// Refuses the keys of the actor and the reference set to values verl-rs does not act on.
+fn refuse_actor_and_reference(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    let arr = &cfg.actor_rollout_ref;
     let actor = &arr.actor;
     strategy("actor_rollout_ref.actor.strategy", &actor.strategy)?;
     let actor_cp = actor.megatron.context_parallel_size;
@@ -432,6 +463,13 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "remove it, or set the rollout's to the same value",
         )?;
     }
+    Ok(())
+}
+
+/// Refuses the keys of the rollout set to values verl-rs does not act on.
+fn refuse_rollout(cfg: &VerlConfig) -> Result<(), ConfigError> {
+    let arr = &cfg.actor_rollout_ref;
+    let actor_cp = arr.actor.megatron.context_parallel_size;
     let rollout = &arr.rollout;
     dynamic_batch(
         cfg,
@@ -470,6 +508,11 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to true",
     )?;
 
+    Ok(())
+}
+
+/// Refuses the keys of the critic set to values verl-rs does not act on.
+fn refuse_critic(cfg: &VerlConfig) -> Result<(), ConfigError> {
     if cfg.critic_enabled() {
         let c = &cfg.critic;
         strategy("critic.strategy", &c.strategy)?;
@@ -526,6 +569,11 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         }
     }
 
+    Ok(())
+}
+
+/// Refuses the keys of the reward model set to values verl-rs does not act on.
+fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let rm = &cfg.reward_model;
     if rm.enable {
         strategy("reward_model.strategy", &rm.strategy)?;
@@ -610,6 +658,11 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false",
     )?;
 
+    Ok(())
+}
+
+/// Refuses the keys of algorithm.rollout_correction set to values verl-rs does not act on.
+fn refuse_rollout_correction(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let rc = &cfg.algorithm.rollout_correction;
     require(
         !rc.bypass_mode,
@@ -635,79 +688,9 @@ pub(super) fn refuse_unsupported(cfg: &VerlConfig) -> Result<(), ConfigError> {
 /// cuda / memory, the older torch step window, and nsys's Ray launch options — in
 /// `global_profiler.global_tool_config` and in each role's `tool_config`, enabled or not.
 fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
-    use super::profiler::{NpuToolConfig, ProfilerTool};
     let arr = &cfg.actor_rollout_ref;
-    let tool_ok = |key: &str, tool: Option<ProfilerTool>| match tool {
-        Some(ProfilerTool::Npu) => require(
-            false,
-            key,
-            "npu",
-            "this machine has no Ascend NPU (verl-rs runs on burn's CPU and CUDA backends)",
-            "use tool=torch, torch_memory or nsys",
-        ),
-        _ => Ok(()),
-    };
-    let tools_ok = |prefix: &str, tools: &super::profiler::ToolConfig| {
-        let key = |rest: &str| format!("{prefix}.{rest}");
-        let bad: Vec<&String> = tools
-            .torch
-            .contents
-            .iter()
-            .filter(|c| !matches!(c.as_str(), "cpu" | "cuda" | "memory"))
-            .collect();
-        require(
-            bad.is_empty(),
-            &key("torch.contents"),
-            &bad,
-            "verl-rs's torch-style captures record host spans (`cpu`), device spans (`cuda`) and \
-             memory samples (`memory`); `shapes` and `stack` are not recorded",
-            "choose from [cpu, cuda, memory] (empty: cpu and cuda)",
-        )?;
-        require(
-            tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
-            &key("torch.step_start"),
-            (tools.torch.step_start, tools.torch.step_end),
-            "the step window inside a capture is verl's older setting",
-            "choose the steps with global_profiler.steps and remove step_start / step_end",
-        )?;
-        for (field, set) in [
-            (
-                "nsys.controller_nsight_options",
-                &tools.nsys.controller_nsight_options,
-            ),
-            (
-                "nsys.worker_nsight_options",
-                &tools.nsys.worker_nsight_options,
-            ),
-        ] {
-            require(
-                set.is_none(),
-                &key(field),
-                set,
-                "verl passes these to Ray to start processes under nsys; verl-rs's processes \
-                 are yours to start",
-                "remove it and run `nsys profile --capture-range=cudaProfilerApi \
-                 --capture-range-end=repeat <your options> verl train ...` (the nsys tool opens \
-                 the capture range around the profiled steps)",
-            )?;
-        }
-        require(
-            tools.npu == NpuToolConfig::default(),
-            &key("npu"),
-            &tools.npu,
-            "there is no NPU to profile",
-            "remove the npu settings",
-        )?;
-        require(
-            tools.torch_memory.trace_alloc_max_entries > 0,
-            &key("torch_memory.trace_alloc_max_entries"),
-            0,
-            "a memory timeline keeps at least one sample",
-            "set it to 1 or more (default 100000)",
-        )
-    };
-    tool_ok("global_profiler.tool", cfg.global_profiler.tool)?;
-    tools_ok(
+    refuse_npu_tool("global_profiler.tool", cfg.global_profiler.tool)?;
+    refuse_tool_config(
         "global_profiler.global_tool_config",
         &cfg.global_profiler.global_tool_config,
     )?;
@@ -718,9 +701,9 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
         ("critic", &cfg.critic.profiler),
         ("reward_model", &cfg.reward_model.profiler),
     ] {
-        tool_ok(&format!("{role}.profiler.tool"), profiler.tool)?;
+        refuse_npu_tool(&format!("{role}.profiler.tool"), profiler.tool)?;
         if let Some(tools) = &profiler.tool_config {
-            tools_ok(&format!("{role}.profiler.tool_config"), tools)?;
+            refuse_tool_config(&format!("{role}.profiler.tool_config"), tools)?;
         }
         if !profiler.enable {
             continue;
@@ -752,6 +735,81 @@ fn refuse_unsupported_profiling(cfg: &VerlConfig) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// Refuses the `npu` tool.
+fn refuse_npu_tool(key: &str, tool: Option<ProfilerTool>) -> Result<(), ConfigError> {
+    match tool {
+        Some(ProfilerTool::Npu) => require(
+            false,
+            key,
+            "npu",
+            "this machine has no Ascend NPU (verl-rs runs on burn's CPU and CUDA backends)",
+            "use tool=torch, torch_memory or nsys",
+        ),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses the tool settings of `prefix` that verl-rs cannot honour.
+fn refuse_tool_config(prefix: &str, tools: &ToolConfig) -> Result<(), ConfigError> {
+    let key = |rest: &str| format!("{prefix}.{rest}");
+    let bad: Vec<&String> = tools
+        .torch
+        .contents
+        .iter()
+        .filter(|c| !matches!(c.as_str(), "cpu" | "cuda" | "memory"))
+        .collect();
+    require(
+        bad.is_empty(),
+        &key("torch.contents"),
+        &bad,
+        "verl-rs's torch-style captures record host spans (`cpu`), device spans (`cuda`) and \
+             memory samples (`memory`); `shapes` and `stack` are not recorded",
+        "choose from [cpu, cuda, memory] (empty: cpu and cuda)",
+    )?;
+    require(
+        tools.torch.step_start == 0 && tools.torch.step_end.is_none(),
+        &key("torch.step_start"),
+        (tools.torch.step_start, tools.torch.step_end),
+        "the step window inside a capture is verl's older setting",
+        "choose the steps with global_profiler.steps and remove step_start / step_end",
+    )?;
+    for (field, set) in [
+        (
+            "nsys.controller_nsight_options",
+            &tools.nsys.controller_nsight_options,
+        ),
+        (
+            "nsys.worker_nsight_options",
+            &tools.nsys.worker_nsight_options,
+        ),
+    ] {
+        require(
+            set.is_none(),
+            &key(field),
+            set,
+            "verl passes these to Ray to start processes under nsys; verl-rs's processes \
+                 are yours to start",
+            "remove it and run `nsys profile --capture-range=cudaProfilerApi \
+                 --capture-range-end=repeat <your options> verl train ...` (the nsys tool opens \
+                 the capture range around the profiled steps)",
+        )?;
+    }
+    require(
+        tools.npu == NpuToolConfig::default(),
+        &key("npu"),
+        &tools.npu,
+        "there is no NPU to profile",
+        "remove the npu settings",
+    )?;
+    require(
+        tools.torch_memory.trace_alloc_max_entries > 0,
+        &key("torch_memory.trace_alloc_max_entries"),
+        0,
+        "a memory timeline keeps at least one sample",
+        "set it to 1 or more (default 100000)",
+    )
 }
 
 #[cfg(test)]

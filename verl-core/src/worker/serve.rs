@@ -16,7 +16,7 @@ use futures::future::LocalBoxFuture;
 use super::methods::Method;
 use super::{panic_message, MethodTable, RankContext, Worker};
 use crate::error::{Error, Result, WorkerError};
-use crate::wire::{connect, split, Message, RemoteError};
+use crate::wire::{connect, split, Message, RemoteError, WireReader};
 use crate::DataProto;
 
 /// The exit status of a rank process that stopped because the driver aborted the job (or went
@@ -114,49 +114,12 @@ where
         .local_addr()
         .map_err(|e| Error::backend("worker", format!("connection to {driver}: {e}")))?
         .ip();
-    let (mut reader, writer) = split(stream)?;
+    let (reader, writer) = split(stream)?;
     writer.send(Message::Hello {
         rank,
         pid: std::process::id(),
     })?;
-    let (calls_tx, calls) = mpsc::channel::<Incoming>();
-    std::thread::Builder::new()
-        .name("verl-rank-link".into())
-        .spawn(move || loop {
-            let stop = |why: String| -> ! {
-                eprintln!("rank {rank}: stopping: {why}");
-                std::process::exit(EXIT_ABORTED)
-            };
-            match reader.recv() {
-                Ok(Some(Message::Call {
-                    id,
-                    method,
-                    payload,
-                })) => {
-                    let _ = calls_tx.send(Incoming::Call {
-                        id,
-                        method,
-                        payload,
-                    });
-                }
-                Ok(Some(Message::Shutdown)) => {
-                    let _ = calls_tx.send(Incoming::Shutdown);
-                    return;
-                }
-                Ok(Some(Message::Abort { reason })) => {
-                    stop(format!("the driver aborted: {reason}"))
-                }
-                Ok(Some(other)) => stop(format!("unexpected message from the driver: {other:?}")),
-                Ok(None) => stop("the driver went away".into()),
-                Err(e) => stop(format!("the driver's connection failed: {e}")),
-            }
-        })
-        .map_err(|e| {
-            Error::from(WorkerError::Spawn {
-                rank,
-                message: e.to_string(),
-            })
-        })?;
+    let calls = spawn_link_reader(rank, reader)?;
 
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -195,22 +158,8 @@ where
                 roles = Some(build(&payload, &link)?);
                 return Ok(Vec::new());
             }
-            let roles = roles.as_mut().ok_or_else(|| {
-                Error::backend("worker", format!("`{method}` was called before the setup"))
-            })?;
-            let (role, name) = method.split_once('.').ok_or_else(|| {
-                Error::backend(
-                    "worker",
-                    format!("`{method}` is not of the form role.method"),
-                )
-            })?;
-            let known = roles.keys().cloned().collect::<Vec<_>>().join(", ");
-            let served = roles.get_mut(role).ok_or_else(|| {
-                Error::backend(
-                    "worker",
-                    format!("no role `{role}` on this rank (it has: {known})"),
-                )
-            })?;
+            let served = role_of(roles.as_mut(), &method)?;
+            let name = method.split_once('.').map_or("", |(_, name)| name);
             runtime.block_on(served.call(name, ctx.clone(), payload))
         }));
         let result = outcome.unwrap_or_else(|p| {
@@ -228,4 +177,69 @@ where
         }
     }
     Ok(())
+}
+
+/// Reads the driver's messages on a thread of their own and hands calls to the rank's loop; an
+/// abort, an unexpected message or a lost connection ends the process at once (the rank may be
+/// blocked in a collective that will never complete).
+fn spawn_link_reader(rank: usize, mut reader: WireReader) -> Result<mpsc::Receiver<Incoming>> {
+    let (calls_tx, calls) = mpsc::channel::<Incoming>();
+    std::thread::Builder::new()
+        .name("verl-rank-link".into())
+        .spawn(move || loop {
+            let stop = |why: String| -> ! {
+                eprintln!("rank {rank}: stopping: {why}");
+                std::process::exit(EXIT_ABORTED)
+            };
+            match reader.recv() {
+                Ok(Some(Message::Call {
+                    id,
+                    method,
+                    payload,
+                })) => {
+                    let _ = calls_tx.send(Incoming::Call {
+                        id,
+                        method,
+                        payload,
+                    });
+                }
+                Ok(Some(Message::Shutdown)) => {
+                    let _ = calls_tx.send(Incoming::Shutdown);
+                    return;
+                }
+                Ok(Some(Message::Abort { reason })) => {
+                    stop(format!("the driver aborted: {reason}"))
+                }
+                Ok(Some(other)) => stop(format!("unexpected message from the driver: {other:?}")),
+                Ok(None) => stop("the driver went away".into()),
+                Err(e) => stop(format!("the driver's connection failed: {e}")),
+            }
+        })
+        .map_err(|e| {
+            Error::from(WorkerError::Spawn {
+                rank,
+                message: e.to_string(),
+            })
+        })?;
+    Ok(calls)
+}
+
+/// The role a call `role.method` is for, or an error naming what is wrong with the call.
+fn role_of<'a>(roles: Option<&'a mut Roles>, method: &str) -> Result<&'a mut Box<dyn ServedRole>> {
+    let roles = roles.ok_or_else(|| {
+        Error::backend("worker", format!("`{method}` was called before the setup"))
+    })?;
+    let (role, _) = method.split_once('.').ok_or_else(|| {
+        Error::backend(
+            "worker",
+            format!("`{method}` is not of the form role.method"),
+        )
+    })?;
+    let known = roles.keys().cloned().collect::<Vec<_>>().join(", ");
+    roles.get_mut(role).ok_or_else(|| {
+        Error::backend(
+            "worker",
+            format!("no role `{role}` on this rank (it has: {known})"),
+        )
+    })
 }

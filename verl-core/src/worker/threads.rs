@@ -53,6 +53,72 @@ enum RankOutcome<O> {
     Panicked(String),
 }
 
+/// One rank's share of a [`WorkerGroup::run`] call.
+struct RankCall {
+    rank: usize,
+    world_size: usize,
+    method: String,
+    cancel: watch::Receiver<bool>,
+    /// The rank that failed first (set by the first to fail).
+    origin: Arc<Mutex<Option<usize>>>,
+}
+
+impl RankCall {
+    /// The job the rank's thread runs: `f` on its worker, cancelled with the call, a panic
+    /// caught; the first rank to fail aborts its collectives at once, so that peers blocked in
+    /// one learn why in milliseconds rather than after the peer timeout.
+    fn job<W, I, O, F>(self, f: Arc<F>, input: I, tx: oneshot::Sender<RankOutcome<O>>) -> Job<W>
+    where
+        W: Worker,
+        I: Send + 'static,
+        O: Send + 'static,
+        F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
+    {
+        Box::new(move |worker, runtime, _, hook| {
+            let RankCall {
+                rank,
+                world_size,
+                method,
+                cancel,
+                origin,
+            } = self;
+            let ctx = RankContext::new(rank, world_size, cancel, hook.clone());
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                runtime.block_on(async {
+                    let stop = ctx.clone();
+                    tokio::select! {
+                        r = f(worker, ctx, input) => RankOutcome::Done(r),
+                        _ = stop.cancelled() => RankOutcome::Cancelled,
+                    }
+                })
+            }));
+            let outcome = outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p)));
+            let failure = match &outcome {
+                RankOutcome::Done(Err(e)) => Some(e.to_string()),
+                RankOutcome::Panicked(m) => Some(format!("panicked: {m}")),
+                _ => None,
+            };
+            if let Some(why) = failure {
+                let first = origin.lock().map(|mut o| *o.get_or_insert(rank) == rank);
+                if first.unwrap_or(false) {
+                    hook.fire(&format!("rank {rank} failed in {method}: {why}"));
+                }
+            }
+            let _ = tx.send(outcome);
+        })
+    }
+}
+
+/// Keeps the root cause of a failed call: the rank that failed first, else anything but a
+/// cancellation (only a consequence).
+fn keep_root_cause(first: &mut Option<Error>, e: Error, is_origin: bool) {
+    let is_cancel = matches!(e, Error::Worker(WorkerError::Cancelled { .. }));
+    let first_is_cancel = matches!(first, Some(Error::Worker(WorkerError::Cancelled { .. })));
+    if is_origin || first.is_none() || (!is_cancel && first_is_cancel) {
+        *first = Some(e);
+    }
+}
+
 struct RankHandle<W> {
     jobs: mpsc::Sender<Job<W>>,
     thread: Option<JoinHandle<()>>,
@@ -208,24 +274,7 @@ impl<W: Worker> WorkerGroup<W> {
         O: Send + 'static,
         F: for<'a> Fn(&'a mut W, RankContext, I) -> MethodFuture<'a, O> + Send + Sync + 'static,
     {
-        if let Some(m) = self
-            .poisoned
-            .lock()
-            .map_err(|_| WorkerError::Poisoned {
-                method: method.into(),
-            })?
-            .clone()
-        {
-            return Err(WorkerError::Poisoned { method: m }.into());
-        }
-        if inputs.len() != self.world_size() {
-            return Err(DispatchError::InputCount {
-                mode: method.into(),
-                inputs: inputs.len(),
-                world_size: self.world_size(),
-            }
-            .into());
-        }
+        self.ensure_runnable(method, inputs.len())?;
         let f = Arc::new(f);
         let world_size = self.world_size();
         let (cancel_tx, _) = watch::channel(false);
@@ -237,40 +286,16 @@ impl<W: Worker> WorkerGroup<W> {
         for (rank, input) in inputs.into_iter().enumerate() {
             let Some(input) = input else { continue };
             let (tx, rx) = oneshot::channel::<RankOutcome<O>>();
-            let f = f.clone();
-            let cancel = cancel_tx.subscribe();
-            let origin = origin.clone();
-            let method_name = method.to_string();
-            let job: Job<W> = Box::new(move |worker, runtime, _, hook| {
-                let ctx = RankContext::new(rank, world_size, cancel.clone(), hook.clone());
-                let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                    runtime.block_on(async {
-                        let stop = ctx.clone();
-                        tokio::select! {
-                            r = f(worker, ctx, input) => RankOutcome::Done(r),
-                            _ = stop.cancelled() => RankOutcome::Cancelled,
-                        }
-                    })
-                }));
-                let outcome = outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p)));
-                let failure = match &outcome {
-                    RankOutcome::Done(Err(e)) => Some(e.to_string()),
-                    RankOutcome::Panicked(m) => Some(format!("panicked: {m}")),
-                    _ => None,
-                };
-                // The first rank to fail aborts its collectives at once, so that peers blocked
-                // in one learn why in milliseconds rather than after the peer timeout.
-                if let Some(why) = failure {
-                    let first = origin.lock().map(|mut o| *o.get_or_insert(rank) == rank);
-                    if first.unwrap_or(false) {
-                        hook.fire(&format!("rank {rank} failed in {method_name}: {why}"));
-                    }
-                }
-                let _ = tx.send(outcome);
-            });
+            let call = RankCall {
+                rank,
+                world_size,
+                method: method.to_string(),
+                cancel: cancel_tx.subscribe(),
+                origin: origin.clone(),
+            };
             self.ranks[rank]
                 .jobs
-                .send(job)
+                .send(call.job(f.clone(), input, tx))
                 .map_err(|_| WorkerError::RankGone { rank })?;
             running.push(rank);
             pending.push(async move { (rank, rx.await) });
@@ -283,15 +308,7 @@ impl<W: Worker> WorkerGroup<W> {
                     Ok(n) => n,
                     Err(_) => {
                         let _ = cancel_tx.send(true);
-                        self.poison(method);
-                        let mut still: Vec<usize> = running.clone();
-                        still.sort_unstable();
-                        let err = WorkerError::Timeout {
-                            method: method.into(),
-                            timeout_s: self.timeout.map_or(0.0, |t| t.as_secs_f64()),
-                            pending: still,
-                        };
-                        return Err(first_error.unwrap_or(err.into()));
+                        return Err(first_error.unwrap_or(self.timed_out(method, &running)));
                     }
                 },
                 None => pending.next().await,
@@ -299,59 +316,91 @@ impl<W: Worker> WorkerGroup<W> {
             let Some((rank, outcome)) = next else { break };
             running.retain(|&r| r != rank);
             let failure = match outcome {
-                Err(_) => Some(Error::from(WorkerError::RankGone { rank })),
                 Ok(RankOutcome::Done(Ok(o))) => {
                     outputs[rank] = Some(o);
                     None
                 }
-                Ok(RankOutcome::Done(Err(e))) => Some(
-                    WorkerError::Failed {
-                        rank,
-                        method: method.into(),
-                        source: Box::new(e),
-                    }
-                    .into(),
-                ),
-                Ok(RankOutcome::Cancelled) => Some(
-                    WorkerError::Cancelled {
-                        rank,
-                        method: method.into(),
-                    }
-                    .into(),
-                ),
-                Ok(RankOutcome::Panicked(message)) => {
-                    self.poison(method);
-                    Some(
-                        WorkerError::Panicked {
-                            rank,
-                            method: method.into(),
-                            message,
-                        }
-                        .into(),
-                    )
-                }
+                other => Some(self.rank_error(rank, method, other)),
             };
             if let Some(e) = failure {
                 let _ = cancel_tx.send(true);
-                // Keep the root cause: the rank that failed first, else anything but a
-                // cancellation (only a consequence).
                 let is_origin = origin.lock().ok().and_then(|o| *o) == Some(rank);
-                let is_cancel = matches!(e, Error::Worker(WorkerError::Cancelled { .. }));
-                if is_origin
-                    || first_error.is_none()
-                    || (!is_cancel
-                        && matches!(
-                            first_error,
-                            Some(Error::Worker(WorkerError::Cancelled { .. }))
-                        ))
-                {
-                    first_error = Some(e);
-                }
+                keep_root_cause(&mut first_error, e, is_origin);
             }
         }
         match first_error {
             Some(e) => Err(e),
             None => Ok(outputs),
+        }
+    }
+
+    /// Refuses a call on a poisoned group, or one without an input slot per rank.
+    fn ensure_runnable(&self, method: &str, inputs: usize) -> Result<()> {
+        if let Some(m) = self
+            .poisoned
+            .lock()
+            .map_err(|_| WorkerError::Poisoned {
+                method: method.into(),
+            })?
+            .clone()
+        {
+            return Err(WorkerError::Poisoned { method: m }.into());
+        }
+        if inputs != self.world_size() {
+            return Err(DispatchError::InputCount {
+                mode: method.into(),
+                inputs,
+                world_size: self.world_size(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// The group's timeout ran out with `running` ranks still at `method`: the group is
+    /// poisoned (its ranks may be stuck in a collective) and the error names them.
+    fn timed_out(&self, method: &str, running: &[usize]) -> Error {
+        self.poison(method);
+        let mut still = running.to_vec();
+        still.sort_unstable();
+        WorkerError::Timeout {
+            method: method.into(),
+            timeout_s: self.timeout.map_or(0.0, |t| t.as_secs_f64()),
+            pending: still,
+        }
+        .into()
+    }
+
+    /// The error of a rank whose call did not return a value (a panic poisons the group).
+    fn rank_error<O>(
+        &self,
+        rank: usize,
+        method: &str,
+        outcome: std::result::Result<RankOutcome<O>, oneshot::error::RecvError>,
+    ) -> Error {
+        match outcome {
+            Err(_) => WorkerError::RankGone { rank }.into(),
+            Ok(RankOutcome::Done(Ok(_))) => unreachable!("a value is no failure"),
+            Ok(RankOutcome::Done(Err(e))) => WorkerError::Failed {
+                rank,
+                method: method.into(),
+                source: Box::new(e),
+            }
+            .into(),
+            Ok(RankOutcome::Cancelled) => WorkerError::Cancelled {
+                rank,
+                method: method.into(),
+            }
+            .into(),
+            Ok(RankOutcome::Panicked(message)) => {
+                self.poison(method);
+                WorkerError::Panicked {
+                    rank,
+                    method: method.into(),
+                    message,
+                }
+                .into()
+            }
         }
     }
 

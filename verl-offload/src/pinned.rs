@@ -40,8 +40,8 @@ struct PinnedBuffer {
     ctx: Arc<CudaContext>,
 }
 
-// The buffer is owned by one store and only touched through `&mut self`; the pointer is plain
-// host memory.
+// SAFETY: the buffer is owned by one store and only touched through `&mut self`; the pointer
+// is plain host memory, valid from any thread of the process.
 unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {

@@ -232,6 +232,7 @@ mod tests {
     static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
     unsafe extern "C" fn tool_push(name: *const c_char) -> c_int {
+        // SAFETY: NVTX passes the NUL-terminated name the caller of `push` gave it.
         let name = unsafe { std::ffi::CStr::from_ptr(name) }
             .to_string_lossy()
             .into_owned();
@@ -247,6 +248,8 @@ mod tests {
     /// A tool as Nsight's attaches: asks for both tables, checks their sizes and version,
     /// and writes two CORE slots.
     unsafe extern "C" fn fake_tool(get: unsafe extern "C" fn(u32) -> *const c_void) -> c_int {
+        // SAFETY: `get` is the injection protocol's table getter, which returns the tables the
+        // asserts check (sizes and versions) before any slot is read or written.
         unsafe {
             assert!(get(0).is_null() && get(2).is_null());
             let version = &*(get(ETID_VERSIONINFO) as *const VersionInfoTable);
@@ -275,6 +278,7 @@ mod tests {
 
     #[test]
     fn a_tool_attached_through_the_protocol_receives_ranges() {
+        // SAFETY: `fake_tool` follows the injection protocol `initialize` expects.
         assert!(unsafe { initialize(fake_tool) });
         push("update_actor");
         mark("not taken: the tool left MarkA empty");

@@ -275,6 +275,9 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let send = self.buffer(tensor)?;
         let recv = self.empty(send.len(), send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
+        // SAFETY: `send` and `recv` are live device buffers of `send.len()` elements of `dtype` on
+        // this communicator's GPU, held until `run` has waited for the stream; `comm` and `stream`
+        // are this communicator's own.
         self.run("all-reduce", |comm, stream| unsafe {
             nccl::all_reduce(
                 ptr(&send),
@@ -297,6 +300,8 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let n = send.len();
         let recv = self.empty(n * self.world, send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
+        // SAFETY: `send` holds `n` elements and `recv` `n · world` of `dtype`, both live on this
+        // communicator's GPU until `run` has waited for the stream.
         self.run("all-gather", |comm, stream| unsafe {
             nccl::all_gather(ptr(&send), mut_ptr(&recv), n, dtype, comm, stream)
         })?;
@@ -315,6 +320,8 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let part = reduce_scatter_chunk(send.len(), self.world)?;
         let recv = self.empty(part, send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
+        // SAFETY: `send` holds `part · world` elements and `recv` `part` of `dtype` (the chunk
+        // checked above), both live on this communicator's GPU until `run` has waited.
         self.run("reduce-scatter", |comm, stream| unsafe {
             nccl::reduce_scatter(
                 ptr(&send),
@@ -338,6 +345,8 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let send = self.buffer(tensor)?;
         let recv = self.empty(send.len(), send.dtype())?;
         let dtype = nccl_dtype(send.dtype())?;
+        // SAFETY: `send` and `recv` hold `send.len()` elements of `dtype` on this communicator's
+        // GPU until `run` has waited; `root_peer` is a rank of the group (checked by `peer`).
         self.run("broadcast", |comm, stream| unsafe {
             nccl::broadcast(
                 ptr(&send),
@@ -357,6 +366,8 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         let dst_peer = self.peer(dst)?;
         let send = self.buffer(tensor)?;
         let dtype = nccl_dtype(send.dtype())?;
+        // SAFETY: `send` holds `send.len()` elements of `dtype` until `run` has waited (NCCL's
+        // send completes with its receive); `dst_peer` is a rank of the group.
         self.run("send", |comm, stream| unsafe {
             nccl::send(ptr(&send), send.len(), dtype, dst_peer, comm, stream)
         })
@@ -377,6 +388,8 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         }
         let recv = self.empty(len, DType::F32)?;
         let dtype = nccl_dtype(DType::F32)?;
+        // SAFETY: `recv` holds `len` f32 elements on this communicator's GPU (checked above) until
+        // `run` has waited; `src_peer` is a rank of the group.
         self.run("recv", |comm, stream| unsafe {
             nccl::recv(mut_ptr(&recv), len, dtype, src_peer, comm, stream)
         })?;
@@ -407,6 +420,9 @@ impl Communicator<CudaBackend> for NcclCommunicator {
             .map(|&n| self.empty(n, dtype))
             .collect::<Result<Vec<_>, _>>()?;
         let nd = nccl_dtype(dtype)?;
+        // SAFETY: every send and receive buffer holds the elements it is given of `nd`, and all
+        // stay alive until `run` has waited for the stream (`sends` is dropped after it); the
+        // group calls bracket the pairs so NCCL schedules them together.
         self.run("all-to-all", |comm, stream| unsafe {
             nccl::group_start()?;
             for (peer, (s, r)) in sends.iter().zip(&recvs).enumerate() {

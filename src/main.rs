@@ -320,155 +320,13 @@ fn run(cli: Cli) -> Result<(), String> {
             args,
             print,
             no_validate,
-        } => {
-            let b = builder(&args);
-            let cfg = b.resolve().map_err(|e| e.to_string())?;
-            if print {
-                print!("{}", cfg.to_yaml());
-            }
-            if !no_validate {
-                let v = b.build().map_err(|e| e.to_string())?;
-                eprintln!(
-                    "config ok: world {} · actor dp {} · {} samples per actor mini-batch per rank · rollout dp {}{}",
-                    v.world_size,
-                    v.actor_dp,
-                    v.actor_mini_batch_per_dp,
-                    v.rollout_dp,
-                    v.critic_dp.map(|d| format!(" · critic dp {d}")).unwrap_or_default()
-                );
-            }
-            Ok(())
-        }
+        } => config_cmd(&args, print, no_validate),
         Command::Train { args } => train_cmd(&args),
         Command::Worker { nproc_per_node } => match nproc_per_node {
             None => verl::trainer::ranks::run_rank_process(),
             Some(n) => verl::trainer::ranks::run_node(n),
         },
-        Command::Bench {
-            what:
-                BenchCommand::Rollout {
-                    preset,
-                    batch,
-                    prompt_len,
-                    new_tokens,
-                    dtype,
-                    n,
-                },
-        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype, n),
-        Command::Bench {
-            what:
-                BenchCommand::TrainStep {
-                    preset,
-                    batch,
-                    seq,
-                    steps,
-                    peak_tflops,
-                    dtype,
-                    gemm,
-                    adamw,
-                    attention,
-                    vocab,
-                    host_profile,
-                },
-        } => bench::train_step(
-            &preset,
-            batch,
-            seq,
-            steps,
-            peak_tflops,
-            &dtype,
-            &bench::StepLevers {
-                gemm,
-                adamw,
-                attention,
-                vocab,
-                host_profile,
-            },
-        ),
-        Command::Bench {
-            what: BenchCommand::Gemm { sizes, repeat },
-        } => bench::gemm(&sizes, repeat),
-        #[cfg(feature = "cuda")]
-        Command::Bench {
-            what:
-                BenchCommand::Nccl {
-                    gpus,
-                    sizes,
-                    repeat,
-                },
-        } => bench::gpu::nccl_bandwidth(gpus, &sizes, repeat),
-        #[cfg(feature = "cuda")]
-        Command::Bench {
-            what: BenchCommand::TpCheck { preset, batch, seq },
-        } => bench::gpu::tp_check(&preset, batch, seq),
-        #[cfg(feature = "cuda")]
-        Command::Bench {
-            what: BenchCommand::Kernels { repeat, no_timing },
-        } => bench::kernels::kernels(repeat, !no_timing),
-        #[cfg(feature = "cuda")]
-        Command::Bench {
-            what:
-                BenchCommand::Offload {
-                    gib,
-                    tensors,
-                    repeat,
-                },
-        } => bench::offload::offload(gib, tensors, repeat),
-        Command::Bench {
-            what:
-                BenchCommand::WeightSync {
-                    preset,
-                    bucket_mb,
-                    repeat,
-                },
-        } => bench::weight_sync::weight_sync(&preset, &bucket_mb, repeat),
-        Command::Bench {
-            what:
-                BenchCommand::LogProb {
-                    preset,
-                    rows,
-                    prompt,
-                    response,
-                    micro,
-                    max_tokens,
-                    dtype,
-                    repeat,
-                },
-        } => bench::log_prob::log_prob(
-            &preset, rows, prompt, response, micro, max_tokens, &dtype, repeat,
-        ),
-        Command::Bench {
-            what:
-                BenchCommand::Moe {
-                    experts,
-                    tokens,
-                    hidden,
-                    moe_ffn,
-                    shared_ffn,
-                    top_k,
-                    dtype,
-                    repeat,
-                },
-        } => bench::moe::moe(
-            &experts,
-            &bench::moe::MoeShape {
-                hidden,
-                moe_ffn,
-                shared_ffn,
-                top_k,
-                tokens,
-            },
-            &dtype,
-            repeat,
-        ),
-        #[cfg(not(feature = "cuda"))]
-        Command::Bench {
-            what:
-                BenchCommand::Nccl { .. }
-                | BenchCommand::TpCheck { .. }
-                | BenchCommand::Kernels { .. }
-                | BenchCommand::Offload { .. },
-        } => Err("this command needs GPUs: build with `--features cuda`".into()),
+        Command::Bench { what } => bench_cmd(what),
         Command::Profile {
             what: ProfileCommand::Summarize { trace, top },
         } => summarize_cmd(&trace, top),
@@ -537,6 +395,133 @@ fn run(cli: Cli) -> Result<(), String> {
                 println!("{kind:?}: {:?}", topo.groups(kind));
             }
             Ok(())
+        }
+    }
+}
+
+/// `verl config`: the resolved config (printed with `--print`) and its layout figures.
+fn config_cmd(args: &ConfigArgs, print: bool, no_validate: bool) -> Result<(), String> {
+    let b = builder(args);
+    let cfg = b.resolve().map_err(|e| e.to_string())?;
+    if print {
+        print!("{}", cfg.to_yaml());
+    }
+    if !no_validate {
+        let v = b.build().map_err(|e| e.to_string())?;
+        eprintln!(
+            "config ok: world {} · actor dp {} · {} samples per actor mini-batch per rank · \
+             rollout dp {}{}",
+            v.world_size,
+            v.actor_dp,
+            v.actor_mini_batch_per_dp,
+            v.rollout_dp,
+            v.critic_dp
+                .map(|d| format!(" · critic dp {d}"))
+                .unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+/// `verl bench ...`: each benchmark with its arguments.
+fn bench_cmd(what: BenchCommand) -> Result<(), String> {
+    match what {
+        BenchCommand::Rollout {
+            preset,
+            batch,
+            prompt_len,
+            new_tokens,
+            dtype,
+            n,
+        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype, n),
+        BenchCommand::TrainStep {
+            preset,
+            batch,
+            seq,
+            steps,
+            peak_tflops,
+            dtype,
+            gemm,
+            adamw,
+            attention,
+            vocab,
+            host_profile,
+        } => bench::train_step(
+            &preset,
+            batch,
+            seq,
+            steps,
+            peak_tflops,
+            &dtype,
+            &bench::StepLevers {
+                gemm,
+                adamw,
+                attention,
+                vocab,
+                host_profile,
+            },
+        ),
+        BenchCommand::Gemm { sizes, repeat } => bench::gemm(&sizes, repeat),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Nccl {
+            gpus,
+            sizes,
+            repeat,
+        } => bench::gpu::nccl_bandwidth(gpus, &sizes, repeat),
+        #[cfg(feature = "cuda")]
+        BenchCommand::TpCheck { preset, batch, seq } => bench::gpu::tp_check(&preset, batch, seq),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Kernels { repeat, no_timing } => bench::kernels::kernels(repeat, !no_timing),
+        #[cfg(feature = "cuda")]
+        BenchCommand::Offload {
+            gib,
+            tensors,
+            repeat,
+        } => bench::offload::offload(gib, tensors, repeat),
+        BenchCommand::WeightSync {
+            preset,
+            bucket_mb,
+            repeat,
+        } => bench::weight_sync::weight_sync(&preset, &bucket_mb, repeat),
+        BenchCommand::LogProb {
+            preset,
+            rows,
+            prompt,
+            response,
+            micro,
+            max_tokens,
+            dtype,
+            repeat,
+        } => bench::log_prob::log_prob(
+            &preset, rows, prompt, response, micro, max_tokens, &dtype, repeat,
+        ),
+        BenchCommand::Moe {
+            experts,
+            tokens,
+            hidden,
+            moe_ffn,
+            shared_ffn,
+            top_k,
+            dtype,
+            repeat,
+        } => bench::moe::moe(
+            &experts,
+            &bench::moe::MoeShape {
+                hidden,
+                moe_ffn,
+                shared_ffn,
+                top_k,
+                tokens,
+            },
+            &dtype,
+            repeat,
+        ),
+        #[cfg(not(feature = "cuda"))]
+        BenchCommand::Nccl { .. }
+        | BenchCommand::TpCheck { .. }
+        | BenchCommand::Kernels { .. }
+        | BenchCommand::Offload { .. } => {
+            Err("this command needs GPUs: build with `--features cuda`".into())
         }
     }
 }

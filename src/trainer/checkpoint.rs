@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use verl_core::config::CheckpointConfig;
 use verl_core::traits::CheckpointContents;
 
-use super::{setup, TrainError};
+use super::error::{setup, TrainError};
 
 /// Where the fit loop stands: what a resumed run continues from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -19,8 +19,9 @@ use verl_core::config::VerlConfig;
 use verl_core::worker::{serve_rank, ProcessRanks, Roles, Served, SETUP};
 use verl_megatron::parallel::{LaunchEnv, ProcessGroups, Rendezvous};
 
+use super::error::{setup, TrainError};
+use super::model::{model_and_codec, Infer};
 use super::roles::{actor_methods, critic_methods, RolePlans};
-use super::{model_and_codec, setup, Infer, TrainError};
 use crate::launcher::{LocalRanks, NodeLayout};
 use verl_core::topology::Topology;
 

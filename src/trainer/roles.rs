@@ -27,7 +27,8 @@ use verl_offload::OffloadBackend;
 use verl_profiler::RoleProfiler;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
-use super::{compute_dtype, pipeline_split, setup, Infer, Train, TrainError};
+use super::error::{setup, TrainError};
+use super::model::{compute_dtype, pipeline_split, Infer, Train};
 
 /// Wraps (or replaces) the native rollout engine a rank builds: how an embedding program swaps
 /// in its own [`RolloutEngine`](verl_core::traits::RolloutEngine).

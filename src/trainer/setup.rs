@@ -9,16 +9,17 @@ use verl_core::config::{ValidatedConfig, VerlConfig};
 use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_megatron::hf::HeadKind;
 
-use super::builder::{Parts, Scorer};
+use super::builder::Parts;
 use super::checkpoint::{self, contents_of, LoopState};
 use super::data::{arithmetic_rows, file_rows, Codec, PromptRow};
+use super::error::{setup, TrainError};
+use super::groups::{rank_groups, reward_model_group, take_groups};
 use super::log::RunLog;
+use super::model::{model_and_codec, Infer};
+use super::ppo_trainer::PpoTrainer;
 use super::ranks::{launcher_of, LauncherKind, RankProcesses};
 use super::roles::{actor_methods, critic_methods, ActorWorker, CriticRank, RolePlans};
-use super::{
-    model_and_codec, rank_groups, reward_model_group, setup, take_groups, total_steps_of, Infer,
-    PpoTrainer, TrainError,
-};
+use super::scorer::Scorer;
 use crate::tasks::ArithmeticTask;
 
 /// The roles' worker groups, and the rank processes when the ranks are processes.
@@ -29,6 +30,13 @@ type Roles = (
 );
 
 impl PpoTrainer {
+    /// Builds the workers and data of a checked config (`verl train`: the builder with no
+    /// parts of its own). A layout or batch that cannot work is refused here, before any model
+    /// memory is allocated.
+    pub fn new(validated: ValidatedConfig) -> Result<Self, TrainError> {
+        Self::assemble(validated, Parts::default())
+    }
+
     /// The trainer of `validated` with the builder's `parts`: every check first, the workers
     /// (and their model memory) last.
     pub(crate) fn assemble(validated: ValidatedConfig, parts: Parts) -> Result<Self, TrainError> {
@@ -442,4 +450,12 @@ fn launch_roles(
             Ok((actor, critic, Some(launched)))
         }
     }
+}
+
+/// The run's length: `trainer.total_training_steps`, else `total_epochs` over the data.
+pub(super) fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
+    let steps_per_epoch = (rows / cfg.data.train_batch_size.max(1)).max(1) as u64;
+    cfg.trainer
+        .total_training_steps
+        .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch)
 }

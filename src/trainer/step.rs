@@ -15,8 +15,10 @@ use verl_core::algorithms::reward::{apply_kl_penalty, token_level_rewards};
 use verl_core::dispatch::DispatchMode;
 use verl_core::{DataProto, Metrics};
 
-use super::data::{prompt_batch, PromptRow};
-use super::{metrics_of, rollout_mesh, setup, take_metrics, Infer, PpoTrainer, TrainError};
+use super::data::{prompt_batch, sft_batch, PromptRow};
+use super::error::{setup, TrainError};
+use super::model::Infer;
+use super::ppo_trainer::PpoTrainer;
 
 /// A step's batch between phases: verl's columns (`responses`, `old_log_probs`,
 /// `token_level_scores`, `advantages`, ...) as the phases add them, and the step's metrics.
@@ -63,6 +65,60 @@ impl StepBatch {
 }
 
 impl PpoTrainer {
+    /// Greedy validation (`rollout.val_kwargs`) on the validation set: `val/score/mean`.
+    pub async fn validate(&mut self) -> Result<f64, TrainError> {
+        let rows: Vec<&PromptRow> = self.val.iter().collect();
+        let mut total = 0.0;
+        let mut count = 0usize;
+        for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
+            let mut batch = prompt_batch::<Infer>(
+                chunk,
+                self.codec.pad_token_id(),
+                "val",
+                &Default::default(),
+            )?;
+            batch.meta_info.insert("validate".into(), Value::Bool(true));
+            batch
+                .meta_info
+                .insert("recompute_log_prob".into(), Value::Bool(false));
+            batch
+                .meta_info
+                .insert("global_steps".into(), self.global_step.into());
+            let gen = self
+                .actor
+                .call_proto(&rollout_mesh(), "generate_sequences", batch)
+                .await?;
+            let (scores, _) = self.rewards(&gen).await?;
+            total += scores.iter().sum::<f64>();
+            count += scores.len();
+        }
+        Ok(total / count.max(1) as f64)
+    }
+
+    /// Supervised warm-up on ground-truth answers (`trainer.sft_warmup_steps`), then the
+    /// reference policy is set to the warmed-up actor.
+    pub async fn warm_up(&mut self) -> Result<(), TrainError> {
+        let steps = self.cfg.trainer.sft_warmup_steps;
+        let b = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n;
+        for s in 0..steps {
+            let rows: Vec<&PromptRow> = (0..b)
+                .map(|i| &self.train[(s as usize * b + i) % self.train.len()])
+                .collect();
+            let batch =
+                sft_batch::<Infer>(&rows, &self.codec, &Default::default()).map_err(setup)?;
+            let out = self
+                .actor
+                .call_proto(&DispatchMode::MegatronCompute, "sft_step", batch)
+                .await?;
+            let m = metrics_of(&out);
+            self.log.sft(s + 1, steps, &m.reduce()).map_err(setup)?;
+        }
+        if self.needs_ref {
+            self.actor.call_all::<_, ()>("set_reference", &()).await?;
+        }
+        Ok(())
+    }
+
     /// One PPO / GRPO step on `rows`, every phase in verl's order; returns the step's metrics
     /// (verl's names).
     pub async fn step(&mut self, step: u64, rows: &[&PromptRow]) -> Result<Metrics, TrainError> {
@@ -437,5 +493,50 @@ impl PpoTrainer {
         let ranks = (self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes).max(1) as f64;
         metrics.push("perf/throughput", tokens / step_s.max(1e-9) / ranks);
         Ok(metrics)
+    }
+}
+
+/// `data` without the metrics a worker returned in it, which go into `metrics`.
+pub(super) fn take_metrics<B: Backend>(
+    mut data: DataProto<B>,
+    metrics: &mut Metrics,
+) -> DataProto<B> {
+    metrics.extend(metrics_of(&data));
+    data.meta_info.remove("metrics");
+    data
+}
+
+/// The metrics a worker returned in `meta_info["metrics"]` (one object of lists per rank, or
+/// a list of them after collecting several ranks).
+pub fn metrics_of<B: Backend>(data: &DataProto<B>) -> Metrics {
+    let mut out = Metrics::default();
+    let mut add = |obj: &serde_json::Map<String, Value>| {
+        for (k, v) in obj {
+            match v {
+                Value::Array(xs) => xs
+                    .iter()
+                    .filter_map(Value::as_f64)
+                    .for_each(|x| out.push(k.clone(), x)),
+                other => {
+                    if let Some(x) = other.as_f64() {
+                        out.push(k.clone(), x)
+                    }
+                }
+            }
+        }
+    };
+    match data.meta_info.get("metrics") {
+        Some(Value::Object(o)) => add(o),
+        Some(Value::Array(parts)) => parts.iter().filter_map(Value::as_object).for_each(&mut add),
+        _ => {}
+    }
+    out
+}
+
+/// How `generate_sequences` is dispatched: verl's rollout mesh (each rollout tensor-parallel
+/// group one chunk, collected from its first rank).
+pub(super) fn rollout_mesh() -> DispatchMode {
+    DispatchMode::Nd {
+        mesh: verl_core::dispatch::MESH_ROLLOUT.into(),
     }
 }

@@ -1,0 +1,168 @@
+//! The model a run trains: the backends, the compute dtype, the built-in task's model sizes,
+//! the tokenizer codec and the pipeline split.
+
+use serde_json::Value;
+use verl_core::backend::{DefaultAutodiff, DefaultBackend};
+use verl_core::config::VerlConfig;
+use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
+use verl_megatron::layers::precision::ComputeDtype;
+use verl_megatron::parallel::pipeline::stage_layers;
+
+use super::data::Codec;
+use super::error::{setup, TrainError};
+use crate::tasks::CharTokenizer;
+
+/// The backend the roles train on (with autodiff) and infer on.
+pub(crate) type Train = DefaultAutodiff;
+pub(crate) type Infer = DefaultBackend;
+
+/// A `dtype` setting as the compute dtype of the binary's backend: `auto` is bfloat16 on
+/// burn-cuda and float32 on the CPU default (where bf16 is emulated, and slower).
+pub(super) fn compute_dtype(value: &str, field: &str) -> Result<ComputeDtype, TrainError> {
+    let auto = if cfg!(feature = "cuda") {
+        ComputeDtype::Bf16
+    } else {
+        ComputeDtype::F32
+    };
+    Ok(ComputeDtype::parse(value, field)
+        .map_err(setup)?
+        .unwrap_or(auto))
+}
+
+/// The model sizes the built-in task trains from scratch (`actor_rollout_ref.model.path` unset),
+/// adjustable through `actor_rollout_ref.model.override_config`.
+pub(super) fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelConfig, TrainError> {
+    let o = &cfg.actor_rollout_ref.model.override_config;
+    let get = |k: &str, d: usize| -> Result<usize, TrainError> {
+        match o.get(k) {
+            None => Ok(d),
+            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
+                setup(format!(
+                    "actor_rollout_ref.model.override_config.{k} = {v}: must be a positive integer"
+                ))
+            }),
+        }
+    };
+    const KEYS: [&str; 10] = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ];
+    // `moe_config` (verl's router switches) is read with the roles' settings.
+    if let Some(k) = o
+        .keys()
+        .find(|k| !KEYS.contains(&k.as_str()) && k.as_str() != "moe_config")
+    {
+        return Err(setup(format!(
+            "actor_rollout_ref.model.override_config.{k}: the built-in task's model takes only {}",
+            KEYS.join(", ")
+        )));
+    }
+    // A larger vocabulary than the task's tokenizer gives a model of a real one's shape (the
+    // extra rows are never sampled for long).
+    let vocab_size = get("vocab_size", vocab)?;
+    if vocab_size < vocab {
+        return Err(setup(format!(
+            "actor_rollout_ref.model.override_config.vocab_size = {vocab_size}: the task's tokenizer has {vocab} tokens; use at least that"
+        )));
+    }
+    let mut m = HfModelConfig::qwen2(Qwen2Dims {
+        vocab_size,
+        hidden_size: get("hidden_size", 128)?,
+        intermediate_size: get("intermediate_size", 384)?,
+        num_hidden_layers: get("num_hidden_layers", 4)?,
+        num_attention_heads: get("num_attention_heads", 4)?,
+        num_key_value_heads: get("num_key_value_heads", 2)?,
+        max_position_embeddings: 4096,
+    });
+    m.eos_token_ids = vec![CharTokenizer::EOS];
+    // `num_experts` turns it into a Qwen2-MoE model: every layer's MLP a block of routed
+    // experts plus a shared expert of `intermediate_size`.
+    if o.contains_key("num_experts") {
+        let experts = get("num_experts", 0)?;
+        let top_k = get("num_experts_per_tok", 2)?;
+        if experts == 0 || top_k == 0 || top_k > experts {
+            return Err(setup(format!(
+                "actor_rollout_ref.model.override_config: num_experts = {experts} and \
+                 num_experts_per_tok = {top_k} must be positive, the second at most the first"
+            )));
+        }
+        m.architecture = verl_megatron::hf::Architecture::Qwen2Moe;
+        m.moe = Some(verl_megatron::hf::MoeConfig {
+            num_experts: experts,
+            num_experts_per_tok: top_k,
+            moe_intermediate_size: get("moe_intermediate_size", m.intermediate_size / 2)?,
+            shared_expert_intermediate_size: m.intermediate_size,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        });
+    }
+    if let Some(v) = o.get("tie_word_embeddings") {
+        m.tie_word_embeddings = v.as_bool().ok_or_else(|| {
+            setup(format!(
+                "actor_rollout_ref.model.override_config.tie_word_embeddings = {v}: must be true or false"
+            ))
+        })?;
+    }
+    Ok(m)
+}
+
+/// The actor's tokenizer and model config: the built-in character tokenizer and a scratch
+/// model, or those of `actor_rollout_ref.model.path`.
+pub(crate) fn model_and_codec(cfg: &VerlConfig) -> Result<(Codec, HfModelConfig), TrainError> {
+    let model_path = &cfg.actor_rollout_ref.model.path;
+    Ok(match model_path {
+        None => {
+            let tok = CharTokenizer::arithmetic();
+            let m = scratch_model(cfg, tok.vocab_size())?;
+            (Codec::Char(tok), m)
+        }
+        Some(p) => {
+            let m = HfModelConfig::from_dir(p).map_err(setup)?;
+            let tok = verl_megatron::hf::HfTokenizer::from_dir(
+                cfg.actor_rollout_ref
+                    .model
+                    .tokenizer_path
+                    .as_deref()
+                    .unwrap_or(p),
+            )
+            .map_err(setup)?;
+            (Codec::Hf(Box::new(tok)), m)
+        }
+    })
+}
+
+/// The layers of each pipeline stage, with the `override_transformer_config` keys
+/// `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`.
+pub(super) fn pipeline_split(
+    megatron: &verl_core::config::MegatronConfig,
+    model: &HfModelConfig,
+    pp: usize,
+) -> Result<Vec<std::ops::Range<usize>>, TrainError> {
+    let key = |k: &str| -> Result<Option<usize>, TrainError> {
+        match megatron.override_transformer_config.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                setup(format!(
+                    "megatron.override_transformer_config.{k} = {v}: must be a whole number of \
+                     layers"
+                ))
+            }),
+        }
+    };
+    stage_layers(
+        model.num_hidden_layers,
+        pp,
+        key("num_layers_in_first_pipeline_stage")?,
+        key("num_layers_in_last_pipeline_stage")?,
+    )
+    .map_err(setup)
+}

@@ -404,9 +404,8 @@ fn attention_cases() -> Vec<AttentionCase> {
 /// Fused attention against the decomposed path: output and the gradients of q, k and v, under
 /// a random probe of the output; causal, grouped-query, left padding.
 fn check_attention(device: &Device, failures: &mut Vec<String>) {
-    use verl::megatron::models::attention::{
-        attention_bias, decomposed_attention, fused_attention,
-    };
+    use verl::megatron::models::attention::{attention_bias, decomposed_attention};
+    use verl::megatron::ops::FusedOps;
     type A = CudaAutodiff;
     println!("\nattention: fused kernel vs the decomposed path (bf16 products)");
     println!(
@@ -434,7 +433,7 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
         let run = |fused: bool| {
             let (qa, ka, va) = (lift(&q), lift(&k), lift(&v));
             let out = if fused {
-                let out = fused_attention(
+                let out = A::fused_attention(
                     qa.clone(),
                     ka.clone(),
                     va.clone(),
@@ -493,9 +492,8 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
 
 /// Milliseconds and host issue time of one attention forward + backward at the step's shape.
 fn time_attention(device: &Device, repeat: usize) {
-    use verl::megatron::models::attention::{
-        attention_bias, decomposed_attention, fused_attention,
-    };
+    use verl::megatron::models::attention::{attention_bias, decomposed_attention};
+    use verl::megatron::ops::FusedOps;
     type A = CudaAutodiff;
     let (b, t, h, kv, d) = (4, 511, 14, 2, 64);
     let _bf16 = precision::enter(ComputeDtype::Bf16);
@@ -516,7 +514,7 @@ fn time_attention(device: &Device, repeat: usize) {
             let _ = CudaBackend::sync(device);
             let start = Instant::now();
             let out = if fused {
-                match fused_attention(qa, ka, va, None, 1.0 / (d as f32).sqrt()) {
+                match A::fused_attention(qa, ka, va, None, 1.0 / (d as f32).sqrt()) {
                     Ok(o) => o.reshape([b, t, h * d]),
                     Err(_) => return,
                 }

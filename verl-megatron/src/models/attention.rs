@@ -11,7 +11,7 @@ use super::kv_cache::{keys_up_to, ChunkLayout, LayerKv, SlotKvCache};
 use super::packing::PackedSequences;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
-use crate::ops::{AttentionInputs, FusedOps};
+use crate::ops::FusedOps;
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
 /// Where an attention call reads and writes cached keys and values.
@@ -393,12 +393,14 @@ impl<B: ParallelBackend> Attention<B> {
         } = &cache
         {
             if cos.dims() == [b, 1, 1, hd] {
-                match decode_attention(
+                match B::decode_attention(
                     projections,
-                    (cos.clone().reshape([b, hd]), sin.clone().reshape([b, hd])),
+                    &cos.clone().reshape([b, hd]),
+                    &sin.clone().reshape([b, hd]),
                     on_device,
                     slots.layer(*layer),
-                    (low, low),
+                    low,
+                    low,
                 ) {
                     Ok(out) => return out,
                     Err(back) => projections = back,
@@ -451,16 +453,18 @@ impl<B: ParallelBackend> Attention<B> {
         {
             if t == 1 && cos.dims() == [b, 1, 1, hd] {
                 let round = precision::current() == ComputeDtype::Bf16;
-                match decode_attention(
+                match B::decode_attention(
                     DecodeProjections::Split {
                         q: q.reshape([b, nh * hd]),
                         k: k.reshape([b, nkv * hd]),
                         v: v.reshape([b, nkv * hd]),
                     },
-                    (cos.clone().reshape([b, hd]), sin.clone().reshape([b, hd])),
+                    &cos.clone().reshape([b, hd]),
+                    &sin.clone().reshape([b, hd]),
                     on_device,
                     slots.layer(*layer),
-                    (round, false),
+                    round,
+                    false,
                 ) {
                     Ok(out) => return out.reshape([b, 1, nh * hd]),
                     Err(DecodeProjections::Split {
@@ -487,7 +491,7 @@ impl<B: ParallelBackend> Attention<B> {
             (AttnCache::None, Some(keys))
                 if precision::current() == ComputeDtype::Bf16
                     && cos.dims() == [b, 1, t, hd]
-                    && fused_attention_applies::<B>(hd) =>
+                    && B::fused_attention_applies(hd) =>
             {
                 Some(keys)
             }
@@ -501,7 +505,7 @@ impl<B: ParallelBackend> Attention<B> {
                 );
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
-                match fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
+                match B::fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
                     Ok(out) => return out.reshape([b, t, nh * hd]),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
@@ -590,9 +594,9 @@ impl<B: ParallelBackend> Attention<B> {
             to_rows(RotaryEmbedding::apply(k, &cos, &sin), nkv),
         );
         let v = to_rows(v, nkv);
-        let fused = precision::current() == ComputeDtype::Bf16 && fused_attention_applies::<B>(hd);
+        let fused = precision::current() == ComputeDtype::Bf16 && B::fused_attention_applies(hd);
         let out = match fused {
-            true => fused_attention(
+            true => B::fused_attention(
                 q,
                 k,
                 v,
@@ -618,51 +622,6 @@ impl<B: ParallelBackend> Attention<B> {
         )
         .reshape([1, t, nh * hd])
     }
-}
-
-/// Whether the fused attention kernel can take backend `B` and head size `head_dim`.
-fn fused_attention_applies<B: FusedOps>(head_dim: usize) -> bool {
-    B::fused_attention_applies(head_dim)
-}
-
-/// Whether the decode-attention kernel takes `heads` query heads over `kv_heads` of size
-/// `head_dim` on backend `B` (burn-cuda without autodiff).
-pub fn decode_kernel_applies<B: FusedOps>(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
-    B::decode_attention_applies(heads, kv_heads, head_dim)
-}
-
-/// One decode step's attention through the slot cache's kernel ([`FusedOps::decode_attention`]),
-/// or the projections back where it does not apply. `(round_bf16, out_bf16)`: round the
-/// products' operands to bf16; write the output as bf16.
-fn decode_attention<B: FusedOps>(
-    projections: DecodeProjections<B>,
-    (cos, sin): (Tensor<B, 2>, Tensor<B, 2>),
-    positions: &Tensor<B, 1>,
-    cache: (&Tensor<B, 4>, &Tensor<B, 4>),
-    (round_bf16, out_bf16): (bool, bool),
-) -> Result<Tensor<B, 2>, DecodeProjections<B>> {
-    B::decode_attention(
-        projections,
-        &cos,
-        &sin,
-        positions,
-        cache,
-        round_bf16,
-        out_bf16,
-    )
-}
-
-/// The fused kernel's attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
-/// `[batch, seq, kv_heads, head_dim]` ([`FusedOps::fused_attention`]), or the inputs back where
-/// it does not apply (every backend but burn-cuda).
-pub fn fused_attention<B: FusedOps>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    key_mask: Option<Tensor<B, 2>>,
-    scale: f32,
-) -> Result<Tensor<B, 4>, AttentionInputs<B>> {
-    B::fused_attention(q, k, v, key_mask, scale)
 }
 
 /// Softmax attention of `q` `[batch, heads, seq, head_dim]` over `k`, `v`

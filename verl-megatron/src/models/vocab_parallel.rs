@@ -11,7 +11,6 @@ use burn::prelude::*;
 use burn::tensor::Int;
 use verl_core::algorithms::logits::{entropy_from_logits, log_probs_from_logits};
 
-use crate::ops::{FusedOps, VocabInputs};
 use crate::parallel::{Collective, ParallelBackend, Region, TpGroup};
 
 /// log softmax(logits)[label] per position `[batch, len]` and, when `with_entropy`, the
@@ -82,14 +81,14 @@ fn fused_log_probs<B: ParallelBackend>(
     vocab_start: usize,
     with_entropy: bool,
 ) -> Result<(Tensor<B, 2>, Option<Tensor<B, 2>>), (Tensor<B, 3>, Tensor<B, 2, Int>)> {
-    if !fused_applies::<B>() {
+    if !B::vocab_stats_applies() {
         return Err((logits, labels));
     }
     let [b, len, per] = logits.dims();
     // Labels outside this shard become -1 (the kernel then reports a label logit of 0).
     let (local, outside) = shard_labels(labels.clone(), vocab_start, per);
     let local = local.mask_fill(outside, -1).reshape([b * len]);
-    let stats = match vocab_stats(logits.reshape([b * len, per]), local) {
+    let stats = match B::vocab_stats(logits.reshape([b * len, per]), local) {
         Ok(stats) => stats,
         Err((logits, _)) => return Err((logits.reshape([b, len, per]), labels)),
     };
@@ -108,17 +107,4 @@ fn fused_log_probs<B: ParallelBackend>(
         log_sum_exp.clone() - weighted / sum_exp
     });
     Ok((label_logit - log_sum_exp, entropy))
-}
-
-/// Whether the fused kernel can take backend `B` (burn-cuda, plain or under autodiff).
-fn fused_applies<B: FusedOps>() -> bool {
-    B::vocab_stats_applies()
-}
-
-/// [`FusedOps::vocab_stats`], or the inputs back (every backend but burn-cuda).
-fn vocab_stats<B: FusedOps>(
-    logits: Tensor<B, 2>,
-    labels: Tensor<B, 1, Int>,
-) -> Result<Tensor<B, 2>, VocabInputs<B>> {
-    B::vocab_stats(logits, labels)
 }

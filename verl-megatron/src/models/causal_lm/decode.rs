@@ -8,7 +8,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 
 use crate::layers::precision::{self};
-use crate::models::attention::{causal_bias, decode_kernel_applies, AttentionMask};
+use crate::models::attention::{causal_bias, AttentionMask};
 use crate::models::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
 use crate::parallel::ParallelBackend;
 
@@ -174,7 +174,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         // Where the decode kernel applies, the positions go up once for every layer.
         let on_device = self.layers.first().and_then(|l| {
             let a = &l.self_attn;
-            decode_kernel_applies::<B>(a.num_heads, a.num_kv_heads, a.head_dim)
+            B::decode_attention_applies(a.num_heads, a.num_kv_heads, a.head_dim)
                 .then(|| SlotKvCache::<B>::step_positions(positions, &device))
         });
         let h = match self.generation() {

@@ -7,14 +7,14 @@ mod agreement;
 #[cfg(feature = "host-profile")]
 pub mod host_profile;
 #[cfg(feature = "cuda")]
-pub mod kernels;
-pub mod log_prob;
-pub mod moe;
+pub(crate) mod kernels;
+pub(crate) mod log_prob;
+pub(crate) mod moe;
 #[cfg(feature = "cuda")]
-pub mod offload;
+pub(crate) mod offload;
 #[cfg(feature = "cuda")]
-pub mod rollout_kernels;
-pub mod weight_sync;
+pub(crate) mod rollout_kernels;
+pub(crate) mod weight_sync;
 
 use verl::backend::DefaultBackend;
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
@@ -23,7 +23,7 @@ use verl::megatron::models::CausalLm;
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler, SamplingParams};
 
 /// Model sizes the benchmarks use.
-pub fn preset(name: &str) -> Result<Qwen2Dims, String> {
+pub(crate) fn preset(name: &str) -> Result<Qwen2Dims, String> {
     let d = |vocab, hidden, inter, layers, heads, kv| Qwen2Dims {
         vocab_size: vocab,
         hidden_size: hidden,
@@ -53,7 +53,7 @@ pub fn preset(name: &str) -> Result<Qwen2Dims, String> {
 /// Decode throughput of the native rollout engine at each batch size.
 /// `samples` requests per prompt (the GRPO group size: with prefix caching they share one
 /// prefill).
-pub fn rollout(
+pub(crate) fn rollout(
     preset_name: &str,
     batches: &[usize],
     prompt_len: usize,
@@ -192,7 +192,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Training FLOPs per token: 6 × the weights each token multiplies (the LM head included) plus
 /// causal attention's two products at the mean length, ×3 for forward and backward (the same
 /// count as `bench/peers/common.py`).
-pub fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
+pub(crate) fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
     let head_dim = d.hidden_size / d.num_attention_heads;
     let q = d.num_attention_heads * head_dim;
     let kv = d.num_key_value_heads * head_dim;
@@ -213,7 +213,7 @@ pub fn train_flops_per_token(d: &Qwen2Dims, seq: usize) -> f64 {
 /// default) or `decomposed` (burn's operations); `vocab` is `fused` (our log-prob kernel, the
 /// default) or `decomposed` (burn's log_softmax + gather chain). All only act on burn-cuda.
 #[derive(Debug, Clone)]
-pub struct StepLevers {
+pub(crate) struct StepLevers {
     pub gemm: String,
     pub adamw: String,
     pub attention: String,
@@ -264,7 +264,7 @@ impl StepLevers {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn train_step(
+pub(crate) fn train_step(
     preset_name: &str,
     batch: usize,
     seq: usize,
@@ -433,7 +433,7 @@ fn gemm_on<B: burn::tensor::backend::Backend>(n: usize, repeat: usize) -> f64 {
 
 /// `verl bench gemm`: burn's matrix product TFLOP/s per size, f32 on the default backend and,
 /// on burn-cuda, bf16 too.
-pub fn gemm(sizes: &[usize], repeat: usize) -> Result<(), String> {
+pub(crate) fn gemm(sizes: &[usize], repeat: usize) -> Result<(), String> {
     println!("{:>6} {:>6} {:>9}", "dtype", "n", "TFLOP/s");
     for &n in sizes {
         println!(
@@ -459,7 +459,7 @@ pub fn gemm(sizes: &[usize], repeat: usize) -> Result<(), String> {
 /// Multi-GPU figures (the `cuda` build): NCCL bus bandwidth, tensor parallel on two GPUs
 /// against one, and cuBLASLt against burn's own product.
 #[cfg(feature = "cuda")]
-pub mod gpu {
+pub(crate) mod gpu {
     use std::sync::Arc;
     use std::time::Instant;
 
@@ -555,7 +555,11 @@ pub mod gpu {
     /// one rank of a multi-process job (GPU `LOCAL_RANK`; the NCCL id comes from rank 0 over
     /// `MASTER_ADDR:MASTER_PORT`) and rank 0 prints; otherwise `gpus` GPUs of this node, one
     /// thread each.
-    pub fn nccl_bandwidth(gpus: usize, sizes_mib: &[usize], repeat: usize) -> Result<(), String> {
+    pub(crate) fn nccl_bandwidth(
+        gpus: usize,
+        sizes_mib: &[usize],
+        repeat: usize,
+    ) -> Result<(), String> {
         if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
             let exchange = NcclIdExchange::from_env().map_err(|e| e.to_string())?;
             let r = &exchange.rendezvous;
@@ -636,7 +640,7 @@ pub mod gpu {
 
     /// `verl bench tp-check`: one training step of a random-init Qwen2 with tensor parallel
     /// over two GPUs (NCCL) and on one GPU: loss, gradient norm and the loss after the update.
-    pub fn tp_check(preset_name: &str, batch: usize, seq: usize) -> Result<(), String> {
+    pub(crate) fn tp_check(preset_name: &str, batch: usize, seq: usize) -> Result<(), String> {
         let dims = preset(preset_name)?;
         let cfg = HfModelConfig::qwen2(dims);
         cfg.check_tensor_parallel(2).map_err(|e| e.to_string())?;
@@ -690,7 +694,7 @@ pub mod gpu {
 
     /// The linear layer's bf16 product and both of its gradients through cuBLASLt
     /// (`verl_megatron::cuda::linear`) against burn's own, on the shapes of a Qwen2-0.5B MLP.
-    pub fn cublaslt_linear_grads() -> Result<(), String> {
+    pub(crate) fn cublaslt_linear_grads() -> Result<(), String> {
         use verl::megatron::cuda::linear::{enabled, set_enabled};
         use verl::megatron::layers::precision::{self, ComputeDtype};
         let device = rank_device(0);
@@ -732,7 +736,7 @@ pub mod gpu {
 
     /// cuBLASLt's bf16 `x · wᵀ` on burn-cuda buffers against burn's own (cast) product: the
     /// time of one product among back-to-back ones, and the difference from an f32 product.
-    pub fn cublaslt_vs_burn(sizes: &[usize], repeat: usize) -> Result<(), String> {
+    pub(crate) fn cublaslt_vs_burn(sizes: &[usize], repeat: usize) -> Result<(), String> {
         let device = rank_device(0);
         let blas = CublasLt::new(device.clone())?;
         println!(

@@ -1108,7 +1108,7 @@ launch cost: µs per operation, host issue / finished (1000 calls, no sync betwe
 }
 
 /// `verl bench kernels`.
-pub fn kernels(repeat: usize, time: bool) -> Result<(), String> {
+pub(crate) fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     let device = rank_device(0);
     let mut failures = Vec::new();
     check_adamw(&device, &mut failures);

@@ -81,7 +81,7 @@ fn peak_of<T>(f: impl FnOnce() -> T) -> (T, f64) {
 /// Times the log-prob pass and one PPO update per variant (plain / fused head × fixed /
 /// dynamic micro-batches × padded / packed sequences).
 #[allow(clippy::too_many_arguments)]
-pub fn log_prob(
+pub(crate) fn log_prob(
     preset_name: &str,
     rows: usize,
     prompt: usize,

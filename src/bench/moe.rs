@@ -17,7 +17,7 @@ use verl::megatron::parallel::ParallelBackend;
 use super::median;
 
 /// The shape of one MoE block.
-pub struct MoeShape {
+pub(crate) struct MoeShape {
     pub hidden: usize,
     pub moe_ffn: usize,
     pub shared_ffn: usize,
@@ -72,7 +72,12 @@ fn backward<B: AutodiffBackend>(y: Tensor<B, 3>) {
 }
 
 /// Times the block at each expert count: dispatch and dense, forward alone and with backward.
-pub fn moe(experts: &[usize], shape: &MoeShape, dtype: &str, repeat: usize) -> Result<(), String> {
+pub(crate) fn moe(
+    experts: &[usize],
+    shape: &MoeShape,
+    dtype: &str,
+    repeat: usize,
+) -> Result<(), String> {
     let compute: ComputeDtype = dtype
         .parse()
         .map_err(|e: verl::megatron::MegatronError| e.to_string())?;

@@ -87,7 +87,7 @@ fn round_trips(
     Ok((first, median(outs), median(backs)))
 }
 
-pub fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(), String> {
+pub(crate) fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(), String> {
     let device = rank_device(0);
     let tensors = state(total_gib, parts, &device);
     let want = bits(&tensors);

@@ -55,7 +55,7 @@ fn settings() -> Vec<(&'static str, RowSampling)> {
 /// The kernel against [`reference_sample`] row by row (same draw, so the same token unless
 /// two candidates' noisy scores tie within rounding), and the time of one decode step's
 /// sampling both ways.
-pub fn check_sampling(device: &Device, failures: &mut Vec<String>) {
+pub(crate) fn check_sampling(device: &Device, failures: &mut Vec<String>) {
     println!("\nsampling kernel vs its host reference (token, log-prob, entropy, kept set):");
     for (rows, vocab) in [(1usize, 151_936usize), (64, 151_936), (7, 1000), (3, 33)] {
         CudaBackend::seed(device, rows as u64 * 31 + vocab as u64);
@@ -219,7 +219,7 @@ fn decode_kernels(on: bool) {
 /// products the model has fused generation weights (stacked q/k/v and gate/up), and the
 /// fused step with kernels is also compared with the layer-by-layer step of the same model
 /// without them.
-pub fn check_decode(device: &Device, failures: &mut Vec<String>) {
+pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
     println!("\ndecode-attention kernel + in-place cache writes vs the plain path (logits):");
     for (hidden, heads, kv) in [(448, 7, 1), (768, 6, 1), (896, 14, 2)] {
         for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {

@@ -57,7 +57,11 @@ fn cast_seconds(elements: usize, device: &burn::tensor::Device<DefaultBackend>) 
 }
 
 /// Times `repeat` syncs (after one warm-up) per bucket size in MiB (0: shards as they are).
-pub fn weight_sync(preset_name: &str, buckets_mib: &[usize], repeat: usize) -> Result<(), String> {
+pub(crate) fn weight_sync(
+    preset_name: &str,
+    buckets_mib: &[usize],
+    repeat: usize,
+) -> Result<(), String> {
     let dims = preset(preset_name)?;
     let cfg = HfModelConfig::qwen2(dims);
     let device = Default::default();

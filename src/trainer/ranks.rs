@@ -139,7 +139,11 @@ fn worker_command(program: &PathBuf, local: usize) -> Command {
 
 impl RankProcesses {
     /// Starts this node's ranks, waits for all `world` ranks of the job and sets them up.
-    pub fn launch(cfg: &VerlConfig, world: usize, total_steps: u64) -> Result<Self, TrainError> {
+    pub(crate) fn launch(
+        cfg: &VerlConfig,
+        world: usize,
+        total_steps: u64,
+    ) -> Result<Self, TrainError> {
         let t = &cfg.trainer;
         let master_addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
         let multi_node = t.nnodes > 1;
@@ -197,7 +201,7 @@ impl RankProcesses {
     }
 
     /// Ends the run: every rank exits cleanly, and this node's are waited for.
-    pub fn finish(&mut self) -> Result<(), TrainError> {
+    pub(crate) fn finish(&mut self) -> Result<(), TrainError> {
         self.ranks.shutdown();
         match self.local.take() {
             Some(local) => local.wait().map_err(setup),

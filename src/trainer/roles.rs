@@ -32,7 +32,7 @@ use super::model::{compute_dtype, pipeline_split, Infer, Train};
 
 /// Wraps (or replaces) the native rollout engine a rank builds: how an embedding program swaps
 /// in its own [`RolloutEngine`](verl_core::traits::RolloutEngine).
-pub type RolloutWrap = std::sync::Arc<
+pub(super) type RolloutWrap = std::sync::Arc<
     dyn Fn(
             Box<dyn verl_core::traits::RolloutEngine<Infer>>,
         ) -> Box<dyn verl_core::traits::RolloutEngine<Infer>>
@@ -52,7 +52,7 @@ pub(crate) struct RoleOverrides {
 }
 
 impl RoleOverrides {
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.rollout.is_none() && self.policy_losses.is_empty()
     }
 }
@@ -231,7 +231,7 @@ pub(crate) struct RolePlans {
 impl RolePlans {
     /// Works the plans out from the config; a layout or optimizer that cannot work is refused
     /// here, before any model is built.
-    pub fn new(
+    pub(super) fn new(
         cfg: &VerlConfig,
         validated: &verl_core::config::ValidatedConfig,
         model_cfg: &HfModelConfig,
@@ -493,7 +493,7 @@ impl CriticPlan {
 
 impl ActorPlan {
     /// Rank `rank`'s actor / rollout / reference worker, joined to its `groups`.
-    pub fn build(
+    pub(super) fn build(
         &self,
         rank: usize,
         groups: ProcessGroups<Infer>,
@@ -669,7 +669,7 @@ impl ActorPlan {
 
 impl CriticPlan {
     /// Rank `rank`'s critic, joined to its `groups`.
-    pub fn build(
+    pub(super) fn build(
         &self,
         rank: usize,
         groups: ProcessGroups<Infer>,

@@ -4,7 +4,7 @@
 // Each test binary includes this module and uses a part of it.
 #![allow(dead_code)]
 
-pub mod verl_rows;
+pub(crate) mod verl_rows;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -14,7 +14,7 @@ use verl::trainer::{PpoTrainer, RunSummary};
 
 /// The built-in task on a tiny model (2 layers, hidden 64), no validation runs: what the
 /// end-to-end tests start from.
-pub const TINY_JOB: &[&str] = &[
+pub(crate) const TINY_JOB: &[&str] = &[
     "data.train_files=builtin:addition:1",
     "trainer.test_freq=-1",
     "+actor_rollout_ref.model.override_config.hidden_size=64",
@@ -24,7 +24,7 @@ pub const TINY_JOB: &[&str] = &[
 
 /// The tiny built-in job for two steps after two warm-up steps, writing under `dir`, with
 /// `extra` overrides on top: what the builder and bad-input tests start from.
-pub fn tiny_config(dir: &Path, extra: &[&str]) -> verl::config::VerlConfig {
+pub(crate) fn tiny_config(dir: &Path, extra: &[&str]) -> verl::config::VerlConfig {
     verl::ConfigBuilder::new()
         .overrides(verl::trainer::MAIN_JOB)
         .overrides(TINY_JOB.iter().copied())
@@ -39,7 +39,7 @@ pub fn tiny_config(dir: &Path, extra: &[&str]) -> verl::config::VerlConfig {
 }
 
 /// Every file under `dir` (none when it does not exist), in no particular order.
-pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
+pub(crate) fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -59,7 +59,7 @@ pub fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 /// Runs the trainer's whole job in this thread, as `verl train` does.
-pub fn fit(validated: ValidatedConfig) -> RunSummary {
+pub(crate) fn fit(validated: ValidatedConfig) -> RunSummary {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -69,7 +69,7 @@ pub fn fit(validated: ValidatedConfig) -> RunSummary {
 }
 
 /// The step lines of a `metrics.jsonl` (numeric values only).
-pub fn step_lines(path: &Path) -> Vec<BTreeMap<String, f64>> {
+pub(crate) fn step_lines(path: &Path) -> Vec<BTreeMap<String, f64>> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
@@ -87,7 +87,7 @@ pub fn step_lines(path: &Path) -> Vec<BTreeMap<String, f64>> {
 
 /// Every metric but timings, throughput and rollout statistics agrees within 1e-3 relative
 /// (f32 rounding over a few steps of another layout); more than 40 are compared.
-pub fn assert_same_metrics(
+pub(crate) fn assert_same_metrics(
     one: &[BTreeMap<String, f64>],
     other: &[BTreeMap<String, f64>],
     what: &str,

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 
 /// One row: `prompt` as chat messages; `truth: None` leaves `reward_model` null (a bad row).
 #[derive(Debug, Clone)]
-pub struct VerlRow {
+pub(crate) struct VerlRow {
     pub source: String,
     /// (role, content)
     pub messages: Vec<(String, String)>,
@@ -21,7 +21,12 @@ pub struct VerlRow {
 }
 
 impl VerlRow {
-    pub fn new(source: &str, messages: &[(&str, &str)], truth: Option<&str>, index: i64) -> Self {
+    pub(crate) fn new(
+        source: &str,
+        messages: &[(&str, &str)],
+        truth: Option<&str>,
+        index: i64,
+    ) -> Self {
         Self {
             source: source.into(),
             messages: messages
@@ -34,7 +39,7 @@ impl VerlRow {
     }
 
     /// The row as the JSON object verl's JSONL rows are.
-    pub fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         json!({
             "data_source": self.source,
             "prompt": self.messages.iter()
@@ -50,7 +55,7 @@ impl VerlRow {
 /// structs, `reward_model` and `extra_info` structs), with `props` (compression, dictionary
 /// pages). Written leaf by leaf with Dremel definition/repetition levels, so tests need no
 /// arrow.
-pub fn write_parquet(path: &Path, rows: &[VerlRow], props: WriterProperties) {
+pub(crate) fn write_parquet(path: &Path, rows: &[VerlRow], props: WriterProperties) {
     let schema = parse_message_type(
         "message schema {
             OPTIONAL BYTE_ARRAY data_source (UTF8);

@@ -15,13 +15,13 @@ pub(crate) struct Host2 {
 }
 
 impl Host2 {
-    pub fn from_tensor<B: Backend>(t: &Tensor<B, 2>) -> Self {
+    pub(super) fn from_tensor<B: Backend>(t: &Tensor<B, 2>) -> Self {
         let [rows, cols] = t.dims();
         let data = t.to_data().iter::<f64>().collect();
         Self { data, rows, cols }
     }
 
-    pub fn zeros(rows: usize, cols: usize) -> Self {
+    pub(super) fn zeros(rows: usize, cols: usize) -> Self {
         Self {
             data: vec![0.0; rows * cols],
             rows,
@@ -30,28 +30,28 @@ impl Host2 {
     }
 
     #[inline]
-    pub fn at(&self, r: usize, c: usize) -> f64 {
+    pub(super) fn at(&self, r: usize, c: usize) -> f64 {
         self.data[r * self.cols + c]
     }
 
     #[inline]
-    pub fn set(&mut self, r: usize, c: usize, v: f64) {
+    pub(super) fn set(&mut self, r: usize, c: usize, v: f64) {
         self.data[r * self.cols + c] = v;
     }
 
-    pub fn row_sum(&self, r: usize) -> f64 {
+    pub(super) fn row_sum(&self, r: usize) -> f64 {
         self.data[r * self.cols..(r + 1) * self.cols].iter().sum()
     }
 
     /// As a tensor of the backend's float type (f64 stays f64 on an f64 backend).
-    pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
+    pub(super) fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2> {
         let data = TensorData::new(self.data.clone(), [self.rows, self.cols]);
         Tensor::from_data(data.convert::<B::FloatElem>(), device)
     }
 
     /// verl's `masked_whiten`: (x − mean) / sqrt(var + 1e-8) over masked entries, with the
     /// unbiased (Bessel-corrected) variance.
-    pub fn whiten(&self, mask: &Host2) -> Result<Host2, String> {
+    pub(super) fn whiten(&self, mask: &Host2) -> Result<Host2, String> {
         let n: f64 = mask.data.iter().sum();
         if n <= 1.0 {
             return Err(format!(
@@ -82,7 +82,7 @@ impl Host2 {
         })
     }
 
-    pub fn mul_mask(mut self, mask: &Host2) -> Host2 {
+    pub(super) fn mul_mask(mut self, mask: &Host2) -> Host2 {
         for (x, m) in self.data.iter_mut().zip(&mask.data) {
             *x *= m;
         }

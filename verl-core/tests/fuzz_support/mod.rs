@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value};
 
 /// Cases per property: enough to vary every generator's branches, small enough that the file
 /// runs in seconds in a debug build.
-pub fn fuzz_config() -> ProptestConfig {
+pub(crate) fn fuzz_config() -> ProptestConfig {
     // 64 cases from a fixed seed keep CI's run bounded and repeatable; PROPTEST_CASES asks
     // for a longer fuzzing session, from a fresh random seed unless PROPTEST_RNG_SEED is set.
     let session = std::env::var("PROPTEST_CASES")
@@ -37,7 +37,7 @@ pub fn fuzz_config() -> ProptestConfig {
 // ---------------------------------------------------------------------------------------------
 // Running a reader.
 
-pub fn panic_message(panic: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_string())
@@ -47,7 +47,7 @@ pub fn panic_message(panic: &(dyn Any + Send)) -> String {
 
 /// Runs the reader `what`: its value, or its error's message (which must not be empty); a
 /// panic fails the case.
-pub fn no_panic<T, E: Display>(
+pub(crate) fn no_panic<T, E: Display>(
     what: &str,
     read: impl FnOnce() -> Result<T, E>,
 ) -> Result<Result<T, String>, TestCaseError> {
@@ -70,7 +70,7 @@ pub fn no_panic<T, E: Display>(
 
 /// `read`'s own outcome (for a reader that returns no `Result`, or whose error type the
 /// property matches on); a panic fails the case.
-pub fn caught<T>(what: &str, read: impl FnOnce() -> T) -> Result<T, TestCaseError> {
+pub(crate) fn caught<T>(what: &str, read: impl FnOnce() -> T) -> Result<T, TestCaseError> {
     catch_unwind(AssertUnwindSafe(read)).map_err(|panic| {
         TestCaseError::fail(format!(
             "{what} panicked: {}",
@@ -80,7 +80,7 @@ pub fn caught<T>(what: &str, read: impl FnOnce() -> T) -> Result<T, TestCaseErro
 }
 
 /// [`no_panic`] for a reader whose value the property does not look at.
-pub fn returns<T, E: Display>(
+pub(crate) fn returns<T, E: Display>(
     what: &str,
     read: impl FnOnce() -> Result<T, E>,
 ) -> Result<(), TestCaseError> {
@@ -90,7 +90,7 @@ pub fn returns<T, E: Display>(
 
 /// [`no_panic`] on a thread of its own, failing the case when `read` has not returned after
 /// `secs` seconds (a loop bounded by a number read from the input). The thread is left behind.
-pub fn no_panic_within<T: Send + 'static>(
+pub(crate) fn no_panic_within<T: Send + 'static>(
     what: &str,
     secs: u64,
     read: impl FnOnce() -> Result<T, String> + Send + 'static,
@@ -120,7 +120,7 @@ pub fn no_panic_within<T: Send + 'static>(
 // Mutations shared by the generators.
 
 /// Tokens readers trip on, spliced into documents at random places.
-pub const NASTY_TOKENS: &[&str] = &[
+pub(crate) const NASTY_TOKENS: &[&str] = &[
     "18446744073709551616",
     "-1",
     "1e999",
@@ -142,7 +142,7 @@ pub const NASTY_TOKENS: &[&str] = &[
 
 /// A byte-level change to a document.
 #[derive(Debug, Clone)]
-pub enum ByteEdit {
+pub(crate) enum ByteEdit {
     /// Cut at a point (a torn write).
     Truncate(Index),
     /// XOR one byte with a non-zero mask (a flipped bit or byte on disk).
@@ -153,7 +153,7 @@ pub enum ByteEdit {
     DuplicateLine(Index),
 }
 
-pub fn byte_edit() -> impl Strategy<Value = ByteEdit> {
+pub(crate) fn byte_edit() -> impl Strategy<Value = ByteEdit> {
     prop_oneof![
         any::<Index>().prop_map(ByteEdit::Truncate),
         (any::<Index>(), 1u8..=255).prop_map(|(i, mask)| ByteEdit::Flip(i, mask)),
@@ -163,7 +163,7 @@ pub fn byte_edit() -> impl Strategy<Value = ByteEdit> {
     ]
 }
 
-pub fn apply_bytes(mut bytes: Vec<u8>, edit: &ByteEdit) -> Vec<u8> {
+pub(crate) fn apply_bytes(mut bytes: Vec<u8>, edit: &ByteEdit) -> Vec<u8> {
     if bytes.is_empty() {
         if let ByteEdit::Insert(_, token) = edit {
             bytes.extend_from_slice(token.as_bytes());
@@ -201,26 +201,26 @@ pub fn apply_bytes(mut bytes: Vec<u8>, edit: &ByteEdit) -> Vec<u8> {
     }
 }
 
-pub fn apply_all(bytes: Vec<u8>, edits: &[ByteEdit]) -> Vec<u8> {
+pub(crate) fn apply_all(bytes: Vec<u8>, edits: &[ByteEdit]) -> Vec<u8> {
     edits.iter().fold(bytes, apply_bytes)
 }
 
 /// A change to a JSON document at a path of object keys (or array indices).
 #[derive(Debug, Clone)]
-pub enum JsonEdit {
+pub(crate) enum JsonEdit {
     /// Sets the value at the path, making the objects on the way.
     Set(Vec<String>, Value),
     /// Removes the key at the end of the path.
     Remove(Vec<String>),
 }
 
-pub fn path_of(dotted: &str) -> Vec<String> {
+pub(crate) fn path_of(dotted: &str) -> Vec<String> {
     dotted.split('.').map(str::to_string).collect()
 }
 
 /// The child `key` of `node`: an element of an array when `key` is an index in it, else a
 /// key of an object (`node` becomes one if it is not).
-pub fn child<'a>(node: &'a mut Value, key: &str) -> &'a mut Value {
+pub(crate) fn child<'a>(node: &'a mut Value, key: &str) -> &'a mut Value {
     let element = match (&*node, key.parse::<usize>()) {
         (Value::Array(items), Ok(i)) if i < items.len() => Some(i),
         _ => None,
@@ -239,7 +239,7 @@ pub fn child<'a>(node: &'a mut Value, key: &str) -> &'a mut Value {
     }
 }
 
-pub fn apply_json(doc: &mut Value, edit: &JsonEdit) {
+pub(crate) fn apply_json(doc: &mut Value, edit: &JsonEdit) {
     let (path, value) = match edit {
         JsonEdit::Set(path, value) => (path, Some(value.clone())),
         JsonEdit::Remove(path) => (path, None),
@@ -265,7 +265,7 @@ pub fn apply_json(doc: &mut Value, edit: &JsonEdit) {
 }
 
 /// A nested array `depth` levels deep (serde_json refuses more than 128).
-pub fn deeply_nested(depth: usize) -> Value {
+pub(crate) fn deeply_nested(depth: usize) -> Value {
     let mut v = json!(1);
     for _ in 0..depth {
         v = json!([v]);
@@ -275,7 +275,7 @@ pub fn deeply_nested(depth: usize) -> Value {
 
 /// Values a reader may not expect where it reads a field: huge, negative and fractional
 /// numbers, strings that are paths out of a directory, every JSON type, deep nesting.
-pub fn nasty_value() -> impl Strategy<Value = Value> {
+pub(crate) fn nasty_value() -> impl Strategy<Value = Value> {
     let leaf = prop_oneof![
         prop::sample::select(vec![
             json!(0),
@@ -315,7 +315,7 @@ pub fn nasty_value() -> impl Strategy<Value = Value> {
 }
 
 /// Sets or removes one of `fields` (dotted paths) with a [`nasty_value`].
-pub fn json_edit(fields: &'static [&'static str]) -> impl Strategy<Value = JsonEdit> {
+pub(crate) fn json_edit(fields: &'static [&'static str]) -> impl Strategy<Value = JsonEdit> {
     let field = prop::sample::select(fields).prop_map(path_of);
     prop_oneof![
         3 => (field.clone(), nasty_value()).prop_map(|(p, v)| JsonEdit::Set(p, v)),
@@ -324,7 +324,7 @@ pub fn json_edit(fields: &'static [&'static str]) -> impl Strategy<Value = JsonE
 }
 
 /// `doc` with `json_edits`, pretty-printed, then with `byte_edits`.
-pub fn mutated(mut doc: Value, json_edits: &[JsonEdit], byte_edits: &[ByteEdit]) -> Vec<u8> {
+pub(crate) fn mutated(mut doc: Value, json_edits: &[JsonEdit], byte_edits: &[ByteEdit]) -> Vec<u8> {
     for e in json_edits {
         apply_json(&mut doc, e);
     }
@@ -335,7 +335,7 @@ pub fn mutated(mut doc: Value, json_edits: &[JsonEdit], byte_edits: &[ByteEdit])
 }
 
 /// `[header length: u64 LE][header JSON][data]`: a safetensors buffer.
-pub fn encode_st(header: &Value, data: &[u8]) -> Vec<u8> {
+pub(crate) fn encode_st(header: &Value, data: &[u8]) -> Vec<u8> {
     let json = serde_json::to_vec(header).expect("a JSON value serializes");
     let mut out = (json.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&json);
@@ -344,14 +344,14 @@ pub fn encode_st(header: &Value, data: &[u8]) -> Vec<u8> {
 }
 
 /// The header and data of a valid safetensors buffer.
-pub fn split_st(buffer: &[u8]) -> (Value, Vec<u8>) {
+pub(crate) fn split_st(buffer: &[u8]) -> (Value, Vec<u8>) {
     let n = u64::from_le_bytes(buffer[..8].try_into().expect("8 bytes")) as usize;
     let header = serde_json::from_slice(&buffer[8..8 + n]).expect("a JSON header");
     (header, buffer[8 + n..].to_vec())
 }
 
 /// A size list with huge and zero entries, or any other value.
-pub fn sizes() -> impl Strategy<Value = Value> {
+pub(crate) fn sizes() -> impl Strategy<Value = Value> {
     let size = prop_oneof![
         Just(0u64),
         Just(1),

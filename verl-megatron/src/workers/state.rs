@@ -244,7 +244,7 @@ pub(crate) struct MoeAuxLoss {
 
 impl MoeAuxLoss {
     /// For `micro_batches` micro-batches on this rank (summed over `dp`).
-    pub fn of<B: ParallelAutodiffBackend>(
+    pub(super) fn of<B: ParallelAutodiffBackend>(
         model: &CausalLm<B>,
         micro_batches: usize,
         dp: Option<&dyn Communicator<B::InnerBackend>>,
@@ -264,7 +264,7 @@ impl MoeAuxLoss {
 
     /// Pushes `{role}/moe_aux_loss`: this stage's scaled sum added over the pipeline stages and
     /// the data-parallel ranks (the mini-batch's mean load-balancing loss, all layers).
-    pub fn report<I: ParallelBackend>(
+    pub(super) fn report<I: ParallelBackend>(
         &self,
         stage_total: f64,
         pp: Option<&dyn Communicator<I>>,

@@ -8,14 +8,14 @@ use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
 use verl_megatron::models::CausalLm;
 
 /// A fixture directory written by `tools/make_fixtures.py`.
-pub fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
 }
 
 /// Config and model of an HF directory, on the CPU backend.
-pub fn load_model(dir: &Path) -> (HfModelConfig, CausalLm<B>) {
+pub(crate) fn load_model(dir: &Path) -> (HfModelConfig, CausalLm<B>) {
     let cfg = HfModelConfig::from_dir(dir).unwrap();
     let model =
         CausalLm::from_checkpoint(&cfg, &HfCheckpoint::open(dir).unwrap(), &Default::default())
@@ -24,7 +24,7 @@ pub fn load_model(dir: &Path) -> (HfModelConfig, CausalLm<B>) {
 }
 
 /// `reference.json` of a fixture.
-pub fn reference_json(name: &str) -> serde_json::Value {
+pub(crate) fn reference_json(name: &str) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())
         .unwrap()
 }

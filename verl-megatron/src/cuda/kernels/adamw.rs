@@ -33,7 +33,7 @@ mod kernel {
 
     #[allow(clippy::too_many_arguments)]
     #[cube(launch_unchecked)]
-    pub fn adamw_kernel(
+    pub(super) fn adamw_kernel(
         param: &mut Array<f32>,
         grad: &Array<f32>,
         exp_avg: &mut Array<f32>,

@@ -13,6 +13,7 @@ use verl::megatron::hf::HfModelConfig;
 use verl::megatron::layers::precision::ComputeDtype;
 use verl::megatron::models::CausalLm;
 use verl::megatron::parallel::ParallelBackend;
+use verl::megatron::workers::TrainingRole;
 use verl::megatron::workers::{ActorSettings, DynamicBatch, MegatronActor, ModelOptimizer};
 use verl::traits::Actor;
 use verl::DataProto;

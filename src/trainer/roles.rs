@@ -21,7 +21,7 @@ use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
     DynamicBatch, HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer,
-    ParamOffload, TrainingOffload,
+    ParamOffload, TrainingOffload, TrainingRole,
 };
 use verl_offload::OffloadBackend;
 use verl_profiler::RoleProfiler;

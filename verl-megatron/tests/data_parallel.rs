@@ -15,6 +15,7 @@ use verl_core::{DataProto, Metrics};
 use verl_megatron::hf::{HeadKind, HfModelConfig, Qwen2Dims};
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::LocalCommunicator;
+use verl_megatron::workers::TrainingRole;
 use verl_megatron::workers::{
     ActorSettings, CriticSettings, MegatronActor, MegatronCritic, ModelOptimizer,
 };

@@ -27,6 +27,7 @@ use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
 use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{LocalCommunicator, ModelGroups, ProcessGroups, TpGroup};
+use verl_megatron::workers::TrainingRole;
 use verl_megatron::workers::{
     ActorSettings, CriticSettings, DynamicBatch, MegatronActor, MegatronCritic, MicroBatching,
     ModelOptimizer,

@@ -16,6 +16,7 @@ use verl_megatron::models::causal_lm::PipelineStageLayout;
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{ProcessGroups, TpGroup};
+use verl_megatron::workers::TrainingRole;
 use verl_megatron::workers::{ActorSettings, HybridShardingManager, MegatronActor, ModelOptimizer};
 use verl_rollout::{
     Completion, EngineConfig, KvBudget, NativeRollout, Request, Sampler, SamplingParams,

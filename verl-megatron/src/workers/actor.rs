@@ -2,8 +2,6 @@
 //! mini-batches, micro-batches with gradient accumulation, global-norm clipping, AdamW with the
 //! scheduled learning rate, entropy bonus, KL loss), as verl's `MegatronPPOActor`.
 
-use std::sync::Arc;
-
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -15,18 +13,14 @@ use verl_core::algorithms::aggregation::{agg_loss, AggScale, LossAggMode};
 use verl_core::algorithms::kl::{kl_penalty, KlPenalty};
 use verl_core::algorithms::masked::masked_mean;
 use verl_core::algorithms::policy_loss::{PolicyLossInput, PolicyLossParams, PolicyLossRegistry};
-use verl_core::traits::{
-    Actor, CheckpointContents, CheckpointState, Communicator, LogProbOutput, WeightExporter,
-    WeightSyncPlan,
-};
+use verl_core::traits::{Actor, LogProbOutput, WeightExporter, WeightSyncPlan};
 use verl_core::{DataProto, Metrics, NamedTensor, Result, WeightStream};
 
-use super::adamw::AdamW;
 use super::batch::{
     float_col, map_micro_batches, training_micro_batches, MicroBatching, ModelInputs,
 };
-use super::offload::{Moved, TrainingOffload};
-use super::optim::{ModelOptimizer, PipelineParallelGrads};
+use super::engine::{TrainingEngine, TrainingRole};
+use super::optim::ModelOptimizer;
 use super::stage::train_micro_batches;
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
@@ -55,21 +49,10 @@ pub struct ActorSettings {
 
 /// The policy model and its optimizer.
 pub struct MegatronActor<B: ParallelAutodiffBackend> {
-    model: Option<CausalLm<B>>,
-    optim: ModelOptimizer<B, CausalLm<B>>,
+    /// The model, its optimizers (the RL one and the warm-up's), groups and offload.
+    engine: TrainingEngine<B>,
     settings: ActorSettings,
     losses: PolicyLossRegistry<B>,
-    updates: u64,
-    /// The supervised warm-up's own optimizer (its own learning rate); the RL one otherwise.
-    sft_optim: Option<ModelOptimizer<B, CausalLm<B>>>,
-    /// The data-parallel group: batch-wide counts and gradients are summed over it.
-    dp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
-    /// The pipeline group, when the model is one stage of several.
-    pp: Option<Arc<dyn Communicator<B::InnerBackend>>>,
-    /// Parameters and optimizer state in host memory between phases (`param_offload`,
-    /// `optimizer_offload`).
-    offload: Option<TrainingOffload<B>>,
-    dynamic: DynamicBatch,
 }
 
 /// verl's dynamic batch size for a role: micro-batches by token budget instead of row counts
@@ -140,18 +123,10 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         optim: ModelOptimizer<B, CausalLm<B>>,
         settings: ActorSettings,
     ) -> Self {
-        let optim = super::state::for_model(optim, &model);
         Self {
-            model: Some(model),
-            optim,
+            engine: TrainingEngine::new(model, optim),
             settings,
             losses: PolicyLossRegistry::new(),
-            updates: 0,
-            sft_optim: None,
-            dp: None,
-            pp: None,
-            offload: None,
-            dynamic: DynamicBatch::default(),
         }
     }
 
@@ -166,16 +141,9 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         self
     }
 
-    /// Forms micro-batches by token budget ([`DynamicBatch`]); the loss normalisation is the
-    /// mini-batch's either way, so the update is the one fixed micro-batches make.
-    pub fn with_dynamic_batch(mut self, dynamic: DynamicBatch) -> Self {
-        self.dynamic = dynamic;
-        self
-    }
-
     /// The forward-only passes' micro-batching (log-probs, and the reference's).
     pub fn log_prob_batching(&self) -> MicroBatching {
-        self.dynamic.forward(
+        self.engine.dynamic.forward(
             self.settings.log_prob_micro_batch_rows,
             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
         )
@@ -183,214 +151,63 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
 
     /// The reference policy's log-prob pass.
     pub fn reference_batching(&self) -> MicroBatching {
-        self.dynamic.reference(
+        self.engine.dynamic.reference(
             self.settings.log_prob_micro_batch_rows,
             "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
         )
     }
 
     fn update_batching(&self) -> MicroBatching {
-        self.dynamic.update(
+        self.engine.dynamic.update(
             self.settings.micro_batch_rows,
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
         )
     }
 
-    /// The data-parallel group (batch-wide counts are summed over it).
-    pub fn data_parallel_group(&self) -> Option<&Arc<dyn Communicator<B::InnerBackend>>> {
-        self.dp.as_ref()
-    }
-
-    /// Keeps the parameters and optimizer state in host memory between phases, as `offload`'s
-    /// switches say (they leave the device at once, as verl offloads after building the model).
-    pub fn with_offload(mut self, offload: TrainingOffload<B>) -> Result<Self> {
-        self.offload = Some(offload);
-        self.put_away()?;
-        Ok(self)
-    }
-
-    /// Runs `f` on the offload with the model and both optimizers (RL and warm-up); nothing
-    /// without offload.
-    fn with_offload_state(
-        &mut self,
-        f: impl FnOnce(
-            &mut TrainingOffload<B>,
-            &mut Option<CausalLm<B>>,
-            &mut [&mut AdamW<B::InnerBackend>],
-        ) -> Result<()>,
-    ) -> Result<()> {
-        let Some(offload) = self.offload.as_mut() else {
-            return Ok(());
-        };
-        let mut optims = vec![self.optim.adamw_mut()];
-        optims.extend(self.sft_optim.as_mut().map(|o| o.adamw_mut()));
-        f(offload, &mut self.model, &mut optims)
-    }
-
-    /// Brings the parameters (and with `optimizer`, the optimizer state) back to the device for
-    /// a phase; nothing without offload.
-    pub fn bring_in(&mut self, optimizer: bool) -> Result<()> {
-        self.with_offload_state(|o, model, optims| o.bring_in(model, optims, optimizer))
-    }
-
-    /// Brings the parameters back for an update and starts the optimizer state's copy (see
-    /// `TrainingOffload::bring_in_for_update`); nothing without offload.
-    fn bring_in_for_update(&mut self) -> Result<()> {
-        self.with_offload_state(|o, model, _| o.bring_in_for_update(model))
-    }
-
-    /// The optimizer state on the device before an optimizer step.
-    fn ready_optimizer(&mut self) -> Result<()> {
-        self.with_offload_state(|o, _, optims| o.ready_optimizer(optims))
-    }
-
-    /// Sends the parameters and optimizer state away after a phase, as the switches say.
-    pub fn put_away(&mut self) -> Result<()> {
-        self.with_offload_state(|o, model, optims| o.put_away(model, optims))
-    }
-
-    /// [`Self::put_away`] after a phase that only read the parameters (see
-    /// `TrainingOffload::put_away_read_only`).
-    pub fn put_away_read_only(&mut self) -> Result<()> {
-        self.with_offload_state(|o, model, optims| o.put_away_read_only(model, optims))
-    }
-
-    /// Whether any of the role's state leaves the device between phases.
-    pub fn offloads(&self) -> bool {
-        self.offload.as_ref().is_some_and(|o| o.switches.any())
-    }
-
-    /// What offload moved since the last call (both ways), and the bytes in host memory now.
-    pub fn take_offload_moved(&mut self) -> (Moved, u64) {
-        self.offload
-            .as_mut()
-            .map_or_else(Default::default, TrainingOffload::take_moved)
-    }
-
-    /// Trains data-parallel over `comm`: each rank updates on its share of every mini-batch,
-    /// with the loss normalised by the whole mini-batch and gradients summed in buckets of
-    /// `bucket_elems`, so every rank applies the single-rank update.
-    pub fn with_data_parallel(
-        mut self,
-        comm: Arc<dyn Communicator<B::InnerBackend>>,
-        bucket_elems: usize,
-    ) -> Self {
-        self.optim = self.optim.with_data_parallel(comm.clone(), bucket_elems);
-        self.sft_optim = self
-            .sft_optim
-            .map(|o| o.with_data_parallel(comm.clone(), bucket_elems));
-        self.dp = Some(comm);
-        self
-    }
-
-    /// With context parallelism: the gradients are summed over `dp_cp` (data × context
-    /// parallel: each cp rank's are its own tokens' share of its data-parallel rank's loss,
-    /// which every cp rank computes whole from the gathered outputs), while batch-wide counts
-    /// and reported losses stay summed over the data-parallel group only. Call it after
-    /// [`Self::with_data_parallel`]; a distributed optimizer then shards over `dp_cp`, as
-    /// Megatron's does.
-    pub fn with_context_parallel(
-        mut self,
-        dp_cp: Arc<dyn Communicator<B::InnerBackend>>,
-        bucket_elems: usize,
-    ) -> Self {
-        self.optim = self.optim.with_data_parallel(dp_cp.clone(), bucket_elems);
-        self.sft_optim = self
-            .sft_optim
-            .map(|o| o.with_data_parallel(dp_cp.clone(), bucket_elems));
-        self
-    }
-
-    /// With expert parallelism (ep > 1, or an expert tensor parallel size other than tp): the
-    /// routed experts' gradients are summed over `expert_dp`, the ranks holding the same expert
-    /// shard (Megatron's expert data-parallel group).
-    pub fn with_expert_data_parallel(
-        mut self,
-        expert_dp: Arc<dyn Communicator<B::InnerBackend>>,
-    ) -> Self {
-        self.optim = self.optim.with_expert_data_parallel(expert_dp.clone());
-        self.sft_optim = self
-            .sft_optim
-            .map(|o| o.with_expert_data_parallel(expert_dp));
-        self
-    }
-
-    /// Trains one pipeline stage (the model built for its stage) with the pipeline group
-    /// `comm`: each mini-batch runs through the stages in the 1F1B schedule, the gradient norm
-    /// adds up over the stages and a tied embedding's gradient is summed between the first and
-    /// the last stage. Losses and metrics come from the last stage.
-    pub fn with_pipeline_parallel(mut self, comm: Arc<dyn Communicator<B::InnerBackend>>) -> Self {
-        let tied_embedding = self.model().pipeline_tied_embedding();
-        let pp = || PipelineParallelGrads {
-            comm: comm.clone(),
-            tied_embedding,
-        };
-        self.optim = self.optim.with_pipeline_parallel(pp());
-        if let Some(sft) = self.sft_optim.take() {
-            self.sft_optim = Some(sft.with_pipeline_parallel(pp()));
-        }
-        self.pp = Some(comm);
-        self
-    }
-
     /// Gives the supervised warm-up its own optimizer and schedule (call before
     /// [`Self::with_data_parallel`]).
-    pub fn with_sft_optimizer(mut self, optim: ModelOptimizer<B, CausalLm<B>>) -> Self {
-        self.sft_optim = Some(super::state::for_model(optim, self.model()));
-        self
-    }
-
-    /// Records the device's usage into the open phase's peak.
-    pub fn sample_memory(&self) {
-        crate::parallel::sample_module_memory::<B, _>(self.model());
-    }
-
-    pub fn model(&self) -> &CausalLm<B> {
-        self.model
-            .as_ref()
-            .expect("the model is only out during a step")
+    pub fn with_sft_optimizer(self, optim: ModelOptimizer<B, CausalLm<B>>) -> Self {
+        self.map_engine(|e| e.with_sft_optimizer(optim))
     }
 
     pub fn settings(&self) -> &ActorSettings {
         &self.settings
     }
 
-    /// `values` summed over the data-parallel group (unchanged on one rank).
-    fn dp_sum(&self, values: &[f64]) -> Result<Vec<f64>> {
-        super::state::dp_sum(self.dp.as_deref(), values)
-    }
-
-    /// Optimizer steps taken so far.
-    pub fn optimizer_steps(&self) -> u64 {
-        self.optim.step
-    }
-
     /// Supervised fine-tuning step on the response tokens (the warm-up before RL): token-mean
     /// negative log-likelihood over `response_mask`, one optimizer step per mini-batch.
     pub fn sft_step(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.bring_in_for_update()?;
+        self.engine.bring_in_for_update()?;
         let out = self.sft_step_resident(data);
-        self.put_away()?;
+        self.engine.put_away()?;
         out
     }
 
     fn sft_step_resident(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         let mut metrics = Metrics::default();
         let mask_all = float_col(data, "response_mask")?;
-        let tokens = self.dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0].max(1.0);
-        let micros = training_micro_batches(data, self.update_batching(), self.dp.as_deref())?;
+        let tokens = self
+            .engine
+            .dp_sum(&[mask_all.sum().into_scalar().elem::<f64>()])?[0]
+            .max(1.0);
+        let micros =
+            training_micro_batches(data, self.update_batching(), self.engine.dp.as_deref())?;
         let (grads, total) =
             self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
-        self.ready_optimizer()?;
+        self.engine.ready_optimizer()?;
         self.sample_memory();
-        let model = self.model.take().expect("model present");
-        let optim = self.sft_optim.as_mut().unwrap_or(&mut self.optim);
+        let model = self.engine.model.take().expect("model present");
+        let optim = self
+            .engine
+            .sft_optim
+            .as_mut()
+            .unwrap_or(&mut self.engine.optim);
         let (model, report) = optim.step(model, grads);
-        self.model = Some(model);
+        self.engine.model = Some(model);
         let report = report?;
-        if self.is_last_stage() {
+        if self.engine.is_last_stage() {
             // Each rank's loss is its share of the batch loss.
-            metrics.push("sft/loss", self.dp_sum(&[total])?[0]);
+            metrics.push("sft/loss", self.engine.dp_sum(&[total])?[0]);
             metrics.push("sft/grad_norm", report.grad_norm);
             metrics.push("sft/lr", report.lr);
         }
@@ -414,7 +231,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             StageLoss::Sft { tokens } => {
                 let labels = Tensor::<B, 2, Int>::from_inner(micro.int::<2>("responses")?);
                 let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
-                let (log_probs, _) = log_probs_from(self.model(), logits, labels, 1.0, false);
+                let (log_probs, _) =
+                    log_probs_from(self.engine.model(), logits, labels, 1.0, false);
                 let nll = -(log_probs * mask).sum() / tokens;
                 let value = nll.clone().into_scalar().elem::<f64>();
                 Ok((nll.reshape([1]), value))
@@ -432,15 +250,19 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         metrics: &mut Metrics,
     ) -> Result<(GradientsParams, f64)> {
         let mut total = 0.0;
-        let aux = super::state::MoeAuxLoss::of(self.model(), micros.len(), self.dp.as_deref())?;
+        let aux = super::state::MoeAuxLoss::of(
+            self.engine.model(),
+            micros.len(),
+            self.engine.dp.as_deref(),
+        )?;
         let temperature = match kind {
             StageLoss::Ppo { temperature, .. } => temperature,
             StageLoss::Sft { .. } => 1.0,
         };
         let (grads, aux_total) = train_micro_batches(
-            self.model(),
+            self.engine.model(),
             micros,
-            self.pp.as_ref(),
+            self.engine.pp.as_ref(),
             (aux.scale, temperature),
             |micro, out| {
                 let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
@@ -450,8 +272,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         )?;
         aux.report(
             aux_total,
-            self.pp.as_deref(),
-            self.dp.as_deref(),
+            self.engine.pp.as_deref(),
+            self.engine.dp.as_deref(),
             "actor",
             metrics,
         )?;
@@ -463,17 +285,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         data: &DataProto<B::InnerBackend>,
         calculate_entropy: bool,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
-        let model = self.model().valid();
+        let model = self.engine.model().valid();
         let temperature = temperature_of(data, self.settings.temperature);
         let outputs = map_micro_batches(
             data,
             self.log_prob_batching(),
-            self.dp.as_deref(),
+            self.engine.dp.as_deref(),
             |micro| {
                 let inputs =
                     ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
                 let labels = micro.int::<2>("responses")?;
-                let Some(out) = inputs.pipelined_outputs(&model, self.pp.as_deref())? else {
+                let Some(out) = inputs.pipelined_outputs(&model, self.engine.pp.as_deref())? else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right
                     // shape keep this stage's output well-formed.
                     let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
@@ -507,7 +329,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         let mask = Tensor::<B, 2>::from_inner(float_col(micro, "response_mask")?);
         let old = Tensor::<B, 2>::from_inner(float_col(micro, "old_log_probs")?);
         let adv = Tensor::<B, 2>::from_inner(float_col(micro, "advantages")?);
-        let (log_prob, entropy) = log_probs_from(self.model(), logits, labels, temperature, true);
+        let (log_prob, entropy) =
+            log_probs_from(self.engine.model(), logits, labels, temperature, true);
         let entropy = entropy.expect("asked for");
         let input = PolicyLossInput {
             old_log_prob: old,
@@ -564,7 +387,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         for epoch in 0..s.ppo_epochs {
             let mut order: Vec<usize> = (0..rows).collect();
             if s.shuffle {
-                let mut rng = StdRng::seed_from_u64(s.seed ^ (self.updates << 16) ^ epoch as u64);
+                let mut rng =
+                    StdRng::seed_from_u64(s.seed ^ (self.engine.updates << 16) ^ epoch as u64);
                 order.shuffle(&mut rng);
             }
             for mini_rows in order.chunks(s.mini_batch_rows.max(1)) {
@@ -572,7 +396,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let mini_mask = float_col(&mini, "response_mask")?;
                 // Normalise by the whole mini-batch (over every data-parallel rank), so
                 // micro-batching and data parallelism change nothing.
-                let counts = self.dp_sum(&[
+                let counts = self.engine.dp_sum(&[
                     mini_mask.clone().sum().into_scalar().elem::<f64>(),
                     mini.len() as f64,
                 ])?;
@@ -583,59 +407,41 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     loss_scale_factor: Some(mini_mask.dims()[1] as f64),
                     ..Default::default()
                 };
-                let micros =
-                    training_micro_batches(&mini, self.update_batching(), self.dp.as_deref())?;
+                let micros = training_micro_batches(
+                    &mini,
+                    self.update_batching(),
+                    self.engine.dp.as_deref(),
+                )?;
                 let kind = StageLoss::Ppo { scale, temperature };
                 let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
-                self.ready_optimizer()?;
+                self.engine.ready_optimizer()?;
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
-                let model = self.model.take().expect("model present");
+                let model = self.engine.model.take().expect("model present");
                 let step_span = tracing::info_span!("optimizer_step").entered();
-                let optim = &mut self.optim;
+                let optim = &mut self.engine.optim;
                 let (model, report) = crate::parallel::module_device_span::<B, _, _>(
                     model,
                     "optimizer_step",
                     |model| optim.step(model, grads),
                 );
                 drop(step_span);
-                self.model = Some(model);
+                self.engine.model = Some(model);
                 let report = report?;
                 skipped += u32::from(!report.applied);
-                if self.is_last_stage() {
+                if self.engine.is_last_stage() {
                     // Each rank's loss is its share of the mini-batch loss.
-                    metrics.push("actor/pg_loss", self.dp_sum(&[pg_total])?[0]);
+                    metrics.push("actor/pg_loss", self.engine.dp_sum(&[pg_total])?[0]);
                     metrics.push("actor/grad_norm", report.grad_norm);
                     metrics.push("actor/lr", report.lr);
                 }
             }
         }
-        if self.is_last_stage() {
+        if self.engine.is_last_stage() {
             metrics.push("actor/skipped_steps", f64::from(skipped));
         }
-        self.updates += 1;
+        self.engine.updates += 1;
         Ok(metrics)
-    }
-
-    /// The pipeline group, when the model is one stage of several.
-    pub fn pipeline_group(&self) -> Option<&Arc<dyn Communicator<B::InnerBackend>>> {
-        self.pp.as_ref()
-    }
-
-    /// Every weight of the model, full (gathered over tp, and over pp stages), on every rank:
-    /// what the hybrid engine hands the rollout and what HF export writes. A collective over
-    /// the model-parallel group.
-    pub fn full_weights(&self) -> Result<Vec<NamedTensor<B::InnerBackend>>> {
-        let model = self.model().valid();
-        Ok(match &self.pp {
-            Some(pp) => model.export_all_stages(pp.as_ref())?,
-            None => model.export_weights(),
-        })
-    }
-
-    /// Whether this rank computes the losses (the last pipeline stage; always without one).
-    fn is_last_stage(&self) -> bool {
-        self.model().stage.is_last()
     }
 }
 
@@ -655,78 +461,17 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
         data: &DataProto<B::InnerBackend>,
         calculate_entropy: bool,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
-        self.bring_in(false)?;
+        self.engine.bring_in(false)?;
         let out = self.log_probs_inner(data, calculate_entropy);
-        self.put_away_read_only()?;
+        self.engine.put_away_read_only()?;
         out
     }
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.bring_in_for_update()?;
+        self.engine.bring_in_for_update()?;
         let out = self.update(data);
-        self.put_away()?;
+        self.engine.put_away()?;
         out
-    }
-}
-
-impl<B: ParallelAutodiffBackend> MegatronActor<B> {
-    /// The actor's checkpoint state: weights, the RL optimizer (`optim/…`) and the warm-up
-    /// one (`sft_optim/…`), and the update counter that seeds mini-batch shuffling.
-    pub fn checkpoint_state(
-        &self,
-        contents: CheckpointContents,
-    ) -> CheckpointState<B::InnerBackend> {
-        let mut optims = vec![("optim", &self.optim)];
-        if let Some(sft) = &self.sft_optim {
-            optims.push(("sft_optim", sft));
-        }
-        super::state::save_state(
-            self.model(),
-            &optims,
-            serde_json::json!({ "updates": self.updates }),
-            contents,
-        )
-    }
-
-    /// This rank's actor state from the dist checkpoint at `dir`, saved on this layout or any
-    /// other (tensor, pipeline and data parallel sizes, distributed optimizer on or off).
-    pub async fn read_dist_checkpoint(
-        &self,
-        dir: &std::path::Path,
-        rank: usize,
-        contents: CheckpointContents,
-    ) -> Result<CheckpointState<B::InnerBackend>> {
-        let mut sharded = vec![("optim", self.optim.sharded_over())];
-        if let Some(sft) = &self.sft_optim {
-            sharded.push(("sft_optim", sft.sharded_over()));
-        }
-        let device = self
-            .model()
-            .devices()
-            .into_iter()
-            .next()
-            .unwrap_or_default();
-        super::state::read_dist_state(dir, rank, self.model(), &sharded, contents, &device).await
-    }
-
-    /// Restores what [`Self::checkpoint_state`] saved (exact resume).
-    pub fn load_checkpoint_state(
-        &mut self,
-        state: CheckpointState<B::InnerBackend>,
-        contents: CheckpointContents,
-    ) -> Result<()> {
-        let mut model = self.model.take().expect("model present");
-        let mut optims = vec![("optim", &mut self.optim)];
-        if let Some(sft) = self.sft_optim.as_mut() {
-            optims.push(("sft_optim", sft));
-        }
-        let result = super::state::load_state(&mut model, &mut optims, state, contents);
-        self.model = Some(model);
-        let counters = result?;
-        if let Some(u) = counters.get("updates").and_then(serde_json::Value::as_u64) {
-            self.updates = u;
-        }
-        Ok(())
     }
 }
 
@@ -736,8 +481,8 @@ impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronAct
     /// is alive while the rollout takes them one by one).
     fn export_weights(&self, plan: WeightSyncPlan) -> WeightStream<'_, B::InnerBackend> {
         use futures::StreamExt;
-        let model = self.model().valid();
-        if plan.shards_fit && self.pp.is_none() {
+        let model = self.engine.model().valid();
+        if plan.shards_fit && self.engine.pp.is_none() {
             return Box::pin(futures::stream::iter(
                 model.export_shards().into_iter().map(Ok),
             ));
@@ -748,7 +493,7 @@ impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronAct
             .into_iter()
             .map(|t| (t.name.clone(), t))
             .collect();
-        let pp = self.pp.clone();
+        let pp = self.engine.pp.clone();
         let stream = futures::stream::iter(buckets).flat_map(move |bucket| {
             let gathered = model.gather_bucket(&bucket, &mut shards, pp.as_deref());
             let items: Vec<Result<NamedTensor<B::InnerBackend>>> = match gathered {
@@ -758,5 +503,20 @@ impl<B: ParallelAutodiffBackend> WeightExporter<B::InnerBackend> for MegatronAct
             futures::stream::iter(items)
         });
         Box::pin(stream)
+    }
+}
+
+impl<B: ParallelAutodiffBackend> TrainingRole<B> for MegatronActor<B> {
+    fn engine(&self) -> &TrainingEngine<B> {
+        &self.engine
+    }
+
+    fn engine_mut(&mut self) -> &mut TrainingEngine<B> {
+        &mut self.engine
+    }
+
+    fn map_engine(mut self, f: impl FnOnce(TrainingEngine<B>) -> TrainingEngine<B>) -> Self {
+        self.engine = f(self.engine);
+        self
     }
 }

@@ -24,6 +24,7 @@ use verl_core::{DataProto, Metrics, Result};
 use super::actor::MegatronActor;
 use super::batch::{map_micro_batches, MicroBatching, ModelInputs};
 use super::critic::MegatronCritic;
+use super::engine::TrainingRole;
 use super::offload::{push_phase_metrics, ParamOffload};
 use crate::checkpoint::{DistCheckpoint, HfCheckpointer};
 use crate::models::CausalLm;
@@ -260,8 +261,11 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             &data,
             self.actor.settings().temperature,
             self.actor.reference_batching(),
-            self.actor.pipeline_group().map(|g| g.as_ref()),
-            self.actor.data_parallel_group().map(|g| g.as_ref()),
+            self.actor.engine().pipeline_group().map(|g| g.as_ref()),
+            self.actor
+                .engine()
+                .data_parallel_group()
+                .map(|g| g.as_ref()),
         );
         if let Some(o) = self.reference_offload.as_mut() {
             o.offload_unchanged(&mut self.reference)?;
@@ -364,6 +368,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
         let rank = self.coords.rank;
         let state = self
             .actor
+            .engine()
             .read_dist_checkpoint(&req.dist(), rank, req.contents)
             .await?;
         let rollout = state.extra.get("rollout").cloned();
@@ -463,6 +468,7 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
         self.critic.bring_in(true)?;
         let loaded = match self
             .critic
+            .engine()
             .read_dist_checkpoint(&req.dist(), self.coords.rank, req.contents)
             .await
         {

@@ -7,6 +7,7 @@ pub mod actor_rollout_ref;
 pub mod adamw;
 pub mod batch;
 pub mod critic;
+pub mod engine;
 pub mod offload;
 pub mod optim;
 pub mod reward_model;
@@ -19,6 +20,7 @@ pub use actor_rollout_ref::{
 };
 pub use batch::MicroBatching;
 pub use critic::{CriticSettings, MegatronCritic};
+pub use engine::{TrainingEngine, TrainingRole};
 pub use offload::{MomentOffload, Moved, ParamOffload, TrainingOffload};
 pub use optim::{LrSchedule, ModelOptimizer, DEFAULT_GRAD_BUCKET_ELEMS};
 pub use reward_model::RewardModelWorker;

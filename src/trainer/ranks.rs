@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use verl_core::config::VerlConfig;
+use verl_core::config::{Device, Launcher, VerlConfig};
 use verl_core::worker::{serve_rank, ProcessRanks, Roles, Served, SETUP};
 use verl_megatron::parallel::{LaunchEnv, ProcessGroups, Rendezvous};
 
@@ -43,18 +43,12 @@ pub(crate) enum LauncherKind {
 /// or a multi-node one, threads otherwise).
 pub(crate) fn launcher_of(cfg: &VerlConfig, world: usize) -> Result<LauncherKind, TrainError> {
     let t = &cfg.trainer;
-    let kind = match t.launcher.as_str() {
-        "threads" => LauncherKind::Threads,
-        "processes" => LauncherKind::Processes,
-        "auto" if t.nnodes > 1 || (cfg!(feature = "cuda") && t.device == "cuda" && world > 1) => {
-            LauncherKind::Processes
-        }
-        "auto" => LauncherKind::Threads,
-        other => {
-            return Err(setup(format!(
-                "trainer.launcher = `{other}`: use threads, processes or auto"
-            )))
-        }
+    let multi_gpu = cfg!(feature = "cuda") && t.device == Device::Cuda && world > 1;
+    let kind = match t.launcher {
+        Launcher::Threads => LauncherKind::Threads,
+        Launcher::Processes => LauncherKind::Processes,
+        Launcher::Auto if t.nnodes > 1 || multi_gpu => LauncherKind::Processes,
+        Launcher::Auto => LauncherKind::Threads,
     };
     if kind == LauncherKind::Threads && t.nnodes > 1 {
         return Err(setup(format!(

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use verl_core::algorithms::aggregation::LossAggMode;
 use verl_core::config::{GlobalProfilerConfig, OptimConfig, RoleProfilerConfig, VerlConfig};
 use verl_core::topology::{GroupKind, Topology};
 use verl_core::traits::{OffloadSwitches, WeightSyncPlan};
@@ -279,7 +278,7 @@ fn actor_settings(
         seed: actor_cfg.data_loader_seed.unwrap_or(cfg.trainer.seed),
         policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
         loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
-        loss_agg_mode: actor_cfg.loss_agg_mode.parse().map_err(setup)?,
+        loss_agg_mode: actor_cfg.loss_agg_mode,
         entropy_coeff: actor_cfg.entropy_coeff,
         use_kl_loss: actor_cfg.use_kl_loss,
         kl_loss_coef: actor_cfg.kl_loss_coef,
@@ -448,7 +447,7 @@ impl CriticPlan {
             shuffle: c.shuffle,
             seed: cfg.trainer.seed,
             cliprange_value: c.cliprange_value,
-            loss_agg_mode: c.loss_agg_mode.parse::<LossAggMode>().map_err(setup)?,
+            loss_agg_mode: c.loss_agg_mode,
         };
         let mut vcfg = model_cfg.clone();
         vcfg.head = HeadKind::TokenClassification { num_labels: 1 };

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use verl_core::algorithms::advantage::AdvantageRegistry;
 use verl_core::algorithms::kl::kl_controller;
-use verl_core::config::{ValidatedConfig, VerlConfig};
+use verl_core::config::{ResumeMode, ValidatedConfig, VerlConfig};
 use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_megatron::hf::HeadKind;
 
@@ -333,9 +333,9 @@ fn resume_point(
     out_dir: &Path,
     train_rows: usize,
 ) -> Result<Option<(PathBuf, LoopState)>, TrainError> {
-    let dir = match cfg.trainer.resume_mode.as_str() {
-        "disable" => None,
-        "auto" => checkpoint::latest(out_dir).map(|found| {
+    let dir = match cfg.trainer.resume_mode {
+        ResumeMode::Disable => None,
+        ResumeMode::Auto => checkpoint::latest(out_dir).map(|found| {
             for why in &found.passed_over {
                 tracing::warn!("resume: passed over: {why}");
             }
@@ -348,7 +348,7 @@ fn resume_point(
             }
             found.dir
         }),
-        "resume_path" => {
+        ResumeMode::ResumePath => {
             let dir = PathBuf::from(cfg.trainer.resume_from_path.clone().ok_or_else(|| {
                 setup("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_<N> directory)")
             })?);
@@ -359,13 +359,8 @@ fn resume_point(
             })?;
             Some(dir)
         }
-        other => {
-            return Err(setup(format!(
-                "trainer.resume_mode = `{other}`: use auto, disable or resume_path"
-            )))
-        }
     };
-    if dir.is_none() && cfg.trainer.resume_mode == "auto" {
+    if dir.is_none() && cfg.trainer.resume_mode == ResumeMode::Auto {
         let left = checkpoint::saved_steps(out_dir);
         if !left.is_empty() {
             tracing::warn!(

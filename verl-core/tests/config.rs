@@ -303,10 +303,6 @@ fn batch_arithmetic_is_checked_before_allocation() {
             "actor_rollout_ref.actor.policy_loss.loss_mode",
         ),
         (
-            &["actor_rollout_ref.actor.loss_agg_mode=mean"],
-            "actor_rollout_ref.actor.loss_agg_mode",
-        ),
-        (
             &["actor_rollout_ref.rollout.top_p=0"],
             "actor_rollout_ref.rollout.top_p",
         ),
@@ -315,7 +311,6 @@ fn batch_arithmetic_is_checked_before_allocation() {
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
         ),
         (&["trainer.n_gpus_per_node=3"], "data.train_batch_size"),
-        (&["trainer.launcher=mpi"], "trainer.launcher"),
         (
             &["trainer.nnodes=2", "trainer.launcher=threads"],
             "trainer.launcher",
@@ -332,6 +327,25 @@ fn batch_arithmetic_is_checked_before_allocation() {
             "critic.ppo_micro_batch_size_per_gpu",
         ),
     ];
+    // Settings that take one of a few names are refused by the reader, naming the key and
+    // the names.
+    for (extra, key, names) in [
+        (
+            "actor_rollout_ref.actor.loss_agg_mode=mean",
+            "actor_rollout_ref.actor.loss_agg_mode",
+            "`token-mean`, `seq-mean-token-sum`",
+        ),
+        (
+            "trainer.launcher=mpi",
+            "trainer.launcher",
+            "`auto`, `threads`, `processes`",
+        ),
+    ] {
+        let err = with(&[extra]).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(names), "{text}");
+        assert_eq!(invalid_key(err), key, "for {extra}");
+    }
     for (extra, key) in cases {
         let err = with(extra).unwrap().validate().unwrap_err();
         let text = err.to_string();
@@ -395,9 +409,16 @@ fn config_names_match_the_algorithm_registries() {
     for name in verl_core::config::POLICY_LOSSES {
         assert!(PolicyLossRegistry::<B>::new().get(name).is_ok(), "{name}");
     }
-    let mode: verl_core::algorithms::LossAggMode =
-        c.actor_rollout_ref.actor.loss_agg_mode.parse().unwrap();
-    assert_eq!(mode, verl_core::algorithms::LossAggMode::TokenMean);
+    assert_eq!(
+        c.actor_rollout_ref.actor.loss_agg_mode,
+        verl_core::algorithms::LossAggMode::TokenMean
+    );
+    // Every name the config reader takes is the name the algorithms parse.
+    for name in verl_core::config::LOSS_AGG_MODES {
+        let over = format!("critic.loss_agg_mode={name}");
+        let c = VerlConfig::from_layers(None, &[over.as_str()]).unwrap();
+        assert_eq!(c.critic.loss_agg_mode, name.parse().unwrap(), "{name}");
+    }
     let p = c.actor_rollout_ref.actor.policy_loss_params(7);
     assert_eq!(
         (p.clip_ratio_low, p.clip_ratio_c, p.tau_neg, p.seed),

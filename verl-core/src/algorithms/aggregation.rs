@@ -7,8 +7,9 @@ use burn::prelude::*;
 use super::masked::masked_sum;
 use crate::error::AlgorithmError;
 
-/// verl's `loss_agg_mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// verl's `loss_agg_mode` (in a config, by its name: `token-mean`, `seq-mean-token-sum`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum LossAggMode {
     /// Σ loss·mask / Σ mask: every token weighs the same.
     TokenMean,

@@ -1,4 +1,6 @@
 use serde::{Deserialize, Serialize};
+
+use crate::algorithms::aggregation::LossAggMode;
 use serde_json::{Map, Value};
 
 use super::megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
@@ -98,7 +100,7 @@ pub struct ActorConfig {
     /// Dual-clip lower bound constant c (> 1).
     pub clip_ratio_c: f64,
     /// `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`, `seq-mean-token-sum-norm`.
-    pub loss_agg_mode: String,
+    pub loss_agg_mode: LossAggMode,
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
@@ -127,7 +129,7 @@ impl Default for ActorConfig {
             clip_ratio_low: None,
             clip_ratio_high: None,
             clip_ratio_c: 3.0,
-            loss_agg_mode: "token-mean".into(),
+            loss_agg_mode: LossAggMode::TokenMean,
             entropy_coeff: 0.0,
             use_kl_loss: false,
             kl_loss_coef: 0.001,

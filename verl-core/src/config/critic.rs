@@ -1,4 +1,6 @@
 use serde::{Deserialize, Serialize};
+
+use crate::algorithms::aggregation::LossAggMode;
 use serde_json::{Map, Value};
 
 use super::megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
@@ -43,7 +45,7 @@ pub struct CriticConfig {
     pub ppo_epochs: Option<usize>,
     pub shuffle: bool,
     pub cliprange_value: f64,
-    pub loss_agg_mode: String,
+    pub loss_agg_mode: LossAggMode,
     pub checkpoint: CheckpointConfig,
     pub profiler: RoleProfilerConfig,
     pub load_weight: bool,
@@ -70,7 +72,7 @@ impl Default for CriticConfig {
             ppo_epochs: None,
             shuffle: false,
             cliprange_value: 0.5,
-            loss_agg_mode: "token-mean".into(),
+            loss_agg_mode: LossAggMode::TokenMean,
             checkpoint: CheckpointConfig::default(),
             profiler: RoleProfilerConfig::default(),
             load_weight: true,

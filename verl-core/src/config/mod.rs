@@ -60,7 +60,7 @@ pub use profiler::{
     GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
     ToolConfig, TorchMemoryToolConfig, TorchToolConfig,
 };
-pub use trainer::TrainerConfig;
+pub use trainer::{Device, Launcher, ResumeMode, TrainerConfig};
 pub use validate::{ValidatedConfig, ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES};
 
 use crate::error::ConfigError;

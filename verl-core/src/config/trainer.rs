@@ -1,5 +1,40 @@
 use serde::{Deserialize, Serialize};
 
+/// `trainer.launcher`: how the ranks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Launcher {
+    /// Processes for a multi-GPU CUDA run or several nodes, else threads.
+    Auto,
+    /// Threads of the driver process.
+    Threads,
+    /// One process per GPU, started by the driver on this node; other nodes' by `verl worker`,
+    /// torchrun or srun.
+    Processes,
+}
+
+/// `trainer.resume_mode`: where a run starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// From the newest complete checkpoint under the run's directory, if there is one.
+    Auto,
+    /// From scratch, whatever is saved.
+    Disable,
+    /// From `trainer.resume_from_path`.
+    ResumePath,
+}
+
+/// `trainer.device`: where the workers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// burn-cuda (verl's default; the CPU build takes it as its embedded default).
+    Cuda,
+    /// The CPU backend.
+    Cpu,
+}
+
 /// `trainer`: the run's length, cadence, devices and output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -15,14 +50,12 @@ pub struct TrainerConfig {
     pub nnodes: usize,
     /// Ranks per node; on the CPU default these are simulated in-process.
     pub n_gpus_per_node: usize,
-    /// How the ranks run: `threads` (of the driver process), `processes` (one per GPU, started
-    /// by the driver on this node; other nodes' by `verl worker`, torchrun or srun), or `auto`
-    /// (processes for a multi-GPU CUDA run or several nodes, else threads).
-    pub launcher: String,
+    /// How the ranks run ([`Launcher`]).
+    pub launcher: Launcher,
     /// Save a checkpoint every this many steps; -1: never.
     pub save_freq: i64,
-    /// `auto`, `disable` or `resume_path`.
-    pub resume_mode: String,
+    /// Where a run starts ([`ResumeMode`]).
+    pub resume_mode: ResumeMode,
     pub resume_from_path: Option<String>,
     pub val_before_train: bool,
     pub val_only: bool,
@@ -48,7 +81,7 @@ pub struct TrainerConfig {
     /// Where the workers run: `cuda` (the default of a `cuda` build, and verl's) or `cpu` (the
     /// default of the CPU build, which also takes `cuda` as its embedded default). A `cuda`
     /// build refuses `cpu`: its workers run on burn-cuda.
-    pub device: String,
+    pub device: Device,
     pub seed: u64,
 }
 
@@ -64,9 +97,9 @@ impl Default for TrainerConfig {
             log_val_generations: 0,
             nnodes: 1,
             n_gpus_per_node: 8,
-            launcher: "auto".into(),
+            launcher: Launcher::Auto,
             save_freq: -1,
-            resume_mode: "auto".into(),
+            resume_mode: ResumeMode::Auto,
             resume_from_path: None,
             val_before_train: true,
             val_only: false,
@@ -79,11 +112,10 @@ impl Default for TrainerConfig {
             max_actor_ckpt_to_keep: None,
             max_critic_ckpt_to_keep: None,
             device: if cfg!(feature = "cuda") {
-                "cuda"
+                Device::Cuda
             } else {
-                "cpu"
-            }
-            .into(),
+                Device::Cpu
+            },
             seed: 42,
         }
     }

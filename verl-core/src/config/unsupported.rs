@@ -4,7 +4,7 @@
 //! starts to be honoured leaves this list.
 
 use super::profiler::{NpuToolConfig, ProfilerTool, ToolConfig};
-use super::{MegatronConfig, VerlConfig};
+use super::{Device, MegatronConfig, VerlConfig};
 use crate::error::ConfigError;
 
 /// Refuses `key` = `value` when `supported` is false.
@@ -243,15 +243,10 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let t = &cfg.trainer;
     // The workers run on burn-cuda in a `cuda` build and on the CPU default otherwise; `cuda`
     // is verl's default, so a CPU build takes it too (as its embedded default).
-    let devices: &[&str] = if cfg!(feature = "cuda") {
-        &["cuda"]
-    } else {
-        &["cuda", "cpu"]
-    };
     require(
-        devices.contains(&t.device.as_str()),
+        !(cfg!(feature = "cuda") && t.device == Device::Cpu),
         "trainer.device",
-        &t.device,
+        "cpu",
         if cfg!(feature = "cuda") {
             "this build runs its workers on burn-cuda"
         } else {
@@ -827,6 +822,17 @@ mod tests {
         }
     }
 
+    /// A device that is no choice of `trainer.device` is refused where the config is read.
+    #[test]
+    fn an_unknown_device_is_refused_by_the_reader() {
+        let err = VerlConfig::from_layers(None, &["trainer.device=npu"]).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("trainer.device") && text.contains("`cuda` or `cpu`"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn a_bad_rollout_correction_is_refused_by_key() {
         let cfg = VerlConfig::from_layers(None, &["algorithm.rollout_correction.rollout_is=seq"])
@@ -951,10 +957,6 @@ mod tests {
                     "+critic.model.override_config.hidden_size=32",
                 ],
                 "critic.model.override_config.hidden_size",
-            ),
-            (
-                ["critic.enable=false", "trainer.device=npu"],
-                "trainer.device",
             ),
             (
                 [

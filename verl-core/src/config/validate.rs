@@ -1,7 +1,7 @@
 //! Checks that a config can run before anything is allocated: names that must be known, the
 //! parallel layouts against the world size, and verl's batch arithmetic.
 
-use super::{MegatronConfig, VerlConfig};
+use super::{Launcher, MegatronConfig, VerlConfig};
 use crate::error::{ConfigError, TopologyError};
 
 /// Advantage estimators verl defines (`algorithm.adv_estimator`).
@@ -291,15 +291,10 @@ fn check_launch(cfg: &VerlConfig) -> Result<usize, ConfigError> {
             "set trainer.nnodes and trainer.n_gpus_per_node to at least 1",
         ));
     }
-    one_of(
-        "trainer.launcher",
-        &t.launcher,
-        &["auto", "threads", "processes"],
-    )?;
-    if t.nnodes > 1 && t.launcher == "threads" {
+    if t.nnodes > 1 && t.launcher == Launcher::Threads {
         return Err(invalid(
             "trainer.launcher",
-            &t.launcher,
+            "threads",
             "cannot put ranks on several nodes (trainer.nnodes > 1)",
             "set trainer.launcher=processes (or auto)",
         ));
@@ -319,11 +314,6 @@ fn check_names(cfg: &VerlConfig, estimators: &[&str], losses: &[&str]) -> Result
         "actor_rollout_ref.actor.policy_loss.loss_mode",
         &actor.policy_loss.loss_mode,
         losses,
-    )?;
-    one_of(
-        "actor_rollout_ref.actor.loss_agg_mode",
-        &actor.loss_agg_mode,
-        LOSS_AGG_MODES,
     )?;
     one_of(
         "actor_rollout_ref.actor.kl_loss_type",
@@ -616,7 +606,6 @@ fn check_critic(cfg: &VerlConfig, world: usize) -> Result<Option<usize>, ConfigE
     let mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size;
     if cfg.critic_enabled() {
         let c = &cfg.critic;
-        one_of("critic.loss_agg_mode", &c.loss_agg_mode, LOSS_AGG_MODES)?;
         let dp = layout("critic", &c.megatron, world)?;
         let cmini = c.ppo_mini_batch_size.unwrap_or(mini);
         if cmini == 0 || !(cmini * n).is_multiple_of(dp) {

@@ -338,205 +338,19 @@ impl HfModelConfig {
             message: "the top level must be an object".into(),
         })?;
         let r = Reader { path, map };
-        let arch_name = match r.get("architectures") {
-            Some(Value::Array(a)) if a.len() == 1 => a[0].as_str().unwrap_or_default().to_string(),
-            Some(v) => {
-                return Err(r.err(
-                    "architectures",
-                    format!("must list exactly one architecture, got {v}"),
-                ))
-            }
-            None => return Err(r.err("architectures", "is required (e.g. [\"Qwen2ForCausalLM\"])")),
-        };
-        let (architecture, suffix) = Architecture::from_hf(&arch_name).ok_or_else(|| {
-            MegatronError::UnsupportedArchitecture {
-                path: PathBuf::from(path),
-                found: arch_name.clone(),
-                supported: Architecture::SUPPORTED.into(),
-            }
-        })?;
-
-        // transformers' default is 2 labels; `id2label` or `num_labels` say otherwise.
-        let num_labels = match (r.get("num_labels"), r.get("id2label")) {
-            (Some(_), _) => r.usize("num_labels")?,
-            (None, Some(Value::Object(m))) => m.len(),
-            _ => 2,
-        };
-        let head = match suffix {
-            "ForTokenClassification" => HeadKind::TokenClassification { num_labels },
-            "ForSequenceClassification" => HeadKind::SequenceClassification { num_labels },
-            _ => HeadKind::CausalLm,
-        };
-        if let Some(act) = r.get("hidden_act") {
-            if act.as_str() != Some("silu") {
-                return Err(r.err(
-                    "hidden_act",
-                    format!("{act} is not supported; these architectures use \"silu\""),
-                ));
-            }
-        }
-        if r.bool_or("use_sliding_window", false)? {
-            return Err(r.err(
-                "use_sliding_window",
-                "sliding-window attention is not supported; set it to false",
-            ));
-        }
-        if r.bool_or("mlp_bias", false)? {
-            return Err(r.err("mlp_bias", "MLP biases are not supported"));
-        }
-
-        let hidden_size = r.usize("hidden_size")?;
-        let num_attention_heads = r.usize("num_attention_heads")?;
-        for (field, v) in [
-            ("hidden_size", hidden_size),
-            ("num_attention_heads", num_attention_heads),
-        ] {
-            if v == 0 {
-                return Err(r.err(field, "must be at least 1"));
-            }
-        }
-        let num_key_value_heads = r.usize_or("num_key_value_heads", num_attention_heads)?;
-        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
-            return Err(r.err("num_key_value_heads", format!("({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})")));
-        }
-        let head_dim = r.usize_or("head_dim", hidden_size / num_attention_heads)?;
-
-        // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
-        let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
-            (Some(Value::Object(m)), _) => m.clone(),
-            (Some(v), _) => {
-                return Err(r.err("rope_parameters", format!("must be an object, got {v}")))
-            }
-            (None, Some(Value::Object(m))) => m.clone(),
-            (None, Some(v)) => {
-                return Err(r.err(
-                    "rope_scaling",
-                    format!("must be an object or null, got {v}"),
-                ))
-            }
-            (None, None) => Map::new(),
-        };
-        let rope_theta = r
-            .f64_in(&rope_map, "rope_theta")?
-            .or(r.f64_in(map, "rope_theta")?)
-            .unwrap_or(10000.0);
-        if !(rope_theta.is_finite() && rope_theta > 0.0) {
-            return Err(r.err(
-                "rope_theta",
-                format!("({rope_theta}) must be a positive number, e.g. 10000 or 1000000"),
-            ));
-        }
-        let rope_type = rope_map
-            .get("rope_type")
-            .or(rope_map.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let rope_scaling = match rope_type {
-            "default" => RopeScaling::Default,
-            "llama3" => {
-                let need = |f: &str| -> Result<f64, MegatronError> {
-                    r.f64_in(&rope_map, f)?.ok_or_else(|| {
-                        r.err(
-                            &format!("rope_scaling.{f}"),
-                            "is required for llama3 rope scaling",
-                        )
-                    })
-                };
-                let positive = |f: &str| -> Result<f64, MegatronError> {
-                    let v = need(f)?;
-                    if v.is_finite() && v > 0.0 {
-                        Ok(v)
-                    } else {
-                        Err(r.err(
-                            &format!("rope_scaling.{f}"),
-                            format!("({v}) must be a positive number"),
-                        ))
-                    }
-                };
-                let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
-                if high <= low {
-                    return Err(r.err(
-                        "rope_scaling.high_freq_factor",
-                        format!("({high}) must be greater than low_freq_factor ({low}); Llama 3 uses 4 and 1"),
-                    ));
-                }
-                RopeScaling::Llama3 {
-                    factor: positive("factor")?,
-                    low_freq_factor: low,
-                    high_freq_factor: high,
-                    original_max_position_embeddings: positive("original_max_position_embeddings")?
-                        as usize,
-                }
-            }
-            other => {
-                return Err(r.err(
-                    "rope_scaling.rope_type",
-                    format!("`{other}` is not supported; supported: default, llama3"),
-                ))
-            }
-        };
-
-        let dtype_field = if r.get("dtype").is_some() {
-            "dtype"
-        } else {
-            "torch_dtype"
-        };
-        let dtype = match r
-            .get(dtype_field)
-            .and_then(Value::as_str)
-            .unwrap_or("float32")
-        {
-            "float32" => WeightDtype::F32,
-            "float16" => WeightDtype::F16,
-            "bfloat16" => WeightDtype::BF16,
-            other => {
-                return Err(r.err(
-                    dtype_field,
-                    format!("`{other}` is not supported; use float32, float16 or bfloat16"),
-                ))
-            }
-        };
-
+        let (architecture, head) = architecture_of(&r)?;
+        refuse_unsupported_layers(&r)?;
+        let (hidden_size, num_attention_heads, num_key_value_heads, head_dim) =
+            attention_sizes(&r)?;
+        let (rope_theta, rope_scaling) = rope_of(&r)?;
+        let dtype = weight_dtype_of(&r)?;
         let attention_bias = r.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 | Architecture::Qwen2Moe => (true, false),
             Architecture::Llama | Architecture::Qwen3 => (attention_bias, attention_bias),
         };
 
-        let moe = if architecture == Architecture::Qwen2Moe {
-            let mlp_only_layers = match r.get("mlp_only_layers") {
-                None => Vec::new(),
-                Some(Value::Array(a)) => a
-                    .iter()
-                    .map(|v| {
-                        v.as_u64()
-                            .filter(|&x| x <= MAX_SIZE)
-                            .map(|x| x as usize)
-                            .ok_or_else(|| r.err("mlp_only_layers", "must list layer indices"))
-                    })
-                    .collect::<Result<_, _>>()?,
-                Some(v) => return Err(r.err("mlp_only_layers", format!("must be a list, got {v}"))),
-            };
-            let moe = MoeConfig {
-                num_experts: r.usize("num_experts")?,
-                num_experts_per_tok: r.usize("num_experts_per_tok")?,
-                moe_intermediate_size: r.usize("moe_intermediate_size")?,
-                shared_expert_intermediate_size: r.usize("shared_expert_intermediate_size")?,
-                norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-                decoder_sparse_step: r.usize_or("decoder_sparse_step", 1)?.max(1),
-                mlp_only_layers,
-            };
-            if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
-                return Err(r.err(
-                    "num_experts_per_tok",
-                    format!("must be between 1 and num_experts ({})", moe.num_experts),
-                ));
-            }
-            Some(moe)
-        } else {
-            None
-        };
-
+        let moe = moe_of(&r, architecture)?;
         let rms_norm_eps = r.f64_in(map, "rms_norm_eps")?.unwrap_or(1e-6);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
             return Err(r.err(
@@ -694,4 +508,234 @@ impl HfModelConfig {
             moe_intermediate_size: self.moe.as_ref().map(|m| m.moe_intermediate_size),
         }
     }
+}
+
+/// The architecture and the head its `architectures` entry names (`…ForCausalLM`,
+/// `…ForTokenClassification` with `num_labels`, `…ForSequenceClassification`).
+fn architecture_of(r: &Reader<'_>) -> Result<(Architecture, HeadKind), MegatronError> {
+    let path = r.path;
+    let arch_name = match r.get("architectures") {
+        Some(Value::Array(a)) if a.len() == 1 => a[0].as_str().unwrap_or_default().to_string(),
+        Some(v) => {
+            return Err(r.err(
+                "architectures",
+                format!("must list exactly one architecture, got {v}"),
+            ))
+        }
+        None => return Err(r.err("architectures", "is required (e.g. [\"Qwen2ForCausalLM\"])")),
+    };
+    let (architecture, suffix) = Architecture::from_hf(&arch_name).ok_or_else(|| {
+        MegatronError::UnsupportedArchitecture {
+            path: PathBuf::from(path),
+            found: arch_name.clone(),
+            supported: Architecture::SUPPORTED.into(),
+        }
+    })?;
+
+    // transformers' default is 2 labels; `id2label` or `num_labels` say otherwise.
+    let num_labels = match (r.get("num_labels"), r.get("id2label")) {
+        (Some(_), _) => r.usize("num_labels")?,
+        (None, Some(Value::Object(m))) => m.len(),
+        _ => 2,
+    };
+    let head = match suffix {
+        "ForTokenClassification" => HeadKind::TokenClassification { num_labels },
+        "ForSequenceClassification" => HeadKind::SequenceClassification { num_labels },
+        _ => HeadKind::CausalLm,
+    };
+    Ok((architecture, head))
+}
+
+/// Refuses the layer variants the decoder does not implement (activation, sliding window,
+/// MLP biases).
+fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
+    if let Some(act) = r.get("hidden_act") {
+        if act.as_str() != Some("silu") {
+            return Err(r.err(
+                "hidden_act",
+                format!("{act} is not supported; these architectures use \"silu\""),
+            ));
+        }
+    }
+    if r.bool_or("use_sliding_window", false)? {
+        return Err(r.err(
+            "use_sliding_window",
+            "sliding-window attention is not supported; set it to false",
+        ));
+    }
+    if r.bool_or("mlp_bias", false)? {
+        return Err(r.err("mlp_bias", "MLP biases are not supported"));
+    }
+    Ok(())
+}
+
+/// `(hidden_size, num_attention_heads, num_key_value_heads, head_dim)`, checked.
+fn attention_sizes(r: &Reader<'_>) -> Result<(usize, usize, usize, usize), MegatronError> {
+    let hidden_size = r.usize("hidden_size")?;
+    let num_attention_heads = r.usize("num_attention_heads")?;
+    for (field, v) in [
+        ("hidden_size", hidden_size),
+        ("num_attention_heads", num_attention_heads),
+    ] {
+        if v == 0 {
+            return Err(r.err(field, "must be at least 1"));
+        }
+    }
+    let num_key_value_heads = r.usize_or("num_key_value_heads", num_attention_heads)?;
+    if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        return Err(r.err(
+            "num_key_value_heads",
+            format!(
+                "({num_key_value_heads}) must divide num_attention_heads ({num_attention_heads})"
+            ),
+        ));
+    }
+    let head_dim = r.usize_or("head_dim", hidden_size / num_attention_heads)?;
+    Ok((
+        hidden_size,
+        num_attention_heads,
+        num_key_value_heads,
+        head_dim,
+    ))
+}
+
+/// `rope_theta` and the rope scaling, from either dialect's keys.
+fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
+    let map = r.map;
+    // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
+    let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
+        (Some(Value::Object(m)), _) => m.clone(),
+        (Some(v), _) => return Err(r.err("rope_parameters", format!("must be an object, got {v}"))),
+        (None, Some(Value::Object(m))) => m.clone(),
+        (None, Some(v)) => {
+            return Err(r.err(
+                "rope_scaling",
+                format!("must be an object or null, got {v}"),
+            ))
+        }
+        (None, None) => Map::new(),
+    };
+    let rope_theta = r
+        .f64_in(&rope_map, "rope_theta")?
+        .or(r.f64_in(map, "rope_theta")?)
+        .unwrap_or(10000.0);
+    if !(rope_theta.is_finite() && rope_theta > 0.0) {
+        return Err(r.err(
+            "rope_theta",
+            format!("({rope_theta}) must be a positive number, e.g. 10000 or 1000000"),
+        ));
+    }
+    let rope_type = rope_map
+        .get("rope_type")
+        .or(rope_map.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let rope_scaling = match rope_type {
+        "default" => RopeScaling::Default,
+        "llama3" => {
+            let need = |f: &str| -> Result<f64, MegatronError> {
+                r.f64_in(&rope_map, f)?.ok_or_else(|| {
+                    r.err(
+                        &format!("rope_scaling.{f}"),
+                        "is required for llama3 rope scaling",
+                    )
+                })
+            };
+            let positive = |f: &str| -> Result<f64, MegatronError> {
+                let v = need(f)?;
+                if v.is_finite() && v > 0.0 {
+                    Ok(v)
+                } else {
+                    Err(r.err(
+                        &format!("rope_scaling.{f}"),
+                        format!("({v}) must be a positive number"),
+                    ))
+                }
+            };
+            let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+            if high <= low {
+                return Err(r.err(
+                    "rope_scaling.high_freq_factor",
+                    format!("({high}) must be greater than low_freq_factor ({low}); Llama 3 uses 4 and 1"),
+                ));
+            }
+            RopeScaling::Llama3 {
+                factor: positive("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: positive("original_max_position_embeddings")?
+                    as usize,
+            }
+        }
+        other => {
+            return Err(r.err(
+                "rope_scaling.rope_type",
+                format!("`{other}` is not supported; supported: default, llama3"),
+            ))
+        }
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
+/// The weights' dtype (`dtype`, or transformers 4's `torch_dtype`).
+fn weight_dtype_of(r: &Reader<'_>) -> Result<WeightDtype, MegatronError> {
+    let dtype_field = if r.get("dtype").is_some() {
+        "dtype"
+    } else {
+        "torch_dtype"
+    };
+    let dtype = match r
+        .get(dtype_field)
+        .and_then(Value::as_str)
+        .unwrap_or("float32")
+    {
+        "float32" => WeightDtype::F32,
+        "float16" => WeightDtype::F16,
+        "bfloat16" => WeightDtype::BF16,
+        other => {
+            return Err(r.err(
+                dtype_field,
+                format!("`{other}` is not supported; use float32, float16 or bfloat16"),
+            ))
+        }
+    };
+    Ok(dtype)
+}
+
+/// Qwen2-MoE's expert settings (`None` for the dense architectures).
+fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig>, MegatronError> {
+    let moe = if architecture == Architecture::Qwen2Moe {
+        let mlp_only_layers = match r.get("mlp_only_layers") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .filter(|&x| x <= MAX_SIZE)
+                        .map(|x| x as usize)
+                        .ok_or_else(|| r.err("mlp_only_layers", "must list layer indices"))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(v) => return Err(r.err("mlp_only_layers", format!("must be a list, got {v}"))),
+        };
+        let moe = MoeConfig {
+            num_experts: r.usize("num_experts")?,
+            num_experts_per_tok: r.usize("num_experts_per_tok")?,
+            moe_intermediate_size: r.usize("moe_intermediate_size")?,
+            shared_expert_intermediate_size: r.usize("shared_expert_intermediate_size")?,
+            norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
+            decoder_sparse_step: r.usize_or("decoder_sparse_step", 1)?.max(1),
+            mlp_only_layers,
+        };
+        if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
+            return Err(r.err(
+                "num_experts_per_tok",
+                format!("must be between 1 and num_experts ({})", moe.num_experts),
+            ));
+        }
+        Some(moe)
+    } else {
+        None
+    };
+    Ok(moe)
 }

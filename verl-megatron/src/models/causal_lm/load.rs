@@ -285,8 +285,7 @@ impl<B: ParallelBackend> CausalLm<B> {
     ) -> Result<Self, MegatronError> {
         let groups: ModelGroups = groups.into();
         let tp = &groups.tp;
-        let (ep, etp) = (&groups.ep, groups.expert_tp());
-        cfg.check_layout(tp.size, ep.size, etp.size)?;
+        cfg.check_layout(tp.size, groups.ep.size, groups.expert_tp().size)?;
         if stage.layers.end > cfg.num_hidden_layers || stage.stage >= stage.stages {
             return Err(MegatronError::Setting {
                 field: "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size".into(),
@@ -296,171 +295,26 @@ impl<B: ParallelBackend> CausalLm<B> {
                 ),
             });
         }
-        let shapes: HashMap<String, Vec<usize>> = hf_tensor_specs(cfg)
-            .into_iter()
-            .map(|s| (s.name, s.shape))
-            .collect();
-        let w1 = |name: &str| source.load::<1>(name);
-        // This rank's part of dimension `dim` of `name`, split over `group`.
-        let part =
-            |name: &str, dim: usize, group: &TpGroup| -> Result<(usize, usize), MegatronError> {
-                let shape = shapes
-                    .get(name)
-                    .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
-                Ok(group.part(shape[dim]))
-            };
-        let opt1 = |name: String, present: bool| -> Result<Option<Tensor<B, 1>>, MegatronError> {
-            if present {
-                Ok(Some(w1(&name)?))
-            } else {
-                Ok(None)
-            }
-        };
-        let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
-            Ok(RmsNorm::new(w1(name)?, cfg.rms_norm_eps))
-        };
-        // Output rows (and bias) split over `group`: q/k/v, gate/up, the LM head.
-        let column_of = |p: &str,
-                         bias: bool,
-                         group: &TpGroup|
-         -> Result<ColumnParallelLinear<B>, MegatronError> {
-            let w = format!("{p}.weight");
-            let rows = part(&w, 0, group)?;
-            let bias = if bias {
-                Some(source.load_part::<1>(&format!("{p}.bias"), 0, rows)?)
-            } else {
-                None
-            };
-            Ok(ColumnParallelLinear::new(
-                source.load_part::<2>(&w, 0, rows)?,
-                bias,
-            ))
-        };
-        // Input columns split over `group`, bias whole: o_proj, down_proj.
-        let row_of =
-            |p: &str, bias: bool, group: &TpGroup| -> Result<RowParallelLinear<B>, MegatronError> {
-                let w = format!("{p}.weight");
-                let cols = part(&w, 1, group)?;
-                Ok(RowParallelLinear::new(
-                    source.load_part::<2>(&w, 1, cols)?,
-                    opt1(format!("{p}.bias"), bias)?,
-                    group,
-                ))
-            };
-        let column = |p: &str, bias: bool| column_of(p, bias, tp);
-        let row = |p: &str, bias: bool| row_of(p, bias, tp);
-        let replicated = |p: &str, bias: bool| -> Result<ColumnParallelLinear<B>, MegatronError> {
-            Ok(ColumnParallelLinear::new(
-                source.load::<2>(&format!("{p}.weight"))?,
-                opt1(format!("{p}.bias"), bias)?,
-            ))
-        };
-        // A SwiGLU MLP with its features split over `group` (tp, or expert tp for experts).
-        let swiglu_of = |p: &str, group: &TpGroup| -> Result<SwiGlu<B>, MegatronError> {
-            Ok(SwiGlu {
-                gate_proj: column_of(&format!("{p}.gate_proj"), false, group)?,
-                up_proj: column_of(&format!("{p}.up_proj"), false, group)?,
-                down_proj: row_of(&format!("{p}.down_proj"), false, group)?,
-                tp: group.clone(),
-            })
-        };
-        let swiglu = |p: &str| swiglu_of(p, tp);
-        // This rank's rows of a vocabulary-split weight, zero rows for the padding.
-        let vocab_rows = |name: &str| -> Result<Tensor<B, 2>, MegatronError> {
-            let hidden = shapes
-                .get(name)
-                .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?[1];
-            let (start, real, per) = tp.vocab_part(cfg.vocab_size);
-            if real == per {
-                return source.load_part::<2>(name, 0, (start, real));
-            }
-            let (rows, device) = if real > 0 {
-                let rows = source.load_part::<2>(name, 0, (start, real))?;
-                let device = rows.device();
-                (Some(rows), device)
-            } else {
-                // All padding: one real row only tells the device.
-                (None, source.load_part::<2>(name, 0, (0, 1))?.device())
-            };
-            let pad = Tensor::<B, 2>::zeros([per - real, hidden], &device);
-            Ok(match rows {
-                Some(rows) => Tensor::cat(vec![rows, pad], 0),
-                None => pad,
-            })
-        };
-        let mut layers = Vec::with_capacity(stage.layers.len());
-        for l in stage.layers.clone() {
-            let p = format!("model.layers.{l}");
-            let a = format!("{p}.self_attn");
-            let qk_norm = cfg.architecture == Architecture::Qwen3;
-            let self_attn = Attention {
-                q_proj: column(&format!("{a}.q_proj"), cfg.qkv_bias)?,
-                k_proj: column(&format!("{a}.k_proj"), cfg.qkv_bias)?,
-                v_proj: column(&format!("{a}.v_proj"), cfg.qkv_bias)?,
-                o_proj: row(&format!("{a}.o_proj"), cfg.o_bias)?,
-                q_norm: if qk_norm {
-                    Some(norm(&format!("{a}.q_norm.weight"))?)
-                } else {
-                    None
-                },
-                k_norm: if qk_norm {
-                    Some(norm(&format!("{a}.k_norm.weight"))?)
-                } else {
-                    None
-                },
-                num_heads: cfg.num_attention_heads / tp.size,
-                num_kv_heads: cfg.num_key_value_heads / tp.size,
-                head_dim: cfg.head_dim,
-                tp: tp.clone(),
-                cp: groups.cp.clone(),
-            };
-            let mlp = match &cfg.moe {
-                Some(moe) if moe.is_moe_layer(l) => {
-                    // This ep rank's experts, each split over the expert tp group.
-                    let local = moe.num_experts / ep.size;
-                    let first = ep.rank * local;
-                    FeedForward::Moe(SparseMoe {
-                        gate: replicated(&format!("{p}.mlp.gate"), false)?,
-                        experts: (first..first + local)
-                            .map(|e| swiglu_of(&format!("{p}.mlp.experts.{e}"), etp))
-                            .collect::<Result<_, _>>()?,
-                        shared_expert: swiglu(&format!("{p}.mlp.shared_expert"))?,
-                        shared_expert_gate: replicated(
-                            &format!("{p}.mlp.shared_expert_gate"),
-                            false,
-                        )?,
-                        top_k: moe.num_experts_per_tok,
-                        norm_topk_prob: moe.norm_topk_prob,
-                        num_experts: moe.num_experts,
-                        first_expert: first,
-                        tp: tp.clone(),
-                        ep: ep.clone(),
-                        etp: etp.clone(),
-                        cp: groups.cp.clone(),
-                        aux_loss_coeff: 0.0,
-                    })
-                }
-                _ => FeedForward::Dense(swiglu(&format!("{p}.mlp"))?),
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
-                self_attn,
-                post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
-                mlp,
-            });
-        }
+        let loader = ShardLoader::new(cfg, source, &groups);
+        let layers = stage
+            .layers
+            .clone()
+            .map(|l| loader.decoder_layer(l))
+            .collect::<Result<Vec<_>, _>>()?;
         let (lm_head, score) = match cfg.head {
             _ if !stage.is_last() => (None, None),
             HeadKind::CausalLm if cfg.tie_word_embeddings => (None, None),
             HeadKind::CausalLm => (
                 Some(ColumnParallelLinear::new(
-                    vocab_rows("lm_head.weight")?,
+                    loader.vocab_rows("lm_head.weight")?,
                     None,
                 )),
                 None,
             ),
-            HeadKind::TokenClassification { .. } => (None, Some(replicated("score", true)?)),
-            HeadKind::SequenceClassification { .. } => (None, Some(replicated("score", false)?)),
+            HeadKind::TokenClassification { .. } => (None, Some(loader.replicated("score", true)?)),
+            HeadKind::SequenceClassification { .. } => {
+                (None, Some(loader.replicated("score", false)?))
+            }
         };
         // The last stage computes tied logits with its own copy of the embedding (its gradient
         // is summed with the first stage's, as Megatron's embedding group does).
@@ -469,7 +323,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         Ok(Self {
             embed_tokens: if stage.is_first() || tied_head {
                 Some(VocabParallelEmbedding::new(
-                    vocab_rows("model.embed_tokens.weight")?,
+                    loader.vocab_rows("model.embed_tokens.weight")?,
                     tp,
                 ))
             } else {
@@ -477,7 +331,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             },
             layers,
             norm: if stage.is_last() {
-                Some(norm("model.norm.weight")?)
+                Some(loader.norm("model.norm.weight")?)
             } else {
                 None
             },
@@ -496,5 +350,200 @@ impl<B: ParallelBackend> CausalLm<B> {
             config: cfg.clone(),
             generation: FusedWeights::default(),
         })
+    }
+}
+
+/// This rank's share of each layer, taken by HF name from a [`TensorSource`]: the shapes of
+/// the full tensors say how each splits over its group.
+struct ShardLoader<'a, B: Backend, S: TensorSource<B>> {
+    cfg: &'a HfModelConfig,
+    source: &'a S,
+    groups: &'a ModelGroups,
+    shapes: HashMap<String, Vec<usize>>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
+    fn new(cfg: &'a HfModelConfig, source: &'a S, groups: &'a ModelGroups) -> Self {
+        let shapes = hf_tensor_specs(cfg)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        Self {
+            cfg,
+            source,
+            groups,
+            shapes,
+            _backend: std::marker::PhantomData,
+        }
+    }
+
+    /// This rank's part of dimension `dim` of `name`, split over `group`.
+    fn part(
+        &self,
+        name: &str,
+        dim: usize,
+        group: &TpGroup,
+    ) -> Result<(usize, usize), MegatronError> {
+        Ok(group.part(self.shape(name)?[dim]))
+    }
+
+    fn shape(&self, name: &str) -> Result<&Vec<usize>, MegatronError> {
+        self.shapes
+            .get(name)
+            .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })
+    }
+
+    /// `name`, whole, when `present`.
+    fn optional(&self, name: String, present: bool) -> Result<Option<Tensor<B, 1>>, MegatronError> {
+        present.then(|| self.source.load::<1>(&name)).transpose()
+    }
+
+    fn norm(&self, name: &str) -> Result<RmsNorm<B>, MegatronError> {
+        Ok(RmsNorm::new(
+            self.source.load::<1>(name)?,
+            self.cfg.rms_norm_eps,
+        ))
+    }
+
+    /// Output rows (and bias) split over `group`: q/k/v, gate/up, the LM head.
+    fn column(
+        &self,
+        p: &str,
+        bias: bool,
+        group: &TpGroup,
+    ) -> Result<ColumnParallelLinear<B>, MegatronError> {
+        let w = format!("{p}.weight");
+        let rows = self.part(&w, 0, group)?;
+        let bias = if bias {
+            Some(self.source.load_part::<1>(&format!("{p}.bias"), 0, rows)?)
+        } else {
+            None
+        };
+        Ok(ColumnParallelLinear::new(
+            self.source.load_part::<2>(&w, 0, rows)?,
+            bias,
+        ))
+    }
+
+    /// Input columns split over `group`, bias whole: o_proj, down_proj.
+    fn row(
+        &self,
+        p: &str,
+        bias: bool,
+        group: &TpGroup,
+    ) -> Result<RowParallelLinear<B>, MegatronError> {
+        let w = format!("{p}.weight");
+        let cols = self.part(&w, 1, group)?;
+        Ok(RowParallelLinear::new(
+            self.source.load_part::<2>(&w, 1, cols)?,
+            self.optional(format!("{p}.bias"), bias)?,
+            group,
+        ))
+    }
+
+    /// Every rank holds all of it: routers, value and score heads.
+    fn replicated(&self, p: &str, bias: bool) -> Result<ColumnParallelLinear<B>, MegatronError> {
+        Ok(ColumnParallelLinear::new(
+            self.source.load::<2>(&format!("{p}.weight"))?,
+            self.optional(format!("{p}.bias"), bias)?,
+        ))
+    }
+
+    /// A SwiGLU MLP with its features split over `group` (tp, or expert tp for experts).
+    fn swiglu(&self, p: &str, group: &TpGroup) -> Result<SwiGlu<B>, MegatronError> {
+        Ok(SwiGlu {
+            gate_proj: self.column(&format!("{p}.gate_proj"), false, group)?,
+            up_proj: self.column(&format!("{p}.up_proj"), false, group)?,
+            down_proj: self.row(&format!("{p}.down_proj"), false, group)?,
+            tp: group.clone(),
+        })
+    }
+
+    /// This rank's rows of a vocabulary-split weight, zero rows for the padding.
+    fn vocab_rows(&self, name: &str) -> Result<Tensor<B, 2>, MegatronError> {
+        let hidden = self.shape(name)?[1];
+        let (start, real, per) = self.groups.tp.vocab_part(self.cfg.vocab_size);
+        if real == per {
+            return self.source.load_part::<2>(name, 0, (start, real));
+        }
+        let (rows, device) = if real > 0 {
+            let rows = self.source.load_part::<2>(name, 0, (start, real))?;
+            let device = rows.device();
+            (Some(rows), device)
+        } else {
+            // All padding: one real row only tells the device.
+            (None, self.source.load_part::<2>(name, 0, (0, 1))?.device())
+        };
+        let pad = Tensor::<B, 2>::zeros([per - real, hidden], &device);
+        Ok(match rows {
+            Some(rows) => Tensor::cat(vec![rows, pad], 0),
+            None => pad,
+        })
+    }
+
+    /// Decoder layer `l` (its HF index).
+    fn decoder_layer(&self, l: usize) -> Result<DecoderLayer<B>, MegatronError> {
+        let p = format!("model.layers.{l}");
+        Ok(DecoderLayer {
+            input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"))?,
+            self_attn: self.attention(&format!("{p}.self_attn"))?,
+            post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            mlp: self.feed_forward(l, &p)?,
+        })
+    }
+
+    /// The attention block at `a`, its heads split over tp.
+    fn attention(&self, a: &str) -> Result<Attention<B>, MegatronError> {
+        let (cfg, tp) = (self.cfg, &self.groups.tp);
+        let qk_norm = cfg.architecture == Architecture::Qwen3;
+        let head_norm = |which: &str| -> Result<Option<RmsNorm<B>>, MegatronError> {
+            qk_norm
+                .then(|| self.norm(&format!("{a}.{which}.weight")))
+                .transpose()
+        };
+        Ok(Attention {
+            q_proj: self.column(&format!("{a}.q_proj"), cfg.qkv_bias, tp)?,
+            k_proj: self.column(&format!("{a}.k_proj"), cfg.qkv_bias, tp)?,
+            v_proj: self.column(&format!("{a}.v_proj"), cfg.qkv_bias, tp)?,
+            o_proj: self.row(&format!("{a}.o_proj"), cfg.o_bias, tp)?,
+            q_norm: head_norm("q_norm")?,
+            k_norm: head_norm("k_norm")?,
+            num_heads: cfg.num_attention_heads / tp.size,
+            num_kv_heads: cfg.num_key_value_heads / tp.size,
+            head_dim: cfg.head_dim,
+            tp: tp.clone(),
+            cp: self.groups.cp.clone(),
+        })
+    }
+
+    /// Layer `l`'s feed-forward block at `p`: dense, or this ep rank's experts, each split
+    /// over the expert tp group.
+    fn feed_forward(&self, l: usize, p: &str) -> Result<FeedForward<B>, MegatronError> {
+        let g = self.groups;
+        let moe = match &self.cfg.moe {
+            Some(moe) if moe.is_moe_layer(l) => moe,
+            _ => return Ok(FeedForward::Dense(self.swiglu(&format!("{p}.mlp"), &g.tp)?)),
+        };
+        let local = moe.num_experts / g.ep.size;
+        let first = g.ep.rank * local;
+        let etp = g.expert_tp();
+        Ok(FeedForward::Moe(SparseMoe {
+            gate: self.replicated(&format!("{p}.mlp.gate"), false)?,
+            experts: (first..first + local)
+                .map(|e| self.swiglu(&format!("{p}.mlp.experts.{e}"), etp))
+                .collect::<Result<_, _>>()?,
+            shared_expert: self.swiglu(&format!("{p}.mlp.shared_expert"), &g.tp)?,
+            shared_expert_gate: self.replicated(&format!("{p}.mlp.shared_expert_gate"), false)?,
+            top_k: moe.num_experts_per_tok,
+            norm_topk_prob: moe.norm_topk_prob,
+            num_experts: moe.num_experts,
+            first_expert: first,
+            tp: g.tp.clone(),
+            ep: g.ep.clone(),
+            etp: etp.clone(),
+            cp: g.cp.clone(),
+            aux_loss_coeff: 0.0,
+        }))
     }
 }

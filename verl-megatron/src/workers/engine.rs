@@ -12,12 +12,40 @@ use burn::module::{AutodiffModule, Module};
 use verl_core::traits::{CheckpointContents, CheckpointState, Communicator};
 use verl_core::{NamedTensor, Result};
 
-use super::actor::DynamicBatch;
 use super::adamw::AdamW;
+use super::batch::MicroBatching;
 use super::offload::{Moved, TrainingOffload};
 use super::optim::{ModelOptimizer, PipelineParallelGrads};
 use crate::models::CausalLm;
 use crate::parallel::ParallelAutodiffBackend;
+
+/// verl's dynamic batch size for a role: micro-batches by token budget instead of row counts
+/// (`use_dynamic_bsz` with `ppo_max_token_len_per_gpu` for the update and
+/// `log_prob_max_token_len_per_gpu` for the forward-only passes); `None` keeps row counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DynamicBatch {
+    pub update_max_tokens: Option<usize>,
+    pub forward_max_tokens: Option<usize>,
+    /// The reference policy's log-prob pass (`ref.log_prob_max_token_len_per_gpu`).
+    pub reference_max_tokens: Option<usize>,
+}
+
+impl DynamicBatch {
+    /// The update's micro-batching: by tokens when set, else `rows` per micro-batch.
+    pub fn update(&self, rows: usize, key: &'static str) -> MicroBatching {
+        MicroBatching::of(self.update_max_tokens, rows, key)
+    }
+
+    /// The forward-only passes' micro-batching.
+    pub fn forward(&self, rows: usize, key: &'static str) -> MicroBatching {
+        MicroBatching::of(self.forward_max_tokens, rows, key)
+    }
+
+    /// The reference policy's log-prob pass.
+    pub fn reference(&self, rows: usize, key: &'static str) -> MicroBatching {
+        MicroBatching::of(self.reference_max_tokens, rows, key)
+    }
+}
 
 /// A role's model, optimizers, parallel groups and offload: see the module documentation.
 pub struct TrainingEngine<B: ParallelAutodiffBackend> {

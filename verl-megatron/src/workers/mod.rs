@@ -14,13 +14,13 @@ pub mod reward_model;
 mod stage;
 mod state;
 
-pub use actor::{ActorSettings, DynamicBatch, MegatronActor};
+pub use actor::{ActorSettings, MegatronActor};
 pub use actor_rollout_ref::{
     ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
 };
 pub use batch::MicroBatching;
 pub use critic::{CriticSettings, MegatronCritic};
-pub use engine::{TrainingEngine, TrainingRole};
+pub use engine::{DynamicBatch, TrainingEngine, TrainingRole};
 pub use offload::{MomentOffload, Moved, ParamOffload, TrainingOffload};
 pub use optim::{LrSchedule, ModelOptimizer, DEFAULT_GRAD_BUCKET_ELEMS};
 pub use reward_model::RewardModelWorker;

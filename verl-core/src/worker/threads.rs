@@ -119,6 +119,59 @@ fn keep_root_cause(first: &mut Option<Error>, e: Error, is_origin: bool) {
     }
 }
 
+/// A rank's thread: builds its worker with `factory` (reporting on `ready`), then runs the
+/// jobs sent to it until the group is dropped.
+fn run_rank_thread<W, F>(
+    rank: usize,
+    world_size: usize,
+    factory: &F,
+    ready: mpsc::Sender<(usize, Result<()>)>,
+    job_rx: mpsc::Receiver<Job<W>>,
+) where
+    F: Fn(RankContext) -> Result<W>,
+{
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = ready.send((
+                rank,
+                Err(WorkerError::Spawn {
+                    rank,
+                    message: e.to_string(),
+                }
+                .into()),
+            ));
+            return;
+        }
+    };
+    let (_never, cancel) = watch::channel(false);
+    let hook = AbortHook::default();
+    let ctx = RankContext::new(rank, world_size, cancel, hook.clone());
+    let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
+    let mut worker = match built {
+        Ok(Ok(w)) => {
+            let _ = ready.send((rank, Ok(())));
+            w
+        }
+        Ok(Err(e)) => {
+            let _ = ready.send((rank, Err(e)));
+            return;
+        }
+        Err(p) => {
+            let message = format!("worker constructor panicked: {}", panic_message(p));
+            let _ = ready.send((rank, Err(WorkerError::Spawn { rank, message }.into())));
+            return;
+        }
+    };
+    drop(ready);
+    while let Ok(job) = job_rx.recv() {
+        job(&mut worker, &runtime, _never.subscribe(), &hook);
+    }
+}
+
 struct RankHandle<W> {
     jobs: mpsc::Sender<Job<W>>,
     thread: Option<JoinHandle<()>>,
@@ -155,50 +208,7 @@ impl<W: Worker> WorkerGroup<W> {
             let ready = ready_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("verl-rank-{rank}"))
-                .spawn(move || {
-                    let runtime = match tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                    {
-                        Ok(rt) => rt,
-                        Err(e) => {
-                            let _ = ready.send((
-                                rank,
-                                Err(WorkerError::Spawn {
-                                    rank,
-                                    message: e.to_string(),
-                                }
-                                .into()),
-                            ));
-                            return;
-                        }
-                    };
-                    let (_never, cancel) = watch::channel(false);
-                    let hook = AbortHook::default();
-                    let ctx = RankContext::new(rank, world_size, cancel, hook.clone());
-                    let built = std::panic::catch_unwind(AssertUnwindSafe(|| factory(ctx)));
-                    let mut worker = match built {
-                        Ok(Ok(w)) => {
-                            let _ = ready.send((rank, Ok(())));
-                            w
-                        }
-                        Ok(Err(e)) => {
-                            let _ = ready.send((rank, Err(e)));
-                            return;
-                        }
-                        Err(p) => {
-                            let message =
-                                format!("worker constructor panicked: {}", panic_message(p));
-                            let _ = ready
-                                .send((rank, Err(WorkerError::Spawn { rank, message }.into())));
-                            return;
-                        }
-                    };
-                    drop(ready);
-                    while let Ok(job) = job_rx.recv() {
-                        job(&mut worker, &runtime, _never.subscribe(), &hook);
-                    }
-                })
+                .spawn(move || run_rank_thread(rank, world_size, factory.as_ref(), ready, job_rx))
                 .map_err(|e| WorkerError::Spawn {
                     rank,
                     message: e.to_string(),

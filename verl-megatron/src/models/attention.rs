@@ -440,16 +440,41 @@ impl<B: ParallelBackend> Attention<B> {
         sin: &Tensor<B, 4>,
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
+        let (q, k, v) = match self.decode_kernel(q, k, v, cos, sin, &cache) {
+            Ok(out) => return out,
+            Err(qkv) => qkv,
+        };
+        if let (AttnCache::None, Some(rows)) = (&cache, &mask.packed) {
+            return self.attend_packed(q, k, v, rows, mask, (cos, sin));
+        }
+        let (q, k, v) = match self.rotate_or_fuse(q, k, v, mask, cos, sin, &cache) {
+            Ok(out) => return out,
+            Err(qkv) => qkv,
+        };
+        let (k, v) = self.keys_and_values(k, v, cache);
+        decomposed_attention(q, k, v, mask.bias())
+    }
+
+    /// A decode step over the slot cache: RoPE, the cache write and attention in one kernel
+    /// (`[batch, 1, heads · head_dim]`), or the projections back where it does not apply.
+    fn decode_kernel(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: &AttnCache<'_, B>,
+    ) -> Result<Tensor<B, 3>, Qkv<B>> {
         let [b, t, _, _] = q.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let (mut q, mut k, mut v) = (q, k, v);
-        // A decode step over the slot cache: RoPE, the cache write and attention in one kernel.
         if let AttnCache::Slots {
             cache: slots,
             layer,
             on_device: Some(on_device),
             ..
-        } = &cache
+        } = cache
         {
             if t == 1 && cos.dims() == [b, 1, 1, hd] {
                 let round = precision::current() == ComputeDtype::Bf16;
@@ -466,7 +491,7 @@ impl<B: ParallelBackend> Attention<B> {
                     round,
                     false,
                 ) {
-                    Ok(out) => return out.reshape([b, 1, nh * hd]),
+                    Ok(out) => return Ok(out.reshape([b, 1, nh * hd])),
                     Err(DecodeProjections::Split {
                         q: q2,
                         k: k2,
@@ -482,12 +507,26 @@ impl<B: ParallelBackend> Attention<B> {
                 }
             }
         }
-        if let (AttnCache::None, Some(rows)) = (&cache, &mask.packed) {
-            return self.attend_packed(q, k, v, rows, mask, (cos, sin));
-        }
-        // A pass with no cache and bf16 products may take the fused kernel, which reads this
-        // layout directly (RoPE applied in it, cos/sin seen as [batch, seq, 1, head_dim]).
-        let fused_keys = match (&cache, mask.causal_keys()) {
+        Err((q, k, v))
+    }
+
+    /// RoPE on q and k, and with bf16 products and no cache the fused kernel, which reads this
+    /// layout directly (cos/sin seen as `[batch, seq, 1, head_dim]`): its output, or q, k, v
+    /// `[batch, heads, seq, head_dim]` rotated for the decomposed path.
+    #[allow(clippy::too_many_arguments)]
+    fn rotate_or_fuse(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        mask: &AttentionMask<B>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: &AttnCache<'_, B>,
+    ) -> Result<Tensor<B, 3>, Qkv<B>> {
+        let [b, t, _, _] = q.dims();
+        let (hd, nh) = (self.head_dim, self.num_heads);
+        let fused_keys = match (cache, mask.causal_keys()) {
             (AttnCache::None, Some(keys))
                 if precision::current() == ComputeDtype::Bf16
                     && cos.dims() == [b, 1, t, hd]
@@ -497,7 +536,7 @@ impl<B: ParallelBackend> Attention<B> {
             }
             _ => None,
         };
-        let (q, mut k, mut v) = match fused_keys {
+        Err(match fused_keys {
             Some(key_mask) => {
                 let (cos, sin) = (
                     cos.clone().reshape([b, t, 1, hd]),
@@ -506,7 +545,7 @@ impl<B: ParallelBackend> Attention<B> {
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
                 match B::fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
-                    Ok(out) => return out.reshape([b, t, nh * hd]),
+                    Ok(out) => return Ok(out.reshape([b, t, nh * hd])),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
             }
@@ -515,7 +554,17 @@ impl<B: ParallelBackend> Attention<B> {
                 let k = RotaryEmbedding::apply(k.swap_dims(1, 2), cos, sin);
                 (q, k, v.swap_dims(1, 2))
             }
-        };
+        })
+    }
+
+    /// Keys and values `[batch, kv_heads, keys, head_dim]` for the decomposed path: gathered
+    /// over the context-parallel group, or extending (and written to) the cache.
+    fn keys_and_values(
+        &self,
+        mut k: Tensor<B, 4>,
+        mut v: Tensor<B, 4>,
+        cache: AttnCache<'_, B>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         match cache {
             // One collective for keys and values together: ranks are threads of one process
             // on CPU, and burn's autodiff may order two independent backward steps differently
@@ -550,9 +599,12 @@ impl<B: ParallelBackend> Attention<B> {
                 chunks,
             } => (k, v) = cache.write_chunks(layer, chunks, k, v),
         }
-        decomposed_attention(q, k, v, mask.bias())
+        (k, v)
     }
 }
+
+/// Query, key and value projections handed back by a kernel that did not take them.
+type Qkv<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
 
 impl<B: ParallelBackend> Attention<B> {
     /// Attention over a packed row (`q` `[1, tokens, heads, head_dim]`, `k`, `v` `[1, tokens,

@@ -1,7 +1,7 @@
 //! Full weights out of a sharded model: per-tensor export in Hugging Face names, the buckets a
 //! weight sync gathers together, the shards a rank holds, and loading a full tensor back.
 
-use super::CausalLm;
+use super::{CausalLm, DecoderLayer};
 use std::collections::HashMap;
 
 use burn::prelude::*;
@@ -348,86 +348,8 @@ impl<B: Backend> CausalLm<B> {
             .iter()
             .map(|e| NamedTensor::new("model.embed_tokens.weight", e.weight.val()))
             .collect();
-        let lin = |out: &mut Vec<NamedTensor<B>>,
-                   name: String,
-                   w: Tensor<B, 2>,
-                   b: Option<Tensor<B, 1>>| {
-            if let Some(b) = b {
-                out.push(NamedTensor::new(format!("{name}.bias"), b));
-            }
-            out.push(NamedTensor::new(format!("{name}.weight"), w));
-        };
-        let swiglu = |out: &mut Vec<NamedTensor<B>>, p: String, m: &SwiGlu<B>| {
-            out.push(NamedTensor::new(
-                format!("{p}.gate_proj.weight"),
-                m.gate_proj.weight.val(),
-            ));
-            out.push(NamedTensor::new(
-                format!("{p}.up_proj.weight"),
-                m.up_proj.weight.val(),
-            ));
-            out.push(NamedTensor::new(
-                format!("{p}.down_proj.weight"),
-                m.down_proj.weight.val(),
-            ));
-        };
         for (l, layer) in self.stage.layers.clone().zip(&self.layers) {
-            let p = format!("model.layers.{l}");
-            out.push(NamedTensor::new(
-                format!("{p}.input_layernorm.weight"),
-                layer.input_layernorm.weight.val(),
-            ));
-            out.push(NamedTensor::new(
-                format!("{p}.post_attention_layernorm.weight"),
-                layer.post_attention_layernorm.weight.val(),
-            ));
-            let a = &layer.self_attn;
-            for (name, proj) in [
-                ("q_proj", &a.q_proj),
-                ("k_proj", &a.k_proj),
-                ("v_proj", &a.v_proj),
-            ] {
-                lin(
-                    &mut out,
-                    format!("{p}.self_attn.{name}"),
-                    proj.weight.val(),
-                    proj.bias.as_ref().map(|b| b.val()),
-                );
-            }
-            lin(
-                &mut out,
-                format!("{p}.self_attn.o_proj"),
-                a.o_proj.weight.val(),
-                a.o_proj.bias.as_ref().map(|b| b.val()),
-            );
-            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                out.push(NamedTensor::new(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    qn.weight.val(),
-                ));
-                out.push(NamedTensor::new(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    kn.weight.val(),
-                ));
-            }
-            match &layer.mlp {
-                FeedForward::Dense(m) => swiglu(&mut out, format!("{p}.mlp"), m),
-                FeedForward::Moe(m) => {
-                    out.push(NamedTensor::new(
-                        format!("{p}.mlp.gate.weight"),
-                        m.gate.weight.val(),
-                    ));
-                    for (e, expert) in m.experts.iter().enumerate() {
-                        let e = m.first_expert + e;
-                        swiglu(&mut out, format!("{p}.mlp.experts.{e}"), expert);
-                    }
-                    swiglu(&mut out, format!("{p}.mlp.shared_expert"), &m.shared_expert);
-                    out.push(NamedTensor::new(
-                        format!("{p}.mlp.shared_expert_gate.weight"),
-                        m.shared_expert_gate.weight.val(),
-                    ));
-                }
-            }
+            push_layer(&mut out, &format!("model.layers.{l}"), layer);
         }
         if let Some(norm) = &self.norm {
             out.push(NamedTensor::new("model.norm.weight", norm.weight.val()));
@@ -443,4 +365,90 @@ impl<B: Backend> CausalLm<B> {
         }
         out
     }
+}
+
+/// Decoder layer `p`'s shards, in the order a sharded checkpoint stores them.
+fn push_layer<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: &str, layer: &DecoderLayer<B>) {
+    out.push(NamedTensor::new(
+        format!("{p}.input_layernorm.weight"),
+        layer.input_layernorm.weight.val(),
+    ));
+    out.push(NamedTensor::new(
+        format!("{p}.post_attention_layernorm.weight"),
+        layer.post_attention_layernorm.weight.val(),
+    ));
+    let a = &layer.self_attn;
+    for (name, proj) in [
+        ("q_proj", &a.q_proj),
+        ("k_proj", &a.k_proj),
+        ("v_proj", &a.v_proj),
+    ] {
+        push_linear(
+            out,
+            format!("{p}.self_attn.{name}"),
+            proj.weight.val(),
+            proj.bias.as_ref().map(|b| b.val()),
+        );
+    }
+    push_linear(
+        out,
+        format!("{p}.self_attn.o_proj"),
+        a.o_proj.weight.val(),
+        a.o_proj.bias.as_ref().map(|b| b.val()),
+    );
+    if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+        out.push(NamedTensor::new(
+            format!("{p}.self_attn.q_norm.weight"),
+            qn.weight.val(),
+        ));
+        out.push(NamedTensor::new(
+            format!("{p}.self_attn.k_norm.weight"),
+            kn.weight.val(),
+        ));
+    }
+    match &layer.mlp {
+        FeedForward::Dense(m) => push_swiglu(out, format!("{p}.mlp"), m),
+        FeedForward::Moe(m) => {
+            out.push(NamedTensor::new(
+                format!("{p}.mlp.gate.weight"),
+                m.gate.weight.val(),
+            ));
+            for (e, expert) in m.experts.iter().enumerate() {
+                let e = m.first_expert + e;
+                push_swiglu(out, format!("{p}.mlp.experts.{e}"), expert);
+            }
+            push_swiglu(out, format!("{p}.mlp.shared_expert"), &m.shared_expert);
+            out.push(NamedTensor::new(
+                format!("{p}.mlp.shared_expert_gate.weight"),
+                m.shared_expert_gate.weight.val(),
+            ));
+        }
+    }
+}
+
+/// A linear layer's bias (if any), then its weight.
+fn push_linear<B: Backend>(
+    out: &mut Vec<NamedTensor<B>>,
+    name: String,
+    w: Tensor<B, 2>,
+    b: Option<Tensor<B, 1>>,
+) {
+    if let Some(b) = b {
+        out.push(NamedTensor::new(format!("{name}.bias"), b));
+    }
+    out.push(NamedTensor::new(format!("{name}.weight"), w));
+}
+
+/// A SwiGLU MLP's gate, up and down weights.
+fn push_swiglu<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: String, m: &SwiGlu<B>) {
+    for (name, proj) in [("gate_proj", &m.gate_proj), ("up_proj", &m.up_proj)] {
+        out.push(NamedTensor::new(
+            format!("{p}.{name}.weight"),
+            proj.weight.val(),
+        ));
+    }
+    out.push(NamedTensor::new(
+        format!("{p}.down_proj.weight"),
+        m.down_proj.weight.val(),
+    ));
 }

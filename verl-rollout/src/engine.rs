@@ -77,6 +77,15 @@ pub struct GenerationStats {
     pub decode_enqueue_seconds: f64,
 }
 
+/// One step's prefill work ([`NativeRollout::schedule`]): chunks that continue `(slot, first
+/// position, tokens)`, admitted requests `(slot, request id, request, index into unique)`,
+/// and the distinct prompts (or first chunks) to prefill.
+struct StepPlan {
+    continued: Vec<(usize, usize, Vec<u32>)>,
+    admitted: Vec<(usize, usize, Request, usize)>,
+    unique: Vec<Vec<u32>>,
+}
+
 struct Active {
     request: usize,
     /// Position the next fed token is written at (= tokens cached so far).
@@ -238,44 +247,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
         }
         let model = self.model.as_ref().ok_or(RolloutError::WeightsReleased)?;
         let start = Instant::now();
-        let capacity = self.config.max_model_len();
-        for (i, r) in requests.iter().enumerate() {
-            if r.prompt.is_empty() {
-                return Err(RolloutError::EmptyPrompt { row: i });
-            }
-            if r.prompt.len() > self.config.prompt_length {
-                return Err(RolloutError::PromptTooLong {
-                    row: i,
-                    len: r.prompt.len(),
-                    limit: self.config.prompt_length,
-                    field: "actor_rollout_ref.rollout.prompt_length",
-                });
-            }
-            if r.max_new_tokens == 0 || r.max_new_tokens > self.config.response_length {
-                return Err(RolloutError::Config {
-                    field: "actor_rollout_ref.rollout.response_length",
-                    value: r.max_new_tokens.to_string(),
-                    message: format!(
-                        "request {i} asks for {} new tokens; 1..={} fit",
-                        r.max_new_tokens, self.config.response_length
-                    ),
-                });
-            }
-        }
-        let stop_strings = match (&self.detokenizer, self.config.stop.is_empty()) {
-            (_, true) => None,
-            (Some(d), false) => StopStrings::new(&self.config.stop, d.clone()),
-            (None, false) => {
-                return Err(RolloutError::Config {
-                    field: "actor_rollout_ref.rollout.stop",
-                    value: format!("{:?}", self.config.stop),
-                    message: "stop strings are matched on text and this engine has no \
-                              tokenizer; give it one (NativeRollout::with_detokenizer) or \
-                              use stop_token_ids"
-                        .into(),
-                });
-            }
-        };
+        self.check_requests(&requests)?;
+        let stop_strings = self.stop_strings()?;
         let stop_strings = stop_strings.as_ref();
         let mut stats = GenerationStats {
             requests: requests.len(),
@@ -299,135 +272,10 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 || stop_strings.is_some_and(|s| s.completed_by_last(tokens))
         };
         loop {
-            let limit = self.config.max_num_batched_tokens;
-            let mut budget = 0;
-            // Chunked prefills continue first, oldest slot first, within the token budget.
-            let mut continued: Vec<(usize, usize, Vec<u32>)> = Vec::new();
-            for (slot, state) in slots.iter_mut().enumerate() {
-                let Some(a) = state.as_mut() else {
-                    continue;
-                };
-                if a.pending.is_empty() || budget >= limit {
-                    continue;
-                }
-                let take = a.pending.len().min(limit - budget);
-                continued.push((slot, a.pos, a.pending.drain(..take).collect()));
-                a.pos += take;
-                budget += take;
-            }
-            // Then waiting requests take free slots, within what is left of the budget. With
-            // prefix caching, requests of one prompt admitted together (a prompt's n samples)
-            // share one prefill, and only its first counts against the budget. With chunked
-            // prefill a prompt longer than what is left takes that much now and the rest in
-            // later steps; without, a prompt over the budget waits unless it is the step's
-            // only prefill.
-            let mut admitted: Vec<(usize, usize, Request, usize)> = Vec::new();
-            let mut unique: Vec<Vec<u32>> = Vec::new();
-            let mut seen: HashMap<Vec<u32>, usize> = HashMap::new();
-            for (slot, state) in slots.iter().enumerate() {
-                if state.is_some() {
-                    continue;
-                }
-                let Some((_, next)) = waiting.front() else {
-                    break;
-                };
-                let shared = match self.config.enable_prefix_caching {
-                    true => seen.get(&next.prompt).copied(),
-                    false => None,
-                };
-                let cost = if shared.is_some() {
-                    0
-                } else {
-                    next.prompt.len()
-                };
-                let mut part = None;
-                if budget + cost > limit {
-                    if self.config.enable_chunked_prefill && shared.is_none() && budget < limit {
-                        part = Some(limit - budget);
-                    } else if !(admitted.is_empty() && continued.is_empty()) {
-                        break;
-                    }
-                }
-                budget += part.unwrap_or(cost);
-                let (id, req) = waiting.pop_front().expect("front exists");
-                let prompt = match (shared, part) {
-                    (Some(p), _) => p,
-                    // A first chunk: prefilled alone, not shared.
-                    (None, Some(len)) => {
-                        unique.push(req.prompt[..len].to_vec());
-                        unique.len() - 1
-                    }
-                    (None, None) => {
-                        seen.insert(req.prompt.clone(), unique.len());
-                        unique.push(req.prompt.clone());
-                        unique.len() - 1
-                    }
-                };
-                admitted.push((slot, id, req, prompt));
-                if part.is_some() {
-                    break;
-                }
-            }
-            if !admitted.is_empty() || !continued.is_empty() {
-                let prefill_start = Instant::now();
-                let mut sampled = 0;
-                if !admitted.is_empty() {
-                    let targets: Vec<(usize, usize)> =
-                        admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
-                    let logits = device_span::<B, _>(&self.device, "prefill", || {
-                        model.prefill_shared(&unique, &targets, &mut cache)
-                    });
-                    let logits = repeat_rows(logits, &targets);
-                    stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
-                    let mut fresh: Vec<Active> = admitted
-                        .iter()
-                        .map(|(_, id, req, p)| {
-                            let cached = unique[*p].len();
-                            Active {
-                                request: *id,
-                                pos: cached,
-                                pending: req.prompt[cached..].to_vec(),
-                                last: 0,
-                                tokens: Vec::new(),
-                                log_probs: Vec::new(),
-                                sampler: req.sampler.clone(),
-                                max_new_tokens: req.max_new_tokens,
-                            }
-                        })
-                        .collect();
-                    // Only requests whose whole prompt is cached sample their first token.
-                    let rows = fresh
-                        .iter_mut()
-                        .map(|a| Some(a).filter(|a| a.pending.is_empty()))
-                        .collect();
-                    let picks = self.choose(logits, rows, &mut stats);
-                    for (((slot, ..), active), pick) in admitted.into_iter().zip(fresh).zip(picks) {
-                        let placed = (&mut slots[..], &mut done[..]);
-                        sampled += self.settle(active, slot, pick, &stop, placed) as usize;
-                    }
-                }
-                if !continued.is_empty() {
-                    let chunks: Vec<(usize, usize, &[u32])> = continued
-                        .iter()
-                        .map(|(slot, start, c)| (*slot, *start, c.as_slice()))
-                        .collect();
-                    let logits = model.prefill_chunks(&chunks, &mut cache);
-                    stats.prefilled_tokens += continued.iter().map(|c| c.2.len()).sum::<usize>();
-                    let mut states: Vec<Option<Active>> =
-                        continued.iter().map(|c| slots[c.0].take()).collect();
-                    let rows = states
-                        .iter_mut()
-                        .map(|a| a.as_mut().filter(|a| a.pending.is_empty()))
-                        .collect();
-                    let picks = self.choose(logits, rows, &mut stats);
-                    for ((&(slot, ..), state), pick) in continued.iter().zip(states).zip(picks) {
-                        let active = state.expect("a continued slot is busy");
-                        let placed = (&mut slots[..], &mut done[..]);
-                        sampled += self.settle(active, slot, pick, &stop, placed) as usize;
-                    }
-                }
-                stats.prefill_steps += 1;
-                stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
+            let plan = self.schedule(&mut slots, &mut waiting);
+            if !plan.admitted.is_empty() || !plan.continued.is_empty() {
+                let placed = (&mut slots[..], &mut done[..]);
+                let sampled = self.prefill(model, plan, &mut cache, placed, &stop, &mut stats);
                 if sampled > 0 && stats.first_token_seconds == 0.0 {
                     stats.first_token_seconds = start.elapsed().as_secs_f64();
                 }
@@ -455,42 +303,13 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 slots.retain(|s| s.is_some());
             }
             stats.peak_batch = stats.peak_batch.max(decoding);
-            let tokens: Vec<u32> = slots
-                .iter()
-                .map(|s| s.as_ref().map_or(0, |a| a.last))
-                .collect();
-            let positions: Vec<usize> = slots
-                .iter()
-                .map(|s| s.as_ref().map_or(0, |a| a.pos))
-                .collect();
-            let window = positions.iter().max().copied().unwrap_or(0) + 1;
-            debug_assert!(window <= capacity);
-            let enqueue = Instant::now();
-            let logits = device_span::<B, _>(&self.device, "decode_step", || {
-                model.decode_slots(&tokens, &positions, window, &mut cache)
-            });
-            stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
-            stats.decode_steps += 1;
-            // Slots still prefilling ran along (their step writes at the next chunk's first
-            // position, which that chunk overwrites) and sample nothing.
-            let picks = self.choose(
-                logits,
-                slots
-                    .iter_mut()
-                    .map(|s| s.as_mut().filter(|a| a.pending.is_empty()))
-                    .collect(),
+            self.decode(
+                model,
+                &mut cache,
+                (&mut slots, &mut done),
+                &stop,
                 &mut stats,
             );
-            for (state, pick) in slots.iter_mut().zip(picks) {
-                let (Some(active), Some((tok, log_prob))) = (state.as_mut(), pick) else {
-                    continue;
-                };
-                active.pos += 1;
-                if let Some(c) = self.advance(active, tok, log_prob, &stop) {
-                    done[active.request] = Some(c);
-                    *state = None;
-                }
-            }
         }
         self.cache = Some(cache);
         self.calls += 1;
@@ -502,6 +321,259 @@ impl<B: ParallelBackend> NativeRollout<B> {
         stats.seconds = start.elapsed().as_secs_f64();
         self.last_stats = stats;
         Ok(done)
+    }
+
+    /// Refuses a request the engine cannot serve, naming the row and the setting.
+    fn check_requests(&self, requests: &[Request]) -> Result<(), RolloutError> {
+        for (i, r) in requests.iter().enumerate() {
+            if r.prompt.is_empty() {
+                return Err(RolloutError::EmptyPrompt { row: i });
+            }
+            if r.prompt.len() > self.config.prompt_length {
+                return Err(RolloutError::PromptTooLong {
+                    row: i,
+                    len: r.prompt.len(),
+                    limit: self.config.prompt_length,
+                    field: "actor_rollout_ref.rollout.prompt_length",
+                });
+            }
+            if r.max_new_tokens == 0 || r.max_new_tokens > self.config.response_length {
+                return Err(RolloutError::Config {
+                    field: "actor_rollout_ref.rollout.response_length",
+                    value: r.max_new_tokens.to_string(),
+                    message: format!(
+                        "request {i} asks for {} new tokens; 1..={} fit",
+                        r.max_new_tokens, self.config.response_length
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The stop strings matched on the detokenized response, if any are set.
+    fn stop_strings(&self) -> Result<Option<StopStrings>, RolloutError> {
+        Ok(match (&self.detokenizer, self.config.stop.is_empty()) {
+            (_, true) => None,
+            (Some(d), false) => StopStrings::new(&self.config.stop, d.clone()),
+            (None, false) => {
+                return Err(RolloutError::Config {
+                    field: "actor_rollout_ref.rollout.stop",
+                    value: format!("{:?}", self.config.stop),
+                    message: "stop strings are matched on text and this engine has no \
+                          tokenizer; give it one (NativeRollout::with_detokenizer) or \
+                          use stop_token_ids"
+                        .into(),
+                });
+            }
+        })
+    }
+
+    /// One step's prefill work: chunked prefills continue first, oldest slot first, within
+    /// the token budget; then waiting requests take free slots, within what is left of the
+    /// budget. With prefix caching, requests of one prompt admitted together (a prompt's n
+    /// samples) share one prefill, and only its first counts against the budget. With chunked
+    /// prefill a prompt longer than what is left takes that much now and the rest in later
+    /// steps; without, a prompt over the budget waits unless it is the step's only prefill.
+    fn schedule(
+        &self,
+        slots: &mut [Option<Active>],
+        waiting: &mut VecDeque<(usize, Request)>,
+    ) -> StepPlan {
+        let limit = self.config.max_num_batched_tokens;
+        let mut budget = 0;
+        let mut continued: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+        for (slot, state) in slots.iter_mut().enumerate() {
+            let Some(a) = state.as_mut() else {
+                continue;
+            };
+            if a.pending.is_empty() || budget >= limit {
+                continue;
+            }
+            let take = a.pending.len().min(limit - budget);
+            continued.push((slot, a.pos, a.pending.drain(..take).collect()));
+            a.pos += take;
+            budget += take;
+        }
+        let mut admitted: Vec<(usize, usize, Request, usize)> = Vec::new();
+        let mut unique: Vec<Vec<u32>> = Vec::new();
+        let mut seen: HashMap<Vec<u32>, usize> = HashMap::new();
+        for (slot, state) in slots.iter().enumerate() {
+            if state.is_some() {
+                continue;
+            }
+            let Some((_, next)) = waiting.front() else {
+                break;
+            };
+            let shared = match self.config.enable_prefix_caching {
+                true => seen.get(&next.prompt).copied(),
+                false => None,
+            };
+            let cost = if shared.is_some() {
+                0
+            } else {
+                next.prompt.len()
+            };
+            let mut part = None;
+            if budget + cost > limit {
+                if self.config.enable_chunked_prefill && shared.is_none() && budget < limit {
+                    part = Some(limit - budget);
+                } else if !(admitted.is_empty() && continued.is_empty()) {
+                    break;
+                }
+            }
+            budget += part.unwrap_or(cost);
+            let (id, req) = waiting.pop_front().expect("front exists");
+            let prompt = match (shared, part) {
+                (Some(p), _) => p,
+                // A first chunk: prefilled alone, not shared.
+                (None, Some(len)) => {
+                    unique.push(req.prompt[..len].to_vec());
+                    unique.len() - 1
+                }
+                (None, None) => {
+                    seen.insert(req.prompt.clone(), unique.len());
+                    unique.push(req.prompt.clone());
+                    unique.len() - 1
+                }
+            };
+            admitted.push((slot, id, req, prompt));
+            if part.is_some() {
+                break;
+            }
+        }
+        StepPlan {
+            continued,
+            admitted,
+            unique,
+        }
+    }
+
+    /// Runs `plan`'s prefills (new prompts, shared where they are equal, and continued
+    /// chunks) and samples the first token of each request whose whole prompt is now cached;
+    /// returns how many sampled.
+    fn prefill(
+        &self,
+        model: &CausalLm<B>,
+        plan: StepPlan,
+        cache: &mut SlotKvCache<B>,
+        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+        stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
+        stats: &mut GenerationStats,
+    ) -> usize {
+        let StepPlan {
+            continued,
+            admitted,
+            unique,
+        } = plan;
+        let prefill_start = Instant::now();
+        let mut sampled = 0;
+        if !admitted.is_empty() {
+            let targets: Vec<(usize, usize)> =
+                admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
+            let logits = device_span::<B, _>(&self.device, "prefill", || {
+                model.prefill_shared(&unique, &targets, cache)
+            });
+            let logits = repeat_rows(logits, &targets);
+            stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
+            let mut fresh: Vec<Active> = admitted
+                .iter()
+                .map(|(_, id, req, p)| {
+                    let cached = unique[*p].len();
+                    Active {
+                        request: *id,
+                        pos: cached,
+                        pending: req.prompt[cached..].to_vec(),
+                        last: 0,
+                        tokens: Vec::new(),
+                        log_probs: Vec::new(),
+                        sampler: req.sampler.clone(),
+                        max_new_tokens: req.max_new_tokens,
+                    }
+                })
+                .collect();
+            // Only requests whose whole prompt is cached sample their first token.
+            let rows = fresh
+                .iter_mut()
+                .map(|a| Some(a).filter(|a| a.pending.is_empty()))
+                .collect();
+            let picks = self.choose(logits, rows, stats);
+            for (((slot, ..), active), pick) in admitted.into_iter().zip(fresh).zip(picks) {
+                let placed = (&mut *slots, &mut *done);
+                sampled += self.settle(active, slot, pick, stop, placed) as usize;
+            }
+        }
+        if !continued.is_empty() {
+            let chunks: Vec<(usize, usize, &[u32])> = continued
+                .iter()
+                .map(|(slot, start, c)| (*slot, *start, c.as_slice()))
+                .collect();
+            let logits = model.prefill_chunks(&chunks, cache);
+            stats.prefilled_tokens += continued.iter().map(|c| c.2.len()).sum::<usize>();
+            let mut states: Vec<Option<Active>> =
+                continued.iter().map(|c| slots[c.0].take()).collect();
+            let rows = states
+                .iter_mut()
+                .map(|a| a.as_mut().filter(|a| a.pending.is_empty()))
+                .collect();
+            let picks = self.choose(logits, rows, stats);
+            for ((&(slot, ..), state), pick) in continued.iter().zip(states).zip(picks) {
+                let active = state.expect("a continued slot is busy");
+                let placed = (&mut *slots, &mut *done);
+                sampled += self.settle(active, slot, pick, stop, placed) as usize;
+            }
+        }
+        stats.prefill_steps += 1;
+        stats.prefill_seconds += prefill_start.elapsed().as_secs_f64();
+        sampled
+    }
+
+    /// One decode step for every busy slot: feeds each slot's last token, samples the next
+    /// and retires the requests that finish.
+    fn decode(
+        &self,
+        model: &CausalLm<B>,
+        cache: &mut SlotKvCache<B>,
+        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+        stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
+        stats: &mut GenerationStats,
+    ) {
+        let tokens: Vec<u32> = slots
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |a| a.last))
+            .collect();
+        let positions: Vec<usize> = slots
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |a| a.pos))
+            .collect();
+        let window = positions.iter().max().copied().unwrap_or(0) + 1;
+        debug_assert!(window <= self.config.max_model_len());
+        let enqueue = Instant::now();
+        let logits = device_span::<B, _>(&self.device, "decode_step", || {
+            model.decode_slots(&tokens, &positions, window, cache)
+        });
+        stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
+        stats.decode_steps += 1;
+        // Slots still prefilling ran along (their step writes at the next chunk's first
+        // position, which that chunk overwrites) and sample nothing.
+        let picks = self.choose(
+            logits,
+            slots
+                .iter_mut()
+                .map(|s| s.as_mut().filter(|a| a.pending.is_empty()))
+                .collect(),
+            stats,
+        );
+        for (state, pick) in slots.iter_mut().zip(picks) {
+            let (Some(active), Some((tok, log_prob))) = (state.as_mut(), pick) else {
+                continue;
+            };
+            active.pos += 1;
+            if let Some(c) = self.advance(active, tok, log_prob, stop) {
+                done[active.request] = Some(c);
+                *state = None;
+            }
+        }
     }
 
     /// The next token (and its log-prob, at the sampling temperature) of each busy row of

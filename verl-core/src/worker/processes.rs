@@ -267,7 +267,16 @@ impl ProcessRanks {
             }
         }
         if !failures.is_empty() {
-            let pick = failures.iter().position(|f| f.1.is_none()).unwrap_or(0);
+            // The root cause is a rank whose process was lost rather than one that reported an
+            // error, and among lost ranks one killed by a signal: its peers may exit on their
+            // own when its collectives break, and their connections can close first.
+            let lost = |f: &&(usize, Option<String>, String)| f.1.is_none();
+            let killed = failures.iter().position(|f| {
+                lost(&f) && (self.how_ended)(f.0).is_some_and(|h| h.contains("signal"))
+            });
+            let pick = killed
+                .or_else(|| failures.iter().position(|f| lost(&f)))
+                .unwrap_or(0);
             let (rank, remote, how) = failures.swap_remove(pick);
             return Err(self.fail(rank, method, remote, how));
         }

@@ -256,23 +256,13 @@ impl ShardedCheckpoint {
             let (part, part_shape) =
                 file.read_part_f32(key, dim, Some((from - have_start, to - from)))?;
             // The stored tensor must agree with the slice extra.json records for it.
-            let agrees = part_shape.len() == target.shape.len()
-                && dim < part_shape.len()
-                && part_shape
-                    .iter()
-                    .zip(&target.shape)
-                    .enumerate()
-                    .all(
-                        |(d, (&p, &t))| {
-                            if d == dim {
-                                p == to - from
-                            } else {
-                                p == t
-                            }
-                        },
-                    )
-                && from - want_start + (to - from) <= target.shape[dim];
-            if !agrees {
+            if !part_agrees(
+                &part_shape,
+                &target.shape,
+                dim,
+                from - want_start,
+                to - from,
+            ) {
                 return Err(shape_error(key, file, &target.shape));
             }
             write_along(
@@ -424,6 +414,19 @@ fn write_along(
         let from = o * len * inner;
         dst[to..to + len * inner].copy_from_slice(&part[from..from + len * inner]);
     }
+}
+
+/// Whether a part read along `dim` (`len` rows written at `offset`) has the target's shape in
+/// every other dimension and fits inside it.
+fn part_agrees(part: &[usize], target: &[usize], dim: usize, offset: usize, len: usize) -> bool {
+    part.len() == target.len()
+        && dim < part.len()
+        && part
+            .iter()
+            .zip(target)
+            .enumerate()
+            .all(|(d, (&p, &t))| if d == dim { p == len } else { p == t })
+        && offset + len <= target[dim]
 }
 
 #[cfg(test)]

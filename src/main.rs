@@ -536,56 +536,17 @@ fn generate_cmd(
     json: bool,
 ) -> Result<(), String> {
     use verl::backend::DefaultBackend;
-    use verl::megatron::hf::{ChatMessage, HeadKind, HfCheckpoint, HfModelConfig, HfTokenizer};
+    use verl::megatron::hf::{HfCheckpoint, HfModelConfig, HfTokenizer};
     use verl::megatron::models::CausalLm;
     use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler};
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
-    // A value or reward head scores tokens rather than predicting the next one: sampling from
-    // it would yield nothing useful, so refuse before loading the weights.
-    let scorer = match cfg.head {
-        HeadKind::CausalLm => None,
-        HeadKind::TokenClassification { .. } => Some("a value model (a per-token score head)"),
-        HeadKind::SequenceClassification { .. } => Some("a reward model (a sequence score head)"),
-    };
-    if let Some(what) = scorer {
-        let config_json = cfg.to_config_json();
-        let arch = config_json["architectures"][0]
-            .as_str()
-            .unwrap_or("this architecture");
-        return Err(format!(
-            "{}: {arch} is {what}; `verl generate` needs a causal LM (an `…ForCausalLM` \
-             architecture in config.json)",
-            model.display()
-        ));
-    }
+    refuse_score_heads(model, &cfg)?;
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
     let lm = CausalLm::<DefaultBackend>::from_checkpoint(&cfg, &ckpt, &device)
         .map_err(|e| e.to_string())?;
     let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
-    // A base model has no chat template: its prompts are plain text, as --raw gives.
-    let raw = raw || {
-        let missing = !tok.has_chat_template();
-        if missing {
-            eprintln!(
-                "note: {} has no chat template; using each prompt as is (as --raw does)",
-                model.display()
-            );
-        }
-        missing
-    };
-    let mut texts = Vec::new();
-    let mut ids = Vec::new();
-    for p in prompts {
-        let text = if raw {
-            p.clone()
-        } else {
-            tok.apply_chat_template(&[ChatMessage::user(p)], true)
-                .map_err(|e| e.to_string())?
-        };
-        ids.push(tok.encode(&text).map_err(|e| e.to_string())?);
-        texts.push(text);
-    }
+    let (texts, ids) = encode_prompts(model, &tok, prompts, raw)?;
     let eos = if tok.eos_token_ids.is_empty() {
         cfg.eos_token_ids.clone()
     } else {
@@ -624,8 +585,88 @@ fn generate_cmd(
         }
     }
     let completions = engine.generate(requests).map_err(|e| e.to_string())?;
+    print_completions(&tok, &completions, (&texts, &ids), n.max(1), json)?;
+    let s = engine.last_stats();
+    tracing::info!(
+        tokens = s.generated_tokens,
+        seconds = s.seconds,
+        "generated {:.1} tokens/s",
+        s.generated_tokens as f64 / s.seconds.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Refuses a value or reward model: a score head scores tokens rather than predicting the next
+/// one, so sampling from it would yield nothing useful (checked before the weights load).
+fn refuse_score_heads(
+    model: &std::path::Path,
+    cfg: &verl::megatron::hf::HfModelConfig,
+) -> Result<(), String> {
+    use verl::megatron::hf::HeadKind;
+    let scorer = match cfg.head {
+        HeadKind::CausalLm => None,
+        HeadKind::TokenClassification { .. } => Some("a value model (a per-token score head)"),
+        HeadKind::SequenceClassification { .. } => Some("a reward model (a sequence score head)"),
+    };
+    if let Some(what) = scorer {
+        let config_json = cfg.to_config_json();
+        let arch = config_json["architectures"][0]
+            .as_str()
+            .unwrap_or("this architecture");
+        return Err(format!(
+            "{}: {arch} is {what}; `verl generate` needs a causal LM (an `…ForCausalLM` \
+             architecture in config.json)",
+            model.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Each prompt as the model reads it (through its chat template unless `raw`, or when it has
+/// none: a base model's prompts are plain text) and its token ids.
+fn encode_prompts(
+    model: &std::path::Path,
+    tok: &verl::megatron::hf::HfTokenizer,
+    prompts: &[String],
+    raw: bool,
+) -> Result<(Vec<String>, Vec<Vec<u32>>), String> {
+    use verl::megatron::hf::ChatMessage;
+    let raw = raw || {
+        let missing = !tok.has_chat_template();
+        if missing {
+            eprintln!(
+                "note: {} has no chat template; using each prompt as is (as --raw does)",
+                model.display()
+            );
+        }
+        missing
+    };
+    let mut texts = Vec::new();
+    let mut ids = Vec::new();
+    for p in prompts {
+        let text = if raw {
+            p.clone()
+        } else {
+            tok.apply_chat_template(&[ChatMessage::user(p)], true)
+                .map_err(|e| e.to_string())?
+        };
+        ids.push(tok.encode(&text).map_err(|e| e.to_string())?);
+        texts.push(text);
+    }
+    Ok((texts, ids))
+}
+
+/// Prints each completion (request `j` is sample `j % n` of prompt `j / n`): its text, or with
+/// `json` one JSON object a line with the ids and the finish reason.
+fn print_completions(
+    tok: &verl::megatron::hf::HfTokenizer,
+    completions: &[verl::rollout::Completion],
+    (texts, ids): (&[String], &[Vec<u32>]),
+    n: usize,
+    json: bool,
+) -> Result<(), String> {
     for (j, c) in completions.iter().enumerate() {
-        let i = j / n.max(1);
+        let i = j / n;
         let response = tok.decode(&c.tokens).map_err(|e| e.to_string())?;
         if json {
             let out = serde_json::json!({
@@ -638,18 +679,11 @@ fn generate_cmd(
             println!("{out}");
         } else {
             if completions.len() > 1 {
-                println!("--- [{i}.{}]", j % n.max(1));
+                println!("--- [{i}.{}]", j % n);
             }
             println!("{response}");
         }
     }
-    let s = engine.last_stats();
-    tracing::info!(
-        tokens = s.generated_tokens,
-        seconds = s.seconds,
-        "generated {:.1} tokens/s",
-        s.generated_tokens as f64 / s.seconds.max(1e-9)
-    );
     Ok(())
 }
 

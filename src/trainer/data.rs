@@ -381,7 +381,46 @@ fn row_from_value(
             found: described(v),
         });
     };
-    let messages: Vec<ChatMessage> = match row.get(prompt_key) {
+    let messages = chat_messages(row.get(prompt_key), prompt_key, &bad)?;
+    let prompt = messages
+        .iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .map(|m| m.content.clone())
+        .ok_or_else(|| bad(prompt_key, "has no user message".into()))?;
+    let ground_truth = ground_truth_of(row.get("reward_model"), &bad)?;
+    let data_source = match row.get(reward_fn_key) {
+        Some(Value::String(s)) => s.clone(),
+        // A row without the column reads as `unknown`, which setup refuses unless the run's
+        // reward function takes it (a builder-given scorer may take any source).
+        None | Some(Value::Null) => "unknown".to_string(),
+        Some(other) => {
+            let found = described(other);
+            let why = "naming the row's scorer (data.reward_fn_key names this column)";
+            return Err(bad(
+                reward_fn_key,
+                format!("is {found}; it must be a string {why}"),
+            ));
+        }
+    };
+    Ok(PromptRow {
+        prompt_ids: codec
+            .encode_chat(&messages)
+            .map_err(|e| bad(prompt_key, format!("cannot be tokenized: {e}")))?,
+        prompt,
+        data_source,
+        ground_truth,
+        extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
+    })
+}
+
+/// The chat messages of a row's prompt column `prompt_key` (a string is one user message).
+fn chat_messages(
+    value: Option<&Value>,
+    prompt_key: &str,
+    bad: &dyn Fn(&str, String) -> DataFileError,
+) -> Result<Vec<ChatMessage>, DataFileError> {
+    Ok(match value {
         Some(Value::String(s)) => vec![ChatMessage::user(s.clone())],
         Some(Value::Array(msgs)) => msgs
             .iter()
@@ -428,14 +467,16 @@ fn row_from_value(
             );
             return Err(bad(prompt_key, problem));
         }
-    };
-    let prompt = messages
-        .iter()
-        .rev()
-        .find(|m| m.role == "user")
-        .map(|m| m.content.clone())
-        .ok_or_else(|| bad(prompt_key, "has no user message".into()))?;
-    let ground_truth = match row.get("reward_model") {
+    })
+}
+
+/// `reward_model.ground_truth` of a row (numbers and lists of accepted answers as their JSON
+/// text).
+fn ground_truth_of(
+    reward_model: Option<&Value>,
+    bad: &dyn Fn(&str, String) -> DataFileError,
+) -> Result<String, DataFileError> {
+    let ground_truth = match reward_model {
         None | Some(Value::Null) => None,
         Some(Value::Object(rm)) => rm.get("ground_truth"),
         Some(other) => {
@@ -448,36 +489,13 @@ fn row_from_value(
             ))
         }
     };
-    let ground_truth = match ground_truth {
+    Ok(match ground_truth {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Null) | None => {
             return Err(bad("reward_model.ground_truth", "is missing".into()));
         }
         // Numbers and lists (several accepted answers) are kept as their JSON text.
         Some(other) => other.to_string(),
-    };
-    let data_source = match row.get(reward_fn_key) {
-        Some(Value::String(s)) => s.clone(),
-        // A row without the column reads as `unknown`, which setup refuses unless the run's
-        // reward function takes it (a builder-given scorer may take any source).
-        None | Some(Value::Null) => "unknown".to_string(),
-        Some(other) => {
-            let found = described(other);
-            let why = "naming the row's scorer (data.reward_fn_key names this column)";
-            return Err(bad(
-                reward_fn_key,
-                format!("is {found}; it must be a string {why}"),
-            ));
-        }
-    };
-    Ok(PromptRow {
-        prompt_ids: codec
-            .encode_chat(&messages)
-            .map_err(|e| bad(prompt_key, format!("cannot be tokenized: {e}")))?,
-        prompt,
-        data_source,
-        ground_truth,
-        extra_info: row.get("extra_info").cloned().unwrap_or(Value::Null),
     })
 }
 

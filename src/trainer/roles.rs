@@ -308,6 +308,50 @@ fn actor_dynamic_batch(cfg: &VerlConfig, cp: usize) -> DynamicBatch {
     }
 }
 
+/// The actor's optimizer steps over the run: epochs × the global batch over the global
+/// mini-batch per RL step (each dp rank steps once per mini-batch of its share, all of them
+/// together), plus the warm-up's when it shares the RL schedule.
+fn actor_optim_steps(
+    cfg: &VerlConfig,
+    validated: &verl_core::config::ValidatedConfig,
+    total_steps: u64,
+) -> u64 {
+    let (batch, n) = (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n);
+    let global_mini = (validated.actor_mini_batch_per_dp * validated.actor_dp).max(1);
+    let warm_up = if cfg.trainer.sft_warmup_lr.is_some() {
+        0
+    } else {
+        cfg.trainer.sft_warmup_steps
+    };
+    total_steps.max(1)
+        * cfg.actor_rollout_ref.actor.ppo_epochs as u64
+        * (batch * n / global_mini).max(1) as u64
+        + warm_up
+}
+
+/// The rollout engine's settings from verl's keys; rollout correction makes it return the
+/// sampler's log-probs (compared with training's recompute).
+fn rollout_engine_config(
+    cfg: &VerlConfig,
+    eos_token_ids: Vec<u32>,
+    pad_token_id: u32,
+) -> Result<EngineConfig, TrainError> {
+    let mut engine = EngineConfig::from_verl(
+        &cfg.actor_rollout_ref.rollout,
+        &cfg.data,
+        eos_token_ids,
+        pad_token_id,
+    )
+    .map_err(setup)?;
+    engine.calculate_log_probs |= cfg
+        .algorithm
+        .rollout_correction
+        .parsed()
+        .map_err(setup)?
+        .is_active();
+    Ok(engine)
+}
+
 impl ActorPlan {
     /// The actor / rollout / reference plan, and whether the old log-probs are a separate
     /// pass.
@@ -319,35 +363,11 @@ impl ActorPlan {
         total_steps: u64,
     ) -> Result<(Self, bool), TrainError> {
         let world = validated.world_size;
-        let (batch, n) = (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n);
         let actor_cfg = &cfg.actor_rollout_ref.actor;
         let settings = actor_settings(cfg, validated)?;
         let needs_ref = actor_cfg.use_kl_loss || cfg.algorithm.use_kl_in_reward;
-        let optim_steps = total_steps.max(1)
-            * actor_cfg.ppo_epochs as u64
-            // Optimizer steps per step: the global batch over the global mini-batch (each dp
-            // rank steps once per mini-batch of its share, all of them together).
-            * (batch * n / (validated.actor_mini_batch_per_dp * validated.actor_dp).max(1)).max(1)
-                as u64
-            + if cfg.trainer.sft_warmup_lr.is_some() {
-                0
-            } else {
-                cfg.trainer.sft_warmup_steps
-            };
-        let mut engine = EngineConfig::from_verl(
-            &cfg.actor_rollout_ref.rollout,
-            &cfg.data,
-            eos_token_ids,
-            pad_token_id,
-        )
-        .map_err(setup)?;
-        // Rollout correction compares the sampler's log-probs with training's recompute.
-        engine.calculate_log_probs |= cfg
-            .algorithm
-            .rollout_correction
-            .parsed()
-            .map_err(setup)?
-            .is_active();
+        let optim_steps = actor_optim_steps(cfg, validated, total_steps);
+        let engine = rollout_engine_config(cfg, eos_token_ids, pad_token_id)?;
         // Fail on an impossible optimizer or schedule before spawning anything.
         ModelOptimizer::<Train, CausalLm<Train>>::new(&actor_cfg.optim, optim_steps)
             .map_err(setup)?;

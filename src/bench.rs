@@ -383,25 +383,56 @@ pub(crate) fn train_step(
     if let Some(profile) = profile {
         println!("host profile of the timed steps:{}", profile.report(30)?);
     }
-    let step_ms = median(phases.iter().map(|p| p.iter().sum()).collect());
-    let part = |i: usize| median(phases.iter().map(|p| p[i]).collect());
-    let tokens_per_s = (batch * seq) as f64 / (step_ms / 1e3);
-    let mfu = tokens_per_s * train_flops_per_token(&dims, seq) / (peak_tflops * 1e12);
-    println!(
-        "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
-         tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
-         use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
-         backward {:.1} ms; host reads of device memory per step {}",
-        part(0),
-        part(1),
-        part(2),
-        100.0 * mfu,
-        peak_in_use as f64 / (1u64 << 30) as f64,
-        median(enqueued.iter().map(|p| p[0]).collect()),
-        median(enqueued.iter().map(|p| p[1]).collect()),
-        median(host_reads),
-    );
+    let timed = TimedSteps {
+        phases,
+        enqueued,
+        host_reads,
+        peak_in_use,
+        last_loss,
+    };
+    timed.print(batch * seq, train_flops_per_token(&dims, seq), peak_tflops);
     Ok(())
+}
+
+/// The timed steps of `verl bench train-step`: per step the forward, backward and optimizer
+/// milliseconds, the host's issue time of forward and backward, and the host reads.
+struct TimedSteps {
+    phases: Vec<[f64; 3]>,
+    enqueued: Vec<[f64; 2]>,
+    host_reads: Vec<f64>,
+    peak_in_use: u64,
+    last_loss: f32,
+}
+
+impl TimedSteps {
+    /// The medians, tokens per second and MFU of steps of `tokens` tokens.
+    fn print(self, tokens: usize, flops_per_token: f64, peak_tflops: f64) {
+        let TimedSteps {
+            phases,
+            enqueued,
+            host_reads,
+            peak_in_use,
+            last_loss,
+        } = self;
+        let step_ms = median(phases.iter().map(|p| p.iter().sum()).collect());
+        let part = |i: usize| median(phases.iter().map(|p| p[i]).collect());
+        let tokens_per_s = tokens as f64 / (step_ms / 1e3);
+        let mfu = tokens_per_s * flops_per_token / (peak_tflops * 1e12);
+        println!(
+            "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
+             tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
+             use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
+             backward {:.1} ms; host reads of device memory per step {}",
+            part(0),
+            part(1),
+            part(2),
+            100.0 * mfu,
+            peak_in_use as f64 / (1u64 << 30) as f64,
+            median(enqueued.iter().map(|p| p[0]).collect()),
+            median(enqueued.iter().map(|p| p[1]).collect()),
+            median(host_reads),
+        );
+    }
 }
 
 /// Square matrix-product TFLOP/s of backend `B` on random inputs (three input sets rotated so

@@ -133,33 +133,13 @@ pub(crate) fn log_prob(
         (true, true, true),
     ] {
         let device = Default::default();
-        let mut model = CausalLm::<DefaultAutodiff>::init(&cfg, 0.02, 1, &device)
-            .with_compute_dtype(compute)
-            .with_packed_sequences(packed);
-        if fused {
-            model = model.with_fused_log_probs(256);
-        }
-        let optim = ModelOptimizer::new(
-            &OptimConfig {
-                lr: 1e-6,
-                ..Default::default()
-            },
-            10,
-        )
-        .map_err(|e| e.to_string())?;
-        let settings = ActorSettings {
-            mini_batch_rows: rows,
-            micro_batch_rows: micro,
-            log_prob_micro_batch_rows: micro,
-            ..super::weight_sync::settings()
-        };
-        let budget = dynamic.then_some(max_tokens);
-        let mut actor =
-            MegatronActor::new(model, optim, settings).with_dynamic_batch(DynamicBatch {
-                update_max_tokens: budget,
-                forward_max_tokens: budget,
-                reference_max_tokens: budget,
-            });
+        let mut actor = variant_actor(
+            &cfg,
+            compute,
+            (fused, dynamic, packed),
+            (rows, micro, max_tokens),
+            &device,
+        )?;
         let (mut lp_times, mut up_times, mut lp_peak, mut up_peak) = (vec![], vec![], 0f64, 0f64);
         let mut deviation = 0f32;
         for i in 0..=repeat {
@@ -178,13 +158,7 @@ pub(crate) fn log_prob(
                 match &reference {
                     None => reference = Some(lp),
                     Some(r) => {
-                        deviation = r
-                            .iter()
-                            .zip(&lp)
-                            .zip(&response_mask)
-                            .filter(|(_, m)| **m > 0.5)
-                            .map(|((a, b), _)| (a - b).abs())
-                            .fold(0f32, f32::max);
+                        deviation = max_deviation(r, &lp, &response_mask);
                     }
                 }
             }
@@ -214,4 +188,53 @@ pub(crate) fn log_prob(
         );
     }
     Ok(())
+}
+
+/// The actor of one variant: the preset's model (fused head, packed sequences as asked) with
+/// fixed micro-batches of `micro` rows or dynamic ones of at most `max_tokens` tokens.
+fn variant_actor(
+    cfg: &HfModelConfig,
+    compute: ComputeDtype,
+    (fused, dynamic, packed): (bool, bool, bool),
+    (rows, micro, max_tokens): (usize, usize, usize),
+    device: &<DefaultAutodiff as burn::tensor::backend::BackendTypes>::Device,
+) -> Result<MegatronActor<DefaultAutodiff>, String> {
+    let mut model = CausalLm::<DefaultAutodiff>::init(cfg, 0.02, 1, device)
+        .with_compute_dtype(compute)
+        .with_packed_sequences(packed);
+    if fused {
+        model = model.with_fused_log_probs(256);
+    }
+    let optim = ModelOptimizer::new(
+        &OptimConfig {
+            lr: 1e-6,
+            ..Default::default()
+        },
+        10,
+    )
+    .map_err(|e| e.to_string())?;
+    let settings = ActorSettings {
+        mini_batch_rows: rows,
+        micro_batch_rows: micro,
+        log_prob_micro_batch_rows: micro,
+        ..super::weight_sync::settings()
+    };
+    let budget = dynamic.then_some(max_tokens);
+    Ok(
+        MegatronActor::new(model, optim, settings).with_dynamic_batch(DynamicBatch {
+            update_max_tokens: budget,
+            forward_max_tokens: budget,
+            reference_max_tokens: budget,
+        }),
+    )
+}
+
+/// The largest |a − b| over the response tokens (`mask` > 0.5).
+fn max_deviation(a: &[f32], b: &[f32], mask: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .zip(mask)
+        .filter(|(_, m)| **m > 0.5)
+        .map(|((a, b), _)| (a - b).abs())
+        .fold(0f32, f32::max)
 }

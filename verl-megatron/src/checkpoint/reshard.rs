@@ -190,6 +190,28 @@ impl ShardedCheckpoint {
         self.ranks.get(&rank).map(|r| &r.extra)
     }
 
+    /// Refuses an assembled tensor with a gap: no saved shard covered index `gap` of its
+    /// split dimension.
+    fn check_covered(
+        &self,
+        covered: &[bool],
+        key: &str,
+        want: &ShardSlice,
+    ) -> Result<(), MegatronError> {
+        if let Some(gap) = covered.iter().position(|c| !c) {
+            return Err(MegatronError::Checkpoint {
+                message: format!(
+                    "{} holds no shard of `{key}` covering index {} of dimension {}: is a \
+                 rank_* directory missing or incomplete?",
+                    self.dir.display(),
+                    want.dim.map_or(gap, |_| want.start + gap),
+                    want.dim.unwrap_or(0),
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The values of `target` (row-major, in its shard shape, zero padding) of the tensor
     /// stored under `key` (`name` for weights, `<label>/<name>.<moment>` for optimizer state,
     /// which shares `name`'s slices), assembled from the saved shards that overlap it.
@@ -284,17 +306,7 @@ impl ShardedCheckpoint {
             };
             marks.iter_mut().for_each(|c| *c = true);
         }
-        if let Some(gap) = covered.iter().position(|c| !c) {
-            return Err(MegatronError::Checkpoint {
-                message: format!(
-                    "{} holds no shard of `{key}` covering index {} of dimension {}: is a \
-                     rank_* directory missing or incomplete?",
-                    self.dir.display(),
-                    want.dim.map_or(gap, |_| want.start + gap),
-                    want.dim.unwrap_or(0),
-                ),
-            });
-        }
+        self.check_covered(&covered, key, want)?;
         Ok(out)
     }
 

@@ -273,11 +273,9 @@ pub(crate) fn train_step(
     dtype: &str,
     levers: &StepLevers,
 ) -> Result<(), String> {
-    use burn::optim::GradientsParams;
     use burn::prelude::*;
     use verl::backend::DefaultAutodiff;
     use verl::config::OptimConfig;
-    use verl::megatron::models::vocab_parallel_log_probs;
     use verl::megatron::workers::optim::ModelOptimizer;
 
     type B = DefaultAutodiff;
@@ -323,11 +321,7 @@ pub(crate) fn train_step(
         levers.attention,
         levers.vocab
     );
-    let mut phases: Vec<[f64; 3]> = Vec::new();
-    let mut enqueued: Vec<[f64; 2]> = Vec::new();
-    let mut last_loss = f32::NAN;
-    let mut peak_in_use = 0u64;
-    let mut host_reads = Vec::new();
+    let mut timed = TimedSteps::new();
     #[cfg(feature = "host-profile")]
     let mut profile = None;
     #[cfg(not(feature = "host-profile"))]
@@ -339,43 +333,19 @@ pub(crate) fn train_step(
         if step == 3 && levers.host_profile {
             profile = Some(host_profile::start(997)?);
         }
-        let t = Instant::now();
-        let reads_before = verl::megatron::host_reads::count();
-        let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
-        let labels = ids.clone().slice([0..batch, 1..seq]);
-        let (log_probs, _) =
-            vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
-        let loss = log_probs.mean().neg();
-        let (forward_host, forward) = enqueued_and_synced_ms::<B>(t, &device);
-        peak_in_use = peak_in_use.max(memory_in_use(&device));
-        let t = Instant::now();
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let (backward_host, backward) = enqueued_and_synced_ms::<B>(t, &device);
-        peak_in_use = peak_in_use.max(memory_in_use(&device));
-        let t = Instant::now();
-        let (next, report) = optim.step(model, grads);
+        let (next, figures) = measured_step(model, &mut optim, &ids, &device)?;
         model = next;
-        let report = report.map_err(|e| e.to_string())?;
-        let optimizer = synced_ms::<B>(t, &device);
-        let reads = verl::megatron::host_reads::count() - reads_before;
+        timed.peak_in_use = timed.peak_in_use.max(figures.peak_in_use);
         if step >= 3 {
-            phases.push([forward, backward, optimizer]);
-            enqueued.push([forward_host, backward_host]);
-            host_reads.push(reads as f64);
+            timed.push(&figures);
         }
         // Every step's loss and gradient norm, to compare the levers' numerics.
-        let loss = loss.into_scalar().elem::<f32>();
-        println!(
-            "  step {step}: loss {loss:.6} grad_norm {:.6} ({:.1} ms; host issued the forward in \
-             {forward_host:.1} of {forward:.1} ms, the backward in {backward_host:.1} of \
-             {backward:.1} ms; {reads} host reads of device memory)",
-            report.grad_norm,
-            forward + backward + optimizer
-        );
-        last_loss = loss;
-        if !loss.is_finite() {
+        figures.print(step);
+        timed.last_loss = figures.loss;
+        if !figures.loss.is_finite() {
             return Err(format!(
-                "step {step}: the loss is {loss} (out of GPU memory? see the messages above)"
+                "step {step}: the loss is {} (out of GPU memory? see the messages above)",
+                figures.loss
             ));
         }
     }
@@ -383,15 +353,81 @@ pub(crate) fn train_step(
     if let Some(profile) = profile {
         println!("host profile of the timed steps:{}", profile.report(30)?);
     }
-    let timed = TimedSteps {
-        phases,
-        enqueued,
-        host_reads,
-        peak_in_use,
-        last_loss,
-    };
     timed.print(batch * seq, train_flops_per_token(&dims, seq), peak_tflops);
     Ok(())
+}
+
+/// One `verl bench train-step` step: forward and log-probabilities, backward, optimizer; each
+/// phase timed to the device's end.
+fn measured_step(
+    model: CausalLm<verl::backend::DefaultAutodiff>,
+    optim: &mut verl::megatron::workers::optim::ModelOptimizer<
+        verl::backend::DefaultAutodiff,
+        CausalLm<verl::backend::DefaultAutodiff>,
+    >,
+    ids: &burn::tensor::Tensor<verl::backend::DefaultAutodiff, 2, burn::tensor::Int>,
+    device: &burn::tensor::Device<verl::backend::DefaultAutodiff>,
+) -> Result<(CausalLm<verl::backend::DefaultAutodiff>, StepFigures), String> {
+    use burn::optim::GradientsParams;
+    use burn::prelude::*;
+    use verl::megatron::models::vocab_parallel_log_probs;
+    type B = verl::backend::DefaultAutodiff;
+
+    let [batch, seq] = ids.dims();
+    let t = Instant::now();
+    let reads_before = verl::megatron::host_reads::count();
+    let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
+    let labels = ids.clone().slice([0..batch, 1..seq]);
+    let (log_probs, _) =
+        vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
+    let loss = log_probs.mean().neg();
+    let (forward_host, forward) = enqueued_and_synced_ms::<B>(t, device);
+    let mut peak_in_use = memory_in_use(device);
+    let t = Instant::now();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let (backward_host, backward) = enqueued_and_synced_ms::<B>(t, device);
+    peak_in_use = peak_in_use.max(memory_in_use(device));
+    let t = Instant::now();
+    let (model, report) = optim.step(model, grads);
+    let report = report.map_err(|e| e.to_string())?;
+    let optimizer = synced_ms::<B>(t, device);
+    let figures = StepFigures {
+        phases: [forward, backward, optimizer],
+        enqueued: [forward_host, backward_host],
+        host_reads: verl::megatron::host_reads::count() - reads_before,
+        peak_in_use,
+        loss: loss.into_scalar().elem::<f32>(),
+        grad_norm: report.grad_norm,
+    };
+    Ok((model, figures))
+}
+
+/// What one `verl bench train-step` step measured.
+struct StepFigures {
+    /// Forward, backward and optimizer milliseconds.
+    phases: [f64; 3],
+    /// The host's issue time of forward and backward (ms).
+    enqueued: [f64; 2],
+    host_reads: usize,
+    peak_in_use: u64,
+    loss: f32,
+    grad_norm: f64,
+}
+
+impl StepFigures {
+    fn print(&self, step: usize) {
+        let [forward, backward, optimizer] = self.phases;
+        let [forward_host, backward_host] = self.enqueued;
+        println!(
+            "  step {step}: loss {:.6} grad_norm {:.6} ({:.1} ms; host issued the forward in \
+             {forward_host:.1} of {forward:.1} ms, the backward in {backward_host:.1} of \
+             {backward:.1} ms; {} host reads of device memory)",
+            self.loss,
+            self.grad_norm,
+            forward + backward + optimizer,
+            self.host_reads
+        );
+    }
 }
 
 /// The timed steps of `verl bench train-step`: per step the forward, backward and optimizer
@@ -405,6 +441,22 @@ struct TimedSteps {
 }
 
 impl TimedSteps {
+    fn new() -> Self {
+        Self {
+            phases: Vec::new(),
+            enqueued: Vec::new(),
+            host_reads: Vec::new(),
+            peak_in_use: 0,
+            last_loss: f32::NAN,
+        }
+    }
+
+    fn push(&mut self, step: &StepFigures) {
+        self.phases.push(step.phases);
+        self.enqueued.push(step.enqueued);
+        self.host_reads.push(step.host_reads as f64);
+    }
+
     /// The medians, tokens per second and MFU of steps of `tokens` tokens.
     fn print(self, tokens: usize, flops_per_token: f64, peak_tflops: f64) {
         let TimedSteps {

@@ -140,41 +140,15 @@ pub(crate) fn log_prob(
             (rows, micro, max_tokens),
             &device,
         )?;
-        let (mut lp_times, mut up_times, mut lp_peak, mut up_peak) = (vec![], vec![], 0f64, 0f64);
-        let mut deviation = 0f32;
-        for i in 0..=repeat {
-            let _ = DefaultBackend::sync(&device);
-            let t = Instant::now();
-            let (r, peak) = peak_of(|| runtime.block_on(actor.compute_log_prob(&data, true)));
-            let out = r.map_err(|e| e.to_string())?;
-            if i == 0 {
-                // Before any update: every variant's model is the same.
-                let lp: Vec<f32> = out
-                    .log_probs
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec()
-                    .map_err(|e| format!("{e:?}"))?;
-                match &reference {
-                    None => reference = Some(lp),
-                    Some(r) => {
-                        deviation = max_deviation(r, &lp, &response_mask);
-                    }
-                }
+        let timed = time_variant(&mut actor, &data, &runtime, repeat, &device)?;
+        // Before any update every variant's model is the same: the log-probs must agree.
+        let deviation = match &reference {
+            None => {
+                reference = Some(timed.first_log_probs);
+                0.0
             }
-            let _ = DefaultBackend::sync(&device);
-            let lp = t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            let (r, upeak) = peak_of(|| runtime.block_on(actor.update_policy(&data)));
-            r.map_err(|e| e.to_string())?;
-            let _ = DefaultBackend::sync(&device);
-            if i > 0 {
-                lp_times.push(lp);
-                up_times.push(t.elapsed().as_secs_f64());
-            }
-            lp_peak = lp_peak.max(peak);
-            up_peak = up_peak.max(upeak);
-        }
+            Some(r) => max_deviation(r, &timed.first_log_probs, &response_mask),
+        };
         let name = format!(
             "{} {}{}",
             if fused { "fused" } else { "plain" },
@@ -182,12 +156,68 @@ pub(crate) fn log_prob(
             if packed { " packed" } else { "" }
         );
         println!(
-            "{name:<21} | {:>10.3} | {lp_peak:>17.2} | {:>8.3} | {up_peak:>15.2} | {deviation:>16.2e}",
-            median(lp_times),
-            median(up_times)
+            "{name:<21} | {:>10.3} | {:>17.2} | {:>8.3} | {:>15.2} | {deviation:>16.2e}",
+            median(timed.log_prob_s),
+            timed.log_prob_peak,
+            median(timed.update_s),
+            timed.update_peak
         );
     }
     Ok(())
+}
+
+/// What [`time_variant`] measured of one variant: the seconds of each timed log-prob pass and
+/// update, their peaks (GiB), and the log-probs of the first pass (before any update).
+struct VariantTimes {
+    log_prob_s: Vec<f64>,
+    update_s: Vec<f64>,
+    log_prob_peak: f64,
+    update_peak: f64,
+    first_log_probs: Vec<f32>,
+}
+
+/// `repeat` timed log-prob passes and updates of `actor` on `data` after one warm-up of each.
+fn time_variant(
+    actor: &mut MegatronActor<DefaultAutodiff>,
+    data: &DataProto<DefaultBackend>,
+    runtime: &tokio::runtime::Runtime,
+    repeat: usize,
+    device: &<DefaultBackend as burn::tensor::backend::BackendTypes>::Device,
+) -> Result<VariantTimes, String> {
+    let mut times = VariantTimes {
+        log_prob_s: vec![],
+        update_s: vec![],
+        log_prob_peak: 0.0,
+        update_peak: 0.0,
+        first_log_probs: vec![],
+    };
+    for i in 0..=repeat {
+        let _ = DefaultBackend::sync(device);
+        let t = Instant::now();
+        let (r, peak) = peak_of(|| runtime.block_on(actor.compute_log_prob(data, true)));
+        let out = r.map_err(|e| e.to_string())?;
+        if i == 0 {
+            times.first_log_probs = out
+                .log_probs
+                .into_data()
+                .convert::<f32>()
+                .to_vec()
+                .map_err(|e| format!("{e:?}"))?;
+        }
+        let _ = DefaultBackend::sync(device);
+        let lp = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let (r, update_peak) = peak_of(|| runtime.block_on(actor.update_policy(data)));
+        r.map_err(|e| e.to_string())?;
+        let _ = DefaultBackend::sync(device);
+        if i > 0 {
+            times.log_prob_s.push(lp);
+            times.update_s.push(t.elapsed().as_secs_f64());
+        }
+        times.log_prob_peak = times.log_prob_peak.max(peak);
+        times.update_peak = times.update_peak.max(update_peak);
+    }
+    Ok(times)
 }
 
 /// The actor of one variant: the preset's model (fused head, packed sequences as asked) with

@@ -117,36 +117,53 @@ pub(crate) fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(),
         gbs(back)
     );
 
-    // Overlap: a reload started before compute and finished after it, against both in a row.
-    let mut tensors = state(total_gib, parts, &device);
-    let x = Tensor::<Cuda, 2>::random([4096, 4096], Distribution::Normal(0.0, 1.0), &device);
+    let tensors = overlap(&mut pinned, (total_gib, parts), back, repeat, &device)?;
+    read_only_put_away(&mut pinned, tensors, repeat, &device)?;
+    println!(
+        "pinned host memory held by the store: {:.2} GiB",
+        pinned.host_bytes() as f64 / (1u64 << 30) as f64
+    );
+    Ok(())
+}
+
+/// Overlap: a reload started before compute and finished after it, against both in a row
+/// (`reload_s`, the reload's time alone, sizes the compute). Gives back the reloaded state.
+fn overlap(
+    pinned: &mut PinnedOffload,
+    (total_gib, parts): (f64, usize),
+    back: f64,
+    repeat: usize,
+    device: &burn::backend::cuda::CudaDevice,
+) -> Result<Vec<Tensor<Cuda, 1>>, String> {
+    let mut tensors = state(total_gib, parts, device);
+    let x = Tensor::<Cuda, 2>::random([4096, 4096], Distribution::Normal(0.0, 1.0), device);
     // Size the compute to about the reload's time (after a warm-up: the first launch compiles).
     let _ = compute(&x, 2).into_data();
-    sync(&device)?;
+    sync(device)?;
     let t = Instant::now();
     let _ = compute(&x, 10).into_data();
     let per = t.elapsed().as_secs_f64() / 10.0;
     let n = ((back / per).ceil() as usize).max(1);
     let (mut serial, mut overlapped, mut alone) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..repeat.max(1) {
-        sync(&device)?;
+        sync(device)?;
         let t = Instant::now();
         let _ = compute(&x, n).into_data();
         alone.push(t.elapsed().as_secs_f64());
 
         pinned.offload("s", tensors).map_err(|e| e.to_string())?;
-        sync(&device)?;
+        sync(device)?;
         let t = Instant::now();
-        let (back, _) = pinned.reload("s", &device).map_err(|e| e.to_string())?;
+        let (back, _) = pinned.reload("s", device).map_err(|e| e.to_string())?;
         let _ = compute(&x, n).into_data();
         serial.push(t.elapsed().as_secs_f64());
 
         pinned.offload("s", back).map_err(|e| e.to_string())?;
-        sync(&device)?;
+        sync(device)?;
         let t = Instant::now();
-        let started = pinned.prefetch("s", &device).map_err(|e| e.to_string())?;
+        let started = pinned.prefetch("s", device).map_err(|e| e.to_string())?;
         let y = compute(&x, n);
-        let (back, _) = pinned.reload("s", &device).map_err(|e| e.to_string())?;
+        let (back, _) = pinned.reload("s", device).map_err(|e| e.to_string())?;
         let _ = y.into_data();
         overlapped.push(t.elapsed().as_secs_f64());
         if !started {
@@ -161,7 +178,17 @@ pub(crate) fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(),
         alone,
         100.0 * (serial - overlapped) / (serial - alone).max(1e-9)
     );
-    // A read-only phase's put-away: the pinned copy is still the tensors' values.
+    Ok(tensors)
+}
+
+/// A read-only phase's put-away: the pinned copy is still the tensors' values, so nothing is
+/// copied, and the reload gives the same bits.
+fn read_only_put_away(
+    pinned: &mut PinnedOffload,
+    mut tensors: Vec<Tensor<Cuda, 1>>,
+    repeat: usize,
+    device: &burn::backend::cuda::CudaDevice,
+) -> Result<(), String> {
     let want_now = bits(&tensors);
     let (mut unchanged, mut reloads) = (Vec::new(), Vec::new());
     for _ in 0..repeat.max(1) {
@@ -174,8 +201,8 @@ pub(crate) fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(),
             return Err("an unchanged put-away copied".into());
         }
         let t = Instant::now();
-        let (back, _) = pinned.reload("s", &device).map_err(|e| e.to_string())?;
-        sync(&device)?;
+        let (back, _) = pinned.reload("s", device).map_err(|e| e.to_string())?;
+        sync(device)?;
         reloads.push(t.elapsed().as_secs_f64());
         tensors = back;
     }
@@ -186,10 +213,6 @@ pub(crate) fn offload(total_gib: f64, parts: usize, repeat: usize) -> Result<(),
         "read-only put-away (offload_unchanged): {:.4} s, then reload {:.3} s; exact",
         median(unchanged),
         median(reloads)
-    );
-    println!(
-        "pinned host memory held by the store: {:.2} GiB",
-        pinned.host_bytes() as f64 / (1u64 << 30) as f64
     );
     Ok(())
 }

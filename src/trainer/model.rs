@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 use verl_core::backend::{DefaultAutodiff, DefaultBackend};
-use verl_core::config::VerlConfig;
+use verl_core::config::{Dtype, VerlConfig};
 use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::parallel::pipeline::stage_layers;
@@ -18,15 +18,13 @@ pub(crate) type Infer = DefaultBackend;
 
 /// A `dtype` setting as the compute dtype of the binary's backend: `auto` is bfloat16 on
 /// burn-cuda and float32 on the CPU default (where bf16 is emulated, and slower).
-pub(super) fn compute_dtype(value: &str, field: &str) -> Result<ComputeDtype, TrainError> {
+pub(super) fn compute_dtype(setting: Dtype) -> ComputeDtype {
     let auto = if cfg!(feature = "cuda") {
         ComputeDtype::Bf16
     } else {
         ComputeDtype::F32
     };
-    Ok(ComputeDtype::parse(value, field)
-        .map_err(setup)?
-        .unwrap_or(auto))
+    ComputeDtype::from_setting(setting).unwrap_or(auto)
 }
 
 /// The model sizes the built-in task trains from scratch (`actor_rollout_ref.model.path` unset),

@@ -282,7 +282,7 @@ fn actor_settings(
         entropy_coeff: actor_cfg.entropy_coeff,
         use_kl_loss: actor_cfg.use_kl_loss,
         kl_loss_coef: actor_cfg.kl_loss_coef,
-        kl_loss_type: actor_cfg.kl_loss_type.parse().map_err(setup)?,
+        kl_loss_type: actor_cfg.kl_loss_type,
         temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
     })
 }
@@ -396,14 +396,8 @@ impl ActorPlan {
             split,
             sequence_parallel: layout.sequence_parallel_active(),
             distributed_optimizer: actor_cfg.megatron.use_distributed_optimizer,
-            actor_dtype: compute_dtype(
-                &actor_cfg.megatron.dtype,
-                "actor_rollout_ref.actor.megatron.dtype",
-            )?,
-            rollout_dtype: compute_dtype(
-                &cfg.actor_rollout_ref.rollout.dtype,
-                "actor_rollout_ref.rollout.dtype",
-            )?,
+            actor_dtype: compute_dtype(actor_cfg.megatron.dtype),
+            rollout_dtype: compute_dtype(cfg.actor_rollout_ref.rollout.dtype),
             seed: cfg.trainer.seed,
             optim: actor_cfg.optim.clone(),
             optim_steps,
@@ -487,7 +481,7 @@ impl CriticPlan {
             split,
             sequence_parallel: layout.sequence_parallel_active(),
             distributed_optimizer: c.megatron.use_distributed_optimizer,
-            dtype: compute_dtype(&c.megatron.dtype, "critic.megatron.dtype")?,
+            dtype: compute_dtype(c.megatron.dtype),
             seed: cfg.trainer.seed,
             optim: c.optim.clone(),
             optim_steps,
@@ -642,7 +636,7 @@ impl ActorPlan {
             let mut o = self.optim.clone();
             o.lr = lr;
             o.lr_warmup_steps = Some(0);
-            o.lr_decay_style = "constant".into();
+            o.lr_decay_style = verl_core::config::LrDecayStyle::Constant;
             actor = actor.with_sft_optimizer(
                 ModelOptimizer::new(&o, self.sft_steps.max(1))?
                     .with_distributed_optimizer(self.distributed_optimizer),

@@ -103,7 +103,7 @@ impl PpoTrainer {
         }
         Ok(Self {
             kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
-            kl_penalty: cfg.algorithm.kl_penalty.parse().map_err(setup)?,
+            kl_penalty: cfg.algorithm.kl_penalty,
             advantages,
             scorer: parts.scorer,
             rollout_correction: Some(cfg.algorithm.rollout_correction.parsed().map_err(setup)?),

@@ -33,7 +33,15 @@ fn defaults_follow_verl() {
     let c = VerlConfig::from_layers(None, &[]).unwrap();
     assert_eq!(c.actor_rollout_ref.actor.ppo_mini_batch_size, 256);
     assert_eq!(c.actor_rollout_ref.actor.clip_ratio_c, 3.0);
-    assert_eq!(c.actor_rollout_ref.actor.kl_loss_type, "low_var_kl");
+    assert_eq!(
+        c.actor_rollout_ref.actor.kl_loss_type.to_string(),
+        "low_var_kl"
+    );
+    assert_eq!(c.algorithm.kl_penalty.to_string(), "kl");
+    assert_eq!(
+        c.actor_rollout_ref.rollout.dtype,
+        verl_core::config::Dtype::Auto
+    );
     assert_eq!(c.algorithm.adv_estimator, "gae");
     assert_eq!(c.critic.cliprange_value, 0.5);
     // Interpolated values resolve from their sources.
@@ -340,6 +348,26 @@ fn batch_arithmetic_is_checked_before_allocation() {
             "trainer.launcher",
             "`auto`, `threads`, `processes`",
         ),
+        (
+            "actor_rollout_ref.rollout.dtype=float16",
+            "actor_rollout_ref.rollout.dtype",
+            "use bfloat16, float32 or auto (float16 is not supported: it needs loss scaling)",
+        ),
+        (
+            "algorithm.kl_penalty=k4",
+            "algorithm.kl_penalty",
+            "low_var_kl, k3, full, and the `+` variants",
+        ),
+        (
+            "actor_rollout_ref.actor.kl_loss_type=full",
+            "actor_rollout_ref.actor.kl_loss_type",
+            "call `kl_full`",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.lr_decay_style=step",
+            "actor_rollout_ref.actor.optim.lr_decay_style",
+            "`constant`, `linear`, `cosine`",
+        ),
     ] {
         let err = with(&[extra]).unwrap_err();
         let text = err.to_string();
@@ -413,6 +441,15 @@ fn config_names_match_the_algorithm_registries() {
         c.actor_rollout_ref.actor.loss_agg_mode,
         verl_core::algorithms::LossAggMode::TokenMean
     );
+    // Every KL name is read into the estimator the algorithms parse, and written back so that
+    // it reads the same.
+    for name in verl_core::config::KL_TYPES {
+        let c = with(&[format!("algorithm.kl_penalty={name}").as_str()]).unwrap();
+        let parsed: verl_core::algorithms::kl::KlPenalty = name.parse().unwrap();
+        assert_eq!(c.algorithm.kl_penalty, parsed, "{name}");
+        let again = with(&[format!("algorithm.kl_penalty={parsed}").as_str()]).unwrap();
+        assert_eq!(again.algorithm.kl_penalty, parsed, "{name}");
+    }
     // Every name the config reader takes is the name the algorithms parse.
     for name in verl_core::config::LOSS_AGG_MODES {
         let over = format!("critic.loss_agg_mode={name}");
@@ -424,8 +461,7 @@ fn config_names_match_the_algorithm_registries() {
         (p.clip_ratio_low, p.clip_ratio_c, p.tau_neg, p.seed),
         (0.2, 3.0, 1.05, 7)
     );
-    let kl: verl_core::algorithms::kl::KlPenalty =
-        c.actor_rollout_ref.actor.kl_loss_type.parse().unwrap();
+    let kl = c.actor_rollout_ref.actor.kl_loss_type;
     assert_eq!(kl.kind, verl_core::algorithms::kl::KlType::K3);
 }
 

@@ -28,7 +28,6 @@
 //! });
 //! ```
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -42,6 +41,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
 use crate::memory::{self as memory_capture};
+use crate::spans::{self, Frame};
 use crate::trace::{ChromeTrace, TraceEvent};
 
 /// Open captures (the layer records nothing while there are none).
@@ -133,7 +133,9 @@ impl Capture {
             threads: Mutex::new(Vec::new()),
         });
         let device = contents.device.then(verl_core::profiling::time_device);
-        let memory = contents.memory.then(memory_capture::listen);
+        let memory = contents
+            .memory
+            .then(|| memory_capture::listen_with_traces(memory_sample));
         let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
         open.push(sink.clone());
         OPEN_COUNT.store(open.len(), Ordering::Release);
@@ -249,27 +251,6 @@ fn mirrored(role: &str, rank: u64) -> bool {
 /// kept only then.
 fn stacks_wanted() -> bool {
     NVTX_COUNT.load(Ordering::Acquire) > 0 || verl_core::memory::listening()
-}
-
-/// One entered span on a thread's stack.
-#[derive(Clone)]
-pub(crate) struct Frame {
-    id: Id,
-    pub name: Arc<str>,
-    pub role: Option<Arc<str>>,
-    pub rank: Option<u64>,
-    /// Whether entering it opened an NVTX range (closed when it exits).
-    nvtx: bool,
-}
-
-thread_local! {
-    /// The spans entered on this thread, outermost first.
-    static STACK: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
-}
-
-/// This thread's entered spans, outermost first (those entered while stacks were kept).
-pub(crate) fn stack() -> Vec<Frame> {
-    STACK.try_with(|s| s.borrow().clone()).unwrap_or_default()
 }
 
 /// A memory sample taken on this thread: a counter event in the open captures of the thread's
@@ -441,21 +422,11 @@ where
             rank: data.rank,
             nvtx,
         };
-        let _ = STACK.try_with(|s| s.borrow_mut().push(frame));
+        spans::push(frame);
     }
 
     fn on_exit(&self, id: &Id, _ctx: Context<'_, S>) {
-        // Spans exit in the reverse order they entered on a thread, except where a caller
-        // closes them out of order (`Profiler::range_pop`): the frame goes by its id. A span
-        // entered while no stack was kept has no frame.
-        let frame = STACK
-            .try_with(|s| {
-                let mut s = s.borrow_mut();
-                let at = s.iter().rposition(|f| f.id == *id)?;
-                Some(s.remove(at))
-            })
-            .ok()
-            .flatten();
+        let frame = spans::remove(id);
         if frame.is_some_and(|f| f.nvtx) {
             crate::nvtx::pop();
         }

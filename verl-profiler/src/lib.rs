@@ -25,6 +25,7 @@ mod nsys;
 pub mod nvtx;
 mod role;
 mod schedule;
+mod spans;
 mod trace;
 
 pub use capture::{mirror_to_nvtx, Capture, Contents, NvtxMirror, TraceLayer, DEVICE_TRACK};

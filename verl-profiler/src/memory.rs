@@ -35,13 +35,13 @@
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 use verl_core::memory::MemoryUsage;
 
-use crate::capture::{self, stack};
+use crate::spans::stack;
 use crate::ProfilerError;
 
 /// Open timelines.
@@ -99,6 +99,19 @@ pub(crate) fn listen() -> verl_core::profiling::SwitchGuard {
     verl_core::memory::listen()
 }
 
+/// Where samples go besides the timelines: the trace captures' counter tracks. The capture
+/// module hands its writer in when a capture first records memory, so neither module reads the
+/// other's registry.
+static TRACE_COUNTERS: OnceLock<fn(&str, u64, MemoryUsage)> = OnceLock::new();
+
+/// [`listen`], also writing every sample through `counters` (the trace captures' counters).
+pub(crate) fn listen_with_traces(
+    counters: fn(&str, u64, MemoryUsage),
+) -> verl_core::profiling::SwitchGuard {
+    let _ = TRACE_COUNTERS.set(counters);
+    listen()
+}
+
 /// Where every sample goes: the open timelines and trace captures of the role and rank whose
 /// span is innermost on this thread.
 fn on_sample(usage: MemoryUsage) {
@@ -110,7 +123,9 @@ fn on_sample(usage: MemoryUsage) {
     else {
         return;
     };
-    capture::memory_sample(&role, rank, usage);
+    if let Some(counters) = TRACE_COUNTERS.get() {
+        counters(&role, rank, usage);
+    }
     let open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
     if open.is_empty() {
         return;

@@ -22,11 +22,57 @@ pub enum KlType {
 }
 
 /// A parsed KL type: the estimator and whether it is straight-through (`+`: the estimator's
-/// value, k2's gradient).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// value, k2's gradient). In a config it is the name (`low_var_kl`, `k3+`, ...).
+///
+/// ```
+/// use verl_core::algorithms::kl::{KlPenalty, KlType};
+/// let k: KlPenalty = "k3+".parse().unwrap();
+/// assert_eq!((k.kind, k.straight_through), (KlType::K3, true));
+/// assert_eq!(k.to_string(), "low_var_kl+");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub struct KlPenalty {
     pub kind: KlType,
     pub straight_through: bool,
+}
+
+impl KlPenalty {
+    /// k1, verl's default in-reward penalty (`kl`).
+    pub const K1: Self = Self {
+        kind: KlType::K1,
+        straight_through: false,
+    };
+    /// k3, verl's default KL loss (`low_var_kl`).
+    pub const LOW_VAR_KL: Self = Self {
+        kind: KlType::K3,
+        straight_through: false,
+    };
+}
+
+impl std::fmt::Display for KlPenalty {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self.kind {
+            KlType::K1 => "kl",
+            KlType::Abs => "abs",
+            KlType::K2 => "mse",
+            KlType::K3 => "low_var_kl",
+        };
+        write!(f, "{name}{}", if self.straight_through { "+" } else { "" })
+    }
+}
+
+impl TryFrom<String> for KlPenalty {
+    type Error = AlgorithmError;
+    fn try_from(s: String) -> Result<Self, AlgorithmError> {
+        s.parse()
+    }
+}
+
+impl From<KlPenalty> for String {
+    fn from(k: KlPenalty) -> String {
+        k.to_string()
+    }
 }
 
 impl FromStr for KlPenalty {

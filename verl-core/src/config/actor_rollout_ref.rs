@@ -1,9 +1,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::algorithms::aggregation::LossAggMode;
+use crate::algorithms::kl::KlPenalty;
 use serde_json::{Map, Value};
 
-use super::megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
+use super::megatron::{CheckpointConfig, Dtype, MegatronConfig, OptimConfig};
 use super::profiler::RoleProfilerConfig;
 
 /// `actor_rollout_ref`: the hybrid worker's model, actor, reference and rollout.
@@ -104,7 +105,9 @@ pub struct ActorConfig {
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
-    pub kl_loss_type: String,
+    /// The KL estimator of the KL loss: `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`, or a
+    /// straight-through `+` variant (e.g. `k3+`).
+    pub kl_loss_type: KlPenalty,
     pub ppo_epochs: usize,
     pub shuffle: bool,
     pub data_loader_seed: Option<u64>,
@@ -133,7 +136,7 @@ impl Default for ActorConfig {
             entropy_coeff: 0.0,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
-            kl_loss_type: "low_var_kl".into(),
+            kl_loss_type: KlPenalty::LOW_VAR_KL,
             ppo_epochs: 1,
             shuffle: false,
             data_loader_seed: Some(42),
@@ -252,7 +255,7 @@ pub struct RolloutConfig {
     pub response_length: Option<usize>,
     /// The compute dtype of generation: `bfloat16`, `float32` or `auto` (bfloat16 on GPUs,
     /// float32 on the CPU backend).
-    pub dtype: String,
+    pub dtype: Dtype,
     /// Fraction of device memory the KV cache may use (on the CPU default: of the memory
     /// available when the engine starts). Ignored when `kv_cache_tokens` is set.
     pub gpu_memory_utilization: f64,
@@ -307,7 +310,7 @@ impl Default for RolloutConfig {
             min_p: 0.0,
             prompt_length: None,
             response_length: None,
-            dtype: "auto".into(),
+            dtype: Dtype::Auto,
             gpu_memory_utilization: 0.5,
             kv_cache_tokens: None,
             ignore_eos: false,

@@ -1,5 +1,7 @@
 use serde::{Deserialize, Serialize};
 
+use crate::algorithms::kl::KlPenalty;
+
 /// `algorithm.kl_ctrl`: the controller of the in-reward KL coefficient.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -35,8 +37,9 @@ pub struct AlgorithmConfig {
     /// GRPO: divide by the group's std (`false` gives Dr.GRPO).
     pub norm_adv_by_std_in_grpo: bool,
     pub use_kl_in_reward: bool,
-    /// `kl`, `abs`, `mse`, `low_var_kl`, `full` (and `k1`, `k2`, `k3`, `+` variants).
-    pub kl_penalty: String,
+    /// The in-reward KL estimator: `kl`/`k1`, `abs`, `mse`/`k2`, `low_var_kl`/`k3`, or a
+    /// straight-through `+` variant.
+    pub kl_penalty: KlPenalty,
     pub kl_ctrl: KlCtrlConfig,
     pub use_pf_ppo: bool,
     /// Rollout–training mismatch correction
@@ -113,7 +116,7 @@ impl Default for AlgorithmConfig {
             adv_estimator: "gae".into(),
             norm_adv_by_std_in_grpo: true,
             use_kl_in_reward: false,
-            kl_penalty: "kl".into(),
+            kl_penalty: KlPenalty::K1,
             kl_ctrl: KlCtrlConfig::default(),
             use_pf_ppo: false,
             rollout_correction: RolloutCorrectionConfig::default(),

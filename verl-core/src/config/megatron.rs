@@ -3,6 +3,76 @@ use serde_json::{Map, Value};
 
 use crate::topology::ParallelConfig;
 
+/// A compute dtype setting (`*.megatron.dtype`, `rollout.dtype`): `bfloat16` (also `bf16`),
+/// `float32` (also `fp32`, `f32`, `float`), or `auto`, the backend's choice (bfloat16 on GPUs,
+/// float32 on the CPU default). Case does not matter. float16 is refused: it needs loss scaling.
+///
+/// ```
+/// use verl_core::config::Dtype;
+/// assert_eq!("BF16".parse::<Dtype>().unwrap(), Dtype::Bfloat16);
+/// assert!("float16".parse::<Dtype>().unwrap_err().contains("loss scaling"));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Dtype {
+    /// The backend picks: bfloat16 on GPUs, float32 on the CPU default.
+    #[default]
+    Auto,
+    Bfloat16,
+    Float32,
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "bfloat16" | "bf16" => Ok(Self::Bfloat16),
+            "float32" | "fp32" | "f32" | "float" => Ok(Self::Float32),
+            other => Err(format!(
+                "`{other}` is not a compute dtype; use bfloat16, float32 or auto \
+                 (float16 is not supported: it needs loss scaling)"
+            )),
+        }
+    }
+}
+
+impl TryFrom<String> for Dtype {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<Dtype> for String {
+    fn from(d: Dtype) -> String {
+        d.to_string()
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Bfloat16 => "bfloat16",
+            Self::Float32 => "float32",
+        })
+    }
+}
+
+/// `optim.lr_decay_style`: how the learning rate falls from its peak after warm-up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrDecayStyle {
+    /// Stays at the peak.
+    #[default]
+    Constant,
+    /// Falls linearly to `min_lr` over the decay steps.
+    Linear,
+    /// Falls along half a cosine to `min_lr` over the decay steps.
+    Cosine,
+}
+
 /// `*.megatron.*`: the Megatron parallel layout and memory options of one role.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -29,7 +99,7 @@ pub struct MegatronConfig {
     /// The compute dtype of the matrix products: `bfloat16` (f32 master weights, f32 optimizer
     /// state, f32 log-probs and losses), `float32`, or `auto` (bfloat16 on GPUs, float32 on the
     /// CPU backend, where bf16 is emulated and slower).
-    pub dtype: String,
+    pub dtype: Dtype,
 }
 
 impl Default for MegatronConfig {
@@ -51,7 +121,7 @@ impl Default for MegatronConfig {
             seed: 42,
             override_transformer_config: Map::new(),
             use_mbridge: true,
-            dtype: "auto".into(),
+            dtype: Dtype::Auto,
         }
     }
 }
@@ -96,8 +166,8 @@ pub struct OptimConfig {
     pub lr_warmup_steps: Option<i64>,
     pub lr_warmup_steps_ratio: f64,
     pub lr_warmup_init: f64,
-    /// `constant`, `cosine` or `linear`.
-    pub lr_decay_style: String,
+    /// How the learning rate falls after warm-up: `constant`, `cosine` or `linear`.
+    pub lr_decay_style: LrDecayStyle,
     pub lr_decay_steps: Option<u64>,
     /// Filled in by the trainer from the run length when `None`.
     pub total_training_steps: Option<u64>,
@@ -117,7 +187,7 @@ impl Default for OptimConfig {
             lr_warmup_steps: None,
             lr_warmup_steps_ratio: 0.0,
             lr_warmup_init: 0.0,
-            lr_decay_style: "constant".into(),
+            lr_decay_style: LrDecayStyle::Constant,
             lr_decay_steps: None,
             total_training_steps: None,
             weight_decay: 0.01,

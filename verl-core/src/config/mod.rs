@@ -55,7 +55,7 @@ pub use critic::{
     RewardModelModelConfig,
 };
 pub use data::{DataConfig, StringOrList, Truncation};
-pub use megatron::{CheckpointConfig, MegatronConfig, OptimConfig};
+pub use megatron::{CheckpointConfig, Dtype, LrDecayStyle, MegatronConfig, OptimConfig};
 pub use profiler::{
     GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
     ToolConfig, TorchMemoryToolConfig, TorchToolConfig,

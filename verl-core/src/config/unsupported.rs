@@ -596,9 +596,9 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
         megatron("reward_model", &rm.megatron)?;
         frozen_offload("reward_model", &rm.megatron)?;
         require(
-            rm.megatron.dtype == "auto",
+            rm.megatron.dtype == super::Dtype::Auto,
             "reward_model.megatron.dtype",
-            &rm.megatron.dtype,
+            rm.megatron.dtype,
             "not supported yet: the reward model computes in its checkpoint's precision",
             "set it to auto or remove it",
         )?;

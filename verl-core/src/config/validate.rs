@@ -10,7 +10,8 @@ pub const ADV_ESTIMATORS: &[&str] = &crate::algorithms::advantage::BUILTIN_ESTIM
 pub const POLICY_LOSSES: &[&str] = &crate::algorithms::policy_loss::BUILTIN_POLICY_LOSSES;
 /// Loss aggregation modes (`actor.loss_agg_mode`, `critic.loss_agg_mode`).
 pub const LOSS_AGG_MODES: &[&str] = &crate::algorithms::LossAggMode::NAMES;
-/// KL estimators (`actor.kl_loss_type`, `algorithm.kl_penalty`).
+/// KL estimators (`actor.kl_loss_type`, `algorithm.kl_penalty`). `full` is not one: it needs
+/// the full-vocabulary log-probs (`kl_full`).
 pub const KL_TYPES: &[&str] = &[
     "kl",
     "k1",
@@ -19,7 +20,6 @@ pub const KL_TYPES: &[&str] = &[
     "k2",
     "low_var_kl",
     "k3",
-    "full",
     "k1+",
     "k2+",
     "k3+",
@@ -316,20 +316,9 @@ fn check_names(cfg: &VerlConfig, estimators: &[&str], losses: &[&str]) -> Result
         losses,
     )?;
     one_of(
-        "actor_rollout_ref.actor.kl_loss_type",
-        &actor.kl_loss_type,
-        KL_TYPES,
-    )?;
-    one_of("algorithm.kl_penalty", &cfg.algorithm.kl_penalty, KL_TYPES)?;
-    one_of(
         "algorithm.kl_ctrl.type",
         &cfg.algorithm.kl_ctrl.kind,
         &["fixed", "adaptive"],
-    )?;
-    one_of(
-        "actor_rollout_ref.actor.optim.lr_decay_style",
-        &actor.optim.lr_decay_style,
-        &["constant", "cosine", "linear"],
     )?;
     one_of(
         "actor_rollout_ref.actor.optim.optimizer",

@@ -30,6 +30,7 @@ use std::str::FromStr;
 
 use burn::prelude::*;
 use burn::tensor::FloatDType;
+use verl_core::config::Dtype;
 
 use crate::error::MegatronError;
 use crate::ops::FusedOps;
@@ -48,17 +49,19 @@ impl ComputeDtype {
     /// Parses a config value: `bfloat16`/`bf16`, `float32`/`fp32`/`f32`, or `auto` (returned as
     /// `None`: the caller picks by backend). `field` names the key in the error.
     pub fn parse(value: &str, field: &str) -> Result<Option<Self>, MegatronError> {
-        match value.to_ascii_lowercase().as_str() {
-            "auto" => Ok(None),
-            "bfloat16" | "bf16" => Ok(Some(Self::Bf16)),
-            "float32" | "fp32" | "f32" | "float" => Ok(Some(Self::F32)),
-            other => Err(MegatronError::Setting {
-                field: field.into(),
-                message: format!(
-                    "`{other}` is not a compute dtype; use bfloat16, float32 or auto \
-                     (float16 is not supported: it needs loss scaling)"
-                ),
-            }),
+        let setting: Dtype = value.parse().map_err(|message| MegatronError::Setting {
+            field: field.into(),
+            message,
+        })?;
+        Ok(Self::from_setting(setting))
+    }
+
+    /// The dtype a config's setting names; `None` for `auto` (the caller picks by backend).
+    pub fn from_setting(setting: Dtype) -> Option<Self> {
+        match setting {
+            Dtype::Auto => None,
+            Dtype::Bfloat16 => Some(Self::Bf16),
+            Dtype::Float32 => Some(Self::F32),
         }
     }
 }

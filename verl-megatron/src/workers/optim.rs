@@ -29,29 +29,14 @@ pub struct LrSchedule {
     pub style: DecayStyle,
 }
 
-/// How the learning rate falls after warm-up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecayStyle {
-    Constant,
-    Linear,
-    Cosine,
-}
+/// How the learning rate falls after warm-up (the config's `optim.lr_decay_style`).
+pub use verl_core::config::LrDecayStyle as DecayStyle;
 
 impl LrSchedule {
     /// From `*.optim`; `total_steps` is the run's optimizer-step count (for the warm-up ratio and
     /// the decay length when `lr_decay_steps` is unset).
     pub fn from_config(cfg: &OptimConfig, total_steps: u64) -> Result<Self, MegatronError> {
-        let style = match cfg.lr_decay_style.as_str() {
-            "constant" => DecayStyle::Constant,
-            "linear" => DecayStyle::Linear,
-            "cosine" => DecayStyle::Cosine,
-            other => {
-                return Err(MegatronError::Setting {
-                    field: "optim.lr_decay_style".into(),
-                    message: format!("`{other}` is not one of constant, linear, cosine"),
-                })
-            }
-        };
+        let style = cfg.lr_decay_style;
         let warmup_steps = match cfg.lr_warmup_steps {
             Some(s) if s >= 0 => s as u64,
             _ => (cfg.lr_warmup_steps_ratio * total_steps as f64) as u64,

@@ -42,9 +42,12 @@ pub(crate) fn preset(name: &str) -> Result<Qwen2Dims, String> {
         "qwen2-0.5b" => d(151_936, 896, 4864, 24, 14, 2),
         // Qwen2.5-1.5B's dimensions (~1.54B parameters).
         "qwen2-1.5b" => d(151_936, 1536, 8960, 28, 12, 2),
+        // Llama-3.2-3B's dimensions (~3.2B parameters; 24 heads and 8 KV heads, so tp 2 and 4
+        // divide) in Qwen2's layout (q/k/v biases).
+        "llama3.2-3b" => d(128_256, 3072, 8192, 28, 24, 8),
         other => {
             return Err(format!(
-                "unknown --preset `{other}`; use tiny, small, qwen2-0.5b or qwen2-1.5b"
+                "unknown --preset `{other}`; use tiny, small, qwen2-0.5b, qwen2-1.5b or llama3.2-3b"
             ))
         }
     })
@@ -585,64 +588,221 @@ pub(crate) mod gpu {
         })
     }
 
-    /// One rank's all-reduce timings: `(MiB, median ms)` per size, the first result of each
-    /// size checked against the sum of the gathered inputs.
+    /// One size's figures: per all-reduce, the milliseconds of the device kernels (calls queued
+    /// back to back, then one wait, as torch's peer times NCCL) and of NCCL behind a host wait
+    /// (each call waits), and the largest relative difference between the two results.
+    struct CollectiveRow {
+        bytes: usize,
+        device_ms: f64,
+        host_ms: f64,
+        deviation: f32,
+    }
+
+    /// Max |a − b| / max |b|.
+    fn deviation(a: Tensor<CudaBackend, 1>, b: Tensor<CudaBackend, 1>) -> f32 {
+        let scale: f32 = b.clone().abs().max().into_scalar();
+        let diff: f32 = (a - b).abs().max().into_scalar();
+        diff / scale.max(1e-30)
+    }
+
+    /// Milliseconds per call of `repeat` calls of `f` after one, the device waited for after.
+    fn per_call_ms(
+        device: &burn::backend::cuda::CudaDevice,
+        repeat: usize,
+        mut f: impl FnMut() -> Result<Tensor<CudaBackend, 1>, String>,
+    ) -> Result<f64, String> {
+        let _ = f()?;
+        let _ = <CudaBackend as burn::tensor::backend::Backend>::sync(device);
+        let t = Instant::now();
+        let mut last = None;
+        for _ in 0..repeat.max(1) {
+            last = Some(f()?);
+        }
+        drop(last);
+        let _ = <CudaBackend as burn::tensor::backend::Backend>::sync(device);
+        Ok(t.elapsed().as_secs_f64() * 1e3 / repeat.max(1) as f64)
+    }
+
+    /// Every collective of the device kernels against NCCL (f32 sum, avg and max all-reduce,
+    /// bf16 sum, all-gather, reduce-scatter, broadcast) on lengths that do and do not fill the
+    /// kernels' vectors; a failure names the collective and length.
+    fn check_device_collectives(comm: &NcclCommunicator) -> Result<Vec<String>, String> {
+        let device = comm.device().clone();
+        let world = comm.world_size();
+        let mut report = Vec::new();
+        for len in [1usize, 7, 1024 * world + world, 300_000 * world] {
+            let x =
+                Tensor::<CudaBackend, 1>::random([len], Distribution::Normal(0.0, 1.0), &device)
+                    + (comm.rank() as f32);
+            let both = |f: &dyn Fn() -> Result<
+                Vec<Tensor<CudaBackend, 1>>,
+                verl::core::error::CommError,
+            >|
+             -> Result<
+                (Vec<Tensor<CudaBackend, 1>>, Vec<Tensor<CudaBackend, 1>>),
+                String,
+            > {
+                comm.set_device_collectives(false);
+                let host = f().map_err(|e| e.to_string())?;
+                comm.set_device_collectives(true);
+                let dev = f().map_err(|e| e.to_string())?;
+                Ok((dev, host))
+            };
+            let mut worst =
+                |name: &str,
+                 bound: f32,
+                 (dev, host): (Vec<Tensor<CudaBackend, 1>>, Vec<Tensor<CudaBackend, 1>>)|
+                 -> Result<(), String> {
+                    let e = dev
+                        .into_iter()
+                        .zip(host)
+                        .map(|(d, h)| deviation(d.cast(FloatDType::F32), h.cast(FloatDType::F32)))
+                        .fold(0f32, f32::max);
+                    report.push(format!("{name} of {len}: {e:.1e}"));
+                    if e.is_finite() && e <= bound {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "device {name} of {len} elements differs from NCCL's by {e:.2e}"
+                        ))
+                    }
+                };
+            for (name, op, bound) in [
+                ("all-reduce sum", ReduceOp::Sum, 1e-6),
+                ("all-reduce avg", ReduceOp::Avg, 1e-6),
+                ("all-reduce max", ReduceOp::Max, 0.0),
+            ] {
+                worst(
+                    name,
+                    bound,
+                    both(&|| comm.all_reduce(x.clone(), op).map(|t| vec![t]))?,
+                )?;
+            }
+            let xb = x.clone().cast(FloatDType::BF16);
+            worst(
+                "bf16 all-reduce sum",
+                1e-2,
+                both(&|| comm.all_reduce(xb.clone(), ReduceOp::Sum).map(|t| vec![t]))?,
+            )?;
+            worst("all-gather", 0.0, both(&|| comm.all_gather(x.clone()))?)?;
+            worst(
+                "bf16 all-gather",
+                0.0,
+                both(&|| comm.all_gather(xb.clone()))?,
+            )?;
+            if len % world == 0 {
+                worst(
+                    "reduce-scatter sum",
+                    1e-6,
+                    both(&|| {
+                        comm.reduce_scatter(x.clone(), ReduceOp::Sum)
+                            .map(|t| vec![t])
+                    })?,
+                )?;
+            }
+            worst(
+                "broadcast from the last rank",
+                0.0,
+                both(&|| comm.broadcast(x.clone(), world - 1).map(|t| vec![t]))?,
+            )?;
+        }
+        Ok(report)
+    }
+
+    /// One rank's all-reduce figures per size (bytes of f32), both paths.
     fn all_reduce_rows(
         comm: &NcclCommunicator,
-        sizes_mib: &[usize],
+        sizes: &[usize],
         repeat: usize,
-    ) -> Result<Vec<(usize, f64)>, String> {
+    ) -> Result<Vec<CollectiveRow>, String> {
         let device = comm.device().clone();
         let mut rows = Vec::new();
-        for &mib in sizes_mib {
-            let len = mib * (1 << 20) / 4;
+        for &bytes in sizes {
+            let len = (bytes / 4).max(1);
             let x = Tensor::<CudaBackend, 1>::random([len], Distribution::Default, &device);
-            let mut times = Vec::new();
-            for i in 0..repeat + 3 {
-                let t = Instant::now();
-                let y = comm
-                    .all_reduce(x.clone(), ReduceOp::Sum)
-                    .map_err(|e| e.to_string())?;
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                if i == 0 {
-                    let parts = comm.all_gather(x.clone()).map_err(|e| e.to_string())?;
-                    let want = parts.into_iter().reduce(|a, b| a + b).expect("ranks");
-                    let err: f32 = (y - want).abs().max().into_scalar();
-                    if err > 1e-4 {
-                        return Err(format!("all-reduce is wrong by {err}"));
-                    }
-                }
-                if i >= 3 {
-                    times.push(ms);
-                }
-            }
-            rows.push((mib, median(times)));
+            let reduce = || {
+                comm.all_reduce(x.clone(), ReduceOp::Sum)
+                    .map_err(|e| e.to_string())
+            };
+            comm.set_device_collectives(false);
+            let host = reduce()?;
+            let host_ms = per_call_ms(&device, repeat, reduce)?;
+            comm.set_device_collectives(true);
+            let dev = reduce()?;
+            let device_ms = per_call_ms(&device, repeat, reduce)?;
+            rows.push(CollectiveRow {
+                bytes,
+                device_ms,
+                host_ms,
+                deviation: deviation(dev, host),
+            });
         }
         Ok(rows)
     }
 
-    fn print_bandwidth(rows: &[(usize, f64)], ranks: usize) {
+    fn print_bandwidth(rows: &[CollectiveRow], ranks: usize) {
         println!(
-            "{:>9} {:>10} {:>12} {:>12}",
-            "MiB", "ms", "algbw_GB/s", "busbw_GB/s"
+            "{:>10} {:>14} {:>12} {:>16} {:>12} {:>10}",
+            "bytes", "device us", "busbw GB/s", "NCCL+wait us", "busbw GB/s", "max rel diff"
         );
-        for &(mib, ms) in rows {
-            let algbw = (mib * (1 << 20)) as f64 / (ms / 1e3) / 1e9;
-            let busbw = algbw * 2.0 * (ranks - 1) as f64 / ranks as f64;
-            println!("{mib:>9} {ms:>10.3} {algbw:>12.1} {busbw:>12.1}");
+        for r in rows {
+            let bus = |ms: f64| {
+                r.bytes as f64 / (ms / 1e3) / 1e9 * 2.0 * (ranks - 1) as f64 / ranks as f64
+            };
+            println!(
+                "{:>10} {:>14.1} {:>12.1} {:>16.1} {:>12.1} {:>10.1e}",
+                r.bytes,
+                r.device_ms * 1e3,
+                bus(r.device_ms),
+                r.host_ms * 1e3,
+                bus(r.host_ms),
+                r.deviation
+            );
         }
     }
 
-    /// `verl bench nccl`: all-reduce bus bandwidth (NCCL's definition: algorithm bandwidth ×
-    /// 2(n−1)/n) of f32 buffers. With torchrun's `RANK` and `WORLD_SIZE` set, this process is
-    /// one rank of a multi-process job (GPU `LOCAL_RANK`; the NCCL id comes from rank 0 over
-    /// `MASTER_ADDR:MASTER_PORT`) and rank 0 prints; otherwise `gpus` GPUs of this node, one
-    /// thread each.
+    /// `12k`, `1m`, `1g` or a bare number (MiB) as bytes.
+    pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
+        let s = s.trim().to_ascii_lowercase();
+        let (digits, unit) = match s.chars().last() {
+            Some('k') => (&s[..s.len() - 1], 1usize << 10),
+            Some('m') => (&s[..s.len() - 1], 1 << 20),
+            Some('g') => (&s[..s.len() - 1], 1 << 30),
+            _ => (&s[..], 1 << 20),
+        };
+        digits
+            .parse::<usize>()
+            .map(|n| n * unit)
+            .map_err(|_| format!("--sizes: `{s}` is not a size (e.g. 4k, 1m, 256m)"))
+    }
+
+    /// `verl bench nccl`: the collectives of one node, the device kernels against NCCL behind
+    /// a host wait: each collective checked against NCCL, then all-reduce time and bus bandwidth
+    /// (NCCL's definition: algorithm bandwidth × 2(n−1)/n) of f32 buffers per size. With
+    /// torchrun's `RANK` and `WORLD_SIZE` set, this process is one rank of a multi-process job
+    /// (GPU `LOCAL_RANK`; the NCCL id comes from rank 0 over `MASTER_ADDR:MASTER_PORT`) and
+    /// rank 0 prints; otherwise `gpus` GPUs of this node, one thread each.
     pub(crate) fn nccl_bandwidth(
         gpus: usize,
-        sizes_mib: &[usize],
+        sizes: &[String],
         repeat: usize,
     ) -> Result<(), String> {
+        let sizes = sizes
+            .iter()
+            .map(|s| parse_size(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let run = |comm: &NcclCommunicator| -> Result<(Vec<String>, Vec<CollectiveRow>), String> {
+            let checks = check_device_collectives(comm)?;
+            Ok((checks, all_reduce_rows(comm, &sizes, repeat)?))
+        };
+        let print =
+            |(checks, rows): &(Vec<String>, Vec<CollectiveRow>), world: usize, how: &str| {
+                println!(
+                    "{world} {how}, one GPU each; device collectives equal NCCL's (max rel diff):"
+                );
+                println!("  {}", checks.join("; "));
+                print_bandwidth(rows, world);
+            };
         if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
             let exchange = NcclIdExchange::from_env().map_err(|e| e.to_string())?;
             let r = &exchange.rendezvous;
@@ -652,10 +812,9 @@ pub(crate) mod gpu {
                 .map_err(|e| e.to_string())?;
             let comm = NcclCommunicator::new(&id, rank, world, rank_device(r.local_rank))
                 .map_err(|e| e.to_string())?;
-            let rows = all_reduce_rows(&comm, sizes_mib, repeat)?;
+            let out = run(&comm)?;
             if rank == 0 {
-                println!("{world} processes, one GPU each");
-                print_bandwidth(&rows, world);
+                print(&out, world, "processes");
             }
             return Ok(());
         }
@@ -665,9 +824,8 @@ pub(crate) mod gpu {
                 "--gpus {gpus}: this node has {found} GPUs; use 2..={found}"
             ));
         }
-        let rows = on_gpus(gpus, |_, comm| all_reduce_rows(&comm, sizes_mib, repeat))?;
-        println!("{gpus} threads of one process, one GPU each");
-        print_bandwidth(&rows[0], gpus);
+        let outs = on_gpus(gpus, |_, comm| run(&comm))?;
+        print(&outs[0], gpus, "threads of one process");
         Ok(())
     }
 
@@ -767,6 +925,142 @@ pub(crate) mod gpu {
                 "tp=2 differs from tp=1 by {worst:.2e} (relative), more than 5e-3"
             ))
         }
+    }
+
+    /// What one rank measured over timed training steps.
+    struct RankSteps {
+        ms: f64,
+        host_round_trips: f64,
+        first_loss: f64,
+    }
+
+    /// `steps` training steps (forward, log-probs, backward, AdamW) of `cfg` sharded over `tp`
+    /// after two warm-up steps: the median milliseconds, host round trips per step, and the
+    /// first step's loss.
+    fn timed_tp_steps(
+        cfg: &HfModelConfig,
+        tp: &TpGroup,
+        device: &burn::backend::cuda::CudaDevice,
+        (batch, seq, steps): (usize, usize, usize),
+        compute: verl::megatron::layers::precision::ComputeDtype,
+    ) -> Result<RankSteps, String> {
+        type B = CudaAutodiff;
+        let mut model = CausalLm::<B>::init_sharded(cfg, 0.02, 7, device, tp)
+            .map_err(|e| e.to_string())?
+            .with_compute_dtype(compute);
+        let ids: Vec<i64> = (0..batch * seq)
+            .map(|i| ((i * 7919 + 13) % cfg.vocab_size) as i64)
+            .collect();
+        let ids = Tensor::<B, 1, Int>::from_ints(ids.as_slice(), device).reshape([batch, seq]);
+        let mut optim = ModelOptimizer::<B, CausalLm<B>>::new(
+            &OptimConfig {
+                lr: 1e-5,
+                ..Default::default()
+            },
+            (steps + 2) as u64,
+        )
+        .map_err(|e| e.to_string())?;
+        if let Some(comm) = tp.comm::<CudaBackend>() {
+            let (sharded, partial) = model.tp_param_sets();
+            optim = optim.with_tensor_parallel(TensorParallelGrads {
+                comm,
+                sharded,
+                partial,
+            });
+        }
+        let (mut times, mut trips, mut first_loss) = (Vec::new(), Vec::new(), f64::NAN);
+        for step in 0..steps + 2 {
+            let _ = <B as burn::tensor::backend::Backend>::sync(device);
+            let before = verl::megatron::host_reads::count();
+            let t = Instant::now();
+            let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
+            let labels = ids.clone().slice([0..batch, 1..seq]);
+            let (lp, _) = vocab_parallel_log_probs(logits, labels, tp, model.vocab_start(), false);
+            let loss = lp.mean().neg();
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let (next, report) = optim.step(model, grads);
+            model = next;
+            report.map_err(|e| e.to_string())?;
+            let ms = synced_ms::<B>(t, device);
+            let reads = verl::megatron::host_reads::count() - before;
+            if step == 0 {
+                first_loss = loss.into_scalar().elem::<f32>() as f64;
+            } else if step >= 2 {
+                times.push(ms);
+                trips.push(reads as f64);
+            }
+        }
+        Ok(RankSteps {
+            ms: median(times),
+            host_round_trips: median(trips),
+            first_loss,
+        })
+    }
+
+    /// `verl bench tp-scaling`: the training step's strong scaling under tensor parallelism at
+    /// one global batch (every tp rank sees the whole batch): tp = 1, then each size in `tps`
+    /// with the device collectives and with NCCL behind host waits. Efficiency is
+    /// t(tp=1) / (tp · t(tp)).
+    pub(crate) fn tp_scaling(
+        preset_name: &str,
+        (batch, seq, steps): (usize, usize, usize),
+        dtype: &str,
+        tps: &[usize],
+        sequence_parallel: bool,
+    ) -> Result<(), String> {
+        let dims = preset(preset_name)?;
+        let cfg = HfModelConfig::qwen2(dims);
+        let compute: verl::megatron::layers::precision::ComputeDtype = dtype
+            .parse()
+            .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
+        let shape = (batch, seq, steps.max(1));
+        println!(
+            "tp scaling, {preset_name}: batch {batch} x seq {seq}, {compute} products, sequence \
+             parallel {sequence_parallel}; median of {} steps",
+            shape.2
+        );
+        println!("| layout | collectives | step ms | efficiency | host round trips / step | first loss |");
+        println!("|---|---|---|---|---|---|");
+        let one = timed_tp_steps(&cfg, &TpGroup::none(), &rank_device(0), shape, compute)?;
+        println!(
+            "| tp=1 | - | {:.1} | 100% | {} | {:.6} |",
+            one.ms, one.host_round_trips, one.first_loss
+        );
+        let found = verl::megatron::cuda::device_count();
+        for &tp in tps {
+            if tp < 2 || tp > found {
+                println!("| tp={tp} | skipped: this node has {found} GPUs |");
+                continue;
+            }
+            if let Err(e) = cfg.check_tensor_parallel(tp) {
+                println!("| tp={tp} | skipped: {e} |");
+                continue;
+            }
+            for device_collectives in [true, false] {
+                let ranks = on_gpus(tp, |rank, comm| {
+                    comm.set_device_collectives(device_collectives);
+                    let group = TpGroup::new(
+                        comm as Arc<dyn Communicator<CudaBackend>>,
+                        sequence_parallel,
+                    );
+                    timed_tp_steps(&cfg, &group, &rank_device(rank), shape, compute)
+                })?;
+                let r = &ranks[0];
+                println!(
+                    "| tp={tp} | {} | {:.1} | {:.0}% | {} | {:.6} |",
+                    if device_collectives {
+                        "device kernels"
+                    } else {
+                        "NCCL + host wait"
+                    },
+                    r.ms,
+                    100.0 * one.ms / (tp as f64 * r.ms),
+                    r.host_round_trips,
+                    r.first_loss
+                );
+            }
+        }
+        Ok(())
     }
 
     /// ‖a − b‖ / ‖b‖.

@@ -214,9 +214,9 @@ enum BenchCommand {
     Nccl {
         #[arg(long, default_value_t = 2)]
         gpus: usize,
-        /// Buffer sizes in MiB, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "1,16,256,1024")]
-        sizes: Vec<usize>,
+        /// All-reduce sizes, comma-separated: bytes with a k, m or g suffix, or MiB.
+        #[arg(long, value_delimiter = ',', default_value = "4k,64k,256k,1m,16m,256m")]
+        sizes: Vec<String>,
         #[arg(long, default_value_t = 10)]
         repeat: usize,
     },
@@ -303,6 +303,27 @@ enum BenchCommand {
         batch: usize,
         #[arg(long, default_value_t = 128)]
         seq: usize,
+    },
+    /// Training-step strong scaling under tensor parallelism on the GPUs of this node (one
+    /// thread each): tp=1, then each tp size with the device collectives and with NCCL behind
+    /// host waits.
+    TpScaling {
+        #[arg(long, default_value = "qwen2-0.5b")]
+        preset: String,
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        #[arg(long, default_value_t = 512)]
+        seq: usize,
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        #[arg(long, default_value = "bfloat16")]
+        dtype: String,
+        /// Tensor-parallel sizes, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "2,4")]
+        tp: Vec<usize>,
+        /// Sequence parallelism off (it is on by default, as in verl's Megatron config).
+        #[arg(long)]
+        no_sequence_parallel: bool,
     },
 }
 
@@ -471,6 +492,22 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
         #[cfg(feature = "cuda")]
         BenchCommand::TpCheck { preset, batch, seq } => bench::gpu::tp_check(&preset, batch, seq),
         #[cfg(feature = "cuda")]
+        BenchCommand::TpScaling {
+            preset,
+            batch,
+            seq,
+            steps,
+            dtype,
+            tp,
+            no_sequence_parallel,
+        } => bench::gpu::tp_scaling(
+            &preset,
+            (batch, seq, steps),
+            &dtype,
+            &tp,
+            !no_sequence_parallel,
+        ),
+        #[cfg(feature = "cuda")]
         BenchCommand::Kernels { repeat, no_timing } => bench::kernels::kernels(repeat, !no_timing),
         #[cfg(feature = "cuda")]
         BenchCommand::Offload {
@@ -519,6 +556,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
         #[cfg(not(feature = "cuda"))]
         BenchCommand::Nccl { .. }
         | BenchCommand::TpCheck { .. }
+        | BenchCommand::TpScaling { .. }
         | BenchCommand::Kernels { .. }
         | BenchCommand::Offload { .. } => {
             Err("this command needs GPUs: build with `--features cuda`".into())

@@ -12,6 +12,7 @@ pub mod kernels;
 pub mod linear;
 pub mod nccl;
 pub mod ops;
+pub mod peer;
 
 pub use buffer::DeviceBuffer;
 pub use cublaslt::CublasLt;

@@ -10,6 +10,7 @@
 pub mod adamw;
 pub mod attention;
 pub mod bias;
+pub mod collectives;
 pub mod decode_attention;
 pub mod gemm;
 pub mod norm;

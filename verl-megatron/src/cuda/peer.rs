@@ -21,6 +21,68 @@ fn err(what: &str, e: impl std::fmt::Debug) -> CommError {
     CommError::Backend(format!("peer buffers: {what}: {e:?}"))
 }
 
+/// This member's staging allocation of `bytes` (zeroed: the flags start below every epoch) and
+/// its record for the exchange: IPC handle, process nonce, GPU, address, node, size.
+fn allocate(ctx: &Arc<CudaContext>, bytes: usize) -> Result<(u64, [u8; RECORD]), CommError> {
+    // SAFETY: a fresh allocation of `bytes`, zeroed before use.
+    let own = unsafe { result::malloc_sync(bytes).map_err(|e| err("alloc", e))? };
+    let filled = (|| {
+        // SAFETY: `own` holds `bytes` bytes; `handle` is written on success.
+        let handle = unsafe {
+            result::memset_d8_sync(own, 0, bytes).map_err(|e| err("zero", e))?;
+            let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
+            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), own)
+                .result()
+                .map_err(|e| err("IPC handle", e))?;
+            handle.assume_init()
+        };
+        let mut record = [0u8; RECORD];
+        let raw: [u8; 64] = handle.reserved.map(|c| c as u8);
+        record[..64].copy_from_slice(&raw);
+        for (at, v) in [
+            (64, process_nonce()),
+            (72, ctx.ordinal() as u64),
+            (80, own),
+            (88, node_id()),
+            (96, bytes as u64),
+        ] {
+            record[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(record)
+    })();
+    match filled {
+        Ok(record) => Ok((own, record)),
+        Err(e) => {
+            free(own);
+            Err(e)
+        }
+    }
+}
+
+/// Frees a staging allocation (0: none).
+fn free(own: u64) {
+    if own != 0 {
+        // SAFETY: `own` came from `malloc_sync` and nothing uses it any more.
+        unsafe {
+            let _ = result::free_sync(own);
+        }
+    }
+}
+
+/// A number that tells this process from every other on the node (a process id can repeat
+/// across containers that share a kernel): the process id and start time, hashed with a
+/// random key.
+fn process_nonce() -> u64 {
+    use std::hash::BuildHasher;
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        std::process::id().hash(&mut h);
+        std::time::SystemTime::now().hash(&mut h);
+        h.finish()
+    })
+}
+
 /// One member's record in the set-up exchange.
 const RECORD: usize = 128;
 
@@ -119,33 +181,23 @@ impl PeerBuffers {
         ctx.bind_to_thread().map_err(|e| err("bind", e))?;
         let half_bytes = half_bytes.next_multiple_of(256);
         let bytes = FLAG_REGION + 2 * half_bytes;
-        // SAFETY: a fresh allocation of `bytes`, zeroed (the flags start below every epoch).
-        let own = unsafe {
-            let own = result::malloc_sync(bytes).map_err(|e| err("alloc", e))?;
-            result::memset_d8_sync(own, 0, bytes).map_err(|e| err("zero", e))?;
-            own
+        // A member whose allocation fails still takes part in both exchanges (with an empty
+        // record), so that no other member waits for it forever; the verdict then keeps the
+        // whole group on NCCL.
+        let (own, record) = match allocate(ctx, bytes) {
+            Ok(mine) => mine,
+            Err(e) => {
+                tracing::info!(rank, error = %e, "collectives stay on NCCL");
+                (0, [0u8; RECORD])
+            }
         };
-        let mut handle = std::mem::MaybeUninit::<sys::CUipcMemHandle>::uninit();
-        // SAFETY: `own` is a cuMemAlloc base address; the handle is written on success.
-        let handle = unsafe {
-            sys::cuIpcGetMemHandle(handle.as_mut_ptr(), own)
-                .result()
-                .map_err(|e| err("IPC handle", e))?;
-            handle.assume_init()
+        let records = match exchange(comm, stream, world, &record) {
+            Ok(records) => records,
+            Err(e) => {
+                free(own);
+                return Err(e);
+            }
         };
-        let mut record = [0u8; RECORD];
-        let raw: [u8; 64] = handle.reserved.map(|c| c as u8);
-        record[..64].copy_from_slice(&raw);
-        for (at, v) in [
-            (64, std::process::id() as u64),
-            (72, ctx.ordinal() as u64),
-            (80, own),
-            (88, node_id()),
-            (96, bytes as u64),
-        ] {
-            record[at..at + 8].copy_from_slice(&v.to_le_bytes());
-        }
-        let records = exchange(comm, stream, world, &record)?;
         let mut buffers = Self {
             rank,
             ctx: ctx.clone(),
@@ -156,7 +208,13 @@ impl PeerBuffers {
             calls: 0,
             timeout_ns: timeout_ns(),
         };
-        let mapped = buffers.map_peers(&records, bytes);
+        let mapped = if own == 0 {
+            Err(err("alloc", "this member has no staging buffer"))
+        } else {
+            buffers.map_peers(&records, bytes)
+        };
+        // Opening a peer's context may have left it current; the exchange runs on this GPU.
+        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
         let mut verdict = [0u8; RECORD];
         verdict[0] = mapped.is_ok() as u8;
         let verdicts = exchange(comm, stream, world, &verdict)?;
@@ -166,6 +224,7 @@ impl PeerBuffers {
         if verdicts.iter().all(|v| v[0] == 1) {
             Ok(Some(buffers))
         } else {
+            // Dropping `buffers` closes what it opened and frees `own`.
             Ok(None)
         }
     }
@@ -186,7 +245,8 @@ impl PeerBuffers {
             if r == self.rank {
                 self.bases[r] = self.own;
             } else if word(theirs, 64) == word(me, 64) {
-                // A thread of this process: its address is valid here once peer access is on.
+                // A thread of this process (same nonce): its address is valid here once peer
+                // access is on.
                 let peer =
                     CudaContext::new(word(theirs, 72) as usize).map_err(|e| err("peer", e))?;
                 self.ctx.bind_to_thread().map_err(|e| err("bind", e))?;
@@ -266,7 +326,7 @@ impl Drop for PeerBuffers {
             for base in &self.opened {
                 let _ = sys::cuIpcCloseMemHandle(*base);
             }
-            let _ = result::free_sync(self.own);
         }
+        free(self.own);
     }
 }

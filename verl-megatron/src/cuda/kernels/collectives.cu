@@ -7,8 +7,9 @@
 // Sums run over the ranks in rank order 0..world on every rank (one-shot), or once by the rank
 // that owns a chunk (two-shot), so every rank gets the same bits.
 //
-// Each block owns the same slice of every buffer on every rank (a grid-stride over units), and
-// the barrier is per block: block j's flags say that peer block j has written its slice.
+// Each block owns the same slice of every buffer on every rank (a grid-stride over units, of
+// each rank's chunk where the kind reads by chunk), and the barrier is per block: block j's
+// flags say that peer block j has written its slice.
 // Staging is double-buffered by call (the host alternates halves): a rank can only start call
 // e + 2 after every peer has started call e + 1, so after every peer has finished reading
 // call e's half.
@@ -173,8 +174,12 @@ __device__ void run(const T* input, T* output, const Info& a) {
         break;
     case KIND_ALL_REDUCE_TWO_SHOT: {
         // Reduce-scatter into the own chunk of the own staging buffer, then gather the chunks.
+        // Copied chunk by chunk, so that block j writes the units of every chunk that block j
+        // reads on every rank (the barrier is per block).
         unsigned int part = units / a.world;
-        copy_units<V>(mine, input, units);
+        for (unsigned int r = 0; r < a.world; ++r) {
+            copy_units<V>(mine + r * part * V, input + r * part * V, part);
+        }
         barrier(a, 0);
         reduce_units<V>(a, output, mine, a.rank * part, part);
         barrier(a, 1);
@@ -193,8 +198,11 @@ __device__ void run(const T* input, T* output, const Info& a) {
         }
         break;
     case KIND_REDUCE_SCATTER: {
+        // Chunk by chunk, as the two-shot all-reduce (block j owns the same units of each).
         unsigned int part = units / a.world;
-        copy_units<V>(mine, input, units);
+        for (unsigned int r = 0; r < a.world; ++r) {
+            copy_units<V>(mine + r * part * V, input + r * part * V, part);
+        }
         barrier(a, 0);
         // The own chunk, written from the start of the output.
         for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < part; u += gridDim.x * blockDim.x) {

@@ -424,6 +424,9 @@ fn run(cli: Cli) -> Result<(), String> {
 fn config_cmd(args: &ConfigArgs, print: bool, no_validate: bool) -> Result<(), String> {
     let b = builder(args);
     let cfg = b.resolve().map_err(|e| e.to_string())?;
+    for note in &cfg.notes {
+        eprintln!("note: {note}");
+    }
     if print {
         print!("{}", cfg.to_yaml());
     }
@@ -736,6 +739,10 @@ fn train_cmd(args: &ConfigArgs) -> Result<(), String> {
         .overrides(&args.overrides)
         .build()
         .map_err(|e| e.to_string())?;
+    // What the config reader did with verl's keys that do nothing here or run differently.
+    for note in &validated.config.notes {
+        eprintln!("note: {note}");
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -223,11 +223,11 @@ fn settings_it_cannot_honour_are_refused_by_name() {
             "global_profiler.tool",
         ),
         (
-            &["global_profiler.global_tool_config.npu.level=level2"][..],
+            &["global_profiler.global_tool_config.npu.contents=[npu, cpu]"][..],
             "global_profiler.global_tool_config.npu",
         ),
         (
-            &["global_profiler.global_tool_config.npu.analysis=false"][..],
+            &["global_profiler.global_tool_config.npu.discrete=true"][..],
             "global_profiler.global_tool_config.npu",
         ),
         (

@@ -53,10 +53,13 @@ pub(super) fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelCon
         "num_experts_per_tok",
         "moe_intermediate_size",
     ];
-    // `moe_config` (verl's router switches) is read with the roles' settings.
+    // `moe_config` (verl's router switches) is read with the roles' settings; an empty entry
+    // (verl's own `model_config: {}`) asks for nothing.
+    let empty = |v: &Value| v.is_null() || v.as_object().is_some_and(|m| m.is_empty());
     if let Some(k) = o
-        .keys()
-        .find(|k| !KEYS.contains(&k.as_str()) && k.as_str() != "moe_config")
+        .iter()
+        .find(|(k, v)| !KEYS.contains(&k.as_str()) && k.as_str() != "moe_config" && !empty(v))
+        .map(|(k, _)| k)
     {
         return Err(setup(format!(
             "actor_rollout_ref.model.override_config.{k}: the built-in task's model takes only {}",

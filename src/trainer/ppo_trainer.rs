@@ -316,7 +316,8 @@ impl PpoTrainer {
                 if self.cfg.data.shuffle {
                     use rand::seq::SliceRandom;
                     use rand::SeedableRng;
-                    let mut rng = rand::rngs::StdRng::seed_from_u64(self.cfg.data.seed ^ ls.epoch);
+                    let mut rng =
+                        rand::rngs::StdRng::seed_from_u64(self.cfg.data.shuffle_seed() ^ ls.epoch);
                     ls.order.shuffle(&mut rng);
                 }
                 ls.epoch += 1;

@@ -161,8 +161,8 @@ fn config_rows(
             return Err(setup("the built-in task uses its own character tokenizer: set data.train_files to parquet or JSONL files to train an HF model at actor_rollout_ref.model.path"));
         }
         return Ok((
-            arithmetic_rows(&task, codec, 4096, cfg.data.seed).map_err(setup)?,
-            arithmetic_rows(&task, codec, 128, cfg.data.seed ^ 0x5eed).map_err(setup)?,
+            arithmetic_rows(&task, codec, 4096, cfg.data.shuffle_seed()).map_err(setup)?,
+            arithmetic_rows(&task, codec, 128, cfg.data.shuffle_seed() ^ 0x5eed).map_err(setup)?,
         ));
     }
     let load = |paths: Vec<&str>| -> Result<Vec<PromptRow>, TrainError> {

@@ -21,7 +21,8 @@ pub struct DataConfig {
     pub return_raw_chat: bool,
     pub return_full_prompt: bool,
     pub shuffle: bool,
-    pub seed: u64,
+    /// The shuffling seed; `null` (verl's default) is 1.
+    pub seed: Option<u64>,
     /// Drop prompts longer than `max_prompt_length` (in tokens, chat template applied) from the
     /// training and validation sets, as verl's dataset does, instead of truncating them.
     pub filter_overlong_prompts: bool,
@@ -90,6 +91,13 @@ impl Truncation {
     }
 }
 
+impl DataConfig {
+    /// The seed the training rows are shuffled with (`seed`, or 1 where it is null).
+    pub fn shuffle_seed(&self) -> u64 {
+        self.seed.unwrap_or(1)
+    }
+}
+
 impl Default for DataConfig {
     fn default() -> Self {
         Self {
@@ -106,7 +114,7 @@ impl Default for DataConfig {
             return_raw_chat: false,
             return_full_prompt: false,
             shuffle: true,
-            seed: 1,
+            seed: None,
             filter_overlong_prompts: false,
             truncation: Truncation::Error,
             dataloader_num_workers: 0,

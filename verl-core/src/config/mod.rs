@@ -31,11 +31,13 @@ mod actor_rollout_ref;
 mod algorithm;
 mod critic;
 mod data;
+mod interpolation;
 mod megatron;
 mod profiler;
 mod trainer;
 mod unsupported;
 mod validate;
+mod verl_keys;
 
 use std::cell::RefCell;
 use std::fmt;
@@ -55,6 +57,7 @@ pub use critic::{
     RewardModelModelConfig,
 };
 pub use data::{DataConfig, StringOrList, Truncation};
+pub use interpolation::resolve_interpolations;
 pub use megatron::{CheckpointConfig, Dtype, LrDecayStyle, MegatronConfig, OptimConfig};
 pub use profiler::{
     GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
@@ -79,23 +82,36 @@ pub struct VerlConfig {
     pub algorithm: AlgorithmConfig,
     pub trainer: TrainerConfig,
     pub global_profiler: GlobalProfilerConfig,
+    /// What the reader did with verl's keys that verl-rs has no use for or reads elsewhere,
+    /// one line each, for the run's start-up log (not part of the tree).
+    #[serde(skip)]
+    pub notes: Vec<String>,
 }
 
 impl VerlConfig {
     /// Defaults, then `file` (if any), then `overrides` (`key=value`), then inherited values
     /// resolved (e.g. `rollout.response_length` from `data.max_response_length`).
+    ///
+    /// A verl config file loads as it is: OmegaConf interpolations (`${..}`, `${.x}`,
+    /// `${oc.select:..}`) are resolved after the overrides, `_target_` keys are dropped, and
+    /// verl's keys that verl-rs does not have are judged one by one (see [`Self::notes`]).
     pub fn from_layers(file: Option<&Path>, overrides: &[&str]) -> Result<Self> {
-        let mut tree = Self::default_tree();
+        let defaults = Self::default_tree();
+        let mut tree = defaults.clone();
         if let Some(path) = file {
-            let user = read_file(path)?;
+            let mut user = read_file(path)?;
+            interpolation::strip_targets(&mut user);
             check_keys(&tree, &user, "")?;
             merge(&mut tree, user);
         }
         for text in overrides {
             apply_override(&mut tree, text)?;
         }
+        resolve_interpolations(&mut tree)?;
+        let notes = verl_keys::take_verl_keys(&mut tree, &defaults)?;
         inherit_reference_layout(&mut tree);
         let mut cfg = from_tree(tree)?;
+        cfg.notes = notes;
         cfg.resolve();
         Ok(cfg)
     }
@@ -385,7 +401,13 @@ fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
         if FREE_FORM.contains(&k.as_str()) {
             continue;
         }
+        let full = if path.is_empty() {
+            k.clone()
+        } else {
+            format!("{path}.{k}")
+        };
         match d.get(k) {
+            None if only_verl_keys(&full, v) => {}
             None => return Err(unknown_key(path, k, d)),
             Some(dv) => check_keys(
                 dv,
@@ -399,6 +421,17 @@ fn check_keys(defaults: &Value, user: &Value, path: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether `v` at `key` is one of verl's keys that verl-rs judges on its own
+/// (`verl_keys`), or a section of nothing else.
+fn only_verl_keys(key: &str, v: &Value) -> bool {
+    verl_keys::is_verl_key(key)
+        || v.as_object().is_some_and(|m| {
+            !m.is_empty()
+                && m.iter()
+                    .all(|(k, child)| only_verl_keys(&format!("{key}.{k}"), child))
+        })
 }
 
 /// verl's `ref.megatron` takes each unset layout key from `actor.megatron` (interpolations in
@@ -475,7 +508,12 @@ pub fn apply_override(tree: &mut Value, text: &str) -> Result<()> {
                 message: format!("`{path}` is not a section, so it has no key `{part}`"),
             });
         };
-        if !map.contains_key(*part) && !free_form && !map.is_empty() && !append {
+        if !map.contains_key(*part)
+            && !free_form
+            && !map.is_empty()
+            && !append
+            && !verl_keys::is_verl_key(key)
+        {
             return Err(unknown_key(&path, part, map));
         }
         if last {

@@ -3,7 +3,7 @@
 //! what to do instead. A key that parses but changes nothing would be a silent lie; a key that
 //! starts to be honoured leaves this list.
 
-use super::profiler::{NpuToolConfig, ProfilerTool, ToolConfig};
+use super::profiler::{ProfilerTool, ToolConfig};
 use super::{Device, MegatronConfig, VerlConfig};
 use crate::error::ConfigError;
 
@@ -30,9 +30,12 @@ fn require(
 /// Whether an `override_config` entry is only MoE's `moe_config.freeze_moe_router`, the one key
 /// read from it when the model's sizes come from elsewhere.
 fn router_switch_only(key: &str, v: &serde_json::Value) -> bool {
-    key == "moe_config"
-        && v.as_object()
-            .is_some_and(|o| o.keys().all(|k| k == "freeze_moe_router"))
+    // An empty entry (verl's own `model_config: {}`) asks for nothing.
+    let empty = v.is_null() || v.as_object().is_some_and(|o| o.is_empty());
+    empty
+        || key == "moe_config"
+            && v.as_object()
+                .is_some_and(|o| o.keys().all(|k| k == "freeze_moe_router"))
 }
 
 /// A frozen model's offload keys: it has parameters to offload, but no gradients and no
@@ -90,9 +93,17 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
         "not supported yet: the pipeline runs the non-interleaved 1F1B schedule",
         "remove it (or set it to 1)",
     )?;
-    for key in m.override_transformer_config.keys() {
+    let granularity = m.override_transformer_config.get("recompute_granularity");
+    let recompute_off = granularity.is_none_or(serde_json::Value::is_null);
+    for (key, v) in &m.override_transformer_config {
+        // verl's own defaults ask for nothing: unset recomputation settings (its module list
+        // applies only with a granularity), and the flash attention backend, which is what
+        // the fused attention kernel is.
+        let asks_nothing = v.is_null()
+            || (key == "recompute_modules" && recompute_off)
+            || (key == "attention_backend" && matches!(v.as_str(), Some("flash" | "auto")));
         require(
-            OVERRIDES_READ.contains(&key.as_str()),
+            asks_nothing || OVERRIDES_READ.contains(&key.as_str()),
             &format!("{prefix}.megatron.override_transformer_config.{key}"),
             &m.override_transformer_config[key],
             &format!(
@@ -781,7 +792,7 @@ fn refuse_tool_config(prefix: &str, tools: &ToolConfig) -> Result<(), ConfigErro
         ),
     ] {
         require(
-            set.is_none(),
+            set.as_ref().is_none_or(serde_json::Map::is_empty),
             &key(field),
             set,
             "verl passes these to Ray to start processes under nsys; verl-rs's processes \
@@ -791,8 +802,10 @@ fn refuse_tool_config(prefix: &str, tools: &ToolConfig) -> Result<(), ConfigErro
                  the capture range around the profiled steps)",
         )?;
     }
+    // verl's own npu block (level / analysis, which differ between verl versions) asks for
+    // nothing; contents to collect or discrete captures do.
     require(
-        tools.npu == NpuToolConfig::default(),
+        tools.npu.contents.is_empty() && !tools.npu.discrete,
         &key("npu"),
         &tools.npu,
         "there is no NPU to profile",
@@ -856,7 +869,6 @@ mod tests {
                 "actor_rollout_ref.ref.megatron.optimizer_offload=true",
                 "actor_rollout_ref.ref.megatron.optimizer_offload",
             ),
-            ("trainer.balance_batch=true", "trainer.balance_batch"),
             ("actor_rollout_ref.actor.megatron.seed=7", "actor_rollout_ref.actor.megatron.seed"),
             (
                 "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
@@ -874,8 +886,8 @@ mod tests {
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=3",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
             ),
-            ("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.name"),
-            ("actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.mode"),
+            ("actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name"),
+            ("actor_rollout_ref.rollout.mode=server", "actor_rollout_ref.rollout.mode"),
             ("data.tokenizer=/models/x", "data.tokenizer"),
             (
                 "actor_rollout_ref.actor.optim.total_training_steps=10",
@@ -883,18 +895,14 @@ mod tests {
             ),
             ("actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.actor.load_weight"),
             ("custom_reward_function.name=my_score", "custom_reward_function.name"),
-            ("trainer.logger=[console, wandb]", "trainer.logger"),
+            ("trainer.logger=[console, mlflow]", "trainer.logger"),
             (
-                "data.dataloader_num_workers=8",
+                "data.dataloader_num_workers=4",
                 "data.dataloader_num_workers",
             ),
             (
                 "actor_rollout_ref.actor.strategy=fsdp",
                 "actor_rollout_ref.actor.strategy",
-            ),
-            (
-                "actor_rollout_ref.rollout.enforce_eager=false",
-                "actor_rollout_ref.rollout.enforce_eager",
             ),
             (
                 "reward_model.reward_manager=prime",
@@ -910,23 +918,11 @@ mod tests {
                 "algorithm.rollout_correction.bypass_mode",
             ),
             (
-                "actor_rollout_ref.model.enable_gradient_checkpointing=true",
-                "actor_rollout_ref.model.enable_gradient_checkpointing",
-            ),
-            (
                 "actor_rollout_ref.model.trust_remote_code=true",
                 "actor_rollout_ref.model.trust_remote_code",
             ),
             ("trainer.val_only=true", "trainer.val_only"),
             ("trainer.log_val_generations=10", "trainer.log_val_generations"),
-            (
-                "actor_rollout_ref.actor.megatron.use_mbridge=false",
-                "actor_rollout_ref.actor.megatron.use_mbridge",
-            ),
-            (
-                "actor_rollout_ref.ref.megatron.use_mbridge=false",
-                "actor_rollout_ref.ref.megatron.use_mbridge",
-            ),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
         }
@@ -937,19 +933,8 @@ mod tests {
     fn each_unsupported_role_setting_is_refused_by_name() {
         for (set, key) in [
             (
-                [
-                    "critic.enable=true",
-                    "critic.model.enable_gradient_checkpointing=true",
-                ],
-                "critic.model.enable_gradient_checkpointing",
-            ),
-            (
                 ["critic.enable=true", "critic.model.trust_remote_code=true"],
                 "critic.model.trust_remote_code",
-            ),
-            (
-                ["critic.enable=true", "critic.megatron.use_mbridge=false"],
-                "critic.megatron.use_mbridge",
             ),
             (
                 [
@@ -964,13 +949,6 @@ mod tests {
                     "reward_model.model.trust_remote_code=true",
                 ],
                 "reward_model.model.trust_remote_code",
-            ),
-            (
-                [
-                    "reward_model.enable=true",
-                    "reward_model.megatron.use_mbridge=false",
-                ],
-                "reward_model.megatron.use_mbridge",
             ),
         ] {
             assert_eq!(refused(&set), key, "{set:?}");

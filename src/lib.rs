@@ -49,6 +49,7 @@
 mod builder;
 
 pub mod launcher;
+pub mod python;
 pub mod tasks;
 pub mod trainer;
 

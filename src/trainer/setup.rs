@@ -66,7 +66,8 @@ impl PpoTrainer {
                 train.len(),
             )));
         }
-        check_scorers(&cfg, &parts.scorer, &train, &val)?;
+        let scorer = python_scorer(&cfg, parts.scorer)?;
+        check_scorers(&cfg, &scorer, &train, &val)?;
         let out_dir = output_dir(&cfg);
         check_checkpoint_contents(&cfg)?;
         let resume = resume_point(&cfg, &out_dir, train.len())?;
@@ -105,7 +106,7 @@ impl PpoTrainer {
             kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
             kl_penalty: cfg.algorithm.kl_penalty,
             advantages,
-            scorer: parts.scorer,
+            scorer,
             rollout_correction: Some(cfg.algorithm.rollout_correction.parsed().map_err(setup)?),
             log,
             needs_ref: plans.actor.needs_ref,
@@ -267,6 +268,25 @@ fn check_token_ids(
         }
     }
     Ok(())
+}
+
+/// verl's `custom_reward_function.path` (+ `name`): the Python function scores every row, in
+/// a pool of worker processes (batched with `reward_model.reward_manager=batch`). A scorer the
+/// embedding program gave the trainer comes first.
+fn python_scorer(cfg: &VerlConfig, given: Scorer) -> Result<Scorer, TrainError> {
+    let (Scorer::Rules, Some(path)) = (&given, &cfg.custom_reward_function.path) else {
+        return Ok(given);
+    };
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
+    let batched = cfg.reward_model.reward_manager == "batch";
+    let reward = crate::python::PythonReward::start(
+        path,
+        &cfg.custom_reward_function.name,
+        batched,
+        workers,
+    )
+    .map_err(|e| setup(e.to_string()))?;
+    Ok(Scorer::Batched(std::sync::Arc::new(reward)))
 }
 
 /// Every row needs a scorer: the run's reward function, or the reward model for training rows

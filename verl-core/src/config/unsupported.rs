@@ -628,12 +628,15 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "set it to false",
         )?;
     }
+    let batch_of_a_function =
+        rm.reward_manager == "batch" && cfg.custom_reward_function.path.is_some();
     require(
-        rm.reward_manager == "naive",
+        rm.reward_manager == "naive" || batch_of_a_function,
         "reward_model.reward_manager",
         &rm.reward_manager,
-        "rewards are scored one sample at a time (verl's naive manager)",
-        "set it to naive",
+        "rewards are scored one sample at a time (verl's naive manager), or a batch at a time by \
+         custom_reward_function.path (batch)",
+        "set it to naive, or to batch with custom_reward_function.path",
     )?;
     require(
         !rm.launch_reward_fn_async,
@@ -643,18 +646,12 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to false",
     )?;
     require(
-        cfg.custom_reward_function.path.is_none(),
-        "custom_reward_function.path",
-        &cfg.custom_reward_function.path,
-        "Python reward functions cannot be loaded",
-        "remove it and register a RewardFn in your program through verl's embedding API",
-    )?;
-    require(
-        cfg.custom_reward_function.name == "compute_score",
+        cfg.custom_reward_function.name == "compute_score"
+            || cfg.custom_reward_function.path.is_some(),
         "custom_reward_function.name",
         &cfg.custom_reward_function.name,
-        "it names a function of custom_reward_function.path, which cannot be loaded",
-        "remove it and register a RewardFn in your program through verl's embedding API",
+        "it names a function of custom_reward_function.path, which is unset",
+        "set custom_reward_function.path to the Python file that defines it",
     )?;
     require(
         !cfg.algorithm.use_pf_ppo,
@@ -907,10 +904,6 @@ mod tests {
             (
                 "reward_model.reward_manager=prime",
                 "reward_model.reward_manager",
-            ),
-            (
-                "custom_reward_function.path=my_reward.py",
-                "custom_reward_function.path",
             ),
             ("global_profiler.tool=npu", "global_profiler.tool"),
             (

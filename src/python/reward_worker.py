@@ -1,0 +1,89 @@
+# A verl-rs reward worker: loads a verl reward function from a Python file and scores rows sent
+# by the trainer. Frames on stdin / stdout: a 4-byte little-endian length, then UTF-8 JSON.
+#
+#   argv: <file> <function> <batched: 0|1>
+#   ready:    {"ready": true} or {"ready": false, "error": "..."}
+#   request:  {"rows": [{"data_source", "solution_str", "ground_truth", "extra_info"}, ...]}
+#   response: {"scores": [{"score": float, "extra": {name: float}}, ...]}
+#             or {"error": "...", "row": index within the request}
+#
+# The function has verl's signature: compute_score(data_source, solution_str, ground_truth,
+# extra_info) returning a number or a dict with "score" (other numeric entries are kept as
+# extras); batched (reward_manager=batch): compute_score(data_sources, solution_strs,
+# ground_truths, extra_infos) returning one of those per row. Whatever the function prints
+# goes to stderr, so it cannot break the frames.
+import importlib.util
+import json
+import os
+import struct
+import sys
+import traceback
+
+frames_out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+frames_in = sys.stdin.buffer
+
+
+def send(message):
+    data = json.dumps(message).encode()
+    frames_out.write(struct.pack("<I", len(data)) + data)
+    frames_out.flush()
+
+
+def receive():
+    head = frames_in.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack("<I", head)
+    return json.loads(frames_in.read(n))
+
+
+def as_score(value):
+    if isinstance(value, dict):
+        extra = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float, bool))}
+        return {"score": float(value["score"]), "extra": extra}
+    return {"score": float(value), "extra": {}}
+
+
+def main():
+    path, name, batched = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    try:
+        spec = importlib.util.spec_from_file_location("verl_rs_custom_reward", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        spec.loader.exec_module(module)
+        fn = getattr(module, name)
+    except Exception:
+        send({"ready": False, "error": traceback.format_exc(limit=4)})
+        return
+    send({"ready": True})
+    while True:
+        request = receive()
+        if request is None:
+            return
+        rows = request["rows"]
+        if batched:
+            try:
+                values = fn(
+                    data_sources=[r["data_source"] for r in rows],
+                    solution_strs=[r["solution_str"] for r in rows],
+                    ground_truths=[r["ground_truth"] for r in rows],
+                    extra_infos=[r["extra_info"] for r in rows],
+                )
+                send({"scores": [as_score(v) for v in values]})
+            except Exception:
+                send({"error": traceback.format_exc(limit=4), "row": 0})
+            continue
+        scores = []
+        for i, r in enumerate(rows):
+            try:
+                scores.append(as_score(fn(r["data_source"], r["solution_str"], r["ground_truth"], r["extra_info"])))
+            except Exception:
+                send({"error": traceback.format_exc(limit=4), "row": i})
+                break
+        else:
+            send({"scores": scores})
+
+
+main()

@@ -1,0 +1,196 @@
+//! verl's `custom_reward_function`: a Python file's `compute_score`, scored in `python3` worker
+//! processes. Needs a `python3` on the PATH (or `VERL_PYTHON`), as a verl user's machine has.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use verl::python::PythonReward;
+use verl::traits::RewardInput;
+use verl::ConfigBuilder;
+
+mod common;
+
+/// A reward file as a verl user writes one: exact match of the stripped answer, a dict with an
+/// extra for one data source, an exception for another, a crash the first time it sees
+/// `crash` (a marker file remembers), a hang for `hang`, and a print that must not break the
+/// frames.
+const REWARD_PY: &str = r#"
+import os, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    print("scoring", data_source)
+    if data_source == "raises":
+        return 1 / 0
+    if solution_str == "crash":
+        marker = os.path.join(os.path.dirname(__file__), "crashed_once")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+    if solution_str == "hang":
+        time.sleep(30)
+    score = 1.0 if solution_str.strip() == ground_truth else 0.0
+    if data_source == "with_extra":
+        return {"score": score, "length": len(solution_str), "tag": "ignored"}
+    if extra_info and "bonus" in extra_info:
+        score += extra_info["bonus"]
+    return score
+
+def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
+    return [float(len(s)) for s in solution_strs]
+"#;
+
+fn reward_file(dir: &Path) -> PathBuf {
+    let path = dir.join("my_reward.py");
+    std::fs::write(&path, REWARD_PY).unwrap();
+    path
+}
+
+fn row<'a>(source: &'a str, answer: &'a str, truth: &'a str, extra: &'a Value) -> RewardInput<'a> {
+    RewardInput {
+        data_source: source,
+        solution_str: answer,
+        ground_truth: truth,
+        extra_info: extra,
+    }
+}
+
+#[test]
+fn a_verl_reward_function_scores_rows_in_order_across_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = PythonReward::start(reward_file(dir.path()), "compute_score", false, 3).unwrap();
+    let none = Value::Null;
+    let bonus = json!({"bonus": 0.5});
+    let rows: Vec<_> = (0..10)
+        .map(|i| {
+            if i % 2 == 0 {
+                row("gsm8k", " 4 ", "4", &none)
+            } else {
+                row("gsm8k", "5", "4", &bonus)
+            }
+        })
+        .collect();
+    let scores = reward.score_rows(&rows).unwrap();
+    let got: Vec<f64> = scores.iter().map(|s| s.score).collect();
+    assert_eq!(got, [1.0, 0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5]);
+    // A dict's numeric entries come back as extras.
+    let scores = reward
+        .score_rows(&[row("with_extra", "4", "4", &none)])
+        .unwrap();
+    assert_eq!(scores[0].score, 1.0);
+    assert_eq!(scores[0].extra.get("length"), Some(&1.0));
+    assert!(!scores[0].extra.contains_key("tag"));
+}
+
+#[test]
+fn a_batched_reward_function_gets_the_lists() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = PythonReward::start(reward_file(dir.path()), "batch_score", true, 2).unwrap();
+    let none = Value::Null;
+    let rows = [row("a", "xyz", "", &none), row("b", "", "", &none)];
+    let got: Vec<f64> = reward
+        .score_rows(&rows)
+        .unwrap()
+        .iter()
+        .map(|s| s.score)
+        .collect();
+    assert_eq!(got, [3.0, 0.0]);
+}
+
+#[test]
+fn an_exception_names_the_file_function_and_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = PythonReward::start(reward_file(dir.path()), "compute_score", false, 1).unwrap();
+    let none = Value::Null;
+    let rows = [
+        row("gsm8k", "4", "4", &none),
+        row("raises", "4", "4", &none),
+    ];
+    let e = reward.score_rows(&rows).unwrap_err().to_string();
+    assert!(e.contains("my_reward.py::compute_score"), "{e}");
+    assert!(e.contains("row 1") && e.contains("raises"), "{e}");
+    assert!(e.contains("ZeroDivisionError"), "{e}");
+    // The worker lives on after the function raised.
+    assert_eq!(reward.score_rows(&rows[..1]).unwrap()[0].score, 1.0);
+}
+
+#[test]
+fn a_crashed_worker_is_replaced_and_a_hung_one_times_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = PythonReward::start(reward_file(dir.path()), "compute_score", false, 1)
+        .unwrap()
+        .with_deadline(Duration::from_secs(2));
+    let none = Value::Null;
+    // The first worker exits mid-request; its replacement scores the part.
+    let scores = reward
+        .score_rows(&[row("gsm8k", "crash", "crash", &none)])
+        .unwrap();
+    assert_eq!(scores[0].score, 1.0);
+    let e = reward
+        .score_rows(&[row("gsm8k", "hang", "", &none)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no answer within 2 s"), "{e}");
+}
+
+#[test]
+fn a_file_that_does_not_load_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = PythonReward::start(reward_file(dir.path()), "no_such_function", false, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("could not load") && e.contains("no_such_function"),
+        "{e}"
+    );
+    let e = PythonReward::start(dir.path().join("missing.py"), "compute_score", false, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("no such file"), "{e}");
+}
+
+/// The built-in addition task scored by a Python file instead of the Rust scorer, through the
+/// config as a verl user sets it.
+#[test]
+fn a_run_scores_with_custom_reward_function_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("addition_reward.py");
+    std::fs::write(
+        &path,
+        "import os\n\
+         def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+         with open(os.path.join(os.path.dirname(__file__), 'calls'), 'a') as f:\n        \
+         f.write(data_source + '\\n')\n    \
+         return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0\n",
+    )
+    .unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(verl::trainer::MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+        ])
+        .set("custom_reward_function.path", path.display())
+        .set("trainer.default_local_dir", dir.path().display())
+        .build()
+        .unwrap();
+    let summary = common::fit(validated);
+    let lines = common::step_lines(&summary.metrics_path);
+    let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        let score = s["critic/score/mean"];
+        assert!((0.0..=1.0).contains(&score), "{score}");
+    }
+    // Every response of both steps went through the Python function (16 prompts x 8 samples).
+    let calls = std::fs::read_to_string(dir.path().join("calls")).unwrap();
+    assert!(
+        calls.lines().count() >= 2 * 16 * 8,
+        "{} calls",
+        calls.lines().count()
+    );
+}

@@ -469,3 +469,55 @@ fn rollout_correction_weights_and_rejects() {
         assert!(l.contains_key("actor/pg_loss"), "the actor updated: {l:?}");
     }
 }
+
+/// PPO whose critic starts from a causal LM (`critic.model.path`, verl's way: the LM's backbone
+/// under a new value head; `verl-megatron/tests/heads.rs` checks the weights), on the qwen2
+/// fixture as both actor and critic: it trains, and its value loss is a number.
+#[test]
+fn a_critic_from_an_lm_path_trains() {
+    use verl::trainer::data::PromptRow;
+    use verl::trainer::PpoTrainer;
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen2"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let config = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "algorithm.adv_estimator=gae",
+            "critic.enable=true",
+            "critic.ppo_micro_batch_size_per_gpu=64",
+            "data.max_prompt_length=32",
+            "data.max_response_length=8",
+        ])
+        .set("actor_rollout_ref.model.path", fixture)
+        .set("critic.model.path", fixture)
+        .set("trainer.default_local_dir", dir.path().display())
+        .resolve()
+        .unwrap();
+    let rows = (0..16).map(|i| {
+        PromptRow::new(
+            format!("{i}+1="),
+            "verl_rs/arithmetic",
+            &(i + 1).to_string(),
+        )
+    });
+    let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
+    let summary = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(trainer.fit())
+        .unwrap();
+    let lines = common::step_lines(&summary.metrics_path);
+    let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
+    assert_eq!(steps.len(), 2);
+    for s in steps {
+        assert!(s["critic/vf_loss"].is_finite() && s["critic/values/mean"].is_finite());
+    }
+}

@@ -214,6 +214,30 @@ pub(crate) struct CriticPlan {
     dynamic: DynamicBatch,
     /// `critic.model.use_remove_padding`.
     pack_sequences: bool,
+    /// `critic.model.path`: the causal LM (directory and config) whose backbone the critic
+    /// starts from, under a new value head; `None`: drawn at random with the actor's shape.
+    backbone: Option<(std::path::PathBuf, HfModelConfig)>,
+}
+
+/// The causal LM of `critic.model.path`, checked against the actor's vocabulary (the critic
+/// reads the actor's token ids).
+fn critic_backbone(
+    cfg: &VerlConfig,
+    actor: &HfModelConfig,
+) -> Result<Option<(std::path::PathBuf, HfModelConfig)>, TrainError> {
+    let Some(path) = &cfg.critic.model.path else {
+        return Ok(None);
+    };
+    let lm = HfModelConfig::from_dir(path)
+        .map_err(|e| setup(format!("critic.model.path = {path}: {e}")))?;
+    if lm.vocab_size != actor.vocab_size {
+        return Err(setup(format!(
+            "critic.model.path = {path}: its vocabulary has {} tokens and the actor's {}; the \
+             critic reads the actor's token ids, so give it a model with the actor's tokenizer",
+            lm.vocab_size, actor.vocab_size
+        )));
+    }
+    Ok(Some((path.into(), lm)))
 }
 
 /// The roles of a run, as every rank builds them.
@@ -463,7 +487,8 @@ impl CriticPlan {
             cliprange_value: c.cliprange_value,
             loss_agg_mode: c.loss_agg_mode,
         };
-        let mut vcfg = model_cfg.clone();
+        let backbone = critic_backbone(cfg, model_cfg)?;
+        let mut vcfg = backbone.as_ref().map_or(model_cfg, |(_, lm)| lm).clone();
         vcfg.head = HeadKind::TokenClassification { num_labels: 1 };
         vcfg.tie_word_embeddings = false;
         let optim_steps = total_steps.max(1)
@@ -500,6 +525,7 @@ impl CriticPlan {
                 reference_max_tokens: None,
             },
             pack_sequences: c.model.use_remove_padding,
+            backbone,
         })
     }
 }
@@ -690,14 +716,24 @@ impl CriticPlan {
         let device = Default::default();
         let model_groups = ModelGroups::of(&groups, self.sequence_parallel);
         let stage = PipelineStageLayout::of(groups.pp().rank(), self.split.clone());
-        let model = CausalLm::<Train>::init_stage(
-            &self.model,
-            0.02,
-            self.seed ^ 0xc41c,
-            &device,
-            &model_groups,
-            &stage,
-        )?
+        let model = match &self.backbone {
+            Some((path, lm)) => CausalLm::<Train>::value_model_from_checkpoint_stage(
+                lm,
+                &HfCheckpoint::open(path)?,
+                (0.02, self.seed ^ 0xc41c),
+                &device,
+                &model_groups,
+                &stage,
+            )?,
+            None => CausalLm::<Train>::init_stage(
+                &self.model,
+                0.02,
+                self.seed ^ 0xc41c,
+                &device,
+                &model_groups,
+                &stage,
+            )?,
+        }
         .with_compute_dtype(self.dtype)
         .with_packed_sequences(self.pack_sequences);
         let model = self.moe.apply(model);

@@ -77,8 +77,14 @@ impl PpoTrainer {
             Some(p) => verl_megatron::hf::read_config_json(p).map_err(setup)?,
             None => model_cfg.to_config_json(),
         };
+        let critic_base = match &cfg.critic.model.path {
+            Some(p) if cfg.critic_enabled() => {
+                verl_megatron::hf::HfModelConfig::from_dir(p).map_err(setup)?
+            }
+            _ => model_cfg.clone(),
+        };
         let critic_config_json = cfg.critic_enabled().then(|| {
-            let mut v = model_cfg.clone();
+            let mut v = critic_base;
             v.head = HeadKind::TokenClassification { num_labels: 1 };
             v.tie_word_embeddings = false;
             v.to_config_json()

@@ -99,3 +99,82 @@ fn heads_round_trip_through_save() {
         }
     }
 }
+
+/// A critic from an LM path (verl's `critic.model.path`): the LM checkpoint's backbone, tensor
+/// for tensor, under a new value head; the LM head is not read. A checkpoint that has a value
+/// head already loads whole.
+#[test]
+fn a_value_model_starts_from_a_causal_lm_backbone() {
+    use verl_megatron::hf::HfModelConfig;
+    use verl_megatron::models::causal_lm::PipelineStageLayout;
+    use verl_megatron::parallel::TpGroup;
+    let device = Default::default();
+    let dir = fixture("qwen2");
+    let lm = HfModelConfig::from_dir(&dir).unwrap();
+    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let whole = PipelineStageLayout::whole(lm.num_hidden_layers);
+    let value = CausalLm::<B>::value_model_from_checkpoint_stage(
+        &lm,
+        &ckpt,
+        (0.02, 7),
+        &device,
+        &TpGroup::none(),
+        &whole,
+    )
+    .unwrap();
+    let weights = value.export_weights();
+    let get = |name: &str| weights.iter().find(|w| w.name == name);
+    for name in [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ] {
+        let mine: Vec<f32> = get(name)
+            .unwrap()
+            .values
+            .clone()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let theirs: Vec<f32> = ckpt
+            .load::<B, 1>(name, &device)
+            .or_else(|_| ckpt.load::<B, 2>(name, &device).map(|t| t.flatten(0, 1)))
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert_eq!(mine, theirs, "{name}");
+    }
+    let score = get("score.weight").expect("a value head");
+    assert_eq!(score.shape, [1, lm.hidden_size]);
+    assert!(get("lm_head.weight").is_none());
+    let drawn: Vec<f32> = score.values.clone().into_data().to_vec().unwrap();
+    assert!(drawn.iter().any(|v| *v != 0.0) && drawn.iter().all(|v| v.abs() < 0.2));
+
+    // A saved critic (a token-classification checkpoint) keeps its own head.
+    let dir = fixture("qwen2_value");
+    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let saved = HfModelConfig::from_dir(&dir).unwrap();
+    let value = CausalLm::<B>::value_model_from_checkpoint_stage(
+        &saved,
+        &ckpt,
+        (0.02, 7),
+        &device,
+        &TpGroup::none(),
+        &PipelineStageLayout::whole(saved.num_hidden_layers),
+    )
+    .unwrap();
+    let score = value
+        .export_weights()
+        .into_iter()
+        .find(|w| w.name == "score.weight")
+        .unwrap();
+    let want: Vec<f32> = ckpt
+        .load::<B, 2>("score.weight", &device)
+        .unwrap()
+        .into_data()
+        .to_vec()
+        .unwrap();
+    assert_eq!(score.values.into_data().to_vec::<f32>().unwrap(), want);
+}

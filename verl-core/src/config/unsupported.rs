@@ -544,18 +544,21 @@ fn refuse_critic(cfg: &VerlConfig) -> Result<(), ConfigError> {
                 .unwrap_or(c.ppo_max_token_len_per_gpu),
         )?;
         megatron("critic", &c.megatron)?;
-        for (key, v) in [
-            ("path", &c.model.path),
-            ("tokenizer_path", &c.model.tokenizer_path),
-        ] {
-            require(
-                v.is_none(),
-                &format!("critic.model.{key}"),
-                v,
-                "not supported yet: the critic is initialised at random with the actor's architecture and tokenizer",
-                "remove it",
-            )?;
-        }
+        // The critic reads the actor's token ids: a tokenizer of its own is refused, unless it
+        // is the actor's (verl's default points it at actor_rollout_ref.model.path) or the
+        // critic model's own.
+        let m = &cfg.actor_rollout_ref.model;
+        let tokenizer = c.model.tokenizer_path.as_ref();
+        require(
+            tokenizer.is_none()
+                || tokenizer == m.path.as_ref()
+                || tokenizer == m.tokenizer_path.as_ref()
+                || tokenizer == c.model.path.as_ref(),
+            "critic.model.tokenizer_path",
+            &c.model.tokenizer_path,
+            "not supported yet: the critic reads the actor's token ids",
+            "remove it (the actor's tokenizer is used)",
+        )?;
         require(
             c.load_weight,
             "critic.load_weight",

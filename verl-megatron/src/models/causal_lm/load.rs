@@ -101,6 +101,34 @@ impl<B: Backend> TensorSource<B> for NamedSource<B> {
     }
 }
 
+/// A value model over a causal LM's checkpoint: the backbone's tensors from the checkpoint, the
+/// new head (`score.*`) drawn.
+struct BackboneSource<'a, B: Backend> {
+    ckpt: CheckpointSource<'a, B>,
+    head: RandomInit<'a, B>,
+}
+
+impl<B: Backend> TensorSource<B> for BackboneSource<'_, B> {
+    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
+        match name.starts_with("score.") {
+            true => self.head.load(name),
+            false => self.ckpt.load(name),
+        }
+    }
+
+    fn load_part<const D: usize>(
+        &self,
+        name: &str,
+        dim: usize,
+        part: (usize, usize),
+    ) -> Result<Tensor<B, D>, MegatronError> {
+        match name.starts_with("score.") {
+            true => self.head.load_part(name, dim, part),
+            false => self.ckpt.load_part(name, dim, part),
+        }
+    }
+}
+
 /// Random initialisation, seeded per tensor name; shapes from the architecture's tensor table.
 struct RandomInit<'a, B: Backend> {
     shapes: HashMap<String, Vec<usize>>,
@@ -179,6 +207,44 @@ impl<B: ParallelBackend> CausalLm<B> {
     ) -> Result<Self, MegatronError> {
         ckpt.verify(cfg)?;
         Self::from_source(cfg, &CheckpointSource { ckpt, device }, groups, stage)
+    }
+
+    /// A value model (one score per token, `…ForTokenClassification` with one label) on the
+    /// backbone of the causal LM checkpoint `ckpt` whose config is `lm`: its layers, norms and
+    /// embedding from the checkpoint, a new head drawn from N(0, `std`²) seeded by `seed`
+    /// (the LM head is not read), as verl builds a PPO critic from an LM path. A checkpoint that
+    /// already has a value head (`score.weight`, a critic saved earlier) loads whole.
+    pub fn value_model_from_checkpoint_stage(
+        lm: &HfModelConfig,
+        ckpt: &HfCheckpoint,
+        (std, seed): (f64, u64),
+        device: &B::Device,
+        groups: impl Into<ModelGroups>,
+        stage: &PipelineStageLayout,
+    ) -> Result<Self, MegatronError> {
+        let mut value = lm.clone();
+        value.head = HeadKind::TokenClassification { num_labels: 1 };
+        value.tie_word_embeddings = false;
+        if ckpt.contains("score.weight") {
+            return Self::from_checkpoint_stage(&value, ckpt, device, groups, stage);
+        }
+        let mut causal = lm.clone();
+        causal.head = HeadKind::CausalLm;
+        ckpt.verify(&causal)?;
+        let shapes = hf_tensor_specs(&value)
+            .into_iter()
+            .map(|s| (s.name, s.shape))
+            .collect();
+        let source = BackboneSource {
+            ckpt: CheckpointSource { ckpt, device },
+            head: RandomInit {
+                shapes,
+                std,
+                seed,
+                device,
+            },
+        };
+        Self::from_source(&value, &source, groups, stage)
     }
 
     /// A freshly initialised model (training from scratch): weights drawn from

@@ -327,12 +327,47 @@ enum BenchCommand {
     },
 }
 
+/// The config `verl train` and `verl config` both start from: the `--config` file; else, when
+/// the overrides name a model or a data file of the user's own, verl's defaults (as verl would
+/// run that command); else the built-in task's settings (`MAIN_JOB`). A note on stderr says
+/// which applied when no file was given.
 fn builder(args: &ConfigArgs) -> ConfigBuilder {
-    let b = ConfigBuilder::new().overrides(&args.overrides);
-    match &args.config {
+    let b = ConfigBuilder::new();
+    let b = match &args.config {
         Some(p) => b.file(p),
-        None => b,
-    }
+        None if names_own_model_or_data(&args.overrides) => {
+            eprintln!(
+                "note: a model or data of your own is named, so verl's defaults apply (not the \
+                 built-in task's settings); pass --config to start from a file"
+            );
+            b
+        }
+        None => {
+            eprintln!(
+                "note: the built-in task's settings apply (verl::trainer::MAIN_JOB: tiny Qwen2 \
+                 on addition); name actor_rollout_ref.model.path or data.train_files, or pass \
+                 --config, to start from verl's defaults"
+            );
+            b.overrides(verl::trainer::MAIN_JOB)
+        }
+    };
+    b.overrides(&args.overrides)
+}
+
+/// Whether `overrides` set `actor_rollout_ref.model.path` or a data file that is not one of
+/// the built-in tasks (`builtin:...`).
+fn names_own_model_or_data(overrides: &[String]) -> bool {
+    overrides.iter().any(|o| {
+        let (key, value) = o.split_once('=').unwrap_or((o, ""));
+        let key = key.trim().trim_start_matches('+');
+        let value = value.trim();
+        let set = !value.is_empty() && value != "null";
+        match key {
+            "actor_rollout_ref.model.path" => set,
+            "data.train_files" => set && !value.starts_with("builtin:"),
+            _ => false,
+        }
+    })
 }
 
 fn run(cli: Cli) -> Result<(), String> {
@@ -729,16 +764,8 @@ fn print_completions(
 }
 
 fn train_cmd(args: &ConfigArgs) -> Result<(), String> {
-    use verl::trainer::{PpoTrainer, MAIN_JOB};
-    let mut b = ConfigBuilder::new();
-    match &args.config {
-        Some(p) => b = b.file(p),
-        None => b = b.overrides(MAIN_JOB),
-    }
-    let validated = b
-        .overrides(&args.overrides)
-        .build()
-        .map_err(|e| e.to_string())?;
+    use verl::trainer::PpoTrainer;
+    let validated = builder(args).build().map_err(|e| e.to_string())?;
     // What the config reader did with verl's keys that do nothing here or run differently.
     for note in &validated.config.notes {
         eprintln!("note: {note}");

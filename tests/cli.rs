@@ -46,9 +46,41 @@ fn config_print_shows_the_resolved_config() {
     // Inherited values are resolved in what is printed.
     assert_eq!(
         printed["actor_rollout_ref"]["rollout"]["response_length"],
-        serde_yaml::Value::from(512)
+        printed["data"]["max_response_length"]
     );
     assert!(err.contains("actor dp 2"), "{err}");
+}
+
+/// `verl config` resolves what `verl train` would run: with nothing named, the built-in task's
+/// settings (and they validate); with a model of the user's own, verl's defaults, and a note
+/// that says which.
+#[test]
+fn config_starts_where_train_starts() {
+    let (ok, out, err) = verl(&["config", "--print"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("the built-in task's settings apply"), "{err}");
+    let printed: serde_yaml::Value = serde_yaml::from_str(&out).expect("valid YAML");
+    assert_eq!(
+        printed["trainer"]["sft_warmup_steps"],
+        serde_yaml::Value::from(600)
+    );
+
+    let (_, out, err) = verl(&[
+        "config",
+        "--print",
+        "--no-validate",
+        "actor_rollout_ref.model.path=/models/mine",
+    ]);
+    assert!(err.contains("verl's defaults apply"), "{err}");
+    let printed: serde_yaml::Value = serde_yaml::from_str(&out).expect("valid YAML");
+    assert_eq!(
+        printed["trainer"]["sft_warmup_steps"],
+        serde_yaml::Value::from(0)
+    );
+    assert_eq!(
+        printed["data"]["train_batch_size"],
+        serde_yaml::Value::from(1024)
+    );
 }
 
 #[test]

@@ -271,6 +271,16 @@ impl ProcessRanks {
             // error, and among lost ranks one killed by a signal: its peers may exit on their
             // own when its collectives break, and their connections can close first.
             let lost = |f: &&(usize, Option<String>, String)| f.1.is_none();
+            // Under load the killed rank's own connection can close after the grace; a rank the
+            // launcher saw killed by a signal is still the cause (it may take the launcher a
+            // moment to see it end).
+            if failures.iter().any(|f| lost(&f)) {
+                if let Some(rank) = self.signalled_rank(Duration::from_millis(500)) {
+                    if !failures.iter().any(|f| f.0 == rank) {
+                        failures.push((rank, None, "its connection closed".into()));
+                    }
+                }
+            }
             let killed = failures.iter().position(|f| {
                 lost(&f) && (self.how_ended)(f.0).is_some_and(|h| h.contains("signal"))
             });
@@ -281,6 +291,20 @@ impl ProcessRanks {
             return Err(self.fail(rank, method, remote, how));
         }
         Ok(outputs)
+    }
+
+    /// A rank whose process the launcher saw killed by a signal, waiting up to `patience` for
+    /// one to show.
+    fn signalled_rank(&self, patience: Duration) -> Option<usize> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let found = (0..self.links.len())
+                .find(|&r| (self.how_ended)(r).is_some_and(|h| h.contains("signal")));
+            if found.is_some() || Instant::now() > deadline {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Aborts the job after `rank` failed in `method` (with `remote`'s error, or lost with

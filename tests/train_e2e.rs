@@ -521,3 +521,37 @@ fn a_critic_from_an_lm_path_trains() {
         assert!(s["critic/vf_loss"].is_finite() && s["critic/values/mean"].is_finite());
     }
 }
+
+/// `trainer.balance_batch` (verl's default) reorders the update's rows across two
+/// data-parallel ranks by tokens: generation and scoring are untouched (step 1's scores equal
+/// the unbalanced run's), the balanced chunks are logged under verl's `global_seqlen/*` names and
+/// are never heavier than the batch order's.
+#[test]
+fn balanced_data_parallel_logs_its_chunks_and_keeps_the_rollout() {
+    let base = [
+        "trainer.n_gpus_per_node=2",
+        "trainer.sft_warmup_steps=0",
+        "trainer.total_training_steps=2",
+        "trainer.val_before_train=false",
+    ];
+    let (_, plain, _d1) = run(&base);
+    let mut balanced_run = base.to_vec();
+    balanced_run.push("trainer.balance_batch=true");
+    let (_, balanced, _d2) = run(&balanced_run);
+    let steps = |lines: &[BTreeMap<String, f64>]| -> Vec<BTreeMap<String, f64>> {
+        lines.iter().filter(|l| l["step"] >= 1.0).cloned().collect()
+    };
+    let (plain, balanced) = (steps(&plain), steps(&balanced));
+    assert_eq!(
+        plain[0]["critic/score/mean"],
+        balanced[0]["critic/score/mean"]
+    );
+    assert!(!plain[0].contains_key("global_seqlen/max"));
+    for s in &balanced {
+        assert!(
+            s["global_seqlen/balanced_max"] <= s["global_seqlen/max"],
+            "{s:?}"
+        );
+        assert!(s["actor/pg_loss"].is_finite() && s["actor/grad_norm"].is_finite());
+    }
+}

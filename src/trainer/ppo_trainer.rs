@@ -63,6 +63,9 @@ pub struct PpoTrainer {
     pub(super) needs_ref: bool,
     /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).
     pub(super) old_log_prob_apart: bool,
+    /// `trainer.balance_batch`: the actor's and the critic's data-parallel sizes, whose
+    /// update inputs are reordered for balanced tokens per rank.
+    pub(super) balance_dp: Option<(usize, usize)>,
     pub(super) total_steps: u64,
     /// The step being run (validation seeds its sampling with it).
     pub(super) global_step: u64,

@@ -383,6 +383,10 @@ impl PpoTrainer {
             "values",
             "returns",
         ])?;
+        let mut inputs = inputs;
+        if let Some((_, dp)) = self.balance_dp {
+            balance(&mut inputs, dp, "critic", &mut batch.metrics)?;
+        }
         let out = critic
             .call_proto(&DispatchMode::MegatronCompute, "update_critic", inputs)
             .await?;
@@ -411,13 +415,13 @@ impl PpoTrainer {
         if batch.data.contains("rollout_is_weights") {
             keys.push("rollout_is_weights");
         }
+        let mut inputs = batch.columns(&keys)?;
+        if let Some((dp, _)) = self.balance_dp {
+            balance(&mut inputs, dp, "actor", &mut batch.metrics)?;
+        }
         let out = self
             .actor
-            .call_proto(
-                &DispatchMode::MegatronCompute,
-                "update_actor",
-                batch.columns(&keys)?,
-            )
+            .call_proto(&DispatchMode::MegatronCompute, "update_actor", inputs)
             .await?;
         batch.metrics.extend(metrics_of(&out));
         Ok(())
@@ -497,6 +501,46 @@ impl PpoTrainer {
 }
 
 /// `data` without the metrics a worker returned in it, which go into `metrics`.
+/// `trainer.balance_batch`: reorders an update's rows so that the `dp` contiguous chunks the
+/// ranks receive carry balanced token counts (rows are independent by then: their advantages
+/// and returns are computed), and logs verl's `global_seqlen/*` figures (the actor's only, as
+/// verl's one reorder gives them).
+fn balance(
+    inputs: &mut DataProto<Infer>,
+    dp: usize,
+    role: &str,
+    metrics: &mut Metrics,
+) -> Result<(), TrainError> {
+    use verl_core::algorithms::balance::{balanced_order, chunk_sums};
+    let lens: Vec<usize> = inputs
+        .int::<2>("attention_mask")?
+        .sum_dim(1)
+        .into_data()
+        .convert::<i64>()
+        .iter::<i64>()
+        .map(|v| v.max(0) as usize)
+        .collect();
+    let order = balanced_order(&lens, dp);
+    if role == "actor" {
+        let k = dp.max(1);
+        let before = chunk_sums(&lens, &(0..lens.len()).collect::<Vec<_>>(), k);
+        let after = chunk_sums(&lens, &order, k);
+        let lo = |s: &[usize]| s.iter().min().copied().unwrap_or(0) as f64;
+        let hi = |s: &[usize]| s.iter().max().copied().unwrap_or(0) as f64;
+        metrics.push("global_seqlen/min", lo(&before));
+        metrics.push("global_seqlen/max", hi(&before));
+        metrics.push("global_seqlen/minmax_diff", hi(&before) - lo(&before));
+        metrics.push(
+            "global_seqlen/mean",
+            lens.iter().sum::<usize>() as f64 / k as f64,
+        );
+        metrics.push("global_seqlen/balanced_min", lo(&after));
+        metrics.push("global_seqlen/balanced_max", hi(&after));
+    }
+    inputs.reorder(&order)?;
+    Ok(())
+}
+
 pub(super) fn take_metrics<B: Backend>(
     mut data: DataProto<B>,
     metrics: &mut Metrics,

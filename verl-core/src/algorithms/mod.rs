@@ -18,6 +18,7 @@
 
 pub mod advantage;
 pub mod aggregation;
+pub mod balance;
 pub mod kl;
 pub mod logits;
 pub mod masked;

@@ -269,13 +269,6 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "set it to cpu or cuda"
         },
     )?;
-    require(
-        !t.balance_batch,
-        "trainer.balance_batch",
-        t.balance_batch,
-        "samples are not reordered by length across data-parallel ranks",
-        "set it to false",
-    )?;
     for logger in &t.logger {
         require(
             logger == "console" || logger == "jsonl",

@@ -615,6 +615,10 @@ fn generate_cmd(
     use verl::megatron::hf::{HfCheckpoint, HfModelConfig, HfTokenizer};
     use verl::megatron::models::CausalLm;
     use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler};
+    // A directory, or a hub id already in the local Hugging Face cache.
+    let resolved = verl::megatron::hf::resolve_model_dir(&model.display().to_string())
+        .map_err(|e| e.to_string())?;
+    let model = resolved.as_path();
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
     refuse_score_heads(model, &cfg)?;
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;

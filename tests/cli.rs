@@ -424,3 +424,51 @@ fn a_profiled_step_is_summarized() {
     let (ok, _, err) = verl(&["profile", "summarize", "/nonexistent.json.gz"]);
     assert!(!ok && err.contains("/nonexistent.json.gz"), "{err}");
 }
+
+/// A model named by its hub id is found in the local Hugging Face cache (the hub's layout,
+/// `refs/main` naming the snapshot); one that is not there is an error saying where it looked.
+#[test]
+fn a_hub_id_resolves_from_the_local_cache() {
+    let cache = tempfile::tempdir().unwrap();
+    let repo = cache.path().join("models--acme--tiny-qwen2");
+    let snapshot = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd\n").unwrap();
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen2"
+    );
+    for entry in std::fs::read_dir(fixture).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), snapshot.join(entry.file_name())).unwrap();
+    }
+    let run = |model: &str| {
+        Command::new(env!("CARGO_BIN_EXE_verl"))
+            .args([
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "hi",
+                "--max-new-tokens",
+                "2",
+            ])
+            .env("HF_HUB_CACHE", cache.path())
+            .output()
+            .unwrap()
+    };
+    let out = run("acme/tiny-qwen2");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = run("acme/absent");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("models--acme--absent") && err.contains("nothing is downloaded"),
+        "{err}"
+    );
+}

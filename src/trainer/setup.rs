@@ -39,7 +39,11 @@ impl PpoTrainer {
 
     /// The trainer of `validated` with the builder's `parts`: every check first, the workers
     /// (and their model memory) last.
-    pub(crate) fn assemble(validated: ValidatedConfig, parts: Parts) -> Result<Self, TrainError> {
+    pub(crate) fn assemble(
+        mut validated: ValidatedConfig,
+        parts: Parts,
+    ) -> Result<Self, TrainError> {
+        resolve_model_paths(&mut validated.config)?;
         let cfg = validated.config.clone();
         verl_core::traits::comm_timeout().map_err(setup)?;
         let (codec, model_cfg) = model_and_codec(&cfg)?;
@@ -117,6 +121,10 @@ impl PpoTrainer {
             log,
             needs_ref: plans.actor.needs_ref,
             old_log_prob_apart: plans.old_log_prob_apart,
+            balance_dp: cfg
+                .trainer
+                .balance_batch
+                .then(|| (validated.actor_dp, validated.critic_dp.unwrap_or(1))),
             cfg,
             validated,
             actor,
@@ -271,6 +279,38 @@ fn check_token_ids(
             return Err(setup(format!(
                 "{what} token id is {id}, but the model's vocab_size is {vocab_size}; {fix}"
             )));
+        }
+    }
+    Ok(())
+}
+
+/// Every model path of the config as the directory it names: `~` expanded, a hub id
+/// (`Qwen/Qwen2.5-7B-Instruct`) found in the local Hugging Face cache; a path that names
+/// nothing is refused with its key and where it was looked for.
+fn resolve_model_paths(cfg: &mut VerlConfig) -> Result<(), TrainError> {
+    // Only the roles that run: a disabled critic's path (verl's YAML names one) is not read.
+    let (critic, reward_model) = (cfg.critic_enabled(), cfg.reward_model.enable);
+    let m = &mut cfg.actor_rollout_ref.model;
+    let c = &mut cfg.critic.model;
+    let mut slots = vec![
+        ("actor_rollout_ref.model.path", &mut m.path),
+        (
+            "actor_rollout_ref.model.tokenizer_path",
+            &mut m.tokenizer_path,
+        ),
+    ];
+    if critic {
+        slots.push(("critic.model.path", &mut c.path));
+        slots.push(("critic.model.tokenizer_path", &mut c.tokenizer_path));
+    }
+    if reward_model {
+        slots.push(("reward_model.model.path", &mut cfg.reward_model.model.path));
+    }
+    for (key, slot) in slots {
+        if let Some(path) = slot.as_mut() {
+            let dir = verl_megatron::hf::resolve_model_dir(path)
+                .map_err(|e| setup(format!("{key}: {e}")))?;
+            *path = dir.display().to_string();
         }
     }
     Ok(())

@@ -13,6 +13,12 @@ pub enum MegatronError {
         field: String,
         message: String,
     },
+    #[error(
+        "model `{path}` not found: looked at {}; give a directory, or a hub id already in the \
+         Hugging Face cache (nothing is downloaded; set HF_HOME or HF_HUB_CACHE where it lives)",
+        looked.join(", ")
+    )]
+    ModelNotFound { path: String, looked: Vec<String> },
     #[error("tensor `{name}` is missing from the checkpoint in {dir}")]
     MissingTensor { name: String, dir: PathBuf },
     #[error("{file}: unexpected tensor `{name}` (not part of this architecture; is config.json the right one?)")]

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod hub;
 pub mod save;
 pub mod tensor_map;
 pub mod tokenizer;
@@ -11,6 +12,7 @@ pub use checkpoint::HfCheckpoint;
 pub use config::{
     Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims, RopeScaling, WeightDtype,
 };
+pub use hub::resolve_model_dir;
 pub use save::{read_config_json, save_pretrained, SaveOptions};
 pub use tensor_map::{hf_tensor_specs, TensorSpec};
 pub use tokenizer::{ChatMessage, HfTokenizer};

@@ -851,14 +851,22 @@ fn summarize_cmd(path: &std::path::Path, top: usize) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    // Logs go to stderr as RUST_LOG says; the profiler's layer sees every span (it records
-    // only while a capture is open).
+    // Logs go to stderr as RUST_LOG says; without it, verl-rs's own information (what runs,
+    // from where, what was skipped and why, a line per step off a terminal) and everyone's
+    // warnings. The profiler's layer sees every span (it records only while a capture is open).
     use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(
+            "warn,verl=info,verl_core=info,verl_megatron=info,verl_rollout=info,\
+             verl_offload=info,verl_profiler=info",
+        )
+    });
     tracing_subscriber::registry()
         .with(
             tracing_subscriber::fmt::layer()
                 .with_writer(std::io::stderr)
-                .with_filter(tracing_subscriber::EnvFilter::from_default_env()),
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_filter(filter),
         )
         .with(verl::profiler::TraceLayer)
         .init();

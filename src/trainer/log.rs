@@ -227,6 +227,12 @@ impl RunLog {
         if step > 0 {
             self.bar.set_position(step);
         }
+        // Without a terminal the bar draws nothing: one log line per step instead (an info
+        // event, so an embedding program's subscriber decides whether it shows).
+        if step > 0 && !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+            let total = self.bar.length().unwrap_or(0);
+            tracing::info!(target: "verl::progress", "step {step}/{total}: {}", msg.trim_end());
+        }
         self.bar.set_message(msg);
         Ok(())
     }

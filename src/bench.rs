@@ -473,15 +473,20 @@ impl TimedSteps {
         let part = |i: usize| median(phases.iter().map(|p| p[i]).collect());
         let tokens_per_s = tokens as f64 / (step_ms / 1e3);
         let mfu = tokens_per_s * flops_per_token / (peak_tflops * 1e12);
+        // MFU is counted against a GPU's peak; on the CPU backend that figure means nothing.
+        let mfu = if cfg!(feature = "cuda") {
+            format!("MFU {:.1}% of {peak_tflops:.0} TFLOP/s", 100.0 * mfu)
+        } else {
+            "no MFU on the CPU backend".to_string()
+        };
         println!(
             "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
-             tokens/s; MFU {:.1}% of {peak_tflops:.0} TFLOP/s; loss {last_loss:.4}; peak memory in \
+             tokens/s; {mfu}; loss {last_loss:.4}; peak memory in \
              use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
              backward {:.1} ms; host reads of device memory per step {}",
             part(0),
             part(1),
             part(2),
-            100.0 * mfu,
             peak_in_use as f64 / (1u64 << 30) as f64,
             median(enqueued.iter().map(|p| p[0]).collect()),
             median(enqueued.iter().map(|p| p[1]).collect()),

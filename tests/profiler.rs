@@ -231,6 +231,14 @@ fn settings_it_cannot_honour_are_refused_by_name() {
             "global_profiler.global_tool_config.npu",
         ),
         (
+            &["global_profiler.global_tool_config.npu.level=level2"][..],
+            "global_profiler.global_tool_config.npu",
+        ),
+        (
+            &["global_profiler.global_tool_config.npu.analysis=false"][..],
+            "global_profiler.global_tool_config.npu",
+        ),
+        (
             &["global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=0"][..],
             "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries",
         ),

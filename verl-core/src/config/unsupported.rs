@@ -795,10 +795,15 @@ fn refuse_tool_config(prefix: &str, tools: &ToolConfig) -> Result<(), ConfigErro
                  the capture range around the profiled steps)",
         )?;
     }
-    // verl's own npu block (level / analysis, which differ between verl versions) asks for
-    // nothing; contents to collect or discrete captures do.
+    // verl's own npu block asks for nothing (its `level` default is level1 in older verl,
+    // level0 in newer); any other level, analysis off, contents to collect or discrete captures
+    // would be settings that change nothing here, so they are refused.
+    let npu = &tools.npu;
     require(
-        tools.npu.contents.is_empty() && !tools.npu.discrete,
+        npu.contents.is_empty()
+            && !npu.discrete
+            && npu.analysis
+            && matches!(npu.level.as_str(), "level0" | "level1"),
         &key("npu"),
         &tools.npu,
         "there is no NPU to profile",

@@ -233,7 +233,7 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
 /// Our GEMM against burn's product on every stored layout (A and B row-major or transposed)
 /// and edge sizes, operands given directly (no autodiff).
 fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
-    for kernel in ["own", "own_f32", "wmma"] {
+    for kernel in ["own", "own_f32", "wmma", "decode", "decode_f32"] {
         check_gemm_kernel(kernel, device, failures);
     }
 }
@@ -242,16 +242,30 @@ fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
 /// operand layout and on odd sizes.
 fn check_gemm_kernel(kernel: &str, device: &Device, failures: &mut Vec<String>) {
     println!("\n{kernel} GEMM vs burn's product, by layout (relative error)");
-    let sizes = [
-        (2044, 896, 896),
-        (2044, 128, 896),
-        (2044, 4864, 896),
-        (2044, 896, 128),
-        (896, 2044, 4864),
-        (130, 72, 200),
-        (1, 8, 3),
-    ];
-    for (m, k, n) in sizes {
+    let sizes: &[(usize, usize, usize)] = if kernel.starts_with("decode") {
+        // A decode step's products: batches of 1 to 64 rows (and past a tile's 16 / 32 / 64)
+        // against wide weights, and odd edges.
+        &[
+            (1, 3584, 4608),
+            (7, 896, 4864),
+            (16, 4864, 896),
+            (33, 200, 130),
+            (64, 18944, 512),
+            (100, 72, 200),
+            (1, 8, 3),
+        ]
+    } else {
+        &[
+            (2044, 896, 896),
+            (2044, 128, 896),
+            (2044, 4864, 896),
+            (2044, 896, 128),
+            (896, 2044, 4864),
+            (130, 72, 200),
+            (1, 8, 3),
+        ]
+    };
+    for &(m, k, n) in sizes {
         print!("({m:>5}, {k:>5}, {n:>5})");
         for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
             let make = |rows: usize, cols: usize, t: bool, seed| {

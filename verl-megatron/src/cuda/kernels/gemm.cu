@@ -1,4 +1,4 @@
-// C = A · B for bf16 operands with f32 accumulation and a bf16 result, on tensor cores (wmma
+// C = A · B for bf16 operands with f32 accumulation and a bf16 (or f32) result, on tensor cores (wmma
 // 16x16x16), fed by a STAGES-deep cp.async pipeline: a BM x BN tile of C per block of
 // WARPS_M x WARPS_N warps, each warp (BM / WARPS_M) x (BN / WARPS_N), k in steps of BK. The
 // caller passes them as defines; the defaults here are its choice (128 x 128 x 32, 4 stages,
@@ -111,9 +111,21 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
 #endif
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
 
+// OUT_F32 = 1: C is f32 (products whose result goes on in f32: generation), else bf16.
+#ifndef OUT_F32
+#define OUT_F32 0
+#endif
+#if OUT_F32
+typedef float out_t;
+__device__ __forceinline__ float to_out(float x) { return x; }
+#else
+typedef bf16 out_t;
+__device__ __forceinline__ bf16 to_out(float x) { return __float2bfloat16(x); }
+#endif
+
 // Grid (ceil(n / BN), ceil(m / BM)).
 extern "C" __global__ void __launch_bounds__(THREADS)
-verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ c,
+verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, out_t* __restrict__ c,
                GemmParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16* a_tiles = (bf16*)smem;
@@ -194,15 +206,16 @@ verl_gemm_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __r
             const unsigned int gm = m0 + wm * WARP_M + i * 16 + r;
             const unsigned int gn = n0 + wn * WARP_N + j * 16 + c8;
             if (gm < p.m) {
-                bf16* dst = c + (unsigned long long)gm * p.ldc + gn;
+                out_t* dst = c + (unsigned long long)gm * p.ldc + gn;
                 if (gn + 8 <= p.n && p.ldc % 8 == 0) {
-                    __align__(16) bf16 v[8];
+                    __align__(32) out_t v[8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] = __float2bfloat16(scratch[r * 20 + c8 + e]);
-                    *(uint4*)dst = *(const uint4*)v;
+                    for (int e = 0; e < 8; ++e) v[e] = to_out(scratch[r * 20 + c8 + e]);
+#pragma unroll
+                    for (int q = 0; q < (int)sizeof(v) / 16; ++q) ((uint4*)dst)[q] = ((const uint4*)v)[q];
                 } else {
                     for (unsigned int e = 0; e < 8 && gn + e < p.n; ++e)
-                        dst[e] = __float2bfloat16(scratch[r * 20 + c8 + e]);
+                        dst[e] = to_out(scratch[r * 20 + c8 + e]);
                 }
             }
             __syncwarp();

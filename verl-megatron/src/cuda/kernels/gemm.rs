@@ -207,6 +207,39 @@ const OWN_TILES: OwnTiles = OwnTiles {
     warps_n: 2,
 };
 
+/// Products of at most this many rows (a decode step's batch against a weight) take
+/// [`decode_tiles`].
+pub const DECODE_ROWS: usize = 64;
+
+/// The `gemm.cu` configuration for a product of `m ≤ DECODE_ROWS` rows: a weight-streaming
+/// shape. The training tiles (128 × 128) leave a decode step's wide weights in a few dozen
+/// blocks (a 7B model's down projection: 28 blocks on 132 SMs), each streaming megabytes
+/// alone; 32-column tiles give 4× the blocks, and a deep pipeline of 128-wide k steps keeps
+/// enough bytes in flight per SM to run at the memory's pace. Row tiles of 16, 32 or 64 fit the
+/// batch so no tensor-core work is spent on padding rows beyond the next 16.
+fn decode_tiles(m: usize) -> OwnTiles {
+    let bm = match m {
+        0..=16 => 16,
+        17..=32 => 32,
+        _ => 64,
+    };
+    OwnTiles {
+        bm,
+        bn: 32,
+        bk: 128,
+        stages: if bm == 64 { 4 } else { 6 },
+        warps_m: bm / 16,
+        warps_n: 2,
+    }
+}
+
+/// Whether products of few rows take [`decode_tiles`]: on unless `VERL_DECODE_GEMM=0` (then
+/// they run as any other product: the A/B switch of `bench/gpu/rollout.sh`).
+fn decode_tiles_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VERL_DECODE_GEMM").map_or(true, |v| v != "0"))
+}
+
 impl OwnTiles {
     fn threads(&self) -> u32 {
         (32 * self.warps_m * self.warps_n) as u32
@@ -284,17 +317,30 @@ impl WgmmaTiles {
     }
 }
 
+/// Which of our kernels and tiles [`launch_own`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnKernel {
+    /// `wgmma` on Hopper, else `wmma` with the training tiles.
+    Default,
+    /// `wmma` with the training tiles on every GPU.
+    Wmma,
+    /// `wmma` with [`decode_tiles`].
+    Decode,
+}
+
 /// `lhs · rhs` by our kernel, the operands read as [`own_layouts`] found them: the `wgmma` one
-/// on Hopper unless `wmma` is asked for.
+/// on Hopper unless `wmma` or the decode tiles are asked for.
 fn launch_own(
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
     [a, b]: [StoredLayout; 2],
-    wmma: bool,
+    which: OwnKernel,
     out_f32: bool,
 ) -> CudaPrimitive {
-    // Only the wgmma kernel writes f32 (`out_f32` is ignored by the wmma one).
-    let out_f32 = out_f32 && !wmma && hopper(lhs.device.index);
+    let wgmma = which == OwnKernel::Default && hopper(lhs.device.index);
+    // The wgmma kernel and the decode tiles write f32 when asked (the wmma training tiles
+    // ignore `out_f32`).
+    let out_f32 = out_f32 && (wgmma || which == OwnKernel::Decode);
     let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
     let out = init_matmul_output(&lhs, &rhs, out_dtype);
     let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
@@ -302,7 +348,7 @@ fn launch_own(
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
-    let (kernel, (bm, bn)) = if !wmma && hopper(lhs.device.index) {
+    let (kernel, (bm, bn)) = if wgmma {
         let tiles = WGMMA_TILES;
         let mut defines = tiles.defines(a_t, b_t);
         defines.push(("OUT_F32", out_f32 as u32));
@@ -315,11 +361,16 @@ fn launch_own(
         };
         (kernel, (WGMMA_BM, tiles.bn))
     } else {
-        let tiles = OWN_TILES;
+        let tiles = match which {
+            OwnKernel::Decode => decode_tiles(m),
+            _ => OWN_TILES,
+        };
+        let mut defines = tiles.defines(a_t, b_t);
+        defines.push(("OUT_F32", out_f32 as u32));
         let kernel = CudaSource {
             entry: "verl_gemm_bf16",
             text: OWN_SOURCE,
-            defines: tiles.defines(a_t, b_t),
+            defines,
             block: tiles.threads(),
             shared_bytes: tiles.shared_bytes(a_t, b_t),
         };
@@ -460,22 +511,22 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
 }
 
 /// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
-/// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper), on burn-cuda primitives; a setup error comes back as text. Public
+/// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode` / `decode_f32`:
+/// the `wmma` kernel with the decode tiles), on burn-cuda primitives; a setup error comes back as text. Public
 /// for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
-    if name == "own" || name == "wmma" || name == "own_f32" {
+    if matches!(name, "own" | "wmma" | "own_f32" | "decode" | "decode_f32") {
+        let which = match name {
+            "wmma" => OwnKernel::Wmma,
+            "decode" | "decode_f32" => OwnKernel::Decode,
+            _ => OwnKernel::Default,
+        };
         return if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            Ok(launch_own(
-                lhs,
-                rhs,
-                layouts,
-                name == "wmma",
-                name == "own_f32",
-            ))
+            Ok(launch_own(lhs, rhs, layouts, which, name.ends_with("_f32")))
         } else {
             Err(format!(
                 "our kernel does not take {:?}/{:?} x {:?}/{:?} ({:?}, {:?})",
@@ -523,7 +574,8 @@ pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive
     let kind = kind();
     if kind == GemmKind::Own || kind == GemmKind::Wmma {
         if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            return launch_own(lhs, rhs, layouts, kind == GemmKind::Wmma, false);
+            let which = own_kernel(kind, &lhs);
+            return launch_own(lhs, rhs, layouts, which, false);
         }
     }
     if kind != GemmKind::Burn && tma_friendly(&lhs) && tma_friendly(&rhs) {
@@ -557,12 +609,28 @@ pub fn matmul_primitive(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive
 /// writes f32, so no cast follows), else [`matmul_primitive`]'s bf16 result: for products
 /// whose result goes on in f32 outside autodiff (generation).
 pub fn matmul_primitive_f32(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimitive {
-    if kind() == GemmKind::Own && hopper(lhs.device.index) {
-        if let Some(layouts) = own_layouts(&lhs, &rhs) {
-            return launch_own(lhs, rhs, layouts, false, true);
+    let kind = kind();
+    if kind == GemmKind::Own || kind == GemmKind::Wmma {
+        let which = own_kernel(kind, &lhs);
+        if which == OwnKernel::Decode || (kind == GemmKind::Own && hopper(lhs.device.index)) {
+            if let Some(layouts) = own_layouts(&lhs, &rhs) {
+                return launch_own(lhs, rhs, layouts, which, true);
+            }
         }
     }
     matmul_primitive(lhs, rhs)
+}
+
+/// Which of our kernels a product of `lhs`'s rows takes under `kind`: the decode tiles for at
+/// most [`DECODE_ROWS`] rows (unless switched off), else `kind`'s.
+fn own_kernel(kind: GemmKind, lhs: &CudaPrimitive) -> OwnKernel {
+    let shape = lhs.meta.shape();
+    let rows = shape[shape.num_dims() - 2];
+    match kind {
+        _ if rows <= DECODE_ROWS && decode_tiles_on() => OwnKernel::Decode,
+        GemmKind::Wmma => OwnKernel::Wmma,
+        _ => OwnKernel::Default,
+    }
 }
 
 fn transpose(p: CudaPrimitive) -> CudaPrimitive {
@@ -646,6 +714,26 @@ mod tests {
         assert_eq!(t.shared_bytes(false, true), 4 * (128 * 40 + 128 * 40) * 2);
         assert_eq!(t.threads(), 128);
         assert_eq!(t.defines(true, false)[..2], [("A_T", 1), ("B_T", 0)]);
+    }
+
+    /// The decode tiles: whole fragments per warp and whole copies for every batch up to
+    /// [`DECODE_ROWS`], row tiles less than 32 rows taller than the batch, and
+    /// at least two blocks' pipelines per H100 SM (its 227 KiB).
+    #[test]
+    fn decode_tiles_are_consistent() {
+        for m in 1..=DECODE_ROWS {
+            let t = decode_tiles(m);
+            assert_eq!(t.bm, 16 * t.warps_m);
+            assert_eq!(t.bn % (16 * t.warps_n), 0);
+            assert!(t.bm >= m && t.bm - m < 32, "m {m}: {} rows", t.bm);
+            assert!(t.bk % 16 == 0 && t.stages >= 2);
+            assert!(2 * t.shared_bytes(false, true) <= 227 * 1024, "m {m}");
+        }
+        assert_eq!(decode_tiles(1).bm, 16);
+        assert_eq!(decode_tiles(17).bm, 32);
+        assert_eq!(decode_tiles(64).bm, 64);
+        // 6 stages of (16 + 32) rows of 128 + 8 bf16.
+        assert_eq!(decode_tiles(8).shared_bytes(false, true), 6 * 48 * 136 * 2);
     }
 
     /// The `wgmma` kernel's pipeline fits the 227 KiB a Hopper block may have, its tile is whole

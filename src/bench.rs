@@ -45,42 +45,111 @@ pub(crate) fn preset(name: &str) -> Result<Qwen2Dims, String> {
         // Llama-3.2-3B's dimensions (~3.2B parameters; 24 heads and 8 KV heads, so tp 2 and 4
         // divide) in Qwen2's layout (q/k/v biases).
         "llama3.2-3b" => d(128_256, 3072, 8192, 28, 24, 8),
+        // Qwen2.5-3B's dimensions (~3.1B parameters, tied embeddings).
+        "qwen2.5-3b" => d(151_936, 2048, 11_008, 36, 16, 2),
+        // Qwen2.5-7B's dimensions (~7.6B parameters; its head is untied, see `preset_config`).
+        "qwen2.5-7b" => d(152_064, 3584, 18_944, 28, 28, 4),
         other => {
             return Err(format!(
-                "unknown --preset `{other}`; use tiny, small, qwen2-0.5b, qwen2-1.5b or llama3.2-3b"
+                "unknown --preset `{other}`; use tiny, small, qwen2-0.5b, qwen2-1.5b, \
+                 llama3.2-3b, qwen2.5-3b or qwen2.5-7b"
             ))
         }
     })
 }
 
+/// The model config of a preset: Qwen2's layout, with the head untied where the real model's
+/// is (Qwen2.5-7B).
+pub(crate) fn preset_config(name: &str) -> Result<HfModelConfig, String> {
+    let mut cfg = HfModelConfig::qwen2(preset(name)?);
+    if name == "qwen2.5-7b" {
+        cfg.tie_word_embeddings = false;
+    }
+    Ok(cfg)
+}
+
 /// Decode throughput of the native rollout engine at each batch size.
 /// `samples` requests per prompt (the GRPO group size: with prefix caching they share one
 /// prefill).
-pub(crate) fn rollout(
-    preset_name: &str,
-    batches: &[usize],
-    prompt_len: usize,
-    new_tokens: usize,
-    dtype: &str,
-    samples: usize,
-) -> Result<(), String> {
-    let samples = samples.max(1);
-    let dims = preset(preset_name)?;
-    let cfg = HfModelConfig::qwen2(dims);
+/// What [`rollout`] measures: the model (a preset drawn at random, or an HF checkpoint
+/// directory), the batch sizes and lengths, and the HBM bandwidth its memory-bound fraction is
+/// counted against.
+pub(crate) struct RolloutBench<'a> {
+    pub preset: &'a str,
+    pub model_dir: Option<&'a std::path::Path>,
+    pub batches: &'a [usize],
+    pub prompt_len: usize,
+    pub new_tokens: usize,
+    pub dtype: &'a str,
+    pub samples: usize,
+    pub hbm_tbs: f64,
+}
+
+/// The bytes a decode step at `batch` must read at the least: every weight once (at the
+/// products' width) and every cached key and value of the batch's contexts (bf16 / f32 as
+/// the products).
+fn decode_step_bytes(
+    cfg: &HfModelConfig,
+    params: usize,
+    width: usize,
+    batch: usize,
+    context: usize,
+) -> f64 {
+    let head_dim = cfg.hidden_size / cfg.num_attention_heads;
+    let kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim;
+    (params * width + batch * context * kv * width) as f64
+}
+
+pub(crate) fn rollout(b: RolloutBench<'_>) -> Result<(), String> {
+    let RolloutBench {
+        preset: preset_name,
+        batches,
+        prompt_len,
+        new_tokens,
+        ..
+    } = b;
+    let samples = b.samples.max(1);
     let device = Default::default();
     let start = Instant::now();
-    let compute: ComputeDtype = dtype
+    let compute: ComputeDtype = b
+        .dtype
         .parse()
         .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
-    let model =
-        CausalLm::<DefaultBackend>::init(&cfg, 0.02, 0, &device).with_compute_dtype(compute);
+    let (cfg, model, what) = match b.model_dir {
+        None => {
+            let cfg = preset_config(preset_name)?;
+            let model = CausalLm::<DefaultBackend>::init(&cfg, 0.02, 0, &device);
+            (cfg, model, format!("preset {preset_name}"))
+        }
+        Some(dir) => {
+            use verl::megatron::hf::HfCheckpoint;
+            let cfg = HfModelConfig::from_dir(dir).map_err(|e| e.to_string())?;
+            let ckpt = HfCheckpoint::open(dir).map_err(|e| e.to_string())?;
+            let model = CausalLm::<DefaultBackend>::from_checkpoint(&cfg, &ckpt, &device)
+                .map_err(|e| e.to_string())?;
+            (cfg, model, dir.display().to_string())
+        }
+    };
+    let model = model.with_compute_dtype(compute);
+    let vocab = cfg.vocab_size;
     let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
+    let width = match compute {
+        ComputeDtype::Bf16 => 2,
+        _ => 4,
+    };
     println!(
-        "preset {preset_name}: {:.1}M parameters, {compute} products, prompt {prompt_len}, \
-         {new_tokens} new tokens, {samples} samples per prompt, init {:.1}s, {} threads",
+        "{what}: {:.1}M parameters, {compute} products, prompt {prompt_len}, \
+         {new_tokens} new tokens, {samples} samples per prompt, {} {:.1}s, {} threads; \
+         hbm_% counts the weights and KV cache a step reads against {} TB/s",
         params as f64 / 1e6,
-        start.elapsed().as_secs_f64(),
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        if b.model_dir.is_some() {
+            "load"
+        } else {
+            "init"
+        },
+        synced_ms::<DefaultBackend>(start, &device) / 1e3,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        b.hbm_tbs
     );
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let engine_cfg = EngineConfig {
@@ -99,13 +168,14 @@ pub(crate) fn rollout(
     let mut engine =
         NativeRollout::new(cfg.clone(), model, engine_cfg, device).map_err(|e| e.to_string())?;
     println!(
-        "{:>6} {:>10} {:>14} {:>9} {:>13} {:>8} {:>10} {:>9} {:>8}",
+        "{:>6} {:>10} {:>14} {:>9} {:>13} {:>8} {:>6} {:>10} {:>9} {:>8}",
         "batch",
         "prefill_s",
         "prefill_tok/s",
         "ttft_ms",
         "decode_tok/s",
         "step_ms",
+        "hbm_%",
         "enqueue_ms",
         "total_s",
         "sampling"
@@ -115,7 +185,7 @@ pub(crate) fn rollout(
             (0..batch)
                 .map(|i| Request {
                     prompt: (0..prompt_len)
-                        .map(|j| ((i / samples * 31 + j * 7) % dims.vocab_size) as u32)
+                        .map(|j| ((i / samples * 31 + j * 7) % vocab) as u32)
                         .collect(),
                     sampler: Sampler::new(
                         SamplingParams {
@@ -137,14 +207,20 @@ pub(crate) fn rollout(
         let decode_seconds = s.seconds - s.prefill_seconds;
         // Prefill throughput counts every request's prompt tokens (shared ones included: what
         // the caller got prefilled).
+        let step_ms = decode_seconds * 1e3 / s.decode_steps.max(1) as f64;
+        // The mean context over the decode: the prompt and half the new tokens.
+        let context = prompt_len + new_tokens / 2;
+        let bound_ms =
+            decode_step_bytes(&cfg, params, width, batch, context) / (b.hbm_tbs * 1e12) * 1e3;
         println!(
-            "{:>6} {:>10.3} {:>14.0} {:>9.1} {:>13.1} {:>8.2} {:>10.2} {:>9.3} {:>8}",
+            "{:>6} {:>10.3} {:>14.0} {:>9.1} {:>13.1} {:>8.2} {:>6.1} {:>10.2} {:>9.3} {:>8}",
             batch,
             s.prefill_seconds,
             s.prompt_tokens as f64 / s.prefill_seconds.max(1e-9),
             s.first_token_seconds * 1e3,
             s.decode_tokens_per_second(),
-            decode_seconds * 1e3 / s.decode_steps.max(1) as f64,
+            step_ms,
+            100.0 * bound_ms / step_ms.max(1e-9),
             s.decode_enqueue_seconds * 1e3 / s.decode_steps.max(1) as f64,
             s.seconds,
             if s.sampled_on_device {

@@ -143,9 +143,17 @@ enum BenchCommand {
     },
     /// Decode tokens/s of the native rollout engine per batch size (random-init Qwen2).
     Rollout {
-        /// Model size: tiny, small, qwen2-0.5b or qwen2-1.5b.
+        /// Model size: tiny, small, qwen2-0.5b, qwen2-1.5b, llama3.2-3b, qwen2.5-3b or
+        /// qwen2.5-7b (drawn at random).
         #[arg(long, default_value = "small")]
         preset: String,
+        /// An HF checkpoint directory to load instead of a preset.
+        #[arg(long)]
+        model: Option<std::path::PathBuf>,
+        /// The HBM bandwidth (TB/s) the memory-bound fraction is counted against: H100 SXM
+        /// 3.35, H200 4.8.
+        #[arg(long, default_value_t = 3.35)]
+        hbm_tbs: f64,
         /// Batch sizes, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
         batch: Vec<usize>,
@@ -487,12 +495,23 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
     match what {
         BenchCommand::Rollout {
             preset,
+            model,
+            hbm_tbs,
             batch,
             prompt_len,
             new_tokens,
             dtype,
             n,
-        } => bench::rollout(&preset, &batch, prompt_len, new_tokens, &dtype, n),
+        } => bench::rollout(bench::RolloutBench {
+            preset: &preset,
+            model_dir: model.as_deref(),
+            batches: &batch,
+            prompt_len,
+            new_tokens,
+            dtype: &dtype,
+            samples: n,
+            hbm_tbs,
+        }),
         BenchCommand::TrainStep {
             preset,
             batch,
@@ -621,10 +640,21 @@ fn generate_cmd(
     let model = resolved.as_path();
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
     refuse_score_heads(model, &cfg)?;
+    let started = std::time::Instant::now();
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
     let lm = CausalLm::<DefaultBackend>::from_checkpoint(&cfg, &ckpt, &device)
         .map_err(|e| e.to_string())?;
+    let _ = <DefaultBackend as burn::tensor::backend::Backend>::sync(&device);
+    let load = ckpt.load_stats();
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        gb = load.bytes as f64 / 1e9,
+        read_s = load.read_seconds,
+        device_s = load.device_seconds,
+        "weights of {} loaded",
+        model.display()
+    );
     let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
     let (texts, ids) = encode_prompts(model, &tok, prompts, raw)?;
     let eos = if tok.eos_token_ids.is_empty() {
@@ -653,6 +683,10 @@ fn generate_cmd(
                 .replace("response_length", "max-new-tokens")
         })?
         .with_detokenizer(std::sync::Arc::new(tok.clone()));
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        "rollout engine ready"
+    );
     let mut requests = Vec::new();
     for (i, p) in ids.iter().enumerate() {
         for k in 0..n.max(1) {

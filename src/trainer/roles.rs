@@ -579,7 +579,9 @@ impl ActorPlan {
         let mcfg = &self.model;
         let model: CausalLm<Train> = match ckpt {
             None => CausalLm::init_stage(mcfg, 0.02, self.seed, &device, model_groups, &stage)?,
-            Some(c) => CausalLm::from_checkpoint_stage(mcfg, c, &device, model_groups, &stage)?,
+            Some(c) => log_load("actor", c, || {
+                CausalLm::from_checkpoint_stage(mcfg, c, &device, model_groups, &stage)
+            })?,
         }
         .with_compute_dtype(self.actor_dtype);
         let model = self.moe.apply(model);
@@ -623,7 +625,9 @@ impl ActorPlan {
                 None => {
                     CausalLm::<Infer>::init_sharded(mcfg, 0.02, self.seed, &device, &rollout_tp)?
                 }
-                Some(c) => CausalLm::from_checkpoint_sharded(mcfg, c, &device, &rollout_tp)?,
+                Some(c) => log_load("rollout", c, || {
+                    CausalLm::from_checkpoint_sharded(mcfg, c, &device, &rollout_tp)
+                })?,
             }
         } else {
             inner.clone()
@@ -912,4 +916,24 @@ pub(crate) fn critic_methods(cfg: &VerlConfig) -> MethodTable<CriticRank, Infer>
             "load_checkpoint",
             |w: &mut CriticRank, _, r: CheckpointRequest| Box::pin(w.load_checkpoint(r)),
         )
+}
+
+/// Runs `load` (a model built from `ckpt`) and logs what it read and how long it took.
+fn log_load<T>(
+    role: &str,
+    ckpt: &HfCheckpoint,
+    load: impl FnOnce() -> Result<T, verl_megatron::MegatronError>,
+) -> Result<T, verl_megatron::MegatronError> {
+    let (before, started) = (ckpt.load_stats(), std::time::Instant::now());
+    let out = load()?;
+    let after = ckpt.load_stats();
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f64(),
+        gb = (after.bytes - before.bytes) as f64 / 1e9,
+        read_s = after.read_seconds - before.read_seconds,
+        device_s = after.device_seconds - before.device_seconds,
+        "{role} weights read from {}",
+        ckpt.dir().display()
+    );
+    Ok(out)
 }

@@ -195,6 +195,78 @@ fn half_precision_tensors_convert_to_f32() {
     assert_eq!(a[0], 1.5);
 }
 
+/// Half-precision weights widened on the device (the loading path of any backend holding bf16)
+/// equal the host's widening, whole and in tensor-parallel parts along either dimension; the
+/// raw part bytes equal a naive slice. The tensor is over the 32 MiB above which the part's
+/// bytes are gathered by several threads, with runs that straddle the threads' slices.
+#[test]
+fn half_precision_parts_widen_on_the_device_as_on_the_host() {
+    let (rows, cols) = (4099usize, 4133usize);
+    let bf: Vec<u8> = (0..rows * cols)
+        .flat_map(|i| half::bf16::from_f32((i as f32 * 0.37).sin() * 3.0).to_le_bytes())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let views = vec![(
+        "w".to_string(),
+        TensorView::new(Dtype::BF16, vec![rows, cols], &bf).unwrap(),
+    )];
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        safetensors::serialize(views, None::<HashMap<String, String>>).unwrap(),
+    )
+    .unwrap();
+    let device = Default::default();
+    let on_device = HfCheckpoint::open(dir.path()).unwrap();
+    let on_host = HfCheckpoint::open(dir.path())
+        .unwrap()
+        .with_widening_on_host(true);
+    for (dim, part) in [
+        (0, None),
+        (0, Some((1021, 2047))),
+        (1, Some((0, 2066))),
+        (1, Some((2067, 2066))),
+    ] {
+        let a: Tensor<B, 2> = on_device.load_part("w", dim, part, &device).unwrap();
+        let b: Tensor<B, 2> = on_host.load_part("w", dim, part, &device).unwrap();
+        assert_eq!(a.dims(), b.dims(), "dim {dim} part {part:?}");
+        let (a, b) = (
+            a.into_data().to_vec::<f32>().unwrap(),
+            b.into_data().to_vec::<f32>().unwrap(),
+        );
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "dim {dim} part {part:?}"
+        );
+        let (bytes, shape, dtype) = on_device.read_part_bytes("w", dim, part).unwrap();
+        assert_eq!(dtype, Dtype::BF16);
+        let (start, len) = part.unwrap_or((0, rows));
+        let naive: Vec<u8> = match dim {
+            0 => bf[start * cols * 2..(start + len) * cols * 2].to_vec(),
+            _ => (0..rows)
+                .flat_map(|r| &bf[(r * cols + start) * 2..(r * cols + start + len) * 2])
+                .copied()
+                .collect(),
+        };
+        assert_eq!(
+            shape,
+            if dim == 0 {
+                vec![len, cols]
+            } else {
+                vec![rows, len]
+            }
+        );
+        assert!(bytes == naive, "dim {dim} part {part:?}: bytes differ");
+    }
+    // Every loaded byte is counted once, on each checkpoint.
+    let loaded = 2 * (rows * cols + 2047 * cols + 2 * rows * 2066);
+    assert_eq!(on_device.load_stats().bytes as usize, loaded);
+    assert_eq!(on_host.load_stats().bytes as usize, loaded);
+    // The first row, by hand: element i is bf16(sin(0.37 i) * 3).
+    let (row, _) = on_host.read_part_f32("w", 0, Some((0, 1))).unwrap();
+    assert_eq!(row[0], 0.0);
+    assert_eq!(row[1], half::bf16::from_f32(0.37f32.sin() * 3.0).to_f32());
+}
+
 /// A copy of fixture `name`'s files in a temporary directory.
 fn fixture_copy(name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();

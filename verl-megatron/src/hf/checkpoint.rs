@@ -1,13 +1,14 @@
 //! Reading Hugging Face safetensors checkpoints — `model.safetensors`, or shards listed in
-//! `model.safetensors.index.json` — memory-mapped, one tensor at a time, converting bf16 / f16
-//! to f32. The extra memory of loading a tensor is that tensor's f32 copy, nothing more.
+//! `model.safetensors.index.json` — memory-mapped, one tensor at a time, bf16 / f16 widened to
+//! f32 (on the device where the backend holds half precision, else on the host). The extra host
+//! memory of loading a tensor is one copy of that tensor, nothing more.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use burn::tensor::TensorData;
+use burn::tensor::{DType, FloatDType, TensorData};
 use memmap2::Mmap;
 use safetensors::tensor::Dtype;
 use safetensors::SafeTensors;
@@ -15,6 +16,7 @@ use safetensors::SafeTensors;
 use super::config::HfModelConfig;
 use super::tensor_map::hf_tensor_specs;
 use crate::error::MegatronError;
+use crate::parallel::ParallelBackend;
 
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
@@ -120,11 +122,106 @@ struct Entry {
     end: usize,
 }
 
+/// `shape` (of rank `D`, checked by the caller) as burn's array.
+fn dims<const D: usize>(shape: &[usize]) -> [usize; D] {
+    let mut out = [0; D];
+    out.copy_from_slice(shape);
+    out
+}
+
+/// A part of one stored tensor: `outer` runs of `len * inner` elements, run `o` starting at
+/// element `(o * full + start) * inner` of the tensor's bytes.
+struct PartView<'a> {
+    bytes: &'a [u8],
+    dtype: Dtype,
+    /// The part's shape.
+    shape: Vec<usize>,
+    /// Bytes per element.
+    width: usize,
+    outer: usize,
+    full: usize,
+    start: usize,
+    len: usize,
+    inner: usize,
+}
+
+impl PartView<'_> {
+    fn elements(&self) -> usize {
+        self.outer * self.len * self.inner
+    }
+
+    /// The part's bytes, one contiguous run per index of the dimensions before the split one.
+    fn runs(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        let run = self.len * self.inner * self.width;
+        (0..self.outer).map(move |o| {
+            let from = (o * self.full + self.start) * self.inner * self.width;
+            &self.bytes[from..from + run]
+        })
+    }
+
+    /// The part's bytes in one buffer. Above 32 MiB the copy is split over up to 8 threads
+    /// (whole runs, or byte ranges of a single run), each faulting in its own pages.
+    fn gather(&self) -> Vec<u8> {
+        const PARALLEL_ABOVE: usize = 32 << 20;
+        let total = self.elements() * self.width;
+        let mut out = vec![0u8; total];
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8);
+        if total <= PARALLEL_ABOVE || threads == 1 {
+            let mut at = 0;
+            for run in self.runs() {
+                out[at..at + run.len()].copy_from_slice(run);
+                at += run.len();
+            }
+            return out;
+        }
+        // Destination offsets follow the runs in order; cut the output into equal slices and
+        // let each thread copy the source bytes that land in its slice.
+        let run_len = self.len * self.inner * self.width;
+        let slice = total.div_ceil(threads);
+        std::thread::scope(|s| {
+            for (i, dst) in out.chunks_mut(slice).enumerate() {
+                s.spawn(move || {
+                    let mut at = i * slice;
+                    let end = at + dst.len();
+                    while at < end {
+                        let (o, within) = (at / run_len, at % run_len);
+                        let take = (run_len - within).min(end - at);
+                        let from = (o * self.full + self.start) * self.inner * self.width + within;
+                        let d = at - i * slice;
+                        dst[d..d + take].copy_from_slice(&self.bytes[from..from + take]);
+                        at += take;
+                    }
+                });
+            }
+        });
+        out
+    }
+}
+
 /// An open checkpoint directory.
 pub struct HfCheckpoint {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     entries: BTreeMap<String, Entry>,
+    /// Widen half-precision weights to f32 on the host even where the device could.
+    widen_on_host: bool,
+    /// Bytes [`Self::load_part`] read, and nanoseconds it spent reading them out of the
+    /// mapping and handing them to the device: what [`Self::load_stats`] reports.
+    loaded: [std::sync::atomic::AtomicU64; 3],
+}
+
+/// What loading from a checkpoint has cost so far ([`HfCheckpoint::load_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadStats {
+    /// Bytes of stored tensors read.
+    pub bytes: u64,
+    /// Seconds reading them out of the mapped files (page faults and copies: the disk or page
+    /// cache side).
+    pub read_seconds: f64,
+    /// Seconds handing them to the device (upload, widening to f32; enqueued, not waited for).
+    pub device_seconds: f64,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> MegatronError {
@@ -212,6 +309,8 @@ impl HfCheckpoint {
             dir,
             files,
             entries,
+            widen_on_host: std::env::var("VERL_LOAD_WIDEN_ON_HOST").is_ok_and(|v| v == "1"),
+            loaded: Default::default(),
         })
     }
 
@@ -256,6 +355,48 @@ impl HfCheckpoint {
         dim: usize,
         part: Option<(usize, usize)>,
     ) -> Result<(Vec<f32>, Vec<usize>), MegatronError> {
+        let p = self.part(name, dim, part)?;
+        let mut values = Vec::with_capacity(p.elements());
+        for run in p.runs() {
+            match p.dtype {
+                Dtype::F32 => values.extend(
+                    run.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                Dtype::BF16 => values.extend(
+                    run.chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+                _ => values.extend(
+                    run.chunks_exact(2)
+                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+                ),
+            }
+        }
+        Ok((values, p.shape))
+    }
+
+    /// The stored (little-endian) bytes of `part` of `name`, unconverted, with the part's
+    /// shape and the stored dtype. A large part is copied by several threads: on a warm page
+    /// cache one thread's copy out of the mapping is what bounds loading a 7B checkpoint.
+    pub fn read_part_bytes(
+        &self,
+        name: &str,
+        dim: usize,
+        part: Option<(usize, usize)>,
+    ) -> Result<(Vec<u8>, Vec<usize>, Dtype), MegatronError> {
+        let p = self.part(name, dim, part)?;
+        let bytes = p.gather();
+        Ok((bytes, p.shape, p.dtype))
+    }
+
+    /// Where `part` of `name` lies in its mapped file, checked against the stored shape.
+    fn part(
+        &self,
+        name: &str,
+        dim: usize,
+        part: Option<(usize, usize)>,
+    ) -> Result<PartView<'_>, MegatronError> {
         let e = self
             .entries
             .get(name)
@@ -276,20 +417,19 @@ impl HfCheckpoint {
             }
         };
         let mut shape = e.shape.clone();
+        let bad_shape = |shape: Vec<usize>| MegatronError::TensorShape {
+            name: name.into(),
+            file: path.clone(),
+            expected: vec![],
+            found: shape,
+        };
         let (start, len) = match part {
             Some((start, len))
                 if dim < shape.len() && start.checked_add(len).is_some_and(|e| e <= shape[dim]) =>
             {
                 (start, len)
             }
-            Some(_) => {
-                return Err(MegatronError::TensorShape {
-                    name: name.into(),
-                    file: path.clone(),
-                    expected: vec![],
-                    found: shape,
-                })
-            }
+            Some(_) => return Err(bad_shape(shape)),
             None => (0, shape.first().copied().unwrap_or(1)),
         };
         let dim = if part.is_some() { dim } else { 0 };
@@ -297,51 +437,35 @@ impl HfCheckpoint {
         // Checked products: a tensor with a zero dimension is valid to safetensors whatever
         // its other dimensions, and holds nothing.
         let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if shape.contains(&0) || len == 0 {
-            if let Some(d) = shape.get_mut(dim) {
-                *d = len;
-            }
-            return Ok((Vec::new(), shape));
-        }
-        let (Some(outer), Some(inner)) = (
-            product(&shape[..dim.min(shape.len())]),
-            shape.get(dim + 1..).map_or(Some(1), product),
-        ) else {
-            return Err(MegatronError::TensorShape {
-                name: name.into(),
-                file: path.clone(),
-                expected: vec![],
-                found: shape,
-            });
+        let (outer, inner) = if shape.contains(&0) || len == 0 {
+            (0, 0)
+        } else {
+            let (Some(outer), Some(inner)) = (
+                product(&shape[..dim.min(shape.len())]),
+                shape.get(dim + 1..).map_or(Some(1), product),
+            ) else {
+                return Err(bad_shape(shape));
+            };
+            (outer, inner)
         };
-        let bytes = &mmap[e.start..e.end];
-        let mut values = Vec::with_capacity(outer * len * inner);
-        for o in 0..outer {
-            let from = (o * full + start) * inner * width;
-            let run = &bytes[from..from + len * inner * width];
-            match e.dtype {
-                Dtype::F32 => values.extend(
-                    run.chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                ),
-                Dtype::BF16 => values.extend(
-                    run.chunks_exact(2)
-                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-                ),
-                _ => values.extend(
-                    run.chunks_exact(2)
-                        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
-                ),
-            }
-        }
         if let Some(d) = shape.get_mut(dim) {
             *d = len;
         }
-        Ok((values, shape))
+        Ok(PartView {
+            bytes: &mmap[e.start..e.end],
+            dtype: e.dtype,
+            shape,
+            width,
+            outer,
+            full,
+            start,
+            len,
+            inner,
+        })
     }
 
     /// Loads `name` onto `device` as a rank-`D` float tensor.
-    pub fn load<B: Backend, const D: usize>(
+    pub fn load<B: ParallelBackend, const D: usize>(
         &self,
         name: &str,
         device: &B::Device,
@@ -350,27 +474,112 @@ impl HfCheckpoint {
     }
 
     /// Loads `part` = `(start, len)` of dimension `dim` of `name` (all of it for `None`).
-    pub fn load_part<B: Backend, const D: usize>(
+    pub fn load_part<B: ParallelBackend, const D: usize>(
         &self,
         name: &str,
         dim: usize,
         part: Option<(usize, usize)>,
         device: &B::Device,
     ) -> Result<Tensor<B, D>, MegatronError> {
-        let (values, shape) = self.read_part_f32(name, dim, part)?;
-        if shape.len() != D {
-            let file = self
-                .file_of(name)
-                .map(Path::to_path_buf)
-                .unwrap_or_default();
-            return Err(MegatronError::TensorShape {
+        let rank_check = |shape: Vec<usize>| match shape.len() == D {
+            true => Ok(shape),
+            false => Err(MegatronError::TensorShape {
                 name: name.into(),
-                file,
+                file: self
+                    .file_of(name)
+                    .map(Path::to_path_buf)
+                    .unwrap_or_default(),
                 expected: vec![0; D],
                 found: shape,
-            });
+            }),
+        };
+        let started = std::time::Instant::now();
+        match self.device_half::<B>(name, device) {
+            // Half-precision weights go to the device as stored (half the bytes over the bus,
+            // no per-element work on the host) and are widened there: bf16 / f16 to f32 is
+            // exact, so the tensor is the one the host path builds.
+            // Both paths upload one flat run and reshape on the device: burn-cuda pads the rows
+            // of a matrix it creates, and the row-by-row copy from pageable memory that
+            // padding takes ran at ~0.5 GB/s (28 s of a 7B load).
+            Some(dtype) => {
+                let (bytes, shape, _) = self.read_part_bytes(name, dim, part)?;
+                let read = self.count_read(bytes.len(), started);
+                let shape = rank_check(shape)?;
+                let flat = [shape.iter().product::<usize>()];
+                let data = TensorData::from_bytes_vec(bytes, flat, dtype);
+                let t = B::upload_flat(data, device)
+                    .cast(FloatDType::F32)
+                    .reshape(dims::<D>(&shape));
+                self.count_device(read);
+                Ok(t)
+            }
+            None => {
+                let (values, shape) = self.read_part_f32(name, dim, part)?;
+                let width = match self.entries.get(name).map(|e| e.dtype) {
+                    Some(Dtype::F32) => 4,
+                    _ => 2,
+                };
+                let read = self.count_read(values.len() * width, started);
+                let shape = rank_check(shape)?;
+                let flat = [values.len()];
+                let t = B::upload_flat(TensorData::new(values, flat), device)
+                    .reshape(dims::<D>(&shape));
+                self.count_device(read);
+                Ok(t)
+            }
         }
-        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+
+    fn count_read(&self, bytes: usize, since: std::time::Instant) -> std::time::Instant {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.loaded[0].fetch_add(bytes as u64, Relaxed);
+        self.loaded[1].fetch_add(since.elapsed().as_nanos() as u64, Relaxed);
+        std::time::Instant::now()
+    }
+
+    fn count_device(&self, since: std::time::Instant) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.loaded[2].fetch_add(since.elapsed().as_nanos() as u64, Relaxed);
+    }
+
+    /// What [`Self::load_part`] has cost so far on this checkpoint: bytes, and seconds on the
+    /// host side and the device side (the two loading figures `verl generate` and the workers
+    /// log).
+    pub fn load_stats(&self) -> LoadStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        LoadStats {
+            bytes: self.loaded[0].load(Relaxed),
+            read_seconds: self.loaded[1].load(Relaxed) as f64 * 1e-9,
+            device_seconds: self.loaded[2].load(Relaxed) as f64 * 1e-9,
+        }
+    }
+
+    /// With `true`, [`Self::load_part`] widens half-precision weights to f32 on the host, as
+    /// it does for a backend without half precision (the fallback path; the environment
+    /// variable `VERL_LOAD_WIDEN_ON_HOST=1` sets it for every checkpoint opened).
+    ///
+    /// ```no_run
+    /// # use verl_megatron::hf::HfCheckpoint;
+    /// let ckpt = HfCheckpoint::open("/models/qwen2.5-7b")?.with_widening_on_host(true);
+    /// # Ok::<(), verl_megatron::MegatronError>(())
+    /// ```
+    pub fn with_widening_on_host(mut self, on: bool) -> Self {
+        self.widen_on_host = on;
+        self
+    }
+
+    /// The stored half-precision dtype of `name` when the backend holds it on `device`
+    /// (burn-cuda and the CPU backend do) and host widening was not asked for.
+    fn device_half<B: Backend>(&self, name: &str, device: &B::Device) -> Option<DType> {
+        let dtype = match self.entries.get(name)?.dtype {
+            Dtype::BF16 => DType::BF16,
+            Dtype::F16 => DType::F16,
+            _ => return None,
+        };
+        (!self.widen_on_host
+            && B::supports_dtype(device, dtype)
+            && B::supports_dtype(device, DType::F32))
+        .then_some(dtype)
     }
 
     /// The layer and expert counts of `config.json` against the tensors on disk, before any

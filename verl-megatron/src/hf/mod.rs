@@ -8,7 +8,7 @@ pub mod save;
 pub mod tensor_map;
 pub mod tokenizer;
 
-pub use checkpoint::HfCheckpoint;
+pub use checkpoint::{HfCheckpoint, LoadStats};
 pub use config::{
     Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims, RopeScaling, WeightDtype,
 };

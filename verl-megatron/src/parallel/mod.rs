@@ -20,9 +20,9 @@ pub use groups::{membership, ModelGroups, ProcessGroups};
 pub use launch::{LaunchEnv, Launcher};
 pub use local::LocalCommunicator;
 pub use region::{
-    device_span, module_device_span, run_all_to_all_rows, run_collective, sample_memory,
-    sample_module_memory, Collective, CommHandle, ParallelAutodiffBackend, ParallelBackend, Region,
-    TpGroup,
+    device_span, module_device_span, release_module_memory, run_all_to_all_rows, run_collective,
+    sample_memory, sample_module_memory, Collective, CommHandle, ParallelAutodiffBackend,
+    ParallelBackend, Region, TpGroup,
 };
 pub use rendezvous::{Rendezvous, RENDEZVOUS_TIMEOUT};
 pub use tcp::TcpCommunicator;

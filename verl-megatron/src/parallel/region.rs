@@ -168,6 +168,20 @@ pub trait ParallelBackend: FusedOps {
     /// pool for this thread's stream; on the CPU backend, host memory counted by
     /// `verl_core::memory::CountingAllocator` (`None` when the program did not install it).
     fn memory_usage(device: &Self::Device) -> Option<MemoryUsage>;
+
+    /// Hands the memory the backend keeps cached but no tensor uses back to the device
+    /// (burn-cuda's free pool pages), as verl empties torch's cache between phases: a phase's
+    /// activations come in sizes the next phase's never reuse, and a pool that only grows ends
+    /// a 7B job out of memory. Nothing on the CPU backend.
+    fn release_cached_memory(_device: &Self::Device) {}
+
+    /// A flat tensor of `data` (stored as its own dtype) on `device`: how checkpoints reach the
+    /// device. burn's `from_data`; on burn-cuda optionally through pinned staging memory
+    /// (`VERL_LOAD_PINNED=1`).
+    fn upload_flat(data: burn::tensor::TensorData, device: &Self::Device) -> Tensor<Self, 1> {
+        let dtype = data.dtype;
+        Tensor::from_data(data, (device, dtype))
+    }
 }
 
 /// Records the device's usage into the peak of the phase open on this thread (if one is; see
@@ -321,6 +335,13 @@ pub fn run_all_to_all_rows<B: Backend>(
     }
 }
 
+/// [`ParallelBackend::release_cached_memory`] on the device `model` lives on.
+pub fn release_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(model: &M) {
+    if let Some(device) = model.devices().first() {
+        B::release_cached_memory(device);
+    }
+}
+
 /// [`sample_memory`] on the device of `model`'s parameters (looked up only when a phase is
 /// being measured).
 pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(model: &M) {
@@ -336,13 +357,26 @@ pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(mode
 #[doc(hidden)]
 #[macro_export]
 macro_rules! plain_parallel_backend {
-    ($ty:ty, $memory:expr) => {
+    ($ty:ty, $memory:expr $(, $release:expr, $upload:expr)?) => {
         impl $crate::parallel::ParallelBackend for $ty {
             type Base = $ty;
 
             fn memory_usage(device: &Self::Device) -> Option<verl_core::memory::MemoryUsage> {
                 $memory(device)
             }
+
+            $(
+                fn release_cached_memory(device: &Self::Device) {
+                    $release(device)
+                }
+
+                fn upload_flat(
+                    data: burn::tensor::TensorData,
+                    device: &Self::Device,
+                ) -> burn::tensor::Tensor<Self, 1> {
+                    $upload(data, device)
+                }
+            )?
 
             fn collective<const D: usize>(
                 x: burn::tensor::Tensor<Self, D>,
@@ -573,6 +607,14 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
 
     fn memory_usage(device: &Self::Device) -> Option<MemoryUsage> {
         B::memory_usage(device)
+    }
+
+    fn release_cached_memory(device: &Self::Device) {
+        B::release_cached_memory(device)
+    }
+
+    fn upload_flat(data: burn::tensor::TensorData, device: &Self::Device) -> Tensor<Self, 1> {
+        Tensor::from_inner(B::upload_flat(data, device))
     }
 
     fn collective<const D: usize>(

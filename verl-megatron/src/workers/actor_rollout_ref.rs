@@ -214,6 +214,7 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
             host += r.host_bytes();
         }
         push_phase_metrics(metrics, phase, peak.finish(), moved);
+        self.actor.release_cached_memory();
         if self.actor.offloads() || self.reference_offload.is_some() {
             metrics.push("perf/offload_host_gb/actor_rollout_ref", gib(host));
         }
@@ -458,6 +459,7 @@ impl<B: ParallelAutodiffBackend> CriticWorker<B> {
     fn finish_phase(&mut self, phase: &str, peak: PhasePeak, metrics: &mut Metrics) {
         let (moved, host) = self.critic.take_offload_moved();
         push_phase_metrics(metrics, phase, peak.finish(), moved);
+        self.critic.release_cached_memory();
         if self.critic.offloads() {
             metrics.push("perf/offload_host_gb/critic", gib(host));
         }

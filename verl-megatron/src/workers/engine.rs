@@ -224,6 +224,12 @@ impl<B: ParallelAutodiffBackend> TrainingEngine<B> {
         crate::parallel::sample_module_memory::<B, _>(self.model());
     }
 
+    /// Hands cached, unused device memory back between phases (see
+    /// `ParallelBackend::release_cached_memory`).
+    pub fn release_cached_memory(&self) {
+        crate::parallel::release_module_memory::<B, _>(self.model());
+    }
+
     /// Every weight of the model, full (gathered over tp, and over pp stages), on every rank:
     /// what the hybrid engine hands the rollout and what HF export writes. A collective over
     /// the model-parallel group.
@@ -390,6 +396,11 @@ pub trait TrainingRole<B: ParallelAutodiffBackend>: Sized {
     /// See [`TrainingEngine::sample_memory`].
     fn sample_memory(&self) {
         self.engine().sample_memory()
+    }
+
+    /// See [`TrainingEngine::release_cached_memory`].
+    fn release_cached_memory(&self) {
+        self.engine().release_cached_memory()
     }
 
     /// See [`TrainingEngine::full_weights`].

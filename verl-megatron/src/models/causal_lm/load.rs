@@ -46,7 +46,7 @@ struct CheckpointSource<'a, B: Backend> {
     device: &'a B::Device,
 }
 
-impl<B: Backend> TensorSource<B> for CheckpointSource<'_, B> {
+impl<B: ParallelBackend> TensorSource<B> for CheckpointSource<'_, B> {
     fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
         self.ckpt.load::<B, D>(name, self.device)
     }
@@ -108,7 +108,7 @@ struct BackboneSource<'a, B: Backend> {
     head: RandomInit<'a, B>,
 }
 
-impl<B: Backend> TensorSource<B> for BackboneSource<'_, B> {
+impl<B: ParallelBackend> TensorSource<B> for BackboneSource<'_, B> {
     fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
         match name.starts_with("score.") {
             true => self.head.load(name),

@@ -306,10 +306,15 @@ impl<B: ParallelBackend> CausalLm<B> {
                 })?;
             let [vocab, hidden] = full.dims();
             let (start, real, per) = self.tp.vocab_part(vocab);
-            let pad = Tensor::<B, 2>::zeros([per - real, hidden], &full.device());
+            // No padding tensor when there is no padding: an empty tensor on burn-cuda is a
+            // launch of zero blocks, which the driver refuses (CUDA_ERROR_INVALID_VALUE: the
+            // first generation of a 7B pp=2 × tp=2 job, whose 152 064 rows split evenly).
+            let device = full.device();
+            let pad = || Tensor::<B, 2>::zeros([per - real, hidden], &device);
             let rows = match real {
-                0 => pad,
-                _ => Tensor::cat(vec![full.narrow(0, start, real), pad], 0),
+                0 => pad(),
+                _ if real == per => full.narrow(0, start, real),
+                _ => Tensor::cat(vec![full.narrow(0, start, real), pad()], 0),
             };
             return self.load_shard(NamedTensor::new(tensor.name, rows));
         }

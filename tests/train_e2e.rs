@@ -555,3 +555,68 @@ fn balanced_data_parallel_logs_its_chunks_and_keeps_the_rollout() {
         assert!(s["actor/pg_loss"].is_finite() && s["actor/grad_norm"].is_finite());
     }
 }
+
+/// verl's generation dumps: `trainer.rollout_data_dir` gets `<step>.jsonl` for every step, a
+/// line per response (`input`, `output`, `gts`, `score`, `step`) whose scores average to the
+/// step's `critic/score/mean`; `trainer.validation_data_dir` gets the validation before training
+/// as step 0, a line per validation prompt.
+#[test]
+fn rollout_and_validation_generations_are_dumped_as_verl_does() {
+    let dumps = tempfile::tempdir().unwrap();
+    let (rollouts, vals) = (dumps.path().join("rollout"), dumps.path().join("val"));
+    let (summary, lines, _dir) = run(&[
+        "trainer.total_training_steps=2".to_string(),
+        "trainer.sft_warmup_steps=0".to_string(),
+        "trainer.val_before_train=true".to_string(),
+        format!("trainer.rollout_data_dir={}", rollouts.display()),
+        format!("+trainer.validation_data_dir={}", vals.display()),
+    ]);
+    let read = |path: std::path::PathBuf| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
+    assert_eq!(steps.len(), 2);
+    for (k, metrics) in steps.iter().enumerate() {
+        let step = k as u64 + 1;
+        let dumped = read(rollouts.join(format!("{step}.jsonl")));
+        // The main job: 16 prompts × 8 samples a step.
+        assert_eq!(dumped.len(), 128, "step {step}");
+        for d in &dumped {
+            for key in ["input", "output", "gts", "score", "step"] {
+                assert!(d.get(key).is_some(), "step {step}: no {key} in {d}");
+            }
+            assert_eq!(d["step"], step);
+            // The built-in task's prompts are sums ("3+4=") and their truths the answers.
+            let input = d["input"].as_str().unwrap();
+            assert!(input.contains('+'), "{input}");
+            let gts = d["gts"].as_str().unwrap();
+            assert!(
+                !gts.is_empty() && gts.chars().all(|c| c.is_ascii_digit()),
+                "{gts}"
+            );
+        }
+        let mean = dumped
+            .iter()
+            .map(|d| d["score"].as_f64().unwrap())
+            .sum::<f64>()
+            / dumped.len() as f64;
+        assert!(
+            (mean - metrics["critic/score/mean"]).abs() < 1e-9,
+            "step {step}: dumped scores {mean} vs critic/score/mean {}",
+            metrics["critic/score/mean"]
+        );
+    }
+    let val = read(vals.join("0.jsonl"));
+    assert!(!val.is_empty());
+    let val_mean = val
+        .iter()
+        .map(|d| d["score"].as_f64().unwrap())
+        .sum::<f64>()
+        / val.len() as f64;
+    assert!((val_mean - summary.val_score_before.unwrap()).abs() < 1e-9);
+    assert!(val.iter().all(|d| d["step"] == 0));
+}

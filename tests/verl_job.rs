@@ -101,11 +101,6 @@ fn a_verl_key_asking_for_what_is_not_built_is_refused_by_name() {
             "actor_rollout_ref.rollout.multi_turn.enable",
             "multi-turn",
         ),
-        (
-            "trainer.rollout_data_dir=/tmp/dump",
-            "trainer.rollout_data_dir",
-            "rollout dumps",
-        ),
     ] {
         let e = ConfigBuilder::new()
             .file(VERL_YAML)

@@ -77,6 +77,15 @@ impl Codec {
         }
     }
 
+    /// Text of `ids`, every one of them (special tokens skipped by an HF tokenizer): a
+    /// prompt's text for the generation dumps.
+    pub fn decode_all(&self, ids: &[u32]) -> String {
+        match self {
+            Codec::Char(t) => t.decode(ids),
+            Codec::Hf(t) => t.decode(ids).unwrap_or_default(),
+        }
+    }
+
     /// Text of response ids up to the first EOS.
     pub fn decode(&self, ids: &[u32]) -> String {
         let eos = self.eos_token_ids();

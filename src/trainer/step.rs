@@ -70,6 +70,7 @@ impl PpoTrainer {
         let rows: Vec<&PromptRow> = self.val.iter().collect();
         let mut total = 0.0;
         let mut count = 0usize;
+        let mut dump = Vec::new();
         for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
             let mut batch = prompt_batch::<Infer>(
                 chunk,
@@ -89,8 +90,20 @@ impl PpoTrainer {
                 .call_proto(&rollout_mesh(), "generate_sequences", batch)
                 .await?;
             let (scores, _) = self.rewards(&gen).await?;
+            if self.cfg.trainer.validation_data_dir.is_some() {
+                let step = self.global_step;
+                dump.extend(super::dump::generation_lines(
+                    &gen,
+                    &self.codec,
+                    &scores,
+                    step,
+                )?);
+            }
             total += scores.iter().sum::<f64>();
             count += scores.len();
+        }
+        if let Some(dir) = &self.cfg.trainer.validation_data_dir {
+            super::dump::write_generations(dir, self.global_step, &dump)?;
         }
         Ok(total / count.max(1) as f64)
     }
@@ -238,6 +251,13 @@ impl PpoTrainer {
         batch
             .data
             .insert_float("token_level_scores", token_scores)?;
+        if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
+            let t = Instant::now();
+            let lines =
+                super::dump::generation_lines(&batch.data, &self.codec, &scores, batch.step)?;
+            super::dump::write_generations(dir, batch.step, &lines)?;
+            batch.time("dump_rollout_generations", t);
+        }
         batch.scores = scores;
         batch.lengths = lengths;
         Ok(())

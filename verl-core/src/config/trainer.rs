@@ -83,6 +83,13 @@ pub struct TrainerConfig {
     /// build refuses `cpu`: its workers run on burn-cuda.
     pub device: Device,
     pub seed: u64,
+    /// A directory where each training step's samples go, as verl dumps them: `<step>.jsonl`,
+    /// one line per response with `input` (the prompt's text), `output`, `gts` (the ground
+    /// truth), `score` (the response's summed token-level score) and `step`.
+    pub rollout_data_dir: Option<String>,
+    /// The same for each validation's greedy samples (verl reads it as
+    /// `+trainer.validation_data_dir`); validation before training is step 0.
+    pub validation_data_dir: Option<String>,
 }
 
 impl Default for TrainerConfig {
@@ -117,6 +124,8 @@ impl Default for TrainerConfig {
                 Device::Cpu
             },
             seed: 42,
+            rollout_data_dir: None,
+            validation_data_dir: None,
         }
     }
 }

@@ -153,7 +153,6 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("trainer.esi_redundant_time", "0", Inert("elastic-instance timing does not apply")),
     ("trainer.default_hdfs_dir", "null", NotBuilt("HDFS copies of checkpoints are not built")),
     ("trainer.ray_wait_register_center_timeout", "300", Inert("there is no Ray")),
-    ("trainer.rollout_data_dir", "null", NotBuilt("rollout dumps are not built yet")),
     ("trainer.use_legacy_worker_impl", "auto", Inert("there is one worker implementation")),
     ("global_profiler.global_tool_config.torch_memory.context", "all", Inert("the memory timeline always records every phase")),
     ("global_profiler.global_tool_config.torch_memory.stacks", "all", Inert("the memory timeline always records span stacks")),

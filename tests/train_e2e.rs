@@ -67,6 +67,21 @@ fn grpo_raises_the_score() {
         "timing_s/update_actor",
         "timing_s/step",
         "perf/throughput",
+        // The rest of verl's compute_data_metrics / compute_timing_metrics.
+        "critic/score/max",
+        "critic/rewards/min",
+        "critic/advantages/max",
+        "critic/returns/min",
+        "response_length/min",
+        "prompt_length/mean",
+        "prompt_length/max",
+        "prompt_length/min",
+        "prompt_length/clip_ratio",
+        "perf/time_per_step",
+        "timing_per_token_ms/gen",
+        "timing_per_token_ms/update_actor",
+        "training/global_step",
+        "training/epoch",
     ] {
         assert!(steps[0].contains_key(key), "missing {key}");
     }
@@ -96,6 +111,24 @@ fn ppo_with_a_critic_lowers_the_value_loss() {
     let early = mean_of(&steps[..5], "critic/vf_loss");
     let late = mean_of(&steps[20..], "critic/vf_loss");
     assert!(late < early * 0.5, "value loss {early:.4} → {late:.4}");
+    // verl's explained variance of the values: at most 1, and better late than early.
+    let ev = |s: &[BTreeMap<String, f64>]| mean_of(s, "critic/vf_explained_var");
+    assert!(steps.iter().all(|s| s["critic/vf_explained_var"] <= 1.0));
+    assert!(
+        ev(&steps[20..]) > ev(&steps[..5]),
+        "explained variance {:.3} → {:.3}",
+        ev(&steps[..5]),
+        ev(&steps[20..])
+    );
+    for key in [
+        "critic/values/max",
+        "critic/values/min",
+        "critic/returns/max",
+        "timing_per_token_ms/values",
+        "timing_per_token_ms/update_critic",
+    ] {
+        assert!(steps[0].contains_key(key), "missing {key}");
+    }
 }
 
 /// A reward model whose score is 0.25 at every token (zero score weights, bias 0.25), saved

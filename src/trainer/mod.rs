@@ -7,6 +7,7 @@
 pub mod builder;
 pub mod checkpoint;
 pub mod data;
+mod data_metrics;
 mod dump;
 mod error;
 mod groups;

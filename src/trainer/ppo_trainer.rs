@@ -337,6 +337,7 @@ impl PpoTrainer {
             self.profile("stop_profile", step).await?;
             let mut reduced = metrics.reduce();
             reduced.insert("training/epoch".into(), ls.epoch as f64);
+            reduced.insert("training/global_step".into(), step as f64);
             let freq = self.cfg.trainer.test_freq;
             if (freq > 0 && step % freq as u64 == 0) || step == self.total_steps {
                 let v = self.validate().await?;

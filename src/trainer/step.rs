@@ -459,60 +459,95 @@ impl PpoTrainer {
             started,
             ..
         } = batch;
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let masked = |t: Tensor<Infer, 2>| {
-            verl_core::algorithms::masked::masked_mean(t, mask.clone())
-                .into_scalar()
-                .elem::<f64>()
+        use super::data_metrics::{explained_variance, length_stats, masked_stats};
+        let host = |t: Tensor<Infer, 2>| -> Vec<f64> {
+            t.into_data().convert::<f64>().iter::<f64>().collect()
         };
-        let seq_sum = |t: Tensor<Infer, 2>| -> Vec<f64> {
-            (t * mask.clone())
-                .sum_dim(1)
-                .into_data()
-                .convert::<f64>()
-                .iter::<f64>()
-                .collect()
+        let response_mask: Vec<bool> = host(mask.clone()).iter().map(|&m| m > 0.0).collect();
+        let mut push3 = |key: &str, stats: Option<(f64, f64, f64)>| {
+            if let Some((mean, hi, lo)) = stats {
+                metrics.push(format!("{key}/mean"), mean);
+                metrics.push(format!("{key}/max"), hi);
+                metrics.push(format!("{key}/min"), lo);
+            }
         };
-        metrics.push("critic/score/mean", mean(&scores));
-        let (lo, hi) = scores
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(lo, hi), &s| (lo.min(s), hi.max(s)));
-        metrics.push("critic/score/max", hi);
-        metrics.push("critic/score/min", lo);
+        let every = vec![true; scores.len()];
+        push3("critic/score", masked_stats(&scores, &every));
         if let Ok(r) = data.float::<2>("token_level_rewards") {
-            metrics.push("critic/rewards/mean", mean(&seq_sum(r)));
+            let sums = host((r * mask.clone()).sum_dim(1));
+            push3("critic/rewards", masked_stats(&sums, &every));
         }
-        for (column, key) in [
-            ("advantages", "critic/advantages/mean"),
-            ("returns", "critic/returns/mean"),
-            ("values", "critic/values/mean"),
+        // verl's advantages, returns and values statistics: over the response tokens.
+        let token_column = |name: &str| data.float::<2>(name).ok().map(host);
+        let (returns, values) = (token_column("returns"), token_column("values"));
+        for (name, column) in [
+            ("advantages", token_column("advantages")),
+            ("returns", returns.clone()),
+            ("values", values.clone()),
         ] {
-            if let Ok(t) = data.float::<2>(column) {
-                metrics.push(key, masked(t));
+            if let Some(v) = column {
+                push3(&format!("critic/{name}"), masked_stats(&v, &response_mask));
             }
         }
-        metrics.push("response_length/mean", mean(&lengths));
-        metrics.push(
-            "response_length/max",
-            lengths.iter().copied().fold(0.0, f64::max),
-        );
-        let r = self
+        if let (Some(r), Some(v)) = (&returns, &values) {
+            metrics.push(
+                "critic/vf_explained_var",
+                explained_variance(r, v, &response_mask),
+            );
+        }
+        let response_limit = self
             .cfg
             .actor_rollout_ref
             .rollout
             .response_length
             .unwrap_or(self.cfg.data.max_response_length) as f64;
-        metrics.push(
-            "response_length/clip_ratio",
-            lengths.iter().filter(|&&l| l >= r).count() as f64 / lengths.len().max(1) as f64,
-        );
+        let prompt_limit = self
+            .cfg
+            .actor_rollout_ref
+            .rollout
+            .prompt_length
+            .unwrap_or(self.cfg.data.max_prompt_length) as f64;
+        let attention = verl_megatron::workers::batch::float_col(&data, "attention_mask")?;
+        let [_, width] = attention.dims();
+        let prompt_width = width.saturating_sub(mask.dims()[1]);
+        let prompt_lengths = host(attention.clone().narrow(1, 0, prompt_width).sum_dim(1));
+        for (key, lens, limit) in [
+            ("response_length", &lengths, response_limit),
+            ("prompt_length", &prompt_lengths, prompt_limit),
+        ] {
+            let (mean, hi, lo, clipped) = length_stats(lens, limit);
+            metrics.push(format!("{key}/mean"), mean);
+            metrics.push(format!("{key}/max"), hi);
+            metrics.push(format!("{key}/min"), lo);
+            metrics.push(format!("{key}/clip_ratio"), clipped);
+        }
         let step_s = started.elapsed().as_secs_f64();
-        let tokens: f64 = verl_megatron::workers::batch::float_col(&data, "attention_mask")?
-            .sum()
-            .into_scalar()
-            .elem::<f64>();
+        let tokens: f64 = attention.sum().into_scalar().elem::<f64>();
         metrics.push("timing_s/step", step_s);
+        metrics.push("perf/time_per_step", step_s);
         metrics.push("perf/total_num_tokens", tokens);
+        // verl's time per token of each phase: generation over the response tokens, the
+        // passes over whole sequences over all tokens.
+        let response_tokens: f64 = lengths.iter().sum();
+        for (phase, count) in [
+            ("gen", response_tokens),
+            ("ref", tokens),
+            ("values", tokens),
+            ("adv", tokens),
+            ("update_critic", tokens),
+            ("update_actor", tokens),
+        ] {
+            let seconds = metrics
+                .0
+                .get(&format!("timing_s/{phase}"))
+                .and_then(|v| v.last().copied());
+            if let (Some(seconds), true) = (seconds, count > 0.0) {
+                metrics.push(
+                    format!("timing_per_token_ms/{phase}"),
+                    seconds * 1e3 / count,
+                );
+            }
+        }
         // verl's definition: tokens per second per GPU (rank) of the run.
         let ranks = (self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes).max(1) as f64;
         metrics.push("perf/throughput", tokens / step_s.max(1e-9) / ranks);

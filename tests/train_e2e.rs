@@ -652,4 +652,13 @@ fn rollout_and_validation_generations_are_dumped_as_verl_does() {
         / val.len() as f64;
     assert!((val_mean - summary.val_score_before.unwrap()).abs() < 1e-9);
     assert!(val.iter().all(|d| d["step"] == 0));
+    // verl's validation metric beside ours: one data source (the built-in task), greedy, one
+    // response per prompt.
+    let before = lines.iter().find(|l| l["step"] == 0.0).unwrap();
+    let core: Vec<_> = before
+        .iter()
+        .filter(|(k, _)| k.starts_with("val-core/") && k.ends_with("/reward/mean@1"))
+        .collect();
+    assert_eq!(core.len(), 1, "{before:?}");
+    assert!((core[0].1 - before["val/score/mean"]).abs() < 1e-12);
 }

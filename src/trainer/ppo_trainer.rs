@@ -298,14 +298,9 @@ impl PpoTrainer {
                 self.warm_up().await?;
                 let mut ls = LoopState::fresh(self.train.len(), self.kl_ctrl.value());
                 if self.cfg.trainer.val_before_train {
-                    let v = self.validate().await?;
-                    self.log
-                        .record(
-                            0,
-                            &[("val/score/mean".to_string(), v)].into_iter().collect(),
-                        )
-                        .map_err(setup)?;
-                    ls.val_before = Some(v);
+                    let val = self.validation_metrics().await?;
+                    self.log.record(0, &val).map_err(setup)?;
+                    ls.val_before = val.get("val/score/mean").copied();
                 }
                 ls
             }
@@ -340,9 +335,9 @@ impl PpoTrainer {
             reduced.insert("training/global_step".into(), step as f64);
             let freq = self.cfg.trainer.test_freq;
             if (freq > 0 && step % freq as u64 == 0) || step == self.total_steps {
-                let v = self.validate().await?;
-                reduced.insert("val/score/mean".into(), v);
-                after = Some(v);
+                let val = self.validation_metrics().await?;
+                after = val.get("val/score/mean").copied();
+                reduced.extend(val);
             }
             self.log.record(step, &reduced).map_err(setup)?;
             ls.step = step;

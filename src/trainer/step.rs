@@ -67,10 +67,21 @@ impl StepBatch {
 impl PpoTrainer {
     /// Greedy validation (`rollout.val_kwargs`) on the validation set: `val/score/mean`.
     pub async fn validate(&mut self) -> Result<f64, TrainError> {
+        let metrics = self.validation_metrics().await?;
+        Ok(metrics.get("val/score/mean").copied().unwrap_or(0.0))
+    }
+
+    /// Validation as [`Self::validate`] runs it, with verl's metrics beside `val/score/mean`:
+    /// `val-core/<data_source>/reward/mean@<n>` per data source (`n`: responses per prompt).
+    pub async fn validation_metrics(
+        &mut self,
+    ) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
         let rows: Vec<&PromptRow> = self.val.iter().collect();
         let mut total = 0.0;
         let mut count = 0usize;
         let mut dump = Vec::new();
+        // data source -> (score sum, responses, responses per prompt)
+        let mut by_source = std::collections::BTreeMap::<String, (f64, usize, usize)>::new();
         for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
             let mut batch = prompt_batch::<Infer>(
                 chunk,
@@ -99,13 +110,31 @@ impl PpoTrainer {
                     step,
                 )?);
             }
+            let per_prompt = scores.len() / chunk.len().max(1);
+            let sources = gen.non_tensor("data_source")?;
+            for (score, source) in scores.iter().zip(sources) {
+                let e = by_source
+                    .entry(source.as_str().unwrap_or("unknown").to_string())
+                    .or_default();
+                (e.0, e.1, e.2) = (e.0 + score, e.1 + 1, per_prompt.max(e.2));
+            }
             total += scores.iter().sum::<f64>();
             count += scores.len();
         }
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
             super::dump::write_generations(dir, self.global_step, &dump)?;
         }
-        Ok(total / count.max(1) as f64)
+        let mut metrics: std::collections::BTreeMap<String, f64> = by_source
+            .into_iter()
+            .map(|(source, (sum, n, per))| {
+                (
+                    format!("val-core/{source}/reward/mean@{per}"),
+                    sum / n.max(1) as f64,
+                )
+            })
+            .collect();
+        metrics.insert("val/score/mean".into(), total / count.max(1) as f64);
+        Ok(metrics)
     }
 
     /// Supervised warm-up on ground-truth answers (`trainer.sft_warmup_steps`), then the

@@ -105,9 +105,16 @@ fn resumes_on_other_layouts(saved_on: &[String], resume_on: &[(&str, Vec<String>
     let moved: Vec<&String> = want[3]
         .iter()
         .filter(|(k, a)| {
-            !["timing_s/", "perf/", "rollout/", "val/"]
-                .iter()
-                .any(|p| k.starts_with(p))
+            ![
+                "timing_s/",
+                "timing_per_token_ms/",
+                "perf/",
+                "rollout/",
+                "val/",
+                "val-core/",
+            ]
+            .iter()
+            .any(|p| k.starts_with(p))
                 && {
                     let b = got[3][*k];
                     (*a - b).abs() > 1e-3 * a.abs().max(1e-2)

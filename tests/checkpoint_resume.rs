@@ -65,8 +65,11 @@ fn step_metrics(dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
                 .iter()
                 .filter(|(k, _)| {
                     !(k.starts_with("timing_s/")
+                        || k.starts_with("timing_per_token_ms/")
                         || k.starts_with("perf/throughput")
+                        || k.starts_with("perf/time_per_step")
                         || k.starts_with("val/")
+                        || k.starts_with("val-core/")
                         || k.as_str() == "rollout/seconds"
                         || k.as_str() == "perf/weight_sync_s"
                         || k.as_str() == "rollout/decode_tokens_per_s")

@@ -67,6 +67,7 @@ fn every_offload_switch_on_changes_no_bit() {
     for (a, b) in off.iter().zip(&on) {
         for (key, x) in a {
             if key.starts_with("timing_s/")
+                || key.starts_with("timing_per_token_ms/")
                 || key.starts_with("perf/")
                 || key.contains("seconds")
                 || key.contains("per_s")

@@ -99,6 +99,7 @@ pub(crate) fn assert_same_metrics(
             // Timings differ by nature; of the rollout's figures only its counts, summed over
             // rollout groups, are the single rank's.
             if key.starts_with("timing_s/")
+                || key.starts_with("timing_per_token_ms/")
                 || key.starts_with("perf/")
                 || (key.starts_with("rollout/")
                     && !verl_core::metrics::SUMMED.contains(&key.as_str()))

@@ -53,31 +53,8 @@ crate::plain_parallel_backend!(
             reserved,
         })
     },
-    release_cached_memory,
-    upload_flat
+    release_cached_memory
 );
-
-/// `data` as a flat tensor on `device`. With `VERL_LOAD_PINNED=1` it goes through pinned
-/// staging memory first (cubecl's staging pool): burn-cuda's upload of a 7B checkpoint ran at
-/// ~0.6 GB/s on an H200 host where torch copies pinned memory at ~55 GB/s. Off by default
-/// until measured on a GPU (issue #45): every staged tensor stays pinned until its copy is
-/// done, so a 7B load may pin its 15 GB at once.
-fn upload_flat(
-    data: burn::tensor::TensorData,
-    device: &CudaDevice,
-) -> burn::tensor::Tensor<verl_core::backend::CudaBackend, 1> {
-    use cubecl::Runtime;
-    let burn::tensor::TensorData {
-        mut bytes,
-        shape,
-        dtype,
-    } = data;
-    if std::env::var("VERL_LOAD_PINNED").is_ok_and(|v| v == "1") {
-        cubecl::cuda::CudaRuntime::client(device).staging(std::iter::once(&mut bytes), false);
-    }
-    let data = burn::tensor::TensorData::from_bytes(bytes, shape, dtype);
-    burn::tensor::Tensor::from_data(data, (device, dtype))
-}
 
 /// Frees the pool pages of `device` (this thread's stream) that hold no tensor.
 fn release_cached_memory(device: &CudaDevice) {

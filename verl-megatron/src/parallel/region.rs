@@ -176,8 +176,8 @@ pub trait ParallelBackend: FusedOps {
     fn release_cached_memory(_device: &Self::Device) {}
 
     /// A flat tensor of `data` (stored as its own dtype) on `device`: how checkpoints reach the
-    /// device. burn's `from_data`; on burn-cuda optionally through pinned staging memory
-    /// (`VERL_LOAD_PINNED=1`).
+    /// device, burn's `from_data` by default. The seam for a faster upload on a backend whose
+    /// `from_data` copies slowly (burn-cuda's: docs/PERFORMANCE.md, 7B loading).
     fn upload_flat(data: burn::tensor::TensorData, device: &Self::Device) -> Tensor<Self, 1> {
         let dtype = data.dtype;
         Tensor::from_data(data, (device, dtype))
@@ -357,7 +357,7 @@ pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(mode
 #[doc(hidden)]
 #[macro_export]
 macro_rules! plain_parallel_backend {
-    ($ty:ty, $memory:expr $(, $release:expr, $upload:expr)?) => {
+    ($ty:ty, $memory:expr $(, $release:expr)?) => {
         impl $crate::parallel::ParallelBackend for $ty {
             type Base = $ty;
 
@@ -370,12 +370,6 @@ macro_rules! plain_parallel_backend {
                     $release(device)
                 }
 
-                fn upload_flat(
-                    data: burn::tensor::TensorData,
-                    device: &Self::Device,
-                ) -> burn::tensor::Tensor<Self, 1> {
-                    $upload(data, device)
-                }
             )?
 
             fn collective<const D: usize>(

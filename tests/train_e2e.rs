@@ -662,3 +662,53 @@ fn rollout_and_validation_generations_are_dumped_as_verl_does() {
     assert_eq!(core.len(), 1, "{before:?}");
     assert!((core[0].1 - before["val/score/mean"]).abs() < 1e-12);
 }
+
+/// `trainer.val_only`: the run validates the starting policy (no warm-up, no step), logs it as
+/// step 0 and stops; on a saved run it validates the checkpoint at its step.
+#[test]
+fn val_only_validates_and_stops() {
+    let (summary, lines, dir) = run(&[
+        "trainer.val_only=true",
+        "trainer.val_before_train=true",
+        "trainer.sft_warmup_steps=5",
+        "trainer.total_training_steps=3",
+    ]);
+    assert_eq!(summary.steps, 0);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert_eq!(lines[0]["step"], 0.0);
+    let v = summary.val_score_before.expect("validated");
+    assert_eq!(lines[0]["val/score/mean"], v);
+    // No step was taken, so nothing was saved.
+    assert!(!dir
+        .path()
+        .join("latest_checkpointed_iteration.txt")
+        .exists());
+
+    // Two trained steps saved, then a validation-only run of that checkpoint at its step.
+    let trained = tempfile::tempdir().unwrap();
+    let cfg = |extra: &[&str]| {
+        ConfigBuilder::new()
+            .overrides(MAIN_JOB)
+            .overrides(common::TINY_JOB.iter().copied())
+            .overrides([
+                "trainer.total_training_steps=2",
+                "trainer.sft_warmup_steps=0",
+                "trainer.save_freq=2",
+                "trainer.val_before_train=true",
+            ])
+            .overrides(extra.iter().copied())
+            .set("trainer.default_local_dir", trained.path().display())
+            .build()
+            .unwrap()
+    };
+    let first = common::fit(cfg(&[]));
+    assert_eq!(first.steps, 2);
+    let again = common::fit(cfg(&["trainer.val_only=true"]));
+    assert_eq!(again.steps, 0);
+    assert_eq!(again.resumed_at, Some(2));
+    let lines = common::step_lines(&again.metrics_path);
+    let last = lines.last().unwrap();
+    assert_eq!(last["step"], 2.0);
+    // The saved policy scores as it did when validated at the end of training.
+    assert!((again.val_score_before.unwrap() - first.val_score_after.unwrap()).abs() < 1e-9);
+}

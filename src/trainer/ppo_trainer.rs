@@ -285,17 +285,28 @@ impl PpoTrainer {
     pub async fn fit(&mut self) -> Result<RunSummary, TrainError> {
         let start = Instant::now();
         let mut ls = match self.resume.take() {
-            Some((dir, ls)) => {
+            Some((dir, mut ls)) => {
                 self.load_checkpoint(&dir).await?;
                 self.kl_ctrl.restore(ls.kl_coef);
                 tracing::info!("resumed from {} (step {})", dir.display(), ls.step);
                 if self.cfg.trainer.del_local_ckpt_after_load {
                     std::fs::remove_dir_all(&dir).map_err(setup)?;
                 }
+                // A validation-only run of a saved checkpoint (the other resumes go straight
+                // on training).
+                if self.cfg.trainer.val_only {
+                    self.global_step = ls.step;
+                    let val = self.validation_metrics().await?;
+                    self.log.record(ls.step, &val).map_err(setup)?;
+                    ls.val_before = val.get("val/score/mean").copied();
+                }
                 ls
             }
             None => {
-                self.warm_up().await?;
+                // `trainer.val_only` validates the starting policy: no warm-up.
+                if !self.cfg.trainer.val_only {
+                    self.warm_up().await?;
+                }
                 let mut ls = LoopState::fresh(self.train.len(), self.kl_ctrl.value());
                 if self.cfg.trainer.val_before_train {
                     let val = self.validation_metrics().await?;
@@ -305,6 +316,22 @@ impl PpoTrainer {
                 ls
             }
         };
+        if self.cfg.trainer.val_only {
+            // verl's `trainer.val_only`: validate, log, and stop before any step.
+            self.log.finish();
+            if let Some(p) = &mut self.processes {
+                p.finish()?;
+            }
+            return Ok(RunSummary {
+                steps: 0,
+                resumed_at: Some(ls.step).filter(|&s| s > 0),
+                val_score_before: ls.val_before,
+                val_score_after: ls.val_before,
+                metrics_path: self.log.metrics_path().to_path_buf(),
+                plot_path: self.log.plot_path(),
+                seconds: start.elapsed().as_secs_f64(),
+            });
+        }
         let b = self.cfg.data.train_batch_size;
         let mut after = ls.val_before;
         let first_step = ls.step + 1;

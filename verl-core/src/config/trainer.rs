@@ -58,6 +58,8 @@ pub struct TrainerConfig {
     pub resume_mode: ResumeMode,
     pub resume_from_path: Option<String>,
     pub val_before_train: bool,
+    /// Validate before training (the starting policy, or a resumed checkpoint's) and stop, as
+    /// verl does; needs `val_before_train`.
     pub val_only: bool,
     /// Validate every this many steps; -1: never.
     pub test_freq: i64,

@@ -289,11 +289,12 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "set it to 0",
     )?;
     require(
-        !t.val_only,
+        !t.val_only || t.val_before_train,
         "trainer.val_only",
         t.val_only,
-        "a run always trains",
-        "set it to false (validation runs every trainer.test_freq steps)",
+        "a validation-only run validates where verl does, before training, and \
+         trainer.val_before_train is off (verl would then train)",
+        "set trainer.val_before_train=true",
     )?;
 
     Ok(())
@@ -915,7 +916,6 @@ mod tests {
                 "actor_rollout_ref.model.trust_remote_code=true",
                 "actor_rollout_ref.model.trust_remote_code",
             ),
-            ("trainer.val_only=true", "trainer.val_only"),
             ("trainer.log_val_generations=10", "trainer.log_val_generations"),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
@@ -958,6 +958,23 @@ mod tests {
             let cfg = VerlConfig::from_layers(None, &set).expect("parses");
             refuse_unsupported(&cfg).unwrap_or_else(|e| panic!("{set:?}: {e}"));
         }
+    }
+
+    /// `trainer.val_only` validates before training, so it needs `trainer.val_before_train`.
+    #[test]
+    fn val_only_needs_validation_before_training() {
+        let cfg = |val_before: &str| {
+            VerlConfig::from_layers(None, &["trainer.val_only=true", val_before]).expect("parses")
+        };
+        refuse_unsupported(&cfg("trainer.val_before_train=true"))
+            .expect("val_only with validation before training");
+        let e = refuse_unsupported(&cfg("trainer.val_before_train=false"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("trainer.val_only") && e.contains("trainer.val_before_train=true"),
+            "{e}"
+        );
     }
 
     /// The default of each key above is accepted: only the value verl-rs cannot honour is

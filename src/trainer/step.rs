@@ -595,7 +595,7 @@ fn balance(
     role: &str,
     metrics: &mut Metrics,
 ) -> Result<(), TrainError> {
-    use verl_core::algorithms::balance::{balanced_order, chunk_sums};
+    use verl_core::algorithms::balance::{balanced_order, chunk_sums, verl_workload};
     let lens: Vec<usize> = inputs
         .int::<2>("attention_mask")?
         .sum_dim(1)
@@ -604,7 +604,9 @@ fn balance(
         .iter::<i64>()
         .map(|v| v.max(0) as usize)
         .collect();
-    let order = balanced_order(&lens, dp);
+    // Balanced as verl balances: by the rows' estimated compute; reported in tokens.
+    let workloads: Vec<usize> = lens.iter().map(|&l| verl_workload(l)).collect();
+    let order = balanced_order(&workloads, dp);
     if role == "actor" {
         let k = dp.max(1);
         let before = chunk_sums(&lens, &(0..lens.len()).collect::<Vec<_>>(), k);

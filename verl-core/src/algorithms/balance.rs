@@ -2,9 +2,11 @@
 //! chunks the data-parallel ranks receive carry similar numbers of tokens. The slowest rank sets
 //! the pace of every collective, and RL batches mix short and long responses.
 //!
-//! verl partitions with Karmarkar–Karp; this is the greedy longest-first rule under the same
-//! equal-size constraint, and never worse than not reordering: where the greedy split would
-//! leave a heavier chunk than the batch's own order, the batch keeps its order.
+//! As verl does, the rows are partitioned by Karmarkar–Karp's largest differencing method under
+//! the equal-size constraint ([`karmarkar_karp`]); the greedy longest-first split is tried too,
+//! and the lighter heaviest chunk of the two wins. Never worse than not reordering: where both
+//! would leave a heavier chunk than the batch's own order, the batch keeps its order. verl
+//! weighs each row by an attention-aware workload rather than its tokens: [`verl_workload`].
 //!
 //! ```
 //! use verl_core::algorithms::balance::{balanced_order, chunk_sums};
@@ -26,10 +28,108 @@ pub fn chunk_sums(lens: &[usize], order: &[usize], k: usize) -> Vec<usize> {
         .collect()
 }
 
+/// verl's estimate of a row's compute for balancing (`calculate_workload`): the dense layers'
+/// share grows with the length, attention's with its square (constants of a 7B model).
+pub fn verl_workload(len: usize) -> usize {
+    24_576 * len + len * len
+}
+
+/// Karmarkar–Karp's largest differencing method for `k` parts of equal size (`weights.len()`
+/// a multiple of `k`): the rows sorted by weight are taken `k` at a time as partial partitions;
+/// the two partials whose heaviest and lightest parts differ most are merged, pairing one's
+/// heaviest part with the other's lightest, until one is left. Each part's rows come in
+/// ascending index, the parts in the order of their first rows. `None` when the rows do not
+/// split evenly or `k` is 0.
+///
+/// ```
+/// use verl_core::algorithms::balance::karmarkar_karp;
+/// // 8, 7, 6, 5, 4, 3 into 3 pairs: 8+3, 7+4, 6+5 = 11 each.
+/// let parts = karmarkar_karp(&[8, 7, 6, 5, 4, 3], 3).unwrap();
+/// let sums: Vec<usize> = parts.iter().map(|p| p.iter().map(|&i| [8, 7, 6, 5, 4, 3][i]).sum()).collect();
+/// assert_eq!(sums, [11, 11, 11]);
+/// ```
+pub fn karmarkar_karp(weights: &[usize], k: usize) -> Option<Vec<Vec<usize>>> {
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+    let n = weights.len();
+    if k == 0 || !n.is_multiple_of(k) {
+        return None;
+    }
+    /// A partial partition: its `k` parts heaviest first, as (sum, rows).
+    struct Partial {
+        parts: Vec<(usize, Vec<usize>)>,
+        /// Insertion number: the last tie-break, so equal partials pop in a fixed order.
+        seq: usize,
+    }
+    impl Partial {
+        fn spread(&self) -> usize {
+            self.parts[0].0 - self.parts[self.parts.len() - 1].0
+        }
+        fn key(&self) -> (usize, usize, Reverse<usize>) {
+            (self.spread(), self.parts[0].0, Reverse(self.seq))
+        }
+        fn sort(&mut self) {
+            self.parts
+                .sort_by(|a, b| (b.0, b.1.len(), &b.1).cmp(&(a.0, a.1.len(), &a.1)));
+        }
+    }
+    impl PartialEq for Partial {
+        fn eq(&self, other: &Self) -> bool {
+            self.key() == other.key()
+        }
+    }
+    impl Eq for Partial {}
+    impl PartialOrd for Partial {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Partial {
+        fn cmp(&self, other: &Self) -> Ordering {
+            self.key().cmp(&other.key())
+        }
+    }
+    let mut rows: Vec<usize> = (0..n).collect();
+    rows.sort_by_key(|&i| (weights[i], i));
+    let mut heap = BinaryHeap::new();
+    let mut seq = 0;
+    for group in rows.chunks(k) {
+        let mut p = Partial {
+            parts: group.iter().map(|&i| (weights[i], vec![i])).collect(),
+            seq,
+        };
+        p.sort();
+        heap.push(p);
+        seq += 1;
+    }
+    if heap.is_empty() {
+        return Some(vec![Vec::new(); k]);
+    }
+    while heap.len() > 1 {
+        let (mut a, b) = (heap.pop()?, heap.pop()?);
+        for (i, (sum, items)) in b.parts.into_iter().enumerate() {
+            let part = &mut a.parts[k - 1 - i];
+            part.0 += sum;
+            part.1.extend(items);
+        }
+        a.sort();
+        a.seq = seq;
+        seq += 1;
+        heap.push(a);
+    }
+    let mut parts: Vec<Vec<usize>> = heap.pop()?.parts.into_iter().map(|(_, r)| r).collect();
+    for p in &mut parts {
+        p.sort_unstable();
+    }
+    // Parts in the order of their first rows: the row order changes no more than it must.
+    parts.sort_by_key(|p| p.first().copied().unwrap_or(usize::MAX));
+    Some(parts)
+}
+
 /// A row order whose `k` contiguous equal chunks (one per data-parallel rank) carry balanced
-/// token counts: each rank's rows in ascending index (their batch order), ranks one after
-/// another. `lens.len()` must be a multiple of `k` (the dispatch splits evenly); otherwise, or
-/// for `k <= 1`, the batch order.
+/// weights (token counts, or [`verl_workload`]s): each rank's rows in ascending index (their
+/// batch order), ranks one after another. `lens.len()` must be a multiple of `k` (the dispatch
+/// splits evenly); otherwise, or for `k <= 1`, the batch order.
 pub fn balanced_order(lens: &[usize], k: usize) -> Vec<usize> {
     let n = lens.len();
     let identity: Vec<usize> = (0..n).collect();
@@ -55,8 +155,17 @@ pub fn balanced_order(lens: &[usize], k: usize) -> Vec<usize> {
     }
     let greedy: Vec<usize> = chunks.into_iter().flatten().collect();
     let heaviest = |order: &[usize]| chunk_sums(lens, order, k).into_iter().max().unwrap_or(0);
-    if heaviest(&greedy) <= heaviest(&identity) {
+    let differenced: Vec<usize> = karmarkar_karp(lens, k)
+        .map(|parts| parts.into_iter().flatten().collect())
+        .unwrap_or_else(|| identity.clone());
+    // The lighter heaviest chunk of the two splits; the batch order if neither beats it.
+    let best = if heaviest(&differenced) <= heaviest(&greedy) {
+        differenced
+    } else {
         greedy
+    };
+    if heaviest(&best) <= heaviest(&identity) {
+        best
     } else {
         identity
     }
@@ -93,6 +202,54 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// Karmarkar–Karp's parts: equal sizes, every row once, ascending rows in each part,
+        /// and the heaviest part no heavier than the greedy split's or the brute-force bound
+        /// allows (at most the lightest possible heaviest part plus the largest weight).
+        #[test]
+        fn karmarkar_karp_parts_are_equal_sized_and_cover_every_row(
+            k in 1usize..6,
+            per in 1usize..8,
+            seed in proptest::collection::vec(0usize..1000, 48),
+        ) {
+            let w: Vec<usize> = seed[..k * per].to_vec();
+            let parts = karmarkar_karp(&w, k).unwrap();
+            prop_assert_eq!(parts.len(), k);
+            let mut all: Vec<usize> = parts.iter().flatten().copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..k * per).collect::<Vec<_>>());
+            for p in &parts {
+                prop_assert_eq!(p.len(), per);
+                prop_assert!(p.windows(2).all(|x| x[0] < x[1]));
+            }
+            let sums: Vec<usize> = parts.iter().map(|p| p.iter().map(|&i| w[i]).sum()).collect();
+            let total: usize = w.iter().sum();
+            let largest = w.iter().copied().max().unwrap_or(0);
+            prop_assert!(*sums.iter().max().unwrap() <= total.div_ceil(k) + largest);
+        }
+    }
+
+    #[test]
+    fn karmarkar_karp_by_hand() {
+        // Two equal parts of 4, 5, 6, 7, 8, 10. Partials (5 | 4), (7 | 6), (10 | 8): the widest
+        // (10 | 8) merges first, with the heavier of the two spread-1 partials, (7 | 6):
+        // (10+6 | 8+7) = (16 | 15). That merges with (5 | 4): (16+4 | 15+5) = (20 | 20).
+        let w = [4, 5, 6, 7, 8, 10];
+        let parts = karmarkar_karp(&w, 2).unwrap();
+        let sums: Vec<usize> = parts
+            .iter()
+            .map(|p| p.iter().map(|&i| w[i]).sum())
+            .collect();
+        assert_eq!(sums, [20, 20]);
+        assert_eq!(parts, [vec![0, 2, 5], vec![1, 3, 4]]);
+        assert!(karmarkar_karp(&[1, 2, 3], 2).is_none());
+        assert_eq!(
+            karmarkar_karp(&[], 3).unwrap(),
+            vec![Vec::<usize>::new(); 3]
+        );
+        assert_eq!(verl_workload(100), 24_576 * 100 + 10_000);
+    }
+
     #[test]
     fn uneven_batches_and_one_rank_keep_their_order() {
         assert_eq!(balanced_order(&[5, 1, 9], 2), [0, 1, 2]);
@@ -104,10 +261,13 @@ mod tests {
     fn a_hand_checked_split_of_grpo_lengths() {
         // 8 responses over 4 ranks: in order the chunks carry 300, 30, 220, 50 tokens. The
         // 200-token row needs a partner and the shortest has 10, so 210 is the best any split
-        // can do: 200+10, 120+10, 100+40, 100+20.
+        // can do. Karmarkar–Karp: partials (40 | 20 | 10 | 10) and (200 | 120 | 100 | 100)
+        // merge heaviest-with-lightest: 200+10, 120+10, 100+20, 100+40, i.e. rows {0, 2},
+        // {4, 7}, {3, 5}, {1, 6}, put in the order of their first rows (the greedy split also
+        // reaches 210).
         let lens = [200, 100, 10, 20, 120, 100, 40, 10];
         let order = balanced_order(&lens, 4);
-        assert_eq!(chunk_sums(&lens, &order, 4), [210, 130, 140, 120]);
-        assert_eq!(order, [0, 7, 2, 4, 1, 6, 3, 5]);
+        assert_eq!(chunk_sums(&lens, &order, 4), [210, 140, 120, 130]);
+        assert_eq!(order, [0, 2, 1, 6, 3, 5, 4, 7]);
     }
 }

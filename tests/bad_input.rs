@@ -259,3 +259,39 @@ fn filter_overlong_prompts_drops_them_and_refuses_an_empty_set() {
         "{e}"
     );
 }
+
+/// A second run on an output directory in use is refused, naming the first run's pid; once the
+/// first trainer is gone the directory is free again, and no lock file is left behind.
+#[test]
+fn a_second_run_on_the_same_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let validated = || {
+        verl::ConfigBuilder::new()
+            .overrides(verl::trainer::MAIN_JOB)
+            .overrides(common::TINY_JOB.iter().copied())
+            .overrides([
+                "trainer.total_training_steps=1",
+                "trainer.sft_warmup_steps=0",
+            ])
+            .set("trainer.default_local_dir", dir.path().display())
+            .build()
+            .unwrap()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let first = verl::trainer::PpoTrainer::new(validated()).unwrap();
+        let e = match verl::trainer::PpoTrainer::new(validated()) {
+            Ok(_) => panic!("a second trainer on the same directory was built"),
+            Err(e) => e.to_string(),
+        };
+        assert!(e.contains("trainer.default_local_dir"), "{e}");
+        assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
+        drop(first);
+        let mut again = verl::trainer::PpoTrainer::new(validated()).unwrap();
+        again.fit().await.unwrap();
+    });
+    assert!(!dir.path().join(".verl-run.lock").exists());
+}

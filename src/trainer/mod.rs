@@ -18,6 +18,7 @@ pub mod plot;
 mod ppo_trainer;
 pub mod ranks;
 mod roles;
+mod run_lock;
 mod scorer;
 mod setup;
 pub mod step;

@@ -60,6 +60,8 @@ pub struct PpoTrainer {
     pub(super) rollout_correction:
         Option<verl_core::algorithms::rollout_correction::RolloutCorrection>,
     pub(super) log: RunLog,
+    /// The output directory's lock, held for the trainer's life.
+    pub(super) _run_lock: super::run_lock::RunLock,
     pub(super) needs_ref: bool,
     /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).
     pub(super) old_log_prob_apart: bool,

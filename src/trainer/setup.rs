@@ -73,6 +73,8 @@ impl PpoTrainer {
         let scorer = python_scorer(&cfg, parts.scorer)?;
         check_scorers(&cfg, &scorer, &train, &val)?;
         let out_dir = output_dir(&cfg);
+        // Before anything in the directory is read, renamed or set aside.
+        let run_lock = super::run_lock::RunLock::acquire(&out_dir)?;
         check_checkpoint_contents(&cfg)?;
         let resume = resume_point(&cfg, &out_dir, train.len())?;
         let total_steps = total_steps_of(&cfg, train.len());
@@ -113,6 +115,7 @@ impl PpoTrainer {
             advantages.register(&name, move |x| f(x));
         }
         Ok(Self {
+            _run_lock: run_lock,
             kl_ctrl: kl_controller(&cfg.algorithm.kl_ctrl).map_err(setup)?,
             kl_penalty: cfg.algorithm.kl_penalty,
             advantages,

@@ -7,7 +7,7 @@
 //! `NONE` after the timeout). It knows nothing of CUDA, so it is tested on the CPU.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -214,7 +214,10 @@ impl Rendezvous {
         };
         stream.write_all(line.as_bytes()).map_err(io)?;
         let mut reply = String::new();
-        BufReader::new(stream).read_line(&mut reply).map_err(io)?;
+        BufReader::new(stream)
+            .take(MAX_LINE)
+            .read_line(&mut reply)
+            .map_err(io)?;
         Ok(reply)
     }
 }
@@ -228,6 +231,9 @@ fn check_key(key: &str) -> Result<(), CommError> {
     Ok(())
 }
 
+/// The longest request or reply line: the table holds group ids (a few hundred bytes).
+const MAX_LINE: u64 = 1 << 20;
+
 /// Rank 0's server: one thread per connection.
 fn serve(listener: TcpListener, table: Arc<Table>) {
     for conn in listener.incoming().flatten() {
@@ -237,8 +243,15 @@ fn serve(listener: TcpListener, table: Arc<Table>) {
                 Ok(c) => c,
                 Err(_) => return,
             });
+            // Bounded: a peer (or anything else that connects) cannot grow this line without
+            // end; a longer one is cut and answered ERR (no newline ends it).
             let mut line = String::new();
-            if reader.read_line(&mut line).is_err() {
+            if (&mut reader).take(MAX_LINE).read_line(&mut line).is_err() {
+                return;
+            }
+            if !line.ends_with('\n') && line.len() as u64 == MAX_LINE {
+                let mut conn = conn;
+                let _ = conn.write_all(b"ERR\n");
                 return;
             }
             let mut parts = line.split_whitespace();
@@ -293,6 +306,27 @@ mod tests {
             assert_eq!(root.get("dp1").unwrap(), vec![9, 9]);
             assert_eq!(early.join().unwrap(), (id.clone(), vec![9, 9]));
         });
+    }
+
+    /// A request line past the bound is cut and answered ERR; the table still serves the
+    /// next request.
+    #[test]
+    fn an_endless_request_line_is_cut_and_refused() {
+        use std::io::Write;
+        let root = Rendezvous::new(0, 2, 0, "127.0.0.1:0").unwrap();
+        let mut s = TcpStream::connect(root.addr()).unwrap();
+        // A line longer than the bound, and no newline.
+        let chunk = vec![b'a'; 1 << 16];
+        for _ in 0..(MAX_LINE >> 16) + 1 {
+            if s.write_all(&chunk).is_err() {
+                break;
+            }
+        }
+        let mut reply = String::new();
+        BufReader::new(s).read_line(&mut reply).unwrap();
+        assert_eq!(reply, "ERR\n");
+        root.publish("ok", &[1, 2]).unwrap();
+        assert_eq!(root.get("ok").unwrap(), vec![1, 2]);
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub struct TcpCommunicator {
     writers: Vec<std::thread::JoinHandle<()>>,
 }
 
+/// The largest frame a peer may send: 16 GiB of f32 values (a whole 4B-parameter model).
+const MAX_FRAME_BYTES: u64 = 16 << 30;
+
 fn io_err(what: impl std::fmt::Display, e: std::io::Error) -> CommError {
     CommError::Transport(format!("{what}: {e}"))
 }
@@ -118,10 +121,23 @@ fn read_loop(stream: TcpStream, peer: usize, inbox: Arc<Inbox>) {
             break format!("its connection closed ({e})");
         }
         let seq = u64::from_le_bytes(head[1..9].try_into().expect("8 bytes"));
-        let n = u64::from_le_bytes(head[9..17].try_into().expect("8 bytes")) as usize;
-        let mut bytes = vec![0u8; 4 * n];
-        if let Err(e) = r.read_exact(&mut bytes) {
-            break format!("its connection closed mid-message ({e})");
+        let n = u64::from_le_bytes(head[9..17].try_into().expect("8 bytes"));
+        if head[0] != COLLECTIVE && head[0] != POINT_TO_POINT {
+            break format!("it sent a frame of unknown kind {}", head[0]);
+        }
+        // The length is the peer's word: bounded, and the payload buffer grows only as its
+        // bytes arrive, so a frame that lies about its length costs no more than it sends.
+        let Some(len) = n.checked_mul(4).filter(|&b| b <= MAX_FRAME_BYTES) else {
+            break format!(
+                "it announced a frame of {n} values, over the {} GiB a frame may carry",
+                MAX_FRAME_BYTES >> 30
+            );
+        };
+        let mut bytes = Vec::new();
+        match (&mut r).take(len).read_to_end(&mut bytes) {
+            Ok(got) if got as u64 == len => {}
+            Ok(got) => break format!("its connection closed mid-message ({got} of {len} bytes)"),
+            Err(e) => break format!("its connection closed mid-message ({e})"),
         }
         let values: Vec<f32> = bytes
             .chunks_exact(4)
@@ -486,5 +502,75 @@ impl<B: Backend> Communicator<B> for TcpCommunicator {
 
     fn barrier(&self) -> Result<(), CommError> {
         self.exchange(|_| Vec::new()).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// Runs `read_loop` for one peer whose side of the connection sends `bytes` and closes;
+    /// returns why the loop says the peer is gone.
+    fn gone_after(bytes: &[u8]) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let inbox = Arc::new(Inbox {
+            state: Mutex::new(InboxState {
+                collective: vec![VecDeque::new()],
+                p2p: vec![VecDeque::new()],
+                gone: vec![None],
+            }),
+            changed: Condvar::new(),
+        });
+        client.write_all(bytes).unwrap();
+        drop(client);
+        read_loop(server, 0, inbox.clone());
+        let why = inbox.lock().gone[0].clone();
+        why.expect("the peer is marked gone")
+    }
+
+    #[test]
+    fn a_frame_announcing_more_than_it_sends_allocates_nothing_and_names_it() {
+        // A header claiming 2^62 values: over the bound, refused before any allocation.
+        let mut huge = vec![COLLECTIVE];
+        huge.extend_from_slice(&0u64.to_le_bytes());
+        huge.extend_from_slice(&(1u64 << 62).to_le_bytes());
+        let why = gone_after(&huge);
+        assert!(why.contains("over the 16 GiB"), "{why}");
+        // Within the bound but cut short: the buffer held only what arrived.
+        let mut short = vec![POINT_TO_POINT];
+        short.extend_from_slice(&0u64.to_le_bytes());
+        short.extend_from_slice(&(1u64 << 30).to_le_bytes());
+        short.extend_from_slice(&[0u8; 12]);
+        let why = gone_after(&short);
+        assert!(why.contains("mid-message (12 of"), "{why}");
+        // An unknown kind is named before its length is read.
+        let why = gone_after(&[9u8; 17]);
+        assert!(why.contains("unknown kind 9"), "{why}");
+    }
+
+    #[test]
+    fn a_whole_frame_arrives() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let inbox = Arc::new(Inbox {
+            state: Mutex::new(InboxState {
+                collective: vec![VecDeque::new()],
+                p2p: vec![VecDeque::new()],
+                gone: vec![None],
+            }),
+            changed: Condvar::new(),
+        });
+        client
+            .write_all(&frame(COLLECTIVE, 7, &[1.5, -2.0]))
+            .unwrap();
+        drop(client);
+        read_loop(server, 0, inbox.clone());
+        let st = inbox.lock();
+        assert_eq!(st.collective[0].front(), Some(&(7, vec![1.5, -2.0])));
+        assert!(st.gone[0].as_deref().unwrap_or("").contains("closed"));
     }
 }

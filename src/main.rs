@@ -640,6 +640,14 @@ fn generate_cmd(
     let model = resolved.as_path();
     let cfg = HfModelConfig::from_dir(model).map_err(|e| e.to_string())?;
     refuse_score_heads(model, &cfg)?;
+    if max_new_tokens == 0 {
+        return Err("--max-new-tokens must be at least 1".into());
+    }
+    // The prompts first: a tokenizer that does not fit the model, or a request past its
+    // context, is refused before the weights load.
+    let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
+    let (texts, ids) = encode_prompts(model, &tok, prompts, raw)?;
+    check_prompt_ids(model, &cfg, &ids, max_new_tokens)?;
     let started = std::time::Instant::now();
     let ckpt = HfCheckpoint::open(model).map_err(|e| e.to_string())?;
     let device = Default::default();
@@ -655,8 +663,6 @@ fn generate_cmd(
         "weights of {} loaded",
         model.display()
     );
-    let tok = HfTokenizer::from_dir(model).map_err(|e| e.to_string())?;
-    let (texts, ids) = encode_prompts(model, &tok, prompts, raw)?;
     let eos = if tok.eos_token_ids.is_empty() {
         cfg.eos_token_ids.clone()
     } else {
@@ -673,9 +679,6 @@ fn generate_cmd(
         stop,
         ..EngineConfig::default()
     };
-    if max_new_tokens == 0 {
-        return Err("--max-new-tokens must be at least 1".into());
-    }
     let mut engine = NativeRollout::new(cfg, lm, engine_cfg, device)
         .map_err(|e| {
             e.to_string()
@@ -707,6 +710,38 @@ fn generate_cmd(
         "generated {:.1} tokens/s",
         s.generated_tokens as f64 / s.seconds.max(1e-9)
     );
+    Ok(())
+}
+
+/// Refuses prompts the model cannot take: a token id past its vocabulary (the tokenizer is not
+/// the model's), or a prompt whose length plus `--max-new-tokens` passes its context
+/// (`max_position_embeddings`). Each error names the prompt and the fix.
+fn check_prompt_ids(
+    model: &std::path::Path,
+    cfg: &verl::megatron::hf::HfModelConfig,
+    ids: &[Vec<u32>],
+    max_new_tokens: usize,
+) -> Result<(), String> {
+    for (i, p) in ids.iter().enumerate() {
+        if let Some(&id) = p.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            return Err(format!(
+                "--prompt {}: the tokenizer of {} gives token id {id}, past the model's vocabulary of {} (config.json vocab_size); the tokenizer and the weights do not belong together",
+                i + 1,
+                model.display(),
+                cfg.vocab_size
+            ));
+        }
+        let context = cfg.max_position_embeddings;
+        if p.len() + max_new_tokens > context {
+            return Err(format!(
+                "--max-new-tokens {max_new_tokens}: prompt {} has {} tokens, and with the new ones that passes the model's context of {context} tokens (config.json max_position_embeddings); lower --max-new-tokens to at most {}{}",
+                i + 1,
+                p.len(),
+                context.saturating_sub(p.len()),
+                if p.len() >= context { " and shorten the prompt" } else { "" }
+            ));
+        }
+    }
     Ok(())
 }
 

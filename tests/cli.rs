@@ -241,6 +241,56 @@ fn generate_batches_prompts_and_samples_n_per_prompt() {
         "generate", "--model", dir, "--prompt", "x", "--top-p", "1.5",
     ]);
     assert!(!ok && err.contains("top_p"), "{err}");
+    // The fixture's context is 256 tokens: a request past it is refused by name, before any
+    // weight loads, with the largest --max-new-tokens that fits.
+    let (ok, _, err) = verl(&[
+        "generate",
+        "--model",
+        dir,
+        "--prompt",
+        "x",
+        "--raw",
+        "--max-new-tokens",
+        "1000",
+    ]);
+    assert!(!ok, "a request past the context ran");
+    assert!(
+        err.contains("--max-new-tokens 1000")
+            && err.contains("max_position_embeddings")
+            && err.contains("at most 255"),
+        "{err}"
+    );
+}
+
+/// A tokenizer whose ids pass the model's vocabulary is refused by name, not a panic.
+#[test]
+fn generate_refuses_a_tokenizer_past_the_vocabulary() {
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("verl-megatron/tests/fixtures/qwen2");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    // The same weights, a config claiming a vocabulary smaller than the tokenizer's ids.
+    let config = dir.path().join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    v["vocab_size"] = 4.into();
+    std::fs::write(&config, v.to_string()).unwrap();
+    let (ok, _, err) = verl(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "hello",
+        "--raw",
+    ]);
+    assert!(!ok, "ran with a tokenizer past the vocabulary");
+    assert!(
+        err.contains("--prompt 1") && err.contains("vocab_size") && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -51,13 +51,13 @@ for l in "${order[@]}"; do
   grep -iE "error|panick" "$OUT/$l.log" | tail -3
   grep -E "loaded|ready" "$OUT/$l.log" | head -4
 done
-OUT="$OUT" PRESET="$PRESET" PEAK=${PEAK_TFLOPS:-989} python3 - "${order[@]}" <<'PY'
+OUT="$OUT" PRESET="$PRESET" PEAK=${PEAK_TFLOPS:-989} HERE="$(dirname "$0")" python3 - "${order[@]}" <<'PY'
 import json, os, re, sys
+sys.path.insert(0, os.environ["HERE"])
+from make_job import PRESETS  # the shapes the checkpoint was made with
 out, peak = os.environ["OUT"], float(os.environ["PEAK"])
 # Parameters that multiply per token (every product, the head included; not the input embedding).
-dims = {"qwen2.5-7b": (152_064, 3584, 18_944, 28, 28, 4), "qwen2.5-3b": (151_936, 2048, 11_008, 36, 16, 2),
-        "qwen2-0.5b": (151_936, 896, 4864, 24, 14, 2)}[os.environ["PRESET"]]
-v, h, i, L, H, kv = dims
+v, h, i, L, H, kv, _ = PRESETS[os.environ["PRESET"]]
 d = h // H
 matmul_params = L * (h * H * d + 2 * h * kv * d + H * d * h + 3 * h * i) + v * h
 print("| layout | GPUs | step s | gen s | old_log_prob s | ref s | update s | weight sync s | tokens/s per GPU | update MFU | peak GiB (rank 0) | pg_loss, grad_norm (step 1) |")

@@ -508,14 +508,15 @@ impl PpoTrainer {
         }
         // verl's advantages, returns and values statistics: over the response tokens.
         let token_column = |name: &str| data.float::<2>(name).ok().map(host);
+        let advantages = token_column("advantages");
         let (returns, values) = (token_column("returns"), token_column("values"));
         for (name, column) in [
-            ("advantages", token_column("advantages")),
-            ("returns", returns.clone()),
-            ("values", values.clone()),
+            ("advantages", &advantages),
+            ("returns", &returns),
+            ("values", &values),
         ] {
             if let Some(v) = column {
-                push3(&format!("critic/{name}"), masked_stats(&v, &response_mask));
+                push3(&format!("critic/{name}"), masked_stats(v, &response_mask));
             }
         }
         if let (Some(r), Some(v)) = (&returns, &values) {
@@ -524,18 +525,11 @@ impl PpoTrainer {
                 explained_variance(r, v, &response_mask),
             );
         }
-        let response_limit = self
-            .cfg
-            .actor_rollout_ref
-            .rollout
+        let (rollout, data_cfg) = (&self.cfg.actor_rollout_ref.rollout, &self.cfg.data);
+        let response_limit = rollout
             .response_length
-            .unwrap_or(self.cfg.data.max_response_length) as f64;
-        let prompt_limit = self
-            .cfg
-            .actor_rollout_ref
-            .rollout
-            .prompt_length
-            .unwrap_or(self.cfg.data.max_prompt_length) as f64;
+            .unwrap_or(data_cfg.max_response_length) as f64;
+        let prompt_limit = rollout.prompt_length.unwrap_or(data_cfg.max_prompt_length) as f64;
         let attention = verl_megatron::workers::batch::float_col(&data, "attention_mask")?;
         let [_, width] = attention.dims();
         let prompt_width = width.saturating_sub(mask.dims()[1]);

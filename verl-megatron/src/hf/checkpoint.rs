@@ -123,7 +123,7 @@ struct Entry {
 }
 
 /// `shape` (of rank `D`, checked by the caller) as burn's array.
-fn dims<const D: usize>(shape: &[usize]) -> [usize; D] {
+pub(crate) fn dims<const D: usize>(shape: &[usize]) -> [usize; D] {
     let mut out = [0; D];
     out.copy_from_slice(shape);
     out

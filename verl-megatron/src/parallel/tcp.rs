@@ -144,15 +144,11 @@ fn read_loop(stream: TcpStream, peer: usize, inbox: Arc<Inbox>) {
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect();
         let mut st = inbox.lock();
-        match head[0] {
-            COLLECTIVE => st.collective[peer].push_back((seq, values)),
-            POINT_TO_POINT => st.p2p[peer].push_back(values),
-            other => {
-                st.gone[peer] = Some(format!("it sent a frame of unknown kind {other}"));
-                drop(st);
-                inbox.changed.notify_all();
-                return;
-            }
+        // The kind was checked with the header: one of the two.
+        if head[0] == COLLECTIVE {
+            st.collective[peer].push_back((seq, values));
+        } else {
+            st.p2p[peer].push_back(values);
         }
         drop(st);
         inbox.changed.notify_all();
@@ -510,20 +506,24 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    /// Runs `read_loop` for one peer whose side of the connection sends `bytes` and closes;
-    /// returns why the loop says the peer is gone.
-    fn gone_after(bytes: &[u8]) -> String {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (server, _) = listener.accept().unwrap();
-        let inbox = Arc::new(Inbox {
+    fn one_peer_inbox() -> Arc<Inbox> {
+        Arc::new(Inbox {
             state: Mutex::new(InboxState {
                 collective: vec![VecDeque::new()],
                 p2p: vec![VecDeque::new()],
                 gone: vec![None],
             }),
             changed: Condvar::new(),
-        });
+        })
+    }
+
+    /// Runs `read_loop` for one peer whose side of the connection sends `bytes` and closes;
+    /// returns why the loop says the peer is gone.
+    fn gone_after(bytes: &[u8]) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let inbox = one_peer_inbox();
         client.write_all(bytes).unwrap();
         drop(client);
         read_loop(server, 0, inbox.clone());
@@ -556,14 +556,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (server, _) = listener.accept().unwrap();
-        let inbox = Arc::new(Inbox {
-            state: Mutex::new(InboxState {
-                collective: vec![VecDeque::new()],
-                p2p: vec![VecDeque::new()],
-                gone: vec![None],
-            }),
-            changed: Condvar::new(),
-        });
+        let inbox = one_peer_inbox();
         client
             .write_all(&frame(COLLECTIVE, 7, &[1.5, -2.0]))
             .unwrap();

@@ -164,10 +164,8 @@ impl<B: Backend> TensorSource<B> for RandomInit<'_, B> {
                 })
                 .collect()
         };
-        let mut dims = [0; D];
-        dims.copy_from_slice(shape);
         Ok(Tensor::from_data(
-            TensorData::new(values, dims),
+            TensorData::new(values, crate::hf::checkpoint::dims::<D>(shape)),
             self.device,
         ))
     }

@@ -150,11 +150,16 @@ impl PartView<'_> {
         self.outer * self.len * self.inner
     }
 
+    /// Where run `o` starts in the tensor's bytes.
+    fn run_start(&self, o: usize) -> usize {
+        (o * self.full + self.start) * self.inner * self.width
+    }
+
     /// The part's bytes, one contiguous run per index of the dimensions before the split one.
     fn runs(&self) -> impl Iterator<Item = &[u8]> + '_ {
         let run = self.len * self.inner * self.width;
         (0..self.outer).map(move |o| {
-            let from = (o * self.full + self.start) * self.inner * self.width;
+            let from = self.run_start(o);
             &self.bytes[from..from + run]
         })
     }
@@ -188,7 +193,7 @@ impl PartView<'_> {
                     while at < end {
                         let (o, within) = (at / run_len, at % run_len);
                         let take = (run_len - within).min(end - at);
-                        let from = (o * self.full + self.start) * self.inner * self.width + within;
+                        let from = self.run_start(o) + within;
                         let d = at - i * slice;
                         dst[d..d + take].copy_from_slice(&self.bytes[from..from + take]);
                         at += take;

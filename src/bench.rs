@@ -250,18 +250,6 @@ fn enqueued_and_synced_ms<B: burn::tensor::backend::Backend>(
     (enqueued, synced_ms::<B>(t, device))
 }
 
-/// Bytes of burn-cuda's pool in use on `device` (0 on other backends).
-fn memory_in_use<D: 'static>(device: &D) -> u64 {
-    #[cfg(feature = "cuda")]
-    if let Some(device) =
-        (device as &dyn std::any::Any).downcast_ref::<burn::backend::cuda::CudaDevice>()
-    {
-        return verl::megatron::cuda::memory_usage(device).map_or(0, |(in_use, _)| in_use);
-    }
-    let _ = device;
-    0
-}
-
 /// Median of a non-empty list.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -300,9 +288,34 @@ pub(crate) struct StepLevers {
     /// Sample the host threads over the timed steps and print where their time goes (needs
     /// the `host-profile` feature).
     pub host_profile: bool,
+    /// `--recompute`: none, uniform:N or block:N.
+    pub recompute: String,
 }
 
 impl StepLevers {
+    fn recompute(&self) -> Result<Option<verl::megatron::models::Recompute>, String> {
+        use verl::megatron::models::{Recompute, RecomputeMethod};
+        if self.recompute == "none" {
+            return Ok(None);
+        }
+        let refuse = || {
+            format!(
+                "--recompute `{}`: use none, uniform:N or block:N (N layers, at least 1)",
+                self.recompute
+            )
+        };
+        let (method, n) = self.recompute.split_once(':').ok_or_else(refuse)?;
+        let method = match method {
+            "uniform" => RecomputeMethod::Uniform,
+            "block" => RecomputeMethod::Block,
+            _ => return Err(refuse()),
+        };
+        match n.parse::<usize>() {
+            Ok(num_layers) if num_layers > 0 => Ok(Some(Recompute { method, num_layers })),
+            _ => Err(refuse()),
+        }
+    }
+
     fn fused_adamw(&self) -> Result<bool, String> {
         match self.adamw.as_str() {
             "fused" => Ok(true),
@@ -358,16 +371,21 @@ pub(crate) fn train_step(
     use verl::megatron::workers::optim::ModelOptimizer;
 
     type B = DefaultAutodiff;
-    let dims = preset(preset_name)?;
+    let mut dims = preset(preset_name)?;
     if seq < 2 || batch == 0 || steps == 0 {
         return Err("--seq must be at least 2, --batch and --steps at least 1".into());
     }
+    // Long-sequence runs (activation recompute) go past the presets' 4 096 positions.
+    dims.max_position_embeddings = dims.max_position_embeddings.max(seq);
     let cfg = HfModelConfig::qwen2(dims);
     let device = Default::default();
     let compute: ComputeDtype = dtype
         .parse()
         .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
-    let mut model = CausalLm::<B>::init(&cfg, 0.02, 0, &device).with_compute_dtype(compute);
+    let recompute = levers.recompute()?;
+    let mut model = CausalLm::<B>::init(&cfg, 0.02, 0, &device)
+        .with_compute_dtype(compute)
+        .with_recompute(recompute);
     let params: usize = model.export_weights().iter().map(|t| t.numel()).sum();
     let mut optim = ModelOptimizer::<B, CausalLm<B>>::new(
         &OptimConfig {
@@ -393,12 +411,14 @@ pub(crate) fn train_step(
     let routed = "";
     println!(
         "verl {preset_name}: {:.1}M parameters, batch {batch} x seq {seq}, {compute} products \
-         (f32 master weights and AdamW state{routed}); products {}, AdamW {}, attention {}, log-probs {}",
+         (f32 master weights and AdamW state{routed}); products {}, AdamW {}, attention {}, log-probs {}, \
+         recompute {}",
         params as f64 / 1e6,
         levers.gemm,
         levers.adamw,
         levers.attention,
-        levers.vocab
+        levers.vocab,
+        levers.recompute
     );
     let mut timed = TimedSteps::new();
     #[cfg(feature = "host-profile")]
@@ -449,23 +469,37 @@ fn measured_step(
 ) -> Result<(CausalLm<verl::backend::DefaultAutodiff>, StepFigures), String> {
     use burn::optim::GradientsParams;
     use burn::prelude::*;
+    use verl::megatron::models::causal_lm::record_recompute;
     use verl::megatron::models::vocab_parallel_log_probs;
     type B = verl::backend::DefaultAutodiff;
 
     let [batch, seq] = ids.dims();
+    // The step's peak: sampled after the forward, after each recomputed chunk's forward in the
+    // backward, and after the backward.
+    let peak = verl_core::memory::PhasePeak::start();
     let t = Instant::now();
     let reads_before = verl::megatron::host_reads::count();
-    let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
+    let (logits, tape) =
+        record_recompute::<B, _>(|| model.forward_window(ids.clone(), None, None, 0, seq - 1));
     let labels = ids.clone().slice([0..batch, 1..seq]);
     let (log_probs, _) =
         vocab_parallel_log_probs(logits, labels, &model.tp, model.vocab_start(), false);
     let loss = log_probs.mean().neg();
     let (forward_host, forward) = enqueued_and_synced_ms::<B>(t, device);
-    let mut peak_in_use = memory_in_use(device);
+    verl::megatron::parallel::sample_memory::<B>(device);
     let t = Instant::now();
-    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    let grads = loss.clone().backward();
+    let grads = match tape {
+        None => GradientsParams::from_grads(grads, &model),
+        Some(tape) => {
+            tape.backward(&model, grads, 0.0)
+                .map_err(|e| e.to_string())?
+                .0
+        }
+    };
     let (backward_host, backward) = enqueued_and_synced_ms::<B>(t, device);
-    peak_in_use = peak_in_use.max(memory_in_use(device));
+    verl::megatron::parallel::sample_memory::<B>(device);
+    let peak_in_use = peak.finish().map_or(0, |u| u.allocated);
     let t = Instant::now();
     let (model, report) = optim.step(model, grads);
     let report = report.map_err(|e| e.to_string())?;
@@ -558,7 +592,7 @@ impl TimedSteps {
         println!(
             "step {step_ms:.1} ms (forward {:.1}, backward {:.1}, optimizer {:.1}); {tokens_per_s:.0} \
              tokens/s; {mfu}; loss {last_loss:.4}; peak memory in \
-             use {:.1} GiB (sampled after forward and backward); host issue time: forward {:.1}, \
+             use {:.2} GiB (sampled after forward, recomputed chunks and backward); host issue time: forward {:.1}, \
              backward {:.1} ms; host reads of device memory per step {}",
             part(0),
             part(1),

@@ -207,6 +207,10 @@ enum BenchCommand {
         /// host-profile feature).
         #[arg(long)]
         host_profile: bool,
+        /// Activation recompute: none, uniform:N (chunks of N layers) or block:N (the first
+        /// N layers), Megatron's `recompute_method` and `recompute_num_layers`.
+        #[arg(long, default_value = "none")]
+        recompute: String,
     },
     /// Square matrix-product TFLOP/s of the backend (peer: bench/peers/gemm.py).
     Gemm {
@@ -524,6 +528,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             attention,
             vocab,
             host_profile,
+            recompute,
         } => bench::train_step(
             &preset,
             batch,
@@ -537,6 +542,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
                 attention,
                 vocab,
                 host_profile,
+                recompute,
             },
         ),
         BenchCommand::Gemm { sizes, repeat } => bench::gemm(&sizes, repeat),

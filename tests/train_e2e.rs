@@ -458,6 +458,25 @@ fn the_fused_head_trains_as_the_plain_one() {
     ]);
 }
 
+/// Megatron's activation recompute from verl's `override_transformer_config` keys: the actor
+/// recomputes every layer (uniform, 1) on tp = 2 with sequence parallelism, the critic its
+/// first layer (block, 1) on pp = 2; the metrics are the single rank's keeping everything.
+#[test]
+fn recomputed_activations_train_as_kept_ones() {
+    let otc = "megatron.override_transformer_config";
+    trains_as_one_rank(&[
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "critic.megatron.pipeline_model_parallel_size=2",
+        &format!("+actor_rollout_ref.actor.{otc}.recompute_granularity=full"),
+        &format!("+actor_rollout_ref.actor.{otc}.recompute_method=uniform"),
+        &format!("+actor_rollout_ref.actor.{otc}.recompute_num_layers=1"),
+        &format!("+critic.{otc}.recompute_granularity=full"),
+        &format!("+critic.{otc}.recompute_method=block"),
+        &format!("+critic.{otc}.recompute_num_layers=1"),
+    ]);
+}
+
 /// `model.use_remove_padding` (actor and reference) and `critic.model.use_remove_padding`:
 /// each micro-batch's sequences packed into one row, on tp = 2 × cp = 2 (the packed row split
 /// over both, attention within each sequence only), log the padded single rank's metrics.

@@ -6,6 +6,7 @@ use verl_core::backend::{DefaultAutodiff, DefaultBackend};
 use verl_core::config::{Dtype, VerlConfig};
 use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
 use verl_megatron::layers::precision::ComputeDtype;
+use verl_megatron::models::{Recompute, RecomputeMethod};
 use verl_megatron::parallel::pipeline::stage_layers;
 
 use super::data::Codec;
@@ -166,4 +167,245 @@ pub(super) fn pipeline_split(
         key("num_layers_in_last_pipeline_stage")?,
     )
     .map_err(setup)
+}
+
+/// Megatron's activation recompute for a role, from its `megatron.override_transformer_config`
+/// (`prefix` names the role's section) as Megatron reads it: `recompute_granularity: full`
+/// with `recompute_method` (uniform or block) and `recompute_num_layers` recomputes whole
+/// layers ([`Recompute`]); `selective` with `recompute_modules: [core_attn]` is what the
+/// fused attention always does (its backward recomputes the probabilities from the saved
+/// log-sum-exp; the plain CPU path keeps them), so it asks for nothing more; unset asks for
+/// nothing. Anything else is refused naming the key, before any weight exists. `split` holds
+/// the layers of each pipeline stage (block recomputes layers of every stage).
+pub(super) fn recompute_settings(
+    megatron: &verl_core::config::MegatronConfig,
+    prefix: &str,
+    split: &[std::ops::Range<usize>],
+) -> Result<Option<Recompute>, TrainError> {
+    let o = &megatron.override_transformer_config;
+    let key = |k: &str| format!("{prefix}.megatron.override_transformer_config.{k}");
+    let get = |k: &str| o.get(k).filter(|v| !v.is_null());
+    let text = |k: &str| -> Result<Option<&str>, TrainError> {
+        get(k)
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| setup(format!("{} = {v}: must be a string", key(k))))
+            })
+            .transpose()
+    };
+    let granularity = text("recompute_granularity")?;
+    let method = text("recompute_method")?;
+    let layers = match get("recompute_num_layers") {
+        None => None,
+        Some(v) => Some(v.as_u64().filter(|n| *n > 0).ok_or_else(|| {
+            setup(format!(
+                "{} = {v}: must be a whole number of layers, at least 1",
+                key("recompute_num_layers")
+            ))
+        })? as usize),
+    };
+    match granularity {
+        None | Some("selective") => {
+            if let Some(which) = [
+                method.map(|_| "recompute_method"),
+                layers.map(|_| "recompute_num_layers"),
+            ]
+            .into_iter()
+            .flatten()
+            .next()
+            {
+                return Err(setup(format!(
+                    "{} applies to recompute_granularity: full only; set {} = full or remove it",
+                    key(which),
+                    key("recompute_granularity")
+                )));
+            }
+            if granularity.is_some() {
+                let modules = match get("recompute_modules") {
+                    None => vec!["core_attn".to_string()],
+                    Some(Value::Array(items)) => items
+                        .iter()
+                        .map(|m| m.as_str().unwrap_or("?").to_string())
+                        .collect(),
+                    Some(v) => vec![v.to_string()],
+                };
+                if let Some(other) = modules.iter().find(|m| *m != "core_attn") {
+                    return Err(setup(format!(
+                        "{} contains `{other}`: selective recompute of core_attn only is \
+                         supported (the fused attention's backward recomputes it); use \
+                         recompute_granularity: full to recompute whole layers",
+                        key("recompute_modules")
+                    )));
+                }
+            }
+            Ok(None)
+        }
+        Some("full") => {
+            let method = match method {
+                Some("uniform") => RecomputeMethod::Uniform,
+                Some("block") => RecomputeMethod::Block,
+                Some(other) => {
+                    return Err(setup(format!(
+                        "{} = {other}: use uniform or block",
+                        key("recompute_method")
+                    )))
+                }
+                None => {
+                    return Err(setup(format!(
+                        "{} = full needs {} (uniform or block)",
+                        key("recompute_granularity"),
+                        key("recompute_method")
+                    )))
+                }
+            };
+            let num_layers = layers.ok_or_else(|| {
+                setup(format!(
+                    "{} = full needs {} (e.g. 1: every layer's input kept)",
+                    key("recompute_granularity"),
+                    key("recompute_num_layers")
+                ))
+            })?;
+            let fewest = split.iter().map(|r| r.len()).min().unwrap_or(0);
+            if method == RecomputeMethod::Block && num_layers > fewest {
+                return Err(setup(format!(
+                    "{} = {num_layers} exceeds the {fewest} layers of a pipeline stage; the \
+                     block method recomputes that many layers of every stage",
+                    key("recompute_num_layers")
+                )));
+            }
+            Ok(Some(Recompute { method, num_layers }))
+        }
+        Some(other) => Err(setup(format!(
+            "{} = {other}: use full, selective or null",
+            key("recompute_granularity")
+        ))),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one pipeline stage of four layers
+mod tests {
+    use super::*;
+    use verl_core::config::MegatronConfig;
+
+    fn settings(
+        pairs: &[(&str, Value)],
+        split: &[std::ops::Range<usize>],
+    ) -> Result<Option<Recompute>, String> {
+        let mut m = MegatronConfig::default();
+        for (k, v) in pairs {
+            m.override_transformer_config
+                .insert(k.to_string(), v.clone());
+        }
+        recompute_settings(&m, "critic", split).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn megatron_recompute_keys_become_the_recompute_setting() {
+        let one = [0..4];
+        assert_eq!(settings(&[], &one), Ok(None));
+        let full = |method: &str, n: u64| {
+            vec![
+                ("recompute_granularity", Value::from("full")),
+                ("recompute_method", Value::from(method)),
+                ("recompute_num_layers", Value::from(n)),
+            ]
+        };
+        assert_eq!(
+            settings(&full("uniform", 2), &one),
+            Ok(Some(Recompute {
+                method: RecomputeMethod::Uniform,
+                num_layers: 2
+            }))
+        );
+        assert_eq!(
+            settings(&full("block", 2), &[0..2, 2..4]),
+            Ok(Some(Recompute {
+                method: RecomputeMethod::Block,
+                num_layers: 2
+            }))
+        );
+        // Selective recompute of core attention is what the fused attention does anyway.
+        let selective = [
+            ("recompute_granularity", Value::from("selective")),
+            ("recompute_modules", serde_json::json!(["core_attn"])),
+        ];
+        assert_eq!(settings(&selective, &one), Ok(None));
+        // verl's defaults: modules listed, granularity null.
+        let defaults = [
+            ("recompute_granularity", Value::Null),
+            ("recompute_modules", serde_json::json!(["core_attn"])),
+            ("recompute_method", Value::Null),
+            ("recompute_num_layers", Value::Null),
+        ];
+        assert_eq!(settings(&defaults, &one), Ok(None));
+    }
+
+    #[test]
+    fn wrong_recompute_keys_are_refused_by_name() {
+        let key = |k: &str| format!("critic.megatron.override_transformer_config.{k}");
+        for (pairs, named, split) in [
+            (
+                vec![("recompute_granularity", Value::from("full"))],
+                key("recompute_method"),
+                vec![0..4],
+            ),
+            (
+                vec![
+                    ("recompute_granularity", Value::from("full")),
+                    ("recompute_method", Value::from("uniform")),
+                ],
+                key("recompute_num_layers"),
+                vec![0..4],
+            ),
+            (
+                vec![
+                    ("recompute_granularity", Value::from("full")),
+                    ("recompute_method", Value::from("interleaved")),
+                    ("recompute_num_layers", Value::from(1)),
+                ],
+                key("recompute_method"),
+                vec![0..4],
+            ),
+            (
+                vec![
+                    ("recompute_granularity", Value::from("full")),
+                    ("recompute_method", Value::from("block")),
+                    ("recompute_num_layers", Value::from(3)),
+                ],
+                key("recompute_num_layers"),
+                vec![0..2, 2..4],
+            ),
+            (
+                vec![
+                    ("recompute_granularity", Value::from("full")),
+                    ("recompute_method", Value::from("uniform")),
+                    ("recompute_num_layers", Value::from(0)),
+                ],
+                key("recompute_num_layers"),
+                vec![0..4],
+            ),
+            (
+                vec![("recompute_method", Value::from("uniform"))],
+                key("recompute_method"),
+                vec![0..4],
+            ),
+            (
+                vec![
+                    ("recompute_granularity", Value::from("selective")),
+                    ("recompute_modules", serde_json::json!(["core_attn", "mlp"])),
+                ],
+                key("recompute_modules"),
+                vec![0..4],
+            ),
+            (
+                vec![("recompute_granularity", Value::from("everything"))],
+                key("recompute_granularity"),
+                vec![0..4],
+            ),
+        ] {
+            let e = settings(&pairs, &split).expect_err("refused");
+            assert!(e.contains(&named), "{pairs:?}: {e}");
+        }
+    }
 }

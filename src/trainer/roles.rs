@@ -27,7 +27,8 @@ use verl_profiler::RoleProfiler;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::error::{setup, TrainError};
-use super::model::{compute_dtype, pipeline_split, Infer, Train};
+use super::model::{compute_dtype, pipeline_split, recompute_settings, Infer, Train};
+use verl_megatron::models::Recompute;
 
 /// Wraps (or replaces) the native rollout engine a rank builds: how an embedding program swaps
 /// in its own [`RolloutEngine`](verl_core::traits::RolloutEngine).
@@ -94,6 +95,8 @@ pub(crate) struct ActorPlan {
     fused_head_chunk: Option<usize>,
     /// `model.use_remove_padding`: training and log-prob passes pack their sequences.
     pack_sequences: bool,
+    /// `megatron.override_transformer_config.recompute_*`: activation recompute.
+    recompute: Option<Recompute>,
 }
 
 /// The MoE router's training settings: Megatron's load-balancing loss from
@@ -214,6 +217,8 @@ pub(crate) struct CriticPlan {
     dynamic: DynamicBatch,
     /// `critic.model.use_remove_padding`.
     pack_sequences: bool,
+    /// `critic.megatron.override_transformer_config.recompute_*`.
+    recompute: Option<Recompute>,
     /// `critic.model.path`: the causal LM (directory and config) whose backbone the critic
     /// starts from, under a new value head; `None`: drawn at random with the actor's shape.
     backbone: Option<(std::path::PathBuf, HfModelConfig)>,
@@ -397,6 +402,7 @@ impl ActorPlan {
             .map_err(setup)?;
         let layout = actor_cfg.megatron.parallel();
         let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
+        let recompute = recompute_settings(&actor_cfg.megatron, "actor_rollout_ref.actor", &split)?;
         let old_log_prob_apart = split.len() > 1
             || layout.cp > 1
             || cfg.actor_rollout_ref.rollout.tensor_model_parallel_size != layout.tp;
@@ -455,6 +461,7 @@ impl ActorPlan {
                 .use_fused_kernels
                 .then_some(FUSED_HEAD_CHUNK_TOKENS),
             pack_sequences: cfg.actor_rollout_ref.model.use_remove_padding,
+            recompute,
             dynamic: actor_dynamic_batch(cfg, layout.cp),
         };
         Ok((actor, old_log_prob_apart))
@@ -496,6 +503,7 @@ impl CriticPlan {
             * (batch * n / mini.max(1)).max(1) as u64;
         let layout = c.megatron.parallel();
         let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
+        let recompute = recompute_settings(&c.megatron, "critic", &split)?;
         let topo = Topology::new(layout.clone(), world).map_err(setup)?;
         vcfg.check_layout(layout.tp, layout.ep, layout.expert_tp())
             .map_err(setup)?;
@@ -525,6 +533,7 @@ impl CriticPlan {
                 reference_max_tokens: None,
             },
             pack_sequences: c.model.use_remove_padding,
+            recompute,
             backbone,
         })
     }
@@ -592,7 +601,9 @@ impl ActorPlan {
             None => model,
         }
         // `model.use_remove_padding` (actor and reference; the rollout generates padded).
-        .with_packed_sequences(self.pack_sequences);
+        .with_packed_sequences(self.pack_sequences)
+        // Training passes only: the reference and log-prob passes keep nothing to recompute.
+        .with_recompute(self.recompute);
         Ok(model)
     }
 
@@ -739,7 +750,8 @@ impl CriticPlan {
             )?,
         }
         .with_compute_dtype(self.dtype)
-        .with_packed_sequences(self.pack_sequences);
+        .with_packed_sequences(self.pack_sequences)
+        .with_recompute(self.recompute);
         let model = self.moe.apply(model);
         let mut critic = MegatronCritic::new(
             model,

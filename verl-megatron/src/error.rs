@@ -63,6 +63,11 @@ pub enum MegatronError {
         trainable: usize,
         micro_batch: usize,
     },
+    #[error(
+        "activation recompute: {what} got no gradient from its backward; the step is refused \
+         rather than applied with a partial gradient"
+    )]
+    RecomputeLostGradient { what: &'static str },
     #[error("{path}: architecture `{found}` is not supported; supported: {supported}")]
     UnsupportedArchitecture {
         path: PathBuf,

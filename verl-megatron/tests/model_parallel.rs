@@ -24,7 +24,7 @@ use verl_core::traits::{Actor, Communicator, Critic};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::hf::{Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims};
 use verl_megatron::models::causal_lm::PipelineStageLayout;
-use verl_megatron::models::{vocab_parallel_log_probs, CausalLm};
+use verl_megatron::models::{vocab_parallel_log_probs, CausalLm, Recompute, RecomputeMethod};
 use verl_megatron::parallel::pipeline::stage_layers;
 use verl_megatron::parallel::{LocalCommunicator, ModelGroups, ProcessGroups, TpGroup};
 use verl_megatron::workers::TrainingRole;
@@ -45,6 +45,24 @@ static FUSED_HEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 static PACKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The single rank's micro-batching: 2 rows each.
+/// The layouts' models recompute activations: 0 none, `n` uniform chunks of `n` layers,
+/// `100 + n` Megatron's block method over the first `n` layers (the single rank never does).
+static RECOMPUTE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn recompute_setting() -> Option<Recompute> {
+    match RECOMPUTE.load(std::sync::atomic::Ordering::SeqCst) {
+        0 => None,
+        n if n > 100 => Some(Recompute {
+            method: RecomputeMethod::Block,
+            num_layers: n - 100,
+        }),
+        n => Some(Recompute {
+            method: RecomputeMethod::Uniform,
+            num_layers: n,
+        }),
+    }
+}
+
 const ROWS_OF_2: MicroBatching = MicroBatching::Rows(2);
 
 /// burn's autodiff briefly locks every graph of the process at the end of each backward, and a
@@ -621,7 +639,10 @@ fn update_stage(
         model = model.with_fused_log_probs(3);
     }
     let packed = groups.is_some() && PACKED.load(std::sync::atomic::Ordering::SeqCst);
-    let model = model.with_packed_sequences(packed);
+    let recompute = groups.as_ref().and_then(|_| recompute_setting());
+    let model = model
+        .with_packed_sequences(packed)
+        .with_recompute(recompute);
     let mut actor = MegatronActor::new(
         model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -638,7 +659,8 @@ fn update_stage(
         CausalLm::<CpuAutodiff>::init_stage(&vcfg, 0.2, 8 + seed, &device, &tp, &stage)
             .unwrap()
             .with_moe_aux_loss(aux)
-            .with_packed_sequences(packed);
+            .with_packed_sequences(packed)
+            .with_recompute(recompute);
     let mut critic = MegatronCritic::new(
         value_model,
         ModelOptimizer::new(&optim(), 10).unwrap(),
@@ -1344,6 +1366,37 @@ fn packed_sequences_update_as_padded_ones() {
         FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
         check_parallel(Flavour::Qwen2Tied, 6, 2, layout(2, 1, 2, false), 1);
     });
+    PACKED.store(false, std::sync::atomic::Ordering::SeqCst);
+    FUSED_HEAD.store(false, std::sync::atomic::Ordering::SeqCst);
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Full activation recompute (Megatron's `uniform` and `block` methods: the chunks' inputs
+/// kept, their layers run again in the backward) on layouts against the single rank keeping
+/// every activation: the same losses, gradient norms, weights, log-probs and values, alone and
+/// with tp + sp, pp (a tied head, a kept layer above a recomputed one), cp, ep with the MoE
+/// load-balancing loss, and packed sequences with the fused head.
+#[test]
+fn recomputed_activations_update_as_kept_ones() {
+    let _serial = serial();
+    let outcome = std::panic::catch_unwind(|| {
+        let with = |setting: usize| RECOMPUTE.store(setting, std::sync::atomic::Ordering::SeqCst);
+        with(1);
+        check_parallel(Flavour::Qwen2Tied, 0, 2, layout(1, 1, 1, false), 1);
+        with(2);
+        check_parallel(Flavour::Qwen3Untied, 1, 3, layout(2, 1, 1, true), 1);
+        with(101);
+        check_parallel(Flavour::Qwen2Tied, 2, 4, layout(1, 2, 1, false), 2);
+        with(1);
+        check_parallel(Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
+        check_parallel(Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
+        PACKED.store(true, std::sync::atomic::Ordering::SeqCst);
+        FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
+        check_parallel(Flavour::OddVocabulary, 5, 2, layout(2, 1, 1, true), 1);
+    });
+    RECOMPUTE.store(0, std::sync::atomic::Ordering::SeqCst);
     PACKED.store(false, std::sync::atomic::Ordering::SeqCst);
     FUSED_HEAD.store(false, std::sync::atomic::Ordering::SeqCst);
     if let Err(panic) = outcome {

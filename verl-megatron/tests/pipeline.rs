@@ -157,14 +157,17 @@ impl PipelineStage<A> for ToyStage {
         [ROWS, SEQ, WIDTH]
     }
 
-    fn accumulate(
+    fn backward(
         &mut self,
         _mb: usize,
-        grads: <A as burn::tensor::backend::AutodiffBackend>::Gradients,
-    ) -> verl_core::Result<()> {
+        seed: Tensor<A, 1>,
+        input: Option<Tensor<A, 3>>,
+    ) -> verl_core::Result<Option<Tensor<CpuBackend, 3>>> {
+        let grads = seed.backward();
+        let input_grad = input.and_then(|leaf| leaf.grad(&grads));
         self.grads
             .push(GradientsParams::from_grads(grads, &self.stack));
-        Ok(())
+        Ok(input_grad)
     }
 }
 
@@ -215,8 +218,7 @@ fn check_pipeline(stages: usize, layers: usize, micro_batches: usize) {
             unreachable!()
         };
         single_losses.push(loss.clone().into_scalar());
-        let grads = loss.backward();
-        single.accumulate(mb, grads).unwrap();
+        single.backward(mb, loss, None).unwrap();
     }
     let single_grads = stage_grads(&single);
     let split = stage_layers(layers, stages, None, None).unwrap();

@@ -122,6 +122,10 @@ const OVERRIDES_READ: &[&str] = &[
     "moe_router_load_balancing_type",
     "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
 ];
 
 /// A model block's options that need Python or recomputation.
@@ -150,8 +154,9 @@ fn model_options(
             !on,
             &format!("{prefix}.enable_gradient_checkpointing"),
             on,
-            "activation recomputation is not implemented yet",
-            "set it to false",
+            "verl's Megatron workers do not read it (it is the FSDP backend's switch)",
+            "set it to false and recompute with megatron.override_transformer_config.\
+             recompute_granularity=full, recompute_method=uniform, recompute_num_layers=1",
         )?;
     }
     Ok(())
@@ -874,8 +879,8 @@ mod tests {
                 "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size",
             ),
             (
-                "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
-                "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity",
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=true",
+                "actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion",
             ),
             (
                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2",

@@ -175,12 +175,12 @@ const VERL_DEFAULTS_RUN_AS: &[(&str, &str, &str, &str)] = &[
     ("global_profiler.global_tool_config.nsys.controller_nsight_options", "{trace: 'cuda,nvtx,cublas,ucx', cuda-memory-usage: 'true', cuda-graph-trace: graph}", "null", "`verl train` runs under an nsys you start; these options go on its command line"),
     ("global_profiler.global_tool_config.nsys.worker_nsight_options", "{trace: 'cuda,nvtx,cublas,ucx', cuda-memory-usage: 'true', cuda-graph-trace: graph, capture-range: cudaProfilerApi, capture-range-end: null, kill: none}", "null", "`verl train` runs under an nsys you start; these options go on its command line"),
     ("actor_rollout_ref.rollout.enforce_eager", "false", "true", "the native engine does not capture CUDA graphs"),
-    ("actor_rollout_ref.model.enable_gradient_checkpointing", "true", "false", "activation recomputation is not built yet; activations are kept (more memory, the same arithmetic)"),
+    ("actor_rollout_ref.model.enable_gradient_checkpointing", "true", "false", "verl's Megatron workers do not read it either: activations are recomputed as megatron.override_transformer_config.recompute_granularity / recompute_method / recompute_num_layers say"),
     ("actor_rollout_ref.actor.megatron.use_mbridge", "false", "true", "Hugging Face checkpoints are always read and written directly, as mbridge does"),
     ("actor_rollout_ref.ref.megatron.use_mbridge", "false", "true", "Hugging Face checkpoints are always read and written directly, as mbridge does"),
     ("critic.megatron.use_mbridge", "false", "true", "Hugging Face checkpoints are always read and written directly, as mbridge does"),
     ("reward_model.megatron.use_mbridge", "false", "true", "Hugging Face checkpoints are always read and written directly, as mbridge does"),
-    ("critic.model.enable_gradient_checkpointing", "true", "false", "activation recomputation is not built yet; activations are kept (more memory, the same arithmetic)"),
+    ("critic.model.enable_gradient_checkpointing", "true", "false", "verl's Megatron workers do not read it either: activations are recomputed as megatron.override_transformer_config.recompute_granularity / recompute_method / recompute_num_layers say"),
 ];
 
 /// Keys verl-rs reads as optional numbers, where verl writes -1 for "not set".

@@ -44,6 +44,7 @@ pub enum AttnCache<'a, B: Backend> {
 /// bias `[batch, 1, queries, keys]` (0 allowed, −∞ not) of the decomposed path, and, for a pass
 /// with no cache, the keys' mask `[batch, seq]` the fused kernel reads. The bias is built on
 /// first use, so a pass that runs the fused kernel never builds it.
+#[derive(Clone)]
 pub struct AttentionMask<B: Backend> {
     bias: OnceCell<Tensor<B, 4>>,
     causal: Option<CausalKeys<B>>,
@@ -59,6 +60,7 @@ pub struct AttentionMask<B: Backend> {
 
 /// A packed row's attention layout ([`super::packing::PackedSequences::attention_rows`]): each
 /// sequence's tokens in a row of their own, `width` wide, for the attention product alone.
+#[derive(Clone)]
 struct PackedRows<B: Backend> {
     /// `[sequences · width]`: the packed position of each slot.
     rows_index: Tensor<B, 1, Int>,
@@ -76,6 +78,7 @@ struct PackedRows<B: Backend> {
 
 /// A pass with no cache: causal over its own tokens, keys masked by `key_mask` (1 = token;
 /// `None`: every key is a token).
+#[derive(Clone)]
 struct CausalKeys<B: Backend> {
     batch: usize,
     seq: usize,

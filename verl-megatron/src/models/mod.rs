@@ -17,7 +17,7 @@ pub mod packing;
 pub mod qwen2_moe;
 pub mod vocab_parallel;
 
-pub use causal_lm::{tp_split_dim, CausalLm, WeightBucket};
+pub use causal_lm::{tp_split_dim, CausalLm, Recompute, RecomputeMethod, WeightBucket};
 pub use generate::{generate, GenerateOptions};
 pub use generation_weights::GenerationWeights;
 pub use kv_cache::{ChunkLayout, KvCache, LayerKv, SlotKvCache};

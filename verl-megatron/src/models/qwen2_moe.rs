@@ -82,9 +82,18 @@ struct AuxSink {
 /// caller adds them to the micro-batch's loss (or, on a pipeline stage without a loss, to its
 /// backward), so they reach the router on every stage.
 pub fn collect_aux_losses<B: Backend, T>(forward: impl FnOnce() -> T) -> (T, Vec<Tensor<B, 1>>) {
+    collect_aux_losses_masked(None, forward)
+}
+
+/// [`collect_aux_losses`] with the tokens' mask already known (a recomputed chunk of layers
+/// runs again with the mask its first forward saw: [`aux_token_mask`]).
+pub(crate) fn collect_aux_losses_masked<B: Backend, T>(
+    token_mask: Option<Tensor<B, 1>>,
+    forward: impl FnOnce() -> T,
+) -> (T, Vec<Tensor<B, 1>>) {
     let previous = AUX.with(|a| {
         a.borrow_mut().replace(AuxSink {
-            token_mask: None,
+            token_mask: token_mask.map(|m| Box::new(m) as Box<dyn Any>),
             losses: Vec::new(),
         })
     });
@@ -115,7 +124,7 @@ pub fn set_aux_token_mask<B: Backend>(mask: Tensor<B, 1>) {
     });
 }
 
-fn aux_token_mask<B: Backend>() -> Option<Tensor<B, 1>> {
+pub(crate) fn aux_token_mask<B: Backend>() -> Option<Tensor<B, 1>> {
     AUX.with(|a| {
         a.borrow()
             .as_ref()

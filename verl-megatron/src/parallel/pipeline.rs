@@ -2,8 +2,8 @@
 //! mini-batch's micro-batches through the stages with activations sent forward and their
 //! gradients sent back over the pipeline group's `send` / `recv`.
 //!
-//! A stage is anything implementing [`PipelineStage`]; [`run_one_f_one_b`] drives it and hands
-//! each micro-batch's gradients to the caller to accumulate.
+//! A stage is anything implementing [`PipelineStage`]; [`run_one_f_one_b`] drives it and the
+//! stage runs and accumulates each micro-batch's backward.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -145,9 +145,17 @@ pub trait PipelineStage<B: AutodiffBackend> {
     /// for; every stage knows the micro-batch's rows and length).
     fn input_shape(&self, micro_batch: usize) -> [usize; 3];
 
-    /// The gradients of micro-batch `micro_batch`'s backward, to accumulate (or an error
-    /// when they cannot be, which ends the schedule).
-    fn accumulate(&mut self, micro_batch: usize, grads: B::Gradients) -> Result<()>;
+    /// Micro-batch `micro_batch`'s backward from `seed` (its loss, or on a stage before the
+    /// last its output times the next stage's gradient of it, plus any loss of its own): the
+    /// stage accumulates its parameters' gradients (or returns an error when it cannot, which
+    /// ends the schedule) and returns the gradient of `input`, the leaf its forward was given
+    /// (`None` on the first stage).
+    fn backward(
+        &mut self,
+        micro_batch: usize,
+        seed: Tensor<B, 1>,
+        input: Option<Tensor<B, 3>>,
+    ) -> Result<Option<Tensor<B::InnerBackend, 3>>>;
 
     /// Called once this stage holds everything a micro-batch's backward needs, just before
     /// it: a stage whose backward runs collectives (tensor parallel) synchronises its group
@@ -163,7 +171,7 @@ pub trait PipelineStage<B: AutodiffBackend> {
 
 /// Runs `micro_batches` through this rank's `stage` of the pipeline group `comm` (stage index
 /// = rank in the group) in the 1F1B order: activations go to the next stage, their gradients
-/// come back, each micro-batch's gradients are handed to [`PipelineStage::accumulate`]. Returns
+/// come back, each micro-batch's backward runs in [`PipelineStage::backward`]. Returns
 /// the losses of the micro-batches on the last stage (empty elsewhere).
 pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
     stage: &mut S,
@@ -210,39 +218,34 @@ pub fn run_one_f_one_b<B: AutodiffBackend, S: PipelineStage<B>>(
             }
             PipelineOp::Backward(mb) => {
                 let out = outputs.remove(&mb).expect("forward ran before backward");
-                let grads = match out {
-                    StageOutput::Loss(loss) => {
-                        stage.before_backward()?;
-                        let device = loss.device();
-                        verl_core::profiling::device_span::<B, _>(&device, "backward", || {
-                            loss.backward()
-                        })
-                    }
+                let seed = match out {
+                    StageOutput::Loss(loss) => loss,
                     StageOutput::Activation(a, own) => {
                         // The next stage's gradient of our output seeds our backward.
                         let shape = a.dims();
                         let n = shape.iter().product();
                         let g = comm.recv(me + 1, n, device)?.reshape(shape);
-                        stage.before_backward()?;
-                        let device = a.device();
-                        verl_core::profiling::device_span::<B, _>(&device, "backward", || {
-                            let seed = (a * Tensor::from_inner(g)).sum();
-                            match own {
-                                Some(own) => (seed + own).backward(),
-                                None => seed.backward(),
-                            }
-                        })
+                        let seed = (a * Tensor::from_inner(g)).sum();
+                        match own {
+                            Some(own) => seed + own,
+                            None => seed,
+                        }
                     }
                 };
-                if let Some(leaf) = inputs.remove(&mb) {
-                    let g = leaf.grad(&grads).ok_or_else(|| {
+                stage.before_backward()?;
+                let input = inputs.remove(&mb);
+                let on = seed.device();
+                let g = verl_core::profiling::device_span::<B, _>(&on, "backward", || {
+                    stage.backward(mb, seed, input)
+                })?;
+                if !first {
+                    let g = g.ok_or_else(|| {
                         CommError::Shape(format!(
                             "stage {me}: micro-batch {mb}'s input got no gradient"
                         ))
                     })?;
                     comm.send(g.flatten(0, 2), me - 1)?;
                 }
-                stage.accumulate(mb, grads)?;
             }
         }
     }

@@ -13,6 +13,7 @@ use verl_core::{DataProto, Result};
 
 use super::batch::ModelInputs;
 use crate::error::MegatronError;
+use crate::models::causal_lm::RecomputeTape;
 use crate::models::CausalLm;
 use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend};
@@ -22,8 +23,9 @@ use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend};
 struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     model: &'a CausalLm<B>,
     /// The model each micro-batch in flight ran its forward with: `model` with its parameters
-    /// as fresh leaves (see [`with_fresh_leaves`] for why), read again for its gradients.
-    in_flight: HashMap<usize, CausalLm<B>>,
+    /// as fresh leaves (see [`with_fresh_leaves`] for why), read again for its gradients; and
+    /// what its backward runs again when the model recomputes activations.
+    in_flight: HashMap<usize, (CausalLm<B>, Option<RecomputeTape<B>>)>,
     micros: &'a [DataProto<B::InnerBackend>],
     pipelined: bool,
     loss: L,
@@ -47,8 +49,10 @@ where
             .fused_for(self.model, micro, self.temperature)?
             .map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
-        let (out, aux) = crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
-            inputs.stage_outputs(&model, input)
+        let ((out, aux), tape) = crate::models::causal_lm::record_recompute::<B, _>(|| {
+            crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
+                inputs.stage_outputs(&model, input)
+            })
         });
         let aux = aux
             .into_iter()
@@ -59,7 +63,7 @@ where
         }
         // The activations of the micro-batches in flight are all held now.
         crate::parallel::sample_memory::<B>(&out.device());
-        self.in_flight.insert(mb, model);
+        self.in_flight.insert(mb, (model, tape));
         if !self.model.stage.is_last() {
             return Ok(StageOutput::Activation(out, aux));
         }
@@ -109,12 +113,24 @@ where
         Ok(())
     }
 
-    fn accumulate(&mut self, mb: usize, grads: B::Gradients) -> Result<()> {
-        let model = self
+    fn backward(
+        &mut self,
+        mb: usize,
+        seed: Tensor<B, 1>,
+        input: Option<Tensor<B, 3>>,
+    ) -> Result<Option<Tensor<B::InnerBackend, 3>>> {
+        let (model, tape) = self
             .in_flight
             .remove(&mb)
             .expect("the schedule runs a micro-batch's forward before its backward");
-        let grads = GradientsParams::from_grads(grads, &model);
+        let grads = seed.backward();
+        let (grads, input_grad) = match tape {
+            None => {
+                let input_grad = input.and_then(|leaf| leaf.grad(&grads));
+                (GradientsParams::from_grads(grads, &model), input_grad)
+            }
+            Some(tape) => tape.backward(&model, grads, self.aux_scale)?,
+        };
         // Every trainable parameter of a stage is on its loss's path, so each backward must
         // give all of them a gradient. One missing would also leave the data-parallel buckets
         // of this rank shorter than its peers'. Checked, as a last line should burn's autodiff
@@ -134,7 +150,7 @@ where
             .into());
         }
         self.acc.accumulate(&model, grads);
-        Ok(())
+        Ok(input_grad)
     }
 }
 
@@ -191,8 +207,7 @@ where
                     unreachable!("a whole model ends in a loss")
                 };
                 let device = loss.device();
-                let grads = device_span::<B, _>(&device, "backward", || loss.backward());
-                stage.accumulate(mb, grads)?;
+                device_span::<B, _>(&device, "backward", || stage.backward(mb, loss, None))?;
             }
         }
         Some(pp) => {

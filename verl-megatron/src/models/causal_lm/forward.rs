@@ -2,7 +2,7 @@
 //! sequence and context parallel), the decoder, and the output heads (LM, fused log-prob, value
 //! and score).
 
-use super::CausalLm;
+use super::{CausalLm, DecoderLayer};
 
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
@@ -467,6 +467,11 @@ impl<B: ParallelBackend> CausalLm<B> {
             "sequence and context parallelism are for training passes; generation runs without them"
         );
         let _precision = precision::enter(self.compute_dtype);
+        if matches!(mode, CacheMode::None) {
+            if let Some(recompute) = self.recompute.filter(|_| super::recompute::recording()) {
+                return self.decoder_recomputed(input, mask, cos, sin, recompute);
+            }
+        }
         let mut h = match input {
             StageInput::Ids(ids) => self.embedding().forward(ids),
             StageInput::Hidden(h) => h,
@@ -493,24 +498,13 @@ impl<B: ParallelBackend> CausalLm<B> {
                     on_device: *on_device,
                 },
             };
-            let device = h.device();
-            let attn = device_span::<B, _>(&device, "attention", || {
-                layer.self_attn.forward(
-                    layer.input_layernorm.forward(h.clone()),
-                    mask,
-                    cos,
-                    sin,
-                    attn_cache,
-                )
-            });
-            h = h + attn;
-            let ff = device_span::<B, _>(&device, "mlp", || {
-                layer
-                    .mlp
-                    .forward(layer.post_attention_layernorm.forward(h.clone()))
-            });
-            h = h + ff;
+            h = layer.forward(h, mask, cos, sin, attn_cache);
         }
+        self.final_norm(h)
+    }
+
+    /// The last stage's final norm (the identity elsewhere).
+    pub(super) fn final_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         match &self.norm {
             Some(norm) => norm.forward(h),
             None => h,
@@ -565,6 +559,35 @@ impl<B: ParallelBackend> CausalLm<B> {
             0 => pad,
             _ => Tensor::cat(vec![logits.narrow(2, 0, real), pad], 2),
         }
+    }
+}
+
+impl<B: ParallelBackend> DecoderLayer<B> {
+    /// The pre-norm layer: attention then the MLP, each added to the residual stream.
+    pub(super) fn forward(
+        &self,
+        h: Tensor<B, 3>,
+        mask: &AttentionMask<B>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        cache: AttnCache<'_, B>,
+    ) -> Tensor<B, 3> {
+        let device = h.device();
+        let attn = device_span::<B, _>(&device, "attention", || {
+            self.self_attn.forward(
+                self.input_layernorm.forward(h.clone()),
+                mask,
+                cos,
+                sin,
+                cache,
+            )
+        });
+        let h = h + attn;
+        let ff = device_span::<B, _>(&device, "mlp", || {
+            self.mlp
+                .forward(self.post_attention_layernorm.forward(h.clone()))
+        });
+        h + ff
     }
 }
 

@@ -410,6 +410,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             compute_dtype: ComputeDtype::F32,
             moe_aux_loss_coeff: 0.0,
             fused_head_chunk: None,
+            recompute: None,
             pack_sequences: false,
             config: cfg.clone(),
             generation: FusedWeights::default(),

@@ -11,12 +11,14 @@ mod export;
 mod forward;
 mod load;
 mod moe;
+mod recompute;
 mod shards;
 
 pub(crate) use export::is_product_matrix;
 pub use export::{is_routed_expert, tp_split_dim, WeightBucket};
 pub use forward::FusedTargets;
 pub use load::TensorSource;
+pub use recompute::{record_recompute, Recompute, RecomputeMethod, RecomputeTape, TapeGradients};
 pub(crate) use shards::ParamMut;
 
 use burn::module::{Module, ParamId};
@@ -92,6 +94,10 @@ pub struct CausalLm<B: Backend> {
     /// padding ([`crate::models::packing`], verl's `use_remove_padding`).
     #[module(skip)]
     pub pack_sequences: bool,
+    /// Megatron's full activation recompute ([`Recompute`]): training forwards keep only the
+    /// inputs of the recomputed layer chunks and run them again in the backward pass.
+    #[module(skip)]
+    pub recompute: Option<Recompute>,
     /// A generation-only model's fused weights ([`Self::with_generation_matrices`]); cleared by
     /// any weight load and rebuilt by [`Self::prepare_generation`].
     #[module(skip)]

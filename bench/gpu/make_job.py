@@ -7,7 +7,11 @@
 - `<out>/train.jsonl`: GSM8K-shaped rows in verl's format (chat prompt, `openai/gsm8k` data
   source, `reward_model.ground_truth`), so the job's reward is verl's GSM8K rule.
 
+With `--context-tokens N` each prompt first carries a passage of about N tokens (random words,
+counted with the fixture's tokenizer): a long-context job, for training at long sequences.
+
 Usage: python3 bench/gpu/make_job.py OUT [--preset qwen2.5-7b|qwen2.5-3b|qwen2-0.5b] [--rows 4096]
+       [--context-tokens N]
 """
 import argparse
 import json
@@ -48,8 +52,33 @@ def make_model(out, preset):
     print(f"{preset}: {n / 1e9:.2f}B parameters written to {out} in {time.time() - start:.1f}s")
 
 
-def make_rows(path, rows):
+def make_passage(context_tokens):
+    """A passage of random words of at most `context_tokens` fixture tokens ("" for 0), the
+    same for every row (one long document the questions follow)."""
+    if not context_tokens:
+        return ""
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(FIXTURE, "tokenizer.json"))
+    rng = random.Random(1)
+    words = [rng.choice(WORDS) for _ in range(context_tokens)]
+    count = lambda ws: len(tok(" ".join(ws))["input_ids"])
+    lo, hi = 0, len(words)  # the most words whose passage fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(words[:mid]) <= context_tokens else (lo, mid - 1)
+    passage = " ".join(words[:lo])
+    print(f"passage: {lo} words, {count(words[:lo])} tokens")
+    return passage
+
+
+WORDS = ["river", "stone", "market", "winter", "copper", "garden", "signal", "harbor", "lantern",
+         "meadow", "engine", "ledger", "orchard", "cabinet", "thunder", "velvet", "compass",
+         "tunnel", "biscuit", "glacier", "parcel", "saddle", "quarry", "whistle"]
+
+
+def make_rows(path, rows, context_tokens=0):
     rng = random.Random(0)
+    passage = make_passage(context_tokens)
     names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis"]
     things = ["clips", "books", "apples", "stickers", "marbles", "pencils"]
     with open(path, "w") as f:
@@ -61,6 +90,8 @@ def make_rows(path, rows):
                         f"left?")
             total = a + b
             answer = total - total // c
+            if passage:
+                question = f"Read this first: {passage}\n\n{question}"
             f.write(json.dumps({
                 "data_source": "openai/gsm8k",
                 "prompt": [{"role": "user", "content": question +
@@ -76,8 +107,9 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("--preset", default="qwen2.5-7b", choices=sorted(PRESETS))
     p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--context-tokens", type=int, default=0)
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     if not os.path.exists(os.path.join(a.out, "model", "config.json")):
         make_model(os.path.join(a.out, "model"), a.preset)
-    make_rows(os.path.join(a.out, "train.jsonl"), a.rows)
+    make_rows(os.path.join(a.out, "train.jsonl"), a.rows, a.context_tokens)

@@ -5,22 +5,29 @@
 # layouts named, and one table: step, gen / old_log_prob / ref / update seconds, tokens/s per
 # GPU, the update's MFU, peak memory, weight-sync time.
 # Usage: VERL=/path/to/verl [STEPS=2] [LAYOUTS="tp4 tp2dp2 pp2tp2"] [PRESET=qwen2.5-7b]
-#        [PEAK_TFLOPS=989] bash bench/gpu/scale.sh
+#        [PEAK_TFLOPS=989] [BATCH=16] [N=8] [RESPONSE=256] [CONTEXT=0] [MICRO=4]
+#        bash bench/gpu/scale.sh
+# CONTEXT=N puts a passage of about N tokens before each prompt (a long-context job; prompts
+# may be up to 2N + 256 tokens: the tokenizer verl-rs applies may count more than the fixture's).
 # Layout names: tpT (tp=T over T GPUs), tpTdpD (tp x dp, distributed optimizer), ppPtpT,
 # dpD (distributed optimizer), and any of them with _rR for a rollout tp of R (default: the
-# actor's tp), _off for optimizer offload, on as many GPUs as the layout needs.
+# actor's tp), _off for optimizer offload, _rc for full activation recompute (Megatron's
+# uniform method, every layer), on as many GPUs as the layout needs.
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 OUT=${OUT:-/tmp}/verl-scale
 JOB=${JOB:-/tmp/verl-scale-job}
 mkdir -p "$OUT"
 PRESET=${PRESET:-qwen2.5-7b}
-python3 "$(dirname "$0")/make_job.py" "$JOB" --preset "$PRESET" 2>&1 | grep -v Warning | tail -2
+CONTEXT=${CONTEXT:-0}
+python3 "$(dirname "$0")/make_job.py" "$JOB" --preset "$PRESET" --context-tokens "$CONTEXT" 2>&1 \
+  | grep -v Warning | tail -2
 A=actor_rollout_ref
 job=(actor_rollout_ref.model.path=$JOB/model data.train_files=$JOB/train.jsonl
-     algorithm.adv_estimator=grpo data.train_batch_size=16 $A.rollout.n=8
-     data.max_prompt_length=256 data.max_response_length=256 data.filter_overlong_prompts=true
-     $A.actor.ppo_mini_batch_size=16 $A.actor.ppo_micro_batch_size_per_gpu=${MICRO:-4}
+     algorithm.adv_estimator=grpo data.train_batch_size=${BATCH:-16} $A.rollout.n=${N:-8}
+     data.max_prompt_length=$((CONTEXT * 2 + 256)) data.max_response_length=${RESPONSE:-256}
+     data.filter_overlong_prompts=true
+     $A.actor.ppo_mini_batch_size=${BATCH:-16} $A.actor.ppo_micro_batch_size_per_gpu=${MICRO:-4}
      $A.rollout.log_prob_micro_batch_size_per_gpu=${MICRO:-4}
      $A.ref.log_prob_micro_batch_size_per_gpu=${MICRO:-4}
      $A.actor.use_kl_loss=true $A.actor.kl_loss_coef=0.001 $A.actor.kl_loss_type=low_var_kl
@@ -36,6 +43,8 @@ layout() {
   [[ $name =~ _r([0-9]+) ]] && rtp=${BASH_REMATCH[1]}
   (( dp > 1 )) && extra="$extra $A.actor.megatron.use_distributed_optimizer=true"
   [[ $name == *_off* ]] && extra="$extra $A.actor.megatron.optimizer_offload=true"
+  local otc=$A.actor.megatron.override_transformer_config
+  [[ $name == *_rc* ]] && extra="$extra +$otc.recompute_granularity=full +$otc.recompute_method=uniform +$otc.recompute_num_layers=1"
   # The reference runs in the actor's layout.
   extra="$extra $A.actor.megatron.tensor_model_parallel_size=$tp $A.actor.megatron.pipeline_model_parallel_size=$pp"
   echo "trainer.n_gpus_per_node=$((tp * pp * dp)) $A.rollout.tensor_model_parallel_size=${rtp:-$tp} $extra"

@@ -5,7 +5,7 @@
 # layouts named, and one table: step, gen / old_log_prob / ref / update seconds, tokens/s per
 # GPU, the update's MFU, peak memory, weight-sync time.
 # Usage: VERL=/path/to/verl [STEPS=2] [LAYOUTS="tp4 tp2dp2 pp2tp2"] [PRESET=qwen2.5-7b]
-#        [PEAK_TFLOPS=989] [BATCH=16] [N=8] [RESPONSE=256] [CONTEXT=0] [MICRO=4]
+#        [PEAK_TFLOPS=989] [BATCH=16] [N=8] [RESPONSE=256] [CONTEXT=0] [MICRO=4] [EXTRA=overrides]
 #        bash bench/gpu/scale.sh
 # CONTEXT=N puts a passage of about N tokens before each prompt (a long-context job; prompts
 # may be up to 2N + 256 tokens: the tokenizer verl-rs applies may count more than the fixture's).
@@ -54,7 +54,7 @@ order=(${LAYOUTS:-tp4 tp2dp2 pp2tp2})
 for l in "${order[@]}"; do
   start=$(date +%s%N)
   rm -rf "$OUT/$l"
-  timeout ${T:-400} "$VERL" train "${job[@]}" $(layout "$l") trainer.default_local_dir="$OUT/$l" \
+  timeout ${T:-400} "$VERL" train "${job[@]}" $(layout "$l") ${EXTRA:-} trainer.default_local_dir="$OUT/$l" \
     > "$OUT/$l.log" 2>&1
   echo "$l: rc=$? wall $(( ($(date +%s%N) - start) / 1000000 )) ms"
   grep -iE "error|panick" "$OUT/$l.log" | tail -3

@@ -292,6 +292,58 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
     }
     check_greedy_engine(device, ComputeDtype::F32, failures);
     check_greedy_engine(device, ComputeDtype::Bf16, failures);
+    check_prefill(device, failures);
+}
+
+/// A prefill into an empty cache through the fused attention kernel (bf16: keys and values
+/// kept after RoPE, no prompt × prompt scores) against the decomposed prefill: the last-token
+/// logits and those of 4 decode steps, which read the keys and values the prefill cached;
+/// ragged prompts (one of a single token) in one right-padded batch.
+fn check_prefill(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::attention;
+    println!("\nprefill into an empty cache: fused attention vs decomposed (logits):");
+    for (hidden, heads, kv) in [(896, 14, 2), (1024, 8, 2)] {
+        let cfg = HfModelConfig::qwen2(model_dims(hidden, heads, kv));
+        let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+            .with_compute_dtype(ComputeDtype::Bf16)
+            .with_generation_matrices();
+        let hd = cfg.head_dim;
+        let prompts: Vec<Vec<u32>> = [300usize, 77, 1]
+            .iter()
+            .map(|&n| (0..n).map(|j| ((j * 53 + n * 7) % 1000) as u32).collect())
+            .collect();
+        let run = |fused: bool| {
+            attention::SWITCH.set(fused);
+            let mut cache = SlotKvCache::new(2, kv, hd, 3, 320, device);
+            let mut out = vec![model.prefill_slots(&prompts, &[0, 1, 2], &mut cache)];
+            let mut positions = vec![300usize, 77, 1];
+            let mut tokens: Vec<u32> = vec![3, 4, 5];
+            for step in 0..4 {
+                let window = positions.iter().max().copied().unwrap_or(0) + 1;
+                out.push(model.decode_slots(&tokens, &positions, window, &mut cache));
+                tokens = tokens.iter().map(|t| (t * 17 + step) % 1000).collect();
+                positions.iter_mut().for_each(|p| *p += 1);
+            }
+            attention::SWITCH.set(true);
+            out
+        };
+        let (fused, plain) = (run(true), run(false));
+        let errors: Vec<f64> = fused
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
+            .collect();
+        let worst = errors.iter().copied().fold(0.0, f64::max);
+        println!(
+            "  heads {heads}/{kv} of {hd}: max relative error over prefill + 4 steps {worst:.2e}"
+        );
+        super::agreement::require_below(
+            failures,
+            format!("fused prefill {heads}/{kv}x{hd}"),
+            &errors,
+            3e-2,
+        );
+    }
 }
 
 /// Greedy generation through the engine (device sampling, decode kernel, continuous batching

@@ -608,9 +608,23 @@ impl<B: ParallelBackend> NativeRollout<B> {
             })
             .collect();
         let logits = self.full_vocabulary(logits);
+        let vocab = logits.dims()[1];
         let logits = match sample_rows(logits, &settings) {
             Ok(picks) => {
                 stats.sampled_on_device = true;
+                // The device sampler finds no token when a row has no finite logit; say so
+                // here rather than fail later on an id past the vocabulary.
+                for (row, pick) in rows.iter().zip(&picks) {
+                    if let Some(active) = row {
+                        assert!(
+                            (pick.token as usize) < vocab,
+                            "the rollout's logits for request {} at response token {} have no \
+                             finite value (NaN or infinity in the model's forward)",
+                            active.request,
+                            active.tokens.len()
+                        );
+                    }
+                }
                 return rows
                     .iter()
                     .zip(picks)

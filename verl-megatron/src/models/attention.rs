@@ -451,7 +451,13 @@ impl<B: ParallelBackend> Attention<B> {
             return self.attend_packed(q, k, v, rows, mask, (cos, sin));
         }
         let (q, k, v) = match self.rotate_or_fuse(q, k, v, mask, cos, sin, &cache) {
-            Ok(out) => return out,
+            Ok((out, rotated)) => {
+                // A fresh prefill's keys and values (after RoPE) start the cache.
+                if let (AttnCache::Grow(cache), Some((k, v))) = (cache, rotated) {
+                    *cache = Some((k.swap_dims(1, 2), v.swap_dims(1, 2)));
+                }
+                return out;
+            }
             Err(qkv) => qkv,
         };
         let (k, v) = self.keys_and_values(k, v, cache);
@@ -513,8 +519,11 @@ impl<B: ParallelBackend> Attention<B> {
         Err((q, k, v))
     }
 
-    /// RoPE on q and k, and with bf16 products and no cache the fused kernel, which reads this
-    /// layout directly (cos/sin seen as `[batch, seq, 1, head_dim]`): its output, or q, k, v
+    /// RoPE on q and k, and with bf16 products the fused kernel where no cache is read (a
+    /// training pass, or a prefill into an empty cache: the prompt's keys are all it attends
+    /// to, so its memory stays linear in the prompt), which reads this layout directly
+    /// (cos/sin seen as `[batch, seq, 1, head_dim]`): its output, with the rotated keys and
+    /// values `[batch, seq, kv_heads, head_dim]` for a cache to start from; or q, k, v
     /// `[batch, heads, seq, head_dim]` rotated for the decomposed path.
     #[allow(clippy::too_many_arguments)]
     fn rotate_or_fuse(
@@ -526,12 +535,18 @@ impl<B: ParallelBackend> Attention<B> {
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
         cache: &AttnCache<'_, B>,
-    ) -> Result<Tensor<B, 3>, Qkv<B>> {
+    ) -> Result<FusedOutput<B>, Qkv<B>> {
         let [b, t, _, _] = q.dims();
         let (hd, nh) = (self.head_dim, self.num_heads);
-        let fused_keys = match (cache, mask.causal_keys()) {
-            (AttnCache::None, Some(keys))
-                if precision::current() == ComputeDtype::Bf16
+        let no_keys_cached = match cache {
+            AttnCache::None => true,
+            AttnCache::Grow(c) => c.is_none(),
+            _ => false,
+        };
+        let fused_keys = match mask.causal_keys() {
+            Some(keys)
+                if no_keys_cached
+                    && precision::current() == ComputeDtype::Bf16
                     && cos.dims() == [b, 1, t, hd]
                     && B::fused_attention_applies(hd) =>
             {
@@ -547,8 +562,9 @@ impl<B: ParallelBackend> Attention<B> {
                 );
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
+                let kept = matches!(cache, AttnCache::Grow(_)).then(|| (k.clone(), v.clone()));
                 match B::fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
-                    Ok(out) => return Ok(out.reshape([b, t, nh * hd])),
+                    Ok(out) => return Ok((out.reshape([b, t, nh * hd]), kept)),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
             }
@@ -608,6 +624,10 @@ impl<B: ParallelBackend> Attention<B> {
 
 /// Query, key and value projections handed back by a kernel that did not take them.
 type Qkv<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+/// The fused kernel's output `[batch, seq, heads · head_dim]`, and with a cache to start, the
+/// rotated keys and values `[batch, seq, kv_heads, head_dim]`.
+type FusedOutput<B> = (Tensor<B, 3>, Option<(Tensor<B, 4>, Tensor<B, 4>)>);
 
 impl<B: ParallelBackend> Attention<B> {
     /// Attention over a packed row (`q` `[1, tokens, heads, head_dim]`, `k`, `v` `[1, tokens,

@@ -8,7 +8,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 
 use crate::layers::precision::{self};
-use crate::models::attention::{causal_bias, AttentionMask};
+use crate::models::attention::AttentionMask;
 use crate::models::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
 use crate::parallel::ParallelBackend;
 
@@ -61,7 +61,9 @@ impl<B: ParallelBackend> CausalLm<B> {
             .unsqueeze_dim::<2>(0)
             .repeat_dim(0, n);
         let (cos, sin) = self.rope.tables(&positions);
-        let mask = AttentionMask::from_bias(causal_bias::<B>(t, 0, &device).repeat_dim(0, n));
+        // Causal over the right-padded prompts: the fused kernel's mask where it applies (no
+        // t × t bias or scores), the same bias built on first use elsewhere.
+        let mask = AttentionMask::causal(n, t, None, &device);
         let h = self.decoder(
             StageInput::Ids(ids),
             &mask,

@@ -76,15 +76,14 @@ fn verls_yaml_with_its_grpo_example_resolves_and_validates() {
         Some("checkpoints/verl_grpo_example_gsm8k_math/qwen2_7b_megatron")
     );
     assert_eq!(c.actor_rollout_ref.actor.optim.total_training_steps, None);
-    // vLLM becomes the native engine, wandb is dropped, each with a line saying so.
+    // vLLM becomes the native engine, with a line saying so; wandb is kept (it runs in Python).
     assert_eq!(c.actor_rollout_ref.rollout.name, "native");
-    assert_eq!(c.trainer.logger, ["console"]);
+    assert_eq!(c.trainer.logger, ["console", "wandb"]);
     assert!(
         said(&c.notes, "actor_rollout_ref.rollout.name=\"vllm\""),
         "{:#?}",
         c.notes
     );
-    assert!(said(&c.notes, "wandb is not built yet"), "{:#?}", c.notes);
     assert_eq!((v.world_size, v.actor_dp), (8, 2));
 }
 
@@ -150,6 +149,9 @@ fn verls_yaml_trains_on_the_cpu() {
             "trainer.n_gpus_per_node=1",
             "trainer.total_training_steps=2",
             "trainer.val_before_train=false",
+            // verl's default adds wandb, which this machine's Python does not have
+            // (tests/trackers.rs runs it against a stand-in).
+            "trainer.logger=[console]",
         ])
         .overrides(common::TINY_JOB[2..].iter().copied())
         .set("trainer.default_local_dir", dir.path().display())

@@ -3,9 +3,12 @@
 //! worker's stdin and stdout). Nothing is linked: the interpreter is found at run time
 //! (`VERL_PYTHON`, else `python3` on the `PATH`), so verl-rs builds without Python.
 //!
-//! [`PythonReward`] is verl's `custom_reward_function` this way.
+//! [`PythonReward`] is verl's `custom_reward_function` this way, and [`PythonTrackers`] its
+//! `trainer.logger` trackers wandb, mlflow, tensorboard and swanlab.
 
 mod reward;
+mod tracking;
 mod worker;
 
 pub use reward::PythonReward;
+pub use tracking::{PythonTrackers, PYTHON_TRACKERS};

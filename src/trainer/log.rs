@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::plot::{self, History};
+use super::trackers::Tracker;
 
 /// A failure to write the run's log, naming the directory or file.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +51,8 @@ pub struct RunLog {
     bar: ProgressBar,
     history: History,
     title: String,
+    /// `trainer.logger`'s trackers besides the console and this file.
+    trackers: Vec<Tracker>,
 }
 
 impl RunLog {
@@ -83,7 +86,14 @@ impl RunLog {
             bar,
             history: History::default(),
             title: title.to_string(),
+            trackers: Vec::new(),
         })
+    }
+
+    /// The log feeding `trackers` every step too.
+    pub(crate) fn with_trackers(mut self, trackers: Vec<Tracker>) -> Self {
+        self.trackers = trackers;
+        self
     }
 
     pub fn metrics_path(&self) -> &Path {
@@ -152,6 +162,7 @@ impl RunLog {
             bar,
             history: History::default(),
             title: title.to_string(),
+            trackers: Vec::new(),
         };
         for line in &kept {
             let Ok(serde_json::Value::Object(obj)) = serde_json::from_str(line) else {
@@ -206,6 +217,23 @@ impl RunLog {
         }
         self.append(serde_json::Value::Object(obj))?;
         self.remember(step, metrics);
+        let finite: BTreeMap<String, f64> = metrics
+            .iter()
+            .filter(|(_, v)| v.is_finite())
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        // A tracker that fails is dropped, not the run: metrics.jsonl has every step.
+        self.trackers.retain_mut(|t| match t.log(step, &finite) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    "trainer.logger {} failed at step {step}, and logs no more (metrics.jsonl \
+                     keeps every step): {e}",
+                    t.name()
+                );
+                false
+            }
+        });
         let get = |k: &str| metrics.get(k).copied();
         // Redraw at validations and every 10 steps: cheap next to a training step.
         if get("val/score/mean").is_some() || step.is_multiple_of(10) {

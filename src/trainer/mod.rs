@@ -22,6 +22,7 @@ mod run_lock;
 mod scorer;
 mod setup;
 pub mod step;
+mod trackers;
 
 pub use error::TrainError;
 pub use main_job::MAIN_JOB;

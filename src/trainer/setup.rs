@@ -460,11 +460,12 @@ fn open_log(
     total_steps: u64,
 ) -> Result<RunLog, TrainError> {
     let name = &cfg.trainer.experiment_name;
-    match resume {
+    let log = match resume {
         Some((_, state)) => RunLog::resume(out_dir, total_steps, name, state.step),
         None => RunLog::create(out_dir, total_steps, name),
     }
-    .map_err(setup)
+    .map_err(setup)?;
+    Ok(log.with_trackers(super::trackers::open(cfg)?))
 }
 
 /// Starts every rank's workers: threads of this process talking through in-process

@@ -116,6 +116,18 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `trainer.logger` entries: the console and metrics.jsonl (always written), verl's `file`
+/// logger, and the trackers run in Python.
+const LOGGERS: &[&str] = &[
+    "console",
+    "jsonl",
+    "file",
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "swanlab",
+];
+
 /// The `override_transformer_config` keys the Megatron models read.
 const OVERRIDES_READ: &[&str] = &[
     "moe_aux_loss_coeff",
@@ -276,14 +288,11 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
     )?;
     for logger in &t.logger {
         require(
-            logger == "console" || logger == "jsonl",
+            LOGGERS.contains(&logger.as_str()),
             "trainer.logger",
             &t.logger,
-            &format!(
-                "`{logger}` is not a logger here: metrics always go to metrics.jsonl and a \
-                 progress bar"
-            ),
-            "use [console] or [console, jsonl]",
+            &format!("`{logger}` is not supported yet (metrics always go to metrics.jsonl)"),
+            &format!("use some of {}", LOGGERS.join(", ")),
         )?;
     }
     require(
@@ -899,7 +908,7 @@ mod tests {
             ),
             ("actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.actor.load_weight"),
             ("custom_reward_function.name=my_score", "custom_reward_function.name"),
-            ("trainer.logger=[console, mlflow]", "trainer.logger"),
+            ("trainer.logger=[console, clearml]", "trainer.logger"),
             (
                 "data.dataloader_num_workers=4",
                 "data.dataloader_num_workers",

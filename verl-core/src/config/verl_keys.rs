@@ -168,7 +168,6 @@ const RULES: &[(&str, &str, Kind)] = &[
 const VERL_DEFAULTS_RUN_AS: &[(&str, &str, &str, &str)] = &[
     ("data.return_raw_chat", "true", "false", "batches carry token ids; the chat template is applied when the data is read"),
     ("data.dataloader_num_workers", "8", "0", "data files are read by the trainer itself, with no loader workers"),
-    ("trainer.logger", "[console, wandb]", "[console]", "wandb is not built yet; metrics go to the console and metrics.jsonl"),
     ("actor_rollout_ref.rollout.name", "vllm", "native", "verl-rs's own engine generates (continuous batching, paged KV cache, the actor's weights resharded in place)"),
     ("actor_rollout_ref.rollout.name", "sglang", "native", "verl-rs's own engine generates (continuous batching, paged KV cache, the actor's weights resharded in place)"),
     ("actor_rollout_ref.rollout.mode", "async", "sync", "generation runs inside the training step, as the hybrid engine's synchronous mode"),

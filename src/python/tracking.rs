@@ -1,0 +1,83 @@
+//! verl's Python experiment trackers (`trainer.logger` entries `wandb`, `mlflow`,
+//! `tensorboard`, `swanlab`), run by one `python3` worker (`tracking_worker.py`) that sets them
+//! up as verl does and logs each step's metrics to all of them.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::worker::Worker;
+
+const SCRIPT: &str = include_str!("tracking_worker.py");
+
+/// The trackers verl sets up in Python.
+pub const PYTHON_TRACKERS: &[&str] = &["wandb", "mlflow", "tensorboard", "swanlab"];
+
+/// How long a tracker may take to start (a wandb login, an mlflow store) and to log a step.
+const START_DEADLINE: Duration = Duration::from_secs(300);
+const LOG_DEADLINE: Duration = Duration::from_secs(120);
+
+/// The running worker and the trackers it feeds.
+pub struct PythonTrackers {
+    worker: Worker,
+    names: Vec<String>,
+}
+
+impl PythonTrackers {
+    /// Starts the worker and the trackers `names` for run `experiment` of `project`, each given
+    /// `config` (the resolved run config) as verl gives it. A tracker that cannot start (its
+    /// package missing, a login refused) is an error naming it, with what the library said.
+    pub fn start(
+        names: &[String],
+        project: &str,
+        experiment: &str,
+        config: &Value,
+    ) -> Result<Self, String> {
+        let mut worker = Worker::start(SCRIPT, &[&names.join(",")])?;
+        let init = json!({"project": project, "experiment": experiment, "config": config});
+        let answer = worker
+            .ask(&init, START_DEADLINE)
+            .map_err(|e| format!("the tracking worker ({}): {e}", names.join(", ")))?;
+        if answer.get("ready").and_then(Value::as_bool) != Some(true) {
+            let backend = answer.get("backend").and_then(Value::as_str).unwrap_or("?");
+            let error = answer.get("error").and_then(Value::as_str).unwrap_or("");
+            return Err(format!(
+                "trainer.logger `{backend}` could not start in Python: {}",
+                error.trim_end()
+            ));
+        }
+        Ok(Self {
+            worker,
+            names: names.to_vec(),
+        })
+    }
+
+    /// The trackers' names, comma-separated.
+    pub fn names(&self) -> String {
+        self.names.join(", ")
+    }
+
+    /// Logs step `step`'s `metrics` to every tracker.
+    pub fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<(), String> {
+        let message = json!({"step": step, "data": metrics});
+        let answer = self
+            .worker
+            .ask(&message, LOG_DEADLINE)
+            .map_err(|e| e.to_string())?;
+        match answer.get("error").and_then(Value::as_str) {
+            Some(e) => Err(e.trim_end().to_string()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PythonTrackers {
+    /// Finishes the trackers (wandb uploads what it holds, tensorboard flushes) before the
+    /// worker goes.
+    fn drop(&mut self) {
+        if let Err(e) = self.worker.ask(&json!({"finish": true}), LOG_DEADLINE) {
+            tracing::warn!("trainer.logger {}: finishing failed: {e}", self.names());
+        }
+    }
+}

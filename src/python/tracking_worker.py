@@ -1,0 +1,170 @@
+# A verl-rs tracking worker: hands each step's metrics to the experiment trackers that verl's
+# `trainer.logger` names, set up as verl sets them up (project and experiment names, the
+# resolved config, the same environment variables). Frames on stdin / stdout: a 4-byte
+# little-endian length, then UTF-8 JSON.
+#
+#   argv: <backend>[,<backend>...] among wandb, mlflow, tensorboard, swanlab
+#   init:     {"project": str, "experiment": str, "config": {...}}
+#             -> {"ready": true} or {"ready": false, "error": "...", "backend": name}
+#   log:      {"step": int, "data": {name: float}} -> {"ok": true} or {"error": "..."}
+#   finish:   {"finish": true} -> {"ok": true}, then the worker exits
+#
+# Whatever the libraries print goes to stderr, so it cannot break the frames.
+import json
+import os
+import re
+import struct
+import sys
+import traceback
+
+frames_out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+frames_in = sys.stdin.buffer
+
+
+def send(message):
+    data = json.dumps(message).encode()
+    frames_out.write(struct.pack("<I", len(data)) + data)
+    frames_out.flush()
+
+
+def receive():
+    head = frames_in.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack("<I", head)
+    return json.loads(frames_in.read(n))
+
+
+def flatten(value, prefix=""):
+    """A nested config as flat "a/b/c" keys (lists by index), as verl hands mlflow its params."""
+    out = {}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
+    if items is None:
+        out[prefix] = value
+        return out
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}/{k}" if prefix else str(k)))
+    return out
+
+
+class Wandb:
+    def __init__(self, project, experiment, config):
+        import wandb
+
+        proxy = (config.get("trainer") or {}).get("wandb_proxy")
+        settings = wandb.Settings(https_proxy=proxy) if proxy else None
+        wandb.init(project=project, name=experiment, entity=os.environ.get("WANDB_ENTITY"),
+                   config=config, settings=settings)
+        self.wandb = wandb
+
+    def log(self, step, data):
+        self.wandb.log(data=data, step=step)
+
+    def finish(self):
+        self.wandb.finish(exit_code=0)
+
+
+class Mlflow:
+    # mlflow accepts letters, digits, underscores, periods, dashes, colons, spaces and single
+    # slashes in metric names; verl writes "@" as "_at_" and the rest as "_".
+    INVALID = re.compile(r"[^/\w.\- :]")
+    SLASHES = re.compile(r"/+")
+
+    def __init__(self, project, experiment, config):
+        import mlflow
+
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", "sqlite:////tmp/mlruns.db"))
+        run_id = os.environ.get("MLFLOW_RUN_ID")
+        if run_id:
+            mlflow.start_run(run_id=run_id)
+        else:
+            experiment_record = mlflow.set_experiment(project)
+            mlflow.start_run(experiment_id=experiment_record.experiment_id, run_name=experiment)
+        mlflow.log_params(flatten(config))
+        self.mlflow = mlflow
+
+    def key(self, name):
+        return self.INVALID.sub("_", self.SLASHES.sub("/", name.replace("@", "_at_")))
+
+    def log(self, step, data):
+        self.mlflow.log_metrics(metrics={self.key(k): v for k, v in data.items()}, step=step)
+
+    def finish(self):
+        self.mlflow.end_run()
+
+
+class Tensorboard:
+    def __init__(self, project, experiment, config):
+        from torch.utils.tensorboard import SummaryWriter
+
+        directory = os.environ.get("TENSORBOARD_DIR", f"tensorboard_log/{project}/{experiment}")
+        os.makedirs(directory, exist_ok=True)
+        print(f"tensorboard log in {directory}")
+        self.writer = SummaryWriter(directory)
+
+    def log(self, step, data):
+        for k, v in data.items():
+            self.writer.add_scalar(k, v, step)
+
+    def finish(self):
+        self.writer.close()
+
+
+class Swanlab:
+    def __init__(self, project, experiment, config):
+        import swanlab
+
+        key = os.environ.get("SWANLAB_API_KEY")
+        if key:
+            swanlab.login(key)
+        swanlab.init(project=project, experiment_name=experiment,
+                     config={"FRAMEWORK": "verl", **config},
+                     logdir=os.environ.get("SWANLAB_LOG_DIR", "swanlog"),
+                     mode=os.environ.get("SWANLAB_MODE", "cloud"))
+        self.swanlab = swanlab
+
+    def log(self, step, data):
+        self.swanlab.log(data=data, step=step)
+
+    def finish(self):
+        self.swanlab.finish()
+
+
+BACKENDS = {"wandb": Wandb, "mlflow": Mlflow, "tensorboard": Tensorboard, "swanlab": Swanlab}
+
+
+def main():
+    names = [n for n in sys.argv[1].split(",") if n]
+    init = receive()
+    if init is None:
+        return
+    trackers = []
+    for name in names:
+        try:
+            trackers.append(BACKENDS[name](init["project"], init["experiment"], init["config"]))
+        except Exception:
+            send({"ready": False, "backend": name, "error": traceback.format_exc(limit=3)})
+            return
+    send({"ready": True})
+    while True:
+        message = receive()
+        if message is None or message.get("finish"):
+            for t in trackers:
+                try:
+                    t.finish()
+                except Exception:
+                    traceback.print_exc(limit=3)
+            if message is not None:
+                send({"ok": True})
+            return
+        try:
+            for t in trackers:
+                t.log(message["step"], message["data"])
+            send({"ok": True})
+        except Exception:
+            send({"error": traceback.format_exc(limit=3)})
+
+
+main()

@@ -1,0 +1,194 @@
+//! verl's `trainer.logger` trackers: `file` natively, and `wandb`, `mlflow`, `tensorboard` in a
+//! `python3` worker. The Python libraries are stood in for by small modules on `PYTHONPATH`
+//! that record every call to a JSON-lines file, so the test checks what verl-rs asks of them:
+//! the names, the config, every step's metrics, the finish. Needs a `python3`, as
+//! tests/python_reward.rs does.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+/// The stand-ins: each call appended to `$TRACKER_CALLS` as `{"lib", "call", ...}`.
+const STUBS: &[(&str, &str)] = &[
+    (
+        "record_call.py",
+        r#"
+import json, os
+def record(lib, call, **kw):
+    with open(os.environ["TRACKER_CALLS"], "a") as f:
+        f.write(json.dumps({"lib": lib, "call": call, **kw}) + "\n")
+"#,
+    ),
+    (
+        "wandb.py",
+        r#"
+from record_call import record
+class Settings:
+    def __init__(self, **kw): pass
+def init(project=None, name=None, entity=None, config=None, settings=None):
+    record("wandb", "init", project=project, name=name, config=config)
+def log(data=None, step=None):
+    record("wandb", "log", step=step, data=data)
+def finish(exit_code=0):
+    record("wandb", "finish", exit_code=exit_code)
+"#,
+    ),
+    (
+        "mlflow.py",
+        r#"
+from record_call import record
+class _Experiment:
+    experiment_id = "7"
+def set_tracking_uri(uri): record("mlflow", "set_tracking_uri", uri=uri)
+def set_experiment(name):
+    record("mlflow", "set_experiment", name=name)
+    return _Experiment()
+def start_run(experiment_id=None, run_name=None, run_id=None):
+    record("mlflow", "start_run", experiment_id=experiment_id, run_name=run_name)
+def log_params(params): record("mlflow", "log_params", count=len(params), sample=params.get("trainer/project_name"))
+def log_metrics(metrics=None, step=None): record("mlflow", "log_metrics", step=step, data=metrics)
+def end_run(): record("mlflow", "end_run")
+"#,
+    ),
+    ("torch/__init__.py", ""),
+    ("torch/utils/__init__.py", ""),
+    (
+        "torch/utils/tensorboard.py",
+        r#"
+from record_call import record
+class SummaryWriter:
+    def __init__(self, log_dir): record("tensorboard", "open", log_dir=log_dir)
+    def add_scalar(self, tag, value, step): record("tensorboard", "add_scalar", tag=tag, value=value, step=step)
+    def close(self): record("tensorboard", "close")
+"#,
+    ),
+];
+
+fn stubs(dir: &Path) {
+    for (name, text) in STUBS {
+        let path = dir.join(name);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+}
+
+fn calls(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Runs the tiny built-in job for 2 steps with `loggers`, the stand-ins importable.
+fn train(dir: &Path, loggers: &str) -> (bool, String, Vec<Value>) {
+    let lib = dir.join("lib");
+    stubs(&lib);
+    let record = dir.join("calls.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_verl"))
+        .args([
+            "train",
+            "data.train_files=builtin:addition:1",
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.project_name=tracked",
+            "trainer.experiment_name=run_a",
+            &format!("trainer.logger={loggers}"),
+            &format!("trainer.default_local_dir={}", dir.join("run").display()),
+        ])
+        .env("PYTHONPATH", &lib)
+        .env("TRACKER_CALLS", &record)
+        .env("TENSORBOARD_DIR", dir.join("tb"))
+        .env("MLFLOW_TRACKING_URI", "file:///nowhere")
+        .env("VERL_FILE_LOGGER_ROOT", dir.join("files"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    (out.status.success(), err, calls(&record))
+}
+
+/// The steps `metrics.jsonl` holds, by step.
+fn logged_steps(dir: &Path) -> BTreeMap<u64, Value> {
+    std::fs::read_to_string(dir.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| Some((v.get("step")?.as_u64()?, v)))
+        .collect()
+}
+
+#[test]
+fn each_step_reaches_wandb_mlflow_tensorboard_and_the_file_logger() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, err, calls) = train(dir.path(), "[console,wandb,mlflow,tensorboard,file]");
+    assert!(ok, "{err}");
+    let steps = logged_steps(dir.path());
+    assert!(
+        steps.contains_key(&1) && steps.contains_key(&2),
+        "{steps:?}"
+    );
+    let of = |lib: &str, call: &str| -> Vec<&Value> {
+        calls
+            .iter()
+            .filter(|c| c["lib"] == lib && c["call"] == call)
+            .collect()
+    };
+    // wandb: verl's init (project, experiment name, the resolved config), every step, finish.
+    let init = of("wandb", "init");
+    assert_eq!(init.len(), 1, "{calls:?}");
+    assert_eq!(init[0]["project"], "tracked");
+    assert_eq!(init[0]["name"], "run_a");
+    assert_eq!(init[0]["config"]["trainer"]["total_training_steps"], 2);
+    for (lib, call) in [("wandb", "log"), ("mlflow", "log_metrics")] {
+        let logs = of(lib, call);
+        let logged: Vec<u64> = logs.iter().map(|c| c["step"].as_u64().unwrap()).collect();
+        assert_eq!(logged, steps.keys().copied().collect::<Vec<_>>(), "{lib}");
+        // The same numbers metrics.jsonl has.
+        for c in logs {
+            let line = &steps[&c["step"].as_u64().unwrap()];
+            let score = c["data"]["critic/score/mean"].as_f64().unwrap();
+            assert_eq!(score, line["critic/score/mean"].as_f64().unwrap(), "{lib}");
+        }
+    }
+    assert_eq!(of("wandb", "finish").len(), 1, "{calls:?}");
+    // mlflow: verl's experiment and run names, flattened params, keys made valid ("@" → _at_).
+    assert_eq!(of("mlflow", "set_experiment")[0]["name"], "tracked");
+    assert_eq!(of("mlflow", "start_run")[0]["run_name"], "run_a");
+    assert_eq!(of("mlflow", "log_params")[0]["sample"], "tracked");
+    assert_eq!(of("mlflow", "end_run").len(), 1);
+    // tensorboard: TENSORBOARD_DIR, one scalar per metric and step, closed.
+    assert_eq!(
+        of("tensorboard", "open")[0]["log_dir"],
+        dir.path().join("tb").display().to_string()
+    );
+    let scalars = of("tensorboard", "add_scalar");
+    assert!(scalars
+        .iter()
+        .any(|c| c["tag"] == "critic/score/mean" && c["step"] == 2));
+    assert_eq!(of("tensorboard", "close").len(), 1);
+    // file: verl's {"step", "data"} lines under VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl.
+    let file = std::fs::read_to_string(dir.path().join("files/tracked/run_a.jsonl")).unwrap();
+    let lines: Vec<Value> = file
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), steps.len());
+    assert_eq!(lines.last().unwrap()["step"], 2);
+    assert!(lines[0]["data"]["timing_s/step"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn a_tracker_that_cannot_start_stops_the_run_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    // The stand-ins have no swanlab: its import fails, before any training.
+    let (ok, err, _) = train(dir.path(), "[console,swanlab]");
+    assert!(!ok);
+    assert!(err.contains("trainer.logger `swanlab`"), "{err}");
+    assert!(err.contains("No module named 'swanlab'"), "{err}");
+    assert!(!dir.path().join("run/metrics.jsonl").exists() || logged_steps(dir.path()).is_empty());
+}

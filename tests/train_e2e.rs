@@ -464,6 +464,7 @@ fn the_fused_head_trains_as_the_plain_one() {
 #[test]
 fn recomputed_activations_train_as_kept_ones() {
     let otc = "megatron.override_transformer_config";
+    let replays = verl::megatron::models::causal_lm::chunk_replays();
     trains_as_one_rank(&[
         "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
@@ -475,6 +476,10 @@ fn recomputed_activations_train_as_kept_ones() {
         &format!("+critic.{otc}.recompute_method=block"),
         &format!("+critic.{otc}.recompute_num_layers=1"),
     ]);
+    assert!(
+        verl::megatron::models::causal_lm::chunk_replays() > replays,
+        "no chunk was recomputed"
+    );
 }
 
 /// `model.use_remove_padding` (actor and reference) and `critic.model.use_remove_padding`:

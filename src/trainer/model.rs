@@ -170,17 +170,19 @@ pub(super) fn pipeline_split(
 }
 
 /// Megatron's activation recompute for a role, from its `megatron.override_transformer_config`
-/// (`prefix` names the role's section) as Megatron reads it: `recompute_granularity: full`
-/// with `recompute_method` (uniform or block) and `recompute_num_layers` recomputes whole
-/// layers ([`Recompute`]); `selective` with `recompute_modules: [core_attn]` is what the
-/// fused attention always does (its backward recomputes the probabilities from the saved
-/// log-sum-exp; the plain CPU path keeps them), so it asks for nothing more; unset asks for
-/// nothing. Anything else is refused naming the key, before any weight exists. `split` holds
-/// the layers of each pipeline stage (block recomputes layers of every stage).
+/// (`prefix` names the role's section), read as Megatron reads it: `recompute_granularity:
+/// full` with `recompute_method` (uniform or block) and `recompute_num_layers` recomputes whole
+/// layers ([`Recompute`]; block over a stage with fewer layers recomputes all of them);
+/// `selective` with `recompute_modules: [core_attn]` asks for what the fused attention kernel
+/// always does (its backward recomputes the probabilities from the saved log-sum-exp), so it
+/// is accepted where that kernel runs (`fused_attention`: a CUDA build, bf16, no context
+/// parallelism, a head size it takes) and refused elsewhere, where attention keeps them; unset
+/// asks for nothing (a method or layer count without a granularity is ignored, as Megatron
+/// does, with a warning). Anything else is refused naming the key, before any weight exists.
 pub(super) fn recompute_settings(
     megatron: &verl_core::config::MegatronConfig,
     prefix: &str,
-    split: &[std::ops::Range<usize>],
+    fused_attention: bool,
 ) -> Result<Option<Recompute>, TrainError> {
     let o = &megatron.override_transformer_config;
     let key = |k: &str| format!("{prefix}.megatron.override_transformer_config.{k}");
@@ -194,7 +196,17 @@ pub(super) fn recompute_settings(
             .transpose()
     };
     let granularity = text("recompute_granularity")?;
-    let method = text("recompute_method")?;
+    let method = match text("recompute_method")? {
+        None => None,
+        Some("uniform") => Some(RecomputeMethod::Uniform),
+        Some("block") => Some(RecomputeMethod::Block),
+        Some(other) => {
+            return Err(setup(format!(
+                "{} = {other}: use uniform or block",
+                key("recompute_method")
+            )))
+        }
+    };
     let layers = match get("recompute_num_layers") {
         None => None,
         Some(v) => Some(v.as_u64().filter(|n| *n > 0).ok_or_else(|| {
@@ -205,59 +217,59 @@ pub(super) fn recompute_settings(
         })? as usize),
     };
     match granularity {
-        None | Some("selective") => {
-            if let Some(which) = [
-                method.map(|_| "recompute_method"),
-                layers.map(|_| "recompute_num_layers"),
-            ]
-            .into_iter()
-            .flatten()
-            .next()
-            {
-                return Err(setup(format!(
-                    "{} applies to recompute_granularity: full only; set {} = full or remove it",
-                    key(which),
+        None => {
+            if method.is_some() || layers.is_some() {
+                tracing::warn!(
+                    "{} and {} apply with {} = full only; without it nothing is recomputed, as \
+                     in Megatron",
+                    key("recompute_method"),
+                    key("recompute_num_layers"),
                     key("recompute_granularity")
+                );
+            }
+            Ok(None)
+        }
+        Some("selective") => {
+            if layers.is_some() {
+                return Err(setup(format!(
+                    "{} must be unset with recompute_granularity: selective (as in Megatron)",
+                    key("recompute_num_layers")
                 )));
             }
-            if granularity.is_some() {
-                let modules = match get("recompute_modules") {
-                    None => vec!["core_attn".to_string()],
-                    Some(Value::Array(items)) => items
-                        .iter()
-                        .map(|m| m.as_str().unwrap_or("?").to_string())
-                        .collect(),
-                    Some(v) => vec![v.to_string()],
-                };
-                if let Some(other) = modules.iter().find(|m| *m != "core_attn") {
-                    return Err(setup(format!(
-                        "{} contains `{other}`: selective recompute of core_attn only is \
-                         supported (the fused attention's backward recomputes it); use \
-                         recompute_granularity: full to recompute whole layers",
-                        key("recompute_modules")
-                    )));
-                }
+            let modules = match get("recompute_modules") {
+                None => vec!["core_attn".to_string()],
+                Some(Value::Array(items)) => items
+                    .iter()
+                    .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_string))
+                    .collect(),
+                Some(Value::String(one)) => vec![one.clone()],
+                Some(v) => vec![v.to_string()],
+            };
+            if let Some(other) = modules.iter().find(|m| *m != "core_attn") {
+                return Err(setup(format!(
+                    "{} contains `{other}`: selective recompute of core_attn only is \
+                     supported; use recompute_granularity: full to recompute whole layers",
+                    key("recompute_modules")
+                )));
+            }
+            if !fused_attention {
+                return Err(setup(format!(
+                    "{} = selective: this run's attention is the decomposed one (a CPU build, \
+                     f32 products, context parallelism or a head size over 128), which keeps \
+                     the attention probabilities; use recompute_granularity: full",
+                    key("recompute_granularity")
+                )));
             }
             Ok(None)
         }
         Some("full") => {
-            let method = match method {
-                Some("uniform") => RecomputeMethod::Uniform,
-                Some("block") => RecomputeMethod::Block,
-                Some(other) => {
-                    return Err(setup(format!(
-                        "{} = {other}: use uniform or block",
-                        key("recompute_method")
-                    )))
-                }
-                None => {
-                    return Err(setup(format!(
-                        "{} = full needs {} (uniform or block)",
-                        key("recompute_granularity"),
-                        key("recompute_method")
-                    )))
-                }
-            };
+            let method = method.ok_or_else(|| {
+                setup(format!(
+                    "{} = full needs {} (uniform or block)",
+                    key("recompute_granularity"),
+                    key("recompute_method")
+                ))
+            })?;
             let num_layers = layers.ok_or_else(|| {
                 setup(format!(
                     "{} = full needs {} (e.g. 1: every layer's input kept)",
@@ -265,14 +277,6 @@ pub(super) fn recompute_settings(
                     key("recompute_num_layers")
                 ))
             })?;
-            let fewest = split.iter().map(|r| r.len()).min().unwrap_or(0);
-            if method == RecomputeMethod::Block && num_layers > fewest {
-                return Err(setup(format!(
-                    "{} = {num_layers} exceeds the {fewest} layers of a pipeline stage; the \
-                     block method recomputes that many layers of every stage",
-                    key("recompute_num_layers")
-                )));
-            }
             Ok(Some(Recompute { method, num_layers }))
         }
         Some(other) => Err(setup(format!(
@@ -282,73 +286,94 @@ pub(super) fn recompute_settings(
     }
 }
 
+/// Whether the fused attention kernel runs this role's training attention: a CUDA build,
+/// bf16 products, no context parallelism, a head size the kernel takes (what `selective`
+/// recompute of core_attn needs).
+pub(super) fn fused_attention_runs(dtype: ComputeDtype, cp: usize, head_dim: usize) -> bool {
+    cfg!(feature = "cuda")
+        && dtype == ComputeDtype::Bf16
+        && cp == 1
+        && head_dim > 0
+        && head_dim <= 128
+        && head_dim.is_multiple_of(16)
+}
+
 #[cfg(test)]
-#[allow(clippy::single_range_in_vec_init)] // one pipeline stage of four layers
 mod tests {
     use super::*;
     use verl_core::config::MegatronConfig;
 
-    fn settings(
-        pairs: &[(&str, Value)],
-        split: &[std::ops::Range<usize>],
-    ) -> Result<Option<Recompute>, String> {
+    fn settings_with(pairs: &[(&str, Value)], fused: bool) -> Result<Option<Recompute>, String> {
         let mut m = MegatronConfig::default();
         for (k, v) in pairs {
             m.override_transformer_config
                 .insert(k.to_string(), v.clone());
         }
-        recompute_settings(&m, "critic", split).map_err(|e| e.to_string())
+        recompute_settings(&m, "critic", fused).map_err(|e| e.to_string())
+    }
+
+    fn settings(pairs: &[(&str, Value)]) -> Result<Option<Recompute>, String> {
+        settings_with(pairs, true)
+    }
+
+    fn full(method: &str, n: u64) -> Vec<(&'static str, Value)> {
+        vec![
+            ("recompute_granularity", Value::from("full")),
+            ("recompute_method", Value::from(method)),
+            ("recompute_num_layers", Value::from(n)),
+        ]
     }
 
     #[test]
     fn megatron_recompute_keys_become_the_recompute_setting() {
-        let one = [0..4];
-        assert_eq!(settings(&[], &one), Ok(None));
-        let full = |method: &str, n: u64| {
-            vec![
-                ("recompute_granularity", Value::from("full")),
-                ("recompute_method", Value::from(method)),
-                ("recompute_num_layers", Value::from(n)),
-            ]
-        };
+        assert_eq!(settings(&[]), Ok(None));
         assert_eq!(
-            settings(&full("uniform", 2), &one),
+            settings(&full("uniform", 2)),
             Ok(Some(Recompute {
                 method: RecomputeMethod::Uniform,
                 num_layers: 2
             }))
         );
+        // Block over more layers than a stage has recomputes all of them (`chunks` clamps).
         assert_eq!(
-            settings(&full("block", 2), &[0..2, 2..4]),
+            settings(&full("block", 9)),
             Ok(Some(Recompute {
                 method: RecomputeMethod::Block,
-                num_layers: 2
+                num_layers: 9
             }))
         );
-        // Selective recompute of core attention is what the fused attention does anyway.
+        // Selective recompute of core attention is what the fused attention does anyway; a
+        // method beside it is ignored, as Megatron ignores it.
         let selective = [
             ("recompute_granularity", Value::from("selective")),
             ("recompute_modules", serde_json::json!(["core_attn"])),
+            ("recompute_method", Value::from("uniform")),
         ];
-        assert_eq!(settings(&selective, &one), Ok(None));
-        // verl's defaults: modules listed, granularity null.
+        assert_eq!(settings(&selective), Ok(None));
+        let one_string = [
+            ("recompute_granularity", Value::from("selective")),
+            ("recompute_modules", Value::from("core_attn")),
+        ];
+        assert_eq!(settings(&one_string), Ok(None));
+        // verl's defaults: modules listed, granularity null; a method alone is ignored too.
         let defaults = [
             ("recompute_granularity", Value::Null),
             ("recompute_modules", serde_json::json!(["core_attn"])),
-            ("recompute_method", Value::Null),
+            ("recompute_method", Value::from("block")),
             ("recompute_num_layers", Value::Null),
         ];
-        assert_eq!(settings(&defaults, &one), Ok(None));
+        assert_eq!(settings(&defaults), Ok(None));
     }
 
     #[test]
     fn wrong_recompute_keys_are_refused_by_name() {
         let key = |k: &str| format!("critic.megatron.override_transformer_config.{k}");
-        for (pairs, named, split) in [
+        let selective = vec![("recompute_granularity", Value::from("selective"))];
+        for (pairs, named, fused) in [
             (
                 vec![("recompute_granularity", Value::from("full"))],
                 key("recompute_method"),
-                vec![0..4],
+                true,
             ),
             (
                 vec![
@@ -356,39 +381,17 @@ mod tests {
                     ("recompute_method", Value::from("uniform")),
                 ],
                 key("recompute_num_layers"),
-                vec![0..4],
+                true,
             ),
+            (full("interleaved", 1), key("recompute_method"), true),
+            (full("uniform", 0), key("recompute_num_layers"), true),
             (
                 vec![
-                    ("recompute_granularity", Value::from("full")),
-                    ("recompute_method", Value::from("interleaved")),
-                    ("recompute_num_layers", Value::from(1)),
-                ],
-                key("recompute_method"),
-                vec![0..4],
-            ),
-            (
-                vec![
-                    ("recompute_granularity", Value::from("full")),
-                    ("recompute_method", Value::from("block")),
-                    ("recompute_num_layers", Value::from(3)),
+                    ("recompute_granularity", Value::from("selective")),
+                    ("recompute_num_layers", Value::from(2)),
                 ],
                 key("recompute_num_layers"),
-                vec![0..2, 2..4],
-            ),
-            (
-                vec![
-                    ("recompute_granularity", Value::from("full")),
-                    ("recompute_method", Value::from("uniform")),
-                    ("recompute_num_layers", Value::from(0)),
-                ],
-                key("recompute_num_layers"),
-                vec![0..4],
-            ),
-            (
-                vec![("recompute_method", Value::from("uniform"))],
-                key("recompute_method"),
-                vec![0..4],
+                true,
             ),
             (
                 vec![
@@ -396,16 +399,29 @@ mod tests {
                     ("recompute_modules", serde_json::json!(["core_attn", "mlp"])),
                 ],
                 key("recompute_modules"),
-                vec![0..4],
+                true,
             ),
+            // Where attention is decomposed, selective would keep the probabilities.
+            (selective, key("recompute_granularity"), false),
             (
                 vec![("recompute_granularity", Value::from("everything"))],
                 key("recompute_granularity"),
-                vec![0..4],
+                true,
             ),
         ] {
-            let e = settings(&pairs, &split).expect_err("refused");
+            let e = settings_with(&pairs, fused).expect_err("refused");
             assert!(e.contains(&named), "{pairs:?}: {e}");
         }
+    }
+
+    #[test]
+    fn the_fused_attention_runs_only_where_its_kernel_does() {
+        assert!(!fused_attention_runs(ComputeDtype::F32, 1, 128));
+        assert!(!fused_attention_runs(ComputeDtype::Bf16, 2, 128));
+        assert!(!fused_attention_runs(ComputeDtype::Bf16, 1, 256));
+        assert_eq!(
+            fused_attention_runs(ComputeDtype::Bf16, 1, 128),
+            cfg!(feature = "cuda")
+        );
     }
 }

@@ -27,7 +27,9 @@ use verl_profiler::RoleProfiler;
 use verl_rollout::{Detokenizer, EngineConfig, NativeRollout};
 
 use super::error::{setup, TrainError};
-use super::model::{compute_dtype, pipeline_split, recompute_settings, Infer, Train};
+use super::model::{
+    compute_dtype, fused_attention_runs, pipeline_split, recompute_settings, Infer, Train,
+};
 use verl_megatron::models::Recompute;
 
 /// Wraps (or replaces) the native rollout engine a rank builds: how an embedding program swaps
@@ -402,7 +404,15 @@ impl ActorPlan {
             .map_err(setup)?;
         let layout = actor_cfg.megatron.parallel();
         let split = pipeline_split(&actor_cfg.megatron, model_cfg, layout.pp)?;
-        let recompute = recompute_settings(&actor_cfg.megatron, "actor_rollout_ref.actor", &split)?;
+        let recompute = recompute_settings(
+            &actor_cfg.megatron,
+            "actor_rollout_ref.actor",
+            fused_attention_runs(
+                compute_dtype(actor_cfg.megatron.dtype),
+                layout.cp,
+                model_cfg.head_dim,
+            ),
+        )?;
         let old_log_prob_apart = split.len() > 1
             || layout.cp > 1
             || cfg.actor_rollout_ref.rollout.tensor_model_parallel_size != layout.tp;
@@ -503,7 +513,11 @@ impl CriticPlan {
             * (batch * n / mini.max(1)).max(1) as u64;
         let layout = c.megatron.parallel();
         let split = pipeline_split(&c.megatron, &vcfg, layout.pp)?;
-        let recompute = recompute_settings(&c.megatron, "critic", &split)?;
+        let recompute = recompute_settings(
+            &c.megatron,
+            "critic",
+            fused_attention_runs(compute_dtype(c.megatron.dtype), layout.cp, vcfg.head_dim),
+        )?;
         let topo = Topology::new(layout.clone(), world).map_err(setup)?;
         vcfg.check_layout(layout.tp, layout.ep, layout.expert_tp())
             .map_err(setup)?;

@@ -44,7 +44,6 @@ static FUSED_HEAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool
 /// Layouts (not the single rank they are compared with) pack their sequences while set.
 static PACKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// The single rank's micro-batching: 2 rows each.
 /// The layouts' models recompute activations: 0 none, `n` uniform chunks of `n` layers,
 /// `100 + n` Megatron's block method over the first `n` layers (the single rank never does).
 static RECOMPUTE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -63,6 +62,7 @@ fn recompute_setting() -> Option<Recompute> {
     }
 }
 
+/// The single rank's micro-batching: 2 rows each.
 const ROWS_OF_2: MicroBatching = MicroBatching::Rows(2);
 
 /// burn's autodiff briefly locks every graph of the process at the end of each backward, and a
@@ -1382,19 +1382,33 @@ fn packed_sequences_update_as_padded_ones() {
 fn recomputed_activations_update_as_kept_ones() {
     let _serial = serial();
     let outcome = std::panic::catch_unwind(|| {
-        let with = |setting: usize| RECOMPUTE.store(setting, std::sync::atomic::Ordering::SeqCst);
-        with(1);
-        check_parallel(Flavour::Qwen2Tied, 0, 2, layout(1, 1, 1, false), 1);
-        with(2);
-        check_parallel(Flavour::Qwen3Untied, 1, 3, layout(2, 1, 1, true), 1);
-        with(101);
-        check_parallel(Flavour::Qwen2Tied, 2, 4, layout(1, 2, 1, false), 2);
-        with(1);
-        check_parallel(Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
-        check_parallel(Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
+        // Each layout equals the kept run, and its chunks did run again.
+        let check = |setting: usize, flavour, seed, layers, layout, dp| {
+            RECOMPUTE.store(setting, std::sync::atomic::Ordering::SeqCst);
+            let replays = verl_megatron::models::causal_lm::chunk_replays();
+            check_parallel(flavour, seed, layers, layout, dp);
+            assert!(
+                verl_megatron::models::causal_lm::chunk_replays() > replays,
+                "{flavour:?} seed {seed}: no chunk was recomputed"
+            );
+        };
+        check(1, Flavour::Qwen2Tied, 0, 2, layout(1, 1, 1, false), 1);
+        check(2, Flavour::Qwen3Untied, 1, 3, layout(2, 1, 1, true), 1);
+        check(101, Flavour::Qwen2Tied, 2, 4, layout(1, 2, 1, false), 2);
+        check(1, Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
+        check(1, Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
+        // MoE on pipeline stages, the block method keeping an MoE layer above a recomputed one.
+        check(
+            101,
+            Flavour::Qwen2Moe,
+            6,
+            4,
+            experts(1, 2, 1, 1, 1, false),
+            1,
+        );
         PACKED.store(true, std::sync::atomic::Ordering::SeqCst);
         FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
-        check_parallel(Flavour::OddVocabulary, 5, 2, layout(2, 1, 1, true), 1);
+        check(1, Flavour::OddVocabulary, 5, 2, layout(2, 1, 1, true), 1);
     });
     RECOMPUTE.store(0, std::sync::atomic::Ordering::SeqCst);
     PACKED.store(false, std::sync::atomic::Ordering::SeqCst);

@@ -36,6 +36,37 @@ pub fn token_level_rewards<B: Backend>(
     Ok(r.to_tensor(&response_mask.device()))
 }
 
+/// DAPO's overlong reward shaping (verl's `dapo` reward manager): a response longer than
+/// `max_resp_len − buffer_len` tokens loses `penalty_factor` per `buffer_len` tokens past that,
+/// growing linearly to `penalty_factor` at `max_resp_len`; shorter ones lose nothing. Added to
+/// the response's score.
+///
+/// ```
+/// use verl_core::algorithms::reward::OverlongBuffer;
+/// let b = OverlongBuffer { max_resp_len: 20, buffer_len: 4, penalty_factor: 1.0 };
+/// assert_eq!(b.reward(16), 0.0); // up to 20 − 4 tokens: no penalty
+/// assert_eq!(b.reward(18), -0.5); // half-way through the buffer
+/// assert_eq!(b.reward(20), -1.0); // the hard limit: the whole factor
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OverlongBuffer {
+    /// `max_resp_len` (the data's `max_response_length` in verl's DAPO recipe).
+    pub max_resp_len: usize,
+    /// `overlong_buffer.len`: at least 1 and at most `max_resp_len`.
+    pub buffer_len: usize,
+    /// `overlong_buffer.penalty_factor`.
+    pub penalty_factor: f64,
+}
+
+impl OverlongBuffer {
+    /// The shaping term of a response of `response_len` tokens (≤ 0).
+    pub fn reward(&self, response_len: usize) -> f64 {
+        let expected = self.max_resp_len as f64 - self.buffer_len as f64;
+        let exceed = response_len as f64 - expected;
+        (-exceed / self.buffer_len.max(1) as f64 * self.penalty_factor).min(0.0)
+    }
+}
+
 /// rewards = scores − β·KL(old ‖ ref)·mask, then β is updated from the batch's mean
 /// per-sequence KL. Metrics: `actor/reward_kl_penalty`, `actor/reward_kl_penalty_coeff`.
 pub fn apply_kl_penalty<B: Backend>(
@@ -59,4 +90,31 @@ pub fn apply_kl_penalty<B: Backend>(
     metrics.push("actor/reward_kl_penalty", current_kl);
     metrics.push("actor/reward_kl_penalty_coeff", beta);
     Ok((rewards, metrics))
+}
+
+#[cfg(test)]
+mod overlong_tests {
+    use super::OverlongBuffer;
+
+    proptest::proptest! {
+        /// The shaping is 0 up to the buffer, never positive, linear inside the buffer, and
+        /// −penalty_factor at the hard limit.
+        #[test]
+        fn overlong_reward_is_a_ramp_inside_the_buffer(
+            max in 2usize..5000, frac in 0.01f64..1.0, factor in 0.0f64..4.0, len in 0usize..6000,
+        ) {
+            let buffer_len = ((max as f64 * frac) as usize).clamp(1, max);
+            let b = OverlongBuffer { max_resp_len: max, buffer_len, penalty_factor: factor };
+            let r = b.reward(len);
+            proptest::prop_assert!(r <= 0.0);
+            if len <= max - buffer_len {
+                proptest::prop_assert_eq!(r, 0.0);
+            } else {
+                // The naive formula, term by term.
+                let naive = -((len - (max - buffer_len)) as f64) / buffer_len as f64 * factor;
+                proptest::prop_assert!((r - naive).abs() <= 1e-9 * naive.abs().max(1.0));
+            }
+            proptest::prop_assert!((b.reward(max) + factor).abs() <= 1e-9 * factor.max(1.0));
+        }
+    }
 }

@@ -93,14 +93,11 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
         "not supported yet: the pipeline runs the non-interleaved 1F1B schedule",
         "remove it (or set it to 1)",
     )?;
-    let granularity = m.override_transformer_config.get("recompute_granularity");
-    let recompute_off = granularity.is_none_or(serde_json::Value::is_null);
     for (key, v) in &m.override_transformer_config {
-        // verl's own defaults ask for nothing: unset recomputation settings (its module list
-        // applies only with a granularity), and the flash attention backend, which is what
-        // the fused attention kernel is.
+        // verl's own defaults ask for nothing: unset settings, and the flash attention
+        // backend, which is what the fused attention kernel is. The recompute keys are read
+        // (and checked) where the roles are planned.
         let asks_nothing = v.is_null()
-            || (key == "recompute_modules" && recompute_off)
             || (key == "attention_backend" && matches!(v.as_str(), Some("flash" | "auto")));
         require(
             asks_nothing || OVERRIDES_READ.contains(&key.as_str()),

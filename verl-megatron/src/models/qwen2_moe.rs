@@ -91,13 +91,24 @@ pub(crate) fn collect_aux_losses_masked<B: Backend, T>(
     token_mask: Option<Tensor<B, 1>>,
     forward: impl FnOnce() -> T,
 ) -> (T, Vec<Tensor<B, 1>>) {
-    let previous = AUX.with(|a| {
+    /// Puts the previous sink back however `forward` ends (a worker thread that survives a
+    /// panic must not go on collecting into a sink nobody drains).
+    struct Restore(Option<Option<AuxSink>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some(previous) = self.0.take() {
+                AUX.with(|a| *a.borrow_mut() = previous);
+            }
+        }
+    }
+    let mut restore = Restore(Some(AUX.with(|a| {
         a.borrow_mut().replace(AuxSink {
             token_mask: token_mask.map(|m| Box::new(m) as Box<dyn Any>),
             losses: Vec::new(),
         })
-    });
+    })));
     let out = forward();
+    let previous = restore.0.take().expect("restored once");
     let sink = AUX.with(|a| std::mem::replace(&mut *a.borrow_mut(), previous));
     let losses = sink
         .map(|s| s.losses)

@@ -18,7 +18,9 @@ pub(crate) use export::is_product_matrix;
 pub use export::{is_routed_expert, tp_split_dim, WeightBucket};
 pub use forward::FusedTargets;
 pub use load::TensorSource;
-pub use recompute::{record_recompute, Recompute, RecomputeMethod, RecomputeTape, TapeGradients};
+pub use recompute::{
+    chunk_replays, record_recompute, Recompute, RecomputeMethod, RecomputeTape, TapeGradients,
+};
 pub(crate) use shards::ParamMut;
 
 use burn::module::{Module, ParamId};

@@ -127,15 +127,32 @@ pub(super) fn recording() -> bool {
 pub fn record_recompute<B: Backend, T>(
     forward: impl FnOnce() -> T,
 ) -> (T, Option<RecomputeTape<B>>) {
-    let previous = TAPE.with(|t| t.borrow_mut().replace(None));
+    /// Puts the previous recording state back however `forward` ends (a worker thread that
+    /// survives a panic must not go on recording).
+    struct Restore(Option<Option<Box<dyn Any>>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let previous = self.0.take();
+            TAPE.with(|t| *t.borrow_mut() = previous);
+        }
+    }
+    let restore = Restore(TAPE.with(|t| t.borrow_mut().replace(None)));
     let out = forward();
-    let tape = TAPE.with(|t| std::mem::replace(&mut *t.borrow_mut(), previous));
+    let tape = TAPE.with(|t| t.borrow_mut().take()).flatten();
+    drop(restore);
     let tape = tape
-        .flatten()
         .and_then(|t| t.downcast::<RecomputeTape<B>>().ok())
         .map(|t| *t);
     (out, tape)
 }
+
+/// How many recomputed chunks have run again in this process: what shows that recompute ran
+/// (its results equal the kept run's by design).
+pub fn chunk_replays() -> u64 {
+    REPLAYS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+static REPLAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// What a recomputing forward keeps of one micro-batch: each chunk's input and what its layers
 /// read besides it, to run the chunks again in the backward pass.
@@ -150,7 +167,9 @@ pub struct RecomputeTape<B: Backend> {
     /// The leaf the kept layers (or the final norm and head) start from: the last chunk's
     /// output.
     top: Tensor<B, 3>,
-    /// The tokens' mask the MoE load-balancing losses were computed with, if they were.
+    /// Whether the forward collected MoE load-balancing losses (then the chunks' are
+    /// recomputed into the backward), and the tokens' mask they were computed with.
+    collecting: bool,
     aux_mask: Option<Tensor<B, 1>>,
 }
 
@@ -198,10 +217,16 @@ impl<B: ParallelBackend> CausalLm<B> {
             embedding_ids,
             chunks,
             top,
+            collecting: collecting_aux_losses(),
             aux_mask: collecting_aux_losses().then(aux_token_mask::<B>).flatten(),
         };
         TAPE.with(|t| {
             if let Some(slot) = t.borrow_mut().as_mut() {
+                assert!(
+                    slot.is_none(),
+                    "one recomputing decoder per recorded forward: a second tape would drop \
+                     the first one's gradients"
+                );
                 *slot = Some(Box::new(tape));
             }
         });
@@ -252,8 +277,13 @@ impl<B: ParallelAutodiffBackend> RecomputeTape<B> {
             let fresh = with_fresh_leaves(model.layers[range.clone()].to_vec());
             let x = x.clone().require_grad();
             let (y, aux) = device_span::<B, _>(&device, "recompute", || {
-                collect_aux_losses_masked(self.aux_mask.clone(), || self.run(&fresh, x.clone()))
+                if self.collecting {
+                    collect_aux_losses_masked(self.aux_mask.clone(), || self.run(&fresh, x.clone()))
+                } else {
+                    (self.run(&fresh, x.clone()), Vec::new())
+                }
             });
+            REPLAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             // A chunk's activations are all held now: the backward's peak.
             crate::parallel::sample_memory::<B>(&device);
             let mut seed = (y * Tensor::from_inner(g)).sum();

@@ -736,3 +736,48 @@ fn val_only_validates_and_stops() {
     // The saved policy scores as it did when validated at the end of training.
     assert!((again.val_score_before.unwrap() - first.val_score_after.unwrap()).abs() < 1e-9);
 }
+
+/// verl's `dapo` reward manager: with the overlong buffer as long as the responses may be
+/// (`len` = `max_resp_len` = 4), every response loses `penalty_factor · length / 4`, so step 1's
+/// mean score (the same rollouts as the naive run's: nothing has been updated yet) is the
+/// naive one minus 0.5 · mean length / 4. Both the trainer's (`reward_kwargs`) and the DAPO
+/// recipe's (`overlong_buffer`) forms.
+#[test]
+fn dapo_overlong_shaping_lowers_scores_by_the_buffer_ramp() {
+    let base = [
+        "trainer.total_training_steps=1",
+        "trainer.sft_warmup_steps=4",
+        "trainer.val_before_train=false",
+    ];
+    let (_, naive, _d0) = run(&base);
+    let forms: [&[&str]; 2] = [
+        &[
+            "reward_model.reward_manager=dapo",
+            "+reward_model.reward_kwargs.max_resp_len=4",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+        ],
+        &[
+            "reward_model.reward_manager=dapo",
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=4",
+            "reward_model.overlong_buffer.penalty_factor=0.5",
+        ],
+    ];
+    for form in forms {
+        let overrides: Vec<&str> = base.iter().chain(form).copied().collect();
+        let (_, dapo, _d1) = run(&overrides);
+        let (n, d) = (&naive[0], &dapo[0]);
+        assert_eq!(
+            n["response_length/mean"], d["response_length/mean"],
+            "the same rollouts"
+        );
+        let expected = n["critic/score/mean"] - 0.5 * n["response_length/mean"] / 4.0;
+        assert!(
+            (d["critic/score/mean"] - expected).abs() < 1e-6,
+            "{form:?}: {} vs {expected}",
+            d["critic/score/mean"]
+        );
+    }
+}

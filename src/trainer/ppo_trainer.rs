@@ -59,6 +59,8 @@ pub struct PpoTrainer {
     /// `algorithm.rollout_correction`, parsed.
     pub(super) rollout_correction:
         Option<verl_core::algorithms::rollout_correction::RolloutCorrection>,
+    /// `reward_model.reward_manager=dapo`'s overlong reward shaping, added to every score.
+    pub(super) overlong: Option<verl_core::algorithms::reward::OverlongBuffer>,
     pub(super) log: RunLog,
     /// The output directory's lock, held for the trainer's life.
     pub(super) _run_lock: super::run_lock::RunLock,
@@ -106,8 +108,9 @@ impl PpoTrainer {
         self.save_checkpoint(&state).await
     }
 
-    /// Scores of every row of a generated batch (by the trainer's [`Scorer`]), and their
-    /// response lengths.
+    /// Scores of every row of a generated batch (by the trainer's [`Scorer`], plus DAPO's
+    /// overlong shaping with `reward_manager=dapo`, in training and validation as verl's
+    /// manager scores both), and their response lengths.
     pub(super) async fn rewards(
         &self,
         gen: &DataProto<Infer>,
@@ -149,7 +152,12 @@ impl PpoTrainer {
                 extra_info: extras.as_ref().map_or(&null, |e| &e[i]),
             })
             .collect();
-        let scores = self.scorer.score(&inputs).await?;
+        let mut scores = self.scorer.score(&inputs).await?;
+        if let Some(buffer) = &self.overlong {
+            for (score, &len) in scores.iter_mut().zip(&lengths) {
+                *score += buffer.reward(len as usize);
+            }
+        }
         Ok((scores, lengths))
     }
 

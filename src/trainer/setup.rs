@@ -121,6 +121,10 @@ impl PpoTrainer {
             advantages,
             scorer,
             rollout_correction: Some(cfg.algorithm.rollout_correction.parsed().map_err(setup)?),
+            overlong: cfg
+                .reward_model
+                .overlong_shaping(cfg.data.max_response_length)
+                .map_err(setup)?,
             log,
             needs_ref: plans.actor.needs_ref,
             old_log_prob_apart: plans.old_log_prob_apart,

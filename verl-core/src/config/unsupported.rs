@@ -639,13 +639,14 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let batch_of_a_function =
         rm.reward_manager == "batch" && cfg.custom_reward_function.path.is_some();
     require(
-        rm.reward_manager == "naive" || batch_of_a_function,
+        matches!(rm.reward_manager.as_str(), "naive" | "dapo") || batch_of_a_function,
         "reward_model.reward_manager",
         &rm.reward_manager,
-        "rewards are scored one sample at a time (verl's naive manager), or a batch at a time by \
-         custom_reward_function.path (batch)",
-        "set it to naive, or to batch with custom_reward_function.path",
+        "rewards are scored one sample at a time (verl's naive manager; dapo adds its overlong \
+         shaping), or a batch at a time by custom_reward_function.path (batch)",
+        "set it to naive or dapo, or to batch with custom_reward_function.path",
     )?;
+    rm.overlong_shaping(cfg.data.max_response_length)?;
     require(
         !rm.launch_reward_fn_async,
         "reward_model.launch_reward_fn_async",

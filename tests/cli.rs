@@ -522,3 +522,19 @@ fn a_hub_id_resolves_from_the_local_cache() {
         "{err}"
     );
 }
+
+/// A config named on the command line is read only if it is a regular file: a device or a
+/// directory is refused naming it, where reading it would never end (or fill memory).
+#[test]
+fn devices_and_directories_are_refused_as_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, _, err) = verl(&["config", "--config", "/dev/zero"]);
+    assert!(!ok);
+    assert!(
+        err.contains("/dev/zero") && err.contains("regular file"),
+        "{err}"
+    );
+    let (ok, _, err) = verl(&["config", "--config", dir.path().to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("a directory"), "{err}");
+}

@@ -435,3 +435,32 @@ fn a_data_source_without_a_scorer_is_refused_at_setup() {
         "{err}"
     );
 }
+
+/// Data files are read only if they are regular files: a device (behind a `.jsonl` symlink),
+/// a FIFO or a directory is refused naming it, where reading would never end.
+#[test]
+fn devices_fifos_and_directories_are_refused_as_data_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let zero = dir.path().join("zero.jsonl");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let folder = dir.path().join("rows.parquet");
+    std::fs::create_dir(&folder).unwrap();
+    let mut paths = vec![zero, folder];
+    let fifo = dir.path().join("fifo.jsonl");
+    if std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        paths.push(fifo);
+    }
+    for path in paths {
+        let e = file_rows(&path, &codec(), "prompt", "data_source").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains(&path.display().to_string())
+                && (text.contains("regular file") || text.contains("a directory")),
+            "{text}"
+        );
+    }
+}

@@ -353,12 +353,14 @@ pub fn prune(dir: &Path, written: &mut Vec<u64>, keep: usize) -> std::io::Result
 /// Reads `<step dir>/trainer.json`.
 pub fn read_loop_state(step_dir: &Path) -> Result<LoopState, TrainError> {
     let p = step_dir.join("trainer.json");
-    let text = std::fs::read_to_string(&p).map_err(|e| {
-        setup(format!(
+    let text = verl_core::files::read_regular_to_string(&p, verl_core::files::TEXT_LIMIT).map_err(
+        |e| {
+            setup(format!(
             "{}: {e}; trainer.resume_from_path must be a global_step_<N> directory of a saved run",
             p.display()
         ))
-    })?;
+        },
+    )?;
     let state: LoopState =
         serde_json::from_str(&text).map_err(|e| setup(format!("{}: {e}", p.display())))?;
     // Positions index the training rows: `order` must be a permutation of 0..len and the

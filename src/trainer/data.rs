@@ -254,10 +254,13 @@ pub fn file_rows(
 /// The text of a JSON data file, without a leading byte-order mark: editors on Windows and
 /// pandas' `to_json(encoding="utf-8-sig")` write one, and JSON parsers refuse it.
 fn json_text(path: &Path) -> Result<String, DataFileError> {
-    let bytes = std::fs::read(path).map_err(|source| DataFileError::Read {
-        path: path.into(),
-        source,
-    })?;
+    // Regular files only (a FIFO or /dev/zero would never end); no size bound: datasets are
+    // as large as they are.
+    let bytes =
+        verl_core::files::read_regular(path, u64::MAX).map_err(|source| DataFileError::Read {
+            path: path.into(),
+            source,
+        })?;
     let body = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
     match std::str::from_utf8(body) {
         Ok(text) => Ok(text.to_string()),
@@ -326,7 +329,7 @@ fn parquet_values_unguarded(path: &Path) -> Result<Vec<(RowAt, Value)>, DataFile
         path: path.into(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(|source| DataFileError::Read {
+    let file = verl_core::files::open_regular(path).map_err(|source| DataFileError::Read {
         path: path.into(),
         source,
     })?;

@@ -18,6 +18,7 @@ pub mod config;
 pub mod data_proto;
 pub mod dispatch;
 pub mod error;
+pub mod files;
 pub mod memory;
 pub mod metrics;
 pub mod profiling;

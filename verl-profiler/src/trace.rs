@@ -90,10 +90,11 @@ impl ChromeTrace {
             path: path.into(),
             message,
         };
-        let mut bytes = std::fs::read(path).map_err(|e| ProfilerError::Io {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
+        let mut bytes =
+            verl_core::files::read_regular(path, u64::MAX).map_err(|e| ProfilerError::Io {
+                path: path.into(),
+                message: e.to_string(),
+            })?;
         if bytes.starts_with(&[0x1f, 0x8b]) {
             let mut out = Vec::new();
             flate2::read::GzDecoder::new(&bytes[..])

@@ -204,9 +204,11 @@ impl<B: Backend> DataProto<B> {
     pub fn load(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self, DataProtoError> {
         let dir = dir.as_ref();
         let meta_path = dir.join(META_FILE);
-        let manifest: Manifest =
-            serde_json::from_slice(&std::fs::read(&meta_path).map_err(|e| io_err(&meta_path, e))?)
-                .map_err(|e| format_err(&meta_path, e.to_string()))?;
+        let manifest: Manifest = serde_json::from_slice(
+            &crate::files::read_regular(&meta_path, crate::files::TEXT_LIMIT)
+                .map_err(|e| io_err(&meta_path, e))?,
+        )
+        .map_err(|e| format_err(&meta_path, e.to_string()))?;
         if manifest.version != FORMAT_VERSION {
             return Err(format_err(
                 &meta_path,
@@ -217,7 +219,8 @@ impl<B: Backend> DataProto<B> {
             ));
         }
         let tensors_path = dir.join(TENSORS_FILE);
-        let bytes = std::fs::read(&tensors_path).map_err(|e| io_err(&tensors_path, e))?;
+        let bytes = crate::files::read_regular(&tensors_path, u64::MAX)
+            .map_err(|e| io_err(&tensors_path, e))?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| format_err(&tensors_path, e.to_string()))?;
         Self::decode(manifest, &st, &tensors_path, device)

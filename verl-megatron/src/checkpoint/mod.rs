@@ -99,7 +99,7 @@ pub(crate) fn read_f32_tensors<B: Backend>(
     path: &Path,
     device: &B::Device,
 ) -> Result<Vec<NamedTensor<B>>, MegatronError> {
-    let bytes = std::fs::read(path).map_err(|e| io(path, e))?;
+    let bytes = verl_core::files::read_regular(path, u64::MAX).map_err(|e| io(path, e))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| io(path, e))?;
     let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
     names.sort();

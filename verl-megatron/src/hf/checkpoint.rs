@@ -4,7 +4,6 @@
 //! memory of loading a tensor is one copy of that tensor, nothing more.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
@@ -242,7 +241,9 @@ impl HfCheckpoint {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX);
         let file_names: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| io(&index_path, e))?;
+            let text =
+                verl_core::files::read_regular_to_string(&index_path, verl_core::files::TEXT_LIMIT)
+                    .map_err(|e| io(&index_path, e))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| io(&index_path, e))?;
             let map = v
@@ -283,7 +284,7 @@ impl HfCheckpoint {
         let mut entries = BTreeMap::new();
         for (i, name) in file_names.iter().enumerate() {
             let path = dir.join(name);
-            let file = File::open(&path).map_err(|e| io(&path, e))?;
+            let file = verl_core::files::open_regular(&path).map_err(|e| io(&path, e))?;
             // SAFETY: the mapping is read-only; a checkpoint must not be rewritten while it is
             // open (the same contract every mmap-based loader, safetensors' own included, has).
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io(&path, e))?;

@@ -33,7 +33,9 @@ pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     }
     let mut bytes = Vec::with_capacity(len as usize);
     // A file that grows while read stops at the limit too.
-    (&mut file).take(limit + 1).read_to_end(&mut bytes)?;
+    (&mut file)
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)?;
     if bytes.len() as u64 > limit {
         return Err(over(bytes.len() as u64, limit));
     }
@@ -102,6 +104,8 @@ mod tests {
         let p = dir.path().join("f");
         std::fs::write(&p, [7u8; 100]).unwrap();
         assert_eq!(read_regular(&p, 100).unwrap().len(), 100);
+        // No bound at all (data files) is u64::MAX.
+        assert_eq!(read_regular(&p, u64::MAX).unwrap().len(), 100);
         let e = read_regular(&p, 99).unwrap_err();
         assert!(
             e.to_string().contains("100 bytes, over the 99-byte limit"),

@@ -757,13 +757,7 @@ fn refuse_score_heads(
     model: &std::path::Path,
     cfg: &verl::megatron::hf::HfModelConfig,
 ) -> Result<(), String> {
-    use verl::megatron::hf::HeadKind;
-    let scorer = match cfg.head {
-        HeadKind::CausalLm => None,
-        HeadKind::TokenClassification { .. } => Some("a value model (a per-token score head)"),
-        HeadKind::SequenceClassification { .. } => Some("a reward model (a sequence score head)"),
-    };
-    if let Some(what) = scorer {
+    if let Some(what) = cfg.head.score_head() {
         let config_json = cfg.to_config_json();
         let arch = config_json["architectures"][0]
             .as_str()

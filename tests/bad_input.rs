@@ -295,3 +295,41 @@ fn a_second_run_on_the_same_directory_is_refused() {
     });
     assert!(!dir.path().join(".verl-run.lock").exists());
 }
+
+/// A value or reward model named as the actor is refused at setup, naming the key, the
+/// architecture and where such a model goes (it was accepted without a word).
+#[test]
+fn a_score_model_as_the_actor_is_refused_naming_the_key() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("verl-megatron/tests/fixtures/qwen2");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+            .unwrap();
+    for (arch, what) in [
+        ("Qwen2ForTokenClassification", "a value model"),
+        ("Qwen2ForSequenceClassification", "a reward model"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        config["architectures"] = serde_json::json!([arch]);
+        config["num_labels"] = serde_json::json!(1);
+        std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture.join(f), model.join(f)).unwrap();
+        }
+        let cfg = config_with_model(dir.path(), &model);
+        let e = refused(PpoTrainer::builder(cfg).data([row("1+1=")]));
+        assert!(
+            e.contains("actor_rollout_ref.model.path") && e.contains(arch) && e.contains(what),
+            "{e}"
+        );
+    }
+}
+
+fn config_with_model(dir: &Path, model: &Path) -> VerlConfig {
+    let mut cfg = config(dir, &[]);
+    cfg.actor_rollout_ref.model.path = Some(model.display().to_string());
+    // The tiny job's sizes are for its scratch model; a path brings its own.
+    cfg.actor_rollout_ref.model.override_config.clear();
+    cfg
+}

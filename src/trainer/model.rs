@@ -129,6 +129,18 @@ pub(crate) fn model_and_codec(cfg: &VerlConfig) -> Result<(Codec, HfModelConfig)
         }
         Some(p) => {
             let m = HfModelConfig::from_dir(p).map_err(setup)?;
+            // The actor samples next tokens: a score head has none to give.
+            if let Some(what) = m.head.score_head() {
+                let config_json = m.to_config_json();
+                let arch = config_json["architectures"][0]
+                    .as_str()
+                    .unwrap_or("its architecture");
+                return Err(setup(format!(
+                    "actor_rollout_ref.model.path = {p}: {arch} is {what}; the actor needs a \
+                     causal LM (an `…ForCausalLM` architecture in config.json). A value model \
+                     goes in critic.model.path, a reward model in reward_model.model.path"
+                )));
+            }
             let tok = verl_megatron::hf::HfTokenizer::from_dir(
                 cfg.actor_rollout_ref
                     .model

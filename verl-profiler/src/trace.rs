@@ -13,6 +13,11 @@ use serde_json::{Map, Value};
 
 use crate::ProfilerError;
 
+/// How much a gzipped trace may expand (JSON traces compress 10-30x), and the expansion always
+/// allowed however small the file.
+const MAX_GZIP_RATIO: u64 = 200;
+const MIN_EXPANDED_LIMIT: u64 = 64 << 20;
+
 /// One span: a host range, a device kernel, a micro-batch marker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TraceEvent {
@@ -96,10 +101,22 @@ impl ChromeTrace {
                 message: e.to_string(),
             })?;
         if bytes.starts_with(&[0x1f, 0x8b]) {
+            // A few kilobytes of gzip can expand to gigabytes: the expansion is bounded.
+            let limit = (bytes.len() as u64)
+                .saturating_mul(MAX_GZIP_RATIO)
+                .max(MIN_EXPANDED_LIMIT);
             let mut out = Vec::new();
             flate2::read::GzDecoder::new(&bytes[..])
+                .take(limit.saturating_add(1))
                 .read_to_end(&mut out)
                 .map_err(|e| bad(format!("not a valid gzip file: {e}")))?;
+            if out.len() as u64 > limit {
+                return Err(bad(format!(
+                    "expands past {limit} bytes ({MAX_GZIP_RATIO}x its {} compressed bytes); \
+                     a trace this verl-rs wrote never does",
+                    bytes.len()
+                )));
+            }
             bytes = out;
         }
         let value: Value =
@@ -247,5 +264,32 @@ mod tests {
         std::fs::write(&path, "{\"x\": 1}").unwrap();
         let err = ChromeTrace::read(&path).unwrap_err().to_string();
         assert!(err.contains("no `traceEvents` array"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod bounded_tests {
+    use super::*;
+
+    /// A gzip file that expands past its bound is refused, naming the file, before it fills
+    /// memory; a normal gzipped trace still reads.
+    #[test]
+    fn a_gzip_bomb_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let bomb = dir.path().join("bomb.json.gz");
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        let zeros = vec![b' '; 1 << 20];
+        for _ in 0..(MIN_EXPANDED_LIMIT >> 20) + 2 {
+            gz.write_all(&zeros).unwrap();
+        }
+        std::fs::write(&bomb, gz.finish().unwrap()).unwrap();
+        let e = ChromeTrace::read(&bomb)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bomb.json.gz") && e.contains("expands past"),
+            "{e}"
+        );
     }
 }

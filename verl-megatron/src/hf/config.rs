@@ -45,6 +45,26 @@ pub enum HeadKind {
     SequenceClassification { num_labels: usize },
 }
 
+impl HeadKind {
+    /// What a score head makes of the model (`None` for a causal LM): the words errors use
+    /// where a causal LM is needed (the actor, `verl generate`).
+    ///
+    /// ```
+    /// use verl_megatron::hf::HeadKind;
+    /// assert_eq!(HeadKind::CausalLm.score_head(), None);
+    /// assert!(HeadKind::TokenClassification { num_labels: 1 }.score_head().unwrap().contains("value"));
+    /// ```
+    pub fn score_head(&self) -> Option<&'static str> {
+        match self {
+            HeadKind::CausalLm => None,
+            HeadKind::TokenClassification { .. } => Some("a value model (a per-token score head)"),
+            HeadKind::SequenceClassification { .. } => {
+                Some("a reward model (a sequence score head)")
+            }
+        }
+    }
+}
+
 impl Architecture {
     const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3 and Qwen2Moe, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
 

@@ -547,3 +547,54 @@ fn the_reference_inherits_the_actors_layout_key_by_key() {
     assert!(r.param_offload);
     cfg.validate().expect("the same layout as the actor's");
 }
+
+/// YAML merge keys (`<<: *anchor`, `<<: [*a, *b]`), which verl's PyYAML accepts: the merged
+/// map's entries fill in, the merging map's own keys win, and of a list the earlier map wins.
+#[test]
+fn yaml_merge_keys_merge_as_pyyaml_merges_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("merged.yaml");
+    std::fs::write(
+        &path,
+        "\
+actor_rollout_ref:
+  actor:
+    optim: &actor_optim
+      lr: 3.0e-6
+      weight_decay: 0.02
+    clip_ratio: &clip 0.3
+critic:
+  optim:
+    <<: *actor_optim
+    lr: 1.0e-5
+  cliprange_value: *clip
+trainer: &trainer_a
+  total_epochs: 7
+  project_name: a
+data:
+  <<: [{max_prompt_length: 99, max_response_length: 11}, {max_prompt_length: 5, train_batch_size: 4}]
+",
+    )
+    .unwrap();
+    let cfg = VerlConfig::from_layers(Some(&path), &[]).unwrap();
+    assert_eq!(cfg.critic.optim.lr, 1.0e-5, "the merging map's key wins");
+    assert_eq!(
+        cfg.critic.optim.weight_decay, 0.02,
+        "filled in from the anchor"
+    );
+    assert_eq!(cfg.critic.cliprange_value, 0.3, "a plain alias");
+    assert_eq!(cfg.actor_rollout_ref.actor.optim.lr, 3.0e-6);
+    assert_eq!(
+        cfg.data.max_prompt_length, 99,
+        "the earlier map of a list wins"
+    );
+    assert_eq!(cfg.data.max_response_length, 11);
+    assert_eq!(cfg.data.train_batch_size, 4);
+    // A merge key naming something other than a map is refused, naming the file.
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(&bad, "trainer:\n  <<: 3\n").unwrap();
+    let e = VerlConfig::from_layers(Some(&bad), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bad.yaml") && e.contains("merge key"), "{e}");
+}

@@ -209,7 +209,7 @@ fn read_file(path: &Path) -> Result<Value> {
             "unknown config extension `.{other}`; use .yaml, .yml, .toml or .json"
         )),
     };
-    let value = parsed.map_err(|message| match duplicate.take() {
+    let mut value = parsed.map_err(|message| match duplicate.take() {
         Some(key) => ConfigError::DuplicateKey {
             path: path.into(),
             key,
@@ -219,6 +219,12 @@ fn read_file(path: &Path) -> Result<Value> {
             message,
         },
     })?;
+    if matches!(ext.as_str(), "yaml" | "yml") {
+        apply_merge_keys(&mut value).map_err(|message| ConfigError::Read {
+            path: path.into(),
+            message,
+        })?;
+    }
     match value {
         Value::Object(_) => Ok(value),
         Value::Null => Ok(Value::Object(Map::new())),
@@ -226,6 +232,42 @@ fn read_file(path: &Path) -> Result<Value> {
             path: path.into(),
             message: "the top level must be a map of sections".into(),
         }),
+    }
+}
+
+/// YAML's merge keys (`<<: *anchor`, or `<<: [*a, *b]`), as verl's PyYAML reads them: the
+/// merged maps' entries are added to the map that merges them, its own keys winning, and of
+/// several merged maps the earlier winning; nested maps are merged first. (The parser has
+/// already expanded the aliases; `<<` reaches here as an ordinary key.)
+fn apply_merge_keys(value: &mut Value) -> std::result::Result<(), String> {
+    match value {
+        Value::Array(items) => items.iter_mut().try_for_each(apply_merge_keys),
+        Value::Object(map) => {
+            for v in map.values_mut() {
+                apply_merge_keys(v)?;
+            }
+            let Some(merged) = map.remove("<<") else {
+                return Ok(());
+            };
+            let sources = match merged {
+                Value::Object(m) => vec![m],
+                Value::Array(items) => items
+                    .into_iter()
+                    .map(|item| match item {
+                        Value::Object(m) => Ok(m),
+                        other => Err(format!("a merge key (`<<`) lists {other}, not a map")),
+                    })
+                    .collect::<std::result::Result<_, _>>()?,
+                other => return Err(format!("a merge key (`<<`) names {other}, not a map")),
+            };
+            for source in sources {
+                for (k, v) in source {
+                    map.entry(k).or_insert(v);
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 

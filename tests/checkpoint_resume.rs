@@ -266,6 +266,28 @@ fn a_damaged_run_directory_resumes_from_its_newest_complete_checkpoint() {
     );
 }
 
+/// A checkpoint whose checksums file is gone (this version always writes one), or whose
+/// loop state names another step than its directory, is passed over for the one before.
+#[test]
+fn a_checkpoint_missing_its_checksums_or_naming_another_step_is_passed_over() {
+    let (_dir, resumed, _) = resume_after_damage(|d| {
+        std::fs::remove_file(d.join("global_step_3/checksums.json")).unwrap()
+    });
+    assert_eq!(resumed, Some(2), "no checksums.json");
+    let (_dir, resumed, _) = resume_after_damage(|d| {
+        // An older run's layout (no checksums) whose loop state is step 2's.
+        let step = d.join("global_step_3");
+        std::fs::remove_file(step.join("checksums.json")).unwrap();
+        let mut state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(step.join("trainer.json")).unwrap())
+                .unwrap();
+        state["step"] = 2.into();
+        state.as_object_mut().unwrap().remove("checksummed");
+        std::fs::write(step.join("trainer.json"), state.to_string()).unwrap();
+    });
+    assert_eq!(resumed, Some(2), "trainer.json of another step");
+}
+
 #[test]
 fn an_explicit_damaged_checkpoint_is_refused_naming_the_file() {
     let dir = tempfile::tempdir().unwrap();

@@ -417,7 +417,15 @@ fn fill_step(d: &Path, state: StepState) {
     if state == StepState::NoTrainerJson {
         return;
     }
-    write_loop_state(d, &LoopState::fresh(4, 0.1)).unwrap();
+    // The loop state of the directory's own step (verify checks they agree).
+    let mut loop_state = LoopState::fresh(4, 0.1);
+    loop_state.step = d
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("global_step_"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    write_loop_state(d, &loop_state).unwrap();
     write_checksums(d).unwrap();
     if state == StepState::Damaged {
         std::fs::write(d.join("trainer.json"), "{}").unwrap();

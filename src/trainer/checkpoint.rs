@@ -161,22 +161,56 @@ pub fn write_checksums(step_dir: &Path) -> Result<(), TrainError> {
 }
 
 /// Whether `step_dir` holds a complete, undamaged checkpoint: `trainer.json` (written after
-/// every shard) and, when `checksums.json` exists, every file it lists with its size and
-/// CRC-32. A checkpoint saved before checksums existed is accepted on `trainer.json` alone.
-/// `Err` says what is wrong, naming the file.
+/// every shard) naming the step of the directory's name, and `checksums.json` with every file
+/// it lists at its size and CRC-32. A checkpoint saved before checksums existed (its
+/// `trainer.json` without the `checksummed` flag) is accepted without them; one saved with
+/// the flag and missing the file did not finish. `Err` says what is wrong, naming the file.
 pub fn verify(step_dir: &Path) -> Result<(), String> {
     if !step_dir.is_dir() {
         return Err(format!("{} does not exist", step_dir.display()));
     }
-    if !step_dir.join("trainer.json").is_file() {
+    let state_path = step_dir.join("trainer.json");
+    if !state_path.is_file() {
         return Err(format!(
             "{} has no trainer.json (its save did not finish)",
             step_dir.display()
         ));
     }
+    let state: serde_json::Value =
+        verl_core::files::read_regular_to_string(&state_path, verl_core::files::TEXT_LIMIT)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+            .map_err(|e| format!("{} is damaged: {e}", state_path.display()))?;
+    // The directory's name, the loop state and (through `latest`) the marker must agree on
+    // the step, or a resume would continue a step's state under another step's number.
+    let named = step_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("global_step_"))
+        .and_then(|n| n.parse::<u64>().ok());
+    let saved = state.get("step").and_then(serde_json::Value::as_u64);
+    if let (Some(named), Some(saved)) = (named, saved) {
+        if named != saved {
+            return Err(format!(
+                "{} is of step {saved}, but its directory is step {named}'s",
+                state_path.display()
+            ));
+        }
+    }
+    let checksummed = state
+        .get("checksummed")
+        .and_then(serde_json::Value::as_bool)
+        == Some(true);
     let text = match std::fs::read_to_string(step_dir.join(CHECKSUMS)) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !checksummed => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(format!(
+                "{}/{CHECKSUMS} is missing, though this checkpoint was saved with one (its save \
+                 did not finish, or the file was removed)",
+                step_dir.display()
+            ))
+        }
         Err(e) => return Err(format!("{}/{CHECKSUMS}: {e}", step_dir.display())),
     };
     let sums: std::collections::BTreeMap<String, FileSum> = serde_json::from_str(&text)
@@ -390,6 +424,9 @@ pub fn write_loop_state(step_dir: &Path, state: &LoopState) -> Result<(), TrainE
     std::fs::create_dir_all(step_dir)
         .map_err(|e| setup(format!("checkpoint directory {}: {e}", step_dir.display())))?;
     let p = step_dir.join("trainer.json");
-    let text = serde_json::to_string(state).map_err(setup)?;
-    std::fs::write(&p, text).map_err(|e| setup(format!("{}: {e}", p.display())))
+    let mut value = serde_json::to_value(state).map_err(setup)?;
+    // Says that this save writes checksums.json next: a checkpoint with the flag and without
+    // the file did not finish (see `verify`).
+    value["checksummed"] = serde_json::Value::Bool(true);
+    std::fs::write(&p, value.to_string()).map_err(|e| setup(format!("{}: {e}", p.display())))
 }

@@ -194,9 +194,11 @@ fn read_file(path: &Path) -> Result<Value> {
     // `StrictTree`, which refuses it. The TOML reader refuses duplicates itself.
     let duplicate = RefCell::new(None);
     let parsed: std::result::Result<Value, String> = match ext.as_str() {
-        "yaml" | "yml" => StrictTree::new(&duplicate)
-            .deserialize(serde_yaml::Deserializer::from_str(text))
-            .map_err(|e| e.to_string()),
+        "yaml" | "yml" => flow_depth_within(text, MAX_FLOW_DEPTH).and_then(|()| {
+            StrictTree::new(&duplicate)
+                .deserialize(serde_yaml::Deserializer::from_str(text))
+                .map_err(|e| e.to_string())
+        }),
         "toml" => toml::from_str(text).map_err(|e| e.to_string()),
         "json" => {
             let mut reader = serde_json::Deserializer::from_str(text);
@@ -233,6 +235,59 @@ fn read_file(path: &Path) -> Result<Value> {
             message: "the top level must be a map of sections".into(),
         }),
     }
+}
+
+/// The deepest `[` / `{` nesting a YAML config may have. The YAML parser refuses nesting past
+/// 128 levels, but only after scanning the whole flow, in time quadratic in its depth (100 000
+/// brackets took 19 s): deeper flows are refused before it runs.
+const MAX_FLOW_DEPTH: usize = 128;
+
+/// `Err` naming the line when `text`'s flow collections (`[...]`, `{...}`, outside quotes and
+/// comments) nest deeper than `limit`.
+fn flow_depth_within(text: &str, limit: usize) -> std::result::Result<(), String> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    let mut quote: Option<char> = None;
+    let mut chars = text.chars().peekable();
+    let mut previous = '\n';
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (_, '\n') => {
+                line += 1;
+                // Single-quoted and plain scalars may span lines; a comment ends here.
+            }
+            (Some('"'), '\\') => {
+                chars.next();
+            }
+            (Some(q), c) if c == q => {
+                // '' inside a single-quoted scalar is an escaped quote.
+                if q == '\'' && chars.peek() == Some(&'\'') {
+                    chars.next();
+                } else {
+                    quote = None;
+                }
+            }
+            (Some(_), _) => {}
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '#') if previous.is_whitespace() => {
+                while chars.peek().is_some_and(|&n| n != '\n') {
+                    chars.next();
+                }
+            }
+            (None, '[' | '{') => {
+                depth += 1;
+                if depth > limit {
+                    return Err(format!(
+                        "line {line}: flow collections ([...] / {{...}}) nested more than {limit} \
+                         levels deep"
+                    ));
+                }
+            }
+            (None, ']' | '}') => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+        previous = c;
+    }
+    Ok(())
 }
 
 /// YAML's merge keys (`<<: *anchor`, or `<<: [*a, *b]`), as verl's PyYAML reads them: the

@@ -464,3 +464,25 @@ fn devices_fifos_and_directories_are_refused_as_data_files() {
         );
     }
 }
+
+/// One JSONL row longer than 64 MiB is refused naming the file, the line and its size
+/// (parsed, it would take several times that); the rows before it are fine.
+#[test]
+fn an_enormous_row_is_refused_naming_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rows.jsonl");
+    let ok = r#"{"prompt": [{"role": "user", "content": "1+1="}], "data_source": "verl_rs/arithmetic", "reward_model": {"ground_truth": "2"}}"#;
+    let huge = format!(
+        r#"{{"prompt": "{}", "data_source": "x"}}"#,
+        "a".repeat(verl::trainer::data::MAX_ROW_BYTES)
+    );
+    std::fs::write(&path, format!("{ok}\n{huge}\n")).unwrap();
+    let e = file_rows(&path, &codec(), "prompt", "data_source")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rows.jsonl") && e.contains("line 2") && e.contains("limit of one row"),
+        "{}",
+        &e[..e.len().min(300)]
+    );
+}

@@ -192,6 +192,13 @@ pub enum DataFileError {
         at: RowAt,
         source: parquet::errors::ParquetError,
     },
+    #[error("{path}: {at}: {bytes} bytes, over the {limit}-byte limit of one row; split the row or shorten it")]
+    RowTooLong {
+        path: PathBuf,
+        at: RowAt,
+        bytes: usize,
+        limit: usize,
+    },
     #[error("{path}: {at}: not JSON: {source}")]
     NotJson {
         path: PathBuf,
@@ -279,6 +286,9 @@ fn json_text(path: &Path) -> Result<String, DataFileError> {
 /// users also keep datasets as; a row line cannot start with `[`, so the first character tells
 /// the two apart). A `.jsonl` file is always read line by line, so a stray array line is named
 /// by its line.
+/// The longest JSONL row read (a 128k-token prompt is well under 1 MiB).
+pub const MAX_ROW_BYTES: usize = 64 << 20;
+
 fn json_values(path: &Path, may_be_array: bool) -> Result<Vec<(RowAt, Value)>, DataFileError> {
     let text = json_text(path)?;
     if may_be_array && text.trim_start().starts_with('[') {
@@ -298,6 +308,15 @@ fn json_values(path: &Path, may_be_array: bool) -> Result<Vec<(RowAt, Value)>, D
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, line)| {
             let at = RowAt::Line(i + 1);
+            // A parsed row takes several times its text: one enormous line would fill memory.
+            if line.len() > MAX_ROW_BYTES {
+                return Err(DataFileError::RowTooLong {
+                    path: path.into(),
+                    at,
+                    bytes: line.len(),
+                    limit: MAX_ROW_BYTES,
+                });
+            }
             serde_json::from_str(line)
                 .map(|v| (at, v))
                 .map_err(|source| DataFileError::NotJson {

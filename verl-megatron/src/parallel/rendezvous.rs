@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -201,6 +201,26 @@ impl Rendezvous {
     fn request(&self, line: &str) -> Result<String, CommError> {
         let io =
             |e: std::io::Error| CommError::Backend(format!("rendezvous with {}: {e}", self.addr));
+        // A name that does not resolve is a setting to fix, not a rank still starting: it
+        // is retried briefly (a resolver may lag at a job's start), then named.
+        let resolve_until = Instant::now() + self.timeout.min(RESOLVE_GRACE);
+        loop {
+            match self.addr.to_socket_addrs().map(|mut a| a.next()) {
+                Ok(Some(_)) => break,
+                failed if Instant::now() >= resolve_until => {
+                    let why = match failed {
+                        Err(e) => e.to_string(),
+                        _ => "no address".into(),
+                    };
+                    return Err(CommError::Backend(format!(
+                        "rendezvous address `{}` does not resolve ({why}); set MASTER_ADDR to \
+                         rank 0's host name or IP and MASTER_PORT to a free port",
+                        self.addr
+                    )));
+                }
+                _ => std::thread::sleep(Duration::from_millis(200)),
+            }
+        }
         // Rank 0 may still be starting: retry the connection for a while.
         let deadline = Instant::now() + self.timeout;
         let mut stream = loop {
@@ -230,6 +250,9 @@ fn check_key(key: &str) -> Result<(), CommError> {
     }
     Ok(())
 }
+
+/// How long an address that does not resolve is retried before it is reported.
+const RESOLVE_GRACE: Duration = Duration::from_secs(10);
 
 /// The longest request or reply line: the table holds group ids (a few hundred bytes).
 const MAX_LINE: u64 = 1 << 20;
@@ -338,5 +361,20 @@ mod tests {
         assert!(e.contains("`pp0`") && e.contains("every rank"), "{e}");
         assert!(Rendezvous::new(2, 2, 0, "127.0.0.1:0").is_err());
         assert!(root.publish("has space", &[1]).is_err());
+    }
+
+    /// An address that does not resolve (`.invalid` never does) is reported by name after
+    /// at most the resolver grace, not retried for the whole rendezvous timeout as a rank 0
+    /// still starting is.
+    #[test]
+    fn an_address_that_does_not_resolve_is_named() {
+        let member = Rendezvous::client("no-such-host.invalid:29500")
+            .with_timeout(Duration::from_millis(300));
+        let e = member.get("x").unwrap_err().to_string();
+        assert!(
+            e.contains("no-such-host.invalid:29500") && e.contains("does not resolve"),
+            "{e}"
+        );
+        assert!(e.contains("MASTER_ADDR"), "{e}");
     }
 }

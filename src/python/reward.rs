@@ -13,7 +13,8 @@ use verl_core::traits::{BatchRewardFn, RewardInput, RewardScore};
 
 use super::worker::{Worker, WorkerFailure};
 
-const SCRIPT: &str = include_str!("reward_worker.py");
+/// The worker: the shared frames (`frames.py`) and then its own code.
+const SCRIPT: &str = concat!(include_str!("frames.py"), include_str!("reward_worker.py"));
 
 /// How long one worker may take to import the file, and to score its part of a batch:
 /// `VERL_REWARD_TIMEOUT_S`, 300 s by default.

@@ -1,5 +1,5 @@
 # A verl-rs reward worker: loads a verl reward function from a Python file and scores rows sent
-# by the trainer. Frames on stdin / stdout: a 4-byte little-endian length, then UTF-8 JSON.
+# by the trainer, in the frames of frames.py (prepended to this script).
 #
 #   argv: <file> <function> <batched: 0|1>
 #   ready:    {"ready": true} or {"ready": false, "error": "..."}
@@ -13,31 +13,9 @@
 # ground_truths, extra_infos) returning one of those per row. Whatever the function prints
 # goes to stderr, so it cannot break the frames.
 import importlib.util
-import json
 import os
-import struct
 import sys
 import traceback
-
-frames_out = os.fdopen(os.dup(1), "wb")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-frames_in = sys.stdin.buffer
-
-
-def send(message):
-    data = json.dumps(message).encode()
-    frames_out.write(struct.pack("<I", len(data)) + data)
-    frames_out.flush()
-
-
-def receive():
-    head = frames_in.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack("<I", head)
-    return json.loads(frames_in.read(n))
-
 
 def as_score(value):
     if isinstance(value, dict):

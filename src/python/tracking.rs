@@ -9,7 +9,11 @@ use serde_json::{json, Value};
 
 use super::worker::Worker;
 
-const SCRIPT: &str = include_str!("tracking_worker.py");
+/// The worker: the shared frames (`frames.py`) and then its own code.
+const SCRIPT: &str = concat!(
+    include_str!("frames.py"),
+    include_str!("tracking_worker.py")
+);
 
 /// The trackers verl sets up in Python.
 pub const PYTHON_TRACKERS: &[&str] = &["wandb", "mlflow", "tensorboard", "swanlab"];

@@ -1,7 +1,7 @@
 # A verl-rs tracking worker: hands each step's metrics to the experiment trackers that verl's
 # `trainer.logger` names, set up as verl sets them up (project and experiment names, the
-# resolved config, the same environment variables). Frames on stdin / stdout: a 4-byte
-# little-endian length, then UTF-8 JSON.
+# resolved config, the same environment variables), in the frames of frames.py (prepended
+# to this script).
 #
 #   argv: <backend>[,<backend>...] among wandb, mlflow, tensorboard, swanlab
 #   init:     {"project": str, "experiment": str, "config": {...}}
@@ -10,32 +10,10 @@
 #   finish:   {"finish": true} -> {"ok": true}, then the worker exits
 #
 # Whatever the libraries print goes to stderr, so it cannot break the frames.
-import json
 import os
 import re
-import struct
 import sys
 import traceback
-
-frames_out = os.fdopen(os.dup(1), "wb")
-os.dup2(2, 1)
-sys.stdout = sys.stderr
-frames_in = sys.stdin.buffer
-
-
-def send(message):
-    data = json.dumps(message).encode()
-    frames_out.write(struct.pack("<I", len(data)) + data)
-    frames_out.flush()
-
-
-def receive():
-    head = frames_in.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack("<I", head)
-    return json.loads(frames_in.read(n))
-
 
 def flatten(value, prefix=""):
     """A nested config as flat "a/b/c" keys (lists by index), as verl hands mlflow its params."""

@@ -176,11 +176,10 @@ pub fn verify(step_dir: &Path) -> Result<(), String> {
             step_dir.display()
         ));
     }
-    let state: serde_json::Value =
-        verl_core::files::read_regular_to_string(&state_path, verl_core::files::TEXT_LIMIT)
-            .map_err(|e| e.to_string())
-            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
-            .map_err(|e| format!("{} is damaged: {e}", state_path.display()))?;
+    let state: serde_json::Value = verl_core::files::read_text(&state_path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .map_err(|e| format!("{} is damaged: {e}", state_path.display()))?;
     // The directory's name, the loop state and (through `latest`) the marker must agree on
     // the step, or a resume would continue a step's state under another step's number.
     let named = step_dir
@@ -387,14 +386,12 @@ pub fn prune(dir: &Path, written: &mut Vec<u64>, keep: usize) -> std::io::Result
 /// Reads `<step dir>/trainer.json`.
 pub fn read_loop_state(step_dir: &Path) -> Result<LoopState, TrainError> {
     let p = step_dir.join("trainer.json");
-    let text = verl_core::files::read_regular_to_string(&p, verl_core::files::TEXT_LIMIT).map_err(
-        |e| {
-            setup(format!(
+    let text = verl_core::files::read_text(&p).map_err(|e| {
+        setup(format!(
             "{}: {e}; trainer.resume_from_path must be a global_step_<N> directory of a saved run",
             p.display()
         ))
-        },
-    )?;
+    })?;
     let state: LoopState =
         serde_json::from_str(&text).map_err(|e| setup(format!("{}: {e}", p.display())))?;
     // Positions index the training rows: `order` must be a permutation of 0..len and the

@@ -42,9 +42,10 @@ pub fn read_regular(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// [`read_regular`] as UTF-8 text.
-pub fn read_regular_to_string(path: &Path, limit: u64) -> std::io::Result<String> {
-    String::from_utf8(read_regular(path, limit)?)
+/// A text file a user names (a config, JSON metadata, a tokenizer, a chat template): a regular
+/// file of at most [`TEXT_LIMIT`] bytes, as UTF-8.
+pub fn read_text(path: &Path) -> std::io::Result<String> {
+    String::from_utf8(read_regular(path, TEXT_LIMIT)?)
         .map_err(|e| Error::new(ErrorKind::InvalidData, format!("not UTF-8 text: {e}")))
 }
 

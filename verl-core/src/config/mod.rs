@@ -174,13 +174,10 @@ impl VerlConfig {
 }
 
 fn read_file(path: &Path) -> Result<Value> {
-    let text =
-        crate::files::read_regular_to_string(path, crate::files::TEXT_LIMIT).map_err(|e| {
-            ConfigError::Read {
-                path: path.into(),
-                message: e.to_string(),
-            }
-        })?;
+    let text = crate::files::read_text(path).map_err(|e| ConfigError::Read {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
     // Editors on Windows start files with a byte-order mark, which the JSON reader refuses; it
     // carries nothing.
     let text = text.strip_prefix('\u{feff}').unwrap_or(text.as_str());

@@ -100,8 +100,7 @@ impl<B: Backend> CheckpointBackend<B> for DistCheckpoint {
         };
         let extra = if contents.extra {
             let p = d.join("extra.json");
-            let text = verl_core::files::read_regular_to_string(&p, verl_core::files::TEXT_LIMIT)
-                .map_err(|e| io(&p, e))?;
+            let text = verl_core::files::read_text(&p).map_err(|e| io(&p, e))?;
             serde_json::from_str(&text).map_err(|e| io(&p, e))?
         } else {
             serde_json::Value::Null

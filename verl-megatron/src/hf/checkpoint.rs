@@ -241,9 +241,7 @@ impl HfCheckpoint {
         let dir = dir.as_ref().to_path_buf();
         let index_path = dir.join(INDEX);
         let file_names: Vec<String> = if index_path.exists() {
-            let text =
-                verl_core::files::read_regular_to_string(&index_path, verl_core::files::TEXT_LIMIT)
-                    .map_err(|e| io(&index_path, e))?;
+            let text = verl_core::files::read_text(&index_path).map_err(|e| io(&index_path, e))?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| io(&index_path, e))?;
             let map = v

@@ -340,11 +340,10 @@ impl HfModelConfig {
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
         let path = dir.as_ref().join("config.json");
-        let text = verl_core::files::read_regular_to_string(&path, verl_core::files::TEXT_LIMIT)
-            .map_err(|e| MegatronError::Io {
-                path: path.clone(),
-                message: e.to_string(),
-            })?;
+        let text = verl_core::files::read_text(&path).map_err(|e| MegatronError::Io {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         Self::from_json(&text, &path)
     }
 

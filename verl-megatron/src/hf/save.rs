@@ -162,7 +162,6 @@ pub fn save_pretrained<B: Backend>(
 /// Reads `dir/config.json` as raw JSON, to be written back by [`save_pretrained`].
 pub fn read_config_json(dir: impl AsRef<Path>) -> Result<Value, MegatronError> {
     let path = dir.as_ref().join("config.json");
-    let text = verl_core::files::read_regular_to_string(&path, verl_core::files::TEXT_LIMIT)
-        .map_err(|e| io(&path, e))?;
+    let text = verl_core::files::read_text(&path).map_err(|e| io(&path, e))?;
     serde_json::from_str(&text).map_err(|e| io(&path, e))
 }

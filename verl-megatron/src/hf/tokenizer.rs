@@ -48,7 +48,7 @@ fn read_json(path: &Path) -> Result<Option<Value>, MegatronError> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = read_text(path).map_err(|e| io(path, e))?;
+    let text = verl_core::files::read_text(path).map_err(|e| io(path, e))?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| io(path, e))
@@ -79,7 +79,7 @@ impl HfTokenizer {
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, MegatronError> {
         let dir = dir.as_ref();
         let path = dir.join("tokenizer.json");
-        let text = read_text(&path).map_err(|e| io(&path, e))?;
+        let text = verl_core::files::read_text(&path).map_err(|e| io(&path, e))?;
         // The tokenizers crate panics on some malformed files (inside its deserialisers):
         // such a panic is a damaged tokenizer.json, reported as one.
         let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>());
@@ -100,7 +100,7 @@ impl HfTokenizer {
         let tok_cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let jinja = dir.join("chat_template.jinja");
         let chat_template = if jinja.exists() {
-            Some(read_text(&jinja).map_err(|e| io(&jinja, e))?)
+            Some(verl_core::files::read_text(&jinja).map_err(|e| io(&jinja, e))?)
         } else {
             tok_cfg
                 .get("chat_template")
@@ -186,10 +186,4 @@ impl HfTokenizer {
             })
             .map_err(render_err)
     }
-}
-
-/// A tokenizer, its config or a chat template: a regular file of bounded size
-/// (`verl_core::files`).
-fn read_text(path: &Path) -> std::io::Result<String> {
-    verl_core::files::read_regular_to_string(path, verl_core::files::TEXT_LIMIT)
 }

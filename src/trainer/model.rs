@@ -305,9 +305,7 @@ pub(super) fn fused_attention_runs(dtype: ComputeDtype, cp: usize, head_dim: usi
     cfg!(feature = "cuda")
         && dtype == ComputeDtype::Bf16
         && cp == 1
-        && head_dim > 0
-        && head_dim <= 128
-        && head_dim.is_multiple_of(16)
+        && verl_megatron::ops::fused_attention_head_dim(head_dim)
 }
 
 #[cfg(test)]

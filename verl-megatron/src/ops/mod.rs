@@ -376,3 +376,10 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         B::vocab_stats_tracked(logits, labels)
     }
 }
+
+/// Whether the fused attention kernel (CUDA builds) has a variant for heads of `head_dim`:
+/// what its `fused_attention_applies` checks besides its switch, and what the trainer's config
+/// check asks of a run that wants selective recompute (builds without CUDA too).
+pub fn fused_attention_head_dim(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim <= 128 && head_dim.is_multiple_of(16)
+}

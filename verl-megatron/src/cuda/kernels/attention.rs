@@ -32,7 +32,7 @@ pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_ATTENTION");
 
 /// Whether a head size has a compiled variant.
 pub fn supports_head_dim(head_dim: usize) -> bool {
-    head_dim > 0 && head_dim <= 128 && head_dim.is_multiple_of(16)
+    crate::ops::fused_attention_head_dim(head_dim)
 }
 
 /// Bytes of shared memory of each kernel for head size `d`, the regions laid out as in

@@ -210,6 +210,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         for layer in &self.layers[kept_from..] {
             h = layer.forward(h, mask, cos, sin, AttnCache::None);
         }
+        let collecting = collecting_aux_losses();
         let tape = RecomputeTape {
             mask: mask.clone(),
             cos: cos.clone(),
@@ -217,8 +218,8 @@ impl<B: ParallelBackend> CausalLm<B> {
             embedding_ids,
             chunks,
             top,
-            collecting: collecting_aux_losses(),
-            aux_mask: collecting_aux_losses().then(aux_token_mask::<B>).flatten(),
+            collecting,
+            aux_mask: collecting.then(aux_token_mask::<B>).flatten(),
         };
         TAPE.with(|t| {
             if let Some(slot) = t.borrow_mut().as_mut() {

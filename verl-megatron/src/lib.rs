@@ -25,6 +25,7 @@
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device_faults;
 pub mod error;
 pub mod hf;
 pub mod host_reads;

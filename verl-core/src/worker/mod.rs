@@ -7,6 +7,7 @@
 //! [`ProcessRanks`], each of which serves its roles with [`serve_rank`]. `DataProto`s cross
 //! process boundaries in their [`crate::DataProto::to_wire`] form, other arguments as JSON.
 
+pub mod device_fault;
 mod methods;
 mod processes;
 mod role_group;

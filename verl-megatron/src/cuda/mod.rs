@@ -30,6 +30,8 @@ pub fn device_count() -> usize {
 /// The GPU a local rank drives: rank `r` of a node uses device `r` modulo the devices visible,
 /// so a layout with more ranks than GPUs still runs (ranks then share devices).
 pub fn rank_device(local_rank: usize) -> CudaDevice {
+    // A failure on burn's device thread must reach the rank's report, not vanish into a log.
+    crate::device_faults::install_panic_hook();
     CudaDevice::new(local_rank % device_count().max(1))
 }
 

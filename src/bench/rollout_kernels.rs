@@ -290,9 +290,81 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
             );
         }
     }
+    check_decode_split(device, failures);
     check_greedy_engine(device, ComputeDtype::F32, failures);
     check_greedy_engine(device, ComputeDtype::Bf16, failures);
     check_prefill(device, failures);
+}
+
+/// Long contexts split their keys over several blocks (flash-decoding): three slots holding
+/// prompts of 1 500, 700 and 3 tokens, prefill and 4 decode steps, with the split, without it
+/// (one block per kv head and slot) and on the plain path; logits compared.
+fn check_decode_split(device: &Device, failures: &mut Vec<String>) {
+    println!("
+decode attention split over keys (flash-decoding) vs one block per slot vs plain:");
+    for (hidden, heads, kv) in [(896, 14, 2), (768, 6, 1)] {
+        for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
+            let mut dims = model_dims(hidden, heads, kv);
+            dims.max_position_embeddings = 2048;
+            let cfg = HfModelConfig::qwen2(dims);
+            let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+                .with_compute_dtype(compute)
+                .with_generation_matrices();
+            let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
+                .iter()
+                .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
+                .collect();
+            let run = |kernels: bool, split: bool| {
+                decode_kernels(kernels);
+                decode_attention::SPLIT.set(split);
+                let mut cache = SlotKvCache::new(2, kv, cfg.head_dim, 3, 1600, device);
+                let mut out = vec![model.prefill_slots(&prompts, &[0, 1, 2], &mut cache)];
+                let mut positions = vec![1500usize, 700, 3];
+                let mut tokens: Vec<u32> = vec![3, 4, 5];
+                for step in 0..4 {
+                    let window = positions.iter().max().copied().unwrap_or(0) + 1;
+                    out.push(model.decode_slots(&tokens, &positions, window, &mut cache));
+                    tokens = tokens.iter().map(|t| (t * 17 + step) % 1000).collect();
+                    positions.iter_mut().for_each(|p| *p += 1);
+                }
+                decode_kernels(true);
+                decode_attention::SPLIT.set(true);
+                out
+            };
+            let (split, whole, plain) = (run(true, true), run(true, false), run(false, false));
+            let compare = |a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]| {
+                a.iter()
+                    .zip(b)
+                    .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
+                    .collect::<Vec<f64>>()
+            };
+            let (vs_whole, vs_plain) = (compare(&split, &whole), compare(&split, &plain));
+            let worst = |e: &[f64]| e.iter().copied().fold(0.0, f64::max);
+            println!(
+                "  heads {heads}/{kv}, {compute}: split vs one block {:.2e}, split vs plain {:.2e}",
+                worst(&vs_whole),
+                worst(&vs_plain)
+            );
+            // The split changes only the order of the softmax's sums.
+            let (tight, bound) = if compute == ComputeDtype::F32 {
+                (1e-5, 2e-3)
+            } else {
+                (1e-2, 3e-2)
+            };
+            super::agreement::require_below(
+                failures,
+                format!("split decode vs one block {heads}/{kv} {compute}"),
+                &vs_whole,
+                tight,
+            );
+            super::agreement::require_below(
+                failures,
+                format!("split decode vs plain {heads}/{kv} {compute}"),
+                &vs_plain,
+                bound,
+            );
+        }
+    }
 }
 
 /// A prefill into an empty cache through the fused attention kernel (bf16: keys and values

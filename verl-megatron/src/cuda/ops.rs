@@ -100,6 +100,7 @@ impl FusedOps for CudaBackend {
         sin: &Tensor<Self, 2>,
         positions: &Tensor<Self, 1>,
         cache: (&Tensor<Self, 4>, &Tensor<Self, 4>),
+        keys: usize,
         round_bf16: bool,
         out_bf16: bool,
     ) -> Result<Tensor<Self, 2>, DecodeProjections<Self>> {
@@ -109,6 +110,7 @@ impl FusedOps for CudaBackend {
             sin,
             positions,
             cache,
+            keys,
             round_bf16,
             out_bf16,
         )

@@ -391,6 +391,7 @@ impl<B: ParallelBackend> Attention<B> {
         if let AttnCache::Slots {
             cache: slots,
             layer,
+            window,
             on_device: Some(on_device),
             ..
         } = &cache
@@ -402,6 +403,7 @@ impl<B: ParallelBackend> Attention<B> {
                     &sin.clone().reshape([b, hd]),
                     on_device,
                     slots.layer(*layer),
+                    *window,
                     low,
                     low,
                 ) {
@@ -481,6 +483,7 @@ impl<B: ParallelBackend> Attention<B> {
         if let AttnCache::Slots {
             cache: slots,
             layer,
+            window,
             on_device: Some(on_device),
             ..
         } = cache
@@ -497,6 +500,7 @@ impl<B: ParallelBackend> Attention<B> {
                     &sin.clone().reshape([b, hd]),
                     on_device,
                     slots.layer(*layer),
+                    *window,
                     round,
                     false,
                 ) {

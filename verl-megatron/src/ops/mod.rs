@@ -169,8 +169,9 @@ pub trait FusedOps: Backend {
     /// `[slots, head_dim]`), writes it and the value into `cache` `[slots, kv_heads, capacity,
     /// head_dim]` at each slot's position (`positions`, from [`reference::step_positions`]) in
     /// place, and returns attention over positions `0..=position` `[slots, heads · head_dim]`
-    /// (bf16 when `out_bf16`; operands rounded to bf16 when `round_bf16`). Not available by
-    /// default: the projections come back for the cache's own path.
+    /// (bf16 when `out_bf16`; operands rounded to bf16 when `round_bf16`); `keys` bounds every
+    /// slot's position + 1 (a long context's keys may be split over several blocks). Not
+    /// available by default: the projections come back for the cache's own path.
     #[allow(clippy::too_many_arguments)]
     fn decode_attention(
         projections: DecodeProjections<Self>,
@@ -178,10 +179,11 @@ pub trait FusedOps: Backend {
         sin: &Tensor<Self, 2>,
         positions: &Tensor<Self, 1>,
         cache: (&Tensor<Self, 4>, &Tensor<Self, 4>),
+        keys: usize,
         round_bf16: bool,
         out_bf16: bool,
     ) -> Result<Tensor<Self, 2>, DecodeProjections<Self>> {
-        let _ = (cos, sin, positions, cache, round_bf16, out_bf16);
+        let _ = (cos, sin, positions, cache, keys, round_bf16, out_bf16);
         Err(projections)
     }
 

@@ -6,6 +6,8 @@
 // attention: query heads g*REP .. g*REP+REP-1 read kv head g), and attends over the slot's
 // positions 0..=position with an online softmax, the block's warps taking keys in turn and
 // merging at the end. No [slots, heads, 1, keys] score tensor, no mask, no copy of the cache.
+// At long contexts with few blocks, the keys are split over several blocks per (kv head, slot)
+// and verl_decode_combine merges their partial softmaxes (flash-decoding).
 //
 // verl_cache_write_prefix: a prefill's keys and values [prompts][kv_heads][len][HEAD_DIM] into
 // slots of the cache (target i: the first lens[i] positions of prompt sources[i] into slot
@@ -48,6 +50,10 @@ struct DecodeParams {
     unsigned int q_offset;
     unsigned int k_offset;
     unsigned int v_offset;
+    // Keys per split (flash-decoding), or 0 for one block per (kv head, slot) over all its keys.
+    unsigned int split_len;
+    // Splits per (kv head, slot): gridDim.z.
+    unsigned int splits;
 };
 
 __device__ __forceinline__ float operand(float x) {
@@ -76,36 +82,63 @@ __device__ __forceinline__ float rotary(const float* row, const float* bias, con
     return __fadd_rn(__fmul_rn(at(row, bias, d), c[d]), __fmul_rn(other, s[d]));
 }
 
-// Grid (kv_heads, slots). Slot r's query heads at q + r * q_stride + q_offset, its key and value
-// heads at k / v + r * kv_stride + k_offset / v_offset (heads of HEAD_DIM, contiguous); bias (with
-// HAS_BIAS) at the same offsets; cos, sin [slots][HEAD_DIM], positions [slots] (u32), caches
-// [slots][kv_heads][capacity][HEAD_DIM], out [slots][heads * HEAD_DIM] (f32, or bf16 bits).
-// q, k and v may be one buffer: none is written.
+__device__ __forceinline__ void store_out(void* out, unsigned long long o, float x) {
+#if OUT_BF16
+    ((unsigned short*)out)[o] = bf16_bits(x);
+#else
+    ((float*)out)[o] = x;
+#endif
+}
+
+// Grid (kv_heads, slots, splits). Slot r's query heads at q + r * q_stride + q_offset, its key
+// and value heads at k / v + r * kv_stride + k_offset / v_offset (heads of HEAD_DIM,
+// contiguous); bias (with HAS_BIAS) at the same offsets; cos, sin [slots][HEAD_DIM], positions
+// [slots] (u32), caches [slots][kv_heads][capacity][HEAD_DIM], out [slots][heads * HEAD_DIM]
+// (f32, or bf16 bits). q, k and v may be one buffer: none is written.
+//
+// With split_len = 0 the block of (g, slot) attends to all of the slot's keys and writes out.
+// With split_len > 0 (flash-decoding: a long context's keys spread over many blocks), block z
+// attends to keys [z * split_len, (z + 1) * split_len) up to the slot's position and writes its
+// unnormalised partial to partial [slots][heads][splits][HEAD_DIM + 2] (the values, then the
+// block's running max and sum); verl_decode_combine merges them. Blocks past the slot's position
+// do nothing. Split 0 writes the new key and value into the cache; every block reads the new
+// token's key and value from its own registers, so no block waits for another's write.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_decode_attention(const float* q, const float* k, const float* v, const float* bias,
                       const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                       const unsigned int* __restrict__ positions, float* __restrict__ k_cache,
-                      float* __restrict__ v_cache, void* __restrict__ out, DecodeParams p) {
+                      float* __restrict__ v_cache, void* __restrict__ out,
+                      float* __restrict__ partial, DecodeParams p) {
     __shared__ float q_rot[REP][HEAD_DIM];
+    __shared__ float k_new[HEAD_DIM];
+    __shared__ float v_new[HEAD_DIM];
     __shared__ float warp_max[WARPS][REP];
     __shared__ float warp_sum[WARPS][REP];
     __shared__ float warp_acc[WARPS][REP][HEAD_DIM];
 
-    const unsigned int g = blockIdx.x, slot = blockIdx.y;
+    const unsigned int g = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
     const unsigned int pos = positions[slot];
+    const unsigned int lo = p.split_len ? split * p.split_len : 0;
+    if (lo > pos) return;
+    const unsigned int hi = p.split_len ? min(lo + p.split_len, pos + 1) : pos + 1;
     const float* c = cos_t + (unsigned long long)slot * HEAD_DIM;
     const float* s = sin_t + (unsigned long long)slot * HEAD_DIM;
     const unsigned long long cache_row =
         (((unsigned long long)slot * p.kv_heads + g) * p.capacity) * HEAD_DIM;
 
-    // This token's key (rotated) and value into the cache, and the rotated queries.
+    // This token's key (rotated) and value, into the cache from split 0, and the rotated queries.
     const unsigned int k_at = p.k_offset + g * HEAD_DIM, v_at = p.v_offset + g * HEAD_DIM;
     const float* k_row = k + (unsigned long long)slot * p.kv_stride + k_at;
     const float* v_row = v + (unsigned long long)slot * p.kv_stride + v_at;
     for (int d = threadIdx.x; d < HEAD_DIM; d += THREADS) {
-        k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] =
-            rotary(k_row, bias + k_at, c, s, d);
-        v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = at(v_row, bias + v_at, d);
+        const float kd = rotary(k_row, bias + k_at, c, s, d);
+        const float vd = at(v_row, bias + v_at, d);
+        k_new[d] = kd;
+        v_new[d] = vd;
+        if (split == 0) {
+            k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = kd;
+            v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = vd;
+        }
     }
     for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
         const int r = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -124,29 +157,40 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
 #pragma unroll
         for (int t = 0; t < PER_LANE; ++t) acc[r][t] = 0.0f;
     }
-    for (unsigned int j = warp; j <= pos; j += WARPS) {
-        const float* kj = k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
-        const float* vj = v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
-        float kr[PER_LANE], vr[PER_LANE];
+    // Two keys per pass, both loaded before either is used, so a warp has two loads in flight.
+    for (unsigned int j0 = lo + warp; j0 < hi; j0 += 2 * WARPS) {
+        float kr[2][PER_LANE], vr[2][PER_LANE];
+        const unsigned int js[2] = {j0, j0 + WARPS};
 #pragma unroll
-        for (int t = 0; t < PER_LANE; ++t) {
-            kr[t] = operand(kj[lane + 32 * t]);
-            vr[t] = operand(vj[lane + 32 * t]);
+        for (int u = 0; u < 2; ++u) {
+            const unsigned int j = js[u];
+            if (j >= hi) continue;
+            const float* kj = j == pos ? k_new : k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+            const float* vj = j == pos ? v_new : v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+#pragma unroll
+            for (int t = 0; t < PER_LANE; ++t) {
+                kr[u][t] = operand(kj[lane + 32 * t]);
+                vr[u][t] = operand(vj[lane + 32 * t]);
+            }
         }
 #pragma unroll
-        for (int r = 0; r < REP; ++r) {
-            float dot = 0.0f;
+        for (int u = 0; u < 2; ++u) {
+            if (js[u] >= hi) continue;
 #pragma unroll
-            for (int t = 0; t < PER_LANE; ++t) dot += q_rot[r][lane + 32 * t] * kr[t];
-            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-            const float score = dot / p.sqrt_head_dim;
-            const float m_new = fmaxf(m[r], score);
-            const float correction = expf(m[r] - m_new);
-            const float w = expf(score - m_new);
-            l[r] = l[r] * correction + w;
+            for (int r = 0; r < REP; ++r) {
+                float dot = 0.0f;
 #pragma unroll
-            for (int t = 0; t < PER_LANE; ++t) acc[r][t] = acc[r][t] * correction + w * vr[t];
-            m[r] = m_new;
+                for (int t = 0; t < PER_LANE; ++t) dot += q_rot[r][lane + 32 * t] * kr[u][t];
+                for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                const float score = dot / p.sqrt_head_dim;
+                const float m_new = fmaxf(m[r], score);
+                const float correction = expf(m[r] - m_new);
+                const float w = expf(score - m_new);
+                l[r] = l[r] * correction + w;
+#pragma unroll
+                for (int t = 0; t < PER_LANE; ++t) acc[r][t] = acc[r][t] * correction + w * vr[u][t];
+                m[r] = m_new;
+            }
         }
     }
 #pragma unroll
@@ -171,13 +215,39 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
             sum += warp_sum[w][r] * f;
             value += warp_acc[w][r][d] * f;
         }
-        const unsigned long long o = ((unsigned long long)slot * p.heads + g * REP + r) * HEAD_DIM + d;
-#if OUT_BF16
-        ((unsigned short*)out)[o] = bf16_bits(value / sum);
-#else
-        ((float*)out)[o] = value / sum;
-#endif
+        const unsigned int head = g * REP + r;
+        if (p.split_len == 0) {
+            store_out(out, ((unsigned long long)slot * p.heads + head) * HEAD_DIM + d, value / sum);
+        } else {
+            float* part = partial +
+                (((unsigned long long)slot * p.heads + head) * p.splits + split) * (HEAD_DIM + 2);
+            part[d] = value;
+            if (d == 0) {
+                part[HEAD_DIM] = mx;
+                part[HEAD_DIM + 1] = sum;
+            }
+        }
     }
+}
+
+// Grid (heads, slots), HEAD_DIM threads: merges the splits of a slot's head that hold keys
+// (0 ..= position / split_len) into out.
+extern "C" __global__ void verl_decode_combine(const float* __restrict__ partial,
+                                               const unsigned int* __restrict__ positions,
+                                               void* __restrict__ out, DecodeParams p) {
+    const unsigned int head = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
+    const unsigned int used = min(positions[slot] / p.split_len + 1, p.splits);
+    const float* base = partial + ((unsigned long long)slot * p.heads + head) * p.splits * (HEAD_DIM + 2);
+    float mx = NEG_INF;
+    for (unsigned int s = 0; s < used; ++s) mx = fmaxf(mx, base[s * (HEAD_DIM + 2) + HEAD_DIM]);
+    float sum = 0.0f, value = 0.0f;
+    for (unsigned int s = 0; s < used; ++s) {
+        const float* part = base + s * (HEAD_DIM + 2);
+        const float f = expf(part[HEAD_DIM] - mx);
+        sum += part[HEAD_DIM + 1] * f;
+        value += part[d] * f;
+    }
+    store_out(out, ((unsigned long long)slot * p.heads + head) * HEAD_DIM + d, value / sum);
 }
 
 struct PrefixParams {

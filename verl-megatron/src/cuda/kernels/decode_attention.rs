@@ -27,6 +27,10 @@ const THREADS: usize = 128;
 /// Whether the kernels are used where they apply: on unless `VERL_DECODE_ATTENTION=decomposed`.
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_DECODE_ATTENTION");
 
+/// Whether long contexts split their keys over several blocks ([`split_len`]): on unless
+/// `VERL_DECODE_SPLIT=decomposed` (then one block per (kv head, slot), as before).
+pub static SPLIT: KernelSwitch = KernelSwitch::new("VERL_DECODE_SPLIT");
+
 /// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim`: whole
 /// groups, a head a multiple of one warp's lanes, the group's accumulators in registers.
 pub fn applies(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
@@ -126,11 +130,31 @@ fn bind(
     }
 }
 
+/// Keys per split of the flash-decoding path for a step whose slots attend to at most `keys`
+/// positions, or 0 (one block per (kv head, slot)). Splitting pays where the plain grid leaves
+/// the GPU's `sms` multiprocessors idle and each slot has many keys: a 4k-token context at batch
+/// 1 is otherwise one block per kv head walking 4 000 keys alone. Splits are at least 256 keys,
+/// a multiple of 32, and enough of them to give about two blocks per multiprocessor.
+pub fn split_len(kv_heads: usize, slots: usize, keys: usize, sms: usize) -> usize {
+    const MIN_SPLIT: usize = 256;
+    let blocks = kv_heads * slots;
+    if keys < 2 * MIN_SPLIT || blocks >= sms {
+        return 0;
+    }
+    let want = (2 * sms).div_ceil(blocks.max(1));
+    let splits = want.min(keys / MIN_SPLIT).max(1);
+    if splits <= 1 {
+        return 0;
+    }
+    keys.div_ceil(splits).next_multiple_of(32)
+}
+
 /// One layer's decode step: the projections (before RoPE), `cos`, `sin` `[slots, head_dim]`,
 /// `positions` `[slots]` (u32 words, `SlotKvCache::step_positions`); writes the rotated key
 /// and the value into `cache_k` / `cache_v` `[slots, kv_heads, capacity, head_dim]` at each
 /// slot's position, in place, and returns attention over positions `0..=position` `[slots,
 /// heads · head_dim]`, in bf16 when `out_bf16` (the output projection's operand), else f32.
+/// `keys` bounds the slots' positions + 1 (it sizes the split over keys, [`split_len`]).
 /// `round_bf16` rounds the products' operands as bf16 products would. The projections come
 /// back where the kernel does not apply (checked by the caller with [`applies`]; here too for
 /// tensors of other dtypes or layouts).
@@ -141,6 +165,7 @@ pub fn decode_attention(
     sin: &Tensor<CudaBackend, 2>,
     positions: &Tensor<CudaBackend, 1>,
     (cache_k, cache_v): (&Tensor<CudaBackend, 4>, &Tensor<CudaBackend, 4>),
+    keys: usize,
     round_bf16: bool,
     out_bf16: bool,
 ) -> Result<Tensor<CudaBackend, 2>, Projections<CudaBackend>> {
@@ -190,8 +215,31 @@ pub fn decode_attention(
     let has_bias = bound.bias.is_some();
     let bias = bound.bias.as_ref().unwrap_or(&bound.q);
     let [q_offset, k_offset, v_offset] = bound.offsets;
-    CudaSource {
-        entry: "verl_decode_attention",
+    let sms = bound
+        .q
+        .client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(132) as usize;
+    let split = if SPLIT.enabled() {
+        split_len(kv_heads, slots, keys.clamp(1, capacity), sms)
+    } else {
+        0
+    };
+    let splits = if split == 0 {
+        1
+    } else {
+        keys.clamp(1, capacity).div_ceil(split)
+    };
+    // The partial softmaxes of the splits (a one-element stand-in when there is no split).
+    let partial = super::empty_of(
+        &bound.q,
+        vec![if split == 0 { 1 } else { slots * heads * splits * (head_dim + 2) }],
+        DType::F32,
+    );
+    let source = |entry| CudaSource {
+        entry,
         text: SOURCE,
         defines: vec![
             ("HEAD_DIM", head_dim as u32),
@@ -202,26 +250,41 @@ pub fn decode_attention(
         ],
         block: THREADS as u32,
         shared_bytes: 0,
-    }
-    .launch(
+    };
+    let params = pack_words(&[
+        slots as u32,
+        heads as u32,
+        kv_heads as u32,
+        capacity as u32,
+        (head_dim as f32).sqrt().to_bits(),
+        bound.q_stride as u32,
+        bound.kv_stride as u32,
+        q_offset as u32,
+        k_offset as u32,
+        v_offset as u32,
+        split as u32,
+        splits as u32,
+    ]);
+    source("verl_decode_attention").launch(
         &bound.q.client,
-        (kv_heads as u32, slots as u32, 1),
+        (kv_heads as u32, slots as u32, splits as u32),
         &[
-            &bound.q, &bound.k, &bound.v, bias, &cos, &sin, &pos, &ck, &cv, &out,
+            &bound.q, &bound.k, &bound.v, bias, &cos, &sin, &pos, &ck, &cv, &out, &partial,
         ],
-        pack_words(&[
-            slots as u32,
-            heads as u32,
-            kv_heads as u32,
-            capacity as u32,
-            (head_dim as f32).sqrt().to_bits(),
-            bound.q_stride as u32,
-            bound.kv_stride as u32,
-            q_offset as u32,
-            k_offset as u32,
-            v_offset as u32,
-        ]),
+        params.clone(),
     );
+    if split > 0 {
+        CudaSource {
+            block: head_dim as u32,
+            ..source("verl_decode_combine")
+        }
+        .launch(
+            &bound.q.client,
+            (heads as u32, slots as u32, 1),
+            &[&partial, &pos, &out],
+            params,
+        );
+    }
     Ok(Tensor::from_primitive(TensorPrimitive::Float(out)))
 }
 
@@ -315,6 +378,31 @@ mod tests {
             (6, 4, 64, false),
         ] {
             assert_eq!(shape_fits(h, kv, d), ok, "{h}/{kv}/{d}");
+        }
+    }
+
+    #[test]
+    fn keys_are_split_only_where_blocks_are_few_and_contexts_long() {
+        // 1.5B (2 kv heads) at batch 1 over 4 000 keys on 132 SMs: 132 blocks' worth, 15 splits
+        // of 288 keys (at least 256, a multiple of 32).
+        let s = split_len(2, 1, 4000, 132);
+        assert_eq!(s, 288);
+        assert_eq!(4000usize.div_ceil(s), 14);
+        // Short contexts, or a grid that already fills the GPU, are not split.
+        assert_eq!(split_len(2, 1, 300, 132), 0);
+        assert_eq!(split_len(4, 64, 8000, 132), 0);
+        // Batch 8 of a 7B at tp 2 (2 kv heads): 16 blocks, 17 splits wanted, 31 possible.
+        let s = split_len(2, 8, 8000, 132);
+        assert!(s >= 256 && s % 32 == 0, "{s}");
+        assert!(8000usize.div_ceil(s) * 16 >= 2 * 132, "{s}");
+        // Every split but the last is full, so the combine's split count (position / split + 1)
+        // covers exactly the keys.
+        for (kv, slots, keys) in [(2, 1, 512), (8, 3, 10_000), (1, 1, 131_072)] {
+            let s = split_len(kv, slots, keys, 132);
+            if s > 0 {
+                assert!(s >= 256 && s % 32 == 0);
+                assert!((keys - 1) / s < keys.div_ceil(s));
+            }
         }
     }
 }

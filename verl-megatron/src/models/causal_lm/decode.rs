@@ -162,6 +162,10 @@ impl<B: ParallelBackend> CausalLm<B> {
             "one token per slot"
         );
         assert!(window <= cache.capacity(), "window within capacity");
+        assert!(
+            positions.iter().all(|&p| p < window),
+            "every slot's position inside the window"
+        );
         let device = self.device();
         let ids = Tensor::<B, 2, Int>::from_data(
             TensorData::new(tokens.iter().map(|&t| t as i64).collect(), [s, 1]),

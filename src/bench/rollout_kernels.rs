@@ -300,8 +300,10 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
 /// prompts of 1 500, 700 and 3 tokens, prefill and 4 decode steps, with the split, without it
 /// (one block per kv head and slot) and on the plain path; logits compared.
 fn check_decode_split(device: &Device, failures: &mut Vec<String>) {
-    println!("
-decode attention split over keys (flash-decoding) vs one block per slot vs plain:");
+    println!(
+        "
+decode attention split over keys (flash-decoding) vs one block per slot vs plain:"
+    );
     for (hidden, heads, kv) in [(896, 14, 2), (768, 6, 1)] {
         for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let mut dims = model_dims(hidden, heads, kv);

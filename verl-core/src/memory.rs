@@ -12,8 +12,8 @@
 //! ```
 //! use verl_core::memory::{MemoryUsage, PhasePeak};
 //! let phase = PhasePeak::start();
-//! verl_core::memory::record(MemoryUsage { allocated: 3 << 30, reserved: 4 << 30 });
-//! verl_core::memory::record(MemoryUsage { allocated: 1 << 30, reserved: 4 << 30 });
+//! verl_core::memory::record(MemoryUsage { allocated: 3 << 30, reserved: 4 << 30, device_used: 0 });
+//! verl_core::memory::record(MemoryUsage { allocated: 1 << 30, reserved: 4 << 30, device_used: 0 });
 //! assert_eq!(phase.finish().unwrap().allocated, 3 << 30);
 //! ```
 
@@ -27,6 +27,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 pub struct MemoryUsage {
     pub allocated: u64,
     pub reserved: u64,
+    /// Bytes of the whole device in use by every process and allocator (a GPU's total less its
+    /// free memory), where the backend can tell; 0 where it cannot. Beside `reserved` it shows
+    /// memory that this pool does not see (other pools, the driver, other processes).
+    pub device_used: u64,
 }
 
 impl MemoryUsage {
@@ -35,6 +39,7 @@ impl MemoryUsage {
         Self {
             allocated: self.allocated.max(other.allocated),
             reserved: self.reserved.max(other.reserved),
+            device_used: self.device_used.max(other.device_used),
         }
     }
 }
@@ -203,5 +208,6 @@ pub fn host_usage() -> Option<MemoryUsage> {
     Some(MemoryUsage {
         allocated,
         reserved: resident_bytes().unwrap_or(allocated).max(allocated),
+        device_used: 0,
     })
 }

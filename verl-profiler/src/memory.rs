@@ -463,6 +463,7 @@ mod tests {
             let usage = |gib: u64| MemoryUsage {
                 allocated: gib << 30,
                 reserved: (gib + 1) << 30,
+                device_used: 0,
             };
             {
                 let _m = tracing::info_span!(

@@ -45,6 +45,14 @@ pub fn memory_usage(device: &CudaDevice) -> Option<(u64, u64)> {
     Some((usage.bytes_in_use, usage.bytes_reserved))
 }
 
+/// Free and total bytes of `device` as the driver counts them (every process and pool).
+pub fn device_memory(device: &CudaDevice) -> Option<(u64, u64)> {
+    let ctx = cudarc::driver::CudaContext::new(device.index).ok()?;
+    ctx.bind_to_thread().ok()?;
+    let (free, total) = cudarc::driver::result::mem_get_info().ok()?;
+    Some((free as u64, total as u64))
+}
+
 // Tensor-parallel regions on burn-cuda: the collectives through its communicators (NCCL between
 // rank processes), memory from its pool.
 crate::plain_parallel_backend!(
@@ -53,6 +61,7 @@ crate::plain_parallel_backend!(
         memory_usage(device).map(|(allocated, reserved)| verl_core::memory::MemoryUsage {
             allocated,
             reserved,
+            device_used: device_memory(device).map_or(0, |(free, total)| total - free),
         })
     },
     release_cached_memory

@@ -424,8 +424,9 @@ impl<B: ParallelAutodiffBackend> TrainingOffload<B> {
 }
 
 /// Pushes a phase's memory and offload figures: verl's `perf/max_memory_allocated_gb` and
-/// `perf/max_memory_reserved_gb` (reduced by their maximum over phases and ranks) and the same
-/// per phase (`…/<phase>`); when something moved, `timing_s/offload/<phase>` (seconds moving
+/// `perf/max_memory_reserved_gb` (reduced by their maximum over phases and ranks), on a GPU
+/// `perf/max_memory_device_used_gb` (the whole card as the driver counts it), and the same per
+/// phase (`…/<phase>`); when something moved, `timing_s/offload/<phase>` (seconds moving
 /// state out and in, both ways; `timing_s/offload_out/<phase>` the outward part) and
 /// `perf/offload_gb/<phase>` (GiB moved, both ways).
 pub fn push_phase_metrics(
@@ -438,7 +439,11 @@ pub fn push_phase_metrics(
         for (key, bytes) in [
             ("perf/max_memory_allocated_gb", peak.allocated),
             ("perf/max_memory_reserved_gb", peak.reserved),
+            ("perf/max_memory_device_used_gb", peak.device_used),
         ] {
+            if key.ends_with("device_used_gb") && bytes == 0 {
+                continue; // the backend cannot tell (the CPU default)
+            }
             metrics.push(key, gib(bytes));
             metrics.push(format!("{key}/{phase}"), gib(bytes));
         }

@@ -235,7 +235,11 @@ pub fn decode_attention(
     // The partial softmaxes of the splits (a one-element stand-in when there is no split).
     let partial = super::empty_of(
         &bound.q,
-        vec![if split == 0 { 1 } else { slots * heads * splits * (head_dim + 2) }],
+        vec![if split == 0 {
+            1
+        } else {
+            slots * heads * splits * (head_dim + 2)
+        }],
         DType::F32,
     );
     let source = |entry| CudaSource {

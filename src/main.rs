@@ -920,6 +920,10 @@ fn summarize_cmd(path: &std::path::Path, top: usize) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    // Every command (rank processes included): a failure on burn-cuda's device thread is
+    // recorded and reported by the rank instead of leaving garbage behind.
+    #[cfg(feature = "cuda")]
+    verl::megatron::device_faults::install_panic_hook();
     // Logs go to stderr as RUST_LOG says; without it, verl-rs's own information (what runs,
     // from where, what was skipped and why, a line per step off a terminal) and everyone's
     // warnings. The profiler's layer sees every span (it records only while a capture is open).

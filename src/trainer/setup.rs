@@ -43,6 +43,9 @@ impl PpoTrainer {
         mut validated: ValidatedConfig,
         parts: Parts,
     ) -> Result<Self, TrainError> {
+        // A failure on burn-cuda's device thread must reach the rank's report.
+        #[cfg(feature = "cuda")]
+        crate::megatron::device_faults::install_panic_hook();
         resolve_model_paths(&mut validated.config)?;
         let cfg = validated.config.clone();
         verl_core::traits::comm_timeout().map_err(setup)?;

@@ -347,17 +347,19 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
                 worst(&vs_whole),
                 worst(&vs_plain)
             );
-            // The split changes only the order of the softmax's sums.
-            let (tight, bound) = if compute == ComputeDtype::F32 {
-                (1e-5, 2e-3)
+            // The split changes only the order of the softmax's sums (~1e-7 relative in the
+            // attention output), but the products after it round their operands (TF32 for f32
+            // on Hopper, bf16), so the logits differ by their rounding: the plain path's bound.
+            let bound = if compute == ComputeDtype::F32 {
+                2e-3
             } else {
-                (1e-2, 3e-2)
+                3e-2
             };
             super::agreement::require_below(
                 failures,
                 format!("split decode vs one block {heads}/{kv} {compute}"),
                 &vs_whole,
-                tight,
+                bound,
             );
             super::agreement::require_below(
                 failures,

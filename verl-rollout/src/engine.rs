@@ -271,6 +271,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 || cfg.stop_token_ids.contains(&tok)
                 || stop_strings.is_some_and(|s| s.completed_by_last(tokens))
         };
+        self.trace_memory("start", 0);
+        let mut steps = 0usize;
         loop {
             let plan = self.schedule(&mut slots, &mut waiting);
             if !plan.admitted.is_empty() || !plan.continued.is_empty() {
@@ -279,6 +281,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 if sampled > 0 && stats.first_token_seconds == 0.0 {
                     stats.first_token_seconds = start.elapsed().as_secs_f64();
                 }
+                self.trace_memory("prefill", steps);
             }
             let busy = slots.iter().filter(|s| s.is_some()).count();
             if busy == 0 {
@@ -310,7 +313,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 &stop,
                 &mut stats,
             );
+            steps += 1;
+            if steps.is_multiple_of(64) {
+                self.trace_memory("decode", steps);
+            }
         }
+        self.trace_memory("end", steps);
         self.cache = Some(cache);
         self.calls += 1;
         let done: Vec<Completion> = done
@@ -321,6 +329,27 @@ impl<B: ParallelBackend> NativeRollout<B> {
         stats.seconds = start.elapsed().as_secs_f64();
         self.last_stats = stats;
         Ok(done)
+    }
+
+    /// The device's memory at a point of a generation call, as a debug event of target
+    /// `verl_rollout::memory` (`RUST_LOG=verl_rollout::memory=debug`): where a long-context
+    /// rollout's memory goes, step by step. Nothing is read when the event is off.
+    fn trace_memory(&self, at: &'static str, decode_steps: usize) {
+        if !tracing::enabled!(target: "verl_rollout::memory", tracing::Level::DEBUG) {
+            return;
+        }
+        if let Some(u) = B::memory_usage(&self.device) {
+            let gib = verl_core::memory::gib;
+            tracing::debug!(
+                target: "verl_rollout::memory",
+                at,
+                decode_steps,
+                call = self.calls,
+                allocated_gib = gib(u.allocated),
+                reserved_gib = gib(u.reserved),
+                device_used_gib = gib(u.device_used),
+            );
+        }
     }
 
     /// Refuses a request the engine cannot serve, naming the row and the setting.

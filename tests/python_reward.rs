@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use verl::python::PythonReward;
+use verl::python::{PythonReward, RewardCalls};
 use verl::traits::RewardInput;
 use verl::ConfigBuilder;
 
@@ -38,6 +38,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def batch_score(data_sources, solution_strs, ground_truths, extra_infos):
     return [float(len(s)) for s in solution_strs]
+
+def prime_score(data_source, solution_str, ground_truth, extra_info=None):
+    # As PRIME's verifiers do: a (score, detail) pair, and code that may raise or never end,
+    # behind a broad `except Exception` that must not swallow the time limit.
+    if data_source == "raises":
+        raise ValueError("cannot parse " + solution_str)
+    if solution_str == "hang":
+        try:
+            while True:
+                time.sleep(0.01)
+        except Exception:
+            return (1.0, "swallowed")
+    return (1.0 if solution_str.strip() == ground_truth else 0.0, "checked")
 "#;
 
 fn reward_file(dir: &Path) -> PathBuf {
@@ -133,6 +146,43 @@ fn a_crashed_worker_is_replaced_and_a_hung_one_times_out() {
     assert!(e.contains("no answer within 2 s"), "{e}");
 }
 
+/// verl's prime manager: a row that raises or runs past its limit scores 0, the others keep
+/// theirs, a (score, detail) result counts its score, and the worker serves on.
+#[test]
+fn the_prime_manager_scores_failures_and_time_outs_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let reward = PythonReward::start_with(
+        reward_file(dir.path()),
+        "prime_score",
+        RewardCalls::Prime {
+            row_timeout: Duration::from_millis(500),
+        },
+        1,
+    )
+    .unwrap();
+    let none = Value::Null;
+    let rows = [
+        row("gsm8k", "4", "4", &none),
+        row("raises", "4", "4", &none),
+        row("gsm8k", "hang", "hang", &none),
+        row("gsm8k", "5", "4", &none),
+        row("gsm8k", " 7 ", "7", &none),
+    ];
+    let scores: Vec<f64> = reward
+        .score_rows(&rows)
+        .unwrap()
+        .iter()
+        .map(|s| s.score)
+        .collect();
+    assert_eq!(scores, vec![1.0, 0.0, 0.0, 0.0, 1.0]);
+    // The same worker scores the next batch.
+    assert_eq!(reward.score_rows(&rows[..1]).unwrap()[0].score, 1.0);
+    // Under the per-row manager the same exception is an error.
+    let naive = PythonReward::start(reward_file(dir.path()), "prime_score", false, 1).unwrap();
+    let e = naive.score_rows(&rows[1..2]).unwrap_err().to_string();
+    assert!(e.contains("ValueError") && e.contains("row 0"), "{e}");
+}
+
 #[test]
 fn a_file_that_does_not_load_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
@@ -192,5 +242,45 @@ fn a_run_scores_with_custom_reward_function_path() {
         calls.lines().count() >= 2 * 16 * 8,
         "{} calls",
         calls.lines().count()
+    );
+}
+
+/// `reward_model.reward_manager=prime` through the config: a function that raises on every
+/// wrong answer would stop a naive run; under prime those rows score 0 and the run trains.
+#[test]
+fn a_run_with_the_prime_manager_trains_through_raising_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("strict_reward.py");
+    std::fs::write(
+        &path,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+         if solution_str.strip() != ground_truth.strip():\n        \
+         raise ValueError('wrong answer')\n    \
+         return (1.0, 'right')\n",
+    )
+    .unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(verl::trainer::MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.total_training_steps=1",
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+            "reward_model.reward_manager=prime",
+        ])
+        .set("custom_reward_function.path", path.display())
+        .set("trainer.default_local_dir", dir.path().display())
+        .build()
+        .unwrap();
+    let summary = common::fit(validated);
+    let lines = common::step_lines(&summary.metrics_path);
+    let step = lines
+        .iter()
+        .find(|l| l["step"] == 1.0)
+        .expect("step 1 logged");
+    let score = step["critic/score/mean"];
+    assert!(
+        (0.0..1.0).contains(&score),
+        "most answers of a fresh policy are wrong: {score}"
     );
 }

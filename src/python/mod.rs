@@ -10,5 +10,5 @@ mod reward;
 mod tracking;
 mod worker;
 
-pub use reward::PythonReward;
+pub use reward::{reward_timeout, PythonReward, RewardCalls};
 pub use tracking::{PythonTrackers, PYTHON_TRACKERS};

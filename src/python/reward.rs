@@ -2,7 +2,9 @@
 //! by a pool of `python3` workers (`reward_worker.py`). Each batch is split into one contiguous
 //! part per worker; a worker that crashes or misses its deadline is replaced and its part tried
 //! once more; an exception in the function is an error naming the file, the function, the row
-//! and the Python traceback.
+//! and the Python traceback. verl's `prime` reward manager ([`RewardCalls::Prime`]) instead
+//! gives each row a time limit and scores a row that raises or runs out of time as 0, as its
+//! process pool does.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -16,9 +18,10 @@ use super::worker::{Worker, WorkerFailure};
 /// The worker: the shared frames (`frames.py`) and then its own code.
 const SCRIPT: &str = concat!(include_str!("frames.py"), include_str!("reward_worker.py"));
 
-/// How long one worker may take to import the file, and to score its part of a batch:
-/// `VERL_REWARD_TIMEOUT_S`, 300 s by default.
-fn deadline() -> Duration {
+/// How long one worker may take to import the file and to score its part of a batch, and
+/// under the prime manager each row's limit: `VERL_REWARD_TIMEOUT_S`, 300 s by default (verl's
+/// prime row limit).
+pub fn reward_timeout() -> Duration {
     Duration::from_secs(
         std::env::var("VERL_REWARD_TIMEOUT_S")
             .ok()
@@ -43,9 +46,33 @@ fn deadline() -> Duration {
 pub struct PythonReward {
     path: PathBuf,
     name: String,
-    batched: bool,
+    calls: RewardCalls,
     workers: Vec<Mutex<Option<Worker>>>,
     deadline: Duration,
+}
+
+/// How the function is called: verl's reward managers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RewardCalls {
+    /// One row at a time (`naive`, `dapo`); an exception is an error naming the row.
+    PerRow,
+    /// The whole batch as lists (`batch`).
+    Batched,
+    /// One row at a time with a time limit each (`prime`): a row that raises or runs past
+    /// `row_timeout` scores 0 and is reported as a warning, the others keep their scores; a
+    /// tuple or list result counts its first element.
+    Prime { row_timeout: Duration },
+}
+
+impl RewardCalls {
+    /// The worker's argument naming the mode.
+    fn arg(self) -> String {
+        match self {
+            RewardCalls::PerRow => "0".into(),
+            RewardCalls::Batched => "1".into(),
+            RewardCalls::Prime { row_timeout } => format!("prime:{}", row_timeout.as_secs_f64()),
+        }
+    }
 }
 
 fn reward_error(message: String) -> verl_core::Error {
@@ -62,6 +89,21 @@ impl PythonReward {
         batched: bool,
         workers: usize,
     ) -> verl_core::Result<Self> {
+        let calls = if batched {
+            RewardCalls::Batched
+        } else {
+            RewardCalls::PerRow
+        };
+        Self::start_with(path, name, calls, workers)
+    }
+
+    /// [`Self::start`] with the calling convention of one of verl's reward managers.
+    pub fn start_with(
+        path: impl AsRef<Path>,
+        name: &str,
+        calls: RewardCalls,
+        workers: usize,
+    ) -> verl_core::Result<Self> {
         let path = path.as_ref().to_path_buf();
         if !path.is_file() {
             return Err(reward_error(format!(
@@ -72,9 +114,9 @@ impl PythonReward {
         let reward = Self {
             path,
             name: name.to_string(),
-            batched,
+            calls,
             workers: (0..workers.max(1)).map(|_| Mutex::new(None)).collect(),
-            deadline: deadline(),
+            deadline: reward_timeout(),
         };
         for slot in &reward.workers {
             let worker = reward.spawn()?;
@@ -97,11 +139,9 @@ impl PythonReward {
     /// A new worker, once it has loaded the function.
     fn spawn(&self) -> verl_core::Result<Worker> {
         let path = self.path.display().to_string();
-        let mut worker = Worker::start(
-            SCRIPT,
-            &[&path, &self.name, if self.batched { "1" } else { "0" }],
-        )
-        .map_err(reward_error)?;
+        let mode = self.calls.arg();
+        let mut worker =
+            Worker::start(SCRIPT, &[&path, &self.name, &mode]).map_err(reward_error)?;
         let ready = worker.receive(self.deadline).map_err(|e| {
             reward_error(format!(
                 "{}: the reward worker did not start: {e}",
@@ -147,7 +187,14 @@ impl PythonReward {
             let Some(w) = worker.as_mut() else {
                 continue;
             };
-            match w.ask(&request, self.deadline) {
+            // With a limit per row, the part may take every row's limit.
+            let deadline = match self.calls {
+                RewardCalls::Prime { row_timeout } => {
+                    self.deadline + row_timeout * rows.len() as u32
+                }
+                _ => self.deadline,
+            };
+            match w.ask(&request, deadline) {
                 Ok(answer) => return self.scores_of(&answer, rows, first),
                 Err(e) => {
                     tracing::warn!(reward = %self.what(), error = %e, "reward worker replaced");
@@ -192,6 +239,20 @@ impl PythonReward {
                 rows.len()
             )));
         }
+        let failed: Vec<(usize, &str)> = scores
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((first + i, s["failed"].as_str()?)))
+            .collect();
+        if let Some((row, why)) = failed.first() {
+            tracing::warn!(
+                reward = %self.what(),
+                rows = failed.len(),
+                first_row = row,
+                first_failure = why,
+                "reward rows scored 0 after an exception or their time limit (prime)"
+            );
+        }
         scores
             .iter()
             .enumerate()
@@ -222,7 +283,7 @@ impl PythonReward {
             return Ok(Vec::new());
         }
         // A batched function sees the whole batch, as verl's batch reward manager gives it.
-        let parts = if self.batched {
+        let parts = if self.calls == RewardCalls::Batched {
             1
         } else {
             self.workers.len().min(rows.len())

@@ -334,11 +334,18 @@ fn python_scorer(cfg: &VerlConfig, given: Scorer) -> Result<Scorer, TrainError> 
         return Ok(given);
     };
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
-    let batched = cfg.reward_model.reward_manager == "batch";
-    let reward = crate::python::PythonReward::start(
+    let calls = match cfg.reward_model.reward_manager.as_str() {
+        "batch" => crate::python::RewardCalls::Batched,
+        // verl's prime manager gives every row 300 s; VERL_REWARD_TIMEOUT_S changes it here.
+        "prime" => crate::python::RewardCalls::Prime {
+            row_timeout: crate::python::reward_timeout(),
+        },
+        _ => crate::python::RewardCalls::PerRow,
+    };
+    let reward = crate::python::PythonReward::start_with(
         path,
         &cfg.custom_reward_function.name,
-        batched,
+        calls,
         workers,
     )
     .map_err(|e| setup(e.to_string()))?;

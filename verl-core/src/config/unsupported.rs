@@ -639,12 +639,13 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let batch_of_a_function =
         rm.reward_manager == "batch" && cfg.custom_reward_function.path.is_some();
     require(
-        matches!(rm.reward_manager.as_str(), "naive" | "dapo") || batch_of_a_function,
+        matches!(rm.reward_manager.as_str(), "naive" | "dapo" | "prime") || batch_of_a_function,
         "reward_model.reward_manager",
         &rm.reward_manager,
         "rewards are scored one sample at a time (verl's naive manager; dapo adds its overlong \
-         shaping), or a batch at a time by custom_reward_function.path (batch)",
-        "set it to naive or dapo, or to batch with custom_reward_function.path",
+         shaping; prime gives each sample a time limit and scores a failure 0), or a batch at a \
+         time by custom_reward_function.path (batch)",
+        "set it to naive, dapo or prime, or to batch with custom_reward_function.path",
     )?;
     rm.overlong_shaping(cfg.data.max_response_length)?;
     require(
@@ -916,7 +917,7 @@ mod tests {
                 "actor_rollout_ref.actor.strategy",
             ),
             (
-                "reward_model.reward_manager=prime",
+                "reward_model.reward_manager=remote",
                 "reward_model.reward_manager",
             ),
             ("global_profiler.tool=npu", "global_profiler.tool"),

@@ -781,3 +781,49 @@ fn dapo_overlong_shaping_lowers_scores_by_the_buffer_ramp() {
         );
     }
 }
+
+/// `overlong_buffer.log` (and verl's dapo `acc`): validation reports each reward extra per data
+/// source, `val-core/<source>/acc/mean@1` as the core variable and the shaped reward,
+/// `overlong_reward` and `overlong` as auxiliary ones; the shaped reward is acc plus the
+/// shaping, and every response of up to 4 tokens against a 4-token buffer is overlong or at
+/// the limit.
+#[test]
+fn dapo_log_reports_the_shaping_as_validation_extras() {
+    let (_, lines, _dir) = run(&[
+        "trainer.total_training_steps=1",
+        "trainer.sft_warmup_steps=0",
+        "trainer.val_before_train=true",
+        "reward_model.reward_manager=dapo",
+        "reward_model.overlong_buffer.enable=true",
+        "reward_model.overlong_buffer.len=4",
+        "reward_model.overlong_buffer.penalty_factor=0.5",
+        "reward_model.overlong_buffer.log=true",
+    ]);
+    let before = &lines[0];
+    assert_eq!(before["step"], 0.0);
+    let find = |section: &str, name: &str| -> Vec<(String, f64)> {
+        before
+            .iter()
+            .filter(|(k, _)| k.starts_with(section) && k.contains(&format!("/{name}/mean@")))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    };
+    let acc = find("val-core/", "acc");
+    assert!(!acc.is_empty(), "{before:?}");
+    for (key, acc) in acc {
+        // A data source may hold slashes (`verl_rs/arithmetic`).
+        let source = key
+            .strip_prefix("val-core/")
+            .and_then(|k| k.strip_suffix("/acc/mean@1"))
+            .expect("one response per validation prompt");
+        let aux = |name: &str| before[&format!("val-aux/{source}/{name}/mean@1")];
+        let (reward, shaping, overlong) = (aux("reward"), aux("overlong_reward"), aux("overlong"));
+        assert!(
+            (reward - (acc + shaping)).abs() < 1e-9,
+            "{reward} vs {acc} + {shaping}"
+        );
+        assert!(shaping <= 0.0 && shaping >= -0.5, "{shaping}");
+        assert!((0.0..=1.0).contains(&overlong), "{overlong}");
+        assert!(!before.contains_key(&format!("val-core/{source}/reward/mean@1")));
+    }
+}

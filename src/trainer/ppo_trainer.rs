@@ -8,7 +8,7 @@ use serde_json::Value;
 use verl_core::algorithms::advantage::AdvantageRegistry;
 use verl_core::algorithms::kl::{KlController, KlPenalty};
 use verl_core::config::{ValidatedConfig, VerlConfig};
-use verl_core::traits::RewardInput;
+use verl_core::traits::{RewardInput, RewardScore};
 use verl_core::worker::{RoleGroup, WorkerGroup};
 use verl_core::{DataProto, Metrics};
 use verl_megatron::checkpoint::HfCheckpointer;
@@ -115,6 +115,17 @@ impl PpoTrainer {
         &self,
         gen: &DataProto<Infer>,
     ) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
+        let (scores, lengths) = self.rewards_with_extras(gen).await?;
+        Ok((scores.into_iter().map(|s| s.score).collect(), lengths))
+    }
+
+    /// [`Self::rewards`] with each row's reward extras, as verl's managers collect them: the
+    /// function's dict entries, the dapo manager's `acc` (a plain number's score before the
+    /// shaping) and, with `overlong_buffer.log`, `overlong_reward` and `overlong`.
+    pub(super) async fn rewards_with_extras(
+        &self,
+        gen: &DataProto<Infer>,
+    ) -> Result<(Vec<RewardScore>, Vec<f64>), TrainError> {
         let responses: Vec<i64> = gen
             .to_data("responses")?
             .convert::<i64>()
@@ -152,10 +163,21 @@ impl PpoTrainer {
                 extra_info: extras.as_ref().map_or(&null, |e| &e[i]),
             })
             .collect();
-        let mut scores = self.scorer.score(&inputs).await?;
-        if let Some(buffer) = &self.overlong {
-            for (score, &len) in scores.iter_mut().zip(&lengths) {
-                *score += buffer.reward(len as usize);
+        let mut scores = self.scorer.score_full(&inputs).await?;
+        let dapo = self.cfg.reward_model.reward_manager == "dapo";
+        for (s, &len) in scores.iter_mut().zip(&lengths) {
+            // verl's dapo manager keeps a plain number's score as `acc` (before the shaping).
+            if dapo && s.extra.is_empty() {
+                s.extra.insert("acc".into(), s.score);
+            }
+            if let Some(buffer) = &self.overlong {
+                let shaping = buffer.reward(len as usize);
+                s.score += shaping;
+                if buffer.log {
+                    s.extra.insert("overlong_reward".into(), shaping);
+                    s.extra
+                        .insert("overlong".into(), f64::from(u8::from(shaping < 0.0)));
+                }
             }
         }
         Ok((scores, lengths))

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use verl_core::traits::{BatchRewardFn, RewardFn, RewardInput};
+use verl_core::traits::{BatchRewardFn, RewardFn, RewardInput, RewardScore};
 
 use crate::tasks::ArithmeticTask;
 
@@ -34,12 +34,26 @@ impl Scorer {
 
     /// One score per input.
     pub async fn score(&self, inputs: &[RewardInput<'_>]) -> verl_core::Result<Vec<f64>> {
+        Ok(self
+            .score_full(inputs)
+            .await?
+            .into_iter()
+            .map(|s| s.score)
+            .collect())
+    }
+
+    /// One score per input, with the extras the function returned beside it (a dict result's
+    /// other numbers, verl's `reward_extra_info`).
+    pub async fn score_full(
+        &self,
+        inputs: &[RewardInput<'_>],
+    ) -> verl_core::Result<Vec<RewardScore>> {
         match self {
             Scorer::Rules => Ok(inputs
                 .iter()
                 .map(|x| {
                     if x.data_source == ArithmeticTask::DATA_SOURCE {
-                        return ArithmeticTask::score(x.solution_str, x.ground_truth);
+                        return ArithmeticTask::score(x.solution_str, x.ground_truth).into();
                     }
                     verl_core::reward_score::default_compute_score(
                         x.data_source,
@@ -47,12 +61,10 @@ impl Scorer {
                         x.ground_truth,
                     )
                     .unwrap_or(0.0)
+                    .into()
                 })
                 .collect()),
-            Scorer::PerSample(f) => inputs
-                .iter()
-                .map(|x| f.compute_score(x).map(|s| s.score))
-                .collect(),
+            Scorer::PerSample(f) => inputs.iter().map(|x| f.compute_score(x)).collect(),
             Scorer::Batched(f) => {
                 let scores = f.score_batch(inputs).await?;
                 if scores.len() != inputs.len() {
@@ -65,7 +77,7 @@ impl Scorer {
                         ),
                     ));
                 }
-                Ok(scores.into_iter().map(|s| s.score).collect())
+                Ok(scores)
             }
         }
     }

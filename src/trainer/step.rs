@@ -72,7 +72,9 @@ impl PpoTrainer {
     }
 
     /// Validation as [`Self::validate`] runs it, with verl's metrics beside `val/score/mean`:
-    /// `val-core/<data_source>/reward/mean@<n>` per data source (`n`: responses per prompt).
+    /// `val-core/<data_source>/reward/mean@<n>` per data source (`n`: responses per prompt),
+    /// and each reward extra as `val-aux/<data_source>/<name>/mean@<n>` (`acc`, where the
+    /// manager reports it, is the core variable: `val-core/…/acc`, the reward then `val-aux`).
     pub async fn validation_metrics(
         &mut self,
     ) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
@@ -82,6 +84,9 @@ impl PpoTrainer {
         let mut dump = Vec::new();
         // data source -> (score sum, responses, responses per prompt)
         let mut by_source = std::collections::BTreeMap::<String, (f64, usize, usize)>::new();
+        // (data source, reward extra) -> (sum, responses, responses per prompt)
+        let mut extras_by_source =
+            std::collections::BTreeMap::<(String, String), (f64, usize, usize)>::new();
         for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
             let mut batch = prompt_batch::<Infer>(
                 chunk,
@@ -100,7 +105,8 @@ impl PpoTrainer {
                 .actor
                 .call_proto(&rollout_mesh(), "generate_sequences", batch)
                 .await?;
-            let (scores, _) = self.rewards(&gen).await?;
+            let (scored, _) = self.rewards_with_extras(&gen).await?;
+            let scores: Vec<f64> = scored.iter().map(|s| s.score).collect();
             if self.cfg.trainer.validation_data_dir.is_some() {
                 let step = self.global_step;
                 dump.extend(super::dump::generation_lines(
@@ -112,11 +118,16 @@ impl PpoTrainer {
             }
             let per_prompt = scores.len() / chunk.len().max(1);
             let sources = gen.non_tensor("data_source")?;
-            for (score, source) in scores.iter().zip(sources) {
-                let e = by_source
-                    .entry(source.as_str().unwrap_or("unknown").to_string())
-                    .or_default();
-                (e.0, e.1, e.2) = (e.0 + score, e.1 + 1, per_prompt.max(e.2));
+            for (s, source) in scored.iter().zip(sources) {
+                let source = source.as_str().unwrap_or("unknown").to_string();
+                for (name, value) in &s.extra {
+                    let e = extras_by_source
+                        .entry((source.clone(), name.clone()))
+                        .or_default();
+                    (e.0, e.1, e.2) = (e.0 + value, e.1 + 1, per_prompt.max(e.2));
+                }
+                let e = by_source.entry(source).or_default();
+                (e.0, e.1, e.2) = (e.0 + s.score, e.1 + 1, per_prompt.max(e.2));
             }
             total += scores.iter().sum::<f64>();
             count += scores.len();
@@ -124,15 +135,30 @@ impl PpoTrainer {
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
             super::dump::write_generations(dir, self.global_step, &dump)?;
         }
+        // verl's sections: the core variable is `acc` where the manager reports it, else the
+        // reward; every other variable is auxiliary.
+        let has_acc = |source: &str| extras_by_source.contains_key(&(source.into(), "acc".into()));
         let mut metrics: std::collections::BTreeMap<String, f64> = by_source
-            .into_iter()
-            .map(|(source, (sum, n, per))| {
+            .iter()
+            .map(|(source, &(sum, n, per))| {
+                let section = if has_acc(source) {
+                    "val-aux"
+                } else {
+                    "val-core"
+                };
                 (
-                    format!("val-core/{source}/reward/mean@{per}"),
+                    format!("{section}/{source}/reward/mean@{per}"),
                     sum / n.max(1) as f64,
                 )
             })
             .collect();
+        for ((source, name), &(sum, n, per)) in &extras_by_source {
+            let section = if name == "acc" { "val-core" } else { "val-aux" };
+            metrics.insert(
+                format!("{section}/{source}/{name}/mean@{per}"),
+                sum / n.max(1) as f64,
+            );
+        }
         metrics.insert("val/score/mean".into(), total / count.max(1) as f64);
         Ok(metrics)
     }

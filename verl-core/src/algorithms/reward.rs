@@ -43,7 +43,7 @@ pub fn token_level_rewards<B: Backend>(
 ///
 /// ```
 /// use verl_core::algorithms::reward::OverlongBuffer;
-/// let b = OverlongBuffer { max_resp_len: 20, buffer_len: 4, penalty_factor: 1.0 };
+/// let b = OverlongBuffer { max_resp_len: 20, buffer_len: 4, penalty_factor: 1.0, log: false };
 /// assert_eq!(b.reward(16), 0.0); // up to 20 − 4 tokens: no penalty
 /// assert_eq!(b.reward(18), -0.5); // half-way through the buffer
 /// assert_eq!(b.reward(20), -1.0); // the hard limit: the whole factor
@@ -56,6 +56,8 @@ pub struct OverlongBuffer {
     pub buffer_len: usize,
     /// `overlong_buffer.penalty_factor`.
     pub penalty_factor: f64,
+    /// `overlong_buffer.log`: each response's shaping kept as reward extras.
+    pub log: bool,
 }
 
 impl OverlongBuffer {
@@ -104,7 +106,7 @@ mod overlong_tests {
             max in 2usize..5000, frac in 0.01f64..1.0, factor in 0.0f64..4.0, len in 0usize..6000,
         ) {
             let buffer_len = ((max as f64 * frac) as usize).clamp(1, max);
-            let b = OverlongBuffer { max_resp_len: max, buffer_len, penalty_factor: factor };
+            let b = OverlongBuffer { max_resp_len: max, buffer_len, penalty_factor: factor, log: false };
             let r = b.reward(len);
             proptest::prop_assert!(r <= 0.0);
             if len <= max - buffer_len {

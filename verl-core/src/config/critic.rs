@@ -163,7 +163,8 @@ pub struct OverlongBufferConfig {
     /// Tokens before `max_resp_len` where the penalty ramps up.
     pub len: usize,
     pub penalty_factor: f64,
-    /// verl stores each response's shaping in its reward extras; not built here.
+    /// Store each response's shaping in its reward extras (`overlong_reward`, `overlong`),
+    /// which validation reports as `val-aux/<data_source>/<name>/mean@<n>`.
     pub log: bool,
 }
 
@@ -172,7 +173,7 @@ impl RewardModelConfig {
     /// `reward_kwargs.overlong_buffer_cfg` (verl's trainer) or `overlong_buffer` (verl's DAPO
     /// recipe) enabled; `max_resp_len` from `reward_kwargs` or, as the recipe passes it, the
     /// data's `max_response_length`. Refused by name: reward kwargs without `dapo` or not
-    /// read, an enabled buffer elsewhere, a length of 0 or over `max_resp_len`, `log`.
+    /// read, an enabled buffer elsewhere, a length of 0 or over `max_resp_len`.
     pub fn overlong_shaping(
         &self,
         max_response_length: usize,
@@ -227,12 +228,6 @@ impl RewardModelConfig {
         if !cfg.enable {
             return Ok(None);
         }
-        if cfg.log {
-            return Err(refuse(
-                &format!("{field}.log"),
-                "not built yet: the shaping is added to the scores but not stored as a reward extra; set it to false".into(),
-            ));
-        }
         let max_resp_len = match kw.get("max_resp_len").filter(|v| !v.is_null()) {
             Some(v) => v.as_u64().ok_or_else(|| {
                 refuse(
@@ -261,6 +256,7 @@ impl RewardModelConfig {
             max_resp_len,
             buffer_len: cfg.len,
             penalty_factor: cfg.penalty_factor,
+            log: cfg.log,
         }))
     }
 }
@@ -302,7 +298,8 @@ mod tests {
             Some(Some(OverlongBuffer {
                 max_resp_len: 100,
                 buffer_len: 20,
-                penalty_factor: 1.5
+                penalty_factor: 1.5,
+                log: false
             }))
         );
         // The recipe's form: max_resp_len is the data's max_response_length.
@@ -313,9 +310,20 @@ mod tests {
             Some(Some(OverlongBuffer {
                 max_resp_len: 512,
                 buffer_len: 64,
-                penalty_factor: 1.0
+                penalty_factor: 1.0,
+                log: false
             }))
         );
+        // `log` keeps each response's shaping as reward extras.
+        let logged = OverlongBufferConfig {
+            log: true,
+            ..on(64, 1.0)
+        };
+        assert!(dapo(serde_json::json!({}), logged)
+            .overlong_shaping(512)
+            .ok()
+            .flatten()
+            .is_some_and(|b| b.log));
         // Off: dapo scores as naive does.
         let off = dapo(serde_json::json!({}), OverlongBufferConfig::default());
         assert_eq!(off.overlong_shaping(512).ok(), Some(None));
@@ -352,16 +360,6 @@ mod tests {
             (
                 dapo(serde_json::json!({}), on(600, 1.0)),
                 "reward_model.overlong_buffer.len",
-            ),
-            (
-                dapo(
-                    serde_json::json!({}),
-                    OverlongBufferConfig {
-                        log: true,
-                        ..on(4, 1.0)
-                    },
-                ),
-                "reward_model.overlong_buffer.log",
             ),
             (
                 dapo(

@@ -822,7 +822,7 @@ fn dapo_log_reports_the_shaping_as_validation_extras() {
             (reward - (acc + shaping)).abs() < 1e-9,
             "{reward} vs {acc} + {shaping}"
         );
-        assert!(shaping <= 0.0 && shaping >= -0.5, "{shaping}");
+        assert!((-0.5..=0.0).contains(&shaping), "{shaping}");
         assert!((0.0..=1.0).contains(&overlong), "{overlong}");
         assert!(!before.contains_key(&format!("val-core/{source}/reward/mean@1")));
     }

@@ -201,35 +201,48 @@ fn a_file_that_does_not_load_is_refused_at_start() {
     assert!(e.contains("no such file"), "{e}");
 }
 
+/// The built-in task trained for `steps` steps with the reward function in `source` (written
+/// to `dir`) set as a verl user sets it, plus `extra` overrides; its logged lines.
+fn run_with_reward(
+    dir: &Path,
+    source: &str,
+    steps: u64,
+    extra: &[&str],
+) -> Vec<std::collections::BTreeMap<String, f64>> {
+    let path = dir.join("custom_reward.py");
+    std::fs::write(&path, source).unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(verl::trainer::MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+        ])
+        .overrides(extra.iter().copied())
+        .set("trainer.total_training_steps", steps)
+        .set("custom_reward_function.path", path.display())
+        .set("trainer.default_local_dir", dir.display())
+        .build()
+        .unwrap();
+    let summary = common::fit(validated);
+    common::step_lines(&summary.metrics_path)
+}
+
 /// The built-in addition task scored by a Python file instead of the Rust scorer, through the
 /// config as a verl user sets it.
 #[test]
 fn a_run_scores_with_custom_reward_function_path() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("addition_reward.py");
-    std::fs::write(
-        &path,
+    let lines = run_with_reward(
+        dir.path(),
         "import os\n\
          def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
          with open(os.path.join(os.path.dirname(__file__), 'calls'), 'a') as f:\n        \
          f.write(data_source + '\\n')\n    \
          return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0\n",
-    )
-    .unwrap();
-    let validated = ConfigBuilder::new()
-        .overrides(verl::trainer::MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=2",
-            "trainer.sft_warmup_steps=0",
-            "trainer.val_before_train=false",
-        ])
-        .set("custom_reward_function.path", path.display())
-        .set("trainer.default_local_dir", dir.path().display())
-        .build()
-        .unwrap();
-    let summary = common::fit(validated);
-    let lines = common::step_lines(&summary.metrics_path);
+        2,
+        &[],
+    );
     let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
     assert_eq!(steps.len(), 2);
     for s in steps {
@@ -250,30 +263,15 @@ fn a_run_scores_with_custom_reward_function_path() {
 #[test]
 fn a_run_with_the_prime_manager_trains_through_raising_rows() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("strict_reward.py");
-    std::fs::write(
-        &path,
+    let lines = run_with_reward(
+        dir.path(),
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
          if solution_str.strip() != ground_truth.strip():\n        \
          raise ValueError('wrong answer')\n    \
          return (1.0, 'right')\n",
-    )
-    .unwrap();
-    let validated = ConfigBuilder::new()
-        .overrides(verl::trainer::MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=1",
-            "trainer.sft_warmup_steps=0",
-            "trainer.val_before_train=false",
-            "reward_model.reward_manager=prime",
-        ])
-        .set("custom_reward_function.path", path.display())
-        .set("trainer.default_local_dir", dir.path().display())
-        .build()
-        .unwrap();
-    let summary = common::fit(validated);
-    let lines = common::step_lines(&summary.metrics_path);
+        1,
+        &["reward_model.reward_manager=prime"],
+    );
     let step = lines
         .iter()
         .find(|l| l["step"] == 1.0)

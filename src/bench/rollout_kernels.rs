@@ -212,6 +212,25 @@ fn decode_kernels(on: bool) {
     swiglu::SWITCH.set(on);
 }
 
+/// The relative error of each step's logits, `a` against `b`.
+fn step_errors(a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]) -> Vec<f64> {
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
+        .collect()
+}
+
+/// How far a decode kernel's logits may be from the plain path's: burn's f32 products round
+/// their operands to TF32 on Hopper (cubek's blueprint picks tf32 stages for f32), ~5e-4
+/// relative, where the kernel's products are f32; bf16 products round more.
+fn logits_bound(compute: ComputeDtype) -> f64 {
+    if compute == ComputeDtype::F32 {
+        2e-3
+    } else {
+        3e-2
+    }
+}
+
 /// Prefill and six decode steps of three slots (prompts of 5, 11 and 1 tokens, so positions
 /// differ) with the decode kernels and with the plain path (scatter writes, decomposed
 /// attention, separate add / norm / cast and SwiGLU), logits compared step by step; head sizes
@@ -251,13 +270,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
                 out
             };
             let (with, without) = (run(&model, true), run(&model, false));
-            let compare = |a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]| {
-                a.iter()
-                    .zip(b)
-                    .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
-                    .collect::<Vec<f64>>()
-            };
-            let errors = compare(&with, &without);
+            let errors = step_errors(&with, &without);
             let worst = errors.iter().copied().fold(0.0, f64::max);
             println!(
                 "  heads {heads}/{kv} of {hd}, {compute} (fused weights: {}): max relative \
@@ -265,7 +278,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
                 model.generation().is_some()
             );
             if model.generation().is_some() {
-                let layered = compare(&with, &run(&unfused, true));
+                let layered = step_errors(&with, &run(&unfused, true));
                 let worst = layered.iter().copied().fold(0.0, f64::max);
                 println!("    fused step vs layer-by-layer step (kernels on): {worst:.2e}");
                 super::agreement::require_below(
@@ -275,13 +288,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
                     1e-5,
                 );
             }
-            // burn's f32 products round their operands to TF32 on Hopper (cubek's blueprint
-            // picks tf32 stages for f32), ~5e-4 relative; the kernel's products are f32.
-            let bound = if compute == ComputeDtype::F32 {
-                2e-3
-            } else {
-                3e-2
-            };
+            let bound = logits_bound(compute);
             super::agreement::require_below(
                 failures,
                 format!("decode attention {heads}/{kv}x{hd} {compute}"),
@@ -334,27 +341,16 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
                 out
             };
             let (split, whole, plain) = (run(true, true), run(true, false), run(false, false));
-            let compare = |a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]| {
-                a.iter()
-                    .zip(b)
-                    .map(|(a, b)| super::agreement::relative_error(a.clone(), b.clone()))
-                    .collect::<Vec<f64>>()
-            };
-            let (vs_whole, vs_plain) = (compare(&split, &whole), compare(&split, &plain));
+            let (vs_whole, vs_plain) = (step_errors(&split, &whole), step_errors(&split, &plain));
             let worst = |e: &[f64]| e.iter().copied().fold(0.0, f64::max);
             println!(
                 "  heads {heads}/{kv}, {compute}: split vs one block {:.2e}, split vs plain {:.2e}",
                 worst(&vs_whole),
                 worst(&vs_plain)
             );
-            // The split changes only the order of the softmax's sums (~1e-7 relative in the
-            // attention output), but the products after it round their operands (TF32 for f32
-            // on Hopper, bf16), so the logits differ by their rounding: the plain path's bound.
-            let bound = if compute == ComputeDtype::F32 {
-                2e-3
-            } else {
-                3e-2
-            };
+            // The split reorders only the softmax's sums (~1e-7 in the attention output); the
+            // products after it round their operands, so the logits get the plain path's bound.
+            let bound = logits_bound(compute);
             super::agreement::require_below(
                 failures,
                 format!("split decode vs one block {heads}/{kv} {compute}"),

@@ -212,6 +212,29 @@ fn decode_kernels(on: bool) {
     swiglu::SWITCH.set(on);
 }
 
+/// Three prompts prefilled into slots 0, 1, 2 of a cache of `capacity` positions, then 4
+/// decode steps reading it: the logits of the prefill and of each step.
+fn prefill_and_decode(
+    model: &CausalLm<CudaBackend>,
+    prompts: &[Vec<u32>],
+    capacity: usize,
+    device: &Device,
+) -> Vec<Tensor<CudaBackend, 2>> {
+    let cfg = &model.config;
+    let (layers, kv, hd) = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim);
+    let mut cache = SlotKvCache::new(layers, kv, hd, 3, capacity, device);
+    let mut out = vec![model.prefill_slots(prompts, &[0, 1, 2], &mut cache)];
+    let mut positions: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    let mut tokens: Vec<u32> = vec![3, 4, 5];
+    for step in 0..4 {
+        let window = positions.iter().max().copied().unwrap_or(0) + 1;
+        out.push(model.decode_slots(&tokens, &positions, window, &mut cache));
+        tokens = tokens.iter().map(|t| (t * 17 + step) % 1000).collect();
+        positions.iter_mut().for_each(|p| *p += 1);
+    }
+    out
+}
+
 /// The relative error of each step's logits, `a` against `b`.
 fn step_errors(a: &[Tensor<CudaBackend, 2>], b: &[Tensor<CudaBackend, 2>]) -> Vec<f64> {
     a.iter()
@@ -326,16 +349,7 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
             let run = |kernels: bool, split: bool| {
                 decode_kernels(kernels);
                 decode_attention::SPLIT.set(split);
-                let mut cache = SlotKvCache::new(2, kv, cfg.head_dim, 3, 1600, device);
-                let mut out = vec![model.prefill_slots(&prompts, &[0, 1, 2], &mut cache)];
-                let mut positions = vec![1500usize, 700, 3];
-                let mut tokens: Vec<u32> = vec![3, 4, 5];
-                for step in 0..4 {
-                    let window = positions.iter().max().copied().unwrap_or(0) + 1;
-                    out.push(model.decode_slots(&tokens, &positions, window, &mut cache));
-                    tokens = tokens.iter().map(|t| (t * 17 + step) % 1000).collect();
-                    positions.iter_mut().for_each(|p| *p += 1);
-                }
+                let out = prefill_and_decode(&model, &prompts, 1600, device);
                 decode_kernels(true);
                 decode_attention::SPLIT.set(true);
                 out
@@ -386,16 +400,7 @@ fn check_prefill(device: &Device, failures: &mut Vec<String>) {
             .collect();
         let run = |fused: bool| {
             attention::SWITCH.set(fused);
-            let mut cache = SlotKvCache::new(2, kv, hd, 3, 320, device);
-            let mut out = vec![model.prefill_slots(&prompts, &[0, 1, 2], &mut cache)];
-            let mut positions = vec![300usize, 77, 1];
-            let mut tokens: Vec<u32> = vec![3, 4, 5];
-            for step in 0..4 {
-                let window = positions.iter().max().copied().unwrap_or(0) + 1;
-                out.push(model.decode_slots(&tokens, &positions, window, &mut cache));
-                tokens = tokens.iter().map(|t| (t * 17 + step) % 1000).collect();
-                positions.iter_mut().for_each(|p| *p += 1);
-            }
+            let out = prefill_and_decode(&model, &prompts, 320, device);
             attention::SWITCH.set(true);
             out
         };

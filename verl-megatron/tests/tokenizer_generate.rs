@@ -86,3 +86,34 @@ fn sampling_is_seeded_and_stops_at_eos() {
         vec![a[0]]
     );
 }
+
+/// A chat template is code from the model's files: one whose loops would run for 10^10 steps
+/// is stopped by its step budget and named, instead of hanging the data loader.
+#[test]
+fn a_chat_template_that_does_not_end_is_stopped_and_named() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("qwen2")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    let tok = HfTokenizer::from_dir(dir.path()).unwrap();
+    // Without the budget this call would not return.
+    let e = tok
+        .apply_chat_template(&[ChatMessage::user("hi")], true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("chat_template") && e.contains("steps"), "{e}");
+    // The real template is far inside the budget.
+    let tok = HfTokenizer::from_dir(fixture("qwen2")).unwrap();
+    let many: Vec<ChatMessage> = (0..200)
+        .map(|i| ChatMessage::user(format!("turn {i}")))
+        .collect();
+    assert!(tok.apply_chat_template(&many, true).is_ok());
+}

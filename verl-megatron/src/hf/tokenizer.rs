@@ -26,6 +26,10 @@ impl ChatMessage {
     }
 }
 
+/// Steps (minijinja's fuel) one chat-template rendering may take: Qwen's template with tools
+/// over a long conversation takes well under 1 % of it.
+pub const CHAT_TEMPLATE_FUEL: u64 = 50_000_000;
+
 /// Tokenizer, chat template and stop ids of a Hugging Face model directory.
 #[derive(Clone)]
 pub struct HfTokenizer {
@@ -164,6 +168,9 @@ impl HfTokenizer {
                 message: "the model has no chat template; pass the prompt as plain text".into(),
             })?;
         let mut env = Environment::new();
+        // A template is code from the model's files: bound the steps it may take, so a loop
+        // that never ends (or one of 10^10 steps) is an error naming the template, not a hang.
+        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, JinjaError> {
@@ -173,7 +180,16 @@ impl HfTokenizer {
         let render_err = |e: JinjaError| MegatronError::Config {
             path: "chat_template".into(),
             field: "chat_template".into(),
-            message: e.to_string(),
+            message: if e.kind() == ErrorKind::OutOfFuel {
+                format!(
+                    "the template ran past {CHAT_TEMPLATE_FUEL} steps for {} messages (a loop \
+                     that does not end?); fix the template in tokenizer_config.json or \
+                     chat_template.jinja",
+                    messages.len()
+                )
+            } else {
+                e.to_string()
+            },
         };
         env.add_template("chat", template).map_err(render_err)?;
         env.get_template("chat")

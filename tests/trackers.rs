@@ -1,5 +1,5 @@
-//! verl's `trainer.logger` trackers: `file` natively, and `wandb`, `mlflow`, `tensorboard` in a
-//! `python3` worker. The Python libraries are stood in for by small modules on `PYTHONPATH`
+//! verl's `trainer.logger` trackers: `file` natively, and `wandb`, `mlflow`, `tensorboard`,
+//! `trackio` and `clearml` in a `python3` worker. The Python libraries are stood in for by small modules on `PYTHONPATH`
 //! that record every call to a JSON-lines file, so the test checks what verl-rs asks of them:
 //! the names, the config, every step's metrics, the finish. Needs a `python3`, as
 //! tests/python_reward.rs does.
@@ -50,6 +50,40 @@ def start_run(experiment_id=None, run_name=None, run_id=None):
 def log_params(params): record("mlflow", "log_params", count=len(params), sample=params.get("trainer/project_name"))
 def log_metrics(metrics=None, step=None): record("mlflow", "log_metrics", step=step, data=metrics)
 def end_run(): record("mlflow", "end_run")
+"#,
+    ),
+    (
+        "trackio.py",
+        r#"
+from record_call import record
+def init(project=None, name=None, config=None):
+    record("trackio", "init", project=project, name=name, config=config)
+def log(data=None, step=None):
+    record("trackio", "log", step=step, data=data)
+def finish():
+    record("trackio", "finish")
+"#,
+    ),
+    ("clearml/__init__.py", "from clearml.task import Task\n"),
+    (
+        "clearml/task.py",
+        r#"
+from record_call import record
+class _Logger:
+    def report_scalar(self, title, series, value, iteration):
+        record("clearml", "report_scalar", title=title, series=series, value=value, step=iteration)
+class Task:
+    @staticmethod
+    def init(task_name=None, project_name=None, continue_last_task=None, output_uri=None):
+        record("clearml", "init", task_name=task_name, project_name=project_name,
+               continue_last_task=continue_last_task, output_uri=output_uri)
+        return Task()
+    def connect_configuration(self, config, name=None):
+        record("clearml", "connect_configuration", name=name, project=config["trainer"]["project_name"])
+    def get_logger(self):
+        return _Logger()
+    def close(self):
+        record("clearml", "close")
 "#,
     ),
     ("torch/__init__.py", ""),
@@ -191,4 +225,48 @@ fn a_tracker_that_cannot_start_stops_the_run_by_name() {
     assert!(err.contains("trainer.logger `swanlab`"), "{err}");
     assert!(err.contains("No module named 'swanlab'"), "{err}");
     assert!(!dir.path().join("run/metrics.jsonl").exists() || logged_steps(dir.path()).is_empty());
+}
+
+#[test]
+fn each_step_reaches_trackio_and_clearml() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, err, calls) = train(dir.path(), "[console,trackio,clearml]");
+    assert!(ok, "{err}");
+    let steps = logged_steps(dir.path());
+    let of = |lib: &str, call: &str| -> Vec<&Value> {
+        calls
+            .iter()
+            .filter(|c| c["lib"] == lib && c["call"] == call)
+            .collect()
+    };
+    // trackio: verl's init (project, experiment name, the resolved config), every step, finish.
+    let init = of("trackio", "init");
+    assert_eq!(init.len(), 1, "{calls:?}");
+    assert_eq!(
+        (&init[0]["project"], &init[0]["name"]),
+        (&"tracked".into(), &"run_a".into())
+    );
+    assert_eq!(init[0]["config"]["trainer"]["total_training_steps"], 2);
+    let logged: Vec<u64> = of("trackio", "log")
+        .iter()
+        .map(|c| c["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(logged, steps.keys().copied().collect::<Vec<_>>());
+    assert_eq!(of("trackio", "finish").len(), 1);
+    // clearml: verl's task (continuing the last, no artifact upload), the config as its
+    // hyperparameters, "title/series" scalars with the step as the iteration, closed.
+    let init = of("clearml", "init");
+    assert_eq!(init[0]["task_name"], "run_a");
+    assert_eq!(init[0]["project_name"], "tracked");
+    assert_eq!(init[0]["continue_last_task"], true);
+    assert_eq!(init[0]["output_uri"], false);
+    let configured = of("clearml", "connect_configuration");
+    assert_eq!(configured[0]["name"], "Hyperparameters");
+    assert_eq!(configured[0]["project"], "tracked");
+    let score = of("clearml", "report_scalar")
+        .into_iter()
+        .find(|c| c["title"] == "critic" && c["series"] == "score/mean" && c["step"] == 2)
+        .expect("critic/score/mean at step 2");
+    assert_eq!(score["value"], steps[&2]["critic/score/mean"]);
+    assert_eq!(of("clearml", "close").len(), 1);
 }

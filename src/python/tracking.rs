@@ -1,5 +1,5 @@
 //! verl's Python experiment trackers (`trainer.logger` entries `wandb`, `mlflow`,
-//! `tensorboard`, `swanlab`), run by one `python3` worker (`tracking_worker.py`) that sets them
+//! `tensorboard`, `swanlab`, `trackio`, `clearml`), run by one `python3` worker (`tracking_worker.py`) that sets them
 //! up as verl does and logs each step's metrics to all of them.
 
 use std::collections::BTreeMap;
@@ -16,7 +16,14 @@ const SCRIPT: &str = concat!(
 );
 
 /// The trackers verl sets up in Python.
-pub const PYTHON_TRACKERS: &[&str] = &["wandb", "mlflow", "tensorboard", "swanlab"];
+pub const PYTHON_TRACKERS: &[&str] = &[
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "swanlab",
+    "trackio",
+    "clearml",
+];
 
 /// How long a tracker may take to start (a wandb login, an mlflow store) and to log a step.
 const START_DEADLINE: Duration = Duration::from_secs(300);

@@ -3,7 +3,7 @@
 # resolved config, the same environment variables), in the frames of frames.py (prepended
 # to this script).
 #
-#   argv: <backend>[,<backend>...] among wandb, mlflow, tensorboard, swanlab
+#   argv: <backend>[,<backend>...] among wandb, mlflow, tensorboard, swanlab, trackio, clearml
 #   init:     {"project": str, "experiment": str, "config": {...}}
 #             -> {"ready": true} or {"ready": false, "error": "...", "backend": name}
 #   log:      {"step": int, "data": {name: float}} -> {"ok": true} or {"error": "..."}
@@ -110,7 +110,42 @@ class Swanlab:
         self.swanlab.finish()
 
 
-BACKENDS = {"wandb": Wandb, "mlflow": Mlflow, "tensorboard": Tensorboard, "swanlab": Swanlab}
+class Trackio:
+    def __init__(self, project, experiment, config):
+        import trackio
+
+        trackio.init(project=project, name=experiment, config=config)
+        self.trackio = trackio
+
+    def log(self, step, data):
+        self.trackio.log(data=data, step=step)
+
+    def finish(self):
+        self.trackio.finish()
+
+
+class Clearml:
+    # verl's ClearMLLogger: a task named after the experiment (continuing the last one, no
+    # artifact upload), the config as its hyperparameters, each metric "title/series" a scalar.
+    def __init__(self, project, experiment, config):
+        import clearml
+
+        self.task = clearml.Task.init(task_name=experiment, project_name=project,
+                                      continue_last_task=True, output_uri=False)
+        self.task.connect_configuration(config, name="Hyperparameters")
+
+    def log(self, step, data):
+        logger = self.task.get_logger()
+        for k, v in data.items():
+            title, series = k.split("/", 1) if "/" in k else (k, k)
+            logger.report_scalar(title=title, series=series, value=v, iteration=step)
+
+    def finish(self):
+        self.task.close()
+
+
+BACKENDS = {"wandb": Wandb, "mlflow": Mlflow, "tensorboard": Tensorboard, "swanlab": Swanlab,
+            "trackio": Trackio, "clearml": Clearml}
 
 
 def main():

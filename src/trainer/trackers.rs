@@ -1,6 +1,7 @@
 //! The experiment trackers of verl's `trainer.logger` beyond the console and `metrics.jsonl`
 //! (which every run writes): `file` (verl's JSON-lines file logger, native) and the Python
-//! ones, `wandb`, `mlflow`, `tensorboard` and `swanlab` ([`crate::python::PythonTrackers`]).
+//! ones, `wandb`, `mlflow`, `tensorboard`, `swanlab`, `trackio` and `clearml`
+//! ([`crate::python::PythonTrackers`]).
 //! They are started before training, where one that cannot start stops the run naming it, and
 //! fed every step's metrics by [`super::log::RunLog::record`]; one that fails later is
 //! dropped with a warning (`metrics.jsonl` still holds every step).

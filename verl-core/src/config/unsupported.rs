@@ -123,6 +123,8 @@ const LOGGERS: &[&str] = &[
     "mlflow",
     "tensorboard",
     "swanlab",
+    "trackio",
+    "clearml",
 ];
 
 /// The `override_transformer_config` keys the Megatron models read.
@@ -907,7 +909,7 @@ mod tests {
             ),
             ("actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.actor.load_weight"),
             ("custom_reward_function.name=my_score", "custom_reward_function.name"),
-            ("trainer.logger=[console, clearml]", "trainer.logger"),
+            ("trainer.logger=[console, vemlp_wandb]", "trainer.logger"),
             (
                 "data.dataloader_num_workers=4",
                 "data.dataloader_num_workers",

@@ -15,15 +15,9 @@ const SCRIPT: &str = concat!(
     include_str!("tracking_worker.py")
 );
 
-/// The trackers verl sets up in Python.
-pub const PYTHON_TRACKERS: &[&str] = &[
-    "wandb",
-    "mlflow",
-    "tensorboard",
-    "swanlab",
-    "trackio",
-    "clearml",
-];
+/// The trackers verl sets up in Python (the config's list, which `trainer.logger` is checked
+/// against).
+pub use verl_core::config::PYTHON_LOGGERS as PYTHON_TRACKERS;
 
 /// How long a tracker may take to start (a wandb login, an mlflow store) and to log a step.
 const START_DEADLINE: Duration = Duration::from_secs(300);

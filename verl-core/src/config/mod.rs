@@ -63,7 +63,7 @@ pub use profiler::{
     GlobalProfilerConfig, NpuToolConfig, NsysToolConfig, ProfilerTool, RoleProfilerConfig,
     ToolConfig, TorchMemoryToolConfig, TorchToolConfig,
 };
-pub use trainer::{Device, Launcher, ResumeMode, TrainerConfig};
+pub use trainer::{Device, Launcher, ResumeMode, TrainerConfig, NATIVE_LOGGERS, PYTHON_LOGGERS};
 pub use validate::{ValidatedConfig, ADV_ESTIMATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES};
 
 use crate::error::ConfigError;

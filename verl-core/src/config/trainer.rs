@@ -35,6 +35,20 @@ pub enum Device {
     Cpu,
 }
 
+/// `trainer.logger` entries written natively: the console and metrics.jsonl (every run writes
+/// both) and verl's JSON-lines `file` logger.
+pub const NATIVE_LOGGERS: &[&str] = &["console", "jsonl", "file"];
+
+/// `trainer.logger` entries run by a `python3` worker, as verl's `Tracking` sets them up.
+pub const PYTHON_LOGGERS: &[&str] = &[
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "swanlab",
+    "trackio",
+    "clearml",
+];
+
 /// `trainer`: the run's length, cadence, devices and output.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

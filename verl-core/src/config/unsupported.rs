@@ -4,7 +4,7 @@
 //! starts to be honoured leaves this list.
 
 use super::profiler::{ProfilerTool, ToolConfig};
-use super::{Device, MegatronConfig, VerlConfig};
+use super::{Device, MegatronConfig, VerlConfig, NATIVE_LOGGERS, PYTHON_LOGGERS};
 use crate::error::ConfigError;
 
 /// Refuses `key` = `value` when `supported` is false.
@@ -112,20 +112,6 @@ fn megatron(prefix: &str, m: &MegatronConfig) -> Result<(), ConfigError> {
     }
     Ok(())
 }
-
-/// `trainer.logger` entries: the console and metrics.jsonl (always written), verl's `file`
-/// logger, and the trackers run in Python.
-const LOGGERS: &[&str] = &[
-    "console",
-    "jsonl",
-    "file",
-    "wandb",
-    "mlflow",
-    "tensorboard",
-    "swanlab",
-    "trackio",
-    "clearml",
-];
 
 /// The `override_transformer_config` keys the Megatron models read.
 const OVERRIDES_READ: &[&str] = &[
@@ -285,13 +271,17 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
             "set it to cpu or cuda"
         },
     )?;
+    let loggers = || NATIVE_LOGGERS.iter().chain(PYTHON_LOGGERS);
     for logger in &t.logger {
         require(
-            LOGGERS.contains(&logger.as_str()),
+            loggers().any(|l| l == logger),
             "trainer.logger",
             &t.logger,
             &format!("`{logger}` is not supported yet (metrics always go to metrics.jsonl)"),
-            &format!("use some of {}", LOGGERS.join(", ")),
+            &format!(
+                "use some of {}",
+                loggers().copied().collect::<Vec<_>>().join(", ")
+            ),
         )?;
     }
     require(

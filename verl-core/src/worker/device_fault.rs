@@ -22,6 +22,8 @@
 use std::fmt;
 use std::sync::Mutex;
 
+use crate::error::{Error, Result};
+
 /// The first failure a backend thread reported, and how many it reported in all.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceFault {
@@ -86,5 +88,18 @@ pub fn report(fault: &DeviceFault, call_error: Option<&str>) -> String {
     match call_error {
         Some(e) => format!("{fault}; what failed after it: {e}"),
         None => format!("{fault}; the call's results are not trusted after it"),
+    }
+}
+
+/// A rank call's result once the process's device fault is taken into account: unchanged
+/// when there is none, else an error naming the fault first and then what the call said
+/// (the serving loop of each transport passes every call's result through this).
+pub fn outrank<T>(result: Result<T>) -> Result<T> {
+    match (result, first()) {
+        (result, None) => result,
+        (result, Some(fault)) => {
+            let seen = result.err().map(|e| e.to_string());
+            Err(Error::backend("worker", report(&fault, seen.as_deref())))
+        }
     }
 }

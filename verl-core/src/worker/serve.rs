@@ -169,17 +169,7 @@ where
             ))
         });
         // A failure on a backend thread outranks whatever the call saw after it.
-        let result = match (result, super::device_fault::first()) {
-            (result, None) => result,
-            (Ok(_), Some(fault)) => Err(Error::backend(
-                "worker",
-                super::device_fault::report(&fault, None),
-            )),
-            (Err(e), Some(fault)) => Err(Error::backend(
-                "worker",
-                super::device_fault::report(&fault, Some(&e.to_string())),
-            )),
-        };
+        let result = super::device_fault::outrank(result);
         let failed_setup = method == SETUP && result.is_err();
         reply(id, &method, result)?;
         if failed_setup {

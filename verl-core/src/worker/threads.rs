@@ -94,17 +94,13 @@ impl RankCall {
             }));
             let outcome = outcome.unwrap_or_else(|p| RankOutcome::Panicked(panic_message(p)));
             // A failure on a backend thread outranks whatever the call saw after it.
-            let outcome = match (outcome, super::device_fault::first()) {
-                (outcome @ RankOutcome::Cancelled, _) | (outcome, None) => outcome,
-                (outcome, Some(fault)) => {
-                    let seen = match outcome {
-                        RankOutcome::Done(Err(e)) => Some(e.to_string()),
-                        RankOutcome::Panicked(m) => Some(format!("panicked: {m}")),
-                        _ => None,
-                    };
-                    let report = super::device_fault::report(&fault, seen.as_deref());
-                    RankOutcome::Done(Err(Error::backend("worker", report)))
+            let outcome = match outcome {
+                RankOutcome::Done(r) => RankOutcome::Done(super::device_fault::outrank(r)),
+                RankOutcome::Panicked(m) if super::device_fault::first().is_some() => {
+                    let panicked = Error::backend("worker", format!("panicked: {m}"));
+                    RankOutcome::Done(super::device_fault::outrank(Err(panicked)))
                 }
+                other => other,
             };
             let failure = match &outcome {
                 RankOutcome::Done(Err(e)) => Some(e.to_string()),

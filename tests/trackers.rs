@@ -146,6 +146,14 @@ fn train(dir: &Path, loggers: &str) -> (bool, String, Vec<Value>) {
     (out.status.success(), err, calls(&record))
 }
 
+/// The recorded calls of `lib` named `call`, in order.
+fn calls_of<'a>(calls: &'a [Value], lib: &str, call: &str) -> Vec<&'a Value> {
+    calls
+        .iter()
+        .filter(|c| c["lib"] == lib && c["call"] == call)
+        .collect()
+}
+
 /// The steps `metrics.jsonl` holds, by step.
 fn logged_steps(dir: &Path) -> BTreeMap<u64, Value> {
     std::fs::read_to_string(dir.join("run/metrics.jsonl"))
@@ -166,12 +174,7 @@ fn each_step_reaches_wandb_mlflow_tensorboard_and_the_file_logger() {
         steps.contains_key(&1) && steps.contains_key(&2),
         "{steps:?}"
     );
-    let of = |lib: &str, call: &str| -> Vec<&Value> {
-        calls
-            .iter()
-            .filter(|c| c["lib"] == lib && c["call"] == call)
-            .collect()
-    };
+    let of = |lib: &str, call: &str| calls_of(&calls, lib, call);
     // wandb: verl's init (project, experiment name, the resolved config), every step, finish.
     let init = of("wandb", "init");
     assert_eq!(init.len(), 1, "{calls:?}");
@@ -233,12 +236,7 @@ fn each_step_reaches_trackio_and_clearml() {
     let (ok, err, calls) = train(dir.path(), "[console,trackio,clearml]");
     assert!(ok, "{err}");
     let steps = logged_steps(dir.path());
-    let of = |lib: &str, call: &str| -> Vec<&Value> {
-        calls
-            .iter()
-            .filter(|c| c["lib"] == lib && c["call"] == call)
-            .collect()
-    };
+    let of = |lib: &str, call: &str| calls_of(&calls, lib, call);
     // trackio: verl's init (project, experiment name, the resolved config), every step, finish.
     let init = of("trackio", "init");
     assert_eq!(init.len(), 1, "{calls:?}");

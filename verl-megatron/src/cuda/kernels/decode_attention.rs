@@ -222,16 +222,13 @@ pub fn decode_attention(
         .hardware
         .num_streaming_multiprocessors
         .unwrap_or(132) as usize;
+    let keys = keys.clamp(1, capacity);
     let split = if SPLIT.enabled() {
-        split_len(kv_heads, slots, keys.clamp(1, capacity), sms)
+        split_len(kv_heads, slots, keys, sms)
     } else {
         0
     };
-    let splits = if split == 0 {
-        1
-    } else {
-        keys.clamp(1, capacity).div_ceil(split)
-    };
+    let splits = if split == 0 { 1 } else { keys.div_ceil(split) };
     // The partial softmaxes of the splits (a one-element stand-in when there is no split).
     let partial = super::empty_of(
         &bound.q,

@@ -82,10 +82,9 @@ impl PpoTrainer {
         let mut total = 0.0;
         let mut count = 0usize;
         let mut dump = Vec::new();
-        // data source -> (score sum, responses, responses per prompt)
-        let mut by_source = std::collections::BTreeMap::<String, (f64, usize, usize)>::new();
-        // (data source, reward extra) -> (sum, responses, responses per prompt)
-        let mut extras_by_source =
+        // (data source, variable: `reward` or a reward extra) -> (sum, responses, responses per
+        // prompt)
+        let mut by_source =
             std::collections::BTreeMap::<(String, String), (f64, usize, usize)>::new();
         for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
             let mut batch = prompt_batch::<Infer>(
@@ -119,15 +118,15 @@ impl PpoTrainer {
             let per_prompt = scores.len() / chunk.len().max(1);
             let sources = gen.non_tensor("data_source")?;
             for (s, source) in scored.iter().zip(sources) {
-                let source = source.as_str().unwrap_or("unknown").to_string();
-                for (name, value) in &s.extra {
-                    let e = extras_by_source
-                        .entry((source.clone(), name.clone()))
+                let source = source.as_str().unwrap_or("unknown");
+                let variables = std::iter::once(("reward", s.score))
+                    .chain(s.extra.iter().map(|(name, &v)| (name.as_str(), v)));
+                for (name, value) in variables {
+                    let e = by_source
+                        .entry((source.to_string(), name.to_string()))
                         .or_default();
                     (e.0, e.1, e.2) = (e.0 + value, e.1 + 1, per_prompt.max(e.2));
                 }
-                let e = by_source.entry(source).or_default();
-                (e.0, e.1, e.2) = (e.0 + s.score, e.1 + 1, per_prompt.max(e.2));
             }
             total += scores.iter().sum::<f64>();
             count += scores.len();
@@ -137,28 +136,18 @@ impl PpoTrainer {
         }
         // verl's sections: the core variable is `acc` where the manager reports it, else the
         // reward; every other variable is auxiliary.
-        let has_acc = |source: &str| extras_by_source.contains_key(&(source.into(), "acc".into()));
+        let has_acc = |source: &str| by_source.contains_key(&(source.into(), "acc".into()));
         let mut metrics: std::collections::BTreeMap<String, f64> = by_source
             .iter()
-            .map(|(source, &(sum, n, per))| {
-                let section = if has_acc(source) {
-                    "val-aux"
-                } else {
-                    "val-core"
-                };
+            .map(|((source, name), &(sum, n, per))| {
+                let core = if has_acc(source) { "acc" } else { "reward" };
+                let section = if name == core { "val-core" } else { "val-aux" };
                 (
-                    format!("{section}/{source}/reward/mean@{per}"),
+                    format!("{section}/{source}/{name}/mean@{per}"),
                     sum / n.max(1) as f64,
                 )
             })
             .collect();
-        for ((source, name), &(sum, n, per)) in &extras_by_source {
-            let section = if name == "acc" { "val-core" } else { "val-aux" };
-            metrics.insert(
-                format!("{section}/{source}/{name}/mean@{per}"),
-                sum / n.max(1) as f64,
-            );
-        }
         metrics.insert("val/score/mean".into(), total / count.max(1) as f64);
         Ok(metrics)
     }

@@ -187,11 +187,33 @@ pub trait ParallelBackend: FusedOps {
 /// Records the device's usage into the peak of the phase open on this thread (if one is; see
 /// `verl_core::memory`). Called where usage is highest: after a forward pass, around the
 /// optimizer step, after a reload or a generation.
+///
+/// With `RUST_LOG=verl_megatron::memory=debug`, each sample is also a debug event naming the
+/// line of code it was taken at (through the callers marked `#[track_caller]`): where a
+/// training step's memory goes, phase by phase.
+#[track_caller]
 pub fn sample_memory<B: ParallelBackend>(device: &B::Device) {
-    if verl_core::memory::phase_open() {
-        if let Some(usage) = B::memory_usage(device) {
-            verl_core::memory::record(usage);
-        }
+    let traced = tracing::enabled!(target: "verl_megatron::memory", tracing::Level::DEBUG);
+    let measured = verl_core::memory::phase_open();
+    if !(measured || traced) {
+        return;
+    }
+    let Some(usage) = B::memory_usage(device) else {
+        return;
+    };
+    if measured {
+        verl_core::memory::record(usage);
+    }
+    if traced {
+        let at = std::panic::Location::caller();
+        let gib = verl_core::memory::gib;
+        tracing::debug!(
+            target: "verl_megatron::memory",
+            at = %format_args!("{}:{}", at.file(), at.line()),
+            allocated_gib = gib(usage.allocated),
+            reserved_gib = gib(usage.reserved),
+            device_used_gib = gib(usage.device_used),
+        );
     }
 }
 
@@ -344,8 +366,11 @@ pub fn release_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(mod
 
 /// [`sample_memory`] on the device of `model`'s parameters (looked up only when a phase is
 /// being measured).
+#[track_caller]
 pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(model: &M) {
-    if verl_core::memory::phase_open() {
+    if verl_core::memory::phase_open()
+        || tracing::enabled!(target: "verl_megatron::memory", tracing::Level::DEBUG)
+    {
         if let Some(device) = model.devices().first() {
             sample_memory::<B>(device);
         }

@@ -399,6 +399,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 );
                 drop(step_span);
                 self.engine.model = Some(model);
+                self.sample_memory();
                 let report = report?;
                 skipped += u32::from(!report.applied);
                 if self.engine.is_last_stage() {

@@ -219,7 +219,9 @@ impl<B: ParallelAutodiffBackend> TrainingEngine<B> {
             .map_or_else(Default::default, TrainingOffload::take_moved)
     }
 
-    /// Records the device's usage into the open phase's peak.
+    /// Records the device's usage into the open phase's peak (and traces it: see
+    /// [`crate::parallel::sample_memory`]).
+    #[track_caller]
     pub fn sample_memory(&self) {
         crate::parallel::sample_module_memory::<B, _>(self.model());
     }
@@ -394,6 +396,7 @@ pub trait TrainingRole<B: ParallelAutodiffBackend>: Sized {
     }
 
     /// See [`TrainingEngine::sample_memory`].
+    #[track_caller]
     fn sample_memory(&self) {
         self.engine().sample_memory()
     }

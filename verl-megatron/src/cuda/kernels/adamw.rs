@@ -14,8 +14,12 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::CubeDim;
 use verl_core::backend::CudaBackend;
 
-use super::CudaPrimitive;
+use super::{CudaPrimitive, KernelSwitch};
 use crate::ops::AdamWStep;
+
+/// Whether the fused kernel is used: on unless `VERL_ADAMW=decomposed` in the environment, or
+/// `SWITCH.set(false)` (to compare it with burn's chain inside a whole job).
+pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_ADAMW");
 
 /// What [`step`] hands back when it does not apply: the parameter, the gradient and the
 /// moments, unchanged.
@@ -61,12 +65,19 @@ mod kernel {
 }
 use kernel::adamw_kernel;
 
-/// A contiguous primitive this kernel may write (a copy when the buffer is shared).
-fn writable(t: Tensor<CudaBackend, 1>) -> CudaPrimitive {
+/// A contiguous primitive this kernel may write (a copy when the buffer is shared). A copy
+/// costs a tensor-sized allocation, so each is a debug event of target
+/// `verl_megatron::memory` naming the tensor (`what`) and its bytes.
+fn writable(t: Tensor<CudaBackend, 1>, what: &'static str) -> CudaPrimitive {
     let p = into_contiguous(t.into_primitive().tensor());
     if p.can_mut() {
         p
     } else {
+        tracing::debug!(
+            target: "verl_megatron::memory",
+            adamw_copy = what,
+            bytes = p.meta.shape().num_elements() * 4,
+        );
         p.copy()
     }
 }
@@ -76,14 +87,15 @@ fn wrap(p: CudaPrimitive) -> Tensor<CudaBackend, 1> {
 }
 
 /// One AdamW update of a flat f32 parameter by the fused kernel; `moments` is `None` before the
-/// first update. Another dtype gets its inputs back.
+/// first update. Another dtype, or the switch off, gets its inputs back.
 pub fn step(
     param: Tensor<CudaBackend, 1>,
     grad: Tensor<CudaBackend, 1>,
     moments: Option<(Tensor<CudaBackend, 1>, Tensor<CudaBackend, 1>)>,
     s: &AdamWStep,
 ) -> Result<Updated<CudaBackend>, NotApplied<CudaBackend>> {
-    let all_f32 = param.dtype() == DType::F32
+    let all_f32 = SWITCH.enabled()
+        && param.dtype() == DType::F32
         && grad.dtype() == DType::F32
         && moments
             .as_ref()
@@ -100,7 +112,11 @@ pub fn step(
             Tensor::<CudaBackend, 1>::zeros([n], &device),
         ),
     };
-    let (p, m1, m2) = (writable(param), writable(exp_avg), writable(exp_avg_sq));
+    let (p, m1, m2) = (
+        writable(param, "param"),
+        writable(exp_avg, "exp_avg"),
+        writable(exp_avg_sq, "exp_avg_sq"),
+    );
     let g = into_contiguous(grad.into_primitive().tensor());
     if n > 0 {
         let client = p.client.clone();

@@ -361,7 +361,8 @@ fn trainer(train: &Path, val: &Path, out: &Path) -> Result<verl::trainer::PpoTra
         .overrides([
             "trainer.sft_warmup_steps=2",
             "trainer.total_training_steps=2",
-            "trainer.test_freq=-1",
+            // Validated after the last step.
+            "trainer.test_freq=2",
             "data.train_batch_size=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",

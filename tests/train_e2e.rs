@@ -40,6 +40,8 @@ fn grpo_raises_the_score() {
     let (summary, lines, _dir) = run(&[
         "trainer.sft_warmup_steps=120",
         "trainer.total_training_steps=80",
+        // Validated once more after the last step.
+        "trainer.test_freq=80",
         "actor_rollout_ref.actor.optim.lr=0.0003",
         // This short recipe learns at a constant rate (the main job decays it).
         "actor_rollout_ref.actor.optim.lr_decay_style=constant",
@@ -718,6 +720,7 @@ fn val_only_validates_and_stops() {
                 "trainer.total_training_steps=2",
                 "trainer.sft_warmup_steps=0",
                 "trainer.save_freq=2",
+                "trainer.test_freq=2",
                 "trainer.val_before_train=true",
             ])
             .overrides(extra.iter().copied())

@@ -311,7 +311,7 @@ impl PpoTrainer {
 
     /// The whole run: warm-up, optional validation before training, the RL steps (epochs over
     /// the shuffled prompts, bounded by `trainer.total_training_steps`), validation every
-    /// `trainer.test_freq` steps and at the end, a checkpoint every `trainer.save_freq` steps
+    /// `trainer.test_freq` steps and at the end (none with test_freq <= 0, as verl), a checkpoint every `trainer.save_freq` steps
     /// and at the end. A run that finds a checkpoint (`trainer.resume_mode`) continues from it
     /// exactly: same batches, samples, optimizer state and metrics as if never stopped.
     pub async fn fit(&mut self) -> Result<RunSummary, TrainError> {
@@ -393,7 +393,9 @@ impl PpoTrainer {
             reduced.insert("training/epoch".into(), ls.epoch as f64);
             reduced.insert("training/global_step".into(), step as f64);
             let freq = self.cfg.trainer.test_freq;
-            if (freq > 0 && step % freq as u64 == 0) || step == self.total_steps {
+            // As verl: every `test_freq` steps and after the last, never with test_freq <= 0
+            // (a validation call can be the largest generation of a job).
+            if freq > 0 && (step % freq as u64 == 0 || step == self.total_steps) {
                 let val = self.validation_metrics().await?;
                 after = val.get("val/score/mean").copied();
                 reduced.extend(val);

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use burn::prelude::*;
-use burn::tensor::{Distribution, TensorData};
+use burn::tensor::{Distribution, FloatDType, TensorData};
 use verl::backend::CudaBackend;
 use verl::megatron::cuda::kernels::{decode_attention, norm, sampling as sampling_kernel, swiglu};
 use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
@@ -212,17 +212,18 @@ fn decode_kernels(on: bool) {
     swiglu::SWITCH.set(on);
 }
 
-/// Three prompts prefilled into slots 0, 1, 2 of a cache of `capacity` positions, then 4
-/// decode steps reading it: the logits of the prefill and of each step.
+/// Three prompts prefilled into slots 0, 1, 2 of a cache of `capacity` positions stored as
+/// `dtype`, then 4 decode steps reading it: the logits of the prefill and of each step.
 fn prefill_and_decode(
     model: &CausalLm<CudaBackend>,
     prompts: &[Vec<u32>],
     capacity: usize,
+    dtype: FloatDType,
     device: &Device,
 ) -> Vec<Tensor<CudaBackend, 2>> {
     let cfg = &model.config;
     let (layers, kv, hd) = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim);
-    let mut cache = SlotKvCache::new(layers, kv, hd, 3, capacity, device);
+    let mut cache = SlotKvCache::new_with_dtype(layers, kv, hd, 3, capacity, dtype, device);
     let mut out = vec![model.prefill_slots(prompts, &[0, 1, 2], &mut cache)];
     let mut positions: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let mut tokens: Vec<u32> = vec![3, 4, 5];
@@ -321,9 +322,53 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
         }
     }
     check_decode_split(device, failures);
+    check_bf16_cache(device, failures);
     check_greedy_engine(device, ComputeDtype::F32, failures);
     check_greedy_engine(device, ComputeDtype::Bf16, failures);
     check_prefill(device, failures);
+}
+
+/// The bf16 KV cache the engine allocates with bf16 products, against an f32 cache: bf16
+/// products round keys and values to bf16 before every product, so the logits must be the same
+/// to the bit, with the split decode kernel, with one block per slot and on the plain path
+/// (prompts of 1 500, 700 and 3 tokens, prefill and 4 decode steps).
+fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
+    println!("\nbf16 KV cache vs f32 KV cache with bf16 products (logits, equal to the bit):");
+    for (hidden, heads, kv) in [(896, 14, 2), (768, 6, 1)] {
+        let mut dims = model_dims(hidden, heads, kv);
+        dims.max_position_embeddings = 2048;
+        let cfg = HfModelConfig::qwen2(dims);
+        let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+            .with_compute_dtype(ComputeDtype::Bf16)
+            .with_generation_matrices();
+        let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
+            .iter()
+            .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
+            .collect();
+        for (path, kernels, split) in [
+            ("split kernel", true, true),
+            ("one block per slot", true, false),
+            ("plain path", false, false),
+        ] {
+            let run = |dtype| {
+                decode_kernels(kernels);
+                decode_attention::SPLIT.set(split);
+                let out = prefill_and_decode(&model, &prompts, 1600, dtype, device);
+                decode_kernels(true);
+                decode_attention::SPLIT.set(true);
+                out
+            };
+            let errors = step_errors(&run(FloatDType::BF16), &run(FloatDType::F32));
+            let worst = errors.iter().copied().fold(0.0, f64::max);
+            println!("  heads {heads}/{kv}, {path}: max relative difference {worst:.2e}");
+            super::agreement::require_below(
+                failures,
+                format!("bf16 cache vs f32 cache {heads}/{kv} {path}"),
+                &errors,
+                1e-7,
+            );
+        }
+    }
 }
 
 /// Long contexts split their keys over several blocks (flash-decoding): three slots holding
@@ -349,7 +394,7 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
             let run = |kernels: bool, split: bool| {
                 decode_kernels(kernels);
                 decode_attention::SPLIT.set(split);
-                let out = prefill_and_decode(&model, &prompts, 1600, device);
+                let out = prefill_and_decode(&model, &prompts, 1600, FloatDType::F32, device);
                 decode_kernels(true);
                 decode_attention::SPLIT.set(true);
                 out
@@ -400,7 +445,7 @@ fn check_prefill(device: &Device, failures: &mut Vec<String>) {
             .collect();
         let run = |fused: bool| {
             attention::SWITCH.set(fused);
-            let out = prefill_and_decode(&model, &prompts, 320, device);
+            let out = prefill_and_decode(&model, &prompts, 320, FloatDType::F32, device);
             attention::SWITCH.set(true);
             out
         };

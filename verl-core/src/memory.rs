@@ -12,8 +12,8 @@
 //! ```
 //! use verl_core::memory::{MemoryUsage, PhasePeak};
 //! let phase = PhasePeak::start();
-//! verl_core::memory::record(MemoryUsage { allocated: 3 << 30, reserved: 4 << 30, device_used: 0 });
-//! verl_core::memory::record(MemoryUsage { allocated: 1 << 30, reserved: 4 << 30, device_used: 0 });
+//! verl_core::memory::record(MemoryUsage { allocated: 3 << 30, reserved: 4 << 30, device_used: 0, device_total: 0 });
+//! verl_core::memory::record(MemoryUsage { allocated: 1 << 30, reserved: 4 << 30, device_used: 0, device_total: 0 });
 //! assert_eq!(phase.finish().unwrap().allocated, 3 << 30);
 //! ```
 
@@ -31,6 +31,9 @@ pub struct MemoryUsage {
     /// free memory), where the backend can tell; 0 where it cannot. Beside `reserved` it shows
     /// memory that this pool does not see (other pools, the driver, other processes).
     pub device_used: u64,
+    /// Bytes of the whole device (a GPU's total memory) where the backend can tell; 0 where it
+    /// cannot (the CPU backend).
+    pub device_total: u64,
 }
 
 impl MemoryUsage {
@@ -40,6 +43,7 @@ impl MemoryUsage {
             allocated: self.allocated.max(other.allocated),
             reserved: self.reserved.max(other.reserved),
             device_used: self.device_used.max(other.device_used),
+            device_total: self.device_total.max(other.device_total),
         }
     }
 }
@@ -209,5 +213,6 @@ pub fn host_usage() -> Option<MemoryUsage> {
         allocated,
         reserved: resident_bytes().unwrap_or(allocated).max(allocated),
         device_used: 0,
+        device_total: 0,
     })
 }

@@ -5,7 +5,7 @@
 mod common;
 use common::{fixture, load_model};
 
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use verl_core::backend::CpuBackend as B;
 use verl_core::NamedTensor;
 use verl_megatron::layers::precision::ComputeDtype;
@@ -24,16 +24,17 @@ fn argmax(row: &[f32]) -> u32 {
         .0 as u32
 }
 
-/// Prefills three prompts into a 4-slot cache (slot 2 idle), then decodes `steps` greedy
-/// steps; returns every step's logits rows.
-fn run(model: &CausalLm<B>, steps: usize) -> Vec<Vec<Vec<f32>>> {
+/// Prefills three prompts into a 4-slot cache stored as `dtype` (slot 2 idle), then decodes
+/// `steps` greedy steps; returns every step's logits rows.
+fn run_with(model: &CausalLm<B>, steps: usize, dtype: FloatDType) -> Vec<Vec<Vec<f32>>> {
     let cfg = &model.config;
-    let mut cache = SlotKvCache::<B>::new(
+    let mut cache = SlotKvCache::<B>::new_with_dtype(
         cfg.num_hidden_layers,
         cfg.num_key_value_heads,
         cfg.head_dim,
         4,
         32,
+        dtype,
         &Default::default(),
     );
     let prompts = vec![
@@ -60,6 +61,33 @@ fn run(model: &CausalLm<B>, steps: usize) -> Vec<Vec<Vec<f32>>> {
         out.push(slots.iter().map(|&s| logits[s].clone()).collect());
     }
     out
+}
+
+/// [`run_with`] on an f32 cache.
+fn run(model: &CausalLm<B>, steps: usize) -> Vec<Vec<Vec<f32>>> {
+    run_with(model, steps, FloatDType::F32)
+}
+
+/// With bf16 products a bf16 cache (what the rollout engine allocates) gives the f32 cache's
+/// logits to the bit, layer by layer and in the fused step: the products round keys and values
+/// to bf16 anyway. With f32 products the bf16 cache does change them (the control).
+#[test]
+fn a_bf16_cache_gives_the_f32_caches_logits_with_bf16_products() {
+    for name in ["qwen2", "qwen3", "qwen2_moe"] {
+        let (_, model) = load_model(&fixture(name));
+        let plain = model.clone().with_compute_dtype(ComputeDtype::Bf16);
+        let fused = plain.clone().with_generation_matrices();
+        for m in [&plain, &fused] {
+            assert_eq!(
+                run_with(m, 6, FloatDType::BF16),
+                run_with(m, 6, FloatDType::F32),
+                "{name}"
+            );
+        }
+        if name == "qwen2" {
+            assert_ne!(run_with(&model, 2, FloatDType::BF16), run(&model, 2));
+        }
+    }
 }
 
 #[test]

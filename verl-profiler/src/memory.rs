@@ -464,6 +464,7 @@ mod tests {
                 allocated: gib << 30,
                 reserved: (gib + 1) << 30,
                 device_used: 0,
+                device_total: 0,
             };
             {
                 let _m = tracing::info_span!(

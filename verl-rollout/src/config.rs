@@ -11,19 +11,70 @@ use crate::sampling::SamplingParams;
 pub enum KvBudget {
     /// At most this many cached token positions over all sequences.
     Tokens(usize),
-    /// At most this fraction of the memory available when the budget is resolved (vLLM's
-    /// `gpu_memory_utilization`; on the CPU default, of `MemAvailable`).
+    /// vLLM's `gpu_memory_utilization`: on a GPU, this fraction of the card's total memory
+    /// less what is in use when the budget is resolved (the model's weights, and in a hybrid
+    /// engine the actor's); on the CPU default, this fraction of the host's `MemAvailable`.
     MemoryFraction(f64),
 }
 
+/// The memory a [`KvBudget::MemoryFraction`] is a fraction of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryBase {
+    /// A device with `total` bytes, `in_use` of them taken (by tensors of every pool and
+    /// process; a pool's cached free pages do not count, the cache may reuse them).
+    Device { total: u64, in_use: u64 },
+    /// Host memory with `available` bytes free for new allocations.
+    Host { available: u64 },
+}
+
+impl MemoryBase {
+    /// The base for a backend's memory figures: the device where it reports its total, the
+    /// host's `MemAvailable` (4 GiB if unknown) otherwise.
+    pub fn of(usage: Option<verl_core::memory::MemoryUsage>) -> Self {
+        match usage {
+            Some(u) if u.device_total > 0 => MemoryBase::Device {
+                total: u.device_total,
+                in_use: u
+                    .device_used
+                    .saturating_sub(u.reserved.saturating_sub(u.allocated)),
+            },
+            _ => MemoryBase::Host {
+                available: available_memory_bytes().map_or(4 << 30, |b| b as u64),
+            },
+        }
+    }
+}
+
 impl KvBudget {
-    /// The number of token positions the budget allows, given the bytes one position takes.
-    pub fn positions(self, bytes_per_position: usize) -> usize {
+    /// The bytes the budget allows on `base`.
+    ///
+    /// ```
+    /// use verl_rollout::{KvBudget, MemoryBase};
+    /// let gib = 1u64 << 30;
+    /// let card = MemoryBase::Device { total: 80 * gib, in_use: 30 * gib };
+    /// assert_eq!(KvBudget::MemoryFraction(0.5).bytes(card, 1), 10 * gib);
+    /// assert_eq!(KvBudget::MemoryFraction(0.25).bytes(card, 1), 0); // the weights take more
+    /// assert_eq!(KvBudget::Tokens(100).bytes(card, 1024), 100 * 1024);
+    /// ```
+    pub fn bytes(self, base: MemoryBase, bytes_per_position: usize) -> u64 {
+        match self {
+            KvBudget::Tokens(n) => (n * bytes_per_position) as u64,
+            KvBudget::MemoryFraction(f) => match base {
+                MemoryBase::Device { total, in_use } => {
+                    ((total as f64 * f) as u64).saturating_sub(in_use)
+                }
+                MemoryBase::Host { available } => (available as f64 * f) as u64,
+            },
+        }
+    }
+
+    /// The number of token positions the budget allows on `base`, given the bytes one
+    /// position takes.
+    pub fn positions(self, base: MemoryBase, bytes_per_position: usize) -> usize {
         match self {
             KvBudget::Tokens(n) => n,
-            KvBudget::MemoryFraction(f) => {
-                let available = available_memory_bytes().unwrap_or(4 << 30);
-                ((available as f64 * f) as usize) / bytes_per_position.max(1)
+            KvBudget::MemoryFraction(_) => {
+                (self.bytes(base, bytes_per_position) / bytes_per_position.max(1) as u64) as usize
             }
         }
     }
@@ -253,5 +304,60 @@ impl EngineConfig {
         self.sampling.validate()?;
         self.val_sampling.validate()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use verl_core::memory::MemoryUsage;
+
+    const GIB: u64 = 1 << 30;
+
+    /// On a GPU the fraction is of the card, less what tensors hold now: a pool's cached free
+    /// pages count as free (the cache may take them), other processes' memory as taken.
+    #[test]
+    fn device_budget_is_the_fraction_of_the_card_less_memory_in_use() {
+        let usage = MemoryUsage {
+            allocated: 60 * GIB,
+            reserved: 70 * GIB,
+            device_used: 74 * GIB,
+            device_total: 140 * GIB,
+        };
+        let base = MemoryBase::of(Some(usage));
+        assert_eq!(
+            base,
+            MemoryBase::Device {
+                total: 140 * GIB,
+                in_use: 64 * GIB
+            }
+        );
+        let budget = KvBudget::MemoryFraction(0.5);
+        assert_eq!(budget.bytes(base, 1), 6 * GIB);
+        // 6 GiB of 1 MiB positions.
+        assert_eq!(budget.positions(base, 1 << 20), 6 * 1024);
+        // More in use than the fraction: nothing, not an underflow.
+        assert_eq!(KvBudget::MemoryFraction(0.4).positions(base, 1 << 20), 0);
+        // A token budget ignores the memory.
+        assert_eq!(KvBudget::Tokens(77).positions(base, 1 << 20), 77);
+    }
+
+    /// Without a device total (the CPU default), the fraction is of the host's free memory.
+    #[test]
+    fn without_a_device_total_the_base_is_host_memory() {
+        let cpu = MemoryUsage {
+            allocated: GIB,
+            reserved: 2 * GIB,
+            device_used: 0,
+            device_total: 0,
+        };
+        for usage in [Some(cpu), None] {
+            match MemoryBase::of(usage) {
+                MemoryBase::Host { available } => assert!(available > 0),
+                other => panic!("{other:?}"),
+            }
+        }
+        let host = MemoryBase::Host { available: 8 * GIB };
+        assert_eq!(KvBudget::MemoryFraction(0.25).bytes(host, 1), 2 * GIB);
     }
 }

@@ -12,17 +12,53 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::prelude::*;
-use burn::tensor::TensorData;
+use burn::tensor::{FloatDType, TensorData};
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
 use verl_megatron::sampling::{sample_rows, RowSampling};
 
-use crate::config::EngineConfig;
+use crate::config::{EngineConfig, KvBudget, MemoryBase};
 use crate::error::RolloutError;
 use crate::sampling::Sampler;
 use crate::stop::{Detokenizer, StopStrings};
+
+/// What the KV cache stores keys and values as: bf16 with bf16 products (which round them to
+/// bf16 before every product, so nothing changes but the cache's size, half of f32's, and the
+/// decode step's reads of it), f32 otherwise. `VERL_KV_CACHE_DTYPE=f32` keeps f32 (to compare).
+pub fn cache_dtype(compute: ComputeDtype) -> FloatDType {
+    static F32_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let f32_only = *F32_ONLY.get_or_init(|| {
+        std::env::var("VERL_KV_CACHE_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"))
+    });
+    match compute {
+        ComputeDtype::Bf16 if !f32_only => FloatDType::BF16,
+        _ => FloatDType::F32,
+    }
+}
+
+/// The slots `config`'s KV budget allows on `device` now (at most `max_num_seqs`), with the
+/// memory base and positions it was resolved from (a debug event of target
+/// `verl_rollout::memory` each time).
+fn slots_in_budget<B: ParallelBackend>(
+    config: &EngineConfig,
+    device: &B::Device,
+    per_position: usize,
+) -> (usize, MemoryBase, usize) {
+    let base = MemoryBase::of(B::memory_usage(device));
+    let positions = config.kv_budget.positions(base, per_position);
+    let slots = (positions / config.max_model_len()).min(config.max_num_seqs);
+    tracing::debug!(
+        target: "verl_rollout::memory",
+        ?base,
+        kv_budget = ?config.kv_budget,
+        positions,
+        slots,
+        "KV budget resolved"
+    );
+    (slots, base, positions)
+}
 
 /// One sequence to generate.
 #[derive(Debug, Clone)]
@@ -149,20 +185,30 @@ impl<B: ParallelBackend> NativeRollout<B> {
             model_config.num_hidden_layers,
             model_config.num_key_value_heads / tp.size,
             model_config.head_dim,
+            cache_dtype(model.compute_dtype),
         );
-        let positions = config.kv_budget.positions(per_position);
-        let max_slots = (positions / config.max_model_len()).min(config.max_num_seqs);
+        let (max_slots, base, positions) = slots_in_budget::<B>(&config, &device, per_position);
         if max_slots == 0 {
+            let gib = |b: u64| verl_core::memory::gib(b);
+            let of = match (config.kv_budget, base) {
+                (KvBudget::MemoryFraction(f), MemoryBase::Device { total, in_use }) => format!(
+                    " ({f} of the device's {:.1} GiB less the {:.1} GiB in use)",
+                    gib(total),
+                    gib(in_use)
+                ),
+                _ => String::new(),
+            };
             return Err(RolloutError::Config {
                 field: "actor_rollout_ref.rollout.gpu_memory_utilization",
                 value: format!("{:?}", config.kv_budget),
                 message: format!(
-                    "the KV budget holds {positions} positions, less than one sequence of {} \
+                    "the KV budget{of} holds {positions} positions, less than one sequence of {} \
                      ({per_position} bytes each); raise it or set `kv_cache_tokens`",
                     config.max_model_len()
                 ),
             });
         }
+
         let compute_dtype = model.compute_dtype;
         Ok(Self {
             model_config,
@@ -228,14 +274,45 @@ impl<B: ParallelBackend> NativeRollout<B> {
         }
     }
 
+    /// Bytes one cached position takes on this engine's rank.
+    fn bytes_per_position(&self) -> usize {
+        let m = &self.model_config;
+        SlotKvCache::<B>::bytes_per_position(
+            m.num_hidden_layers,
+            m.num_key_value_heads / self.tp.size,
+            m.head_dim,
+            cache_dtype(self.compute_dtype),
+        )
+    }
+
+    /// A cache for `requests` sequences, reusing `old` when it holds them all (or as many as the
+    /// engine ever decodes at once). Otherwise `old` is freed first and the budget resolved
+    /// again against the memory in use now: in a hybrid engine the actor's optimizer state and
+    /// the other phases come and go, and a cache sized from the memory free when the engine was
+    /// built can take what the actor now holds (an 8k-context 7B job's validation call asked
+    /// for 53 GiB of cache on a card with 64 GiB already in use).
+    fn cache_for(&self, old: Option<SlotKvCache<B>>, requests: usize) -> SlotKvCache<B> {
+        let enough = requests.min(self.max_slots).max(1);
+        match old {
+            Some(c) if c.slots() >= enough => c,
+            old => {
+                drop(old);
+                let (now, _, _) =
+                    slots_in_budget::<B>(&self.config, &self.device, self.bytes_per_position());
+                self.allocate(enough.min(now).max(1))
+            }
+        }
+    }
+
     fn allocate(&self, slots: usize) -> SlotKvCache<B> {
         let m = &self.model_config;
-        SlotKvCache::new(
+        SlotKvCache::new_with_dtype(
             m.num_hidden_layers,
             m.num_key_value_heads / self.tp.size,
             m.head_dim,
             slots,
             self.config.max_model_len(),
+            cache_dtype(self.compute_dtype),
             &self.device,
         )
     }
@@ -255,12 +332,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
             prompt_tokens: requests.iter().map(|r| r.prompt.len()).sum(),
             ..Default::default()
         };
-        let want = self.max_slots.min(requests.len()).max(1);
-        let mut cache = match self.cache.take() {
-            Some(c) if c.slots() >= want => c,
-            // Reuse would be smaller than needed: reallocate (the old one is dropped first).
-            _ => self.allocate(want),
-        };
+        let old = self.cache.take();
+        let mut cache = self.cache_for(old, requests.len());
         let mut slots: Vec<Option<Active>> = (0..cache.slots()).map(|_| None).collect();
         let mut done: Vec<Option<Completion>> = (0..requests.len()).map(|_| None).collect();
         let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();

@@ -17,7 +17,7 @@ pub mod rollout_engine;
 pub mod sampling;
 pub mod stop;
 
-pub use config::{EngineConfig, KvBudget};
+pub use config::{EngineConfig, KvBudget, MemoryBase};
 pub use engine::{Completion, FinishReason, GenerationStats, NativeRollout, Request};
 pub use error::RolloutError;
 pub use rollout_engine::PROMPT_INDEX_KEY;

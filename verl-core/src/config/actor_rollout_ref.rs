@@ -256,8 +256,10 @@ pub struct RolloutConfig {
     /// The compute dtype of generation: `bfloat16`, `float32` or `auto` (bfloat16 on GPUs,
     /// float32 on the CPU backend).
     pub dtype: Dtype,
-    /// Fraction of device memory the KV cache may use (on the CPU default: of the memory
-    /// available when the engine starts). Ignored when `kv_cache_tokens` is set.
+    /// vLLM's fraction of the device's total memory: the KV cache takes it less what is in use
+    /// when the cache is allocated (resolved again whenever a generation needs a larger
+    /// cache; on the CPU default, the fraction is of the host's available memory). Ignored
+    /// when `kv_cache_tokens` is set.
     pub gpu_memory_utilization: f64,
     /// An explicit KV-cache budget in token positions (all sequences together); verl-rs's
     /// addition, the reproducible alternative to `gpu_memory_utilization`.

@@ -58,10 +58,14 @@ pub fn device_memory(device: &CudaDevice) -> Option<(u64, u64)> {
 crate::plain_parallel_backend!(
     verl_core::backend::CudaBackend,
     |device| {
-        memory_usage(device).map(|(allocated, reserved)| verl_core::memory::MemoryUsage {
-            allocated,
-            reserved,
-            device_used: device_memory(device).map_or(0, |(free, total)| total - free),
+        memory_usage(device).map(|(allocated, reserved)| {
+            let (free, total) = device_memory(device).unwrap_or((0, 0));
+            verl_core::memory::MemoryUsage {
+                allocated,
+                reserved,
+                device_used: total - free,
+                device_total: total,
+            }
         })
     },
     release_cached_memory

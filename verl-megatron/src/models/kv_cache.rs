@@ -8,7 +8,7 @@
 //!   without touching the others, and the memory is fixed up front.
 
 use burn::prelude::*;
-use burn::tensor::{IndexingUpdateOp, Int, TensorData};
+use burn::tensor::{DType, FloatDType, IndexingUpdateOp, Int, TensorData};
 
 use crate::ops::FusedOps;
 
@@ -39,16 +39,21 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
-/// A fixed-size cache of `slots` sequences of up to `capacity` positions each.
+/// A fixed-size cache of `slots` sequences of up to `capacity` positions each, in f32 or bf16
+/// (a model with bf16 products rounds keys and values to bf16 before every product, so a bf16
+/// cache changes no result and takes half the memory; readers get f32 back).
 ///
 /// ```
 /// use burn::backend::Flex;
+/// use burn::tensor::FloatDType;
 /// use verl_megatron::models::SlotKvCache;
 /// let cache = SlotKvCache::<Flex>::new(2, 2, 8, 4, 16, &Default::default());
 /// assert_eq!(cache.slots(), 4);
 /// // 2 layers × (k + v) × 2 kv heads × 8 dims × 4 bytes per position.
-/// assert_eq!(SlotKvCache::<Flex>::bytes_per_position(2, 2, 8), 256);
+/// assert_eq!(SlotKvCache::<Flex>::bytes_per_position(2, 2, 8, FloatDType::F32), 256);
 /// assert_eq!(cache.bytes(), 256 * 4 * 16);
+/// let half = SlotKvCache::<Flex>::new_with_dtype(2, 2, 8, 4, 16, FloatDType::BF16, &Default::default());
+/// assert_eq!(half.bytes(), 128 * 4 * 16);
 /// ```
 #[derive(Debug, Clone)]
 pub struct SlotKvCache<B: Backend> {
@@ -57,10 +62,12 @@ pub struct SlotKvCache<B: Backend> {
     kv_heads: usize,
     head_dim: usize,
     capacity: usize,
+    /// What the keys and values are stored as (f32 or bf16).
+    dtype: FloatDType,
 }
 
 impl<B: FusedOps> SlotKvCache<B> {
-    /// Allocates (zeroed) the cache for `num_layers` layers.
+    /// Allocates (zeroed) an f32 cache for `num_layers` layers.
     pub fn new(
         num_layers: usize,
         kv_heads: usize,
@@ -69,21 +76,53 @@ impl<B: FusedOps> SlotKvCache<B> {
         capacity: usize,
         device: &B::Device,
     ) -> Self {
+        Self::new_with_dtype(
+            num_layers,
+            kv_heads,
+            head_dim,
+            slots,
+            capacity,
+            FloatDType::F32,
+            device,
+        )
+    }
+
+    /// Allocates (zeroed) the cache for `num_layers` layers, stored as `dtype` (f32 or bf16).
+    pub fn new_with_dtype(
+        num_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        slots: usize,
+        capacity: usize,
+        dtype: FloatDType,
+        device: &B::Device,
+    ) -> Self {
         let shape = [slots, kv_heads, capacity, head_dim];
-        let layers = (0..num_layers)
-            .map(|_| (Tensor::zeros(shape, device), Tensor::zeros(shape, device)))
-            .collect();
+        let zeros = || Tensor::zeros(shape, (device, DType::from(dtype)));
+        let layers = (0..num_layers).map(|_| (zeros(), zeros())).collect();
         Self {
             layers,
             kv_heads,
             head_dim,
             capacity,
+            dtype,
         }
     }
 
-    /// Bytes one cached position (one token of one sequence) takes across all layers, in f32.
-    pub fn bytes_per_position(num_layers: usize, kv_heads: usize, head_dim: usize) -> usize {
-        num_layers * 2 * kv_heads * head_dim * std::mem::size_of::<f32>()
+    /// Bytes one cached position (one token of one sequence) takes across all layers, stored
+    /// as `dtype`.
+    pub fn bytes_per_position(
+        num_layers: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: FloatDType,
+    ) -> usize {
+        num_layers * 2 * kv_heads * head_dim * DType::from(dtype).size()
+    }
+
+    /// What the keys and values are stored as.
+    pub fn dtype(&self) -> FloatDType {
+        self.dtype
     }
 
     /// Number of sequences the cache holds at once.
@@ -98,7 +137,7 @@ impl<B: FusedOps> SlotKvCache<B> {
 
     /// Total bytes held.
     pub fn bytes(&self) -> usize {
-        Self::bytes_per_position(self.layers.len(), self.kv_heads, self.head_dim)
+        Self::bytes_per_position(self.layers.len(), self.kv_heads, self.head_dim, self.dtype)
             * self.slots()
             * self.capacity
     }
@@ -127,6 +166,7 @@ impl<B: FusedOps> SlotKvCache<B> {
         let rows = at.len() / 3;
         let device = k.device();
         let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(at, [rows, 3]), &device);
+        let (k, v) = (k.cast(self.dtype), v.cast(self.dtype));
         let (ck, cv) = &mut self.layers[layer];
         *ck = ck
             .clone()
@@ -187,7 +227,8 @@ impl<B: FusedOps> SlotKvCache<B> {
     }
 
     /// Writes each slot's new key / value `[slots, kv_heads, 1, head_dim]` at its own position
-    /// and returns the first `window` positions of keys and values, which attention reads.
+    /// and returns the first `window` positions of keys and values (f32), which attention
+    /// reads.
     pub(crate) fn write_step(
         &mut self,
         layer: usize,
@@ -207,7 +248,10 @@ impl<B: FusedOps> SlotKvCache<B> {
         self.scatter(layer, at, k.reshape([s * kh, hd]), v.reshape([s * kh, hd]));
         let ranges = [0..s, 0..kh, 0..window, 0..hd];
         let (ck, cv) = &self.layers[layer];
-        (ck.clone().slice(ranges.clone()), cv.clone().slice(ranges))
+        (
+            ck.clone().slice(ranges.clone()).cast(FloatDType::F32),
+            cv.clone().slice(ranges).cast(FloatDType::F32),
+        )
     }
 }
 
@@ -249,7 +293,8 @@ impl ChunkLayout {
 impl<B: FusedOps> SlotKvCache<B> {
     /// Writes a chunked prefill's keys and values `[chunks, kv_heads, t, head_dim]` of layer
     /// `layer` where `chunks` says, and returns the chunks' slots' first `window()` positions of
-    /// keys and values `[chunks, kv_heads, window, head_dim]`, which their attention reads.
+    /// keys and values `[chunks, kv_heads, window, head_dim]` (f32), which their attention
+    /// reads.
     pub(crate) fn write_chunks(
         &mut self,
         layer: usize,
@@ -273,8 +318,14 @@ impl<B: FusedOps> SlotKvCache<B> {
         );
         let window = chunks.window();
         (
-            ck.clone().select(0, idx.clone()).narrow(2, 0, window),
-            cv.clone().select(0, idx).narrow(2, 0, window),
+            ck.clone()
+                .select(0, idx.clone())
+                .narrow(2, 0, window)
+                .cast(FloatDType::F32),
+            cv.clone()
+                .select(0, idx)
+                .narrow(2, 0, window)
+                .cast(FloatDType::F32),
         )
     }
 }

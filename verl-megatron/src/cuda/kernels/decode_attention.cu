@@ -19,6 +19,9 @@
 // any element offset, so they can be three tensors or the one output of a fused q/k/v product;
 // with HAS_BIAS = 1 the projections' biases (laid out as one such row) are added as they are
 // read, and with OUT_BF16 = 1 the output is written as bf16 (the output projection's operand).
+// With CACHE_BF16 = 1 the cache holds bf16 bits (keys and values rounded once as they are
+// written; with ROUND_BF16 = 1 every product rounds them so anyway, so attention is unchanged to
+// the bit, and the cache takes half the memory and half the reads).
 // HEAD_DIM (a multiple of 32) and REP are compile-time. Compiled at run time by NVRTC
 // (verl_megatron::cuda::kernels::decode_attention).
 
@@ -35,6 +38,22 @@
 #endif
 #ifndef OUT_BF16
 #define OUT_BF16 0
+#endif
+#ifndef CACHE_BF16
+#define CACHE_BF16 0
+#endif
+
+// A cached key or value element: bf16 bits, or f32.
+#if CACHE_BF16
+typedef unsigned short cache_t;
+__device__ __forceinline__ cache_t to_cache(float x) { return bf16_bits(x); }
+__device__ __forceinline__ float from_cache(cache_t x) {
+    return __uint_as_float((unsigned int)x << 16);
+}
+#else
+typedef float cache_t;
+__device__ __forceinline__ cache_t to_cache(float x) { return x; }
+__device__ __forceinline__ float from_cache(cache_t x) { return x; }
 #endif
 
 struct DecodeParams {
@@ -106,8 +125,8 @@ __device__ __forceinline__ void store_out(void* out, unsigned long long o, float
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_decode_attention(const float* q, const float* k, const float* v, const float* bias,
                       const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                      const unsigned int* __restrict__ positions, float* __restrict__ k_cache,
-                      float* __restrict__ v_cache, void* __restrict__ out,
+                      const unsigned int* __restrict__ positions, cache_t* __restrict__ k_cache,
+                      cache_t* __restrict__ v_cache, void* __restrict__ out,
                       float* __restrict__ partial, DecodeParams p) {
     __shared__ float q_rot[REP][HEAD_DIM];
     __shared__ float k_new[HEAD_DIM];
@@ -136,8 +155,8 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
         k_new[d] = kd;
         v_new[d] = vd;
         if (split == 0) {
-            k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = kd;
-            v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = vd;
+            k_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = to_cache(kd);
+            v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = to_cache(vd);
         }
     }
     for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
@@ -165,12 +184,20 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
         for (int u = 0; u < 2; ++u) {
             const unsigned int j = js[u];
             if (j >= hi) continue;
-            const float* kj = j == pos ? k_new : k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
-            const float* vj = j == pos ? v_new : v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+            if (j == pos) {
 #pragma unroll
-            for (int t = 0; t < PER_LANE; ++t) {
-                kr[u][t] = operand(kj[lane + 32 * t]);
-                vr[u][t] = operand(vj[lane + 32 * t]);
+                for (int t = 0; t < PER_LANE; ++t) {
+                    kr[u][t] = operand(k_new[lane + 32 * t]);
+                    vr[u][t] = operand(v_new[lane + 32 * t]);
+                }
+            } else {
+                const cache_t* kj = k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+                const cache_t* vj = v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
+#pragma unroll
+                for (int t = 0; t < PER_LANE; ++t) {
+                    kr[u][t] = operand(from_cache(kj[lane + 32 * t]));
+                    vr[u][t] = operand(from_cache(vj[lane + 32 * t]));
+                }
             }
         }
 #pragma unroll
@@ -264,8 +291,8 @@ verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v
                         const unsigned int* __restrict__ sources,
                         const unsigned int* __restrict__ slots,
                         const unsigned int* __restrict__ lens,
-                        const unsigned int* __restrict__ starts, float* __restrict__ k_cache,
-                        float* __restrict__ v_cache, PrefixParams p) {
+                        const unsigned int* __restrict__ starts, cache_t* __restrict__ k_cache,
+                        cache_t* __restrict__ v_cache, PrefixParams p) {
     const unsigned int i = blockIdx.z, h = blockIdx.y;
     const unsigned long long e = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
     const unsigned int position = (unsigned int)(e / HEAD_DIM);
@@ -274,6 +301,6 @@ verl_cache_write_prefix(const float* __restrict__ k, const float* __restrict__ v
         (((unsigned long long)sources[i] * p.kv_heads + h) * p.len) * HEAD_DIM + e;
     const unsigned long long to =
         (((unsigned long long)slots[i] * p.kv_heads + h) * p.capacity + starts[i]) * HEAD_DIM + e;
-    k_cache[to] = k[from];
-    v_cache[to] = v[from];
+    k_cache[to] = to_cache(k[from]);
+    v_cache[to] = to_cache(v[from]);
 }

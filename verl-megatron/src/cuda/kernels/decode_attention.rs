@@ -51,6 +51,17 @@ fn plain_f32(t: &CudaPrimitive) -> bool {
     t.dtype == DType::F32 && t.is_contiguous()
 }
 
+/// Whether `k` and `v` are a cache the kernels address: contiguous, both f32 or both bf16 (a
+/// bf16 cache compiles the kernels with `CACHE_BF16`). `Some(bf16)` when they are.
+fn cache_layout(k: &CudaPrimitive, v: &CudaPrimitive) -> Option<bool> {
+    let bf16 = match k.dtype {
+        DType::F32 => false,
+        DType::BF16 => true,
+        _ => return None,
+    };
+    (v.dtype == k.dtype && k.is_contiguous() && v.is_contiguous()).then_some(bf16)
+}
+
 /// `values` as a device buffer of u32 words (as a decode step's positions go up).
 fn words(values: &[usize], device: &burn::backend::cuda::CudaDevice) -> CudaPrimitive {
     reference::step_positions::<CudaBackend>(values, device)
@@ -204,7 +215,10 @@ pub fn decode_attention(
     let Some(bound) = bind(&projections, heads, kv_heads, head_dim) else {
         return Err(projections);
     };
-    if ![&ck, &cv, &cos, &sin].iter().all(|t| plain_f32(t)) {
+    let Some(cache_bf16) = cache_layout(&ck, &cv) else {
+        return Err(projections);
+    };
+    if ![&cos, &sin].iter().all(|t| plain_f32(t)) {
         return Err(projections);
     }
     let out = super::empty_of(
@@ -248,6 +262,7 @@ pub fn decode_attention(
             ("ROUND_BF16", round_bf16 as u32),
             ("HAS_BIAS", has_bias as u32),
             ("OUT_BF16", out_bf16 as u32),
+            ("CACHE_BF16", cache_bf16 as u32),
         ],
         block: THREADS as u32,
         shared_bytes: 0,
@@ -326,7 +341,10 @@ pub fn write_prefix(
         into_contiguous(primitive(&k)),
         into_contiguous(primitive(&v)),
     );
-    if !plain_f32(&ck) || !plain_f32(&cv) || kp.dtype != DType::F32 || vp.dtype != DType::F32 {
+    let Some(cache_bf16) = cache_layout(&ck, &cv) else {
+        return Err((k, v));
+    };
+    if kp.dtype != DType::F32 || vp.dtype != DType::F32 {
         return Err((k, v));
     }
     let device = k.device();
@@ -336,7 +354,11 @@ pub fn write_prefix(
         entry: "verl_cache_write_prefix",
         text: SOURCE,
         // The attention entry's defines must be valid for the source to compile.
-        defines: vec![("HEAD_DIM", head_dim as u32), ("REP", 1)],
+        defines: vec![
+            ("HEAD_DIM", head_dim as u32),
+            ("REP", 1),
+            ("CACHE_BF16", cache_bf16 as u32),
+        ],
         block: THREADS as u32,
         shared_bytes: 0,
     }

@@ -50,8 +50,8 @@ fn fit(dir: &Path, total_steps: u64, extra: &[&str]) -> verl::trainer::RunSummar
     common::fit(validated)
 }
 
-/// The per-step metrics, without wall-clock figures and validation (which runs at a run's
-/// last step, so differs between a 2-step and a 4-step run by design).
+/// The per-step metrics, without wall-clock figures and validation (which, where a run sets
+/// `test_freq`, runs at its last step, so differs between a 2-step and a 4-step run by design).
 fn step_metrics(dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
     std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
@@ -170,6 +170,23 @@ fn a_resumed_run_continues_exactly() {
     let c = step_metrics(partial.path());
     assert_eq!(a[&2], c[&2]);
     assert_ne!(a[&4]["actor/pg_loss"], c[&4]["actor/pg_loss"]);
+}
+
+/// With bf16 products the frozen reference keeps bf16 matrices (half its memory): it is
+/// saved and restored as it is, and a resumed run still continues exactly.
+#[test]
+fn a_bf16_run_with_its_bf16_reference_resumes_exactly() {
+    let bf16 = ["actor_rollout_ref.actor.megatron.dtype=bfloat16"];
+    let straight = tempfile::tempdir().unwrap();
+    let resumed = tempfile::tempdir().unwrap();
+    fit(straight.path(), 3, &bf16);
+    fit(resumed.path(), 2, &bf16);
+    fit(resumed.path(), 3, &bf16);
+    let (a, b) = (step_metrics(straight.path()), step_metrics(resumed.path()));
+    assert_eq!(a.keys().collect::<Vec<_>>(), vec![&0, &1, &2, &3]);
+    assert_eq!(a, b);
+    // The KL term saw a reference that differs from the policy after the first update.
+    assert!(a[&3]["actor/kl_loss"] != 0.0, "{:?}", a[&3]);
 }
 
 #[test]

@@ -170,7 +170,8 @@ impl PpoTrainer {
             let m = metrics_of(&out);
             self.log.sft(s + 1, steps, &m.reduce()).map_err(setup)?;
         }
-        if self.needs_ref {
+        // Without warm-up steps the reference built with the actor already is its policy.
+        if self.needs_ref && steps > 0 {
             self.actor.call_all::<_, ()>("set_reference", &()).await?;
         }
         Ok(())

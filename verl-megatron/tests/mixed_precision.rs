@@ -90,3 +90,30 @@ fn bf16_model_follows_the_f32_model() {
     let r = (diff / norm).sqrt();
     assert!(r < 1e-2, "weights differ by {r} (relative)");
 }
+
+/// The frozen reference keeps its product matrices in bf16 (`with_bf16_products`): the logits
+/// are the f32-matrix model's to the bit (every bf16 product casts its matrix anyway), and the
+/// matrices take half the bytes.
+#[test]
+fn bf16_products_give_the_same_logits_to_the_bit() {
+    type I = verl_core::backend::CpuBackend;
+    let device = Default::default();
+    let ids: Vec<i64> = (0..3 * 10).map(|i| (i * 11 + 5) % 40).collect();
+    let ids = Tensor::<I, 1, Int>::from_ints(ids.as_slice(), &device).reshape([3, 10]);
+    let model =
+        CausalLm::<I>::init(&config(), 0.1, 9, &device).with_compute_dtype(ComputeDtype::Bf16);
+    let low = model.clone().with_bf16_products();
+    let logits = |m: &CausalLm<I>| m.forward(ids.clone(), None, None).into_data();
+    assert_eq!(logits(&model), logits(&low));
+    let bytes = |m: &CausalLm<I>| -> usize {
+        m.export_shards()
+            .iter()
+            .map(|t| t.values.clone().into_data().bytes.len())
+            .sum()
+    };
+    let (full, half) = (bytes(&model), bytes(&low));
+    assert!(half < full * 3 / 4, "{half} of {full} bytes");
+    // With f32 products nothing changes.
+    let f32_model = CausalLm::<I>::init(&config(), 0.1, 9, &device).with_bf16_products();
+    assert_eq!(bytes(&f32_model), full);
+}

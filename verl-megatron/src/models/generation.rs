@@ -229,6 +229,44 @@ impl<B: ParallelBackend> CausalLm<B> {
         if self.compute_dtype != ComputeDtype::Bf16 || self.generation().is_some() {
             return;
         }
+        self.cast_products_to_bf16();
+        let weights = FusedWeights::of(GenerationWeights::build(self));
+        self.set_generation(weights);
+    }
+
+    /// For a model that only runs forward passes with bf16 products (the frozen reference
+    /// policy): keeps the linear layers' matrices (projections and LM head; not the embedding,
+    /// norms, biases or router) in bf16. Every product casts its f32 matrix to bf16 anyway, so
+    /// the outputs are the same to the bit, and the matrices take half the memory. A model
+    /// with f32 products is returned as it is.
+    ///
+    /// ```
+    /// use burn::backend::Flex;
+    /// use burn::tensor::DType;
+    /// use verl_megatron::hf::{HfModelConfig, Qwen2Dims};
+    /// use verl_megatron::layers::precision::ComputeDtype;
+    /// use verl_megatron::models::CausalLm;
+    /// let cfg = HfModelConfig::qwen2(Qwen2Dims {
+    ///     vocab_size: 16, hidden_size: 8, intermediate_size: 16, num_hidden_layers: 1,
+    ///     num_attention_heads: 2, num_key_value_heads: 1, max_position_embeddings: 32,
+    /// });
+    /// let model = CausalLm::<Flex>::init(&cfg, 0.1, 1, &Default::default())
+    ///     .with_compute_dtype(ComputeDtype::Bf16)
+    ///     .with_bf16_products();
+    /// let shards = model.export_shards();
+    /// let dtype = |name: &str| shards.iter().find(|t| t.name == name).unwrap().values.dtype();
+    /// assert_eq!(dtype("model.layers.0.self_attn.q_proj.weight"), DType::BF16);
+    /// assert_eq!(dtype("model.embed_tokens.weight"), DType::F32);
+    /// ```
+    pub fn with_bf16_products(mut self) -> Self {
+        if self.compute_dtype == ComputeDtype::Bf16 {
+            self.cast_products_to_bf16();
+        }
+        self
+    }
+
+    /// Casts the product matrices to bf16 (see [`Self::with_bf16_products`]).
+    fn cast_products_to_bf16(&mut self) {
         let names: Vec<String> = self
             .export_shards()
             .into_iter()
@@ -241,7 +279,5 @@ impl<B: ParallelBackend> CausalLm<B> {
                 *p = Param::initialized(p.id, low);
             }
         }
-        let weights = FusedWeights::of(GenerationWeights::build(self));
-        self.set_generation(weights);
     }
 }

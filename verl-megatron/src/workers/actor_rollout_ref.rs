@@ -301,10 +301,14 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     }
 
     /// Makes the actor as it is now the reference policy (after the supervised warm-up, RL
-    /// starts from the warmed-up actor); offload keeps each where its switches say.
+    /// starts from the warmed-up actor); offload keeps each where its switches say. With bf16
+    /// products the reference keeps its matrices in bf16 (`CausalLm::with_bf16_products`):
+    /// the same log-probs, and no views of the actor's f32 matrices, which the actor's first
+    /// update would otherwise have to copy, keeping a second f32 model alive for the run.
     pub fn set_reference(&mut self) -> Result<()> {
         self.actor.bring_in(false)?;
-        self.reference = Some(burn::module::AutodiffModule::valid(self.actor.model()));
+        let actor = burn::module::AutodiffModule::valid(self.actor.model());
+        self.reference = Some(actor.with_bf16_products());
         self.actor.put_away()?;
         if let Some(o) = self.reference_offload.as_mut() {
             o.forget();

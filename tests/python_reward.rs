@@ -282,3 +282,53 @@ fn a_run_with_the_prime_manager_trains_through_raising_rows() {
         "most answers of a fresh policy are wrong: {score}"
     );
 }
+
+/// Validation with several responses per prompt and a reward function reporting `acc` and the
+/// answer (`pred`), as verl's math_dapo does: verl's `val-core` (acc's mean, best and majority
+/// vote at n) and `val-aux` (std, the smaller subsets, the reward) figures, consistent with
+/// each other.
+#[test]
+fn validation_reports_verls_best_worst_and_majority_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run_with_reward(
+        dir.path(),
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    \
+         right = solution_str.strip() == ground_truth.strip()\n    \
+         return {'score': 1.0 if right else -1.0, 'acc': float(right), 'pred': solution_str.strip()}\n",
+        0,
+        &[
+            "trainer.val_before_train=true",
+            "trainer.val_only=true",
+            "actor_rollout_ref.rollout.val_kwargs.n=4",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        ],
+    );
+    let val = &lines[0];
+    let source = val
+        .keys()
+        .find_map(|k| k.strip_prefix("val-core/")?.strip_suffix("/acc/mean@4"))
+        .unwrap_or_else(|| panic!("no val-core acc mean@4: {val:?}"))
+        .to_string();
+    let get = |name: &str| -> f64 {
+        *val.get(name)
+            .unwrap_or_else(|| panic!("{name} missing: {val:?}"))
+    };
+    let core = |m: &str| get(&format!("val-core/{source}/acc/{m}"));
+    let aux = |var: &str, m: &str| get(&format!("val-aux/{source}/{var}/{m}"));
+    let (mean, best, worst) = (
+        core("mean@4"),
+        core("best@4/mean"),
+        aux("acc", "worst@4/mean"),
+    );
+    assert!(worst <= mean && mean <= best, "{worst} {mean} {best}");
+    assert!((0.0..=1.0).contains(&core("maj@4/mean")));
+    assert!(core("best@4/std") >= 0.0 && core("maj@4/std") >= 0.0);
+    assert!(aux("acc", "std@4") >= 0.0);
+    assert!(aux("acc", "best@2/mean") <= best + 1e-12);
+    // The shaped reward is 2·acc − 1, so its figures follow acc's.
+    assert!((aux("reward", "mean@4") - (2.0 * mean - 1.0)).abs() < 1e-9);
+    assert!((aux("reward", "best@4/mean") - (2.0 * best - 1.0)).abs() < 1e-9);
+    // The answer is no number: no variable of its own.
+    assert!(!val.keys().any(|k| k.contains("/pred/")), "{val:?}");
+}

@@ -272,7 +272,8 @@ impl PythonReward {
                             .collect()
                     })
                     .unwrap_or_default();
-                Ok(RewardScore { score, extra })
+                let pred = s["pred"].as_str().map(str::to_owned);
+                Ok(RewardScore { score, extra, pred })
             })
             .collect()
     }

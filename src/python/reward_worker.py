@@ -4,13 +4,14 @@
 #   argv: <file> <function> <mode: 0 (per row) | 1 (batched) | prime:<seconds per row>>
 #   ready:    {"ready": true} or {"ready": false, "error": "..."}
 #   request:  {"rows": [{"data_source", "solution_str", "ground_truth", "extra_info"}, ...]}
-#   response: {"scores": [{"score": float, "extra": {name: float}}, ...]}
+#   response: {"scores": [{"score": float, "extra": {name: float}, "pred"?: str}, ...]}
 #             or {"error": "...", "row": index within the request}
 #
 # The function has verl's signature: compute_score(data_source, solution_str, ground_truth,
 # extra_info) returning a number or a dict with "score" (other numeric entries are kept as
-# extras); batched (reward_manager=batch): compute_score(data_sources, solution_strs,
-# ground_truths, extra_infos) returning one of those per row. Whatever the function prints
+# extras, a "pred" as the answer validation's majority vote counts); batched
+# (reward_manager=batch): compute_score(data_sources, solution_strs, ground_truths,
+# extra_infos) returning one of those per row. Whatever the function prints
 # goes to stderr, so it cannot break the frames.
 #
 # prime (verl's prime reward manager): each row has a time limit (an interval timer; the
@@ -50,7 +51,11 @@ def prime_score(fn, r, limit):
 def as_score(value):
     if isinstance(value, dict):
         extra = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float, bool))}
-        return {"score": float(value["score"]), "extra": extra}
+        out = {"score": float(value["score"]), "extra": extra}
+        # The answer, for validation's majority vote (maj@N), as verl keeps it: any value.
+        if "pred" in value and value["pred"] is not None:
+            out["pred"] = str(value["pred"])
+        return out
     return {"score": float(value), "extra": {}}
 
 

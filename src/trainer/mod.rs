@@ -23,6 +23,7 @@ mod scorer;
 mod setup;
 pub mod step;
 mod trackers;
+pub mod val_metrics;
 
 pub use error::TrainError;
 pub use main_job::MAIN_JOB;

@@ -19,6 +19,7 @@ use super::data::{prompt_batch, sft_batch, PromptRow};
 use super::error::{setup, TrainError};
 use super::model::Infer;
 use super::ppo_trainer::PpoTrainer;
+use super::val_metrics::ValRecord;
 
 /// A step's batch between phases: verl's columns (`responses`, `old_log_probs`,
 /// `token_level_scores`, `advantages`, ...) as the phases add them, and the step's metrics.
@@ -72,9 +73,11 @@ impl PpoTrainer {
     }
 
     /// Validation as [`Self::validate`] runs it, with verl's metrics beside `val/score/mean`:
-    /// `val-core/<data_source>/reward/mean@<n>` per data source (`n`: responses per prompt),
-    /// and each reward extra as `val-aux/<data_source>/<name>/mean@<n>` (`acc`, where the
-    /// manager reports it, is the core variable: `val-core/…/acc`, the reward then `val-aux`).
+    /// per data source, for the reward and each reward extra, over each prompt's `n`
+    /// responses, `mean@n`, and with `n > 1` `std@n`, `best@k` / `worst@k` (and `maj@k` where
+    /// the reward function reports a `pred`) as verl's bootstrap computes them
+    /// ([`super::val_metrics`]); the core variable (`acc` where reported, else the reward)'s
+    /// headline figures at `n` in `val-core/`, the rest in `val-aux/`.
     pub async fn validation_metrics(
         &mut self,
     ) -> Result<std::collections::BTreeMap<String, f64>, TrainError> {
@@ -82,11 +85,10 @@ impl PpoTrainer {
         let mut total = 0.0;
         let mut count = 0usize;
         let mut dump = Vec::new();
-        // (data source, variable: `reward` or a reward extra) -> (sum, responses, responses per
-        // prompt)
-        let mut by_source =
-            std::collections::BTreeMap::<(String, String), (f64, usize, usize)>::new();
-        for chunk in rows.chunks(self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1)) {
+        // One record per response: data source, prompt, variables, answer.
+        let mut records = Vec::new();
+        let chunk_size = self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1);
+        for (c, chunk) in rows.chunks(chunk_size).enumerate() {
             let mut batch = prompt_batch::<Infer>(
                 chunk,
                 self.codec.pad_token_id(),
@@ -115,18 +117,19 @@ impl PpoTrainer {
                     step,
                 )?);
             }
-            let per_prompt = scores.len() / chunk.len().max(1);
+            // A prompt's responses are consecutive rows.
+            let per_prompt = (scores.len() / chunk.len().max(1)).max(1);
             let sources = gen.non_tensor("data_source")?;
-            for (s, source) in scored.iter().zip(sources) {
-                let source = source.as_str().unwrap_or("unknown");
-                let variables = std::iter::once(("reward", s.score))
-                    .chain(s.extra.iter().map(|(name, &v)| (name.as_str(), v)));
-                for (name, value) in variables {
-                    let e = by_source
-                        .entry((source.to_string(), name.to_string()))
-                        .or_default();
-                    (e.0, e.1, e.2) = (e.0 + value, e.1 + 1, per_prompt.max(e.2));
-                }
+            for (i, (s, source)) in scored.iter().zip(sources).enumerate() {
+                let values = std::iter::once(("reward".to_string(), s.score))
+                    .chain(s.extra.iter().map(|(name, &v)| (name.clone(), v)))
+                    .collect();
+                records.push(ValRecord {
+                    source: source.as_str().unwrap_or("unknown").to_string(),
+                    prompt: c * chunk_size + i / per_prompt,
+                    values,
+                    pred: s.pred.clone(),
+                });
             }
             total += scores.iter().sum::<f64>();
             count += scores.len();
@@ -134,20 +137,8 @@ impl PpoTrainer {
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
             super::dump::write_generations(dir, self.global_step, &dump)?;
         }
-        // verl's sections: the core variable is `acc` where the manager reports it, else the
-        // reward; every other variable is auxiliary.
-        let has_acc = |source: &str| by_source.contains_key(&(source.into(), "acc".into()));
-        let mut metrics: std::collections::BTreeMap<String, f64> = by_source
-            .iter()
-            .map(|((source, name), &(sum, n, per))| {
-                let core = if has_acc(source) { "acc" } else { "reward" };
-                let section = if name == core { "val-core" } else { "val-aux" };
-                (
-                    format!("{section}/{source}/{name}/mean@{per}"),
-                    sum / n.max(1) as f64,
-                )
-            })
-            .collect();
+        let samples: Vec<_> = records.iter().map(ValRecord::sample).collect();
+        let mut metrics = super::val_metrics::validation_metrics(&samples);
         metrics.insert("val/score/mean".into(), total / count.max(1) as f64);
         Ok(metrics)
     }

@@ -18,13 +18,16 @@ pub struct RewardInput<'a> {
 pub struct RewardScore {
     pub score: f64,
     pub extra: BTreeMap<String, f64>,
+    /// The answer the response gives, where the reward function reports one (verl's `pred`
+    /// entry, e.g. math_dapo's): validation's majority vote (`maj@N`) counts them.
+    pub pred: Option<String>,
 }
 
 impl From<f64> for RewardScore {
     fn from(score: f64) -> Self {
         Self {
             score,
-            extra: BTreeMap::new(),
+            ..Default::default()
         }
     }
 }

@@ -86,13 +86,16 @@ fn a_verl_reward_function_scores_rows_in_order_across_workers() {
     let scores = reward.score_rows(&rows).unwrap();
     let got: Vec<f64> = scores.iter().map(|s| s.score).collect();
     assert_eq!(got, [1.0, 0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5, 1.0, 0.5]);
-    // A dict's numeric entries come back as extras.
+    // A dict's numeric entries come back as extras, its score among them (verl's managers
+    // keep every entry); a string is no extra.
     let scores = reward
         .score_rows(&[row("with_extra", "4", "4", &none)])
         .unwrap();
     assert_eq!(scores[0].score, 1.0);
     assert_eq!(scores[0].extra.get("length"), Some(&1.0));
+    assert_eq!(scores[0].extra.get("score"), Some(&1.0));
     assert!(!scores[0].extra.contains_key("tag"));
+    assert_eq!(scores[0].pred, None);
 }
 
 #[test]
@@ -302,6 +305,7 @@ fn validation_reports_verls_best_worst_and_majority_figures() {
             "actor_rollout_ref.rollout.val_kwargs.n=4",
             "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+            &format!("+trainer.validation_data_dir={}", dir.path().join("val").display()),
         ],
     );
     let val = &lines[0];
@@ -329,6 +333,17 @@ fn validation_reports_verls_best_worst_and_majority_figures() {
     // The shaped reward is 2·acc − 1, so its figures follow acc's.
     assert!((aux("reward", "mean@4") - (2.0 * mean - 1.0)).abs() < 1e-9);
     assert!((aux("reward", "best@4/mean") - (2.0 * best - 1.0)).abs() < 1e-9);
+    // The function's own score is a variable too, as verl keeps it among the extras.
+    assert_eq!(aux("score", "mean@4"), aux("reward", "mean@4"));
     // The answer is no number: no variable of its own.
     assert!(!val.keys().any(|k| k.contains("/pred/")), "{val:?}");
+    // The dump has a column per extra, the answer among them, as verl's dumps.
+    let dump = std::fs::read_to_string(dir.path().join("val/0.jsonl")).unwrap();
+    for line in dump.lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        let (acc, output) = (v["acc"].as_f64().unwrap(), v["output"].as_str().unwrap());
+        assert_eq!(v["pred"].as_str(), Some(output.trim()), "{v}");
+        assert_eq!(v["score"].as_f64(), Some(2.0 * acc - 1.0), "{v}");
+    }
+    assert_eq!(dump.lines().count() % 4, 0);
 }

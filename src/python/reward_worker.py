@@ -8,8 +8,8 @@
 #             or {"error": "...", "row": index within the request}
 #
 # The function has verl's signature: compute_score(data_source, solution_str, ground_truth,
-# extra_info) returning a number or a dict with "score" (other numeric entries are kept as
-# extras, a "pred" as the answer validation's majority vote counts); batched
+# extra_info) returning a number or a dict with "score" (its numeric entries, score too, are
+# kept as extras, a "pred" as the answer validation's majority vote counts); batched
 # (reward_manager=batch): compute_score(data_sources, solution_strs, ground_truths,
 # extra_infos) returning one of those per row. Whatever the function prints
 # goes to stderr, so it cannot break the frames.
@@ -50,7 +50,8 @@ def prime_score(fn, r, limit):
 
 def as_score(value):
     if isinstance(value, dict):
-        extra = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, (int, float, bool))}
+        # Every numeric entry, `score` too, as verl's managers keep them all as extras.
+        extra = {k: float(v) for k, v in value.items() if isinstance(v, (int, float, bool))}
         out = {"score": float(value["score"]), "extra": extra}
         # The answer, for validation's majority vote (maj@N), as verl keeps it: any value.
         if "pred" in value and value["pred"] is not None:

@@ -1,12 +1,14 @@
 //! verl's generation dumps: `trainer.rollout_data_dir` (every training step's samples) and
 //! `trainer.validation_data_dir` (every validation's), one `<step>.jsonl` a step with a line
 //! per response: `input` (the prompt's text), `output` (the response's text), `gts` (the row's
-//! ground truth), `score` (the response's summed token-level score) and `step`, as verl's
+//! ground truth), `score` (the response's summed token-level score) and `step`, then a column
+//! per reward extra (a reward function's dict entries, `acc`, `pred`, …), as verl's
 //! `_dump_generations` writes them.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use verl_core::traits::RewardScore;
 use verl_core::DataProto;
 
 use super::data::Codec;
@@ -15,11 +17,13 @@ use super::model::Infer;
 
 /// The lines of one dump: a JSON object per response of `gen` (the rollout's output: its
 /// `prompts`, `responses`, `attention_mask`, `response_mask` and `reward_model` columns), with
-/// `scores[i]` for response `i`.
+/// `scores[i]` for response `i` and the reward extras of `extras[i]` (none where `extras` is
+/// shorter).
 pub(crate) fn generation_lines(
     gen: &DataProto<Infer>,
     codec: &Codec,
     scores: &[f64],
+    extras: &[RewardScore],
     step: u64,
 ) -> Result<Vec<Value>, TrainError> {
     let ints = |key: &str| -> Result<Vec<i64>, TrainError> {
@@ -53,13 +57,24 @@ pub(crate) fn generation_lines(
             let gts = truths
                 .and_then(|t| t[i].get("ground_truth").cloned())
                 .unwrap_or(Value::Null);
-            Ok(json!({
+            let mut line = json!({
                 "input": codec.decode_all(&prompt),
                 "output": codec.decode(&response),
                 "gts": gts,
                 "score": scores[i],
                 "step": step,
-            }))
+            });
+            // The reward extras, one column each, set after the five as verl sets them (so a
+            // function's own `score` entry replaces the summed one, as in verl's dumps).
+            if let (Some(extra), Some(map)) = (extras.get(i), line.as_object_mut()) {
+                for (name, &v) in &extra.extra {
+                    map.insert(name.clone(), json!(v));
+                }
+                if let Some(pred) = &extra.pred {
+                    map.insert("pred".into(), json!(pred));
+                }
+            }
+            Ok(line)
         })
         .collect()
 }

@@ -110,18 +110,10 @@ impl PpoTrainer {
 
     /// Scores of every row of a generated batch (by the trainer's [`Scorer`], plus DAPO's
     /// overlong shaping with `reward_manager=dapo`, in training and validation as verl's
-    /// manager scores both), and their response lengths.
-    pub(super) async fn rewards(
-        &self,
-        gen: &DataProto<Infer>,
-    ) -> Result<(Vec<f64>, Vec<f64>), TrainError> {
-        let (scores, lengths) = self.rewards_with_extras(gen).await?;
-        Ok((scores.into_iter().map(|s| s.score).collect(), lengths))
-    }
-
-    /// [`Self::rewards`] with each row's reward extras, as verl's managers collect them: the
-    /// function's dict entries, the dapo manager's `acc` (a plain number's score before the
-    /// shaping) and, with `overlong_buffer.log`, `overlong_reward` and `overlong`.
+    /// manager scores both) with each row's reward extras, as verl's managers collect them:
+    /// the function's dict entries (its `score` among them), the dapo manager's `acc` (a plain
+    /// number's score before the shaping) and, with `overlong_buffer.log`, `overlong_reward`
+    /// and `overlong`; and the responses' lengths.
     pub(super) async fn rewards_with_extras(
         &self,
         gen: &DataProto<Infer>,

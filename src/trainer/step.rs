@@ -114,6 +114,7 @@ impl PpoTrainer {
                     &gen,
                     &self.codec,
                     &scores,
+                    &scored,
                     step,
                 )?);
             }
@@ -250,7 +251,8 @@ impl PpoTrainer {
     /// Adds `token_level_scores`.
     pub async fn score(&mut self, batch: &mut StepBatch) -> Result<(), TrainError> {
         let t = Instant::now();
-        let (rule_scores, lengths) = self.rewards(&batch.data).await?;
+        let (scored, lengths) = self.rewards_with_extras(&batch.data).await?;
+        let rule_scores: Vec<f64> = scored.iter().map(|s| s.score).collect();
         let (scores, token_scores) = match &self.reward_model {
             Some(rm) => {
                 let out = rm
@@ -289,8 +291,13 @@ impl PpoTrainer {
             .insert_float("token_level_scores", token_scores)?;
         if let Some(dir) = &self.cfg.trainer.rollout_data_dir {
             let t = Instant::now();
-            let lines =
-                super::dump::generation_lines(&batch.data, &self.codec, &scores, batch.step)?;
+            let lines = super::dump::generation_lines(
+                &batch.data,
+                &self.codec,
+                &scores,
+                &scored,
+                batch.step,
+            )?;
             super::dump::write_generations(dir, batch.step, &lines)?;
             batch.time("dump_rollout_generations", t);
         }

@@ -173,6 +173,11 @@ fn a_killed_rank_ends_the_run_naming_it() {
         "the error does not name the killed rank: {stderr}"
     );
     assert!(stderr.contains("signal 9"), "{stderr}");
+    // Reported once, by the driver: no rank prints its own panic or the rank's abort.
+    assert!(
+        !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
     // No rank is left behind.
     std::thread::sleep(Duration::from_millis(500));
     for pid in workers {
@@ -234,4 +239,65 @@ fn two_nodes_on_localhost_train_as_one_node() {
         String::from_utf8_lossy(&out1.stderr)
     );
     common::assert_same_metrics(&metrics(d1.path()), &metrics(d2.path()), "two nodes");
+}
+
+/// A rank process that stops (SIGSTOP: alive, silent) is named by its missing heartbeats
+/// within seconds, long before its peers' collectives would time out (120 s here, 600 s by
+/// default), and the run ends with one error naming it, no rank's panic, and no process left.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_stopped_rank_is_named_by_its_silence() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut extra = vec![
+        "trainer.total_training_steps=500",
+        "trainer.launcher=processes",
+        "trainer.n_gpus_per_node=4",
+    ];
+    extra.extend(TP2);
+    let mut driver = train(dir.path(), &extra)
+        .env("VERL_HEARTBEAT_TIMEOUT_S", "3")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_steps(dir.path(), &mut driver, Duration::from_secs(300));
+    let workers = workers_of(driver.id());
+    assert_eq!(workers.len(), 4, "rank processes {workers:?}");
+    let victim = workers[2];
+    let stopped = Instant::now();
+    let status = Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = driver.wait_with_output().unwrap();
+    let took = stopped.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the run went on: {stderr}");
+    assert!(
+        took < Duration::from_secs(60),
+        "ended after {took:?}: {stderr}"
+    );
+    assert!(
+        stderr.contains("rank 2")
+            && stderr.contains(&format!("pid {victim}"))
+            && stderr.contains("has not answered")
+            && stderr.contains("stopped (SIGSTOP"),
+        "the error does not name the stopped rank: {stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    for pid in workers {
+        let gone = !Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.contains(") Z "))
+                .unwrap_or(true);
+        if !gone {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        assert!(gone, "rank process {pid} still runs");
+    }
 }

@@ -176,8 +176,10 @@ impl RankProcesses {
             "driver on port {port}: {} local rank processes, {world} in the job",
             t.n_gpus_per_node.min(world)
         );
+        let heartbeat = verl_core::worker::heartbeat::heartbeat_timeout().map_err(setup)?;
         let ranks = ProcessRanks::accept(&listener, world, CONNECT_TIMEOUT, || local.failure())?
-            .with_exit_reports(local.exit_reports());
+            .with_exit_reports(local.exit_reports())
+            .with_heartbeat_timeout(heartbeat);
         let payload = serde_json::to_vec(&RankSetup {
             config: cfg.clone(),
             total_steps,

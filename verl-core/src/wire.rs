@@ -55,6 +55,9 @@ pub enum Message {
     Abort { reason: String },
     /// Driver → worker: the run is over; exit cleanly.
     Shutdown,
+    /// Worker → driver, every second from a thread of its own: this process still runs (a
+    /// stopped or frozen rank falls silent long before a collective's timeout).
+    Heartbeat,
 }
 
 /// A failure on a worker, as the driver reports it: the rank, the method and the message.
@@ -75,6 +78,7 @@ enum Header {
     Reply { id: u64, error: Option<RemoteError> },
     Abort { reason: String },
     Shutdown,
+    Heartbeat,
 }
 
 fn wire_err(message: impl Into<String>) -> CommError {
@@ -97,6 +101,7 @@ impl Message {
             },
             Message::Abort { reason } => (Header::Abort { reason }, Vec::new()),
             Message::Shutdown => (Header::Shutdown, Vec::new()),
+            Message::Heartbeat => (Header::Heartbeat, Vec::new()),
         };
         let json = serde_json::to_vec(&header).map_err(|e| wire_err(e.to_string()))?;
         let mut out = BytesMut::with_capacity(4 + json.len() + payload.len());
@@ -140,6 +145,7 @@ impl Message {
             },
             Header::Abort { reason } => Message::Abort { reason },
             Header::Shutdown => Message::Shutdown,
+            Header::Heartbeat => Message::Heartbeat,
         })
     }
 }
@@ -280,6 +286,7 @@ mod tests {
             }),
             ".{0,40}".prop_map(|reason| Message::Abort { reason }),
             Just(Message::Shutdown),
+            Just(Message::Heartbeat),
         ]
     }
 

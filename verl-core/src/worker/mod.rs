@@ -8,8 +8,10 @@
 //! process boundaries in their [`crate::DataProto::to_wire`] form, other arguments as JSON.
 
 pub mod device_fault;
+pub mod heartbeat;
 mod methods;
 mod processes;
+pub mod reported_panics;
 mod role_group;
 mod serve;
 mod threads;

@@ -23,11 +23,22 @@ use crate::wire::{split, Message, RemoteError, WireReader, WireWriter};
 
 type ReplySender = oneshot::Sender<std::result::Result<Vec<u8>, RemoteError>>;
 
-#[derive(Default)]
 struct Pending {
     calls: HashMap<u64, ReplySender>,
     /// Why the connection ended, once it has.
     closed: Option<String>,
+    /// When the rank last said anything (a heartbeat or a reply).
+    last_heard: Instant,
+}
+
+impl Default for Pending {
+    fn default() -> Self {
+        Self {
+            calls: HashMap::new(),
+            closed: None,
+            last_heard: Instant::now(),
+        }
+    }
 }
 
 struct Link {
@@ -42,6 +53,8 @@ pub struct ProcessRanks {
     next_id: AtomicU64,
     poisoned: Mutex<Option<String>>,
     timeout: Option<Duration>,
+    /// How long a rank may be silent (no heartbeat, no reply) before a call fails naming it.
+    heartbeat_timeout: Duration,
     /// Tells how a rank's process ended, when the driver started it (exit status, signal).
     how_ended: Box<dyn Fn(usize) -> Option<String> + Send + Sync>,
 }
@@ -54,10 +67,13 @@ fn read_replies(mut reader: WireReader, pending: Arc<Mutex<Pending>>) {
     let why = loop {
         match reader.recv() {
             Ok(Some(Message::Reply { id, result })) => {
-                if let Some(tx) = lock(&pending).calls.remove(&id) {
+                let mut p = lock(&pending);
+                p.last_heard = Instant::now();
+                if let Some(tx) = p.calls.remove(&id) {
                     let _ = tx.send(result);
                 }
             }
+            Ok(Some(Message::Heartbeat)) => lock(&pending).last_heard = Instant::now(),
             Ok(Some(other)) => {
                 tracing::warn!("unexpected message from a rank: {other:?}");
             }
@@ -158,6 +174,7 @@ impl ProcessRanks {
             next_id: AtomicU64::new(1),
             poisoned: Mutex::new(None),
             timeout: None,
+            heartbeat_timeout: Duration::from_secs(30),
             how_ended: Box::new(|_| None),
         })
     }
@@ -166,6 +183,21 @@ impl ProcessRanks {
     pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.timeout = timeout;
         self
+    }
+
+    /// Fails a call naming a rank silent for `timeout` (see [`super::heartbeat`]).
+    pub fn with_heartbeat_timeout(mut self, timeout: Duration) -> Self {
+        self.heartbeat_timeout = timeout;
+        self
+    }
+
+    /// A rank silent for longer than the heartbeat timeout, and how long it has been silent.
+    fn silent_rank(&self) -> Option<(usize, Duration)> {
+        self.links.iter().enumerate().find_map(|(rank, link)| {
+            let p = lock(&link.pending);
+            let quiet = p.last_heard.elapsed();
+            (p.closed.is_none() && quiet > self.heartbeat_timeout).then_some((rank, quiet))
+        })
     }
 
     /// How the driver learns how a lost rank's process ended (its launcher's exit status).
@@ -229,26 +261,44 @@ impl ProcessRanks {
         let mut failures: Vec<(usize, Option<String>, String)> = Vec::new();
         let mut grace: Option<tokio::time::Instant> = None;
         while !waiting.is_empty() {
+            if grace.is_none() {
+                if let Some((rank, quiet)) = self.silent_rank() {
+                    let pid = self.links[rank].pid;
+                    let state = super::heartbeat::process_state(pid)
+                        .map_or_else(String::new, |s| format!("; {s}"));
+                    let how = format!(
+                        "its process (pid {pid}) has not answered for {:.0}s, more than {} allows \
+                         ({}s){state}",
+                        quiet.as_secs_f64(),
+                        super::heartbeat::HEARTBEAT_TIMEOUT_ENV,
+                        self.heartbeat_timeout.as_secs()
+                    );
+                    return Err(self.fail(rank, method, None, how));
+                }
+            }
+            // Wake at least once a heartbeat interval to look for a silent rank.
+            let beat = tokio::time::Instant::now() + super::heartbeat::HEARTBEAT_INTERVAL;
             let until = match (deadline, grace) {
-                (Some(d), Some(g)) => Some(d.min(g)),
-                (d, g) => d.or(g),
+                (Some(d), Some(g)) => d.min(g),
+                (Some(d), None) => d.min(beat),
+                (None, Some(g)) => g,
+                (None, None) => beat,
             };
-            let next = match until {
-                Some(d) => match tokio::time::timeout_at(d, waiting.next()).await {
-                    Ok(n) => n,
-                    Err(_) if grace.is_some() => break,
-                    Err(_) => {
-                        let secs = self.timeout.map_or(0.0, |t| t.as_secs_f64());
-                        self.abort(&format!("`{method}` timed out after {secs:.0}s"));
-                        return Err(WorkerError::Timeout {
-                            method: method.into(),
-                            timeout_s: secs,
-                            pending: (0..n).filter(|&r| outputs[r].is_none()).collect(),
-                        }
-                        .into());
+            let next = match tokio::time::timeout_at(until, waiting.next()).await {
+                Ok(n) => n,
+                Err(_) if grace.is_some() => break,
+                // A heartbeat wake-up: look for a silent rank again.
+                Err(_) if deadline.is_none_or(|d| tokio::time::Instant::now() < d) => continue,
+                Err(_) => {
+                    let secs = self.timeout.map_or(0.0, |t| t.as_secs_f64());
+                    self.abort(&format!("`{method}` timed out after {secs:.0}s"));
+                    return Err(WorkerError::Timeout {
+                        method: method.into(),
+                        timeout_s: secs,
+                        pending: (0..n).filter(|&r| outputs[r].is_none()).collect(),
                     }
-                },
-                None => waiting.next().await,
+                    .into());
+                }
             };
             let Some((rank, reply)) = next else { break };
             match reply {

@@ -2,7 +2,8 @@
 //! the driver's setup message, and runs the calls it is sent, one at a time, on this thread
 //! (which owns the device). A second thread reads the connection, so that an `Abort` from the
 //! driver, or the driver going away, ends the process at once, even while a call is stuck in a
-//! collective whose peer died.
+//! collective whose peer died. A third beats once a second ([`super::heartbeat`]), so the
+//! driver tells a stopped or frozen rank from a busy one.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -119,6 +120,8 @@ where
         rank,
         pid: std::process::id(),
     })?;
+    let writer = Arc::new(writer);
+    super::heartbeat::spawn(rank, writer.clone())?;
     let calls = spawn_link_reader(rank, reader)?;
 
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -150,18 +153,19 @@ where
                 payload,
             } => (id, method, payload),
         };
-        let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| -> Result<Vec<u8>> {
-            if method == SETUP {
-                let build = setup
-                    .take()
-                    .ok_or_else(|| Error::backend("worker", "the driver sent a second setup"))?;
-                roles = Some(build(&payload, &link)?);
-                return Ok(Vec::new());
-            }
-            let served = role_of(roles.as_mut(), &method)?;
-            let name = method.split_once('.').map_or("", |(_, name)| name);
-            runtime.block_on(served.call(name, ctx.clone(), payload))
-        }));
+        let outcome =
+            super::reported_panics::catch_reported(AssertUnwindSafe(|| -> Result<Vec<u8>> {
+                if method == SETUP {
+                    let build = setup.take().ok_or_else(|| {
+                        Error::backend("worker", "the driver sent a second setup")
+                    })?;
+                    roles = Some(build(&payload, &link)?);
+                    return Ok(Vec::new());
+                }
+                let served = role_of(roles.as_mut(), &method)?;
+                let name = method.split_once('.').map_or("", |(_, name)| name);
+                runtime.block_on(served.call(name, ctx.clone(), payload))
+            }));
         let result = outcome.unwrap_or_else(|p| {
             Err(Error::backend(
                 "worker",
@@ -210,7 +214,9 @@ fn spawn_link_reader(rank: usize, mut reader: WireReader) -> Result<mpsc::Receiv
                     return;
                 }
                 Ok(Some(Message::Abort { reason })) => {
-                    stop(format!("the driver aborted: {reason}"))
+                    // The driver reports the failure once, under the rank that caused it.
+                    tracing::debug!("rank {rank}: stopping: the driver aborted: {reason}");
+                    std::process::exit(EXIT_ABORTED)
                 }
                 Ok(Some(other)) => stop(format!("unexpected message from the driver: {other:?}")),
                 Ok(None) => stop("the driver went away".into()),

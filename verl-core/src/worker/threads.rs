@@ -83,7 +83,7 @@ impl RankCall {
                 origin,
             } = self;
             let ctx = RankContext::new(rank, world_size, cancel, hook.clone());
-            let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let outcome = super::reported_panics::catch_reported(AssertUnwindSafe(|| {
                 runtime.block_on(async {
                     let stop = ctx.clone();
                     tokio::select! {

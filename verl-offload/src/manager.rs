@@ -126,7 +126,12 @@ impl<B: Backend> HostOffload<B> for OffloadManager<B> {
         let tensors = held
             .data
             .into_iter()
-            .map(|d| Tensor::<B, 1>::from_data(d, device))
+            // In its own dtype (a bf16 reference stays bf16; `from_data` alone converts to
+            // the device's default float).
+            .map(|d| {
+                let dtype = d.dtype;
+                Tensor::<B, 1>::from_data(d, (device, dtype))
+            })
             .collect();
         let report = TransferReport {
             tensors: count,
@@ -221,6 +226,20 @@ mod tests {
                 prop_assert_eq!(got, want);
             }
         }
+    }
+
+    /// A bf16 tensor (the bf16 reference's matrices) comes back bf16, bit for bit.
+    #[test]
+    fn a_tensor_comes_back_in_its_own_dtype() {
+        let mut host = OffloadManager::<Cpu>::new("reference");
+        let device = Default::default();
+        let low = tensor(&[1.5, -2.25, 3.0]).cast(burn::tensor::FloatDType::BF16);
+        let want = low.clone().into_data();
+        host.offload("params", vec![low]).unwrap();
+        let (back, report) = host.reload("params", &device).unwrap();
+        assert_eq!(report.bytes, 6);
+        assert_eq!(back[0].dtype(), burn::tensor::DType::BF16);
+        assert_eq!(back[0].clone().into_data(), want);
     }
 
     #[test]

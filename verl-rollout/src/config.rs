@@ -12,31 +12,40 @@ pub enum KvBudget {
     /// At most this many cached token positions over all sequences.
     Tokens(usize),
     /// vLLM's `gpu_memory_utilization`: on a GPU, this fraction of the card's total memory
-    /// less what is in use when the budget is resolved (the model's weights, and in a hybrid
-    /// engine the actor's); on the CPU default, this fraction of the host's `MemAvailable`.
+    /// for the rollout, its weights included, and never more than what is free when the cache
+    /// is allocated, less [`ACTIVATION_RESERVE`] of the card (in a hybrid engine the actor's
+    /// parameters and optimizer state share the card); on the CPU default, this fraction of
+    /// the host's `MemAvailable`.
     MemoryFraction(f64),
 }
+
+/// The share of the card a KV cache leaves free beside what is in use, for the prefill's and
+/// the decode step's activations.
+pub const ACTIVATION_RESERVE: f64 = 0.05;
 
 /// The memory a [`KvBudget::MemoryFraction`] is a fraction of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MemoryBase {
     /// A device with `total` bytes, `in_use` of them taken (by tensors of every pool and
-    /// process; a pool's cached free pages do not count, the cache may reuse them).
-    Device { total: u64, in_use: u64 },
+    /// process; a pool's cached free pages do not count, the cache may reuse them), `own` of
+    /// them the rollout's weights.
+    Device { total: u64, in_use: u64, own: u64 },
     /// Host memory with `available` bytes free for new allocations.
     Host { available: u64 },
 }
 
 impl MemoryBase {
-    /// The base for a backend's memory figures: the device where it reports its total, the
-    /// host's `MemAvailable` (4 GiB if unknown) otherwise.
-    pub fn of(usage: Option<verl_core::memory::MemoryUsage>) -> Self {
+    /// The base for a backend's memory figures and the rollout's weights (`own_bytes`): the
+    /// device where it reports its total, the host's `MemAvailable` (4 GiB if unknown)
+    /// otherwise.
+    pub fn of(usage: Option<verl_core::memory::MemoryUsage>, own_bytes: u64) -> Self {
         match usage {
             Some(u) if u.device_total > 0 => MemoryBase::Device {
                 total: u.device_total,
                 in_use: u
                     .device_used
                     .saturating_sub(u.reserved.saturating_sub(u.allocated)),
+                own: own_bytes,
             },
             _ => MemoryBase::Host {
                 available: available_memory_bytes().map_or(4 << 30, |b| b as u64),
@@ -51,17 +60,24 @@ impl KvBudget {
     /// ```
     /// use verl_rollout::{KvBudget, MemoryBase};
     /// let gib = 1u64 << 30;
-    /// let card = MemoryBase::Device { total: 80 * gib, in_use: 30 * gib };
-    /// assert_eq!(KvBudget::MemoryFraction(0.5).bytes(card, 1), 10 * gib);
-    /// assert_eq!(KvBudget::MemoryFraction(0.25).bytes(card, 1), 0); // the weights take more
+    /// // An 80 GiB card, 15 GiB of rollout weights, 30 GiB in use (weights and the actor):
+    /// // half the card less the weights, 25 GiB, and that much is free.
+    /// let card = MemoryBase::Device { total: 80 * gib, in_use: 30 * gib, own: 15 * gib };
+    /// assert_eq!(KvBudget::MemoryFraction(0.5).bytes(card, 1), 25 * gib);
+    /// // With the actor's optimizer state too (70 GiB in use): what is free less 5 % of the card.
+    /// let full = MemoryBase::Device { total: 80 * gib, in_use: 70 * gib, own: 15 * gib };
+    /// assert_eq!(KvBudget::MemoryFraction(0.5).bytes(full, 1), 6 * gib);
     /// assert_eq!(KvBudget::Tokens(100).bytes(card, 1024), 100 * 1024);
     /// ```
     pub fn bytes(self, base: MemoryBase, bytes_per_position: usize) -> u64 {
         match self {
             KvBudget::Tokens(n) => (n * bytes_per_position) as u64,
             KvBudget::MemoryFraction(f) => match base {
-                MemoryBase::Device { total, in_use } => {
-                    ((total as f64 * f) as u64).saturating_sub(in_use)
+                MemoryBase::Device { total, in_use, own } => {
+                    let share = ((total as f64 * f) as u64).saturating_sub(own);
+                    let reserve = (total as f64 * ACTIVATION_RESERVE) as u64;
+                    let free = total.saturating_sub(in_use).saturating_sub(reserve);
+                    share.min(free)
                 }
                 MemoryBase::Host { available } => (available as f64 * f) as u64,
             },
@@ -314,30 +330,41 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
-    /// On a GPU the fraction is of the card, less what tensors hold now: a pool's cached free
-    /// pages count as free (the cache may take them), other processes' memory as taken.
+    /// On a GPU the fraction is of the card, the rollout's weights included, and never more
+    /// than what is free less 5 % of the card: a pool's cached free pages count as free (the
+    /// cache may take them), other processes' memory as taken.
     #[test]
-    fn device_budget_is_the_fraction_of_the_card_less_memory_in_use() {
+    fn device_budget_is_the_fraction_of_the_card_within_the_free_memory() {
         let usage = MemoryUsage {
             allocated: 60 * GIB,
             reserved: 70 * GIB,
             device_used: 74 * GIB,
             device_total: 140 * GIB,
         };
-        let base = MemoryBase::of(Some(usage));
+        let base = MemoryBase::of(Some(usage), 10 * GIB);
         assert_eq!(
             base,
             MemoryBase::Device {
                 total: 140 * GIB,
-                in_use: 64 * GIB
+                in_use: 64 * GIB,
+                own: 10 * GIB
             }
         );
+        // 0.5 of 140 less 10 of weights = 60; free: 140 - 64 - 7 = 69.
         let budget = KvBudget::MemoryFraction(0.5);
-        assert_eq!(budget.bytes(base, 1), 6 * GIB);
-        // 6 GiB of 1 MiB positions.
-        assert_eq!(budget.positions(base, 1 << 20), 6 * 1024);
-        // More in use than the fraction: nothing, not an underflow.
-        assert_eq!(KvBudget::MemoryFraction(0.4).positions(base, 1 << 20), 0);
+        assert_eq!(budget.bytes(base, 1), 60 * GIB);
+        assert_eq!(budget.positions(base, 1 << 20), 60 * 1024);
+        // 0.9: 116 GiB of share, but only 69 free.
+        assert_eq!(KvBudget::MemoryFraction(0.9).bytes(base, 1), 69 * GIB);
+        // Less than the weights: nothing, not an underflow.
+        assert_eq!(KvBudget::MemoryFraction(0.05).positions(base, 1 << 20), 0);
+        // A card fuller than its reserve allows: nothing.
+        let full = MemoryBase::Device {
+            total: 80 * GIB,
+            in_use: 79 * GIB,
+            own: GIB,
+        };
+        assert_eq!(KvBudget::MemoryFraction(0.9).bytes(full, 1), 0);
         // A token budget ignores the memory.
         assert_eq!(KvBudget::Tokens(77).positions(base, 1 << 20), 77);
     }
@@ -352,7 +379,7 @@ mod tests {
             device_total: 0,
         };
         for usage in [Some(cpu), None] {
-            match MemoryBase::of(usage) {
+            match MemoryBase::of(usage, GIB) {
                 MemoryBase::Host { available } => assert!(available > 0),
                 other => panic!("{other:?}"),
             }

@@ -38,17 +38,26 @@ pub fn cache_dtype(compute: ComputeDtype) -> FloatDType {
     }
 }
 
-/// The slots `config`'s KV budget allows on `device` now (at most `max_num_seqs`), with the
-/// memory base and positions it was resolved from (a debug event of target
-/// `verl_rollout::memory` each time).
+/// The slots `config`'s KV budget allows on `device` now (at most `max_num_seqs`), agreed over
+/// the tensor-parallel group `tp` (the smallest rank's: every rank of a group must decode the
+/// same slots, and each measures its own card), with this rank's memory base and positions (a
+/// debug event of target `verl_rollout::memory` each time). A collective over `tp`: its ranks
+/// resolve together.
 fn slots_in_budget<B: ParallelBackend>(
     config: &EngineConfig,
-    device: &B::Device,
+    (device, tp): (&B::Device, &TpGroup),
     per_position: usize,
+    own_bytes: u64,
 ) -> (usize, MemoryBase, usize) {
-    let base = MemoryBase::of(B::memory_usage(device));
+    let base = MemoryBase::of(B::memory_usage(device), own_bytes);
     let positions = config.kv_budget.positions(base, per_position);
-    let slots = (positions / config.max_model_len()).min(config.max_num_seqs);
+    let mut slots = (positions / config.max_model_len()).min(config.max_num_seqs);
+    if tp.is_parallel() {
+        // The group's minimum, as the maximum of the negated counts (exact in f32 below 2^24).
+        let mine = Tensor::<B, 1>::from_floats([-(slots.min(1 << 24) as f32)], device);
+        let least = tp.collective(mine, Collective::AllReduceMax).into_scalar();
+        slots = (-least.elem::<f32>()).max(0.0) as usize;
+    }
     tracing::debug!(
         target: "verl_rollout::memory",
         ?base,
@@ -58,6 +67,15 @@ fn slots_in_budget<B: ParallelBackend>(
         "KV budget resolved"
     );
     (slots, base, positions)
+}
+
+/// Bytes of the model's weights on this rank (what the rollout holds besides its cache).
+fn weight_bytes<B: ParallelBackend>(model: &CausalLm<B>) -> u64 {
+    model
+        .export_shards()
+        .iter()
+        .map(|t| (t.values.dims()[0] * t.values.dtype().size()) as u64)
+        .sum()
 }
 
 /// One sequence to generate.
@@ -177,7 +195,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
             return Err(RolloutError::Config {
                 field: "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 value: tp.size.to_string(),
-                message: "the rollout's tensor-parallel group runs without sequence parallel;                           build its model with a TpGroup that has it off"
+                message: "the rollout's tensor-parallel group runs without sequence parallel; \
+                          build its model with a TpGroup that has it off"
                     .into(),
             });
         }
@@ -187,15 +206,23 @@ impl<B: ParallelBackend> NativeRollout<B> {
             model_config.head_dim,
             cache_dtype(model.compute_dtype),
         );
-        let (max_slots, base, positions) = slots_in_budget::<B>(&config, &device, per_position);
+        // The generation model first: its bf16 matrices are what the rollout holds.
+        let model = model.with_generation_matrices();
+        let own_bytes = weight_bytes(&model);
+        let (max_slots, base, positions) =
+            slots_in_budget::<B>(&config, (&device, &tp), per_position, own_bytes);
         if max_slots == 0 {
             let gib = |b: u64| verl_core::memory::gib(b);
             let of = match (config.kv_budget, base) {
-                (KvBudget::MemoryFraction(f), MemoryBase::Device { total, in_use }) => format!(
-                    " ({f} of the device's {:.1} GiB less the {:.1} GiB in use)",
-                    gib(total),
-                    gib(in_use)
-                ),
+                (KvBudget::MemoryFraction(f), MemoryBase::Device { total, in_use, own }) => {
+                    format!(
+                        " ({f} of the device's {:.1} GiB less the rollout's {:.1} GiB of weights, \
+                     at most what is free: {:.1} GiB in use)",
+                        gib(total),
+                        gib(own),
+                        gib(in_use)
+                    )
+                }
                 _ => String::new(),
             };
             return Err(RolloutError::Config {
@@ -212,7 +239,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         let compute_dtype = model.compute_dtype;
         Ok(Self {
             model_config,
-            model: Some(model.with_generation_matrices()),
+            model: Some(model),
             config,
             device,
             compute_dtype,
@@ -268,10 +295,34 @@ impl<B: ParallelBackend> NativeRollout<B> {
         }
     }
 
+    /// The cache back after a sleep: as many slots as before, if the memory free now still
+    /// allows them (resolved again, as [`Self::cache_for`] does).
     pub(crate) fn rebuild_cache(&mut self) {
         if self.slots_before_sleep > 0 {
-            self.cache = Some(self.allocate(self.slots_before_sleep));
+            let now = self.slots_now();
+            self.cache = Some(self.allocate(self.slots_before_sleep.min(now).max(1)));
         }
+    }
+
+    /// The slots the budget allows now, agreed over the tensor-parallel group.
+    fn slots_now(&self) -> usize {
+        let own = self.model.as_ref().map_or(0, weight_bytes);
+        let (now, base, _) = slots_in_budget::<B>(
+            &self.config,
+            (&self.device, &self.tp),
+            self.bytes_per_position(),
+            own,
+        );
+        if now == 0 {
+            tracing::warn!(
+                "the KV budget ({:?} on {base:?}) holds no whole sequence of {} positions now; \
+                 decoding one sequence at a time (lower the memory in use, or set \
+                 actor_rollout_ref.rollout.kv_cache_tokens)",
+                self.config.kv_budget,
+                self.config.max_model_len()
+            );
+        }
+        now
     }
 
     /// Bytes one cached position takes on this engine's rank.
@@ -297,8 +348,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             Some(c) if c.slots() >= enough => c,
             old => {
                 drop(old);
-                let (now, _, _) =
-                    slots_in_budget::<B>(&self.config, &self.device, self.bytes_per_position());
+                let now = self.slots_now();
                 self.allocate(enough.min(now).max(1))
             }
         }

@@ -307,6 +307,8 @@ impl<B: ParallelAutodiffBackend> ActorRolloutRefWorker<B> {
     /// update would otherwise have to copy, keeping a second f32 model alive for the run.
     pub fn set_reference(&mut self) -> Result<()> {
         self.actor.bring_in(false)?;
+        // The old reference goes first: two on the device at once would be a model too many.
+        self.reference = None;
         let actor = burn::module::AutodiffModule::valid(self.actor.model());
         self.reference = Some(actor.with_bf16_products());
         self.actor.put_away()?;

@@ -54,8 +54,11 @@ def as_score(value):
         extra = {k: float(v) for k, v in value.items() if isinstance(v, (int, float, bool))}
         out = {"score": float(value["score"]), "extra": extra}
         # The answer, for validation's majority vote (maj@N), as verl keeps it: any value.
-        if "pred" in value and value["pred"] is not None:
-            out["pred"] = str(value["pred"])
+        pred = value.get("pred")
+        if isinstance(pred, float) and pred.is_integer():
+            pred = int(pred)  # 7 and 7.0 are one answer to verl's vote (they compare equal)
+        if pred is not None:
+            out["pred"] = str(pred)
         return out
     return {"score": float(value), "extra": {}}
 

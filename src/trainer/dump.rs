@@ -70,7 +70,12 @@ pub(crate) fn generation_lines(
                 for (name, &v) in &extra.extra {
                     map.insert(name.clone(), json!(v));
                 }
-                if let Some(pred) = &extra.pred {
+                // A numeric answer is already there as a number, as verl dumps it.
+                if let Some(pred) = extra
+                    .pred
+                    .as_ref()
+                    .filter(|_| !extra.extra.contains_key("pred"))
+                {
                     map.insert("pred".into(), json!(pred));
                 }
             }

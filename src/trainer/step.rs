@@ -95,6 +95,14 @@ impl PpoTrainer {
                 "val",
                 &Default::default(),
             )?;
+            // Each prompt's place in the whole validation set seeds its samples: without the
+            // chunk's offset, prompt j of every chunk would draw the same samples.
+            batch.insert_non_tensor(
+                verl_rollout::PROMPT_INDEX_KEY,
+                (0..chunk.len())
+                    .map(|i| Value::from(c * chunk_size + i))
+                    .collect(),
+            )?;
             batch.meta_info.insert("validate".into(), Value::Bool(true));
             batch
                 .meta_info
@@ -110,11 +118,20 @@ impl PpoTrainer {
             let scores: Vec<f64> = scored.iter().map(|s| s.score).collect();
             if self.cfg.trainer.validation_data_dir.is_some() {
                 let step = self.global_step;
+                // verl's validation dumps carry the reward as an extra column too.
+                let with_reward: Vec<_> = scored
+                    .iter()
+                    .map(|s| {
+                        let mut s = s.clone();
+                        s.extra.insert("reward".into(), s.score);
+                        s
+                    })
+                    .collect();
                 dump.extend(super::dump::generation_lines(
                     &gen,
                     &self.codec,
                     &scores,
-                    &scored,
+                    &with_reward,
                     step,
                 )?);
             }

@@ -5,8 +5,9 @@
 //! report a `pred`) for k = 2, 4, 8, … below N and N itself, each the mean over prompts.
 //!
 //! The bootstrap draws its indices as numpy's legacy generator does after `np.random.seed(42)`
-//! (MT19937, bounded integers by masked rejection), so the figures are verl's, not merely
-//! close to them (`tests` below hold values numpy computed).
+//! (MT19937, bounded integers by masked rejection): the same resamples as verl's, so the
+//! figures are verl's up to summation order (numpy sums pairwise, this in order: ~1e-15;
+//! `tests` below hold values numpy computed).
 //!
 //! ```
 //! use verl::trainer::val_metrics::{validation_metrics, ValSample};

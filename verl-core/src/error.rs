@@ -15,7 +15,7 @@ pub enum CommError {
     BadRank { rank: usize, world: usize },
     #[error("collective shapes differ across ranks: {0}")]
     Shape(String),
-    #[error("a peer of this group is gone (its thread ended or panicked): {0}")]
+    #[error("a peer of this group is gone (its rank ended, failed or stopped answering): {0}")]
     PeerGone(String),
     #[error("{0}")]
     Backend(String),

@@ -110,7 +110,9 @@ impl<B: Backend> ProcessGroups<B> {
         for kind in GroupKind::ALL {
             let (index, position, size) = membership(topo, kind, rank)?;
             let key = format!("{prefix}.{kind:?}{index}");
-            let comm = TcpCommunicator::connect(rendezvous, &key, position, size, host)?;
+            let members = topo.groups(kind).get(index).cloned().unwrap_or_default();
+            let comm = TcpCommunicator::connect(rendezvous, &key, position, size, host)?
+                .with_members(members);
             groups.insert(kind, Arc::new(comm));
         }
         Ok(ProcessGroups {

@@ -92,6 +92,8 @@ pub struct TcpCommunicator {
     /// Closing these ends the peers' readers (and so tells the peers this rank left).
     streams: Vec<TcpStream>,
     writers: Vec<std::thread::JoinHandle<()>>,
+    /// Each member's rank in the whole job (errors name both; the group's own by default).
+    members: Vec<usize>,
 }
 
 /// The largest frame a peer may send: 16 GiB of f32 values (a whole 4B-parameter model).
@@ -266,7 +268,26 @@ impl TcpCommunicator {
             seq: AtomicU64::new(0),
             streams,
             writers,
+            members: (0..world).collect(),
         })
+    }
+
+    /// Names each member by its rank in the whole job too (`members[r]` for group rank `r`), so
+    /// that a timeout or a lost peer names the process to look at. Ignored unless it lists
+    /// every member.
+    pub fn with_members(mut self, members: Vec<usize>) -> Self {
+        if members.len() == self.world {
+            self.members = members;
+        }
+        self
+    }
+
+    /// Group rank `r`, with its rank in the job where that differs.
+    fn who(&self, r: usize) -> String {
+        match self.members.get(r) {
+            Some(&job) if job != r => format!("rank {r} (job rank {job})"),
+            _ => format!("rank {r}"),
+        }
     }
 
     fn check_rank(&self, r: usize) -> Result<(), CommError> {
@@ -284,8 +305,9 @@ impl TcpCommunicator {
         match sent {
             Some(Ok(())) => Ok(()),
             _ => Err(CommError::PeerGone(format!(
-                "group {}: rank {peer}'s connection is closed",
-                self.name
+                "group {}: {}'s connection is closed",
+                self.name,
+                self.who(peer)
             ))),
         }
     }
@@ -305,16 +327,18 @@ impl TcpCommunicator {
             }
             if let Some(why) = &st.gone[peer] {
                 return Err(CommError::PeerGone(format!(
-                    "group {}: rank {peer} left while rank {} waited for {}: {why}",
+                    "group {}: {} left while {} waited for {}: {why}",
                     self.name,
-                    self.rank,
+                    self.who(peer),
+                    self.who(self.rank),
                     what()
                 )));
             }
             if start.elapsed() > timeout {
                 return Err(CommError::PeerGone(format!(
-                    "group {}: waited {timeout:?} for {}",
+                    "group {}: {} waited {timeout:?} for {}",
                     self.name,
+                    self.who(self.rank),
                     what()
                 )));
             }
@@ -342,7 +366,7 @@ impl TcpCommunicator {
             }
             let (got, part) = self.wait(
                 peer,
-                || format!("rank {peer}'s part of collective #{seq}"),
+                || format!("{}'s part of collective #{seq}", self.who(peer)),
                 |st| st.collective[peer].pop_front(),
             )?;
             if got != seq {
@@ -451,7 +475,7 @@ impl<B: Backend> Communicator<B> for TcpCommunicator {
         self.check_rank(src)?;
         let v = self.wait(
             src,
-            || format!("a message from rank {src}"),
+            || format!("a message from {}", self.who(src)),
             |st| st.p2p[src].pop_front(),
         )?;
         if v.len() != len {
@@ -549,6 +573,33 @@ mod tests {
         // An unknown kind is named before its length is read.
         let why = gone_after(&[9u8; 17]);
         assert!(why.contains("unknown kind 9"), "{why}");
+    }
+
+    /// A group's errors name a lost peer by its rank in the job too (the process to look at),
+    /// not only by its place in the group.
+    #[test]
+    fn a_lost_peer_is_named_by_its_job_rank() {
+        use crate::parallel::Rendezvous;
+        use verl_core::traits::{Communicator, ReduceOp};
+        type B = verl_core::backend::CpuBackend;
+        let table = Rendezvous::serve("127.0.0.1:0").unwrap();
+        let addr = table.addr().to_string();
+        let err = std::thread::scope(|s| {
+            let leaver = s.spawn(|| {
+                let r = Rendezvous::client(&addr);
+                let c = TcpCommunicator::connect(&r, "tp3", 1, 2, "127.0.0.1").unwrap();
+                drop(c.with_members(vec![4, 6]));
+            });
+            let r = Rendezvous::client(&addr);
+            let c = TcpCommunicator::connect(&r, "tp3", 0, 2, "127.0.0.1")
+                .unwrap()
+                .with_members(vec![4, 6]);
+            leaver.join().unwrap();
+            let mine = Tensor::<B, 1>::from_floats([1.0], &Default::default());
+            Communicator::<B>::all_reduce(&c, mine, ReduceOp::Sum).unwrap_err()
+        });
+        let message = err.to_string();
+        assert!(message.contains("rank 1 (job rank 6)"), "{message}");
     }
 
     #[test]

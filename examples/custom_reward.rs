@@ -35,7 +35,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut trainer = PpoTrainer::builder(cfg).reward(digit_credit).build()?;
     let summary = trainer.fit().await?;
     // Validation scores with the same reward: between 0 and 2.
-    let after = summary.val_score_after.unwrap_or_default();
+    let after = summary
+        .val_score_after
+        .expect("validated after the last step (test_freq > 0)");
     assert!((0.0..=2.0).contains(&after), "{after}");
     println!(
         "custom reward: {} steps, val score {after:.3}",

@@ -45,6 +45,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let score = trainer.validate().await?;
     let saved = trainer.save(3).await?;
+    // What the loop did: a score a reward of 0 or 1 can average to, a checkpoint on disk, and
+    // each step's line in the metrics with our phase's value.
+    assert!((0.0..=1.0).contains(&score), "{score}");
+    assert!(saved.join("trainer.json").exists(), "{}", saved.display());
+    assert!(skipped <= 3);
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    let ours = lines
+        .lines()
+        .filter(|l| l.contains("\"curriculum/has_signal\""))
+        .count();
+    assert_eq!(ours, 3, "{lines}");
     println!(
         "3 steps by hand ({skipped} actor updates skipped), val score {score:.3}, saved {}",
         saved.display()

@@ -59,8 +59,9 @@ enum Command {
         args: ConfigArgs,
     },
     /// Run one rank of a `trainer.launcher=processes` job (as `verl train` starts its own
-    /// ranks; on other nodes, start these with torchrun, srun, or `verl worker --nproc-per-node`
-    /// with NNODES / NODE_RANK / MASTER_ADDR / MASTER_PORT set).
+    /// ranks; on other nodes, start these with `verl worker --nproc-per-node` with NNODES /
+    /// NODE_RANK / MASTER_ADDR / MASTER_PORT set, or srun, or any launcher that sets RANK /
+    /// WORLD_SIZE / LOCAL_RANK; not torchrun itself, whose rendezvous holds the master port).
     Worker {
         /// Start this many local ranks (ranks NODE_RANK × N ..) instead of being one.
         #[arg(long)]

@@ -166,7 +166,8 @@ fn saved_weights_are_finite(dir: &std::path::Path) -> usize {
 }
 
 /// A NaN loss (one micro-batch of one step) skips that optimizer step, counted as
-/// `actor/skipped_steps`; training goes on and every saved weight stays finite.
+/// `actor/skipped_steps`, and leaves every weight as it was; training goes on and every saved
+/// weight stays finite.
 #[test]
 fn a_nan_loss_skips_the_step_and_no_non_finite_weight_is_saved() {
     let dir = tempfile::tempdir().unwrap();
@@ -207,6 +208,28 @@ fn a_nan_loss_skips_the_step_and_no_non_finite_weight_is_saved() {
         let n = saved_weights_are_finite(&dir.path().join(format!("global_step_{step}/actor")));
         assert!(n > 0, "step {step}: no tensor checked");
     }
+    // The skipped step left every weight as it was; the next one moved them.
+    let weights = |step: u32| {
+        let file = dir.path().join(format!(
+            "global_step_{step}/actor/dist_ckpt/rank_00000/model.safetensors"
+        ));
+        let bytes = std::fs::read(&file).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut all: Vec<(String, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| (name, view.data().to_vec()))
+            .collect();
+        all.sort();
+        all
+    };
+    let (one, two, three) = (weights(1), weights(2), weights(3));
+    assert!(!one.is_empty());
+    assert!(one == two, "the skipped step changed a weight");
+    assert!(
+        two != three,
+        "the step after the skipped one changed nothing"
+    );
 }
 
 /// One tensor-parallel rank failing inside the update (its policy loss errs) aborts its peers'

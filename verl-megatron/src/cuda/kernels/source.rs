@@ -213,6 +213,17 @@ mod tests {
         let mut edited = k.clone();
         edited.text = "extern \"C\" __global__ void f() { }";
         assert_ne!(k.id(), edited.id());
-        assert_eq!(text_hash(k.text), text_hash(k.text));
+        // The cache hands each text its own hash (keyed by address), the one a fresh hasher
+        // computes, on the first call and on the cached ones.
+        let fresh = |t: &str| {
+            let mut h = DefaultHasher::new();
+            t.hash(&mut h);
+            h.finish()
+        };
+        for _ in 0..2 {
+            assert_eq!(text_hash(k.text), fresh(k.text));
+            assert_eq!(text_hash(edited.text), fresh(edited.text));
+        }
+        assert_ne!(text_hash(k.text), text_hash(edited.text));
     }
 }

@@ -100,7 +100,11 @@ fn whiten(x: &[Vec<f64>], m: &[Vec<f64>]) -> Vec<Vec<f64>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 40,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x7665_726c),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn gae_equals_the_explicit_discounted_sum((r, v, m, _) in batch(), gamma in 0.5f64..1.0, lam in 0.5f64..1.0) {

@@ -51,7 +51,11 @@ fn plan_for(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 64,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x7665_726c),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn megatron_compute_round_trips((cfg, world) in layouts(), per in 1usize..4) {

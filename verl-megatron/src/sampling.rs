@@ -243,6 +243,12 @@ mod tests {
     }
 
     proptest! {
+        // A fixed seed: the same cases on every run (the fuzz tests explore).
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x7665_726c),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
         /// The kept set is what sorting and cutting keeps (ties aside: distinct logits here),
         /// and the drawn token is in it.
         #[test]

@@ -505,7 +505,7 @@ fn packed_sequences_train_as_padded() {
 /// their metrics are logged. On the CPU default the sampler and the recompute agree to f32
 /// rounding, so the weights are 1 and nothing is rejected; the update runs with the weights.
 #[test]
-fn rollout_correction_weights_and_rejects() {
+fn rollout_correction_with_agreeing_log_probs_weights_one_and_rejects_nothing() {
     let (_, lines, _dir) = run(&[
         "trainer.total_training_steps=2",
         "trainer.sft_warmup_steps=4",
@@ -525,6 +525,121 @@ fn rollout_correction_weights_and_rejects() {
         );
         assert!(l["rollout_corr/kl"].abs() < 1e-3, "{l:?}");
         assert_eq!(l["rollout_corr/rollout_rs_masked_fraction"], 0.0, "{l:?}");
+        assert!(l.contains_key("actor/pg_loss"), "the actor updated: {l:?}");
+    }
+}
+
+/// A rollout engine whose log-probs disagree with the trainer's recompute on every other
+/// response (3 nats lower on each token), as a rollout with a different numeric path would.
+struct DisagreeingRollout {
+    inner: Box<dyn verl::traits::RolloutEngine<verl::backend::DefaultBackend>>,
+}
+
+#[async_trait::async_trait(?Send)]
+impl verl::traits::RolloutEngine<verl::backend::DefaultBackend> for DisagreeingRollout {
+    async fn generate_sequences(
+        &mut self,
+        prompts: verl::DataProto<verl::backend::DefaultBackend>,
+    ) -> verl::Result<verl::DataProto<verl::backend::DefaultBackend>> {
+        let mut out = self.inner.generate_sequences(prompts).await?;
+        if let Ok(lp) = out.float::<2>("rollout_log_probs") {
+            let [rows, width] = lp.dims();
+            let shift: Vec<f32> = (0..rows * width)
+                .map(|i| if (i / width) % 2 == 0 { -3.0 } else { 0.0 })
+                .collect();
+            let shift = burn::tensor::Tensor::<verl::backend::DefaultBackend, 1>::from_floats(
+                shift.as_slice(),
+                &lp.device(),
+            )
+            .reshape([rows, width]);
+            out.insert_float("rollout_log_probs", lp + shift)?;
+        }
+        Ok(out)
+    }
+
+    async fn update_weights(
+        &mut self,
+        weights: verl::core::WeightStream<'_, verl::backend::DefaultBackend>,
+    ) -> verl::Result<()> {
+        self.inner.update_weights(weights).await
+    }
+
+    async fn sleep(&mut self, level: verl::traits::SleepLevel) -> verl::Result<()> {
+        self.inner.sleep(level).await
+    }
+
+    async fn wake_up(&mut self) -> verl::Result<()> {
+        self.inner.wake_up().await
+    }
+
+    fn is_sleeping(&self) -> bool {
+        self.inner.is_sleeping()
+    }
+
+    fn state(&self) -> serde_json::Value {
+        self.inner.state()
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> verl::Result<()> {
+        self.inner.load_state(state)
+    }
+}
+
+/// Rejection that rejects: a rollout whose log-probs sit 3 nats below the recompute on every
+/// other response has those responses' k3 divergence far over the threshold, so sequence
+/// rejection masks half the sequences (every response is at least one token long), and the IS
+/// weights of the shifted tokens are e^3 while the others stay 1.
+#[test]
+fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
+    let dir = tempfile::tempdir().unwrap();
+    let validated = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=4",
+            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_rs=seq_max_k3",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+        ])
+        .set("trainer.default_local_dir", dir.path().display())
+        .resolve()
+        .unwrap();
+    let mut trainer = verl::trainer::PpoTrainer::builder(validated)
+        .rollout(|inner| Box::new(DisagreeingRollout { inner }))
+        .build()
+        .unwrap();
+    let summary = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(trainer.fit())
+        .unwrap();
+    let lines = common::step_lines(&summary.metrics_path);
+    let steps: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains_key("rollout_corr/kl"))
+        .collect();
+    assert_eq!(steps.len(), 2, "{lines:?}");
+    for l in steps {
+        // Half the sequences; by tokens, the shifted rows' share of the response tokens.
+        let seqs = l["rollout_corr/rollout_rs_seq_masked_fraction"];
+        assert!(
+            (seqs - 0.5).abs() < 1e-9,
+            "half the responses rejected: {l:?}"
+        );
+        let tokens = l["rollout_corr/rollout_rs_masked_fraction"];
+        assert!(tokens > 0.3 && tokens < 0.7, "{l:?}");
+        // The shifted tokens' IS weight is e^3; the others' 1.
+        assert!(
+            (l["rollout_corr/rollout_is_max"] - 3f64.exp()).abs() < 1e-3,
+            "{l:?}"
+        );
+        assert!(
+            (l["rollout_corr/rollout_is_min"] - 1.0).abs() < 1e-3,
+            "{l:?}"
+        );
+        assert!(l["rollout_corr/kl"] < -0.5, "{l:?}");
         assert!(l.contains_key("actor/pg_loss"), "the actor updated: {l:?}");
     }
 }

@@ -34,9 +34,11 @@ enum Kind {
     Signed,
     /// `u64`
     Seed,
+    /// `Option<u64>`: a seed where null is verl's default (`data.seed`).
+    NullableSeed,
 }
 
-/// Keys of every section, with their types (none of them optional).
+/// Keys of every section, with their types (none optional but `data.seed`).
 const KEYS: &[(&str, Kind)] = &[
     ("trainer.total_epochs", Kind::Size),
     ("trainer.nnodes", Kind::Size),
@@ -72,7 +74,7 @@ const KEYS: &[(&str, Kind)] = &[
     ("trainer.save_freq", Kind::Signed),
     ("trainer.test_freq", Kind::Signed),
     ("trainer.seed", Kind::Seed),
-    ("data.seed", Kind::Seed),
+    ("data.seed", Kind::NullableSeed),
 ];
 
 /// The dotted names of [`KEYS`], and keys that do not exist or take any key below them.
@@ -109,6 +111,9 @@ fn valid_value(kind: Kind) -> BoxedStrategy<Value> {
         Kind::Text => "[a-z_]{1,10}".prop_map(Value::from).boxed(),
         Kind::Signed => (-5i64..100).prop_map(Value::from).boxed(),
         Kind::Seed => any::<u64>().prop_map(Value::from).boxed(),
+        Kind::NullableSeed => {
+            prop_oneof![any::<u64>().prop_map(Value::from), Just(Value::Null)].boxed()
+        }
     }
 }
 
@@ -159,6 +164,7 @@ fn wrong_values(kind: Kind) -> Vec<Value> {
             Value::Null,
         ],
         Kind::Seed => vec![json!(-1), json!(1.5), json!("3"), json!(true), Value::Null],
+        Kind::NullableSeed => vec![json!(-1), json!(1.5), json!("3"), json!(true)],
     }
 }
 
@@ -173,6 +179,7 @@ fn wrong_override_values(kind: Kind) -> &'static [&'static str] {
         Kind::Text => &["3", "1.5", "true", "[a]", "{a: b}", "null"],
         Kind::Signed => &["'3'", "1.5", "18446744073709551615", "true", "[1]", "null"],
         Kind::Seed => &["-1", "1.5", "'3'", "true", "null"],
+        Kind::NullableSeed => &["-1", "1.5", "'3'", "true"],
     }
 }
 

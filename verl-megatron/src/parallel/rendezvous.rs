@@ -277,29 +277,69 @@ fn serve(listener: TcpListener, table: Arc<Table>) {
                 let _ = conn.write_all(b"ERR\n");
                 return;
             }
-            let mut parts = line.split_whitespace();
+            let reply = answer(&line, &table, RENDEZVOUS_TIMEOUT);
             let mut conn = conn;
-            let reply = match (parts.next(), parts.next(), parts.next()) {
-                (Some("SET"), Some(key), Some(hex)) => match from_hex(hex) {
-                    Some(v) => {
-                        table.put(key.to_string(), v);
-                        "OK".to_string()
-                    }
-                    None => "ERR".to_string(),
-                },
-                (Some("GET"), Some(key), None) => table
-                    .get(key, RENDEZVOUS_TIMEOUT)
-                    .map_or("NONE".to_string(), |v| to_hex(&v)),
-                _ => "ERR".to_string(),
-            };
             let _ = conn.write_all(format!("{reply}\n").as_bytes());
         });
+    }
+}
+
+/// The reply to one request line: `SET key hex` stores (`OK`, or `ERR` for bad hex), `GET key`
+/// waits up to `timeout` for the key (its value in hex, or `NONE`), anything else is `ERR`.
+fn answer(line: &str, table: &Table, timeout: Duration) -> String {
+    let mut parts = line.split_whitespace();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some("SET"), Some(key), Some(hex)) => match from_hex(hex) {
+            Some(v) => {
+                table.put(key.to_string(), v);
+                "OK".to_string()
+            }
+            None => "ERR".to_string(),
+        },
+        (Some("GET"), Some(key), None) => table
+            .get(key, timeout)
+            .map_or("NONE".to_string(), |v| to_hex(&v)),
+        _ => "ERR".to_string(),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        // Fuzzing with a fixed seed in CI (PROPTEST_CASES for a longer session).
+        #![proptest_config(ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x7665_726c),
+            ..ProptestConfig::default()
+        })]
+
+        /// Any request line gets one of the four replies and never a panic; what a SET stored
+        /// a GET of the same key returns.
+        #[test]
+        fn any_request_line_gets_a_reply(line in prop_oneof![
+            ".{0,80}",
+            "(SET|GET) [a-z0-9.]{0,8}( [0-9a-fA-Fz]{0,12})?( x)?\\n?",
+        ]) {
+            let table = Table::default();
+            let reply = answer(&line, &table, Duration::ZERO);
+            let is_hex = !reply.is_empty()
+                && reply.len() % 2 == 0
+                && reply.bytes().all(|b| b.is_ascii_hexdigit());
+            prop_assert!(
+                ["OK", "ERR", "NONE"].contains(&reply.as_str()) || is_hex,
+                "{line:?} -> {reply:?}"
+            );
+            let mut parts = line.split_whitespace();
+            if let (Some("SET"), Some(key), Some(hex), "OK") =
+                (parts.next(), parts.next(), parts.next(), reply.as_str())
+            {
+                let back = answer(&format!("GET {key}"), &table, Duration::ZERO);
+                prop_assert_eq!(back.to_ascii_lowercase(), hex.to_ascii_lowercase());
+            }
+        }
+    }
 
     #[test]
     fn hex_round_trips() {

@@ -555,6 +555,41 @@ mod tests {
         why.expect("the peer is marked gone")
     }
 
+    proptest::proptest! {
+        // Fuzzing with a fixed seed in CI (PROPTEST_CASES for a longer session).
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x7665_726c),
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Whatever a peer sends — arbitrary bytes, or a well-formed frame header followed by
+        /// anything — the reader never panics and ends naming why the peer is gone.
+        #[test]
+        fn any_bytes_from_a_peer_end_in_a_named_reason(
+            kind in proptest::prelude::prop_oneof![
+                proptest::strategy::Just(COLLECTIVE),
+                proptest::strategy::Just(POINT_TO_POINT),
+                proptest::prelude::any::<u8>(),
+            ],
+            seq in proptest::prelude::any::<u64>(),
+            len in proptest::prelude::prop_oneof![0u64..8, proptest::prelude::any::<u64>()],
+            tail in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            raw in proptest::prelude::any::<bool>(),
+        ) {
+            let bytes = if raw {
+                tail
+            } else {
+                let mut b = vec![kind];
+                b.extend_from_slice(&seq.to_le_bytes());
+                b.extend_from_slice(&len.to_le_bytes());
+                b.extend_from_slice(&tail);
+                b
+            };
+            let why = gone_after(&bytes);
+            proptest::prop_assert!(!why.trim().is_empty());
+        }
+    }
+
     #[test]
     fn a_frame_announcing_more_than_it_sends_allocates_nothing_and_names_it() {
         // A header claiming 2^62 values: over the bound, refused before any allocation.

@@ -325,7 +325,7 @@ mod tests {
             let table = Table::default();
             let reply = answer(&line, &table, Duration::ZERO);
             let is_hex = !reply.is_empty()
-                && reply.len() % 2 == 0
+                && reply.len().is_multiple_of(2)
                 && reply.bytes().all(|b| b.is_ascii_hexdigit());
             prop_assert!(
                 ["OK", "ERR", "NONE"].contains(&reply.as_str()) || is_hex,

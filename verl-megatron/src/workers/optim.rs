@@ -992,6 +992,30 @@ mod tests {
         sizes.iter().map(|&n| (ParamId::new(), n)).collect()
     }
 
+    /// A non-finite gradient norm skips the step, for the actor's optimizer and the critic's
+    /// alike (both are this one; each counts `applied == false` as `*/skipped_steps`): the
+    /// weights stay as they were, no AdamW state is made, and the schedule does not advance.
+    #[test]
+    fn a_non_finite_gradient_skips_the_step_and_changes_nothing() {
+        use burn::nn::{Linear, LinearConfig};
+        type A = verl_core::backend::CpuAutodiff;
+        let device = Default::default();
+        let layer: Linear<A> = LinearConfig::new(3, 2).init(&device);
+        let before = layer.weight.val().into_data();
+        let x = Tensor::<A, 2>::ones([2, 3], &device);
+        let loss = layer.forward(x).sum() * f32::NAN;
+        let grads = GradientsParams::from_grads(loss.backward(), &layer);
+        let mut optim =
+            ModelOptimizer::<A, Linear<A>>::new(&OptimConfig::default(), 10).expect("adam");
+        let (layer, report) = optim.step(layer, grads);
+        let report = report.expect("no communication to fail");
+        assert!(!report.applied);
+        assert!(!report.grad_norm.is_finite());
+        assert_eq!(layer.weight.val().into_data(), before);
+        assert_eq!(optim.adamw_mut().moments().count(), 0);
+        assert_eq!(optim.step, 0);
+    }
+
     /// By hand: 40-element buckets over 10, 25, 30, 50, 5, 5.
     #[test]
     fn buckets_by_hand() {

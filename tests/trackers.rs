@@ -27,9 +27,16 @@ def record(lib, call, **kw):
 from record_call import record
 class Settings:
     def __init__(self, **kw): pass
+class Table:
+    def __init__(self, columns=None, data=None):
+        self.columns, self.data = columns, data
 def init(project=None, name=None, entity=None, config=None, settings=None):
     record("wandb", "init", project=project, name=name, config=config)
 def log(data=None, step=None):
+    if isinstance(data, dict) and isinstance(data.get("val/generations"), Table):
+        t = data["val/generations"]
+        record("wandb", "log_table", step=step, columns=t.columns, rows=t.data)
+        return
     record("wandb", "log", step=step, data=data)
 def finish(exit_code=0):
     record("wandb", "finish", exit_code=exit_code)
@@ -50,6 +57,9 @@ def start_run(experiment_id=None, run_name=None, run_id=None):
 def log_params(params): record("mlflow", "log_params", count=len(params), sample=params.get("trainer/project_name"))
 def log_metrics(metrics=None, step=None): record("mlflow", "log_metrics", step=step, data=metrics)
 def end_run(): record("mlflow", "end_run")
+def log_artifact(path):
+    import json, os
+    record("mlflow", "log_artifact", name=os.path.basename(path), rows=json.load(open(path)))
 "#,
     ),
     (
@@ -72,6 +82,8 @@ from record_call import record
 class _Logger:
     def report_scalar(self, title, series, value, iteration):
         record("clearml", "report_scalar", title=title, series=series, value=value, step=iteration)
+    def report_table(self, series, title, table_plot, iteration):
+        record("clearml", "report_table", series=series, title=title, rows=table_plot, step=iteration)
 class Task:
     @staticmethod
     def init(task_name=None, project_name=None, continue_last_task=None, output_uri=None):
@@ -86,6 +98,11 @@ class Task:
         record("clearml", "close")
 "#,
     ),
+    // pandas as clearml's table takes it: the records themselves.
+    (
+        "pandas/__init__.py",
+        "class DataFrame:\n    @staticmethod\n    def from_records(records): return records\n",
+    ),
     ("torch/__init__.py", ""),
     ("torch/utils/__init__.py", ""),
     (
@@ -95,6 +112,8 @@ from record_call import record
 class SummaryWriter:
     def __init__(self, log_dir): record("tensorboard", "open", log_dir=log_dir)
     def add_scalar(self, tag, value, step): record("tensorboard", "add_scalar", tag=tag, value=value, step=step)
+    def add_text(self, tag, text, step): record("tensorboard", "add_text", tag=tag, text=text, step=step)
+    def flush(self): pass
     def close(self): record("tensorboard", "close")
 "#,
     ),
@@ -118,6 +137,11 @@ fn calls(path: &Path) -> Vec<Value> {
 
 /// Runs the tiny built-in job for 2 steps with `loggers`, the stand-ins importable.
 fn train(dir: &Path, loggers: &str) -> (bool, String, Vec<Value>) {
+    train_with(dir, loggers, &[])
+}
+
+/// [`train`] with `extra` overrides after the job's own.
+fn train_with(dir: &Path, loggers: &str, extra: &[&str]) -> (bool, String, Vec<Value>) {
     let lib = dir.join("lib");
     stubs(&lib);
     let record = dir.join("calls.jsonl");
@@ -135,6 +159,7 @@ fn train(dir: &Path, loggers: &str) -> (bool, String, Vec<Value>) {
             &format!("trainer.logger={loggers}"),
             &format!("trainer.default_local_dir={}", dir.join("run").display()),
         ])
+        .args(extra)
         .env("PYTHONPATH", &lib)
         .env("TRACKER_CALLS", &record)
         .env("TENSORBOARD_DIR", dir.join("tb"))
@@ -267,4 +292,62 @@ fn each_step_reaches_trackio_and_clearml() {
         .expect("critic/score/mean at step 2");
     assert_eq!(score["value"], steps[&2]["critic/score/mean"]);
     assert_eq!(of("clearml", "close").len(), 1);
+}
+
+/// `trainer.log_val_generations=3`: each validation's 3 samples (verl's pick: sorted by input,
+/// shuffled by numpy's RandomState(42)) reach each tracker as verl's ValidationGenerationsLogger
+/// writes them: a wandb table growing a row per validation, an mlflow `val_step<N>.json`
+/// artifact, a tensorboard text, a clearml table.
+#[test]
+fn validation_generations_reach_the_trackers_as_verl_logs_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, err, calls) = train_with(
+        dir.path(),
+        "[console,wandb,mlflow,tensorboard,clearml]",
+        &[
+            "trainer.log_val_generations=3",
+            "trainer.val_before_train=true",
+            "trainer.test_freq=2",
+        ],
+    );
+    assert!(ok, "{err}");
+    // Validations before training (step 0) and after step 2.
+    let tables = calls_of(&calls, "wandb", "log_table");
+    assert_eq!(tables.len(), 2, "{calls:?}");
+    let columns = tables[0]["columns"].as_array().unwrap();
+    assert_eq!(columns.len(), 1 + 3 * 3);
+    assert_eq!(columns[1], "input_1");
+    assert_eq!(columns[9], "score_3");
+    assert_eq!(tables[0]["rows"].as_array().unwrap().len(), 1);
+    let rows = tables[1]["rows"].as_array().unwrap();
+    assert_eq!(
+        rows.len(),
+        2,
+        "the table keeps the earlier validation's row"
+    );
+    assert_eq!(
+        (rows[0][0].as_u64(), rows[1][0].as_u64()),
+        (Some(0), Some(2))
+    );
+    let artifacts = calls_of(&calls, "mlflow", "log_artifact");
+    assert_eq!(artifacts.len(), 2);
+    assert_eq!(artifacts[1]["name"], "val_step2.json");
+    let samples = artifacts[1]["rows"].as_array().unwrap();
+    assert_eq!(samples.len(), 3);
+    for s in samples {
+        assert!(s["input"].is_string() && s["output"].is_string() && s["score"].is_number());
+    }
+    // The same samples everywhere.
+    assert_eq!(rows[1][1], samples[0]["input"]);
+    let texts = calls_of(&calls, "tensorboard", "add_text");
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts[1]["tag"], "val/generations");
+    assert!(texts[1]["text"]
+        .as_str()
+        .unwrap()
+        .contains(samples[2]["input"].as_str().unwrap()));
+    let clearml = calls_of(&calls, "clearml", "report_table");
+    assert_eq!(clearml.len(), 2);
+    assert_eq!(clearml[1]["title"], "Validation");
+    assert_eq!(clearml[1]["rows"][0]["input"], samples[0]["input"]);
 }

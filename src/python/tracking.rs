@@ -77,6 +77,27 @@ impl PythonTrackers {
     }
 }
 
+impl PythonTrackers {
+    /// Logs validation samples `(input, output, score)` of step `step` as verl's
+    /// `ValidationGenerationsLogger` does (a wandb table, a swanlab table, an mlflow artifact,
+    /// a clearml table, tensorboard text).
+    pub fn log_generations(
+        &mut self,
+        step: u64,
+        samples: &[(String, String, f64)],
+    ) -> Result<(), String> {
+        let message = json!({"step": step, "generations": samples});
+        let answer = self
+            .worker
+            .ask(&message, LOG_DEADLINE)
+            .map_err(|e| e.to_string())?;
+        match answer.get("error").and_then(Value::as_str) {
+            Some(e) => Err(e.trim_end().to_string()),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Drop for PythonTrackers {
     /// Finishes the trackers (wandb uploads what it holds, tensorboard flushes) before the
     /// worker goes.

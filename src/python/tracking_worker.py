@@ -40,6 +40,16 @@ class Wandb:
     def log(self, step, data):
         self.wandb.log(data=data, step=step)
 
+    def log_generations(self, step, samples):
+        # verl's table: one row per validation, "step" then input_i / output_i / score_i,
+        # rebuilt with the earlier rows each time (wandb tables do not grow once logged).
+        columns = ["step"] + [f"{c}_{i + 1}" for i in range(len(samples))
+                              for c in ("input", "output", "score")]
+        row = [step] + [v for s in samples for v in s]
+        self.rows = getattr(self, "rows", []) + [row]
+        table = self.wandb.Table(columns=columns, data=self.rows)
+        self.wandb.log({"val/generations": table}, step=step)
+
     def finish(self):
         self.wandb.finish(exit_code=0)
 
@@ -69,6 +79,17 @@ class Mlflow:
     def log(self, step, data):
         self.mlflow.log_metrics(metrics={self.key(k): v for k, v in data.items()}, step=step)
 
+    def log_generations(self, step, samples):
+        # verl's artifact: val_step<step>.json, a list of {input, output, score}.
+        import json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"val_step{step}.json")
+            with open(path, "w") as f:
+                json.dump([{"input": i, "output": o, "score": s} for i, o, s in samples], f)
+            self.mlflow.log_artifact(path)
+
     def finish(self):
         self.mlflow.end_run()
 
@@ -85,6 +106,14 @@ class Tensorboard:
     def log(self, step, data):
         for k, v in data.items():
             self.writer.add_scalar(k, v, step)
+
+    def log_generations(self, step, samples):
+        # verl's text: a markdown block per validation, sample by sample.
+        text = f"**Generation Results - Step {step}**\n\n"
+        for n, (i, o, s) in enumerate(samples):
+            text += f"### Sample {n + 1}\n**Input:** {i}\n\n**Output:** {o}\n\n**Score:** {s}\n\n---\n\n"
+        self.writer.add_text("val/generations", text, step)
+        self.writer.flush()
 
     def finish(self):
         self.writer.close()
@@ -105,6 +134,12 @@ class Swanlab:
 
     def log(self, step, data):
         self.swanlab.log(data=data, step=step)
+
+    def log_generations(self, step, samples):
+        table = self.swanlab.echarts.Table()
+        table.add(headers=["step", "input", "output", "score"],
+                  rows=[[step, *s] for s in samples])
+        self.swanlab.log({"val/generations": table}, step=step)
 
     def finish(self):
         self.swanlab.finish()
@@ -140,6 +175,14 @@ class Clearml:
             title, series = k.split("/", 1) if "/" in k else (k, k)
             logger.report_scalar(title=title, series=series, value=v, iteration=step)
 
+    def log_generations(self, step, samples):
+        import pandas as pd
+
+        table = [{"step": step, "input": i, "output": o, "score": s} for i, o, s in samples]
+        self.task.get_logger().report_table(series="Validation generations", title="Validation",
+                                            table_plot=pd.DataFrame.from_records(table),
+                                            iteration=step)
+
     def finish(self):
         self.task.close()
 
@@ -173,8 +216,15 @@ def main():
                 send({"ok": True})
             return
         try:
-            for t in trackers:
-                t.log(message["step"], message["data"])
+            if "generations" in message:
+                # Validation samples (trainer.log_val_generations): the trackers verl logs
+                # them to; trackio has no such table in verl.
+                for t in trackers:
+                    if hasattr(t, "log_generations"):
+                        t.log_generations(message["step"], message["generations"])
+            else:
+                for t in trackers:
+                    t.log(message["step"], message["data"])
             send({"ok": True})
         except Exception:
             send({"error": traceback.format_exc(limit=3)})

@@ -206,6 +206,24 @@ impl RunLog {
         }
     }
 
+    /// Hands validation samples `(input, output, score)` of step `step` to the trackers that
+    /// take them (`trainer.log_val_generations`); a tracker that fails is dropped, as in
+    /// [`Self::record`].
+    pub(crate) fn record_generations(&mut self, step: u64, samples: &[(String, String, f64)]) {
+        self.trackers
+            .retain_mut(|t| match t.log_generations(step, samples) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(
+                        "trainer.logger {} failed logging validation generations at step \
+                         {step}, and logs no more: {e}",
+                        t.name()
+                    );
+                    false
+                }
+            });
+    }
+
     /// Appends step `step`'s metrics and advances the bar.
     pub fn record(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<(), LogError> {
         let mut obj = serde_json::Map::new();

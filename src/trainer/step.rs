@@ -87,6 +87,8 @@ impl PpoTrainer {
         let mut dump = Vec::new();
         // One record per response: data source, prompt, variables, answer.
         let mut records = Vec::new();
+        // (input, output, score) of every response, for trainer.log_val_generations.
+        let mut generations: Vec<(String, String, f64)> = Vec::new();
         let chunk_size = self.cfg.data.val_batch_size.unwrap_or(rows.len()).max(1);
         for (c, chunk) in rows.chunks(chunk_size).enumerate() {
             let mut batch = prompt_batch::<Infer>(
@@ -116,6 +118,15 @@ impl PpoTrainer {
                 .await?;
             let (scored, _) = self.rewards_with_extras(&gen).await?;
             let scores: Vec<f64> = scored.iter().map(|s| s.score).collect();
+            let log_generations = self.cfg.trainer.log_val_generations > 0;
+            if log_generations {
+                let lines = super::dump::generation_lines(&gen, &self.codec, &scores, &[], 0)?;
+                for line in lines {
+                    let text = |k: &str| line[k].as_str().unwrap_or("").to_string();
+                    let score = line["score"].as_f64().unwrap_or(0.0);
+                    generations.push((text("input"), text("output"), score));
+                }
+            }
             if self.cfg.trainer.validation_data_dir.is_some() {
                 let step = self.global_step;
                 // verl's validation dumps carry the reward as an extra column too.
@@ -154,6 +165,11 @@ impl PpoTrainer {
         }
         if let Some(dir) = &self.cfg.trainer.validation_data_dir {
             super::dump::write_generations(dir, self.global_step, &dump)?;
+        }
+        let to_log = self.cfg.trainer.log_val_generations;
+        if to_log > 0 {
+            let picked = super::val_metrics::generations_to_log(generations, to_log as usize);
+            self.log.record_generations(self.global_step, &picked);
         }
         let samples: Vec<_> = records.iter().map(ValRecord::sample).collect();
         let mut metrics = super::val_metrics::validation_metrics(&samples);

@@ -35,6 +35,18 @@ impl Tracker {
             Tracker::Python(p) => p.log(step, metrics),
         }
     }
+
+    /// Validation samples, to the trackers verl logs them to (not the file logger).
+    pub(crate) fn log_generations(
+        &mut self,
+        step: u64,
+        samples: &[(String, String, f64)],
+    ) -> Result<(), String> {
+        match self {
+            Tracker::File(_) => Ok(()),
+            Tracker::Python(p) => p.log_generations(step, samples),
+        }
+    }
 }
 
 /// verl's `file` logger: one line `{"step": n, "data": {...}}` per step, at

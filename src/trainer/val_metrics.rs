@@ -267,6 +267,29 @@ fn bootstrap<const F: usize>(n: usize, k: usize, reduce: [Reduce<'_>; F]) -> [(f
     })
 }
 
+/// numpy's legacy `RandomState(seed).shuffle(items)` (Fisher–Yates from the end, each swap
+/// partner a masked draw from `0..=i`): the order verl's validation-generation sample takes.
+pub fn numpy_shuffle<T>(items: &mut [T], seed: u32) {
+    let mut rng = NumpyLegacyRandom::seeded(seed);
+    for i in (1..items.len()).rev() {
+        let j = rng.below(i as u32 + 1) as usize;
+        items.swap(i, j);
+    }
+}
+
+/// The validation samples verl's `trainer.log_val_generations = n` logs: every
+/// `(input, output, score)` sorted by input, shuffled as numpy's `RandomState(42)` shuffles
+/// them, the first `n`.
+pub fn generations_to_log(
+    mut samples: Vec<(String, String, f64)>,
+    n: usize,
+) -> Vec<(String, String, f64)> {
+    samples.sort_by(|a, b| a.0.cmp(&b.0));
+    numpy_shuffle(&mut samples, BOOTSTRAP_SEED);
+    samples.truncate(n);
+    samples
+}
+
 /// numpy's legacy `RandomState` as `np.random.seed(s)` leaves it, for `randint` /
 /// `choice(n, replace=True)`: 32-bit MT19937 words, each bounded draw masked to the range's
 /// bit width and redrawn until it falls inside (`random_bounded_uint64_fill`, masked).
@@ -309,6 +332,21 @@ mod tests {
         let mut r = NumpyLegacyRandom::seeded(42);
         let got: Vec<u32> = (0..6).map(|_| r.below(3)).collect();
         assert_eq!(got, [2, 0, 2, 2, 0, 0]);
+    }
+
+    /// `x = list(range(10)); np.random.RandomState(42).shuffle(x)`, and the sample verl logs.
+    #[test]
+    fn shuffles_are_numpys() {
+        let mut x: Vec<u32> = (0..10).collect();
+        numpy_shuffle(&mut x, 42);
+        assert_eq!(x, [8, 1, 5, 0, 7, 2, 9, 4, 3, 6]);
+        let samples: Vec<(String, String, f64)> = (0..10)
+            .rev()
+            .map(|i| (format!("q{i}"), format!("a{i}"), i as f64))
+            .collect();
+        let picked = generations_to_log(samples, 3);
+        let inputs: Vec<&str> = picked.iter().map(|s| s.0.as_str()).collect();
+        assert_eq!(inputs, ["q8", "q1", "q5"]);
     }
 
     #[test]

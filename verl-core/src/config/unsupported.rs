@@ -285,13 +285,6 @@ fn refuse_trainer(cfg: &VerlConfig) -> Result<(), ConfigError> {
         )?;
     }
     require(
-        t.log_val_generations == 0,
-        "trainer.log_val_generations",
-        t.log_val_generations,
-        "validation generations are not logged",
-        "set it to 0",
-    )?;
-    require(
         !t.val_only || t.val_before_train,
         "trainer.val_only",
         t.val_only,
@@ -921,7 +914,6 @@ mod tests {
                 "actor_rollout_ref.model.trust_remote_code=true",
                 "actor_rollout_ref.model.trust_remote_code",
             ),
-            ("trainer.log_val_generations=10", "trainer.log_val_generations"),
         ] {
             assert_eq!(refused(&[set]), key, "{set}");
         }

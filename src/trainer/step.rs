@@ -168,7 +168,7 @@ impl PpoTrainer {
         }
         let to_log = self.cfg.trainer.log_val_generations;
         if to_log > 0 {
-            let picked = super::val_metrics::generations_to_log(generations, to_log as usize);
+            let picked = super::val_metrics::generations_to_log(generations, to_log);
             self.log.record_generations(self.global_step, &picked);
         }
         let samples: Vec<_> = records.iter().map(ValRecord::sample).collect();

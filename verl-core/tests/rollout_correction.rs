@@ -117,6 +117,56 @@ fn rejection_and_sequence_weights_by_hand() {
     assert!((seq.metrics["rollout_corr/rollout_rs_seq_masked_fraction"] - 0.5).abs() < 1e-9);
 }
 
+/// Several rejection options judge the original mask each, and a token stays only if every
+/// option keeps it (verl's combined mask). Row 0's last token has log-ratio 2 (k2 = 2): token_k2
+/// (upper 0.5) rejects that token; seq_mean_k2 (upper 0.3) sees the row's mean k2 of 0.5 over
+/// all four tokens and rejects the whole row. Applied in turn, the second option would have
+/// seen only the three tokens the first kept (mean 0) and kept them.
+#[test]
+fn rejection_options_each_judge_the_original_mask() {
+    let old = vec![vec![-1.0; 4], vec![-1.0; 4]];
+    let rollout = vec![vec![-1.0, -1.0, -1.0, -3.0], vec![-1.0; 4]];
+    let mask = vec![vec![1.0; 4], vec![1.0; 4]];
+    let c = RolloutCorrection::parse(
+        None,
+        2.0,
+        false,
+        Some("token_k2,seq_mean_k2"),
+        Some("0.5,0.3"),
+    )
+    .unwrap();
+    let out = rollout_correction(t2(&old), t2(&rollout), t2(&mask), &c).unwrap();
+    assert_eq!(host(out.response_mask), vec![vec![0.0; 4], vec![1.0; 4]]);
+    let m = &out.metrics;
+    for (key, want) in [
+        ("rollout_corr/rollout_rs_token_k2_masked_fraction", 0.125),
+        ("rollout_corr/rollout_rs_token_k2_seq_masked_fraction", 0.5),
+        ("rollout_corr/rollout_rs_seq_mean_k2_masked_fraction", 0.5),
+        (
+            "rollout_corr/rollout_rs_seq_mean_k2_seq_masked_fraction",
+            0.5,
+        ),
+        ("rollout_corr/rollout_rs_masked_fraction", 0.5),
+        ("rollout_corr/rollout_rs_seq_masked_fraction", 0.5),
+    ] {
+        assert!((m[key] - want).abs() < 1e-12, "{key}: {} vs {want}", m[key]);
+    }
+}
+
+/// `rollout_is_std` is the spread of the weights clamped to [1/threshold, threshold], as verl
+/// takes it: token weights 4, 1, 1, 1/4 with threshold 2 clamp to 2, 1, 1, 1/2 (mean 1.125,
+/// E[w²] = 1.5625, std = √(1.5625 − 1.265625) = 0.544862…).
+#[test]
+fn the_weights_spread_is_taken_after_clamping() {
+    let old = vec![vec![-1.0, -1.0], vec![-1.0, -1.0]];
+    let rollout = vec![vec![-1.0 - 4f64.ln(), -1.0], vec![-1.0, -1.0 + 4f64.ln()]];
+    let mask = vec![vec![1.0, 1.0], vec![1.0, 1.0]];
+    let c = RolloutCorrection::parse(Some("token"), 2.0, false, None, None).unwrap();
+    let out = rollout_correction(t2(&old), t2(&rollout), t2(&mask), &c).unwrap();
+    let std = out.metrics["rollout_corr/rollout_is_std"];
+    assert!((std - (1.5625f64 - 1.265625).sqrt()).abs() < 1e-6, "{std}");
+}
+
 /// Bad settings are refused by key.
 #[test]
 fn bad_settings_name_the_key() {

@@ -269,9 +269,16 @@ pub fn rollout_correction<B: Backend>(
     let weights = correction
         .is_level
         .map(|level| importance_weights(&ratio, &mask, level, correction, &mut metrics));
+    // As verl: each option judges the original mask on its own, and a token stays only if
+    // every option keeps it (applying them in turn would let an earlier rejection change a
+    // later option's sequence statistic).
     let mut kept = mask.clone();
     for option in &correction.rejection {
-        reject(&ratio, &mut kept, option, &mut metrics);
+        let keep = option_keep(&ratio, &mask, option);
+        option_metrics(&mask, &keep, option, &mut metrics);
+        for (k, o) in kept.data.iter_mut().zip(&keep.data) {
+            *k *= o;
+        }
     }
     let (tokens, dropped) = mask
         .data
@@ -333,13 +340,20 @@ fn importance_weights(
         .map(|(v, _)| *v)
         .collect();
     let mean = masked_mean(&w.data, &mask.data);
-    let var = valid.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / valid.len().max(1) as f64;
     let frac = |f: &dyn Fn(f64) -> bool| {
         valid.iter().filter(|v| f(**v)).count() as f64 / valid.len().max(1) as f64
     };
     // Effective sample size of the weights clamped to [1/thr, thr], normalised to mean 1.
     let clamped: Vec<f64> = valid.iter().map(|v| v.clamp(1.0 / thr, thr)).collect();
     let cm = clamped.iter().sum::<f64>() / clamped.len().max(1) as f64;
+    // The spread of the clamped weights too, as verl takes it (E[w²] − E[w]², none for one
+    // token): unclamped, one outlier's e^20 would swamp it.
+    let std = if clamped.len() > 1 {
+        let m2 = clamped.iter().map(|v| v * v).sum::<f64>() / clamped.len() as f64;
+        (m2 - cm * cm).max(0.0).sqrt()
+    } else {
+        0.0
+    };
     let ess = 1.0
         / (clamped.iter().map(|v| (v / cm).powi(2)).sum::<f64>() / clamped.len().max(1) as f64)
             .max(1e-12);
@@ -348,7 +362,7 @@ fn importance_weights(
         ("mean", mean),
         ("max", valid.iter().copied().fold(f64::MIN, f64::max)),
         ("min", valid.iter().copied().fold(f64::MAX, f64::min)),
-        ("std", var.sqrt()),
+        ("std", std),
         ("eff_sample_size", ess),
         ("ratio_fraction_high", frac(&|v| v > thr)),
         ("ratio_fraction_low", frac(&|v| v < 1.0 / thr)),
@@ -383,37 +397,69 @@ fn importance_weights(
     w
 }
 
-/// Drops from `kept` the tokens (or sequences) whose statistic leaves `option`'s bounds.
-fn reject(ratio: &Host2, kept: &mut Host2, option: &RsOption, metrics: &mut BTreeMap<String, f64>) {
+/// 1 where `option` keeps a token, 0 where it rejects it: each token's statistic (token
+/// options) or its sequence's (sum, mean or max over the sequence's tokens of `mask`; an empty
+/// sequence's max is 0) inside the option's bounds. Judged on `mask` alone, as verl judges
+/// each option.
+fn option_keep(ratio: &Host2, mask: &Host2, option: &RsOption) -> Host2 {
     let stat = |lr: f64| match option.statistic {
         RsStatistic::K1 => -lr,
         RsStatistic::K2 => 0.5 * lr * lr,
         RsStatistic::K3 => lr.exp() - 1.0 - lr,
     };
     let inside = |s: f64| option.lower <= s && s <= option.upper;
-    let before: f64 = kept.data.iter().sum();
+    let mut keep = Host2::zeros(ratio.rows, ratio.cols);
     for r in 0..ratio.rows {
-        let valid: Vec<usize> = (0..ratio.cols).filter(|&c| kept.at(r, c) > 0.0).collect();
-        if valid.is_empty() {
-            continue;
-        }
+        let valid: Vec<usize> = (0..ratio.cols).filter(|&c| mask.at(r, c) > 0.0).collect();
         let stats: Vec<f64> = valid.iter().map(|&c| stat(ratio.at(r, c))).collect();
+        let n = stats.len().max(1) as f64;
         let sequence = match option.scope {
             RsScope::Token => None,
             RsScope::SeqSum => Some(stats.iter().sum::<f64>()),
-            RsScope::SeqMean => Some(stats.iter().sum::<f64>() / stats.len() as f64),
+            RsScope::SeqMean => Some(stats.iter().sum::<f64>() / n),
+            RsScope::SeqMax if stats.is_empty() => Some(0.0),
             RsScope::SeqMax => Some(stats.iter().copied().fold(f64::MIN, f64::max)),
         };
-        for (&c, &s) in valid.iter().zip(&stats) {
-            if !inside(sequence.unwrap_or(s)) {
-                kept.set(r, c, 0.0);
-            }
+        for c in 0..ratio.cols {
+            let s = sequence.unwrap_or_else(|| stat(ratio.at(r, c)));
+            keep.set(r, c, if inside(s) { 1.0 } else { 0.0 });
         }
     }
-    let after: f64 = kept.data.iter().sum();
+    keep
+}
+
+/// verl's per-option metrics: the share of `mask`'s tokens the option rejects, and of its
+/// non-empty sequences that lose a token to it.
+fn option_metrics(
+    mask: &Host2,
+    keep: &Host2,
+    option: &RsOption,
+    metrics: &mut BTreeMap<String, f64>,
+) {
+    let tokens: f64 = mask.data.iter().sum();
+    let dropped: f64 = mask
+        .data
+        .iter()
+        .zip(&keep.data)
+        .map(|(m, k)| m * (1.0 - k))
+        .sum();
+    let valid = (0..mask.rows).filter(|&r| mask.row_sum(r) > 0.0);
+    let (rows, hit) = valid.fold((0usize, 0usize), |(n, h), r| {
+        let lost = (0..mask.cols).any(|c| mask.at(r, c) > 0.0 && keep.at(r, c) == 0.0);
+        (n + 1, h + usize::from(lost))
+    });
+    let name = &option.name;
     metrics.insert(
-        format!("rollout_corr/rollout_rs_{}_masked_fraction", option.name),
-        (before - after) / before.max(1.0),
+        format!("rollout_corr/rollout_rs_{name}_masked_fraction"),
+        dropped / tokens.max(1.0),
+    );
+    metrics.insert(
+        format!("rollout_corr/rollout_rs_{name}_seq_masked_fraction"),
+        if rows == 0 {
+            0.0
+        } else {
+            hit as f64 / rows as f64
+        },
     );
 }
 

@@ -167,6 +167,33 @@ fn the_weights_spread_is_taken_after_clamping() {
     assert!((std - (1.5625f64 - 1.265625).sqrt()).abs() < 1e-6, "{std}");
 }
 
+/// Sequence-level weights as verl takes them: the sum of the raw per-token log-ratios, clamped
+/// as a sum (25 and −10 give e^15, where clamping each token first gave e^10), and the
+/// sequence statistics over every sequence, an empty one's log-ratio 0: the max e^15, the min
+/// e^0, and one of the two sequences over the threshold.
+#[test]
+fn sequence_weights_sum_raw_log_ratios_and_count_sequences() {
+    let old = vec![vec![-1.0, -1.0], vec![-1.0, -1.0]];
+    let rollout = vec![vec![-26.0, 9.0], vec![-1.0, -1.0]];
+    let mask = vec![vec![1.0, 1.0], vec![0.0, 0.0]];
+    let c = RolloutCorrection::parse(Some("sequence"), 2.0, false, None, None).unwrap();
+    let out = rollout_correction(t2(&old), t2(&rollout), t2(&mask), &c).unwrap();
+    let m = &out.metrics;
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs();
+    assert!(
+        rel(m["rollout_corr/rollout_is_max"], 15f64.exp()) < 1e-9,
+        "{m:?}"
+    );
+    assert!(rel(m["rollout_corr/rollout_is_min"], 1.0) < 1e-12, "{m:?}");
+    assert_eq!(m["rollout_corr/rollout_is_ratio_fraction_high"], 0.5);
+    assert_eq!(m["rollout_corr/rollout_is_ratio_fraction_low"], 0.0);
+    // Truncated to the threshold for training, the padding's 0.
+    assert_eq!(
+        host(out.weights.unwrap()),
+        vec![vec![2.0, 2.0], vec![0.0, 0.0]]
+    );
+}
+
 /// Bad settings are refused by key.
 #[test]
 fn bad_settings_name_the_key() {

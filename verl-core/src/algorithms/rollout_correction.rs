@@ -266,9 +266,21 @@ pub fn rollout_correction<B: Backend>(
         *r = (o - l).clamp(-20.0, 20.0);
     }
     let mut metrics = mismatch_metrics(&old, &rollout, &mask);
+    // Sequence weights sum the raw log-ratios and clamp the sum, as verl does (clamping each
+    // token first would cap a sequence at ±20 per token, not in all).
+    let raw = Host2 {
+        rows: old.rows,
+        cols: old.cols,
+        data: old
+            .data
+            .iter()
+            .zip(&rollout.data)
+            .map(|(o, l)| o - l)
+            .collect(),
+    };
     let weights = correction
         .is_level
-        .map(|level| importance_weights(&ratio, &mask, level, correction, &mut metrics));
+        .map(|level| importance_weights((&ratio, &raw), &mask, level, correction, &mut metrics));
     // As verl: each option judges the original mask on its own, and a token stays only if
     // every option keeps it (applying them in turn would let an earlier rejection change a
     // later option's sequence statistic).
@@ -311,7 +323,7 @@ fn masked_mean(values: &[f64], mask: &[f64]) -> f64 {
 
 /// Truncated importance weights (on the mask before rejection), with their metrics.
 fn importance_weights(
-    ratio: &Host2,
+    (ratio, raw): (&Host2, &Host2),
     mask: &Host2,
     level: IsLevel,
     correction: &RolloutCorrection,
@@ -319,10 +331,12 @@ fn importance_weights(
 ) -> Host2 {
     let thr = correction.is_threshold;
     let mut w = Host2::zeros(ratio.rows, ratio.cols);
+    // Each sequence's summed log-ratio (0 for an empty one), verl's sequence-level statistic.
+    let seq_log: Vec<f64> = (0..raw.rows)
+        .map(|r| (0..raw.cols).map(|c| raw.at(r, c) * mask.at(r, c)).sum())
+        .collect();
     for r in 0..ratio.rows {
-        let seq: f64 = (0..ratio.cols)
-            .map(|c| ratio.at(r, c) * mask.at(r, c))
-            .sum();
+        let seq = seq_log[r];
         for c in 0..ratio.cols {
             let log_w = match level {
                 IsLevel::Token => ratio.at(r, c),
@@ -358,14 +372,41 @@ fn importance_weights(
         / (clamped.iter().map(|v| (v / cm).powi(2)).sum::<f64>() / clamped.len().max(1) as f64)
             .max(1e-12);
     let prefix = "rollout_corr/rollout_is";
+    // Token level: over the valid tokens' weights. Sequence level, as verl: over every
+    // sequence's summed log-ratio (an empty sequence's is 0), the maximum's exponent capped at
+    // 20, fractions counting sequences.
+    let (max, min, high, low) = match level {
+        IsLevel::Token => (
+            valid.iter().copied().fold(f64::MIN, f64::max),
+            valid.iter().copied().fold(f64::MAX, f64::min),
+            frac(&|v| v > thr),
+            frac(&|v| v < 1.0 / thr),
+        ),
+        IsLevel::Sequence => {
+            let rows = seq_log.len().max(1) as f64;
+            let share =
+                |f: &dyn Fn(f64) -> bool| seq_log.iter().filter(|s| f(**s)).count() as f64 / rows;
+            (
+                seq_log
+                    .iter()
+                    .copied()
+                    .fold(f64::MIN, f64::max)
+                    .min(20.0)
+                    .exp(),
+                seq_log.iter().copied().fold(f64::MAX, f64::min).exp(),
+                share(&|s| s > thr.ln()),
+                share(&|s| s < (1.0 / thr).ln()),
+            )
+        }
+    };
     for (k, v) in [
         ("mean", mean),
-        ("max", valid.iter().copied().fold(f64::MIN, f64::max)),
-        ("min", valid.iter().copied().fold(f64::MAX, f64::min)),
+        ("max", max),
+        ("min", min),
         ("std", std),
         ("eff_sample_size", ess),
-        ("ratio_fraction_high", frac(&|v| v > thr)),
-        ("ratio_fraction_low", frac(&|v| v < 1.0 / thr)),
+        ("ratio_fraction_high", high),
+        ("ratio_fraction_low", low),
     ] {
         metrics.insert(
             format!("{prefix}_{k}"),

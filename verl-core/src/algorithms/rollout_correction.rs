@@ -335,8 +335,7 @@ fn importance_weights(
     let seq_log: Vec<f64> = (0..raw.rows)
         .map(|r| (0..raw.cols).map(|c| raw.at(r, c) * mask.at(r, c)).sum())
         .collect();
-    for r in 0..ratio.rows {
-        let seq = seq_log[r];
+    for (r, &seq) in seq_log.iter().enumerate() {
         for c in 0..ratio.cols {
             let log_w = match level {
                 IsLevel::Token => ratio.at(r, c),

@@ -315,10 +315,10 @@ pub fn rollout_correction<B: Backend>(
     })
 }
 
-/// Masked mean of `values` over `mask`.
+/// Masked mean of `values` over `mask`, as verl's `masked_mean` (the count plus 1e-8).
 fn masked_mean(values: &[f64], mask: &[f64]) -> f64 {
     let n: f64 = mask.iter().sum();
-    values.iter().zip(mask).map(|(v, m)| v * m).sum::<f64>() / n.max(1e-8)
+    values.iter().zip(mask).map(|(v, m)| v * m).sum::<f64>() / (n + 1e-8)
 }
 
 /// Truncated importance weights (on the mask before rejection), with their metrics.
@@ -503,8 +503,10 @@ fn option_metrics(
     );
 }
 
-/// The off-policy diagnostics: KL between the rollout and training policies on the sampled
-/// tokens, both perplexities and their log difference.
+/// The off-policy diagnostics as verl's `compute_offpolicy_metrics` takes them: KL (direct and
+/// k3) between the rollout and training policies on the sampled tokens; each sequence's mean
+/// log-prob under both (an empty sequence's is 0, so its perplexity 1, counted as verl counts
+/// it), their perplexities, log-perplexities and differences; χ² per token and per sequence.
 fn mismatch_metrics(old: &Host2, rollout: &Host2, mask: &Host2) -> BTreeMap<String, f64> {
     let mut m = BTreeMap::new();
     let diff: Vec<f64> = rollout
@@ -516,36 +518,64 @@ fn mismatch_metrics(old: &Host2, rollout: &Host2, mask: &Host2) -> BTreeMap<Stri
     m.insert("rollout_corr/kl".into(), masked_mean(&diff, &mask.data));
     let k3: Vec<f64> = diff.iter().map(|d| (-d).exp() - 1.0 + d).collect();
     m.insert("rollout_corr/k3_kl".into(), masked_mean(&k3, &mask.data));
-    let log_ppl = |lp: &Host2| -> Vec<f64> {
+    let row_mean = |lp: &Host2| -> Vec<f64> {
         (0..lp.rows)
-            .filter(|&r| mask.row_sum(r) > 0.0)
             .map(|r| {
-                -(0..lp.cols)
+                (0..lp.cols)
                     .map(|c| lp.at(r, c) * mask.at(r, c))
                     .sum::<f64>()
-                    / mask.row_sum(r)
+                    / (mask.row_sum(r) + 1e-8)
             })
             .collect()
     };
-    let (train, roll) = (log_ppl(old), log_ppl(rollout));
+    let (train, roll) = (row_mean(old), row_mean(rollout));
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-    let ppl = |v: &[f64]| v.iter().map(|x| x.exp()).collect::<Vec<_>>();
-    m.insert("rollout_corr/training_ppl".into(), mean(&ppl(&train)));
-    m.insert("rollout_corr/rollout_ppl".into(), mean(&ppl(&roll)));
-    let d: Vec<f64> = train.iter().zip(&roll).map(|(t, r)| t - r).collect();
+    let each = |v: &[f64], f: fn(f64) -> f64| v.iter().map(|x| f(*x)).collect::<Vec<_>>();
+    m.insert(
+        "rollout_corr/training_ppl".into(),
+        mean(&each(&train, |x| (-x).exp())),
+    );
+    m.insert("rollout_corr/training_log_ppl".into(), -mean(&train));
+    m.insert(
+        "rollout_corr/rollout_ppl".into(),
+        mean(&each(&roll, |x| (-x).exp())),
+    );
+    m.insert("rollout_corr/rollout_log_ppl".into(), -mean(&roll));
+    // log(training ppl / rollout ppl) per sequence.
+    let d: Vec<f64> = roll.iter().zip(&train).map(|(r, t)| r - t).collect();
     m.insert("rollout_corr/log_ppl_diff".into(), mean(&d));
     m.insert(
         "rollout_corr/log_ppl_abs_diff".into(),
-        mean(&d.iter().map(|x| x.abs()).collect::<Vec<_>>()),
+        mean(&each(&d, f64::abs)),
     );
-    // χ² of the token ratio π_train/π_rollout: E[w²] − 1.
+    let (lo, hi) = d
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), x| {
+            (l.min(*x), h.max(*x))
+        });
+    if !d.is_empty() {
+        m.insert("rollout_corr/log_ppl_diff_max".into(), hi);
+        m.insert("rollout_corr/log_ppl_diff_min".into(), lo);
+    }
+    m.insert("rollout_corr/ppl_ratio".into(), mean(&each(&d, f64::exp)));
+    // χ² of the ratio ρ = π_train/π_rollout: E[ρ²] − 1 per token, E[(Πρ)²] − 1 per sequence
+    // (log-ratios clamped to ±20, a sequence's as a sum).
     let w2: Vec<f64> = diff
         .iter()
-        .map(|d| (-2.0 * d).clamp(-40.0, 40.0).exp())
+        .map(|d| (2.0 * (-d).clamp(-20.0, 20.0)).exp())
         .collect();
     m.insert(
         "rollout_corr/chi2_token".into(),
         masked_mean(&w2, &mask.data) - 1.0,
     );
+    let seq_w2: Vec<f64> = (0..mask.rows)
+        .map(|r| {
+            let sum: f64 = (0..mask.cols)
+                .map(|c| -(rollout.at(r, c) - old.at(r, c)) * mask.at(r, c))
+                .sum();
+            (2.0 * sum.clamp(-20.0, 20.0)).exp()
+        })
+        .collect();
+    m.insert("rollout_corr/chi2_seq".into(), mean(&seq_w2) - 1.0);
     m
 }

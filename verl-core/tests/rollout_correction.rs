@@ -240,6 +240,25 @@ fn off_policy_metrics_are_verls() {
     }
 }
 
+/// Options and thresholds parse as verl parses them: a repeated option counts once (so two
+/// thresholds for it are one too many), empty threshold entries are dropped; a k1 threshold
+/// whose lower end would lie above its upper one (a single value below 1) is refused, a
+/// deliberate difference (verl accepts it and rejects every token).
+#[test]
+fn rejection_settings_parse_as_verls() {
+    let parse =
+        |rs: &str, thr: &str| RolloutCorrection::parse(None, 2.0, false, Some(rs), Some(thr));
+    let c = parse("token_k1,token_k1", "0.5_2").unwrap();
+    assert_eq!(c.rejection.len(), 1);
+    assert!(parse("token_k1,token_k1", "0.5_2,0.4_3").is_err());
+    let c = parse("token_k2,seq_max_k3", "0.5,0.2,").unwrap();
+    assert_eq!(c.rejection.len(), 2);
+    assert_eq!(c.rejection[1].upper, 0.2);
+    let e = parse("token_k1", "0.5").unwrap_err().to_string();
+    assert!(e.contains("lower") && e.contains("upper"), "{e}");
+    assert!(parse("token_k2", ",").is_err());
+}
+
 /// Bad settings are refused by key.
 #[test]
 fn bad_settings_name_the_key() {

@@ -136,18 +136,32 @@ impl RolloutCorrection {
     }
 }
 
+/// verl's parsing: options deduplicated (the first of a repeated one kept), empty threshold
+/// entries dropped, then one threshold for all or one per (distinct) option. One deliberate
+/// difference: a k1 bound whose lower end lies above its upper one (a single k1 threshold
+/// below 1 gives 1/u > u) is refused naming it, where verl accepts it and rejects every token.
 fn parse_rejection(options: &str, thresholds: Option<&str>) -> Result<Vec<RsOption>> {
-    let names: Vec<&str> = options
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
+    let mut names: Vec<&str> = Vec::new();
+    for name in options.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
     let thresholds = thresholds.ok_or_else(|| {
         invalid(format!(
             "rollout_rs = `{options}` needs rollout_rs_threshold"
         ))
     })?;
-    let specs: Vec<&str> = thresholds.split(',').map(str::trim).collect();
+    let specs: Vec<&str> = thresholds
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if specs.is_empty() {
+        return Err(invalid(format!(
+            "rollout_rs_threshold = `{thresholds}`: no threshold in it"
+        )));
+    }
     if specs.len() != 1 && specs.len() != names.len() {
         return Err(invalid(format!(
             "rollout_rs_threshold = `{thresholds}`: one threshold, or one per option of `{options}`"
@@ -233,7 +247,9 @@ pub struct CorrectionOutput<B: Backend> {
 }
 
 /// Applies `correction` to a batch's `old_log_probs` (training's recompute) and
-/// `rollout_log_probs` (the sampler's), `[batch, response]` under `response_mask`.
+/// `rollout_log_probs` (the sampler's), `[batch, response]` under `response_mask`. A batch
+/// whose responses are all empty changes nothing and logs zeros (a deliberate difference:
+/// verl raises, and one empty batch would stop a run).
 pub fn rollout_correction<B: Backend>(
     old_log_probs: Tensor<B, 2>,
     rollout_log_probs: Tensor<B, 2>,

@@ -165,6 +165,19 @@ fn the_weights_spread_is_taken_after_clamping() {
     let out = rollout_correction(t2(&old), t2(&rollout), t2(&mask), &c).unwrap();
     let std = out.metrics["rollout_corr/rollout_is_std"];
     assert!((std - (1.5625f64 - 1.265625).sqrt()).abs() < 1e-6, "{std}");
+    // verl's per-sequence view of the untruncated weights: row means 2.5 and 0.625.
+    for (key, want) in [
+        ("rollout_corr/rollout_is_seq_mean", 1.5625),
+        ("rollout_corr/rollout_is_seq_std", 1.875 / 2f64.sqrt()),
+        ("rollout_corr/rollout_is_seq_max", 2.5),
+        ("rollout_corr/rollout_is_seq_min", 0.625),
+        ("rollout_corr/rollout_is_seq_max_deviation", 1.5),
+        ("rollout_corr/rollout_is_seq_fraction_high", 0.5),
+        ("rollout_corr/rollout_is_seq_fraction_low", 0.0),
+    ] {
+        let got = out.metrics[key];
+        assert!((got - want).abs() < 1e-6, "{key}: {got} vs {want}");
+    }
 }
 
 /// Sequence-level weights as verl takes them: the sum of the raw per-token log-ratios, clamped

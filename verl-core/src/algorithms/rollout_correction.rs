@@ -428,6 +428,40 @@ fn importance_weights(
             if valid.is_empty() { 0.0 } else { v },
         );
     }
+    // verl's per-sequence view: each sequence's mean weight (an empty one's 0), its spread
+    // (the sample standard deviation), extremes, the largest distance from 1, and the shares
+    // of sequences beyond the threshold.
+    let seq_means: Vec<f64> = (0..w.rows)
+        .map(|r| (0..w.cols).map(|c| w.at(r, c)).sum::<f64>() / (mask.row_sum(r) + 1e-8))
+        .collect();
+    if !seq_means.is_empty() {
+        let n = seq_means.len() as f64;
+        let m = seq_means.iter().sum::<f64>() / n;
+        let sd = if seq_means.len() > 1 {
+            (seq_means.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+        } else {
+            0.0
+        };
+        let share =
+            |f: &dyn Fn(f64) -> bool| seq_means.iter().filter(|x| f(**x)).count() as f64 / n;
+        for (k, v) in [
+            ("mean", m),
+            ("std", sd),
+            ("max", seq_means.iter().copied().fold(f64::MIN, f64::max)),
+            ("min", seq_means.iter().copied().fold(f64::MAX, f64::min)),
+            (
+                "max_deviation",
+                seq_means
+                    .iter()
+                    .map(|x| (x - 1.0).abs())
+                    .fold(0.0, f64::max),
+            ),
+            ("fraction_high", share(&|x| x > thr)),
+            ("fraction_low", share(&|x| x < 1.0 / thr)),
+        ] {
+            metrics.insert(format!("{prefix}_seq_{k}"), v);
+        }
+    }
     for v in &mut w.data {
         *v = v.min(thr);
     }

@@ -609,12 +609,7 @@ fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
         .rollout(|inner| Box::new(DisagreeingRollout { inner }))
         .build()
         .unwrap();
-    let summary = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(trainer.fit())
-        .unwrap();
+    let summary = common::fit_trainer(&mut trainer);
     let lines = common::step_lines(&summary.metrics_path);
     let steps: Vec<_> = lines
         .iter()
@@ -682,12 +677,7 @@ fn a_critic_from_an_lm_path_trains() {
         )
     });
     let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
-    let summary = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(trainer.fit())
-        .unwrap();
+    let summary = common::fit_trainer(&mut trainer);
     let lines = common::step_lines(&summary.metrics_path);
     let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
     assert_eq!(steps.len(), 2);

@@ -137,34 +137,66 @@ fn wait_for_steps(dir: &Path, child: &mut Child, limit: Duration) {
     }
 }
 
+/// A 4-process tp=2 run signalled with `signal` (`kill -<signal>`) at its rank 2 once it has
+/// logged a step, with `env` set: the rank processes, the one signalled, the driver's output
+/// and how long it took to end after the signal.
 #[cfg(unix)]
-#[test]
-fn a_killed_rank_ends_the_run_naming_it() {
-    let dir = tempfile::tempdir().unwrap();
+fn signal_rank_two(
+    dir: &Path,
+    signal: &str,
+    env: &[(&str, &str)],
+) -> (Vec<u32>, u32, Output, Duration) {
     let mut extra = vec![
         "trainer.total_training_steps=500",
         "trainer.launcher=processes",
         "trainer.n_gpus_per_node=4",
     ];
     extra.extend(TP2);
-    let mut driver = train(dir.path(), &extra)
+    let mut cmd = train(dir, &extra);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut driver = cmd
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for_steps(dir.path(), &mut driver, Duration::from_secs(300));
+    wait_for_steps(dir, &mut driver, Duration::from_secs(300));
     let workers = workers_of(driver.id());
     assert_eq!(workers.len(), 4, "rank processes {workers:?}");
     // The ranks start in rank order: the third is rank 2.
     let victim = workers[2];
-    let killed = Instant::now();
+    let signalled = Instant::now();
     let status = Command::new("kill")
-        .args(["-9", &victim.to_string()])
+        .args([&format!("-{signal}"), &victim.to_string()])
         .status()
         .unwrap();
     assert!(status.success());
     let out = driver.wait_with_output().unwrap();
-    let took = killed.elapsed();
+    (workers, victim, out, signalled.elapsed())
+}
+
+/// No rank process of `workers` outlives its run (a leftover is killed, then reported).
+#[cfg(unix)]
+fn assert_no_rank_left(workers: Vec<u32>) {
+    std::thread::sleep(Duration::from_millis(500));
+    for pid in workers {
+        let gone = !Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.contains(") Z "))
+                .unwrap_or(true);
+        if !gone {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+        assert!(gone, "rank process {pid} still runs");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_killed_rank_ends_the_run_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (workers, victim, out, took) = signal_rank_two(dir.path(), "9", &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the run went on: {stderr}");
     assert!(took < Duration::from_secs(30), "ended after {took:?}");
@@ -178,17 +210,7 @@ fn a_killed_rank_ends_the_run_naming_it() {
         !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
         "{stderr}"
     );
-    // No rank is left behind.
-    std::thread::sleep(Duration::from_millis(500));
-    for pid in workers {
-        assert!(
-            !Path::new(&format!("/proc/{pid}")).exists()
-                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .map(|s| s.contains(") Z "))
-                    .unwrap_or(true),
-            "rank process {pid} still runs"
-        );
-    }
+    assert_no_rank_left(workers);
 }
 
 fn free_port() -> u16 {
@@ -248,30 +270,8 @@ fn two_nodes_on_localhost_train_as_one_node() {
 #[test]
 fn a_stopped_rank_is_named_by_its_silence() {
     let dir = tempfile::tempdir().unwrap();
-    let mut extra = vec![
-        "trainer.total_training_steps=500",
-        "trainer.launcher=processes",
-        "trainer.n_gpus_per_node=4",
-    ];
-    extra.extend(TP2);
-    let mut driver = train(dir.path(), &extra)
-        .env("VERL_HEARTBEAT_TIMEOUT_S", "3")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_for_steps(dir.path(), &mut driver, Duration::from_secs(300));
-    let workers = workers_of(driver.id());
-    assert_eq!(workers.len(), 4, "rank processes {workers:?}");
-    let victim = workers[2];
-    let stopped = Instant::now();
-    let status = Command::new("kill")
-        .args(["-STOP", &victim.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let out = driver.wait_with_output().unwrap();
-    let took = stopped.elapsed();
+    let (workers, victim, out, took) =
+        signal_rank_two(dir.path(), "STOP", &[("VERL_HEARTBEAT_TIMEOUT_S", "3")]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the run went on: {stderr}");
     assert!(
@@ -289,15 +289,5 @@ fn a_stopped_rank_is_named_by_its_silence() {
         !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
         "{stderr}"
     );
-    std::thread::sleep(Duration::from_millis(500));
-    for pid in workers {
-        let gone = !Path::new(&format!("/proc/{pid}")).exists()
-            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .map(|s| s.contains(") Z "))
-                .unwrap_or(true);
-        if !gone {
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        }
-        assert!(gone, "rank process {pid} still runs");
-    }
+    assert_no_rank_left(workers);
 }

@@ -65,19 +65,9 @@ impl PythonTrackers {
 
     /// Logs step `step`'s `metrics` to every tracker.
     pub fn log(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<(), String> {
-        let message = json!({"step": step, "data": metrics});
-        let answer = self
-            .worker
-            .ask(&message, LOG_DEADLINE)
-            .map_err(|e| e.to_string())?;
-        match answer.get("error").and_then(Value::as_str) {
-            Some(e) => Err(e.trim_end().to_string()),
-            None => Ok(()),
-        }
+        self.send(&json!({"step": step, "data": metrics}))
     }
-}
 
-impl PythonTrackers {
     /// Logs validation samples `(input, output, score)` of step `step` as verl's
     /// `ValidationGenerationsLogger` does (a wandb table, a swanlab table, an mlflow artifact,
     /// a clearml table, tensorboard text).
@@ -86,10 +76,14 @@ impl PythonTrackers {
         step: u64,
         samples: &[(String, String, f64)],
     ) -> Result<(), String> {
-        let message = json!({"step": step, "generations": samples});
+        self.send(&json!({"step": step, "generations": samples}))
+    }
+
+    /// One message to the worker; its error, if the trackers raised one.
+    fn send(&mut self, message: &Value) -> Result<(), String> {
         let answer = self
             .worker
-            .ask(&message, LOG_DEADLINE)
+            .ask(message, LOG_DEADLINE)
             .map_err(|e| e.to_string())?;
         match answer.get("error").and_then(Value::as_str) {
             Some(e) => Err(e.trim_end().to_string()),

@@ -60,12 +60,16 @@ pub(crate) fn files_under(dir: &Path) -> Vec<std::path::PathBuf> {
 
 /// Runs the trainer's whole job in this thread, as `verl train` does.
 pub(crate) fn fit(validated: ValidatedConfig) -> RunSummary {
+    fit_trainer(&mut PpoTrainer::new(validated).unwrap())
+}
+
+/// Runs a built trainer to its end on a current-thread runtime.
+pub(crate) fn fit_trainer(trainer: &mut PpoTrainer) -> RunSummary {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async { PpoTrainer::new(validated).unwrap().fit().await })
-        .unwrap()
+    rt.block_on(trainer.fit()).unwrap()
 }
 
 /// The step lines of a `metrics.jsonl` (numeric values only).

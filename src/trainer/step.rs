@@ -118,17 +118,10 @@ impl PpoTrainer {
                 .await?;
             let (scored, _) = self.rewards_with_extras(&gen).await?;
             let scores: Vec<f64> = scored.iter().map(|s| s.score).collect();
+            // The responses' texts, decoded once for the dump and the trackers' samples.
             let log_generations = self.cfg.trainer.log_val_generations > 0;
-            if log_generations {
-                let lines = super::dump::generation_lines(&gen, &self.codec, &scores, &[], 0)?;
-                for line in lines {
-                    let text = |k: &str| line[k].as_str().unwrap_or("").to_string();
-                    let score = line["score"].as_f64().unwrap_or(0.0);
-                    generations.push((text("input"), text("output"), score));
-                }
-            }
-            if self.cfg.trainer.validation_data_dir.is_some() {
-                let step = self.global_step;
+            let dumping = self.cfg.trainer.validation_data_dir.is_some();
+            if log_generations || dumping {
                 // verl's validation dumps carry the reward as an extra column too.
                 let with_reward: Vec<_> = scored
                     .iter()
@@ -138,13 +131,23 @@ impl PpoTrainer {
                         s
                     })
                     .collect();
-                dump.extend(super::dump::generation_lines(
+                let lines = super::dump::generation_lines(
                     &gen,
                     &self.codec,
                     &scores,
                     &with_reward,
-                    step,
-                )?);
+                    self.global_step,
+                )?;
+                if log_generations {
+                    // The reward as scored (a function's own `score` extra may differ).
+                    for (line, &score) in lines.iter().zip(&scores) {
+                        let text = |k: &str| line[k].as_str().unwrap_or("").to_string();
+                        generations.push((text("input"), text("output"), score));
+                    }
+                }
+                if dumping {
+                    dump.extend(lines);
+                }
             }
             // A prompt's responses are consecutive rows.
             let per_prompt = (scores.len() / chunk.len().max(1)).max(1);

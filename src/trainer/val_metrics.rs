@@ -24,7 +24,7 @@
 //! assert!(m.contains_key("val-aux/gsm8k/reward/worst@2/std"));
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// One validation response: its prompt (responses of one prompt share the index), its data
 /// source, its variables (`reward` and the reward extras) and its answer (`pred`), if the
@@ -109,19 +109,21 @@ fn per_source<'a>(
 ) -> Vec<(&'a str, Vec<(&'a str, BTreeMap<String, f64>)>)> {
     // source -> prompt -> responses, in order of first appearance (verl's dicts).
     let mut sources: Vec<(&str, Vec<(usize, Vec<&ValSample<'a>>)>)> = Vec::new();
+    // Where each source and each (source, prompt) sits in those lists: one lookup a sample,
+    // not a scan (a validation set holds thousands of prompts).
+    let mut source_at: HashMap<&str, usize> = HashMap::new();
+    let mut prompt_at: HashMap<(&str, usize), usize> = HashMap::new();
     for s in samples {
-        let at = match sources.iter().position(|(name, _)| *name == s.source) {
-            Some(i) => i,
-            None => {
-                sources.push((s.source, Vec::new()));
-                sources.len() - 1
-            }
-        };
+        let at = *source_at.entry(s.source).or_insert_with(|| {
+            sources.push((s.source, Vec::new()));
+            sources.len() - 1
+        });
         let prompts = &mut sources[at].1;
-        match prompts.iter_mut().find(|(p, _)| *p == s.prompt) {
-            Some((_, responses)) => responses.push(s),
-            None => prompts.push((s.prompt, vec![s])),
-        }
+        let p = *prompt_at.entry((s.source, s.prompt)).or_insert_with(|| {
+            prompts.push((s.prompt, Vec::new()));
+            prompts.len() - 1
+        });
+        prompts[p].1.push(s);
     }
     sources
         .into_iter()

@@ -1122,7 +1122,20 @@ pub(crate) mod gpu {
         dtype: &str,
         tps: &[usize],
         sequence_parallel: bool,
+        collectives: &[String],
     ) -> Result<(), String> {
+        let mut kinds = Vec::new();
+        for c in collectives {
+            match c.as_str() {
+                "device" => kinds.push(true),
+                "nccl" => kinds.push(false),
+                other => {
+                    return Err(format!(
+                        "--collectives: `{other}` is neither `device` nor `nccl`"
+                    ))
+                }
+            }
+        }
         let dims = preset(preset_name)?;
         let cfg = HfModelConfig::qwen2(dims);
         let compute: verl::megatron::layers::precision::ComputeDtype = dtype
@@ -1134,12 +1147,19 @@ pub(crate) mod gpu {
              parallel {sequence_parallel}; median of {} steps",
             shape.2
         );
-        println!("| layout | collectives | step ms | efficiency | host round trips / step | first loss |");
-        println!("|---|---|---|---|---|---|");
+        println!(
+            "| layout | collectives | step ms | efficiency | tokens/s per GPU | host round trips / \
+             step | first loss |"
+        );
+        println!("|---|---|---|---|---|---|---|");
+        let per_gpu = |ms: f64, gpus: usize| (batch * seq) as f64 / (ms * 1e-3) / gpus as f64;
         let one = timed_tp_steps(&cfg, &TpGroup::none(), &rank_device(0), shape, compute)?;
         println!(
-            "| tp=1 | - | {:.1} | 100% | {} | {:.6} |",
-            one.ms, one.host_round_trips, one.first_loss
+            "| tp=1 | - | {:.1} | 100% | {:.0} | {} | {:.6} |",
+            one.ms,
+            per_gpu(one.ms, 1),
+            one.host_round_trips,
+            one.first_loss
         );
         let found = verl::megatron::cuda::device_count();
         for &tp in tps {
@@ -1151,7 +1171,7 @@ pub(crate) mod gpu {
                 println!("| tp={tp} | skipped: {e} |");
                 continue;
             }
-            for device_collectives in [true, false] {
+            for &device_collectives in &kinds {
                 let ranks = on_gpus(tp, |rank, comm| {
                     comm.set_device_collectives(device_collectives);
                     let group = TpGroup::new(
@@ -1162,7 +1182,7 @@ pub(crate) mod gpu {
                 })?;
                 let r = &ranks[0];
                 println!(
-                    "| tp={tp} | {} | {:.1} | {:.0}% | {} | {:.6} |",
+                    "| tp={tp} | {} | {:.1} | {:.0}% | {:.0} | {} | {:.6} |",
                     if device_collectives {
                         "device kernels"
                     } else {
@@ -1170,6 +1190,7 @@ pub(crate) mod gpu {
                     },
                     r.ms,
                     100.0 * one.ms / (tp as f64 * r.ms),
+                    per_gpu(r.ms, tp),
                     r.host_round_trips,
                     r.first_loss
                 );

@@ -141,6 +141,10 @@ enum BenchCommand {
         /// Only the checks, no strategy timing.
         #[arg(long)]
         no_timing: bool,
+        /// Only these families (comma-separated: adamw, gemm, attention, vocab, norm, swiglu,
+        /// bias, rope, sum_squares, sampling, decode, upload, launches); all by default.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// Decode tokens/s of the native rollout engine per batch size (random-init Qwen2).
     Rollout {
@@ -337,6 +341,10 @@ enum BenchCommand {
         /// Sequence parallelism off (it is on by default, as in verl's Megatron config).
         #[arg(long)]
         no_sequence_parallel: bool,
+        /// Which collectives each tp size runs with, comma-separated: device (our kernels on
+        /// burn's stream) and nccl (NCCL behind host waits, the fallback).
+        #[arg(long, value_delimiter = ',', default_value = "device,nccl")]
+        collectives: Vec<String>,
     },
 }
 
@@ -564,15 +572,21 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             dtype,
             tp,
             no_sequence_parallel,
+            collectives,
         } => bench::gpu::tp_scaling(
             &preset,
             (batch, seq, steps),
             &dtype,
             &tp,
             !no_sequence_parallel,
+            &collectives,
         ),
         #[cfg(feature = "cuda")]
-        BenchCommand::Kernels { repeat, no_timing } => bench::kernels::kernels(repeat, !no_timing),
+        BenchCommand::Kernels {
+            repeat,
+            no_timing,
+            only,
+        } => bench::kernels::kernels(repeat, !no_timing, &only),
         #[cfg(feature = "cuda")]
         BenchCommand::Offload {
             gib,

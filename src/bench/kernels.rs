@@ -1126,26 +1126,79 @@ launch cost: µs per operation, host issue / finished (1000 calls, no sync betwe
     drop(held);
 }
 
-/// `verl bench kernels`.
-pub(crate) fn kernels(repeat: usize, time: bool) -> Result<(), String> {
+/// `verl bench kernels`: every family, or those `only` names.
+pub(crate) fn kernels(repeat: usize, time: bool, only: &[String]) -> Result<(), String> {
+    const FAMILIES: [&str; 13] = [
+        "adamw",
+        "gemm",
+        "attention",
+        "vocab",
+        "norm",
+        "swiglu",
+        "bias",
+        "rope",
+        "sum_squares",
+        "sampling",
+        "decode",
+        "upload",
+        "launches",
+    ];
+    if let Some(unknown) = only.iter().find(|f| !FAMILIES.contains(&f.as_str())) {
+        return Err(format!(
+            "--only: no kernel family `{unknown}`; the families are {}",
+            FAMILIES.join(", ")
+        ));
+    }
+    let on = |family: &str| only.is_empty() || only.iter().any(|f| f == family);
     let device = rank_device(0);
     let mut failures = Vec::new();
-    check_adamw(&device, &mut failures);
-    check_own_gemm(&device, &mut failures);
-    check_gemm(&device, &mut failures);
-    check_attention(&device, &mut failures);
-    check_vocab(&device, &mut failures);
-    check_norm(&device, &mut failures);
-    check_swiglu(&device, &mut failures);
-    check_bias(&device, &mut failures);
-    check_rope(&device, &mut failures);
-    check_sum_squares(&device, &mut failures);
-    super::rollout_kernels::check_sampling(&device, &mut failures);
-    super::rollout_kernels::check_decode(&device, &mut failures);
-    time_launches(&device);
-    time_attention(&device, repeat);
-    time_vocab(&device, repeat);
-    if time {
+    if on("adamw") {
+        check_adamw(&device, &mut failures);
+    }
+    if on("gemm") {
+        check_own_gemm(&device, &mut failures);
+        check_gemm(&device, &mut failures);
+    }
+    if on("attention") {
+        check_attention(&device, &mut failures);
+    }
+    if on("vocab") {
+        check_vocab(&device, &mut failures);
+    }
+    if on("norm") {
+        check_norm(&device, &mut failures);
+    }
+    if on("swiglu") {
+        check_swiglu(&device, &mut failures);
+    }
+    if on("bias") {
+        check_bias(&device, &mut failures);
+    }
+    if on("rope") {
+        check_rope(&device, &mut failures);
+    }
+    if on("sum_squares") {
+        check_sum_squares(&device, &mut failures);
+    }
+    if on("sampling") {
+        super::rollout_kernels::check_sampling(&device, &mut failures);
+    }
+    if on("decode") {
+        super::rollout_kernels::check_decode(&device, &mut failures);
+    }
+    if on("upload") {
+        check_upload(&device, &mut failures);
+    }
+    if on("launches") {
+        time_launches(&device);
+    }
+    if on("attention") {
+        time_attention(&device, repeat);
+    }
+    if on("vocab") {
+        time_vocab(&device, repeat);
+    }
+    if time && on("gemm") {
         time_strategies(&device, repeat);
     }
     if failures.is_empty() {
@@ -1154,4 +1207,83 @@ pub(crate) fn kernels(repeat: usize, time: bool) -> Result<(), String> {
     } else {
         Err(format!("kernels differ from their fallbacks: {failures:?}"))
     }
+}
+
+/// The pinned-staging upload (`verl_megatron::cuda::upload`) against burn's `from_data`: the
+/// same bytes on the device for tensors below the cut-over, one chunk, several (reusing the
+/// staging), an odd tail; then both paths' rate on 2 GiB of bf16.
+fn check_upload(device: &Device, failures: &mut Vec<String>) {
+    use burn::tensor::{DType, TensorData};
+    use verl::megatron::cuda::upload::{upload, MIN_BYTES};
+    println!("\nupload: pinned staging and a copy kernel vs burn's from_data");
+    let bytes_of = |n: usize, seed: u64| -> Vec<u8> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect()
+    };
+    for (elements, dtype) in [
+        (MIN_BYTES / 2 - 1, DType::BF16),
+        (MIN_BYTES / 2 + 3, DType::BF16),
+        (MIN_BYTES / 4 + 1, DType::F32),
+        ((64 << 20) * 5 / 2 + 5, DType::BF16),
+        ((64 << 20) * 9 / 4 + 7, DType::F32),
+    ] {
+        let raw = bytes_of(elements * dtype.size(), elements as u64);
+        let data = TensorData::from_bytes_vec(raw.clone(), [elements], dtype);
+        let staged = upload(&data, device);
+        let path = if staged.is_some() {
+            "staged"
+        } else {
+            "from_data"
+        };
+        let t = staged.unwrap_or_else(|| Tensor::from_data(data, (device, dtype)));
+        let back = t.into_data();
+        let same = back.as_bytes() == raw.as_slice();
+        println!("{elements} x {dtype:?} ({path}): bytes equal: {same}");
+        if !same {
+            failures.push(format!("upload of {elements} x {dtype:?} ({path})"));
+        }
+    }
+    // A shard as runs straight from a file: 1000 rows of an odd width, over three chunks.
+    {
+        use verl::megatron::cuda::upload::upload_runs;
+        let row = 2 * 70_001;
+        let raw = bytes_of(1000 * row, 5);
+        let runs: Vec<&[u8]> = raw.chunks(row).collect();
+        let t = upload_runs(&runs, raw.len() / 2, DType::BF16, device);
+        let same = t.is_some_and(|t| t.into_data().as_bytes() == raw.as_slice());
+        println!("1000 runs of {row} bytes (staged): bytes equal: {same}");
+        if !same {
+            failures.push("upload of 1000 runs".into());
+        }
+    }
+    let raw = bytes_of(1 << 31, 99);
+    for staged in [true, false] {
+        verl::megatron::cuda::upload::SWITCH.set(staged);
+        let mut seconds = Vec::new();
+        for _ in 0..3 {
+            let data = TensorData::from_bytes_vec(raw.clone(), [raw.len() / 2], DType::BF16);
+            let _ = CudaBackend::sync(device);
+            let started = std::time::Instant::now();
+            let t = upload(&data, device)
+                .unwrap_or_else(|| Tensor::from_data(data, (device, DType::BF16)));
+            let _ = CudaBackend::sync(device);
+            seconds.push(started.elapsed().as_secs_f64());
+            drop(t);
+        }
+        let best = seconds.iter().copied().fold(f64::INFINITY, f64::min);
+        println!(
+            "2 GiB bf16, {}: best of 3 {:.3} s = {:.2} GB/s",
+            if staged { "staged" } else { "from_data" },
+            best,
+            (1u64 << 31) as f64 / best / 1e9
+        );
+    }
+    verl::megatron::cuda::upload::SWITCH.set(true);
 }

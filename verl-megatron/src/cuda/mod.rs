@@ -13,6 +13,7 @@ pub mod linear;
 pub mod nccl;
 pub mod ops;
 pub mod peer;
+pub mod upload;
 
 pub use buffer::DeviceBuffer;
 pub use cublaslt::CublasLt;
@@ -68,8 +69,24 @@ crate::plain_parallel_backend!(
             }
         })
     },
-    release_cached_memory
+    release: release_cached_memory,
+    upload: upload_flat, upload::upload_runs
 );
+
+/// A checkpoint tensor's bytes on the device: through pinned staging ([`upload`]) where it
+/// applies, burn's `from_data` otherwise.
+fn upload_flat(
+    data: burn::tensor::TensorData,
+    device: &CudaDevice,
+) -> burn::tensor::Tensor<verl_core::backend::CudaBackend, 1> {
+    match upload::upload(&data, device) {
+        Some(t) => t,
+        None => {
+            let dtype = data.dtype;
+            burn::tensor::Tensor::from_data(data, (device, dtype))
+        }
+    }
+}
 
 /// Frees the pool pages of `device` (this thread's stream) that hold no tensor.
 fn release_cached_memory(device: &CudaDevice) {

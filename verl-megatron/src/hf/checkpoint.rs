@@ -506,14 +506,34 @@ impl HfCheckpoint {
             // of a matrix it creates, and the row-by-row copy from pageable memory that
             // padding takes ran at ~0.5 GB/s (28 s of a 7B load).
             Some(dtype) => {
-                let (bytes, shape, _) = self.read_part_bytes(name, dim, part)?;
-                let read = self.count_read(bytes.len(), started);
-                let shape = rank_check(shape)?;
+                let view = self.part(name, dim, part)?;
+                let shape = rank_check(view.shape.clone())?;
                 let flat = [shape.iter().product::<usize>()];
-                let data = TensorData::from_bytes_vec(bytes, flat, dtype);
-                let t = B::upload_flat(data, device)
-                    .cast(FloatDType::F32)
-                    .reshape(dims::<D>(&shape));
+                // Straight from the mapped file where the backend can (its own staging reads
+                // the pages: all of it counts as the device side); else one host buffer.
+                let runs: Vec<&[u8]> = view.runs().collect();
+                let (t, read) = match B::upload_runs(&runs, flat[0], dtype, device) {
+                    Some(t) => {
+                        self.count_read(flat[0] * view.width, std::time::Instant::now());
+                        (t, started)
+                    }
+                    None => {
+                        let bytes = view.gather();
+                        let read = self.count_read(bytes.len(), started);
+                        let data = TensorData::from_bytes_vec(bytes, flat, dtype);
+                        (B::upload_flat(data, device), read)
+                    }
+                };
+                let uploaded = read.elapsed().as_secs_f64();
+                let t = t.cast(FloatDType::F32).reshape(dims::<D>(&shape));
+                tracing::debug!(
+                    target: "verl_megatron::load",
+                    name,
+                    elements = flat[0],
+                    upload_s = uploaded,
+                    widen_s = read.elapsed().as_secs_f64() - uploaded,
+                    "to the device"
+                );
                 self.count_device(read);
                 Ok(t)
             }

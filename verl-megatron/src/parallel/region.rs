@@ -182,6 +182,19 @@ pub trait ParallelBackend: FusedOps {
         let dtype = data.dtype;
         Tensor::from_data(data, (device, dtype))
     }
+
+    /// `elements` values of `dtype` whose bytes are `runs`, one after another, as a flat
+    /// tensor on `device`, where the backend can take them without a host buffer in between
+    /// (a checkpoint shard straight from its mapped file); `None`: gather them and use
+    /// [`Self::upload_flat`] (the default).
+    fn upload_runs(
+        _runs: &[&[u8]],
+        _elements: usize,
+        _dtype: burn::tensor::DType,
+        _device: &Self::Device,
+    ) -> Option<Tensor<Self, 1>> {
+        None
+    }
 }
 
 /// Records the device's usage into the peak of the phase open on this thread (if one is; see
@@ -382,7 +395,7 @@ pub fn sample_module_memory<B: ParallelBackend, M: burn::module::Module<B>>(mode
 #[doc(hidden)]
 #[macro_export]
 macro_rules! plain_parallel_backend {
-    ($ty:ty, $memory:expr $(, $release:expr)?) => {
+    ($ty:ty, $memory:expr $(, release: $release:expr)? $(, upload: $upload:expr, $runs:expr)?) => {
         impl $crate::parallel::ParallelBackend for $ty {
             type Base = $ty;
 
@@ -393,6 +406,24 @@ macro_rules! plain_parallel_backend {
             $(
                 fn release_cached_memory(device: &Self::Device) {
                     $release(device)
+                }
+
+            )?
+            $(
+                fn upload_flat(
+                    data: burn::tensor::TensorData,
+                    device: &Self::Device,
+                ) -> burn::tensor::Tensor<Self, 1> {
+                    $upload(data, device)
+                }
+
+                fn upload_runs(
+                    runs: &[&[u8]],
+                    elements: usize,
+                    dtype: burn::tensor::DType,
+                    device: &Self::Device,
+                ) -> Option<burn::tensor::Tensor<Self, 1>> {
+                    $runs(runs, elements, dtype, device)
                 }
 
             )?
@@ -634,6 +665,15 @@ impl<B: ParallelBackend, C: CheckpointStrategy> ParallelBackend for Autodiff<B, 
 
     fn upload_flat(data: burn::tensor::TensorData, device: &Self::Device) -> Tensor<Self, 1> {
         Tensor::from_inner(B::upload_flat(data, device))
+    }
+
+    fn upload_runs(
+        runs: &[&[u8]],
+        elements: usize,
+        dtype: burn::tensor::DType,
+        device: &Self::Device,
+    ) -> Option<Tensor<Self, 1>> {
+        B::upload_runs(runs, elements, dtype, device).map(Tensor::from_inner)
     }
 
     fn collective<const D: usize>(

@@ -13,6 +13,7 @@ pub mod bias;
 pub mod collectives;
 pub mod decode_attention;
 pub mod gemm;
+pub mod host_copy;
 pub mod norm;
 pub mod rope;
 pub mod sampling;

@@ -1,14 +1,12 @@
 //! Building a [`CausalLm`] from a Hugging Face checkpoint, from named tensors, or from a random
 //! init: every tensor by its HF name through a [`TensorSource`], sharded for this rank's layout.
 
+use super::random_init::RandomInit;
 use super::{CausalLm, DecoderLayer, PipelineStageLayout};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use burn::prelude::*;
-use burn::tensor::TensorData;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use verl_core::NamedTensor;
 
 use crate::error::MegatronError;
@@ -126,48 +124,6 @@ impl<B: ParallelBackend> TensorSource<B> for BackboneSource<'_, B> {
             true => self.head.load_part(name, dim, part),
             false => self.ckpt.load_part(name, dim, part),
         }
-    }
-}
-
-/// Random initialisation, seeded per tensor name; shapes from the architecture's tensor table.
-struct RandomInit<'a, B: Backend> {
-    shapes: HashMap<String, Vec<usize>>,
-    std: f64,
-    seed: u64,
-    device: &'a B::Device,
-}
-
-impl<B: Backend> TensorSource<B> for RandomInit<'_, B> {
-    fn load<const D: usize>(&self, name: &str) -> Result<Tensor<B, D>, MegatronError> {
-        let shape = self
-            .shapes
-            .get(name)
-            .ok_or_else(|| MegatronError::UnknownWeight { name: name.into() })?;
-        let n: usize = shape.iter().product();
-        let values: Vec<f32> = if name.ends_with("norm.weight") {
-            vec![1.0; n]
-        } else if name.ends_with(".bias") {
-            vec![0.0; n]
-        } else {
-            // FNV-1a of the name, mixed with the seed: an order-independent stream per tensor.
-            let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-            });
-            let mut rng = StdRng::seed_from_u64(h ^ self.seed);
-            (0..n)
-                .map(|_| {
-                    // Box–Muller.
-                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
-                    let u2: f64 = rng.random();
-                    let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-                    (z * self.std) as f32
-                })
-                .collect()
-        };
-        Ok(Tensor::from_data(
-            TensorData::new(values, crate::hf::checkpoint::dims::<D>(shape)),
-            self.device,
-        ))
     }
 }
 

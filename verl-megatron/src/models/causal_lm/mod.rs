@@ -11,6 +11,7 @@ mod export;
 mod forward;
 mod load;
 mod moe;
+mod random_init;
 mod recompute;
 mod shards;
 

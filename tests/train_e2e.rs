@@ -529,6 +529,76 @@ fn rollout_correction_with_agreeing_log_probs_weights_one_and_rejects_nothing() 
     }
 }
 
+/// The train/rollout mismatch, measured every step the rollout returns its log-probs (no
+/// correction asked for), as verl logs it. The rollout and the trainer share the model code,
+/// so on the CPU default the two log-probs of a token differ by f32 rounding alone: this test
+/// fails if a change to either path makes the tiny model's mismatch grow past that.
+#[test]
+fn train_rollout_mismatch_is_logged_every_step_and_stays_at_rounding() {
+    let (_, lines, _dir) = run(&[
+        "trainer.total_training_steps=2",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]);
+    let steps: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains_key("training/rollout_probs_diff_max"))
+        .collect();
+    assert_eq!(steps.len(), 2, "{lines:?}");
+    for l in steps {
+        eprintln!(
+            "mismatch: probs diff max {:e} mean {:e}, kl {:e}, k3 {:e}, pearson {}",
+            l["training/rollout_probs_diff_max"],
+            l["training/rollout_probs_diff_mean"],
+            l["rollout_corr/kl"],
+            l["rollout_corr/k3_kl"],
+            l["training/rollout_actor_probs_pearson_corr"]
+        );
+        assert_eq!(l["training/rollout_probs_diff_valid"], 1.0);
+        // Measured here: a largest probability gap of 1.6e-7 to 1.8e-7 and a KL of 2e-8 to
+        // 4e-8; the bounds leave a factor of ten for other CPUs' rounding.
+        assert!(l["training/rollout_probs_diff_max"] < 2e-6, "{l:?}");
+        assert!(l["rollout_corr/kl"].abs() < 4e-7, "{l:?}");
+        assert!(l["rollout_corr/k3_kl"].abs() < 1e-12, "{l:?}");
+        assert!(
+            l["training/rollout_actor_probs_pearson_corr"] > 0.99999,
+            "{l:?}"
+        );
+        // Metrics alone: no weights, nothing rejected, the step as without them.
+        assert!(!l.contains_key("rollout_corr/rollout_is_mean"), "{l:?}");
+    }
+}
+
+/// Bypass mode (`loss_type: reinforce` with token weights): no old-log-prob pass, the
+/// rollout's log-probs stand in for the old ones, and the correction's metrics come from the
+/// actor's loss. On the CPU default the rollout agrees with the current policy to rounding, so
+/// the weights are 1 and the divergence 0 at the first mini-batch.
+#[test]
+fn bypass_mode_trains_on_the_rollouts_log_probs() {
+    let (summary, lines, _dir) = run(&[
+        "trainer.total_training_steps=2",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]);
+    let steps: Vec<_> = lines
+        .iter()
+        .filter(|l| l.contains_key("actor/pg_loss"))
+        .collect();
+    assert_eq!(steps.len(), 2, "{lines:?}");
+    for l in steps {
+        assert!(!l.contains_key("timing_s/old_log_prob"), "{l:?}");
+        assert!(
+            (l["rollout_corr/rollout_is_mean"] - 1.0).abs() < 1e-3,
+            "{l:?}"
+        );
+        assert!(l["actor/ppo_kl"].abs() < 1e-3, "{l:?}");
+        assert!(l["actor/pg_loss"].is_finite(), "{l:?}");
+        // REINFORCE has no ratio to clip.
+        assert_eq!(l["actor/pg_clipfrac"], 0.0, "{l:?}");
+    }
+    assert!(summary.steps == 2, "{summary:?}");
+}
+
 /// A rollout engine whose log-probs disagree with the trainer's recompute on every other
 /// response (3 nats lower on each token), as a rollout with a different numeric path would.
 struct DisagreeingRollout {

@@ -50,6 +50,7 @@ fn settings() -> ActorSettings {
         kl_loss_coef: 0.0,
         kl_loss_type: "low_var_kl".parse().unwrap(),
         temperature: 1.0,
+        bypass: None,
     }
 }
 

@@ -38,6 +38,7 @@ pub(crate) fn settings() -> ActorSettings {
         kl_loss_coef: 0.0,
         kl_loss_type: "low_var_kl".parse().expect("a known KL type"),
         temperature: 1.0,
+        bypass: None,
     }
 }
 

@@ -67,6 +67,9 @@ pub struct PpoTrainer {
     pub(super) needs_ref: bool,
     /// The old log-probs are a separate pass (see `RolePlans::old_log_prob_apart`).
     pub(super) old_log_prob_apart: bool,
+    /// `algorithm.rollout_correction.bypass_mode`: no old-log-prob pass, the rollout's
+    /// log-probs are the old ones, and the correction runs in the actor's loss.
+    pub(super) bypass: bool,
     /// `trainer.balance_batch`: the actor's and the critic's data-parallel sizes, whose
     /// update inputs are reordered for balanced tokens per rank.
     pub(super) balance_dp: Option<(usize, usize)>,

@@ -315,6 +315,7 @@ fn actor_settings(
         kl_loss_coef: actor_cfg.kl_loss_coef,
         kl_loss_type: actor_cfg.kl_loss_type,
         temperature: cfg.actor_rollout_ref.rollout.temperature.max(1e-6),
+        bypass: cfg.algorithm.rollout_correction.bypass().map_err(setup)?,
     })
 }
 
@@ -374,12 +375,10 @@ fn rollout_engine_config(
         pad_token_id,
     )
     .map_err(setup)?;
-    engine.calculate_log_probs |= cfg
-        .algorithm
-        .rollout_correction
-        .parsed()
-        .map_err(setup)?
-        .is_active();
+    // Rollout correction compares them with training's recompute; bypass mode trains on them.
+    let correction = &cfg.algorithm.rollout_correction;
+    engine.calculate_log_probs |= correction.parsed().map_err(setup)?.is_active();
+    engine.calculate_log_probs |= correction.bypass_mode;
     Ok(engine)
 }
 

@@ -131,6 +131,7 @@ impl PpoTrainer {
             log,
             needs_ref: plans.actor.needs_ref,
             old_log_prob_apart: plans.old_log_prob_apart,
+            bypass: cfg.algorithm.rollout_correction.bypass_mode,
             balance_dp: cfg
                 .trainer
                 .balance_batch

@@ -235,9 +235,10 @@ impl PpoTrainer {
             &Default::default(),
         )?;
         batch.meta_info.insert("global_steps".into(), step.into());
-        if self.old_log_prob_apart {
-            // The rollout's chunks are not the actor's (pipeline stages, or the rollout's own
-            // tensor parallel size), so the old log-probs are a separate pass.
+        // The rollout's chunks are not the actor's (pipeline stages, or the rollout's own
+        // tensor parallel size), so the old log-probs are a separate pass; in bypass mode
+        // there is none.
+        if self.old_log_prob_apart || self.bypass {
             batch
                 .meta_info
                 .insert("recompute_log_prob".into(), Value::Bool(false));
@@ -258,7 +259,18 @@ impl PpoTrainer {
             .unwrap_or(0.0);
         metrics.extend(worker_metrics);
         metrics.push("timing_s/gen", t.elapsed().as_secs_f64() - recompute);
-        if self.old_log_prob_apart {
+        if self.bypass {
+            // Bypass mode: the sampler's log-probs are the old ones (verl's apply_bypass_mode).
+            let rollout = gen.float::<2>("rollout_log_probs").map_err(|_| {
+                TrainError::Setup(
+                    "algorithm.rollout_correction.bypass_mode: the rollout returned no \
+                     rollout_log_probs (a custom rollout engine must honour \
+                     calculate_log_probs)"
+                        .into(),
+                )
+            })?;
+            gen.insert_float("old_log_probs", rollout)?;
+        } else if self.old_log_prob_apart {
             let t = Instant::now();
             let old = self
                 .actor
@@ -445,18 +457,30 @@ impl PpoTrainer {
         batch: &mut StepBatch,
         mask: Tensor<Infer, 2>,
     ) -> Result<Tensor<Infer, 2>, TrainError> {
-        let Some(correction) = self.rollout_correction.as_ref().filter(|c| c.is_active()) else {
+        use verl_core::algorithms::rollout_correction::{
+            rollout_correction, rollout_probs_diff_metrics,
+        };
+        // Bypass mode corrects inside the actor's loss, against the evolving policy.
+        let Some(correction) = self.rollout_correction.as_ref().filter(|_| !self.bypass) else {
             return Ok(mask);
         };
-        let out = verl_core::algorithms::rollout_correction::rollout_correction(
-            batch.data.float::<2>("old_log_probs")?,
-            batch.data.float::<2>("rollout_log_probs")?,
-            mask,
-            correction,
-        )
-        .map_err(setup)?;
+        // Without the rollout's log-probs there is nothing to compare (verl's condition too).
+        if !batch.data.contains("rollout_log_probs") {
+            return Ok(mask);
+        }
+        let old = batch.data.float::<2>("old_log_probs")?;
+        let rollout = batch.data.float::<2>("rollout_log_probs")?;
+        // The mismatch metrics every step, as verl logs them (its debug metrics and the
+        // correction's rollout_corr/ off-policy metrics), whether or not the correction acts.
+        for (k, v) in rollout_probs_diff_metrics(&old, &rollout, &mask) {
+            batch.metrics.push(k, v);
+        }
+        let out = rollout_correction(old, rollout, mask.clone(), correction).map_err(setup)?;
         for (k, v) in out.metrics {
             batch.metrics.push(k, v);
+        }
+        if !correction.is_active() {
+            return Ok(mask);
         }
         if let Some(w) = out.weights {
             batch.data.insert_float("rollout_is_weights", w)?;

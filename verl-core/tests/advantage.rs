@@ -273,6 +273,83 @@ fn remax_reinforce_and_otb_by_hand() {
     ));
 }
 
+/// verl's `tir_optimal_token_baseline`, worked by hand: π = 0.5 and Σπ² = 0.5 everywhere, so
+/// each trained token adds 1 − 2·0.5 + 0.5 = 0.5 to W.
+#[test]
+fn tir_optimal_token_baseline_by_hand() {
+    let reg = AdvantageRegistry::<B>::new();
+    let ln_half = 0.5f64.ln();
+    let with = |r: &[Vec<f64>], m: &[Vec<f64>], uid: &[String], zero_tail: bool, name: &str| {
+        let mut input = AdvantageInput::new(t2(r), t2(m)).with_index(uid);
+        input.old_log_probs = Some(t2(&vec![vec![ln_half; m[0].len()]; m.len()]));
+        input.sum_pi_squared = Some(t2(&vec![vec![0.5; m[0].len()]; m.len()]));
+        input.handle_zero_tail = zero_tail;
+        reg.compute(name, &input).unwrap()
+    };
+    // Two turns with a masked tool output between them (row 0), against one turn (row 1).
+    // Trained tokens in order: row 0 cols [0, 1, 4], R = [1, 1, 1]; row 1 cols [0, 1, 2],
+    // R = [2, 2, 2]; W = [0.5, 1.0, 1.5] for both. Baseline at every position k:
+    // (1·W + 2·W) / (2·W) = 1.5, so −0.5 on row 0 and +0.5 on row 1.
+    let uid: Vec<String> = ["a", "a"].map(String::from).into();
+    let r = [vec![0.0, 0.0, 0.0, 0.0, 1.0], vec![0.0, 0.0, 2.0, 0.0, 0.0]];
+    let m = [vec![1.0, 1.0, 0.0, 0.0, 1.0], vec![1.0, 1.0, 1.0, 0.0, 0.0]];
+    let (adv, ret) = with(&r, &m, &uid, false, "tir_optimal_token_baseline");
+    assert!(close(
+        &host(&adv),
+        &[
+            vec![-0.5, -0.5, 0.0, 0.0, -0.5],
+            vec![0.5, 0.5, 0.5, 0.0, 0.0]
+        ],
+        1e-6
+    ));
+    assert!(close(
+        &host(&ret),
+        &[vec![1.0; 5], vec![2.0, 2.0, 2.0, 0.0, 0.0]],
+        1e-6
+    ));
+    // By column instead (`optimal_token_baseline`), column 2 has row 1 alone (baseline 2,
+    // advantage 0) and column 4 row 0 alone: the turns do not line up.
+    let (otb, _) = with(&r, &m, &uid, false, "optimal_token_baseline");
+    assert!(close(
+        &host(&otb),
+        &[
+            vec![-0.5, -0.5, 0.0, 0.0, 0.0],
+            vec![0.5, 0.5, 0.0, 0.0, 0.0]
+        ],
+        1e-6
+    ));
+
+    // The zero tail (always on), an empty response, a group of one. Group b: A trains 4
+    // tokens (R = 1 each, W = 0.5, 1, 1.5, 2), B 2 tokens (R = 1, W = 0.5, 1), C none (left
+    // out). Baselines 1 at every position, but A is the one longest member: from the second
+    // longest length (2) on, its baseline is 0 and its advantage its return. Group c (one
+    // member) keeps its returns.
+    let uid: Vec<String> = ["b", "b", "b", "c"].map(String::from).into();
+    let r = [
+        vec![0.0, 0.0, 0.0, 1.0, 0.0],
+        vec![0.0, 1.0, 0.0, 0.0, 0.0],
+        vec![5.0, 5.0, 5.0, 5.0, 5.0],
+        vec![0.0, 3.0, 0.0, 0.0, 0.0],
+    ];
+    let m = [
+        vec![1.0, 1.0, 1.0, 1.0, 0.0],
+        vec![1.0, 1.0, 0.0, 0.0, 0.0],
+        vec![0.0; 5],
+        vec![1.0, 1.0, 0.0, 0.0, 0.0],
+    ];
+    let want = [
+        vec![0.0, 0.0, 1.0, 1.0, 0.0],
+        vec![0.0; 5],
+        vec![0.0; 5],
+        vec![3.0, 3.0, 0.0, 0.0, 0.0],
+    ];
+    let (tir, _) = with(&r, &m, &uid, false, "tir_optimal_token_baseline");
+    assert!(close(&host(&tir), &want, 1e-6), "{:?}", host(&tir));
+    // With no gaps it is the optimal token baseline with the zero tail handled.
+    let (otb, _) = with(&r, &m, &uid, true, "optimal_token_baseline");
+    assert!(close(&host(&otb), &want, 1e-6), "{:?}", host(&otb));
+}
+
 #[test]
 fn registry_names_errors_and_extension() {
     let mut reg = AdvantageRegistry::<B>::new();

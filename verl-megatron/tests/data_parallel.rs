@@ -125,6 +125,7 @@ fn update(
         kl_loss_coef: 0.0,
         kl_loss_type: "low_var_kl".parse().unwrap(),
         temperature: 1.0,
+        bypass: None,
     };
     let model = CausalLm::<CpuAutodiff>::init(&model_cfg(), 0.2, 7, &device);
     let optimizer = || {

@@ -461,13 +461,10 @@ pub fn gpg<B: Backend>(input: &AdvantageInput<'_, B>) -> Result<AdvantageOutput<
     Ok(out(input, &h, &h))
 }
 
-/// Optimal token baseline: per group and position, B_t = Σ G_t·W_t / (Σ W_t + ε) with
-/// reward-to-go G_t and the cumulative path-variance proxy W_t = Σ_{j≤t} (1 − 2π_j + Σπ²)
-/// over unmasked tokens. A group of one has no baseline.
-pub fn optimal_token_baseline<B: Backend>(
-    input: &AdvantageInput<'_, B>,
-) -> Result<AdvantageOutput<B>> {
-    let name = "optimal_token_baseline";
+/// The optimal token baselines' per-token inputs: the mask, each position's reward-to-go G_t
+/// and the cumulative path-variance proxy W_t = Σ_{j≤t} (1 − 2π_j + Σπ²)·ρ̄_j² over unmasked
+/// tokens (ρ̄: rollout correction's importance weights, 1 without them).
+fn otb_inputs<B: Backend>(input: &AdvantageInput<'_, B>, name: &str) -> Result<[Host2; 3]> {
     let (r, m) = input.check(name)?;
     let lp = input.optional_2d(name, "old_log_probs", &input.old_log_probs)?;
     let sp = input.optional_2d(name, "sum_pi_squared", &input.sum_pi_squared)?;
@@ -492,27 +489,45 @@ pub fn optimal_token_baseline<B: Backend>(
             w.set(i, t, cum);
         }
     }
-    let eps = 1e-8;
+    Ok([m, ret, w])
+}
+
+/// verl's ε in the optimal baselines' denominators.
+const OTB_EPSILON: f64 = 1e-8;
+
+/// handle_zero_tail: the member of `lengths` (row, length) longer than every other, and the
+/// second longest length, from which its baseline is 0 (alone there, its baseline would be
+/// itself).
+fn zero_tail(mut lengths: Vec<(usize, f64)>) -> Option<(usize, usize)> {
+    lengths.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (lengths.len() > 1 && lengths[0].1 > lengths[1].1)
+        .then(|| (lengths[0].0, lengths[1].1 as usize))
+}
+
+/// Optimal token baseline: per group and position, B_t = Σ G_t·W_t / (Σ W_t + ε) with
+/// reward-to-go G_t and the cumulative path-variance proxy W_t = Σ_{j≤t} (1 − 2π_j + Σπ²)
+/// over unmasked tokens. A group of one has no baseline.
+pub fn optimal_token_baseline<B: Backend>(
+    input: &AdvantageInput<'_, B>,
+) -> Result<AdvantageOutput<B>> {
+    let name = "optimal_token_baseline";
+    let [m, ret, w] = otb_inputs(input, name)?;
+    let (rows, cols) = (m.rows, m.cols);
     let mut adv = ret.data.clone();
     for g in input.groups(name)? {
         if g.len() == 1 {
             continue;
         }
-        // handle_zero_tail: the one trajectory longer than every other keeps its return as
-        // the advantage past the second longest (alone there, its baseline would be itself).
-        let tail = if input.handle_zero_tail {
-            let mut lens: Vec<(f64, usize)> = g.iter().map(|&i| (m.row_sum(i), i)).collect();
-            lens.sort_by(|a, b| b.0.total_cmp(&a.0));
-            (lens[0].0 > lens[1].0).then_some((lens[0].1, lens[1].0 as usize))
-        } else {
-            None
-        };
+        let tail = input
+            .handle_zero_tail
+            .then(|| zero_tail(g.iter().map(|&i| (i, m.row_sum(i))).collect()))
+            .flatten();
         for t in 0..cols {
             let num: f64 = g
                 .iter()
                 .map(|&i| ret.at(i, t) * w.at(i, t) * m.at(i, t))
                 .sum();
-            let den: f64 = g.iter().map(|&i| w.at(i, t) * m.at(i, t)).sum::<f64>() + eps;
+            let den: f64 = g.iter().map(|&i| w.at(i, t) * m.at(i, t)).sum::<f64>() + OTB_EPSILON;
             for &i in &g {
                 if tail.is_some_and(|(longest, from)| i == longest && t >= from) {
                     continue;
@@ -527,6 +542,55 @@ pub fn optimal_token_baseline<B: Backend>(
         cols,
     }
     .mul_mask(&m);
+    Ok(out(input, &adv, &ret))
+}
+
+/// verl's `tir_optimal_token_baseline`: the optimal token baseline for responses whose mask
+/// has gaps (multi-turn tool-integrated rollouts, where tool output is masked out). Each
+/// response's trained tokens are taken in order, without the gaps, and the group's baseline at
+/// a response's k-th trained token comes from every member's k-th trained token, so turns line
+/// up by position in the model's own output rather than by column. Responses with no trained
+/// token take no part; a group of one keeps its returns; and, as verl calls it, the zero tail
+/// is always handled (a member longer than every other has baseline 0 past the second
+/// longest), whatever `handle_zero_tail` says. On a gap-free mask it is
+/// `optimal_token_baseline` with the zero tail handled.
+pub fn tir_optimal_token_baseline<B: Backend>(
+    input: &AdvantageInput<'_, B>,
+) -> Result<AdvantageOutput<B>> {
+    let name = "tir_optimal_token_baseline";
+    let [m, ret, w] = otb_inputs(input, name)?;
+    let (rows, cols) = (m.rows, m.cols);
+    // Each row's trained columns, in order.
+    let trained: Vec<Vec<usize>> = (0..rows)
+        .map(|i| (0..cols).filter(|&t| m.at(i, t) != 0.0).collect())
+        .collect();
+    let mut adv = Host2::zeros(rows, cols);
+    for g in input.groups(name)? {
+        let g: Vec<usize> = g.into_iter().filter(|&i| !trained[i].is_empty()).collect();
+        let longest = g.iter().map(|&i| trained[i].len()).max().unwrap_or(0);
+        // Baseline by trained-token position (0 for a group of one).
+        let mut baseline = vec![0.0; longest];
+        if g.len() > 1 {
+            for (k, b) in baseline.iter_mut().enumerate() {
+                let (mut num, mut den) = (0.0, 0.0);
+                for &i in &g {
+                    if let Some(&t) = trained[i].get(k) {
+                        num += ret.at(i, t) * w.at(i, t);
+                        den += w.at(i, t);
+                    }
+                }
+                *b = num / (den + OTB_EPSILON);
+            }
+        }
+        let tail = zero_tail(g.iter().map(|&i| (i, trained[i].len() as f64)).collect());
+        for &i in &g {
+            for (k, &t) in trained[i].iter().enumerate() {
+                let past_tail = tail.is_some_and(|(l, from)| i == l && k >= from);
+                let b = if past_tail { 0.0 } else { baseline[k] };
+                adv.set(i, t, (ret.at(i, t) - b) * m.at(i, t));
+            }
+        }
+    }
     Ok(out(input, &adv, &ret))
 }
 
@@ -553,7 +617,7 @@ pub struct AdvantageRegistry<B: Backend> {
 }
 
 /// verl's built-in estimator names.
-pub const BUILTIN_ESTIMATORS: [&str; 12] = [
+pub const BUILTIN_ESTIMATORS: [&str; 13] = [
     "gae",
     "grpo",
     "reinforce_plus_plus",
@@ -564,6 +628,7 @@ pub const BUILTIN_ESTIMATORS: [&str; 12] = [
     "gpg",
     "grpo_passk",
     "optimal_token_baseline",
+    "tir_optimal_token_baseline",
     "grpo_vectorized",
     "rloo_vectorized",
 ];
@@ -580,7 +645,7 @@ impl<B: Backend> AdvantageRegistry<B> {
         let mut r = Self {
             estimators: NamedRegistry::new("advantage estimator"),
         };
-        let builtins: [(&str, BuiltinEstimator<B>); 12] = [
+        let builtins: [(&str, BuiltinEstimator<B>); 13] = [
             ("gae", gae),
             ("grpo", grpo),
             ("reinforce_plus_plus", reinforce_plus_plus),
@@ -591,6 +656,7 @@ impl<B: Backend> AdvantageRegistry<B> {
             ("gpg", gpg),
             ("grpo_passk", grpo_passk),
             ("optimal_token_baseline", optimal_token_baseline),
+            ("tir_optimal_token_baseline", tir_optimal_token_baseline),
             ("grpo_vectorized", grpo_vectorized),
             ("rloo_vectorized", rloo_vectorized),
         ];

@@ -4,9 +4,11 @@
 //! - [`masked`]: masked sum / mean / variance / whitening.
 //! - [`aggregation`]: the four loss aggregation modes.
 //! - [`advantage`]: GAE, GRPO, GRPO pass@k, REINFORCE++ (and its baseline variant), RLOO, ReMax,
-//!   OPO, GPG and the optimal token baseline, behind a registry keyed by verl's names.
+//!   OPO, GPG and the optimal token baseline (also verl's multi-turn variant), behind a registry keyed by verl's names.
 //! - [`policy_loss`]: vanilla dual-clip PPO, GSPO, SAPO, GPG, Clip-Cov, KL-Cov, GMPO (geo-mean) and
-//!   CISPO, behind a registry.
+//!   CISPO, behind a registry; REINFORCE for bypass mode.
+//! - [`bypass`]: rollout correction's bypass mode (the rollout's log-probs as the old ones):
+//!   PPO-clip or REINFORCE with the correction applied per micro-batch.
 //! - [`kl`]: k1 / abs / k2 / k3 / full KL estimators, straight-through `+` variants, and the
 //!   fixed and adaptive KL controllers of the in-reward penalty.
 //! - [`value`]: the clipped value loss.
@@ -19,6 +21,7 @@
 pub mod advantage;
 pub mod aggregation;
 pub mod balance;
+pub mod bypass;
 pub mod kl;
 pub mod logits;
 pub mod masked;

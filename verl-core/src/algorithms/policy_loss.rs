@@ -197,6 +197,36 @@ pub fn vanilla<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>
     })
 }
 
+/// REINFORCE with rollout correction's importance weights (verl's
+/// `compute_policy_loss_reinforce`, the loss of bypass mode's `loss_type: reinforce`):
+/// L = agg(−A · log π · w), with `old_log_prob` the rollout's log-probs and `w` the (detached)
+/// `rollout_is_weights`, 1 without them. No ratio and no clipping (`pg_clipfrac` 0); `ppo_kl`
+/// is the masked mean of log π_rollout − log π, unclamped as verl's.
+///
+/// ```
+/// use burn::tensor::Tensor;
+/// use verl_core::algorithms::policy_loss::{reinforce, PolicyLossInput};
+/// use verl_core::backend::CpuBackend as B;
+/// let d = Default::default();
+/// let t = |v: [[f32; 2]; 1]| Tensor::<B, 2>::from_floats(v, &d);
+/// // log π = [−1, −2], A = [1, 2]: token-mean of [1·1, 2·2] = 2.5.
+/// let x = PolicyLossInput::new(t([[-1.5, -2.0]]), t([[-1.0, -2.0]]), t([[1.0, 2.0]]), t([[1.0, 1.0]]));
+/// let out = reinforce(&x)?;
+/// assert!((out.loss.into_scalar() - 2.5).abs() < 1e-6);
+/// assert!((out.ppo_kl - (-0.25)).abs() < 1e-6);
+/// # Ok::<(), verl_core::error::AlgorithmError>(())
+/// ```
+pub fn reinforce<B: Backend>(x: &PolicyLossInput<B>) -> Result<PolicyLossOutput<B>> {
+    x.check("reinforce")?;
+    let losses = -x.advantages.clone() * x.log_prob.clone();
+    Ok(PolicyLossOutput {
+        loss: x.agg(losses),
+        pg_clipfrac: 0.0,
+        ppo_kl: x.mean(x.old_log_prob.clone() - x.log_prob.clone()),
+        pg_clipfrac_lower: 0.0,
+    })
+}
+
 /// GSPO (Zheng et al. 2025, arXiv:2507.18071): a sequence-level ratio s = exp(mean_t log r_t)
 /// whose value is shared by the sequence's tokens while each token keeps its own gradient;
 /// clipped as PPO. Always aggregated seq-mean-token-mean, as verl does.

@@ -629,3 +629,60 @@ fn mismatch_metrics(old: &Host2, rollout: &Host2, mask: &Host2) -> BTreeMap<Stri
     m.insert("rollout_corr/chi2_seq".into(), mean(&seq_w2) - 1.0);
     m
 }
+
+/// verl's debug metrics of the rollout against training's recompute
+/// (`verl.utils.debug.metrics.calculate_debug_metrics`, logged every step the rollout returns
+/// its log-probs): over the valid tokens, the largest, mean and (sample) spread of
+/// |π_train − π_rollout| in probability, and the Pearson correlation of the two
+/// probabilities. Empty when no token is valid (verl raises there); a correlation with no
+/// spread in either is NaN, as torch's.
+///
+/// ```
+/// use burn::tensor::Tensor;
+/// use verl_core::algorithms::rollout_correction::rollout_probs_diff_metrics;
+/// use verl_core::backend::CpuBackend as B;
+/// let d = Default::default();
+/// let lp = Tensor::<B, 2>::from_floats([[0.5f32.ln(), 0.25f32.ln()]], &d);
+/// let rollout = Tensor::<B, 2>::from_floats([[0.5f32.ln(), 0.5f32.ln()]], &d);
+/// let m = rollout_probs_diff_metrics(&lp, &rollout, &Tensor::ones([1, 2], &d));
+/// assert!((m["training/rollout_probs_diff_max"] - 0.25).abs() < 1e-6);
+/// assert!((m["training/rollout_probs_diff_mean"] - 0.125).abs() < 1e-6);
+/// ```
+pub fn rollout_probs_diff_metrics<B: Backend>(
+    old_log_probs: &Tensor<B, 2>,
+    rollout_log_probs: &Tensor<B, 2>,
+    response_mask: &Tensor<B, 2>,
+) -> BTreeMap<String, f64> {
+    let old = Host2::from_tensor(old_log_probs);
+    let rollout = Host2::from_tensor(rollout_log_probs);
+    let mask = Host2::from_tensor(response_mask);
+    let pairs: Vec<(f64, f64)> = (0..old.data.len())
+        .filter(|&i| mask.data[i] != 0.0)
+        .map(|i| (old.data[i].exp(), rollout.data[i].exp()))
+        .collect();
+    let mut m = BTreeMap::new();
+    if pairs.is_empty() {
+        return m;
+    }
+    let n = pairs.len() as f64;
+    let diff: Vec<f64> = pairs.iter().map(|(a, b)| (a - b).abs()).collect();
+    let mean = diff.iter().sum::<f64>() / n;
+    let std = (diff.iter().map(|d| (d - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+    let (ma, mb) = (
+        pairs.iter().map(|p| p.0).sum::<f64>() / n,
+        pairs.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let cov: f64 = pairs.iter().map(|(a, b)| (a - ma) * (b - mb)).sum();
+    let va: f64 = pairs.iter().map(|(a, _)| (a - ma).powi(2)).sum();
+    let vb: f64 = pairs.iter().map(|(_, b)| (b - mb).powi(2)).sum();
+    let pearson = cov / (va * vb).sqrt();
+    m.insert("training/rollout_probs_diff_valid".into(), 1.0);
+    m.insert(
+        "training/rollout_probs_diff_max".into(),
+        diff.iter().copied().fold(f64::MIN, f64::max),
+    );
+    m.insert("training/rollout_probs_diff_mean".into(), mean);
+    m.insert("training/rollout_probs_diff_std".into(), std);
+    m.insert("training/rollout_actor_probs_pearson_corr".into(), pearson);
+    m
+}

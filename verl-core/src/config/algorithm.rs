@@ -62,7 +62,8 @@ pub struct RolloutCorrectionConfig {
     /// One threshold for every criterion or one per criterion (a number, or `lower_upper`
     /// for k1 ones).
     pub rollout_rs_threshold: Option<serde_json::Value>,
-    /// verl's bypass mode (the rollout's log-probs as the old ones): not supported yet.
+    /// verl's bypass mode: the rollout's log-probs are the old ones (no old-log-prob pass),
+    /// and the correction runs in the actor's loss ([`crate::algorithms::bypass`]).
     pub bypass_mode: bool,
     /// The bypass mode's loss (`ppo_clip`, `reinforce`).
     pub loss_type: String,
@@ -83,6 +84,38 @@ impl Default for RolloutCorrectionConfig {
 }
 
 impl RolloutCorrectionConfig {
+    /// Bypass mode's settings when `bypass_mode` is on; an error names the key to fix.
+    pub fn bypass(
+        &self,
+    ) -> Result<Option<crate::algorithms::bypass::BypassMode>, crate::error::ConfigError> {
+        let loss = self.bypass_loss()?;
+        Ok(match self.bypass_mode {
+            true => Some(crate::algorithms::bypass::BypassMode {
+                loss,
+                correction: self.parsed()?,
+            }),
+            false => None,
+        })
+    }
+
+    /// `loss_type` parsed (checked whatever the mode: a typo is refused before a run).
+    pub fn bypass_loss(
+        &self,
+    ) -> Result<crate::algorithms::bypass::BypassLoss, crate::error::ConfigError> {
+        self.loss_type
+            .parse()
+            .map_err(
+                |e: crate::error::AlgorithmError| crate::error::ConfigError::Invalid {
+                    key: "algorithm.rollout_correction.loss_type".into(),
+                    value: self.loss_type.clone(),
+                    message: e.to_string(),
+                    fix: "set it to ppo_clip (PPO's clipped ratio against the rollout) or \
+                          reinforce (REINFORCE with the truncated importance weights)"
+                        .into(),
+                },
+            )
+    }
+
     /// The parsed correction; an error names the key to fix.
     pub fn parsed(
         &self,

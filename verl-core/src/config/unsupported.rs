@@ -659,23 +659,11 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
     Ok(())
 }
 
-/// Refuses the keys of algorithm.rollout_correction set to values verl-rs does not act on.
+/// Refuses algorithm.rollout_correction keys whose values do not parse (options, thresholds, the
+/// bypass loss), naming the key.
 fn refuse_rollout_correction(cfg: &VerlConfig) -> Result<(), ConfigError> {
     let rc = &cfg.algorithm.rollout_correction;
-    require(
-        !rc.bypass_mode,
-        "algorithm.rollout_correction.bypass_mode",
-        rc.bypass_mode,
-        "bypass mode (the rollout's log-probs as the old ones) is not supported yet",
-        "set it to false (decoupled mode: old log-probs recomputed, rollout_is / rollout_rs applied)",
-    )?;
-    require(
-        rc.loss_type == "ppo_clip",
-        "algorithm.rollout_correction.loss_type",
-        &rc.loss_type,
-        "the loss type is bypass mode's, which is not supported yet",
-        "set it to ppo_clip",
-    )?;
+    rc.bypass_loss()?;
     rc.parsed()?;
     refuse_unsupported_profiling(cfg)?;
     Ok(())
@@ -906,10 +894,6 @@ mod tests {
                 "reward_model.reward_manager",
             ),
             ("global_profiler.tool=npu", "global_profiler.tool"),
-            (
-                "algorithm.rollout_correction.bypass_mode=true",
-                "algorithm.rollout_correction.bypass_mode",
-            ),
             (
                 "actor_rollout_ref.model.trust_remote_code=true",
                 "actor_rollout_ref.model.trust_remote_code",

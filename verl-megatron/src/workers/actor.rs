@@ -45,6 +45,9 @@ pub struct ActorSettings {
     pub kl_loss_type: KlPenalty,
     /// Logits are divided by the rollout temperature before log-probs, as verl does.
     pub temperature: f64,
+    /// Rollout correction's bypass mode: `old_log_probs` are the rollout's, and the policy
+    /// loss is bypass mode's (the correction applied per micro-batch), not `policy_loss`.
+    pub bypass: Option<verl_core::algorithms::bypass::BypassMode>,
 }
 
 /// The policy model and its optimizer.
@@ -318,7 +321,17 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 false => None,
             },
         };
-        let out = loss_fn(&input)?;
+        let out = match &s.bypass {
+            Some(mode) => {
+                let (out, corrections) =
+                    verl_core::algorithms::bypass::bypass_mode_loss(&input, mode)?;
+                for (k, v) in corrections {
+                    metrics.push(k, v);
+                }
+                out
+            }
+            None => loss_fn(&input)?,
+        };
         let mut loss = out.loss.clone();
         let pg = out.loss.into_scalar().elem::<f64>();
         metrics.push("actor/pg_clipfrac", out.pg_clipfrac);

@@ -1123,6 +1123,7 @@ pub(crate) mod gpu {
         tps: &[usize],
         sequence_parallel: bool,
         collectives: &[String],
+        tp1_ms: Option<f64>,
     ) -> Result<(), String> {
         let mut kinds = Vec::new();
         for c in collectives {
@@ -1142,17 +1143,63 @@ pub(crate) mod gpu {
             .parse()
             .map_err(|e: verl::megatron::MegatronError| e.to_string())?;
         let shape = (batch, seq, steps.max(1));
-        println!(
-            "tp scaling, {preset_name}: batch {batch} x seq {seq}, {compute} products, sequence \
-             parallel {sequence_parallel}; median of {} steps",
-            shape.2
-        );
-        println!(
-            "| layout | collectives | step ms | efficiency | tokens/s per GPU | host round trips / \
-             step | first loss |"
-        );
-        println!("|---|---|---|---|---|---|---|");
+        let kind_name = |device: bool| match device {
+            true => "device kernels",
+            false => "NCCL + host wait",
+        };
         let per_gpu = |ms: f64, gpus: usize| (batch * seq) as f64 / (ms * 1e-3) / gpus as f64;
+        let header = || {
+            println!(
+                "tp scaling, {preset_name}: batch {batch} x seq {seq}, {compute} products, \
+                 sequence parallel {sequence_parallel}; median of {} steps",
+                shape.2
+            );
+            println!(
+                "| layout | collectives | step ms | efficiency | tokens/s per GPU | host round \
+                 trips / step | first loss |"
+            );
+            println!("|---|---|---|---|---|---|---|");
+        };
+        // One rank of a process group (torchrun's variables): the job's layout, where rank
+        // threads of one process would queue for burn's autodiff graph lock.
+        if std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some() {
+            let exchange = NcclIdExchange::from_env().map_err(|e| e.to_string())?;
+            let r = &exchange.rendezvous;
+            let (rank, world, local) = (r.rank, r.world_size, r.local_rank);
+            let id = exchange
+                .id("bench-tp-scaling", rank == 0)
+                .map_err(|e| e.to_string())?;
+            let comm = Arc::new(
+                NcclCommunicator::new(&id, rank, world, rank_device(local))
+                    .map_err(|e| e.to_string())?,
+            );
+            if rank == 0 {
+                header();
+            }
+            for &device_collectives in &kinds {
+                comm.set_device_collectives(device_collectives);
+                let group = TpGroup::new(
+                    comm.clone() as Arc<dyn Communicator<CudaBackend>>,
+                    sequence_parallel,
+                );
+                let r = timed_tp_steps(&cfg, &group, &rank_device(local), shape, compute)?;
+                if rank == 0 {
+                    let efficiency = tp1_ms.map_or("-".to_string(), |one| {
+                        format!("{:.0}%", 100.0 * one / (world as f64 * r.ms))
+                    });
+                    println!(
+                        "| tp={world} (processes) | {} | {:.1} | {efficiency} | {:.0} | {} | {:.6} |",
+                        kind_name(device_collectives),
+                        r.ms,
+                        per_gpu(r.ms, world),
+                        r.host_round_trips,
+                        r.first_loss
+                    );
+                }
+            }
+            return Ok(());
+        }
+        header();
         let one = timed_tp_steps(&cfg, &TpGroup::none(), &rank_device(0), shape, compute)?;
         println!(
             "| tp=1 | - | {:.1} | 100% | {:.0} | {} | {:.6} |",
@@ -1162,8 +1209,8 @@ pub(crate) mod gpu {
             one.first_loss
         );
         let found = verl::megatron::cuda::device_count();
-        for &tp in tps {
-            if tp < 2 || tp > found {
+        for &tp in tps.iter().filter(|&&tp| tp > 1) {
+            if tp > found {
                 println!("| tp={tp} | skipped: this node has {found} GPUs |");
                 continue;
             }
@@ -1183,11 +1230,7 @@ pub(crate) mod gpu {
                 let r = &ranks[0];
                 println!(
                     "| tp={tp} | {} | {:.1} | {:.0}% | {:.0} | {} | {:.6} |",
-                    if device_collectives {
-                        "device kernels"
-                    } else {
-                        "NCCL + host wait"
-                    },
+                    kind_name(device_collectives),
                     r.ms,
                     100.0 * one.ms / (tp as f64 * r.ms),
                     per_gpu(r.ms, tp),

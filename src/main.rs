@@ -345,6 +345,11 @@ enum BenchCommand {
         /// burn's stream) and nccl (NCCL behind host waits, the fallback).
         #[arg(long, value_delimiter = ',', default_value = "device,nccl")]
         collectives: Vec<String>,
+        /// The tp = 1 step (ms) the efficiency of a rank process's row is counted against
+        /// (with torchrun's RANK / WORLD_SIZE set, this process is one rank of a tp group of
+        /// WORLD_SIZE, and rank 0 prints; `bench/gpu/tp_scaling.sh` runs it so).
+        #[arg(long)]
+        tp1_ms: Option<f64>,
     },
 }
 
@@ -573,6 +578,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             tp,
             no_sequence_parallel,
             collectives,
+            tp1_ms,
         } => bench::gpu::tp_scaling(
             &preset,
             (batch, seq, steps),
@@ -580,6 +586,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             &tp,
             !no_sequence_parallel,
             &collectives,
+            tp1_ms,
         ),
         #[cfg(feature = "cuda")]
         BenchCommand::Kernels {

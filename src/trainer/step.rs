@@ -538,6 +538,10 @@ impl PpoTrainer {
         if batch.data.contains("rollout_is_weights") {
             keys.push("rollout_is_weights");
         }
+        // The actor tracks the moving policy against the sampler (verl's actors do).
+        if !self.bypass && batch.data.contains("rollout_log_probs") {
+            keys.push("rollout_log_probs");
+        }
         let mut inputs = batch.columns(&keys)?;
         if let Some((dp, _)) = self.balance_dp {
             balance(&mut inputs, dp, "actor", &mut batch.metrics)?;
@@ -546,7 +550,18 @@ impl PpoTrainer {
             .actor
             .call_proto(&DispatchMode::MegatronCompute, "update_actor", inputs)
             .await?;
-        batch.metrics.extend(metrics_of(&out));
+        // The actor's `rollout_corr/` figures replace the trainer's of the same names, as
+        // verl's metrics dict takes the later update; every other series adds up (memory
+        // peaks, phase times).
+        let mut actor = metrics_of(&out);
+        let corrections = Metrics(
+            actor
+                .0
+                .extract_if(.., |k, _| k.starts_with("rollout_corr/"))
+                .collect(),
+        );
+        batch.metrics.replace_with(corrections);
+        batch.metrics.extend(actor);
         Ok(())
     }
 

@@ -42,6 +42,12 @@ impl Metrics {
         }
     }
 
+    /// `other`'s series in place of any of the same name here (a Python dict's `update`, as
+    /// verl merges a later phase's metrics over an earlier one's).
+    pub fn replace_with(&mut self, other: Metrics) {
+        self.0.extend(other.0);
+    }
+
     /// Mean of each series, or its maximum for a peak (empty series are left out).
     pub fn reduce(&self) -> BTreeMap<String, f64> {
         self.0

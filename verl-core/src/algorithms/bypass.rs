@@ -11,7 +11,11 @@
 //!   ([`super::policy_loss::reinforce`]).
 //!
 //! In both, rejection removes tokens from the policy loss only (the entropy and KL terms keep
-//! the response mask), as verl's `compute_policy_loss_bypass_mode` does.
+//! the response mask), as verl's `compute_policy_loss_bypass_mode` does. The rollout's
+//! log-probs stay the old ones whatever the number of mini-batches, as in verl's Megatron
+//! actor (its FSDP actor swaps in the current log-probs for an update of one mini-batch and
+//! one epoch). REINFORCE has no ratio to clip: its clip fractions are logged as 0 where verl
+//! logs none.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;

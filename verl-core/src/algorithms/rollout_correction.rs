@@ -630,6 +630,22 @@ fn mismatch_metrics(old: &Host2, rollout: &Host2, mask: &Host2) -> BTreeMap<Stri
     m
 }
 
+/// The off-policy diagnostics (`rollout_corr/kl`, `k3_kl`, perplexities, χ²) of `log_probs`
+/// against the rollout's, as verl's actors log them for each micro-batch of an update
+/// (`compute_rollout_corr_metrics_from_logprobs`): the current policy, as it moves, against
+/// the sampler. The same figures [`rollout_correction`] reports for the old log-probs.
+pub fn offpolicy_metrics<B: Backend>(
+    log_probs: &Tensor<B, 2>,
+    rollout_log_probs: &Tensor<B, 2>,
+    response_mask: &Tensor<B, 2>,
+) -> BTreeMap<String, f64> {
+    mismatch_metrics(
+        &Host2::from_tensor(log_probs),
+        &Host2::from_tensor(rollout_log_probs),
+        &Host2::from_tensor(response_mask),
+    )
+}
+
 /// verl's debug metrics of the rollout against training's recompute
 /// (`verl.utils.debug.metrics.calculate_debug_metrics`, logged every step the rollout returns
 /// its log-probs): over the valid tokens, the largest, mean and (sample) spread of

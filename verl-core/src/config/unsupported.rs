@@ -655,6 +655,22 @@ fn refuse_reward_model(cfg: &VerlConfig) -> Result<(), ConfigError> {
         "policy-filtration PPO is not implemented",
         "set it to false",
     )?;
+    // The optimal token baselines weigh each token by Σπ² over the vocabulary, which only
+    // verl's FSDP actor computes (`calculate_sum_pi_squared`); its Megatron actor and this one
+    // do not, so a step would fail after its generation for want of the input.
+    let estimator = cfg.algorithm.adv_estimator.as_str();
+    require(
+        !matches!(
+            estimator,
+            "optimal_token_baseline" | "tir_optimal_token_baseline"
+        ),
+        "algorithm.adv_estimator",
+        estimator,
+        "the optimal token baselines need Σπ² per token from the actor, which the Megatron \
+         actor does not compute (verl's neither)",
+        "choose grpo, rloo or another estimator; the baselines are library functions in \
+         verl::algorithms::advantage for programs that supply sum_pi_squared",
+    )?;
 
     Ok(())
 }
@@ -951,6 +967,14 @@ mod tests {
                 "actor_rollout_ref.rollout.max_model_len",
             ),
             (&["algorithm.use_pf_ppo=true"], "algorithm.use_pf_ppo"),
+            (
+                &["algorithm.adv_estimator=tir_optimal_token_baseline"],
+                "algorithm.adv_estimator",
+            ),
+            (
+                &["algorithm.adv_estimator=optimal_token_baseline"],
+                "algorithm.adv_estimator",
+            ),
             (
                 &["algorithm.rollout_correction.loss_type=ppo_clip_bypass"],
                 "algorithm.rollout_correction.loss_type",

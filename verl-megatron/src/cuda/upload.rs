@@ -25,6 +25,7 @@ use verl_core::backend::CudaBackend;
 
 use super::kernels::host_copy::{launch_copy, launch_flag};
 use super::kernels::{CudaPrimitive, KernelSwitch};
+use crate::hf::byte_runs::ByteRuns;
 
 /// Whether uploads go through the staging chunks: on unless `VERL_PINNED_UPLOAD=decomposed`.
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_PINNED_UPLOAD");
@@ -40,6 +41,9 @@ const CHUNK_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// One device's staging: `CHUNKS` chunks of pinned, mapped host memory and their flags.
 struct Staging {
+    /// The device's primary context, held: pinned memory lives only while its context does,
+    /// and a context nothing else holds yet (the first tensor of a process) would go with it.
+    _ctx: Arc<CudaContext>,
     /// Host address of the chunks (also their device address: unified addressing).
     base: u64,
     /// Host address of `CHUNKS` flag words (the device stores tickets there).
@@ -52,9 +56,32 @@ struct Staging {
     next: usize,
 }
 
-// SAFETY: the addresses are plain numbers naming pinned host memory that lives as long as the
-// process; the `Mutex` around each `Staging` serialises its use.
-unsafe impl Send for Staging {}
+/// A pinned, device-mapped host allocation of `bytes` (unified addressing: the host address
+/// is the device's), or why not.
+fn map_pinned(bytes: usize) -> Result<u64, String> {
+    let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+    // SAFETY: a fresh pinned allocation; its mapped address is asked of the driver, and it is
+    // freed again on every failure after it.
+    unsafe {
+        let host = result::malloc_host(bytes, flags)
+            .map_err(|e| format!("pinned allocation of {bytes} bytes: {e:?}"))?;
+        let mut mapped: sys::CUdeviceptr = 0;
+        let got = sys::cuMemHostGetDevicePointer_v2(&mut mapped, host, 0).result();
+        match got {
+            Ok(()) if mapped == host as u64 => Ok(mapped),
+            // Only without unified addressing do the two differ, and every 64-bit Linux CUDA
+            // platform has it: one address serves both sides.
+            Ok(()) => {
+                let _ = result::free_host(host);
+                Err("the device maps pinned memory at another address".into())
+            }
+            Err(e) => {
+                let _ = result::free_host(host);
+                Err(format!("mapped address: {e:?}"))
+            }
+        }
+    }
+}
 
 impl Staging {
     /// Allocates the chunks and flags for `device`, or says why not.
@@ -62,30 +89,19 @@ impl Staging {
         let ctx = CudaContext::new(device.index).map_err(|e| format!("context: {e:?}"))?;
         ctx.bind_to_thread()
             .map_err(|e| format!("context: {e:?}"))?;
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        let map = |bytes: usize| -> Result<u64, String> {
-            // SAFETY: a fresh pinned allocation; its mapped address is asked of the driver.
-            unsafe {
-                let host = result::malloc_host(bytes, flags)
-                    .map_err(|e| format!("pinned allocation of {bytes} bytes: {e:?}"))?;
-                let mut mapped: sys::CUdeviceptr = 0;
-                sys::cuMemHostGetDevicePointer_v2(&mut mapped, host, 0)
-                    .result()
-                    .map_err(|e| format!("mapped address: {e:?}"))?;
-                if mapped != host as u64 {
-                    // Only without unified addressing do the two differ, and every 64-bit
-                    // Linux CUDA platform has it: one address serves both sides.
-                    let _ = result::free_host(host);
-                    return Err("the device maps pinned memory at another address".into());
-                }
-                Ok(mapped)
+        let base = map_pinned(CHUNKS * CHUNK_BYTES)?;
+        let flags = match map_pinned(CHUNKS * 8) {
+            Ok(f) => f,
+            Err(e) => {
+                // SAFETY: `base` came from `malloc_host` and nothing uses it yet.
+                let _ = unsafe { result::free_host(base as *mut std::ffi::c_void) };
+                return Err(e);
             }
         };
-        let base = map(CHUNKS * CHUNK_BYTES)?;
-        let flags = map(CHUNKS * 8)?;
         // SAFETY: `flags` holds CHUNKS words; nothing reads them yet.
         unsafe { std::ptr::write_bytes(flags as *mut u64, 0, CHUNKS) };
         Ok(Self {
+            _ctx: ctx,
             base,
             flags,
             pending: [0; CHUNKS],
@@ -123,10 +139,11 @@ impl Staging {
     /// Queues the copy of `runs`, one after another, into `dst` (from its first byte), chunk
     /// by chunk. Returns the seconds spent waiting for chunks, filling them, and queueing the
     /// kernels.
-    fn upload(&mut self, runs: &Runs<'_>, dst: &CudaPrimitive) -> Result<[f64; 3], String> {
+    fn upload(&mut self, runs: &ByteRuns<'_>, dst: &CudaPrimitive) -> Result<[f64; 3], String> {
         let mut spent = [0.0; 3];
-        for (i, from) in (0..runs.total).step_by(CHUNK_BYTES).enumerate() {
-            let len = CHUNK_BYTES.min(runs.total - from);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        for (i, from) in (0..runs.total()).step_by(CHUNK_BYTES).enumerate() {
+            let len = CHUNK_BYTES.min(runs.total() - from);
             let k = self.next;
             self.next = (k + 1) % CHUNKS;
             let t = Instant::now();
@@ -134,7 +151,10 @@ impl Staging {
             spent[0] += t.elapsed().as_secs_f64();
             let t = Instant::now();
             let at = self.base + (k * CHUNK_BYTES) as u64;
-            runs.fill(at as usize, from, len);
+            // SAFETY: chunk `k` is CHUNK_BYTES ≥ len of pinned host memory that only this
+            // (locked) staging writes, and its last copy has read it (waited for above).
+            let chunk = unsafe { std::slice::from_raw_parts_mut(at as *mut u8, len) };
+            runs.copy_range_parallel(from, chunk, threads);
             spent[1] += t.elapsed().as_secs_f64();
             let t = Instant::now();
             self.issued += 1;
@@ -148,77 +168,6 @@ impl Staging {
             spent[2] += t.elapsed().as_secs_f64();
         }
         Ok(spent)
-    }
-}
-
-/// Byte runs read as one stream (a checkpoint tensor's shard: one run per row of the
-/// dimensions before the split one, straight from the mapped file).
-struct Runs<'a> {
-    runs: &'a [&'a [u8]],
-    /// Where each run starts in the stream.
-    starts: Vec<usize>,
-    total: usize,
-}
-
-impl<'a> Runs<'a> {
-    fn new(runs: &'a [&'a [u8]]) -> Self {
-        let mut starts = Vec::with_capacity(runs.len());
-        let mut total = 0;
-        for r in runs {
-            starts.push(total);
-            total += r.len();
-        }
-        Self {
-            runs,
-            starts,
-            total,
-        }
-    }
-
-    /// Copies bytes `from..from + len` of the stream to host address `at`, with a few host
-    /// threads: one thread copies from the page cache at a few GB/s, short of what the bus
-    /// takes.
-    fn fill(&self, at: usize, from: usize, len: usize) {
-        const PART: usize = 8 << 20;
-        let threads = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-            .min(len.div_ceil(PART))
-            .clamp(1, 8);
-        let per = len.div_ceil(threads);
-        std::thread::scope(|s| {
-            for j in 0..threads {
-                let lo = from + j * per;
-                let hi = (lo + per).min(from + len);
-                if lo < hi {
-                    s.spawn(move || self.copy(at + (lo - from), lo, hi));
-                }
-            }
-        });
-    }
-
-    /// Copies stream bytes `lo..hi` to host address `to`.
-    fn copy(&self, to: usize, lo: usize, hi: usize) {
-        // The run holding byte `lo`: the last one starting at or before it (empty runs skipped
-        // by taking the last of equal starts).
-        let mut r = self.starts.partition_point(|&s| s <= lo) - 1;
-        let mut at = lo;
-        while at < hi {
-            let run = self.runs[r];
-            let within = at - self.starts[r];
-            let take = (run.len() - within).min(hi - at);
-            // SAFETY: the destination is a free staging chunk of CHUNK_BYTES ≥ the piece,
-            // written by this thread only over `to + (at - lo)..+take`.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    run[within..].as_ptr(),
-                    (to + (at - lo)) as *mut u8,
-                    take,
-                )
-            };
-            at += take;
-            r += 1;
-        }
     }
 }
 
@@ -266,28 +215,29 @@ pub fn upload_runs(
     dtype: DType,
     device: &CudaDevice,
 ) -> Option<Tensor<CudaBackend, 1>> {
-    let runs = Runs::new(runs);
+    let runs = ByteRuns::new(runs);
     assert_eq!(
-        runs.total,
+        runs.total(),
         elements * dtype.size(),
         "upload: the runs do not hold {elements} values of {dtype:?}"
     );
-    if !SWITCH.enabled() || runs.total < MIN_BYTES {
+    if !SWITCH.enabled() || runs.total() < MIN_BYTES {
         return None;
     }
-    let staging = staging(device)?;
+    // The tensor first: it makes burn's context on the device before the staging needs it.
     let started = Instant::now();
     let out: CudaPrimitive = Tensor::<CudaBackend, 1>::empty([elements], (device, dtype))
         .into_primitive()
         .tensor();
     let allocated = started.elapsed().as_secs_f64();
+    let staging = staging(device)?;
     let mut staging = staging
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     match staging.upload(&runs, &out) {
         Ok([wait, fill, queue]) => tracing::debug!(
             target: "verl_megatron::upload",
-            bytes = runs.total,
+            bytes = runs.total(),
             allocate_s = allocated,
             wait_s = wait,
             fill_s = fill,
@@ -296,7 +246,8 @@ pub fn upload_runs(
         ),
         Err(why) => panic!(
             "uploading {} bytes to GPU {}: {why}",
-            runs.total, device.index
+            runs.total(),
+            device.index
         ),
     }
     Some(Tensor::from_primitive(TensorPrimitive::Float(out)))

@@ -1,6 +1,7 @@
 //! The Hugging Face bridge: reading HF model directories directly, with no offline conversion
 //! (what mbridge gives verl).
 
+pub mod byte_runs;
 pub mod checkpoint;
 pub mod config;
 pub mod hub;

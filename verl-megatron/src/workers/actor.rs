@@ -330,7 +330,21 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 }
                 out
             }
-            None => loss_fn(&input)?,
+            None => {
+                // The current policy against the sampler, per micro-batch, as verl's actors
+                // log it (the trainer's figures are for the old log-probs).
+                if micro.contains("rollout_log_probs") {
+                    let rollout =
+                        Tensor::<B, 2>::from_inner(float_col(micro, "rollout_log_probs")?);
+                    let current = log_prob.clone().detach();
+                    for (k, v) in verl_core::algorithms::rollout_correction::offpolicy_metrics(
+                        &current, &rollout, &mask,
+                    ) {
+                        metrics.push(k, v);
+                    }
+                }
+                loss_fn(&input)?
+            }
         };
         let mut loss = out.loss.clone();
         let pg = out.loss.into_scalar().elem::<f64>();

@@ -16,6 +16,10 @@ const BLOCKS: u32 = 264;
 /// `dst`. `src` and `dst_offset` must be 16-byte aligned, `dst` must hold the bytes, and the
 /// host memory must stay untouched until the copy ran ([`launch_flag`] tells the host).
 pub fn launch_copy(dst: &CudaPrimitive, src: u64, dst_offset: u64, bytes: u64) {
+    debug_assert!(
+        src % 16 == 0 && dst_offset % 16 == 0,
+        "host copy: 16-byte vector loads need aligned ends"
+    );
     let vectors = bytes.div_ceil(16);
     let blocks = (vectors.div_ceil(THREADS as u64)).clamp(1, BLOCKS as u64) as u32;
     source("verl_host_copy").launch(

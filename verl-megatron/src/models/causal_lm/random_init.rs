@@ -215,6 +215,22 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_starting_inside_a_shards_runs_draws_its_elements() {
+        // A dim-1 shard of [40, 3000]: 40 runs of 1000; a thread's stretch starting in the
+        // middle of the 7th run and ending inside the 12th, as the threaded draw splits it.
+        let shape = [40, 3000];
+        let runs = part_runs(&shape, 1, (1000, 1000));
+        let whole = in_order(3, 0.5, 40 * 3000);
+        let want: Vec<f32> = runs
+            .iter()
+            .flat_map(|&(start, len)| whole[start..start + len].to_vec())
+            .collect();
+        let mut slot = vec![0f32; 4_321];
+        fill_stretch(3, 0.5, &runs, 6_500, &mut slot);
+        assert_eq!(slot, want[6_500..6_500 + 4_321]);
+    }
+
+    #[test]
     fn streams_differ_by_name_and_seed() {
         assert_ne!(stream_seed("a.weight", 1), stream_seed("b.weight", 1));
         assert_ne!(stream_seed("a.weight", 1), stream_seed("a.weight", 2));

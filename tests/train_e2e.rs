@@ -628,23 +628,14 @@ impl verl::traits::RolloutEngine<verl::backend::DefaultBackend> for DisagreeingR
     }
 }
 
-/// Rejection that rejects: a rollout whose log-probs sit 3 nats below the recompute on every
-/// other response has those responses' k3 divergence far over the threshold, so sequence
-/// rejection masks half the sequences (every response is at least one token long), and the IS
-/// weights of the shifted tokens are e^3 while the others stay 1.
-#[test]
-fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
+/// The steps' metric lines of a short run on the tiny job whose rollout is a
+/// [`DisagreeingRollout`], with `overrides`.
+fn run_disagreeing(overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
     let dir = tempfile::tempdir().unwrap();
     let validated = ConfigBuilder::new()
         .overrides(MAIN_JOB)
         .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=2",
-            "trainer.sft_warmup_steps=4",
-            "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_rs=seq_max_k3",
-            "algorithm.rollout_correction.rollout_rs_threshold=0.01",
-        ])
+        .overrides(overrides.iter().copied())
         .set("trainer.default_local_dir", dir.path().display())
         .resolve()
         .unwrap();
@@ -653,7 +644,22 @@ fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
         .build()
         .unwrap();
     let summary = common::fit_trainer(&mut trainer);
-    let lines = common::step_lines(&summary.metrics_path);
+    common::step_lines(&summary.metrics_path)
+}
+
+/// Rejection that rejects: a rollout whose log-probs sit 3 nats below the recompute on every
+/// other response has those responses' k3 divergence far over the threshold, so sequence
+/// rejection masks half the sequences (every response is at least one token long), and the IS
+/// weights of the shifted tokens are e^3 while the others stay 1.
+#[test]
+fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
+    let lines = run_disagreeing(&[
+        "trainer.total_training_steps=2",
+        "trainer.sft_warmup_steps=4",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=seq_max_k3",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+    ]);
     let steps: Vec<_> = lines
         .iter()
         .filter(|l| l.contains_key("rollout_corr/kl"))
@@ -691,25 +697,12 @@ fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
 /// others' 1, and the policy's divergence from the sampler is the shift's share.
 #[test]
 fn bypass_mode_trains_on_the_rollouts_log_probs() {
-    let dir = tempfile::tempdir().unwrap();
-    let validated = ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "trainer.total_training_steps=2",
-            "algorithm.rollout_correction.bypass_mode=true",
-            "algorithm.rollout_correction.loss_type=reinforce",
-            "algorithm.rollout_correction.rollout_is=token",
-        ])
-        .set("trainer.default_local_dir", dir.path().display())
-        .resolve()
-        .unwrap();
-    let mut trainer = verl::trainer::PpoTrainer::builder(validated)
-        .rollout(|inner| Box::new(DisagreeingRollout { inner }))
-        .build()
-        .unwrap();
-    let summary = common::fit_trainer(&mut trainer);
-    let lines = common::step_lines(&summary.metrics_path);
+    let lines = run_disagreeing(&[
+        "trainer.total_training_steps=2",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]);
     let steps: Vec<_> = lines
         .iter()
         .filter(|l| l.contains_key("actor/pg_loss"))

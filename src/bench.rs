@@ -1200,6 +1200,13 @@ pub(crate) mod gpu {
             return Ok(());
         }
         header();
+        if tps.iter().any(|&tp| tp > 1) {
+            eprintln!(
+                "note: the tp ranks run as threads of this process, which queue for burn's \
+                 autodiff graph lock; bench/gpu/tp_scaling.sh runs them as processes, as the job \
+                 does"
+            );
+        }
         let one = timed_tp_steps(&cfg, &TpGroup::none(), &rank_device(0), shape, compute)?;
         println!(
             "| tp=1 | - | {:.1} | 100% | {:.0} | {} | {:.6} |",

@@ -15,6 +15,7 @@ pub mod kv_cache;
 pub mod mlp;
 pub mod packing;
 pub mod qwen2_moe;
+pub mod router_replay;
 pub mod vocab_parallel;
 
 pub use causal_lm::{tp_split_dim, CausalLm, Recompute, RecomputeMethod, WeightBucket};

@@ -64,6 +64,10 @@ pub struct SparseMoe<B: Backend> {
     /// Megatron's `moe_aux_loss_coeff`: the weight of the load-balancing loss (0: none).
     #[module(skip)]
     pub aux_loss_coeff: f64,
+    /// This block's layer by Hugging Face index: its key in a replayed or recorded routing
+    /// ([`super::router_replay`]).
+    #[module(skip)]
+    pub layer: usize,
 }
 
 thread_local! {
@@ -217,8 +221,62 @@ impl<B: ParallelBackend> SparseMoe<B> {
         if self.aux_loss_coeff > 0.0 && collecting_aux_losses() {
             push_aux_loss(self.load_balancing_loss(probs.clone()));
         }
-        let out = self.shared(tokens.clone()) + self.routed(tokens, probs);
+        let chosen = self.choose(probs.clone());
+        let out = self.shared(tokens.clone()) + self.routed(tokens, probs, chosen);
         self.tp.exit(out.reshape([b, t, h]))
+    }
+
+    /// Each token's k experts `[n, k]` for the router's `probs` `[n, experts]`: its top-k, or,
+    /// inside a replay scope holding this layer, the replayed ones (a row with a negative id
+    /// keeps the router's); inside a recording scope, reported. The load-balancing loss keeps
+    /// the router's own top-k, as Megatron's replay does.
+    ///
+    /// # Panics
+    /// If a replayed routing does not hold `k` valid, distinct experts for each of the `n`
+    /// tokens: the caller mapped another batch's choices onto this one.
+    fn choose(&self, probs: Tensor<B, 2>) -> Tensor<B, 2, Int> {
+        let [n, e] = probs.dims();
+        let k = self.top_k;
+        let device = probs.device();
+        let own = || top_k_columns(probs.clone().detach(), k);
+        let host = |t: Tensor<B, 2, Int>| -> Vec<i64> {
+            t.into_data().convert::<i64>().iter::<i64>().collect()
+        };
+        let chosen = match super::router_replay::replayed(self.layer) {
+            None => own(),
+            Some(mut ids) => {
+                assert_eq!(
+                    ids.len(),
+                    n * k,
+                    "router replay: layer {} holds {} choices for {n} tokens of top-{k}",
+                    self.layer,
+                    ids.len()
+                );
+                if ids.iter().any(|&x| x < 0) {
+                    let routed = host(own());
+                    for (row, mine) in ids.chunks_mut(k).zip(routed.chunks(k)) {
+                        if row.iter().any(|&x| x < 0) {
+                            row.copy_from_slice(mine);
+                        }
+                    }
+                }
+                for (t, row) in ids.chunks(k).enumerate() {
+                    let valid = row.iter().all(|&x| (0..e as i64).contains(&x))
+                        && (1..row.len()).all(|i| !row[..i].contains(&row[i]));
+                    assert!(
+                        valid,
+                        "router replay: layer {} token {t} replays experts {row:?} of {e}",
+                        self.layer
+                    );
+                }
+                let ids: Vec<usize> = ids.into_iter().map(|x| x as usize).collect();
+                super::index_tensor::<B>(&ids, &device).reshape([n, k])
+            }
+        };
+        if super::router_replay::recording() {
+            super::router_replay::record(self.layer, host(chosen.clone()));
+        }
+        chosen
     }
 
     /// Megatron's switch load-balancing loss of the router's `probs` `[tokens, experts]`:
@@ -274,7 +332,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let [b, t, h] = x.dims();
         let tokens = x.reshape([b * t, h]);
         let probs = softmax(self.gate.forward(tokens.clone()), 1);
-        let chosen = top_k_columns(probs.clone().detach(), self.top_k);
+        let chosen = self.choose(probs.clone());
         let mut weights = probs.clone() * chosen_mask(chosen, self.num_experts);
         if self.norm_topk_prob {
             weights = weights.clone() / weights.sum_dim(1);
@@ -287,8 +345,14 @@ impl<B: ParallelBackend> SparseMoe<B> {
     }
 
     /// This rank's share of the routed experts' output for `tokens` `[n, hidden]` under the
-    /// router's `probs` `[n, experts]` (see the module docs).
-    fn routed(&self, tokens: Tensor<B, 2>, probs: Tensor<B, 2>) -> Tensor<B, 2> {
+    /// router's `probs` `[n, experts]`, each token going to its `chosen` experts `[n, k]` (see
+    /// the module docs).
+    fn routed(
+        &self,
+        tokens: Tensor<B, 2>,
+        probs: Tensor<B, 2>,
+        chosen: Tensor<B, 2, Int>,
+    ) -> Tensor<B, 2> {
         let [n, h] = tokens.dims();
         let device = tokens.device();
         let k = self.top_k;
@@ -305,7 +369,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
         } else {
             let mine =
                 super::index_tensor::<B>(&(start..start + count).collect::<Vec<_>>(), &device);
-            let chosen = top_k_columns(probs.clone().select(0, mine.clone()).detach(), k);
+            let chosen = chosen.select(0, mine.clone());
             // The only host read of the block: which experts each token chose.
             let experts: Vec<usize> = chosen
                 .clone()
@@ -557,6 +621,107 @@ mod tests {
         let grads = a.backward();
         let router = m.gate.weight.grad(&grads).expect("the router's gradient");
         assert!(router.abs().sum().into_scalar().elem::<f64>() > 0.0);
+    }
+
+    fn random_tokens(shape: [usize; 3], seed: u64) -> Tensor<CpuAutodiff, 3> {
+        let device = Default::default();
+        <CpuAutodiff as Backend>::seed(&device, seed);
+        Tensor::random(shape, burn::tensor::Distribution::Normal(0.0, 1.0), &device)
+    }
+
+    fn max_diff(a: Tensor<CpuAutodiff, 3>, b: Tensor<CpuAutodiff, 3>) -> f64 {
+        (a - b).abs().max().into_scalar().elem::<f64>()
+    }
+
+    /// Replaying what a forward recorded gives that forward's output to the bit.
+    #[test]
+    fn replaying_recorded_choices_gives_the_same_output() {
+        use crate::models::router_replay::{record_routing, replay_routing};
+        let m = block(4, 2, 0.0);
+        let x = random_tokens([2, 5, 8], 11);
+        let (y, routing) = record_routing(|| m.forward(x.clone()));
+        assert_eq!(routing.layers.len(), 1);
+        assert_eq!(routing.layers[&0].len(), 2 * 5 * 2);
+        let again = replay_routing(std::sync::Arc::new(routing), || m.forward(x.clone()));
+        assert_eq!(y.into_data(), again.into_data());
+    }
+
+    /// A tie the router breaks one way, then the other after a 1e-5 nudge: without replay the
+    /// token jumps to the other expert; with the first pass's choice replayed the output moves
+    /// by the nudge alone. The router keeps its gradient under replay.
+    #[test]
+    fn replay_keeps_a_near_tie_on_its_recorded_expert() {
+        use crate::models::router_replay::{record_routing, replay_routing};
+        let mut m = block(4, 1, 0.0);
+        let device = Default::default();
+        // Experts 1 and 2 score alike on every token, experts 0 and 3 lower.
+        let row = Tensor::<CpuAutodiff, 2>::random(
+            [1, 8],
+            burn::tensor::Distribution::Normal(0.0, 0.3),
+            &device,
+        );
+        let low = row.clone() - 1.0;
+        m.gate.weight = Param::from_tensor(Tensor::cat(
+            vec![low.clone(), row.clone(), row.clone(), low],
+            0,
+        ));
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 3, 8], &device);
+        let (y, routing) = record_routing(|| m.forward(x.clone()));
+        assert!(routing.layers[&0].iter().all(|&e| e == 1), "{routing:?}");
+        // Expert 2 now scores 8e-5 above expert 1 on the all-ones tokens.
+        let w = m.gate.weight.val();
+        let nudge = Tensor::<CpuAutodiff, 2>::zeros([4, 8], &device)
+            .slice_assign([2..3, 0..8], Tensor::ones([1, 8], &device) * 1e-5);
+        m.gate.weight = Param::from_tensor((w + nudge).detach());
+        let jumped = max_diff(m.forward(x.clone()), y.clone());
+        let routing = std::sync::Arc::new(routing);
+        let held = replay_routing(routing.clone(), || m.forward(x.clone()));
+        let kept = max_diff(held.clone(), y);
+        assert!(
+            jumped > 1e-3,
+            "the nudge flips the router's choice: {jumped}"
+        );
+        assert!(kept < 1e-4, "replay holds the expert: {kept}");
+        let grads = held.sum().backward();
+        let router = m.gate.weight.grad(&grads).expect("the router's gradient");
+        assert!(router.abs().sum().into_scalar().elem::<f64>() > 0.0);
+    }
+
+    /// A replayed row with a negative id keeps the router's choice; the other rows take theirs.
+    #[test]
+    fn a_row_replayed_as_negative_keeps_the_routers_choice() {
+        use crate::models::router_replay::{record_routing, replay_routing, Routing};
+        let m = block(4, 2, 0.0);
+        let x = random_tokens([1, 3, 8], 12);
+        let (own, mine) = record_routing(|| m.forward(x.clone()));
+        // Row 0 left to the router; rows 1 and 2 forced onto the two experts it did not pick.
+        let mut forced = vec![-1, -1];
+        for r in 1..3 {
+            let picked = &mine.layers[&0][2 * r..2 * r + 2];
+            forced.extend((0..4).filter(|e| !picked.contains(e)));
+        }
+        let routing = Routing {
+            layers: [(0, forced)].into_iter().collect(),
+        };
+        let y = replay_routing(std::sync::Arc::new(routing), || m.forward(x.clone()));
+        let row = |t: &Tensor<CpuAutodiff, 3>, i: usize| t.clone().narrow(1, i, 1);
+        assert_eq!(row(&y, 0).into_data(), row(&own, 0).into_data());
+        for r in 1..3 {
+            assert!(max_diff(row(&y, r), row(&own, r)) > 1e-6, "row {r}");
+        }
+    }
+
+    /// Choices for another batch's tokens are refused, naming the layer.
+    #[test]
+    #[should_panic(expected = "router replay: layer 0 holds 2 choices for 3 tokens")]
+    fn replayed_choices_of_the_wrong_length_are_refused() {
+        use crate::models::router_replay::{replay_routing, Routing};
+        let m = block(4, 1, 0.0);
+        let routing = Routing {
+            layers: [(0, vec![1, 2])].into_iter().collect(),
+        };
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 3, 8], &Default::default());
+        let _ = replay_routing(std::sync::Arc::new(routing), || m.forward(x));
     }
 
     /// No coefficient, or no collecting forward (log-prob passes): no loss.

@@ -565,6 +565,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
             etp: etp.clone(),
             cp: g.cp.clone(),
             aux_loss_coeff: 0.0,
+            layer: l,
         }))
     }
 }

@@ -74,6 +74,53 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
+    /// Narrowing the positions of a `[rows, width, a, b]` column keeps, per row, exactly the
+    /// entries of positions `start..start + len` (a naive loop over the flat values), and
+    /// leaves a column of another width alone.
+    #[test]
+    fn narrowing_positions_keeps_each_positions_whole_entry(
+        rows in 1usize..4,
+        width in 1usize..7,
+        a in 1usize..4,
+        b in 1usize..3,
+        cut in (0usize..7, 1usize..7),
+    ) {
+        let start = cut.0 % width;
+        let len = 1 + (cut.1 - 1) % (width - start);
+        let d = Default::default();
+        let n = rows * width * a * b;
+        let values: Vec<i64> = (0..n as i64).collect();
+        let mut p = DataProto::<B>::new();
+        p.insert_int(
+            "per_position",
+            Tensor::<B, 4, Int>::from_data(TensorData::new(values.clone(), [rows, width, a, b]), &d),
+        )
+        .unwrap();
+        p.insert_int(
+            "other",
+            Tensor::<B, 2, Int>::from_data(TensorData::new(vec![7i64; rows * (width + 1)], [rows, width + 1]), &d),
+        )
+        .unwrap();
+        let q = p.narrow_columns(width, start, len);
+        let got: Vec<i64> = q
+            .int::<4>("per_position")
+            .unwrap()
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .unwrap();
+        let entry = a * b;
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for w in start..start + len {
+                let at = (r * width + w) * entry;
+                want.extend_from_slice(&values[at..at + entry]);
+            }
+        }
+        prop_assert_eq!(got, want);
+        prop_assert_eq!(q.int::<2>("other").unwrap().dims(), [rows, width + 1]);
+    }
+
     #[test]
     fn chunk_then_concat_is_identity(chunks in 1usize..6, per in 0usize..5) {
         let p = batch(chunks * per);

@@ -167,15 +167,25 @@ impl<B: Backend> Column<B> {
         self.with_rows(map_rows!(self.rows.clone(), t => t.slice(start..end)))
     }
 
-    /// Of a `[batch, width]` column, columns `start..start + len`; any other column as it is.
+    /// Of a `[batch, width, ...]` column (one entry per position, each of any shape),
+    /// positions `start..start + len`; any other column as it is.
     pub(crate) fn narrow_width(&self, width: usize, start: usize, len: usize) -> Self {
-        if self.shape.len() != 2 || self.shape[1] != width || (start == 0 && len == width) {
+        if self.shape.len() < 2 || self.shape[1] != width || (start == 0 && len == width) {
             return self.clone();
         }
         let mut shape = self.shape.clone();
         shape[1] = len;
+        // Rows are stored `[batch, rest]`: a position's entry is `inner` consecutive values.
+        let inner: usize = self.shape[2..].iter().product();
+        let batch = self.shape[0];
         Self {
-            rows: map_rows!(self.rows.clone(), t => t.narrow(1, start, len)),
+            rows: map_rows!(self.rows.clone(), t => match inner {
+                1 => t.narrow(1, start, len),
+                _ => t
+                    .reshape([batch, width, inner])
+                    .narrow(1, start, len)
+                    .reshape([batch, len * inner]),
+            }),
             shape,
         }
     }

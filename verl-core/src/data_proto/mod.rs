@@ -342,9 +342,10 @@ impl<B: Backend> DataProto<B> {
         ))
     }
 
-    /// Columns `start..start + len` of every two-dimensional tensor column `width` wide
-    /// (`[batch, width]`); other columns as they are. How a micro-batch drops the padding
-    /// columns none of its rows uses (`len ≥ 1`).
+    /// Positions `start..start + len` of every tensor column `width` positions wide
+    /// (`[batch, width]`, or `[batch, width, ...]` with an entry of any shape per position, such
+    /// as each token's routed experts `[batch, width, layers, k]`); other columns as they are.
+    /// How a micro-batch drops the padding columns none of its rows uses (`len ≥ 1`).
     ///
     /// ```
     /// use burn::tensor::{Int, Tensor};
@@ -354,9 +355,19 @@ impl<B: Backend> DataProto<B> {
     /// let mut data = DataProto::<B>::new();
     /// data.insert_int("input_ids", Tensor::<B, 2, Int>::from_ints([[0, 5, 6, 0], [7, 8, 9, 0]], &d))?;
     /// data.insert_int("responses", Tensor::<B, 2, Int>::from_ints([[6, 0], [9, 0]], &d))?;
+    /// // Per position of input_ids, two values (say, each token's two experts).
+    /// let experts: Vec<i64> = (0..16).collect();
+    /// data.insert_int(
+    ///     "routed_experts",
+    ///     Tensor::<B, 3, Int>::from_data(burn::tensor::TensorData::new(experts, [2, 4, 2]), &d),
+    /// )?;
     /// let trimmed = data.narrow_columns(4, 0, 3).narrow_columns(2, 0, 1);
     /// assert_eq!(trimmed.int::<2>("input_ids")?.dims(), [2, 3]);
     /// assert_eq!(trimmed.int::<2>("responses")?.dims(), [2, 1]);
+    /// let kept = trimmed.int::<3>("routed_experts")?;
+    /// assert_eq!(kept.dims(), [2, 3, 2]);
+    /// let values: Vec<i64> = kept.into_data().convert::<i64>().to_vec().unwrap();
+    /// assert_eq!(values, [0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13]);
     /// # Ok::<(), verl_core::error::DataProtoError>(())
     /// ```
     pub fn narrow_columns(&self, width: usize, start: usize, len: usize) -> Self {

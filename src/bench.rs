@@ -1114,8 +1114,9 @@ pub(crate) mod gpu {
 
     /// `verl bench tp-scaling`: the training step's strong scaling under tensor parallelism at
     /// one global batch (every tp rank sees the whole batch): tp = 1, then each size in `tps`
-    /// with the device collectives and with NCCL behind host waits. Efficiency is
-    /// t(tp=1) / (tp · t(tp)).
+    /// (ranks as threads) with each of `collectives`. Efficiency is t(tp=1) / (tp · t(tp)).
+    /// With torchrun's `RANK` / `WORLD_SIZE` set, this process is instead one rank of a tp
+    /// group of `WORLD_SIZE` (`tps` unused; `tp1_ms` the baseline; rank 0 prints).
     pub(crate) fn tp_scaling(
         preset_name: &str,
         (batch, seq, steps): (usize, usize, usize),

@@ -15,11 +15,17 @@ args=(bench tp-scaling --preset "${PRESET:-llama3.2-3b}" --batch "${BATCH:-4}" -
 timeout ${T:-300} "$VERL" "${args[@]}" --tp 1 > "$OUT/tp1.log" 2>&1
 grep -v "NCCL communicator" "$OUT/tp1.log" | tail -4
 one=$(awk -F'|' '/\| tp=1 \|/ {gsub(/ /, "", $4); print $4}' "$OUT/tp1.log")
+[ -n "$one" ] || { echo "the tp=1 run gave no step time:"; tail -5 "$OUT/tp1.log"; exit 1; }
 for tp in ${TPS:-2 4}; do
+  pids=()
   for r in $(seq 0 $((tp - 1))); do
     RANK=$r LOCAL_RANK=$r WORLD_SIZE=$tp MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29600 + tp)) \
       timeout ${T:-300} "$VERL" "${args[@]}" --tp1-ms "$one" > "$OUT/tp$tp-$r.log" 2>&1 &
+    pids+=($!)
   done
-  wait
-  grep "processes" "$OUT/tp$tp-0.log" || tail -5 "$OUT/tp$tp-0.log"
+  failed=0
+  for r in "${!pids[@]}"; do
+    wait "${pids[$r]}" || { failed=1; echo "tp=$tp rank $r failed:"; tail -3 "$OUT/tp$tp-$r.log"; }
+  done
+  (( failed )) || grep "processes" "$OUT/tp$tp-0.log"
 done

@@ -74,9 +74,10 @@ proptest! {
         ..ProptestConfig::default()
     })]
 
-    /// Narrowing the positions of a `[rows, width, a, b]` column keeps, per row, exactly the
-    /// entries of positions `start..start + len` (a naive loop over the flat values), and
-    /// leaves a column of another width alone.
+    /// Narrowing the positions of a `[rows, width, a, b]` per-position column keeps, per row,
+    /// exactly the entries of positions `start..start + len` (a naive loop over the flat
+    /// values); a column of another width, and a rank-3 column not named per-position whose
+    /// second dimension only happens to equal the width, are left alone.
     #[test]
     fn narrowing_positions_keeps_each_positions_whole_entry(
         rows in 1usize..4,
@@ -92,7 +93,7 @@ proptest! {
         let values: Vec<i64> = (0..n as i64).collect();
         let mut p = DataProto::<B>::new();
         p.insert_int(
-            "per_position",
+            "routed_experts",
             Tensor::<B, 4, Int>::from_data(TensorData::new(values.clone(), [rows, width, a, b]), &d),
         )
         .unwrap();
@@ -103,7 +104,7 @@ proptest! {
         .unwrap();
         let q = p.narrow_columns(width, start, len);
         let got: Vec<i64> = q
-            .int::<4>("per_position")
+            .int::<4>("routed_experts")
             .unwrap()
             .into_data()
             .convert::<i64>()
@@ -119,6 +120,16 @@ proptest! {
         }
         prop_assert_eq!(got, want);
         prop_assert_eq!(q.int::<2>("other").unwrap().dims(), [rows, width + 1]);
+        let mut r = DataProto::<B>::new();
+        r.insert_int(
+            "position_ids",
+            Tensor::<B, 3, Int>::from_data(TensorData::new(vec![1i64; rows * width * 2], [rows, width, 2]), &d),
+        )
+        .unwrap();
+        prop_assert_eq!(
+            r.narrow_columns(width, start, len).int::<3>("position_ids").unwrap().dims(),
+            [rows, width, 2]
+        );
     }
 
     #[test]

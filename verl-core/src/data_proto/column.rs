@@ -167,10 +167,18 @@ impl<B: Backend> Column<B> {
         self.with_rows(map_rows!(self.rows.clone(), t => t.slice(start..end)))
     }
 
-    /// Of a `[batch, width, ...]` column (one entry per position, each of any shape),
-    /// positions `start..start + len`; any other column as it is.
-    pub(crate) fn narrow_width(&self, width: usize, start: usize, len: usize) -> Self {
-        if self.shape.len() < 2 || self.shape[1] != width || (start == 0 && len == width) {
+    /// Of a `[batch, width]` column, or a `[batch, width, ...]` one when `entries` says it
+    /// holds an entry per position, positions `start..start + len`; any other column as it
+    /// is (a rank-3 column whose second dimension only happens to equal the width included).
+    pub(crate) fn narrow_width(
+        &self,
+        width: usize,
+        start: usize,
+        len: usize,
+        entries: bool,
+    ) -> Self {
+        let per_position = self.shape.len() == 2 || (entries && self.shape.len() > 2);
+        if !per_position || self.shape[1] != width || (start == 0 && len == width) {
             return self.clone();
         }
         let mut shape = self.shape.clone();

@@ -23,6 +23,12 @@ type Result<T> = std::result::Result<T, DataProtoError>;
 /// `meta_info` key whose per-part values [`DataProto::concat`] gathers into lists.
 pub const METRICS_KEY: &str = "metrics";
 
+/// Columns of rank 3 or more that hold one entry per position of the sequence (as
+/// `[batch, width]` columns hold one value), narrowed with the positions by
+/// [`DataProto::narrow_columns`]; every other column of rank 3 or more is left as it is,
+/// whatever its second dimension (mrope's `position_ids` `[batch, 3, width]` among them).
+pub const PER_POSITION_COLUMNS: &[&str] = &["routed_experts"];
+
 /// A batch of named tensors, per-row JSON values and meta information.
 ///
 /// ```
@@ -342,10 +348,11 @@ impl<B: Backend> DataProto<B> {
         ))
     }
 
-    /// Positions `start..start + len` of every tensor column `width` positions wide
-    /// (`[batch, width]`, or `[batch, width, ...]` with an entry of any shape per position, such
-    /// as each token's routed experts `[batch, width, layers, k]`); other columns as they are.
-    /// How a micro-batch drops the padding columns none of its rows uses (`len ≥ 1`).
+    /// Positions `start..start + len` of every tensor column `width` positions wide:
+    /// `[batch, width]` ones, and those of [`PER_POSITION_COLUMNS`] (`[batch, width, ...]`, an
+    /// entry of any shape per position, such as each token's routed experts); other columns
+    /// as they are. How a micro-batch drops the padding columns none of its rows uses
+    /// (`len ≥ 1`).
     ///
     /// ```
     /// use burn::tensor::{Int, Tensor};
@@ -358,7 +365,7 @@ impl<B: Backend> DataProto<B> {
     /// // Per position of input_ids, two values (say, each token's two experts).
     /// let experts: Vec<i64> = (0..16).collect();
     /// data.insert_int(
-    ///     "routed_experts",
+    ///     "routed_experts", // one of PER_POSITION_COLUMNS
     ///     Tensor::<B, 3, Int>::from_data(burn::tensor::TensorData::new(experts, [2, 4, 2]), &d),
     /// )?;
     /// let trimmed = data.narrow_columns(4, 0, 3).narrow_columns(2, 0, 1);
@@ -371,7 +378,18 @@ impl<B: Backend> DataProto<B> {
     /// # Ok::<(), verl_core::error::DataProtoError>(())
     /// ```
     pub fn narrow_columns(&self, width: usize, start: usize, len: usize) -> Self {
-        self.map_columns(|c| c.narrow_width(width, start, len), |v| v.to_vec())
+        Self {
+            batch: self
+                .batch
+                .iter()
+                .map(|(k, c)| {
+                    let entries = PER_POSITION_COLUMNS.contains(&k.as_str());
+                    (k.clone(), c.narrow_width(width, start, len, entries))
+                })
+                .collect(),
+            non_tensor: self.non_tensor.clone(),
+            meta_info: self.meta_info.clone(),
+        }
     }
 
     /// Rows `start..end`.

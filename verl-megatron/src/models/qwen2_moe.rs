@@ -711,6 +711,53 @@ mod tests {
         }
     }
 
+    /// Token dispatch follows the replayed experts: the dispatched block equals the
+    /// every-expert form under the same replay, and a row partly negative is the router's.
+    #[test]
+    fn dispatch_takes_the_replayed_experts() {
+        use crate::models::router_replay::{record_routing, replay_routing, Routing};
+        let m = block(4, 2, 0.0);
+        let x = random_tokens([1, 3, 8], 13);
+        let (own, mine) = record_routing(|| m.forward(x.clone()));
+        let mut forced = vec![-1, 3];
+        for r in 1..3 {
+            let picked = &mine.layers[&0][2 * r..2 * r + 2];
+            forced.extend((0..4).filter(|e| !picked.contains(e)));
+        }
+        let routing = std::sync::Arc::new(Routing {
+            layers: [(0, forced)].into_iter().collect(),
+        });
+        let sparse = replay_routing(routing.clone(), || m.forward(x.clone()));
+        let dense = replay_routing(routing, || m.forward_dense(x.clone()));
+        assert!(max_diff(sparse.clone(), dense) < 1e-5);
+        let row0 = |t: Tensor<CpuAutodiff, 3>| t.narrow(1, 0, 1).into_data();
+        assert_eq!(row0(sparse), row0(own));
+    }
+
+    #[test]
+    #[should_panic(expected = "token 1 replays experts [0, 4] of 4")]
+    fn a_replayed_expert_out_of_range_is_refused() {
+        use crate::models::router_replay::{replay_routing, Routing};
+        let routing = Routing {
+            layers: [(0, vec![0, 1, 0, 4])].into_iter().collect(),
+        };
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 2, 8], &Default::default());
+        let m = block(4, 2, 0.0);
+        let _ = replay_routing(std::sync::Arc::new(routing), || m.forward(x));
+    }
+
+    #[test]
+    #[should_panic(expected = "token 0 replays experts [2, 2] of 4")]
+    fn a_replayed_expert_chosen_twice_is_refused() {
+        use crate::models::router_replay::{replay_routing, Routing};
+        let routing = Routing {
+            layers: [(0, vec![2, 2, 0, 1])].into_iter().collect(),
+        };
+        let x = Tensor::<CpuAutodiff, 3>::ones([1, 2, 8], &Default::default());
+        let m = block(4, 2, 0.0);
+        let _ = replay_routing(std::sync::Arc::new(routing), || m.forward(x));
+    }
+
     /// Choices for another batch's tokens are refused, naming the layer.
     #[test]
     #[should_panic(expected = "router replay: layer 0 holds 2 choices for 3 tokens")]

@@ -9,8 +9,10 @@
 //! A scope covers one closure on the calling thread ([`record_routing`], [`replay_routing`]).
 //! Inside it, every [`super::qwen2_moe::SparseMoe`] reports or takes the choices of its layer
 //! (by Hugging Face layer index) for the `[tokens, k]` it routes, in the order the block sees
-//! its tokens. Mapping those token positions to a batch's rows and columns, and keeping a
-//! scope over a recomputed forward, are the caller's.
+//! its tokens; one forward per scope (a layer recorded twice is refused). Activation
+//! recompute keeps the replayed routing of the forward it records and replays it again when
+//! it runs the layers anew. Mapping those token positions to a batch's rows and columns is
+//! the caller's.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -78,13 +80,30 @@ pub(crate) fn recording() -> bool {
     SCOPE.with(|s| matches!(*s.borrow(), Some(Scope::Record(_))))
 }
 
-/// Records `layer`'s choices (a forward run again, as by recompute, overwrites its own).
+/// Records `layer`'s choices.
+///
+/// # Panics
+/// If the scope recorded `layer` already: a second forward (another micro-batch) would
+/// replace the first one's choices.
 pub(crate) fn record(layer: usize, chosen: Vec<i64>) {
     SCOPE.with(|s| {
         if let Some(Scope::Record(r)) = s.borrow_mut().as_mut() {
-            r.layers.insert(layer, chosen);
+            let earlier = r.layers.insert(layer, chosen);
+            assert!(
+                earlier.is_none(),
+                "router replay: layer {layer} recorded twice in one scope (record one forward \
+                 per scope)"
+            );
         }
     });
+}
+
+/// The routing a replay scope open on this thread replays, if one is.
+pub(crate) fn current_replay() -> Option<Arc<Routing>> {
+    SCOPE.with(|s| match s.borrow().as_ref() {
+        Some(Scope::Replay(r)) => Some(r.clone()),
+        _ => None,
+    })
 }
 
 /// `layer`'s replayed choices, when a replay scope holds them.
@@ -124,9 +143,26 @@ mod tests {
     }
 
     #[test]
-    fn a_panicking_forward_leaves_no_scope_behind() {
-        let r = std::panic::catch_unwind(|| record_routing(|| panic!("boom")));
-        assert!(r.is_err());
-        assert!(!recording());
+    fn a_panicking_forward_gives_the_outer_scope_back() {
+        let routing = Arc::new(Routing {
+            layers: BTreeMap::from([(1, vec![2])]),
+        });
+        replay_routing(routing, || {
+            let r = std::panic::catch_unwind(|| record_routing(|| panic!("boom")));
+            assert!(r.is_err());
+            assert!(!recording());
+            assert_eq!(replayed(1), Some(vec![2]));
+            assert!(current_replay().is_some());
+        });
+        assert!(current_replay().is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "layer 4 recorded twice")]
+    fn a_layer_recorded_twice_is_refused() {
+        let _ = record_routing(|| {
+            record(4, vec![0]);
+            record(4, vec![1]);
+        });
     }
 }

@@ -171,6 +171,9 @@ pub struct RecomputeTape<B: Backend> {
     /// recomputed into the backward), and the tokens' mask they were computed with.
     collecting: bool,
     aux_mask: Option<Tensor<B, 1>>,
+    /// The MoE routing the forward replayed, replayed again when the chunks run anew (else a
+    /// re-run chunk could route its tokens elsewhere than the loss did).
+    replay: Option<std::sync::Arc<crate::models::router_replay::Routing>>,
 }
 
 impl<B: ParallelBackend> CausalLm<B> {
@@ -220,6 +223,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             top,
             collecting,
             aux_mask: collecting.then(aux_token_mask::<B>).flatten(),
+            replay: crate::models::router_replay::current_replay(),
         };
         TAPE.with(|t| {
             if let Some(slot) = t.borrow_mut().as_mut() {
@@ -278,10 +282,20 @@ impl<B: ParallelAutodiffBackend> RecomputeTape<B> {
             let fresh = with_fresh_leaves(model.layers[range.clone()].to_vec());
             let x = x.clone().require_grad();
             let (y, aux) = device_span::<B, _>(&device, "recompute", || {
-                if self.collecting {
-                    collect_aux_losses_masked(self.aux_mask.clone(), || self.run(&fresh, x.clone()))
-                } else {
-                    (self.run(&fresh, x.clone()), Vec::new())
+                let run = || {
+                    if self.collecting {
+                        collect_aux_losses_masked(self.aux_mask.clone(), || {
+                            self.run(&fresh, x.clone())
+                        })
+                    } else {
+                        (self.run(&fresh, x.clone()), Vec::new())
+                    }
+                };
+                match &self.replay {
+                    Some(routing) => {
+                        crate::models::router_replay::replay_routing(routing.clone(), run)
+                    }
+                    None => run(),
                 }
             });
             REPLAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -381,5 +395,80 @@ mod tests {
         assert!(tape.embedding_ids.is_some());
         out.into_data()
             .assert_approx_eq::<f32>(&kept.into_data(), burn::tensor::Tolerance::absolute(0.0));
+    }
+
+    /// A forward under a replayed MoE routing, recomputed in a backward that runs outside the
+    /// replay scope, routes the re-run layers as the forward did: the router's gradient equals
+    /// the one of the forward that kept its activations.
+    #[test]
+    fn recompute_replays_the_forwards_routing() {
+        use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
+        use crate::models::feed_forward::FeedForward;
+        use crate::models::router_replay::{record_routing, replay_routing, Routing};
+        use burn::optim::GradientsParams;
+        type B = verl_core::backend::CpuAutodiff;
+        let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
+            vocab_size: 16,
+            hidden_size: 8,
+            intermediate_size: 8,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            max_position_embeddings: 8,
+        });
+        cfg.architecture = Architecture::Qwen2Moe;
+        cfg.moe = Some(MoeConfig {
+            num_experts: 4,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 4,
+            shared_expert_intermediate_size: 8,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        });
+        let device = Default::default();
+        let plain = CausalLm::<B>::init(&cfg, 0.3, 3, &device);
+        let ids = Tensor::<B, 2, Int>::from_ints([[1, 2, 3, 4]], &device);
+        // Every token of every layer forced onto the two experts its router did not pick.
+        let (_, own) = record_routing(|| plain.forward(ids.clone(), None, None));
+        let forced = Routing {
+            layers: own
+                .layers
+                .iter()
+                .map(|(&l, picks)| {
+                    let others = picks
+                        .chunks(2)
+                        .flat_map(|p| (0..4).filter(|e| !p.contains(e)).collect::<Vec<i64>>())
+                        .collect();
+                    (l, others)
+                })
+                .collect(),
+        };
+        let forced = std::sync::Arc::new(forced);
+        let router = |m: &CausalLm<B>| match &m.layers[0].mlp {
+            FeedForward::Moe(b) => b.gate.weight.id,
+            _ => unreachable!("a Qwen2-MoE layer"),
+        };
+        let kept = replay_routing(forced.clone(), || plain.forward(ids.clone(), None, None));
+        let kept = GradientsParams::from_grads(kept.sum().backward(), &plain);
+        let model = plain.clone().with_recompute(Some(Recompute {
+            method: RecomputeMethod::Uniform,
+            num_layers: 1,
+        }));
+        let (out, tape) = replay_routing(forced, || {
+            record_recompute::<B, _>(|| model.forward(ids.clone(), None, None))
+        });
+        let (grads, _) = tape
+            .expect("a tape")
+            .backward(&model, out.sum().backward(), 0.0)
+            .expect("the recomputed backward");
+        let a = kept
+            .get::<verl_core::backend::CpuBackend, 2>(router(&plain))
+            .expect("kept");
+        let b = grads
+            .get::<verl_core::backend::CpuBackend, 2>(router(&model))
+            .expect("recomputed");
+        a.into_data()
+            .assert_approx_eq::<f32>(&b.into_data(), burn::tensor::Tolerance::absolute(1e-6));
     }
 }

@@ -29,6 +29,17 @@ fn run<S: AsRef<str>>(
     (summary, lines, dir)
 }
 
+/// The metric lines that carry `key`, which must be `count` of them.
+fn lines_with<'a>(
+    lines: &'a [BTreeMap<String, f64>],
+    key: &str,
+    count: usize,
+) -> Vec<&'a BTreeMap<String, f64>> {
+    let found: Vec<_> = lines.iter().filter(|l| l.contains_key(key)).collect();
+    assert_eq!(found.len(), count, "{count} lines with {key}: {lines:?}");
+    found
+}
+
 fn mean_of(lines: &[BTreeMap<String, f64>], key: &str) -> f64 {
     let v: Vec<f64> = lines.iter().filter_map(|l| l.get(key).copied()).collect();
     assert!(!v.is_empty(), "no {key}");
@@ -513,11 +524,7 @@ fn rollout_correction_with_agreeing_log_probs_weights_one_and_rejects_nothing() 
         "algorithm.rollout_correction.rollout_rs=seq_max_k3",
         "algorithm.rollout_correction.rollout_rs_threshold=0.01",
     ]);
-    let steps: Vec<_> = lines
-        .iter()
-        .filter(|l| l.contains_key("rollout_corr/kl"))
-        .collect();
-    assert_eq!(steps.len(), 2, "{lines:?}");
+    let steps = lines_with(&lines, "rollout_corr/kl", 2);
     for l in steps {
         assert!(
             (l["rollout_corr/rollout_is_mean"] - 1.0).abs() < 1e-3,
@@ -539,11 +546,7 @@ fn train_rollout_mismatch_is_logged_every_step_and_stays_at_rounding() {
         "trainer.total_training_steps=2",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
     ]);
-    let steps: Vec<_> = lines
-        .iter()
-        .filter(|l| l.contains_key("training/rollout_probs_diff_max"))
-        .collect();
-    assert_eq!(steps.len(), 2, "{lines:?}");
+    let steps = lines_with(&lines, "training/rollout_probs_diff_max", 2);
     for l in steps {
         eprintln!(
             "mismatch: probs diff max {:e} mean {:e}, kl {:e}, k3 {:e}, pearson {}",
@@ -660,11 +663,7 @@ fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
         "algorithm.rollout_correction.rollout_rs=seq_max_k3",
         "algorithm.rollout_correction.rollout_rs_threshold=0.01",
     ]);
-    let steps: Vec<_> = lines
-        .iter()
-        .filter(|l| l.contains_key("rollout_corr/kl"))
-        .collect();
-    assert_eq!(steps.len(), 2, "{lines:?}");
+    let steps = lines_with(&lines, "rollout_corr/kl", 2);
     for l in steps {
         // Half the sequences; by tokens, the shifted rows' share of the response tokens.
         let seqs = l["rollout_corr/rollout_rs_seq_masked_fraction"];
@@ -703,11 +702,7 @@ fn bypass_mode_trains_on_the_rollouts_log_probs() {
         "algorithm.rollout_correction.loss_type=reinforce",
         "algorithm.rollout_correction.rollout_is=token",
     ]);
-    let steps: Vec<_> = lines
-        .iter()
-        .filter(|l| l.contains_key("actor/pg_loss"))
-        .collect();
-    assert_eq!(steps.len(), 2, "{lines:?}");
+    let steps = lines_with(&lines, "actor/pg_loss", 2);
     for l in steps {
         assert!(!l.contains_key("timing_s/old_log_prob"), "{l:?}");
         // The weights against the current policy, from the actor's loss.

@@ -1126,68 +1126,51 @@ launch cost: µs per operation, host issue / finished (1000 calls, no sync betwe
     drop(held);
 }
 
-/// `verl bench kernels`: every family, or those `only` names.
+/// One kernel family's check against its fallback.
+type Check = fn(&Device, &mut Vec<String>);
+
+/// Both GEMM checks: our kernel against burn's product, then cubek's strategies.
+fn check_gemms(device: &Device, failures: &mut Vec<String>) {
+    check_own_gemm(device, failures);
+    check_gemm(device, failures);
+}
+
+/// The checked families by name, in the order they run.
+const CHECKS: [(&str, Check); 12] = [
+    ("adamw", check_adamw),
+    ("gemm", check_gemms),
+    ("attention", check_attention),
+    ("vocab", check_vocab),
+    ("norm", check_norm),
+    ("swiglu", check_swiglu),
+    ("bias", check_bias),
+    ("rope", check_rope),
+    ("sum_squares", check_sum_squares),
+    ("sampling", super::rollout_kernels::check_sampling),
+    ("decode", super::rollout_kernels::check_decode),
+    ("upload", check_upload),
+];
+
+/// `verl bench kernels`: every family, or those `only` names (`launches` times launches only).
 pub(crate) fn kernels(repeat: usize, time: bool, only: &[String]) -> Result<(), String> {
-    const FAMILIES: [&str; 13] = [
-        "adamw",
-        "gemm",
-        "attention",
-        "vocab",
-        "norm",
-        "swiglu",
-        "bias",
-        "rope",
-        "sum_squares",
-        "sampling",
-        "decode",
-        "upload",
-        "launches",
-    ];
-    if let Some(unknown) = only.iter().find(|f| !FAMILIES.contains(&f.as_str())) {
+    let families: Vec<&str> = CHECKS
+        .iter()
+        .map(|(name, _)| *name)
+        .chain(["launches"])
+        .collect();
+    if let Some(unknown) = only.iter().find(|f| !families.contains(&f.as_str())) {
         return Err(format!(
             "--only: no kernel family `{unknown}`; the families are {}",
-            FAMILIES.join(", ")
+            families.join(", ")
         ));
     }
     let on = |family: &str| only.is_empty() || only.iter().any(|f| f == family);
     let device = rank_device(0);
     let mut failures = Vec::new();
-    if on("adamw") {
-        check_adamw(&device, &mut failures);
-    }
-    if on("gemm") {
-        check_own_gemm(&device, &mut failures);
-        check_gemm(&device, &mut failures);
-    }
-    if on("attention") {
-        check_attention(&device, &mut failures);
-    }
-    if on("vocab") {
-        check_vocab(&device, &mut failures);
-    }
-    if on("norm") {
-        check_norm(&device, &mut failures);
-    }
-    if on("swiglu") {
-        check_swiglu(&device, &mut failures);
-    }
-    if on("bias") {
-        check_bias(&device, &mut failures);
-    }
-    if on("rope") {
-        check_rope(&device, &mut failures);
-    }
-    if on("sum_squares") {
-        check_sum_squares(&device, &mut failures);
-    }
-    if on("sampling") {
-        super::rollout_kernels::check_sampling(&device, &mut failures);
-    }
-    if on("decode") {
-        super::rollout_kernels::check_decode(&device, &mut failures);
-    }
-    if on("upload") {
-        check_upload(&device, &mut failures);
+    for (name, check) in CHECKS {
+        if on(name) {
+            check(&device, &mut failures);
+        }
     }
     if on("launches") {
         time_launches(&device);

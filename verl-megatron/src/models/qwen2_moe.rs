@@ -538,36 +538,45 @@ impl<B: ParallelBackend> SparseMoe<B> {
     }
 }
 
+/// A tiny Qwen2-MoE (hidden 8, 8-token vocabulary, every layer sparse with `experts` experts
+/// of 4 features, `top_k` per token, a shared expert of 8) for the unit tests of the block and
+/// of the layers around it.
+#[cfg(test)]
+pub(crate) fn tiny_config(experts: usize, top_k: usize, layers: usize) -> crate::hf::HfModelConfig {
+    use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
+    let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
+        vocab_size: 8,
+        hidden_size: 8,
+        intermediate_size: 8,
+        num_hidden_layers: layers,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        max_position_embeddings: 16,
+    });
+    cfg.architecture = Architecture::Qwen2Moe;
+    cfg.moe = Some(MoeConfig {
+        num_experts: experts,
+        num_experts_per_tok: top_k,
+        moe_intermediate_size: 4,
+        shared_expert_intermediate_size: 8,
+        norm_topk_prob: false,
+        decoder_sparse_step: 1,
+        mlp_only_layers: Vec::new(),
+    });
+    cfg
+}
+
 #[cfg(test)]
 mod tests {
     use burn::module::Param;
     use verl_core::backend::CpuAutodiff;
 
     use super::*;
-    use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
     use crate::models::feed_forward::FeedForward;
     use crate::models::CausalLm;
 
     fn block(experts: usize, top_k: usize, coeff: f64) -> SparseMoe<CpuAutodiff> {
-        let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
-            vocab_size: 8,
-            hidden_size: 8,
-            intermediate_size: 8,
-            num_hidden_layers: 1,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            max_position_embeddings: 16,
-        });
-        cfg.architecture = Architecture::Qwen2Moe;
-        cfg.moe = Some(MoeConfig {
-            num_experts: experts,
-            num_experts_per_tok: top_k,
-            moe_intermediate_size: 4,
-            shared_expert_intermediate_size: 8,
-            norm_topk_prob: false,
-            decoder_sparse_step: 1,
-            mlp_only_layers: Vec::new(),
-        });
+        let cfg = tiny_config(experts, top_k, 1);
         let model = CausalLm::<CpuAutodiff>::init(&cfg, 0.3, 5, &Default::default())
             .with_moe_aux_loss(coeff);
         match model.layers.into_iter().next().map(|l| l.mlp) {

@@ -402,30 +402,11 @@ mod tests {
     /// the one of the forward that kept its activations.
     #[test]
     fn recompute_replays_the_forwards_routing() {
-        use crate::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
         use crate::models::feed_forward::FeedForward;
         use crate::models::router_replay::{record_routing, replay_routing, Routing};
         use burn::optim::GradientsParams;
         type B = verl_core::backend::CpuAutodiff;
-        let mut cfg = HfModelConfig::qwen2(Qwen2Dims {
-            vocab_size: 16,
-            hidden_size: 8,
-            intermediate_size: 8,
-            num_hidden_layers: 2,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            max_position_embeddings: 8,
-        });
-        cfg.architecture = Architecture::Qwen2Moe;
-        cfg.moe = Some(MoeConfig {
-            num_experts: 4,
-            num_experts_per_tok: 2,
-            moe_intermediate_size: 4,
-            shared_expert_intermediate_size: 8,
-            norm_topk_prob: false,
-            decoder_sparse_step: 1,
-            mlp_only_layers: Vec::new(),
-        });
+        let cfg = crate::models::qwen2_moe::tiny_config(4, 2, 2);
         let device = Default::default();
         let plain = CausalLm::<B>::init(&cfg, 0.3, 3, &device);
         let ids = Tensor::<B, 2, Int>::from_ints([[1, 2, 3, 4]], &device);

@@ -4,6 +4,8 @@ use std::time::Instant;
 
 #[cfg(feature = "cuda")]
 mod agreement;
+#[cfg(feature = "cuda")]
+pub(crate) mod decode_products;
 #[cfg(feature = "host-profile")]
 pub mod host_profile;
 #[cfg(feature = "cuda")]

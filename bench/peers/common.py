@@ -14,7 +14,11 @@ PRESETS = {
     "small": (32_000, 512, 1408, 8, 8, 2),
     "qwen2-0.5b": (151_936, 896, 4864, 24, 14, 2),
     "qwen2-1.5b": (151_936, 1536, 8960, 28, 12, 2),
+    "qwen2.5-7b": (152_064, 3584, 18_944, 28, 28, 4),
 }
+
+# Presets whose real model has its own LM head (src/bench.rs `preset_config`).
+UNTIED = {"qwen2.5-7b"}
 
 # H100 SXM dense peaks (NVIDIA datasheet), used for MFU: bf16 tensor cores and plain fp32.
 PEAK_TFLOPS = {"bf16": 989.0, "f32": 67.0}
@@ -34,7 +38,7 @@ def qwen2_config(preset):
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
         rope_theta=1e6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=preset not in UNTIED,
         attn_implementation="sdpa",
     )
 
@@ -44,7 +48,14 @@ def qwen2_model(preset, dtype=torch.float32, seed=0):
 
     torch.manual_seed(seed)
     cfg = qwen2_config(preset)
-    model = Qwen2ForCausalLM(cfg).to(device="cuda", dtype=dtype)
+    # Built on the GPU in its dtype: a 7B model made in f32 on the host takes minutes.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
     return model
 
 

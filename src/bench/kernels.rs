@@ -24,7 +24,11 @@ fn max_abs_diff<const D: usize>(a: Tensor<CudaBackend, D>, b: Tensor<CudaBackend
     (a - b).abs().max().into_scalar().elem::<f64>()
 }
 
-fn random<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<CudaBackend, D> {
+pub(crate) fn random<const D: usize>(
+    shape: [usize; D],
+    seed: u64,
+    device: &Device,
+) -> Tensor<CudaBackend, D> {
     CudaBackend::seed(device, seed);
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
@@ -171,7 +175,7 @@ fn operands(
     )
 }
 
-fn strip<const D: usize>(
+pub(crate) fn strip<const D: usize>(
     t: Tensor<CudaBackend, D>,
 ) -> verl::megatron::cuda::kernels::CudaPrimitive {
     t.into_primitive().tensor()
@@ -233,7 +237,15 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
 /// Our GEMM against burn's product on every stored layout (A and B row-major or transposed)
 /// and edge sizes, operands given directly (no autodiff).
 fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
-    for kernel in ["own", "own_f32", "wmma", "decode", "decode_f32"] {
+    for kernel in [
+        "own",
+        "own_f32",
+        "wmma",
+        "decode",
+        "decode_f32",
+        "tiles",
+        "tiles_f32",
+    ] {
         check_gemm_kernel(kernel, device, failures);
     }
 }
@@ -242,29 +254,30 @@ fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
 /// operand layout and on odd sizes.
 fn check_gemm_kernel(kernel: &str, device: &Device, failures: &mut Vec<String>) {
     println!("\n{kernel} GEMM vs burn's product, by layout (relative error)");
-    let sizes: &[(usize, usize, usize)] = if kernel.starts_with("decode") {
-        // A decode step's products: batches of 1 to 64 rows (and past a tile's 16 / 32 / 64)
-        // against wide weights, and odd edges.
-        &[
-            (1, 3584, 4608),
-            (7, 896, 4864),
-            (16, 4864, 896),
-            (33, 200, 130),
-            (64, 18944, 512),
-            (100, 72, 200),
-            (1, 8, 3),
-        ]
-    } else {
-        &[
-            (2044, 896, 896),
-            (2044, 128, 896),
-            (2044, 4864, 896),
-            (2044, 896, 128),
-            (896, 2044, 4864),
-            (130, 72, 200),
-            (1, 8, 3),
-        ]
-    };
+    let sizes: &[(usize, usize, usize)] =
+        if kernel.starts_with("decode") || kernel.starts_with("tiles") {
+            // A decode step's products: batches of 1 to 64 rows (and past a tile's 16 / 32 / 64)
+            // against wide weights, and odd edges.
+            &[
+                (1, 3584, 4608),
+                (7, 896, 4864),
+                (16, 4864, 896),
+                (33, 200, 130),
+                (64, 18944, 512),
+                (100, 72, 200),
+                (1, 8, 3),
+            ]
+        } else {
+            &[
+                (2044, 896, 896),
+                (2044, 128, 896),
+                (2044, 4864, 896),
+                (2044, 896, 128),
+                (896, 2044, 4864),
+                (130, 72, 200),
+                (1, 8, 3),
+            ]
+        };
     for &(m, k, n) in sizes {
         print!("({m:>5}, {k:>5}, {n:>5})");
         for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
@@ -1136,9 +1149,10 @@ fn check_gemms(device: &Device, failures: &mut Vec<String>) {
 }
 
 /// The checked families by name, in the order they run.
-const CHECKS: [(&str, Check); 12] = [
+const CHECKS: [(&str, Check); 13] = [
     ("adamw", check_adamw),
     ("gemm", check_gemms),
+    ("decode_gemm", super::decode_products::check_decode_gemm),
     ("attention", check_attention),
     ("vocab", check_vocab),
     ("norm", check_norm),
@@ -1183,6 +1197,11 @@ pub(crate) fn kernels(repeat: usize, time: bool, only: &[String]) -> Result<(), 
     }
     if time && on("gemm") {
         time_strategies(&device, repeat);
+    }
+    if time && on("decode_gemm") {
+        // The configuration sweep only when asked for by name.
+        let sweep = only.iter().any(|f| f == "decode_gemm");
+        super::decode_products::time_decode_gemm(&device, repeat, sweep);
     }
     if failures.is_empty() {
         println!("\nall kernels agree with their fallbacks");

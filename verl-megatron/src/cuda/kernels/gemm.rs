@@ -35,6 +35,7 @@ use cubek::matmul::launch::Strategy;
 use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
+use super::decode_gemm::{self, StreamTiles};
 use super::source::{pack_words, CudaSource};
 use super::{record, CudaPrimitive};
 
@@ -233,11 +234,35 @@ fn decode_tiles(m: usize) -> OwnTiles {
     }
 }
 
-/// Whether products of few rows take [`decode_tiles`]: on unless `VERL_DECODE_GEMM=0` (then
-/// they run as any other product: the A/B switch of `bench/gpu/rollout.sh`).
-fn decode_tiles_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VERL_DECODE_GEMM").map_or(true, |v| v != "0"))
+/// How products of few rows run, from `VERL_DECODE_GEMM`: `0` as any other product, `tiles`
+/// with [`decode_tiles`] only, else (the default) the weight stream of [`decode_gemm`] where it
+/// takes the operands and the decode tiles elsewhere (the A/B switch of `bench/gpu/rollout.sh`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DecodeGemm {
+    Off,
+    Tiles,
+    Stream,
+}
+
+/// Products of at most this many rows take the weight stream: [`DECODE_ROWS`], or
+/// `VERL_DECODE_ROWS` (up to [`decode_gemm::MAX_ROWS`]; benchmarks move the cut-over).
+fn stream_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        std::env::var("VERL_DECODE_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(DECODE_ROWS, |r: usize| r.min(decode_gemm::MAX_ROWS))
+    })
+}
+
+fn decode_gemm_mode() -> DecodeGemm {
+    static MODE: std::sync::OnceLock<DecodeGemm> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("VERL_DECODE_GEMM").as_deref() {
+        Ok("0") => DecodeGemm::Off,
+        Ok("tiles") => DecodeGemm::Tiles,
+        _ => DecodeGemm::Stream,
+    })
 }
 
 impl OwnTiles {
@@ -326,6 +351,9 @@ enum OwnKernel {
     Wmma,
     /// `wmma` with [`decode_tiles`].
     Decode,
+    /// [`decode_gemm`]'s weight stream with these tiles where it takes the operands, else as
+    /// [`OwnKernel::Decode`].
+    Stream(StreamTiles),
 }
 
 /// `lhs · rhs` by our kernel, the operands read as [`own_layouts`] found them: the `wgmma` one
@@ -337,6 +365,17 @@ fn launch_own(
     which: OwnKernel,
     out_f32: bool,
 ) -> CudaPrimitive {
+    let which = match which {
+        OwnKernel::Stream(tiles) => {
+            let (ls, nd) = (lhs.meta.shape(), lhs.meta.shape().num_dims());
+            let (m, k) = (ls[nd - 2], ls[nd - 1]);
+            if decode_gemm::takes(m, k, a.transposed, b.transposed) && tiles.valid_for(m) {
+                return decode_gemm::launch(lhs, rhs, (a.pitch, b.pitch), out_f32, tiles);
+            }
+            OwnKernel::Decode
+        }
+        other => other,
+    };
     let wgmma = which == OwnKernel::Default && hopper(lhs.device.index);
     // The wgmma kernel and the decode tiles write f32 when asked (the wmma training tiles
     // ignore `out_f32`).
@@ -511,21 +550,46 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
 }
 
 /// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
-/// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode` / `decode_f32`:
-/// the `wmma` kernel with the decode tiles), on burn-cuda primitives; a setup error comes back as text. Public
-/// for `verl bench kernels`, which times every strategy.
+/// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode`: the decode
+/// step's choice (the weight stream where it applies, else the decode tiles), `tiles`: the
+/// `wmma` kernel with the decode tiles, `stream:R,W,U`: the weight stream with those tiles or an
+/// error; a `_f32` suffix asks for an f32 result), on burn-cuda primitives; a setup error comes
+/// back as text. Public for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
-    if matches!(name, "own" | "wmma" | "own_f32" | "decode" | "decode_f32") {
-        let which = match name {
+    let base = name.strip_suffix("_f32").unwrap_or(name);
+    let stream = base.strip_prefix("stream:");
+    if matches!(base, "own" | "wmma" | "decode" | "tiles") || stream.is_some() {
+        let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
+        let which = match base {
             "wmma" => OwnKernel::Wmma,
-            "decode" | "decode_f32" => OwnKernel::Decode,
-            _ => OwnKernel::Default,
+            "decode" => OwnKernel::Stream(StreamTiles::for_rows(rows)),
+            "tiles" => OwnKernel::Decode,
+            _ => match stream {
+                Some(text) => {
+                    let tiles = StreamTiles::parse(text)
+                        .filter(|t| t.valid_for(rows))
+                        .ok_or_else(|| {
+                            format!("`{text}`: no stream configuration for {rows} rows")
+                        })?;
+                    OwnKernel::Stream(tiles)
+                }
+                None => OwnKernel::Default,
+            },
         };
-        return if let Some(layouts) = own_layouts(&lhs, &rhs) {
+        let layouts = own_layouts(&lhs, &rhs);
+        if let (OwnKernel::Stream(_), Some([a, b])) = (which, layouts) {
+            let k = lhs.meta.shape()[lhs.meta.shape().num_dims() - 1];
+            if stream.is_some() && !decode_gemm::takes(rows, k, a.transposed, b.transposed) {
+                return Err(format!(
+                    "the weight stream does not take {rows} x {k} in this layout"
+                ));
+            }
+        }
+        return if let Some(layouts) = layouts {
             Ok(launch_own(lhs, rhs, layouts, which, name.ends_with("_f32")))
         } else {
             Err(format!(
@@ -612,7 +676,8 @@ pub fn matmul_primitive_f32(lhs: CudaPrimitive, rhs: CudaPrimitive) -> CudaPrimi
     let kind = kind();
     if kind == GemmKind::Own || kind == GemmKind::Wmma {
         let which = own_kernel(kind, &lhs);
-        if which == OwnKernel::Decode || (kind == GemmKind::Own && hopper(lhs.device.index)) {
+        let decode = matches!(which, OwnKernel::Decode | OwnKernel::Stream(_));
+        if decode || (kind == GemmKind::Own && hopper(lhs.device.index)) {
             if let Some(layouts) = own_layouts(&lhs, &rhs) {
                 return launch_own(lhs, rhs, layouts, which, true);
             }
@@ -627,7 +692,10 @@ fn own_kernel(kind: GemmKind, lhs: &CudaPrimitive) -> OwnKernel {
     let shape = lhs.meta.shape();
     let rows = shape[shape.num_dims() - 2];
     match kind {
-        _ if rows <= DECODE_ROWS && decode_tiles_on() => OwnKernel::Decode,
+        _ if rows <= stream_rows() && decode_gemm_mode() == DecodeGemm::Stream => {
+            OwnKernel::Stream(StreamTiles::for_rows(rows))
+        }
+        _ if rows <= DECODE_ROWS && decode_gemm_mode() == DecodeGemm::Tiles => OwnKernel::Decode,
         GemmKind::Wmma => OwnKernel::Wmma,
         _ => OwnKernel::Default,
     }

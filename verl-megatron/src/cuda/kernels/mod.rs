@@ -12,6 +12,7 @@ pub mod attention;
 pub mod bias;
 pub mod collectives;
 pub mod decode_attention;
+pub mod decode_gemm;
 pub mod gemm;
 pub mod host_copy;
 pub mod norm;

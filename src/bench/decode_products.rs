@@ -1,0 +1,250 @@
+//! `verl bench kernels --only decode_gemm` (the `cuda` build): a decode step's products, a few
+//! batch rows against a weight stored `[n, k]`. Checks the weight-stream kernel
+//! (`verl_megatron::cuda::kernels::decode_gemm`) against burn's product on edge sizes and that a
+//! row's result does not depend on the batch; then times it, the `wmma` decode tiles and burn's
+//! product on the Qwen2.5-7B layer's shapes, with the weight bandwidth each reaches, and sweeps
+//! the stream's configurations.
+
+use std::time::Instant;
+
+use burn::prelude::*;
+use burn::tensor::{FloatDType, TensorPrimitive};
+use verl::backend::CudaBackend;
+use verl::megatron::cuda::kernels::gemm;
+use verl::megatron::cuda::kernels::CudaPrimitive;
+
+use super::agreement::relative_error;
+use super::kernels::{random, strip};
+
+type Device = burn::backend::cuda::CudaDevice;
+
+/// Activations `[1, 1, m, k]` (bf16) and the transposed view of a `[n, k]` weight (bf16).
+fn operands(
+    m: usize,
+    k: usize,
+    n: usize,
+    seed: u64,
+    device: &Device,
+) -> (Tensor<CudaBackend, 4>, Tensor<CudaBackend, 4>) {
+    let a = random([1, 1, m, k], seed, device).cast(FloatDType::BF16);
+    let w = random([1, 1, n, k], seed + 1, device).cast(FloatDType::BF16);
+    (a, w.swap_dims(2, 3))
+}
+
+fn tensor(p: CudaPrimitive) -> Tensor<CudaBackend, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+/// The stream kernel (the decode step's default choice) against burn's product, and a row's
+/// result at several batch sizes.
+pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
+    println!("\ndecode products: the weight stream vs burn's product (relative error)");
+    // Batches around the 8-row groups and 16-row tiles; k not a multiple of a chunk (128);
+    // n not a multiple of a tile (16 / 32); the 7B layer's shapes.
+    let sizes = [
+        (1, 3584, 4608),
+        (3, 136, 24),
+        (8, 896, 4864),
+        (9, 200, 130),
+        (16, 4864, 896),
+        (17, 1000, 33),
+        (33, 18944, 512),
+        (64, 3584, 3584),
+        (64, 8, 3),
+        (100, 896, 4864),
+        (128, 3584, 520),
+    ];
+    for (m, k, n) in sizes {
+        let (a, b) = operands(m, k, n, 31, device);
+        let reference = a.clone().matmul(b.clone()).cast(FloatDType::F32);
+        for kernel in [
+            "decode_f32",
+            "decode",
+            "stream:1,8,2_f32",
+            "stream:2,4,4,2_f32",
+            "stream:4,4,2,2",
+            "stream:2,8,2,2,2_f32",
+        ] {
+            match gemm::launch_strategy(kernel, strip(a.clone()), strip(b.clone())) {
+                Ok(c) => {
+                    let e = relative_error(tensor(c).cast(FloatDType::F32), reference.clone());
+                    println!("  ({m:>3}, {k:>5}, {n:>5}) {kernel:<11} {e:>9.2e}");
+                    // bf16 operands, f32 sums: the reference's bf16 rounding (and ours, for
+                    // the bf16 result) apart.
+                    if !(e.is_finite() && e < 1e-2) {
+                        failures.push(format!("decode product {kernel} ({m}, {k}, {n}): {e}"));
+                    }
+                }
+                // A configuration that does not fit this batch is skipped.
+                Err(e)
+                    if kernel.starts_with("stream:") && e.contains("no stream configuration") => {}
+                Err(e) => failures.push(format!("decode product {kernel} ({m}, {k}, {n}): {e}")),
+            }
+        }
+    }
+    // The same first row at batch 1, 5, 17, 40, 64 and 128: the stream's sums run in one k
+    // order whatever the batch, so a row's result is the same to the bit.
+    let (k, n) = (3584, 512);
+    let (a, b) = operands(128, k, n, 41, device);
+    let full = gemm::launch_strategy("decode_f32", strip(a.clone()), strip(b.clone()))
+        .map(|c| tensor(c).narrow(2, 0, 1));
+    for m in [1, 5, 17, 40, 64] {
+        let part = gemm::launch_strategy(
+            "decode_f32",
+            strip(a.clone().narrow(2, 0, m)),
+            strip(b.clone()),
+        )
+        .map(|c| tensor(c).narrow(2, 0, 1));
+        match (&full, part) {
+            (Ok(f), Ok(p)) => {
+                let d = (f.clone() - p).abs().max().into_scalar();
+                println!("  first row at batch {m:>2} vs 128: max |diff| {d:e}");
+                if d != 0.0 {
+                    failures.push(format!("decode product: row 0 at batch {m} differs by {d}"));
+                }
+            }
+            (f, p) => failures.push(format!(
+                "decode product batch invariance: {:?} {:?}",
+                f.as_ref().err(),
+                p.err()
+            )),
+        }
+    }
+}
+
+/// One product shape of a Qwen2.5-7B decode step: `[m, k] · [n, k]ᵀ`.
+struct Shape {
+    label: &'static str,
+    k: usize,
+    n: usize,
+}
+
+const SHAPES: [Shape; 5] = [
+    Shape {
+        label: "qkv",
+        k: 3584,
+        n: 4608,
+    },
+    Shape {
+        label: "o",
+        k: 3584,
+        n: 3584,
+    },
+    Shape {
+        label: "gate_up",
+        k: 3584,
+        n: 37_888,
+    },
+    Shape {
+        label: "down",
+        k: 18_944,
+        n: 3584,
+    },
+    Shape {
+        label: "lm_head",
+        k: 3584,
+        n: 152_064,
+    },
+];
+
+const BATCHES: [usize; 6] = [1, 8, 16, 32, 64, 128];
+
+/// Microseconds per product (host issue, finished) over `n` back-to-back launches cycling
+/// through `weights` (enough copies that the set does not fit in L2).
+fn time_launches(
+    device: &Device,
+    kernel: &str,
+    a: &Tensor<CudaBackend, 4>,
+    weights: &[Tensor<CudaBackend, 4>],
+    n: usize,
+) -> Option<(f64, f64)> {
+    let run = |i: usize| {
+        gemm::launch_strategy(
+            kernel,
+            strip(a.clone()),
+            strip(weights[i % weights.len()].clone()),
+        )
+        .ok()
+    };
+    // Untimed: the first launch compiles.
+    for i in 0..2 {
+        run(i)?;
+    }
+    let _ = CudaBackend::sync(device);
+    let t = Instant::now();
+    for i in 0..n {
+        run(i)?;
+    }
+    let issued = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let _ = CudaBackend::sync(device);
+    Some((issued, t.elapsed().as_secs_f64() * 1e6 / n as f64))
+}
+
+/// The stream's configurations the sweep tries (`row_tiles,warps,slices[,row_groups]`).
+const SWEEP: [&str; 12] = [
+    "1,8,2",
+    "2,8,2",
+    "2,4,4",
+    "2,16,2",
+    "2,8,2,2",
+    "4,4,2,2",
+    "2,4,4,2",
+    "1,8,2,1,2",
+    "2,8,2,1,2",
+    "1,8,2,1,4",
+    "2,8,2,1,4",
+    "2,8,2,2,2",
+];
+
+/// Times the 7B decode products by each kernel; `sweep` adds every configuration of [`SWEEP`].
+pub(crate) fn time_decode_gemm(device: &Device, repeat: usize, sweep: bool) {
+    println!(
+        "\ndecode products, Qwen2.5-7B layer shapes: µs per product (finished; host issue in \
+         brackets) and the weight's GB/s"
+    );
+    println!(
+        "{:<8} {:>5} {:>10} {:>18} {:>18} {:>18} {:>9}",
+        "shape", "batch", "burn", "training kernel", "wmma tiles", "stream", "stream GB/s"
+    );
+    let n = 20 * repeat.max(1);
+    for s in SHAPES {
+        let bytes = (s.k * s.n * 2) as f64;
+        // Copies enough to leave L2 (50 MB on an H100) behind between launches of one weight.
+        let copies = (200e6 / bytes).ceil().max(1.0) as usize;
+        let weights: Vec<_> = (0..copies)
+            .map(|i| operands(1, s.k, s.n, 100 + i as u64, device).1)
+            .collect();
+        for m in BATCHES {
+            let a = random([1, 1, m, s.k], 7, device).cast(FloatDType::BF16);
+            let cell = |kernel: &str| match time_launches(device, kernel, &a, &weights, n) {
+                Some((issued, done)) => (format!("{done:>8.1} ({issued:>5.1})"), done),
+                None => (format!("{:>18}", "-"), f64::NAN),
+            };
+            let burn = {
+                let _ = CudaBackend::sync(device);
+                let t = Instant::now();
+                for i in 0..n {
+                    let _ = a.clone().matmul(weights[i % copies].clone());
+                }
+                let _ = CudaBackend::sync(device);
+                t.elapsed().as_secs_f64() * 1e6 / n as f64
+            };
+            let (training, _) = cell("own_f32");
+            let (tiles, _) = cell("tiles_f32");
+            let (stream, us) = cell("decode_f32");
+            println!(
+                "{:<8} {m:>5} {burn:>10.1} {training:>18} {tiles:>18} {stream:>18} {:>9.0}",
+                s.label,
+                bytes / us / 1e3
+            );
+            if sweep {
+                let mut line = String::new();
+                for cfg in SWEEP {
+                    let (_, us) = cell(&format!("stream:{cfg}_f32"));
+                    line.push_str(&format!(" {cfg}={:.0}", bytes / us / 1e3));
+                }
+                println!("  sweep GB/s:{line}");
+            }
+        }
+    }
+}

@@ -1,0 +1,188 @@
+// A decode step's product C = A · Wᵀ: a few rows of activations A [M][K] (M <= 64 per block, row pitch lda)
+// against a weight stored as the model keeps it, W [N][K] (row pitch ldb), both bf16, f32
+// accumulation, C [M][N] (row pitch ldc) in f32 or bf16.
+//
+// The step reads every weight byte once, so the kernel is a weight stream: no shared-memory
+// staging of W, each lane loading 16-byte pieces of weight rows straight into the registers that
+// feed `mma.sync.m16n8k16`, one chunk ahead of the one it multiplies. The MMA's 16 rows are
+// weight rows and its 8 columns batch rows ("swap AB"), so a batch of 1 wastes 7 of 8 columns
+// instead of 15 of 16 rows, and a block needs no tile of the batch.
+//
+// Layout of the work: a block owns RT x 16 weight rows and all of K; its WARPS warps take K in
+// chunks of 32 x U elements, chunk c to warp c % WARPS, so many warps stream one row at once and
+// the grid has N / (16 RT) blocks with enough loads in flight to cover DRAM latency. The warps'
+// partial sums meet in shared memory and are added in warp order: the result is deterministic,
+// and a batch row's value does not depend on the batch size (the k order is fixed by WARPS and U
+// alone).
+//
+// The 16-byte pieces: lane (g = lane / 4, t = lane % 4) loads elements 8t..8t+7 of a 32-wide
+// k-slice of weight rows g and g + 8, and the same elements of batch row g of each 8-row group.
+// The sum over k does not care which k goes to which MMA slot as long as A and B agree, so the
+// slice is fed as two k16 steps: step s takes elements 4s..4s+3 of each lane's piece as the
+// fragment's columns {2t, 2t+1, 2t+8, 2t+9}.
+//
+// Compiled at run time by NVRTC (verl_megatron::cuda::kernels::decode_gemm prepends the defines
+// and gemm_common.cuh). The caller guarantees K % 8 == 0, 16-byte aligned rows and starts.
+
+#ifndef NB
+#define NB 1  // 8-row groups of the batch: ceil(M / 8)
+#endif
+#ifndef RT
+#define RT 1  // 16-row weight tiles per block
+#endif
+#ifndef WARPS
+#define WARPS 8  // warps splitting k
+#endif
+#ifndef WR
+#define WR 1  // groups of WARPS warps per block, each its own RT tiles (sharing L1's activations)
+#endif
+#ifndef U
+#define U 4  // 32-wide k-slices per chunk
+#endif
+#ifndef BS
+#define BS 1  // blocks sharing a weight tile, each NB groups of the batch (neighbours in launch order)
+#endif
+#ifndef OUT_F32
+#define OUT_F32 1
+#endif
+#define CHUNK (32 * U)
+#define PARTIALS (RT * NB * 4)
+
+#if OUT_F32
+typedef float out_t;
+__device__ __forceinline__ float to_out(float x) { return x; }
+#else
+typedef bf16 out_t;
+__device__ __forceinline__ bf16 to_out(float x) { return __float2bfloat16(x); }
+#endif
+
+// A weight piece: read once, so kept out of L1 (the activations live there).
+__device__ __forceinline__ uint4 load_weight(const bf16* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned int word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ void mma16816(float* c, unsigned int a0, unsigned int a1, unsigned int a2,
+                                         unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Chunk `k0`'s weight pieces into `dst` (zeros past K: a zero weight times a finite activation).
+__device__ __forceinline__ void load_chunk(uint4 (&dst)[U][RT][2], const bf16* (&wrow)[RT][2],
+                                           unsigned int k0, unsigned int t, unsigned int k_len) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const unsigned int k = k0 + 32 * u;
+        const bool in = k + 8 * t < k_len;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                dst[u][rt][h] = in ? load_weight(wrow[rt][h] + k) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Grid (ceil(N / (16 RT WR)) * BS, 1, 1), WR * WARPS * 32 threads.
+extern "C" __global__ void __launch_bounds__(WR * WARPS * 32)
+verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* __restrict__ c,
+                 GemmParams p) {
+    // Each warp's partial sums, [WR][WARPS][PARTIALS][32] (dynamic: up to 96 KiB).
+    extern __shared__ __align__(16) float partial[];
+
+    // `warp`: this warp's share of k; `group`: its rows' share of the block's.
+    const unsigned int warp = (threadIdx.x / 32) % WARPS, group = threadIdx.x / 32 / WARPS;
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int g = lane / 4, t = lane % 4;
+    // Blocks of one weight tile are neighbours, so the second one's weight reads find L2.
+    const unsigned int tile = blockIdx.x / BS, m0 = blockIdx.x % BS * NB * 8;
+    const unsigned int n0 = (tile * WR + group) * 16 * RT;
+
+    // Rows past N or M read row 0 (valid memory); their results are never written.
+    const bf16* wrow[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned int row = n0 + rt * 16 + g + 8 * h;
+            wrow[rt][h] = w + (unsigned long long)(row < p.n ? row : 0) * p.ldb + 8 * t;
+        }
+    const bf16* arow[NB];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+        const unsigned int row = m0 + b * 8 + g;
+        arow[b] = a + (unsigned long long)(row < p.m ? row : 0) * p.lda + 8 * t;
+    }
+
+    float acc[RT][NB][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[rt][b][i] = 0.0f;
+
+    const unsigned int chunks = (p.k + CHUNK - 1) / CHUNK;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    uint4 next[U][RT][2];
+    unsigned int ch = warp;
+    if (ch < chunks) load_chunk(next, wrow, ch * CHUNK, t, p.k);
+    for (; ch < chunks; ch += WARPS) {
+        uint4 cur[U][RT][2];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) cur[u][rt][h] = next[u][rt][h];
+        if (ch + WARPS < chunks) load_chunk(next, wrow, (ch + WARPS) * CHUNK, t, p.k);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const unsigned int k = ch * CHUNK + 32 * u;
+            const bool in = k + 8 * t < p.k;
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const uint4 x = in ? __ldg((const uint4*)(arow[b] + k)) : zero;
+#pragma unroll
+                for (int s = 0; s < 2; ++s)
+#pragma unroll
+                    for (int rt = 0; rt < RT; ++rt)
+                        mma16816(acc[rt][b], word(cur[u][rt][0], 2 * s), word(cur[u][rt][1], 2 * s),
+                                 word(cur[u][rt][0], 2 * s + 1), word(cur[u][rt][1], 2 * s + 1),
+                                 word(x, 2 * s), word(x, 2 * s + 1));
+            }
+        }
+    }
+
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) partial[((group * WARPS + warp) * PARTIALS + (rt * NB + b) * 4 + i) * 32 + lane] =
+                    acc[rt][b][i];
+    __syncthreads();
+
+    // Each value: its warps' partials in warp order, then to C. Accumulator register i of lane
+    // (g, t) holds weight row g (+8 for i >= 2) and batch row 2t (+1 for odd i) of its tiles.
+    for (unsigned int e = threadIdx.x; e < WR * PARTIALS * 32; e += WR * WARPS * 32) {
+        const unsigned int gr = e / (PARTIALS * 32), r = e / 32 % PARTIALS, l = e % 32;
+        float sum = 0.0f;
+#pragma unroll
+        for (int v = 0; v < WARPS; ++v) sum += partial[((gr * WARPS + v) * PARTIALS + r) * 32 + l];
+        const unsigned int i = r % 4, b = (r / 4) % NB, rt = r / (4 * NB);
+        const unsigned int n = (tile * WR + gr) * 16 * RT + rt * 16 + l / 4 + (i >= 2 ? 8 : 0);
+        const unsigned int m = m0 + b * 8 + (l % 4) * 2 + (i & 1);
+        if (m < p.m && n < p.n) c[(unsigned long long)m * p.ldc + n] = to_out(sum);
+    }
+}

@@ -1,0 +1,232 @@
+//! A decode step's products as a weight stream (`decode_gemm.cu`): a few rows of activations
+//! (the batch, at most [`MAX_ROWS`]) against a weight stored `[n, k]` as the model keeps it.
+//!
+//! Such a product reads each weight byte once and does almost no arithmetic per byte, so its
+//! time is the weight's size over the memory bandwidth the kernel sustains. The kernel loads
+//! weight rows straight into `mma.sync` registers (weight rows as the MMA's 16 rows, batch rows
+//! as its 8 columns), one chunk ahead, with many warps of a block splitting k, so enough bytes
+//! are in flight; the warps' partial sums are added in a fixed order (deterministic, and a row's
+//! result does not depend on the batch size). [`super::gemm`] routes products here; its `wmma`
+//! decode tiles remain for other operand layouts and under `VERL_DECODE_GEMM=tiles`.
+
+use burn::tensor::DType;
+use burn_cubecl::kernel::matmul::init_matmul_output;
+
+use super::source::{pack_words, CudaSource};
+use super::CudaPrimitive;
+
+/// The most batch rows the kernel takes (eight 8-row groups per block, up to four blocks per
+/// weight tile).
+pub const MAX_ROWS: usize = 256;
+
+const SOURCE: &str = concat!(
+    include_str!("gemm_common.cuh"),
+    include_str!("decode_gemm.cu")
+);
+
+/// Shared memory a block may use for its partial sums (more would cost occupancy).
+const SHARED_LIMIT: usize = 96 * 1024;
+
+/// How the kernel splits a product (`decode_gemm.cu`'s defines): `row_tiles` 16-row weight
+/// tiles per warp, `warps` warps splitting k, chunks of `slices` 32-wide k-slices, and
+/// `row_groups` such sets of warps per block, each with its own rows (they read the same
+/// activations at about the same time, so the block reads them from L2 once), and
+/// `batch_splits` neighbouring blocks per weight tile, each with its share of the batch (the
+/// later ones find the tile in L2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamTiles {
+    pub row_tiles: usize,
+    pub warps: usize,
+    pub slices: usize,
+    pub row_groups: usize,
+    pub batch_splits: usize,
+}
+
+impl StreamTiles {
+    /// The configuration for a batch of `m` rows: 8 warps over chunks of 64 elements for every
+    /// batch (one k order for all batch sizes, so a row's result does not depend on the
+    /// batch); one 16-row tile per warp up to 16 rows and two above (halving how often each
+    /// block re-reads the batch's activations from L2); past 32 rows, a block per 32 rows of
+    /// the batch (fewer accumulators per thread). Chosen from `verl bench kernels --only
+    /// decode_gemm`'s sweep on an H200 (docs/PERFORMANCE.md).
+    pub fn for_rows(m: usize) -> Self {
+        if let Some(forced) = forced() {
+            return forced;
+        }
+        Self {
+            row_tiles: if m <= 16 { 1 } else { 2 },
+            warps: 8,
+            slices: 2,
+            row_groups: 1,
+            batch_splits: if m <= 32 { 1 } else { m.div_ceil(32).min(4) },
+        }
+    }
+
+    /// `"row_tiles,warps,slices[,row_groups[,batch_splits]]"`, e.g. `"1,8,2"` or `"2,4,2,2,2"`.
+    pub fn parse(text: &str) -> Option<Self> {
+        let v: Vec<usize> = text
+            .split(',')
+            .map(|s| s.trim().parse().ok())
+            .collect::<Option<_>>()?;
+        let (row_groups, batch_splits) = match v.len() {
+            3 => (1, 1),
+            4 => (v[3], 1),
+            5 => (v[3], v[4]),
+            _ => return None,
+        };
+        Some(Self {
+            row_tiles: v[0],
+            warps: v[1],
+            slices: v[2],
+            row_groups,
+            batch_splits,
+        })
+    }
+
+    /// Whether the kernel can run this configuration for `m` batch rows: its partial sums fit
+    /// the static shared memory, and the sizes are ones it is written for.
+    pub fn valid_for(&self, m: usize) -> bool {
+        (1..=MAX_ROWS).contains(&m)
+            && (1..=4).contains(&self.batch_splits)
+            && self.groups(m) <= 8
+            && (1..=4).contains(&self.row_tiles)
+            && (1..=16).contains(&self.warps)
+            && (1..=8).contains(&self.slices)
+            && (1..=4).contains(&self.row_groups)
+            && self.warps * self.row_groups <= 32
+            && self.shared_bytes(m) <= SHARED_LIMIT
+    }
+
+    /// The partial sums' shared memory for `m` batch rows: an f32 per warp, accumulator and
+    /// lane.
+    fn shared_bytes(&self, m: usize) -> usize {
+        self.row_groups * self.warps * self.row_tiles * self.groups(m) * 4 * 32 * 4
+    }
+
+    /// 8-row groups of the batch per block.
+    fn groups(&self, m: usize) -> usize {
+        m.div_ceil(8).div_ceil(self.batch_splits)
+    }
+}
+
+/// `VERL_DECODE_STREAM=row_tiles,warps,slices`, read once: one configuration for every batch
+/// (benchmarks sweep it). Ignored, with a warning, when it does not parse.
+fn forced() -> Option<StreamTiles> {
+    static FORCED: std::sync::OnceLock<Option<StreamTiles>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let text = std::env::var("VERL_DECODE_STREAM").ok()?;
+        let tiles = StreamTiles::parse(&text);
+        if tiles.is_none() {
+            tracing::warn!("VERL_DECODE_STREAM={text} is not `row_tiles,warps,slices`; ignored");
+        }
+        tiles
+    })
+}
+
+/// Whether the kernel takes a product of `m` rows over `k`: `lhs` row-major, `rhs` the
+/// transpose of a row-major `[n, k]` matrix (`rhs_transposed`), k a multiple of 8 (whole
+/// 16-byte pieces). The caller has checked dtypes, single matrices and 16-byte pitches.
+pub(super) fn takes(m: usize, k: usize, lhs_transposed: bool, rhs_transposed: bool) -> bool {
+    (1..=MAX_ROWS).contains(&m) && k.is_multiple_of(8) && !lhs_transposed && rhs_transposed
+}
+
+/// `lhs · rhs` (`lhs` `[.., m, k]` with row pitch `lda`, `rhs` the transposed view of a `[n, k]`
+/// weight with row pitch `ldb`) by the stream kernel with `tiles`, in f32 when `out_f32`, else
+/// in `lhs`'s dtype. The caller checked [`takes`] and `tiles.valid_for(m)`.
+pub(super) fn launch(
+    lhs: CudaPrimitive,
+    rhs: CudaPrimitive,
+    (lda, ldb): (usize, usize),
+    out_f32: bool,
+    tiles: StreamTiles,
+) -> CudaPrimitive {
+    let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
+    let out = init_matmul_output(&lhs, &rhs, out_dtype);
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    let nd = ls.num_dims();
+    let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
+    let ldc = out.meta.strides()[nd - 2];
+    let kernel = CudaSource {
+        entry: "verl_decode_gemm",
+        text: SOURCE,
+        defines: vec![
+            ("NB", tiles.groups(m) as u32),
+            ("RT", tiles.row_tiles as u32),
+            ("WARPS", tiles.warps as u32),
+            ("U", tiles.slices as u32),
+            ("WR", tiles.row_groups as u32),
+            ("BS", tiles.batch_splits as u32),
+            ("OUT_F32", out_f32 as u32),
+        ],
+        block: (32 * tiles.warps * tiles.row_groups) as u32,
+        shared_bytes: tiles.shared_bytes(m),
+    };
+    let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
+    kernel.launch(
+        &out.client,
+        (
+            (n.div_ceil(16 * tiles.row_tiles * tiles.row_groups) * tiles.batch_splits) as u32,
+            1,
+            1,
+        ),
+        &[&lhs, &rhs, &out],
+        pack_words(&words),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_batch_has_a_valid_configuration_with_one_k_order() {
+        let first = StreamTiles::for_rows(1);
+        for m in 1..=MAX_ROWS {
+            let t = StreamTiles::for_rows(m);
+            assert!(t.valid_for(m), "m {m}: {t:?}");
+            // The k order (warps, slices) is the same for every batch size.
+            assert_eq!((t.warps, t.slices), (first.warps, first.slices));
+        }
+        assert!(!first.valid_for(0) && !first.valid_for(MAX_ROWS + 1));
+    }
+
+    #[test]
+    fn configurations_parse_and_are_bounded_by_shared_memory() {
+        let t = StreamTiles::parse("2, 8,4").unwrap();
+        assert_eq!(
+            t,
+            StreamTiles {
+                row_tiles: 2,
+                warps: 8,
+                slices: 4,
+                row_groups: 1,
+                batch_splits: 1,
+            }
+        );
+        assert_eq!(StreamTiles::parse("1,8,2,1,4").unwrap().batch_splits, 4);
+        assert!(StreamTiles::parse("1,8,2,1,4,1").is_none());
+        assert_eq!(StreamTiles::parse("1,4,2,4").unwrap().row_groups, 4);
+        assert!(StreamTiles::parse("2,8").is_none() && StreamTiles::parse("a,b,c").is_none());
+        // 16 warps x 4 tiles x 8 groups of partial sums is 256 KiB: refused.
+        let big = StreamTiles {
+            row_tiles: 4,
+            warps: 16,
+            slices: 4,
+            row_groups: 1,
+            batch_splits: 1,
+        };
+        assert!(big.valid_for(8) && !big.valid_for(64));
+        // 33 warps: more threads than a block has.
+        assert!(!StreamTiles::parse("1,11,2,3").unwrap().valid_for(1));
+    }
+
+    #[test]
+    fn takes_only_a_weight_stream() {
+        assert!(takes(1, 3584, false, true));
+        assert!(takes(64, 8, false, true));
+        assert!(!takes(MAX_ROWS + 1, 3584, false, true));
+        assert!(!takes(1, 3586, false, true));
+        assert!(!takes(1, 3584, true, true) && !takes(1, 3584, false, false));
+    }
+}

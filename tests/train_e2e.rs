@@ -511,19 +511,23 @@ fn packed_sequences_train_as_padded() {
     ]);
 }
 
+/// Two steps after the warm-up with token-level IS weights and a sequence-level k3 rejection
+/// at 0.01: the rollout-correction tests run it on agreeing and on disagreeing log-probs.
+const TOKEN_IS_WITH_K3_REJECTION: [&str; 5] = [
+    "trainer.total_training_steps=2",
+    "trainer.sft_warmup_steps=4",
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_rs=seq_max_k3",
+    "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+];
+
 /// `algorithm.rollout_correction` (decoupled mode): the rollout returns its log-probs, token
 /// IS weights and a k3 rejection come from them against the recomputed old log-probs, and
 /// their metrics are logged. On the CPU default the sampler and the recompute agree to f32
 /// rounding, so the weights are 1 and nothing is rejected; the update runs with the weights.
 #[test]
 fn rollout_correction_with_agreeing_log_probs_weights_one_and_rejects_nothing() {
-    let (_, lines, _dir) = run(&[
-        "trainer.total_training_steps=2",
-        "trainer.sft_warmup_steps=4",
-        "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_rs=seq_max_k3",
-        "algorithm.rollout_correction.rollout_rs_threshold=0.01",
-    ]);
+    let (_, lines, _dir) = run(&TOKEN_IS_WITH_K3_REJECTION);
     let steps = lines_with(&lines, "rollout_corr/kl", 2);
     for l in steps {
         assert!(
@@ -656,13 +660,7 @@ fn run_disagreeing(overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
 /// weights of the shifted tokens are e^3 while the others stay 1.
 #[test]
 fn rollout_correction_rejects_the_responses_whose_log_probs_disagree() {
-    let lines = run_disagreeing(&[
-        "trainer.total_training_steps=2",
-        "trainer.sft_warmup_steps=4",
-        "algorithm.rollout_correction.rollout_is=token",
-        "algorithm.rollout_correction.rollout_rs=seq_max_k3",
-        "algorithm.rollout_correction.rollout_rs_threshold=0.01",
-    ]);
+    let lines = run_disagreeing(&TOKEN_IS_WITH_K3_REJECTION);
     let steps = lines_with(&lines, "rollout_corr/kl", 2);
     for l in steps {
         // Half the sequences; by tokens, the shifted rows' share of the response tokens.

@@ -46,14 +46,7 @@ fn chunking(rows: usize) -> (usize, usize) {
 fn sum_pass(x: &CudaPrimitive, rows: usize, cols: usize, whole: bool) -> CudaPrimitive {
     let (chunks, per_chunk) = if whole { (1, rows) } else { chunking(rows) };
     let partial = empty_f32(x, vec![chunks, cols]);
-    CudaSource {
-        entry: "verl_sum_rows",
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS as u32,
-        shared_bytes: 0,
-    }
-    .launch(
+    CudaSource::plain("verl_sum_rows", SOURCE, THREADS as u32).launch(
         &x.client,
         (cols.div_ceil(THREADS) as u32, chunks as u32, 1),
         &[x, &partial],

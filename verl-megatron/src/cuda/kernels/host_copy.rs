@@ -37,11 +37,5 @@ pub fn launch_flag(on: &CudaPrimitive, flag: u64, ticket: u64) {
 }
 
 fn source(entry: &'static str) -> CudaSource {
-    CudaSource {
-        entry,
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS,
-        shared_bytes: 0,
-    }
+    CudaSource::plain(entry, SOURCE, THREADS)
 }

@@ -225,14 +225,7 @@ pub fn add_rms_norm_bf16(
         None => (h.clone(), h.clone()),
     };
     let y = super::empty_of(&h, vec![rows, hidden], DType::BF16);
-    CudaSource {
-        entry: "verl_add_rms_norm_bf16",
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS,
-        shared_bytes: 0,
-    }
-    .launch(
+    CudaSource::plain("verl_add_rms_norm_bf16", SOURCE, THREADS).launch(
         &h.client,
         (rows as u32, 1, 1),
         &[&h, &delta, &w, &sum, &y],

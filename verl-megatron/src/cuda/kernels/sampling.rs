@@ -61,14 +61,7 @@ pub fn sample(
         .into_primitive()
         .tensor();
     let out = empty_f32(&x, vec![n, 4]);
-    CudaSource {
-        entry: "verl_sample_rows",
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS,
-        shared_bytes: 0,
-    }
-    .launch(
+    CudaSource::plain("verl_sample_rows", SOURCE, THREADS).launch(
         &x.client,
         (n as u32, 1, 1),
         &[&x, &params, &out],

@@ -36,6 +36,17 @@ pub struct CudaSource {
 }
 
 impl CudaSource {
+    /// Entry `entry` of `text` as it is: no defines, no dynamic shared memory, `block` threads.
+    pub fn plain(entry: &'static str, text: &'static str, block: u32) -> Self {
+        Self {
+            entry,
+            text,
+            defines: Vec::new(),
+            block,
+            shared_bytes: 0,
+        }
+    }
+
     fn cube_dim(&self) -> CubeDim {
         CubeDim {
             x: self.block,

@@ -76,14 +76,7 @@ pub fn sums_of_squares(tensors: &[Tensor<CudaBackend, 2>]) -> Option<Vec<f64>> {
         words.extend([BLOCKS as u32, 0]);
         let mut args: Vec<&CudaPrimitive> = buffers.iter().collect();
         args.push(&out);
-        CudaSource {
-            entry: "verl_sum_squares",
-            text: SOURCE,
-            defines: Vec::new(),
-            block: THREADS,
-            shared_bytes: 0,
-        }
-        .launch(
+        CudaSource::plain("verl_sum_squares", SOURCE, THREADS).launch(
             &out.client,
             (BLOCKS as u32, TENSORS as u32, 1),
             &args,

@@ -28,14 +28,7 @@ const THREADS: u32 = 256;
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_SWIGLU");
 
 fn launch(entry: &'static str, n: usize, buffers: &[&CudaPrimitive]) {
-    CudaSource {
-        entry,
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS,
-        shared_bytes: 0,
-    }
-    .launch(
+    CudaSource::plain(entry, SOURCE, THREADS).launch(
         &buffers[0].client,
         (n.div_ceil(THREADS as usize) as u32, 1, 1),
         buffers,
@@ -159,14 +152,7 @@ pub fn swiglu_packed_bf16(
     }
     let gu = into_contiguous(gu.into_primitive().tensor());
     let out = super::empty_of(&gu, vec![rows, inter], DType::BF16);
-    CudaSource {
-        entry: "verl_swiglu_packed_bf16",
-        text: SOURCE,
-        defines: Vec::new(),
-        block: THREADS,
-        shared_bytes: 0,
-    }
-    .launch(
+    CudaSource::plain("verl_swiglu_packed_bf16", SOURCE, THREADS).launch(
         &gu.client,
         ((rows * inter).div_ceil(THREADS as usize) as u32, 1, 1),
         &[&gu, &out],

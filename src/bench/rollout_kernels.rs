@@ -13,7 +13,11 @@ use verl::megatron::hf::{HfModelConfig, Qwen2Dims};
 use verl::megatron::layers::precision::ComputeDtype;
 use verl::megatron::models::generate::{generate, GenerateOptions};
 use verl::megatron::models::{CausalLm, SlotKvCache};
-use verl::megatron::sampling::{reference_sample, sample_rows, RowSampling};
+use verl::megatron::ops::FusedOps;
+use verl::megatron::sampling::{
+    combine_shard_draws, reference_sample, reference_shard_draw, sample_rows, RowSampling,
+    ShardDraw,
+};
 use verl::rollout::{EngineConfig, KvBudget, NativeRollout, Request, Sampler, SamplingParams};
 
 type Device = burn::backend::cuda::CudaDevice;
@@ -39,6 +43,14 @@ fn settings() -> Vec<(&'static str, RowSampling)> {
             },
         ),
         ("top-p 0.9", RowSampling { top_p: 0.9, ..base }),
+        (
+            "T=0.8 min-p .1",
+            RowSampling {
+                temperature: 0.8,
+                min_p: 0.1,
+                ..base
+            },
+        ),
         (
             "T=1.2 min-p .05 top-k 20 top-p .95",
             RowSampling {
@@ -94,8 +106,162 @@ pub(crate) fn check_sampling(device: &Device, failures: &mut Vec<String>) {
             }
         }
     }
+    check_shard_sampling(device, failures);
     check_sampling_distribution(device, failures);
     time_sampling(device);
+    time_shard_sampling(device);
+}
+
+/// A rollout tp = 4 decode step's sampling of 128 rows over Qwen2.5's padded vocabulary: the
+/// whole-row kernel on the gathered logits against one rank's part (its row maxima, then its
+/// shard's draws), collectives left out.
+fn time_shard_sampling(device: &Device) {
+    let (rows, vocab, tp) = (128, 152_064, 4);
+    let width = vocab / tp;
+    let logits: Tensor<CudaBackend, 2> =
+        Tensor::random([rows, vocab], Distribution::Normal(0.0, 3.0), device);
+    let shard = logits.clone().narrow(1, 0, width);
+    let params: Vec<RowSampling> = (0..rows)
+        .map(|i| RowSampling {
+            seed: i as u64,
+            ..RowSampling::default()
+        })
+        .collect();
+    let reps = 20;
+    let time = |f: &dyn Fn()| {
+        f();
+        CudaBackend::sync(device).expect("sync");
+        let t = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        CudaBackend::sync(device).expect("sync");
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    };
+    let whole = time(&|| {
+        let _ = sample_rows(logits.clone(), &params);
+    });
+    let max_only = time(&|| {
+        let _ = CudaBackend::row_max(shard.clone(), width);
+    });
+    let part = time(&|| {
+        let m = CudaBackend::row_max(shard.clone(), width);
+        let _ = CudaBackend::sample_shard(shard.clone(), m, &params, (0, width));
+    });
+    println!(
+        "  128 x 152064 at tp 4, T=1: whole-row kernel {whole:.1} us (ids read back); one rank's \
+         shard: row maxima {max_only:.1} us, maxima + draws {part:.1} us (queued, synced once)"
+    );
+}
+
+/// Sampling from vocabulary shards (rollout tp > 1, no top-k or top-p) as tp ranks would: each
+/// shard's kernel against its host reference, and the combined draw against the whole-row
+/// kernel token for token. One GPU: the shards are column ranges, and the row maximum the
+/// group would agree on is taken from the whole row.
+fn check_shard_sampling(device: &Device, failures: &mut Vec<String>) {
+    println!("  vocabulary shards (tp ranks simulated on one GPU) vs the whole-row kernel:");
+    for (rows, vocab, tp) in [
+        (64usize, 151_936usize, 4usize),
+        (128, 152_064, 4),
+        (5, 1001, 3),
+    ] {
+        CudaBackend::seed(device, (rows * tp) as u64 + vocab as u64);
+        let width = vocab.div_ceil(tp);
+        let logits: Tensor<CudaBackend, 2> =
+            Tensor::random([rows, vocab], Distribution::Normal(0.0, 3.0), device);
+        let host: Vec<f32> = logits.to_data().to_vec().expect("f32 logits");
+        // The last shard padded as the vocabulary-parallel head pads it (large values the
+        // draw must ignore).
+        let padded = match width * tp - vocab {
+            0 => logits.clone(),
+            pad => Tensor::cat(
+                vec![logits.clone(), Tensor::full([rows, pad], 50.0, device)],
+                1,
+            ),
+        };
+        let row_max = logits.clone().max_dim(1).reshape([rows]);
+        let m: Vec<f32> = row_max.to_data().to_vec().expect("f32");
+        // The group's maximum from the shards' (the kernel), exactly burn's.
+        let from_shards: Vec<Vec<f32>> = (0..tp)
+            .map(|rank| {
+                let valid = vocab.saturating_sub(rank * width).min(width);
+                let shard = padded.clone().narrow(1, rank * width, width);
+                CudaBackend::row_max(shard, valid)
+                    .to_data()
+                    .to_vec()
+                    .expect("f32")
+            })
+            .collect();
+        let max_gaps = (0..rows)
+            .filter(|&r| {
+                from_shards
+                    .iter()
+                    .map(|s| s[r])
+                    .fold(f32::NEG_INFINITY, f32::max)
+                    != m[r]
+            })
+            .count();
+        if max_gaps > 0 {
+            failures.push(format!(
+                "shard sampling {rows}x{vocab}/{tp}: {max_gaps} row maxima differ from burn's"
+            ));
+        }
+        for (name, base) in settings() {
+            let params: Vec<RowSampling> = (0..rows)
+                .map(|i| RowSampling {
+                    seed: 500 + i as u64,
+                    step: 7 * i as u32,
+                    ..base
+                })
+                .collect();
+            if !params[0].draws_from_shards(vocab) {
+                continue;
+            }
+            let Ok(whole) = sample_rows(logits.clone(), &params) else {
+                failures.push(format!(
+                    "shard sampling {rows}x{vocab}: whole-row kernel not taken"
+                ));
+                continue;
+            };
+            let mut parts = vec![Vec::new(); rows];
+            let mut reference_gaps = 0usize;
+            for rank in 0..tp {
+                let start = rank * width;
+                let valid = vocab.saturating_sub(start).min(width);
+                let shard = padded.clone().narrow(1, start, width);
+                let words: Vec<f32> =
+                    CudaBackend::sample_shard(shard, row_max.clone(), &params, (start, valid))
+                        .to_data()
+                        .to_vec()
+                        .expect("f32 words");
+                for (r, w) in words.chunks(ShardDraw::WORDS).enumerate() {
+                    let got = ShardDraw::from_words(w);
+                    let x = &host[r * vocab + start..r * vocab + start + valid];
+                    let want = reference_shard_draw(x, start as u32, m[r], &params[r]);
+                    reference_gaps += (got.token != want.token || got.kept != want.kept) as usize;
+                    parts[r].push(got);
+                }
+            }
+            let (mut tokens, mut lp) = (0usize, 0f64);
+            for (r, p) in parts.iter().enumerate() {
+                let got = combine_shard_draws(p);
+                tokens += (got.token != whole[r].token || got.kept != whole[r].kept) as usize;
+                lp = lp.max((got.log_prob - whole[r].log_prob).abs() as f64);
+                lp = lp.max((got.entropy - whole[r].entropy).abs() as f64);
+            }
+            println!(
+                "    {rows:>3} x {vocab:>6} over {tp} shards {name:<36} tokens differ from the \
+                 whole row {tokens}/{rows}, shards from their reference {reference_gaps}, max \
+                 |dlogp|, |dH| {lp:.2e}"
+            );
+            if tokens > 0 || reference_gaps * 20 > (rows * tp).max(20) || lp > 1e-3 {
+                failures.push(format!(
+                    "shard sampling {rows}x{vocab}/{tp} {name}: {tokens} tokens differ, \
+                     {reference_gaps} shard gaps, dlogp {lp}"
+                ));
+            }
+        }
+    }
 }
 
 /// 8 192 draws of one 12-token row on the GPU (one launch, one row per draw) against the host

@@ -20,8 +20,9 @@
 use burn::prelude::*;
 
 use crate::ops::FusedOps;
+use crate::parallel::{Collective, ParallelBackend, TpGroup};
 
-pub use crate::ops::{RowSampling, SampledToken};
+pub use crate::ops::{RowSampling, SampledToken, ShardDraw};
 
 /// Samples every row of `logits` `[rows, vocab]` (f32) on the device, `rows[i]` for row `i`;
 /// the logits come back where no kernel applies (every backend but burn-cuda, the kernel
@@ -133,6 +134,117 @@ pub fn reference_sample(x: &[f32], p: &RowSampling) -> SampledToken {
     }
 }
 
+/// Samples every row of a vocabulary-parallel logits shard without gathering the vocabulary:
+/// `logits` `[rows, width]` (f32) holds ids `vocab_start..` of a `vocab`-id vocabulary (columns
+/// past `vocab` are padding). The group agrees on each row's maximum (an all-reduce of `rows`
+/// values), each rank draws its best candidate and its softmax pieces relative to that maximum
+/// ([`FusedOps::sample_shard`]), and the `rows × 8` words per rank are gathered and combined
+/// ([`combine_shard_draws`]): the same tokens as [`sample_rows`] on the whole row, with the
+/// log-prob and entropy equal up to the order of a sum. The logits come back when a row ranks
+/// the whole vocabulary (top-k or top-p: [`RowSampling::draws_from_shards`]). A collective
+/// over `tp`: every rank of the group calls it with the same rows.
+pub fn sample_vocab_parallel<B: ParallelBackend>(
+    logits: Tensor<B, 2>,
+    rows: &[RowSampling],
+    tp: &TpGroup,
+    (vocab_start, vocab): (usize, usize),
+) -> Result<Vec<SampledToken>, Tensor<B, 2>> {
+    let [n, width] = logits.dims();
+    if n != rows.len() || n == 0 || !rows.iter().all(|r| r.draws_from_shards(vocab)) {
+        return Err(logits);
+    }
+    let valid = vocab.saturating_sub(vocab_start).min(width);
+    let local_max = B::row_max(logits.clone(), valid);
+    let row_max = tp.collective(local_max, Collective::AllReduceMax);
+    let mine = B::sample_shard(logits, row_max, rows, (vocab_start, valid));
+    let all = tp.collective(mine, Collective::AllGather(1));
+    crate::host_reads::note(1);
+    let words: Vec<f32> = all
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 after convert");
+    let per_row = ShardDraw::WORDS * tp.size;
+    Ok(words
+        .chunks(per_row)
+        .map(|row| {
+            let parts: Vec<ShardDraw> = row
+                .chunks(ShardDraw::WORDS)
+                .map(ShardDraw::from_words)
+                .collect();
+            combine_shard_draws(&parts)
+        })
+        .collect())
+}
+
+/// A row's token from its shards' draws ([`ShardDraw`], in rank order): the best candidate
+/// (larger score, then smaller id: the whole-row kernel's rule), its log-prob against the
+/// summed normaliser, the entropy, and the tokens kept (1 when greedy).
+pub fn combine_shard_draws(parts: &[ShardDraw]) -> SampledToken {
+    let mut best: Option<&ShardDraw> = None;
+    for p in parts.iter().filter(|p| p.token != u32::MAX) {
+        best = match best {
+            Some(b) if !(p.score > b.score || (p.score == b.score && p.token < b.token)) => Some(b),
+            _ => Some(p),
+        };
+    }
+    let z: f32 = parts.iter().map(|p| p.z).sum();
+    let zs: f32 = parts.iter().map(|p| p.zs).sum();
+    let log_z = z.ln();
+    let (token, s_token) = best.map_or((u32::MAX, f32::NEG_INFINITY), |b| (b.token, b.s_token));
+    SampledToken {
+        token,
+        log_prob: s_token - log_z,
+        entropy: log_z - zs / z,
+        kept: parts.iter().map(|p| p.kept).sum::<u32>().max(1),
+    }
+}
+
+/// One shard's [`ShardDraw`] on the host, as the kernel computes it: `x` holds ids
+/// `vocab_start..vocab_start + x.len()`, and `row_max` is the whole row's maximum.
+pub fn reference_shard_draw(
+    x: &[f32],
+    vocab_start: u32,
+    row_max: f32,
+    p: &RowSampling,
+) -> ShardDraw {
+    let greedy = p.temperature.is_nan() || p.temperature <= 0.0;
+    let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
+    let min_s = if !greedy && p.min_p > 0.0 {
+        p.min_p.ln()
+    } else {
+        f32::NEG_INFINITY
+    };
+    let mut d = ShardDraw {
+        score: f32::NEG_INFINITY,
+        token: u32::MAX,
+        z: 0.0,
+        zs: 0.0,
+        kept: 0,
+        s_token: f32::NEG_INFINITY,
+    };
+    for (i, &xi) in x.iter().enumerate() {
+        let s = (xi - row_max) * inv_t;
+        let e = s.exp();
+        d.z += e;
+        d.zs += e * s;
+        let id = vocab_start + i as u32;
+        let score = if greedy {
+            s
+        } else if s >= min_s {
+            d.kept += 1;
+            s - (-uniform(p.seed, p.step, id).ln()).ln()
+        } else {
+            continue;
+        };
+        // Ids rise along the shard, so a tie keeps the earlier (smaller) one.
+        if score > d.score || d.token == u32::MAX {
+            (d.score, d.token, d.s_token) = (score, id, s);
+        }
+    }
+    d
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,6 +354,136 @@ mod tests {
         }
     }
 
+    /// Hand-checked: logits ln 4, ln 2, 0, 0 (probabilities .5 .25 .125 .125) in two shards of
+    /// two. Greedy takes id 0 with log-prob ln .5; each shard's normaliser is relative to the
+    /// row's maximum ln 4: 1 + .5 and .25 + .25.
+    #[test]
+    fn two_shards_give_the_hand_checked_draw() {
+        let x = [4f32.ln(), 2f32.ln(), 0.0, 0.0];
+        let greedy = RowSampling {
+            temperature: 0.0,
+            ..RowSampling::default()
+        };
+        let m = 4f32.ln();
+        let parts = [
+            reference_shard_draw(&x[..2], 0, m, &greedy),
+            reference_shard_draw(&x[2..], 2, m, &greedy),
+        ];
+        assert!((parts[0].z - 1.5).abs() < 1e-6 && (parts[1].z - 0.5).abs() < 1e-6);
+        assert_eq!((parts[0].token, parts[1].token), (0, 2));
+        let got = combine_shard_draws(&parts);
+        assert_eq!((got.token, got.kept), (0, 1));
+        assert!((got.log_prob - 0.5f32.ln()).abs() < 1e-6);
+        // H = -Σ p ln p = .5 ln 2 + .25 ln 4 + 2 · .125 ln 8.
+        let h = 0.5 * 2f32.ln() + 0.25 * 4f32.ln() + 0.25 * 8f32.ln();
+        assert!((got.entropy - h).abs() < 1e-6, "{}", got.entropy);
+    }
+
+    /// Shards that keep nothing (all below min-p, or no valid id) do not win the draw.
+    #[test]
+    fn a_shard_with_no_candidate_never_wins() {
+        let p = RowSampling {
+            min_p: 0.5,
+            seed: 3,
+            ..RowSampling::default()
+        };
+        let x = [5.0f32, 0.0, -1.0, -2.0];
+        let parts = [
+            reference_shard_draw(&x[..1], 0, 5.0, &p),
+            reference_shard_draw(&x[1..], 1, 5.0, &p),
+            reference_shard_draw(&[], 4, 5.0, &p),
+        ];
+        assert_eq!(
+            (parts[1].token, parts[1].kept, parts[2].token),
+            (u32::MAX, 0, u32::MAX)
+        );
+        let got = combine_shard_draws(&parts);
+        assert_eq!((got.token, got.kept), (0, 1));
+        assert_eq!(got.token, reference_sample(&x, &p).token);
+    }
+
+    /// The group path on simulated ranks (threads): an odd vocabulary padded to three shards,
+    /// every row's token equal to the whole-row draw, and rows with top-p or top-k refused
+    /// (their logits come back for gathering).
+    #[test]
+    fn vocab_parallel_sampling_on_three_ranks_matches_the_whole_row() {
+        use crate::parallel::LocalCommunicator;
+        use std::sync::Arc;
+        use verl_core::backend::CpuBackend;
+        use verl_core::traits::Communicator;
+        let (rows, vocab, tp) = (6usize, 23usize, 3usize);
+        let width = vocab.div_ceil(tp);
+        let x: Vec<f32> = (0..rows * vocab)
+            .map(|i| ((i * 37 % 101) as f32 / 13.0).sin() * 4.0)
+            .collect();
+        let params: Vec<RowSampling> = (0..rows)
+            .map(|r| RowSampling {
+                temperature: [0.0, 1.0, 0.7, 1.6, 1.0, 0.0][r],
+                min_p: [0.0, 0.0, 0.1, 0.0, 0.3, 0.0][r],
+                seed: 11 + r as u64,
+                step: r as u32 * 5,
+                ..RowSampling::default()
+            })
+            .collect();
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = LocalCommunicator::group(tp)
+                .into_iter()
+                .map(|c| {
+                    let (x, params) = (&x, &params);
+                    s.spawn(move || {
+                        let group =
+                            TpGroup::new(Arc::new(c) as Arc<dyn Communicator<CpuBackend>>, false);
+                        let start = group.rank * width;
+                        // This rank's columns, padded past the vocabulary with large values
+                        // that must be ignored.
+                        let shard: Vec<f32> = (0..rows)
+                            .flat_map(|r| {
+                                (start..start + width).map(move |v| {
+                                    if v < vocab {
+                                        x[r * vocab + v]
+                                    } else {
+                                        99.0
+                                    }
+                                })
+                            })
+                            .collect();
+                        let logits = Tensor::<CpuBackend, 2>::from_data(
+                            burn::tensor::TensorData::new(shard, [rows, width]),
+                            &Default::default(),
+                        );
+                        let got =
+                            sample_vocab_parallel(logits.clone(), params, &group, (start, vocab))
+                                .expect("no top-k or top-p");
+                        let mut top_p = params.clone();
+                        top_p[2].top_p = 0.9;
+                        let refused = sample_vocab_parallel(logits, &top_p, &group, (start, vocab));
+                        (got, refused.is_err())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank"))
+                .collect()
+        });
+        for (rank, (got, refused)) in results.iter().enumerate() {
+            assert!(refused, "rank {rank} drew a top-p row from shards");
+            for (r, g) in got.iter().enumerate() {
+                let want = reference_sample(&x[r * vocab..(r + 1) * vocab], &params[r]);
+                assert_eq!(
+                    (g.token, g.kept),
+                    (want.token, want.kept),
+                    "rank {rank} row {r}"
+                );
+                assert!(
+                    (g.log_prob - want.log_prob).abs() < 1e-5,
+                    "{g:?} vs {want:?}"
+                );
+                assert!((g.entropy - want.entropy).abs() < 1e-5, "{g:?} vs {want:?}");
+            }
+        }
+    }
+
     proptest! {
         // A fixed seed: the same cases on every run (the fuzz tests explore).
         #![proptest_config(proptest::prelude::ProptestConfig {
@@ -267,6 +509,34 @@ mod tests {
             prop_assert!(got.kept.abs_diff(plain) <= 1, "kept {} vs {}", got.kept, plain);
             prop_assert!(want[got.token as usize] > 0.0 || got.kept != plain);
             prop_assert!(got.log_prob <= 1e-6 && got.entropy >= -1e-6);
+        }
+
+        /// Any split of a row into shards, combined, draws the whole row's token (ties
+        /// included: logits on a coarse grid), keeps as many, and gives its log-prob and
+        /// entropy up to the order of a sum.
+        #[test]
+        fn shards_combine_to_the_whole_row_draw(
+            raw in proptest::collection::vec(-40i32..40, 1..60),
+            cuts in proptest::collection::vec(0usize..60, 0..4),
+            t in prop_oneof![Just(0.0f32), 0.3f32..2.0],
+            min_p in prop_oneof![Just(0.0f32), 0.0f32..0.6],
+            seed: u64, step in 0u32..1000,
+        ) {
+            let x: Vec<f32> = raw.iter().map(|&v| v as f32 / 8.0).collect();
+            let p = RowSampling { temperature: t, min_p, seed, step, ..RowSampling::default() };
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (x.len() + 1)).collect();
+            bounds.extend([0, x.len()]);
+            bounds.sort_unstable();
+            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let parts: Vec<ShardDraw> = bounds
+                .windows(2)
+                .map(|w| reference_shard_draw(&x[w[0]..w[1]], w[0] as u32, m, &p))
+                .collect();
+            let got = combine_shard_draws(&parts);
+            let want = reference_sample(&x, &p);
+            prop_assert_eq!((got.token, got.kept), (want.token, want.kept));
+            prop_assert!((got.log_prob - want.log_prob).abs() < 1e-4, "{:?} vs {:?}", got, want);
+            prop_assert!((got.entropy - want.entropy).abs() < 1e-4, "{:?} vs {:?}", got, want);
         }
     }
 }

@@ -17,7 +17,7 @@ use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
 use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
-use verl_megatron::sampling::{sample_rows, RowSampling};
+use verl_megatron::sampling::{sample_rows, sample_vocab_parallel, RowSampling};
 
 use crate::config::{EngineConfig, KvBudget, MemoryBase};
 use crate::error::RolloutError;
@@ -163,9 +163,11 @@ pub struct NativeRollout<B: ParallelBackend> {
     /// The model's compute dtype, kept for rebuilding it after `sleep(All)`.
     pub(crate) compute_dtype: ComputeDtype,
     /// The engine's tensor-parallel group (`rollout.tensor_model_parallel_size`): each rank
-    /// holds its heads' share of the weights and of the KV cache, and the vocabulary-parallel
-    /// logits are gathered before sampling (as vLLM does), so every rank of the group draws
-    /// the same tokens.
+    /// holds its heads' share of the weights and of the KV cache. Where the backend samples on
+    /// the device, each rank draws from its vocabulary shard and the group combines a few
+    /// numbers per row (`sample_vocab_parallel`); otherwise, or for rows with top-k or top-p,
+    /// the vocabulary-parallel logits are gathered first (as vLLM does). Either way every rank
+    /// of the group draws the same tokens, and the tokens a single GPU would.
     pub(crate) tp: TpGroup,
     cache: Option<SlotKvCache<B>>,
     /// The most slots the KV budget allows.
@@ -729,9 +731,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
     }
 
     /// The next token (and its log-prob, at the sampling temperature) of each busy row of
-    /// `logits` `[rows, vocab]`; `None` for idle rows. On the device where a sampling kernel
-    /// exists (only ids and log-probs are read back), else from the logits read back, with
-    /// each request's host sampler.
+    /// `logits` `[rows, vocab / tp]` (this rank's vocabulary shard); `None` for idle rows. On
+    /// the device where a sampling kernel exists (only ids and log-probs are read back), else
+    /// from the logits read back, with each request's host sampler.
     fn choose(
         &self,
         logits: Tensor<B, 2>,
@@ -759,9 +761,17 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 },
             })
             .collect();
-        let logits = self.full_vocabulary(logits);
-        let vocab = logits.dims()[1];
-        let logits = match sample_rows(logits, &settings) {
+        let vocab = self.model_config.vocab_size;
+        let drawn = match self.tp.is_parallel() && B::samples_on_device() {
+            // Each rank draws from its vocabulary shard; only a few numbers per row meet.
+            true => {
+                let shard = (self.tp.rank * logits.dims()[1], vocab);
+                sample_vocab_parallel(logits, &settings, &self.tp, shard)
+                    .or_else(|logits| sample_rows(self.full_vocabulary(logits), &settings))
+            }
+            false => sample_rows(self.full_vocabulary(logits), &settings),
+        };
+        let logits = match drawn {
             Ok(picks) => {
                 stats.sampled_on_device = true;
                 // The device sampler finds no token when a row has no finite logit; say so

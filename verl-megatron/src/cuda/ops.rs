@@ -132,6 +132,23 @@ impl FusedOps for CudaBackend {
         sampling::sample(logits, rows)
     }
 
+    fn samples_on_device() -> bool {
+        sampling::SWITCH.enabled() && sampling::SHARD_SWITCH.enabled()
+    }
+
+    fn row_max(logits: Tensor<Self, 2>, valid: usize) -> Tensor<Self, 1> {
+        sampling::row_max(logits, valid)
+    }
+
+    fn sample_shard(
+        logits: Tensor<Self, 2>,
+        row_max: Tensor<Self, 1>,
+        rows: &[RowSampling],
+        shard: (usize, usize),
+    ) -> Tensor<Self, 2> {
+        sampling::sample_shard(logits, row_max, rows, shard)
+    }
+
     fn adamw_step(
         param: Tensor<Self, 1>,
         grad: Tensor<Self, 1>,

@@ -41,7 +41,7 @@ pub mod reference;
 mod types;
 
 pub use adamw::{AdamWHyper, AdamWStep};
-pub use types::{DecodeProjections, PrefixTargets, RowSampling, SampledToken};
+pub use types::{DecodeProjections, PrefixTargets, RowSampling, SampledToken, ShardDraw};
 
 use burn::backend::Autodiff;
 use burn::prelude::*;
@@ -209,6 +209,33 @@ pub trait FusedOps: Backend {
     ) -> Result<Vec<SampledToken>, Tensor<Self, 2>> {
         let _ = rows;
         Err(logits)
+    }
+
+    /// Whether [`Self::sample`] and [`Self::sample_shard`] draw on the device. Then a rollout
+    /// whose tensor-parallel group has several ranks samples from the vocabulary shards (the
+    /// same tokens) instead of gathering the logits for the host sampler.
+    fn samples_on_device() -> bool {
+        false
+    }
+
+    /// Each row's largest value among the first `valid` columns of `logits` `[rows, width]`
+    /// (f32; `-inf` when `valid` is 0): a vocabulary shard's part of the row maximum.
+    fn row_max(logits: Tensor<Self, 2>, valid: usize) -> Tensor<Self, 1> {
+        reference::row_max(logits, valid)
+    }
+
+    /// Each row's [`ShardDraw`] over this rank's vocabulary shard `logits` `[rows, width]`
+    /// (f32): its first `valid` columns are ids `vocab_start..vocab_start + valid` (the rest is
+    /// padding), and `row_max` `[rows]` is each row's maximum over the whole vocabulary.
+    /// Returns `[rows, ShardDraw::WORDS]` on the device. By default the shard is read back and
+    /// drawn on the host ([`crate::sampling::reference_shard_draw`]).
+    fn sample_shard(
+        logits: Tensor<Self, 2>,
+        row_max: Tensor<Self, 1>,
+        rows: &[RowSampling],
+        (vocab_start, valid): (usize, usize),
+    ) -> Tensor<Self, 2> {
+        reference::sample_shard(logits, row_max, rows, (vocab_start, valid))
     }
 
     // ---- The optimizer (plain backends). ----

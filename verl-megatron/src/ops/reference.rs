@@ -6,7 +6,7 @@ use burn::prelude::*;
 use burn::tensor::activation::silu;
 use burn::tensor::{FloatDType, Int, TensorData};
 
-use super::{AdamWStep, FusedOps};
+use super::{AdamWStep, FusedOps, RowSampling, ShardDraw};
 
 /// `x / sqrt(mean(x², last dim) + eps) · weight`.
 pub fn rms_norm<B: Backend, const D: usize>(
@@ -161,6 +161,45 @@ pub fn adamw_step<B: Backend>(
         param.mul_scalar(1.0 - s.decay_rate)
     };
     (decayed - delta.mul_scalar(s.lr), exp_avg, exp_avg_sq)
+}
+
+/// [`FusedOps::row_max`] as burn operations (`-inf` for every row when `valid` is 0).
+pub fn row_max<B: Backend>(logits: Tensor<B, 2>, valid: usize) -> Tensor<B, 1> {
+    let [n, _] = logits.dims();
+    match valid {
+        0 => Tensor::full([n], f32::NEG_INFINITY, &logits.device()),
+        _ => logits.narrow(1, 0, valid).max_dim(1).reshape([n]),
+    }
+}
+
+/// [`FusedOps::sample_shard`] on the host: the shard and the row maxima read back, each row
+/// drawn by [`crate::sampling::reference_shard_draw`].
+pub fn sample_shard<B: Backend>(
+    logits: Tensor<B, 2>,
+    row_max: Tensor<B, 1>,
+    rows: &[RowSampling],
+    (vocab_start, valid): (usize, usize),
+) -> Tensor<B, 2> {
+    let [n, width] = logits.dims();
+    let device = logits.device();
+    let x: Vec<f32> = logits
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 after convert");
+    let m: Vec<f32> = row_max
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 after convert");
+    let words: Vec<f32> = (0..n)
+        .flat_map(|r| {
+            let shard = &x[r * width..r * width + valid.min(width)];
+            crate::sampling::reference_shard_draw(shard, vocab_start as u32, m[r], &rows[r])
+                .to_words()
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(words, [n, ShardDraw::WORDS]), &device)
 }
 
 /// Each tensor's sum of squares, kept on the device until one read brings them all back.

@@ -46,6 +46,69 @@ pub struct SampledToken {
     pub kept: u32,
 }
 
+impl RowSampling {
+    /// Whether this row can be drawn from vocabulary shards without their logits meeting:
+    /// temperature and min-p need only the row's maximum, but top-k and top-p rank the whole
+    /// vocabulary (`vocab` ids), so rows with either on are sampled from gathered logits.
+    pub fn draws_from_shards(&self, vocab: usize) -> bool {
+        let top_k_on = self.top_k > 0 && (self.top_k as usize) < vocab;
+        let top_p_on = self.top_p < 1.0;
+        !(top_k_on || top_p_on)
+    }
+}
+
+/// One tensor-parallel rank's part of sampling a row whose logits are split over the
+/// vocabulary (`crate::sampling::sample_vocab_parallel`): its best candidate and its pieces of
+/// the softmax's normaliser, all relative to the row's maximum over the whole vocabulary. The
+/// ranks' parts combine into the [`SampledToken`] the whole row gives
+/// (`crate::sampling::combine_shard_draws`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ShardDraw {
+    /// The candidate's score: `s + g` (its scaled logit plus Gumbel noise) when sampling, `s`
+    /// when greedy; `-inf` when the shard keeps no token.
+    pub score: f32,
+    /// The candidate's id in the whole vocabulary (`u32::MAX`: none).
+    pub token: u32,
+    /// `Σ exp(s)` and `Σ exp(s) · s` over the shard's ids, `s = (x − max) / T`.
+    pub z: f32,
+    pub zs: f32,
+    /// Ids of the shard that passed the filters (0 when greedy).
+    pub kept: u32,
+    /// The candidate's `s`.
+    pub s_token: f32,
+}
+
+impl ShardDraw {
+    /// f32 words a row's draw takes on the device (the sampling kernel's layout: score, token
+    /// bits, z, zs, kept bits, s_token, two unused).
+    pub const WORDS: usize = 8;
+
+    pub fn to_words(&self) -> [f32; Self::WORDS] {
+        [
+            self.score,
+            f32::from_bits(self.token),
+            self.z,
+            self.zs,
+            f32::from_bits(self.kept),
+            self.s_token,
+            0.0,
+            0.0,
+        ]
+    }
+
+    /// A draw from its words (`words.len() >= WORDS`).
+    pub fn from_words(words: &[f32]) -> Self {
+        Self {
+            score: words[0],
+            token: words[1].to_bits(),
+            z: words[2],
+            zs: words[3],
+            kept: words[4].to_bits(),
+            s_token: words[5],
+        }
+    }
+}
+
 /// A decode step's projections of one layer, as the decode-attention kernel reads them.
 pub enum DecodeProjections<B: Backend> {
     /// `q` `[slots, heads · head_dim]`, `k`, `v` `[slots, kv_heads · head_dim]`, biases (if

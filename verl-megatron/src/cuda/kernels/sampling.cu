@@ -261,3 +261,82 @@ verl_sample_rows(const float* __restrict__ logits, const RowParams* __restrict__
         o[3] = (float)kept;
     }
 }
+
+// Each row's largest value among its first `vocab` columns (-inf when none): a vocabulary
+// shard's part of the row maximum the tensor-parallel group agrees on. Grid (rows); `vocab` of
+// the SampleParams is the count of valid columns.
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_row_max(const float* __restrict__ logits, float* __restrict__ out, SampleParams p) {
+    __shared__ Best best_scratch[WARPS];
+    const unsigned int row = blockIdx.x;
+    const float* x = logits + (unsigned long long)row * p.row_pitch;
+    Best local{NEG_INF, 0xffffffffu};
+    for (unsigned int i = threadIdx.x; i < p.vocab; i += THREADS) local = better(local, Best{x[i], i});
+    const Best top = block_best(local, best_scratch);
+    if (threadIdx.x == 0) out[row] = top.value;
+}
+
+struct ShardParams {
+    unsigned int rows;
+    unsigned int vocab;  // valid columns of the shard
+    unsigned int row_pitch;
+    unsigned int vocab_start;  // the shard's first id in the whole vocabulary
+};
+
+// One tensor-parallel rank's part of sampling rows whose logits are split over the vocabulary
+// (`verl_megatron::sampling::sample_vocab_parallel`; no top-k or top-p: those rank the whole
+// vocabulary). Relative to each row's maximum over the whole vocabulary (`row_max`, agreed by
+// the group first), the same scores as `verl_sample_rows`: s = (x - max) / T, the Gumbel noise
+// of the token's id in the whole vocabulary, so the best of the ranks' candidates is the token
+// the whole row draws. Grid (rows). out[row] = {score, token (bits; ~0: none), sum exp(s),
+// sum exp(s) s, kept (bits), s of the token, 0, 0}.
+extern "C" __global__ void __launch_bounds__(THREADS)
+verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ row_max,
+                  const RowParams* __restrict__ params, float* __restrict__ out, ShardParams p) {
+    __shared__ Best best_scratch[WARPS];
+    __shared__ float sum_scratch[WARPS];
+
+    const unsigned int row = blockIdx.x;
+    const float* x = logits + (unsigned long long)row * p.row_pitch;
+    const RowParams rp = params[row];
+    const unsigned int V = p.vocab;
+    const float m = row_max[row];
+    const bool greedy = !(rp.temperature > 0.0f);
+    const float inv_t = greedy ? 1.0f : 1.0f / rp.temperature;
+    const float min_s = (!greedy && rp.min_p > 0.0f) ? logf(rp.min_p) : NEG_INF;
+    const unsigned long long seed = ((unsigned long long)rp.seed_hi << 32) | rp.seed_lo;
+
+    float z_local = 0.0f, zs_local = 0.0f;
+    unsigned int kept_local = 0;
+    Best draw{NEG_INF, 0xffffffffu};
+    for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
+        const float s = (x[i] - m) * inv_t;
+        const float e = expf(s);
+        z_local += e;
+        zs_local += e * s;
+        const unsigned int id = p.vocab_start + i;
+        if (greedy) {
+            draw = better(draw, Best{s, id});
+        } else if (s >= min_s) {
+            const float g = -logf(-logf(uniform(seed, rp.step, id)));
+            draw = better(draw, Best{s + g, id});
+            kept_local += 1;
+        }
+    }
+    const float z = block_sum(z_local, sum_scratch);
+    const float zs = block_sum(zs_local, sum_scratch);
+    const Best pick = block_best(draw, best_scratch);
+    const unsigned int kept = (unsigned int)block_sum((float)kept_local, sum_scratch);
+    if (threadIdx.x == 0) {
+        float* o = out + (unsigned long long)row * 8;
+        const bool found = pick.index != 0xffffffffu;
+        o[0] = pick.value;
+        o[1] = __uint_as_float(pick.index);
+        o[2] = z;
+        o[3] = zs;
+        o[4] = __uint_as_float(kept);
+        o[5] = found ? (x[pick.index - p.vocab_start] - m) * inv_t : NEG_INF;
+        o[6] = 0.0f;
+        o[7] = 0.0f;
+    }
+}

@@ -9,8 +9,8 @@ use burn_cubecl::kernel::into_contiguous;
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
-use super::{empty_f32, KernelSwitch};
-use crate::ops::{RowSampling, SampledToken};
+use super::{empty_f32, CudaPrimitive, KernelSwitch};
+use crate::ops::{RowSampling, SampledToken, ShardDraw};
 
 const SOURCE: &str = include_str!("sampling.cu");
 /// Threads per block (one block per row), as in `sampling.cu`.
@@ -18,6 +18,10 @@ const THREADS: u32 = 1024;
 
 /// Whether the kernel samples where it applies: on unless `VERL_SAMPLING=decomposed`.
 pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_SAMPLING");
+
+/// Whether a rollout tp group samples from its vocabulary shards (`verl_sample_shard`): on
+/// unless `VERL_SAMPLE_SHARDS=decomposed`, which gathers the logits for the whole-row kernel.
+pub static SHARD_SWITCH: KernelSwitch = KernelSwitch::new("VERL_SAMPLE_SHARDS");
 
 /// The 8 words `sampling.cu`'s `RowParams` reads for a row.
 fn row_words(r: &RowSampling) -> [u32; 8] {
@@ -31,6 +35,19 @@ fn row_words(r: &RowSampling) -> [u32; 8] {
         r.step,
         0,
     ]
+}
+
+/// The rows' `RowParams` on the device.
+fn row_params(rows: &[RowSampling], device: &Device<CudaBackend>) -> CudaPrimitive {
+    let words: Vec<f32> = rows
+        .iter()
+        .flat_map(row_words)
+        .map(f32::from_bits)
+        .collect();
+    let n = words.len();
+    Tensor::<CudaBackend, 1>::from_data(TensorData::new(words, [n]), device)
+        .into_primitive()
+        .tensor()
 }
 
 /// Samples each row of f32 `logits` `[rows, vocab]` (the draw `crate::sampling` documents);
@@ -52,14 +69,7 @@ pub fn sample(
     }
     let device = logits.device();
     let x = into_contiguous(logits.into_primitive().tensor());
-    let words: Vec<f32> = rows
-        .iter()
-        .flat_map(row_words)
-        .map(f32::from_bits)
-        .collect();
-    let params = Tensor::<CudaBackend, 1>::from_data(TensorData::new(words, [n * 8]), &device)
-        .into_primitive()
-        .tensor();
+    let params = row_params(rows, &device);
     let out = empty_f32(&x, vec![n, 4]);
     CudaSource::plain("verl_sample_rows", SOURCE, THREADS).launch(
         &x.client,
@@ -81,6 +91,67 @@ pub fn sample(
             kept: o[3] as u32,
         })
         .collect())
+}
+
+/// Each row's largest value among its first `valid` columns (see `FusedOps::row_max`), by
+/// `verl_row_max`; burn's `max_dim` where the kernel does not apply.
+pub fn row_max(logits: Tensor<CudaBackend, 2>, valid: usize) -> Tensor<CudaBackend, 1> {
+    let [n, width] = logits.dims();
+    let applies = SWITCH.enabled()
+        && n > 0
+        && n < (1 << 31)
+        && valid > 0
+        && valid <= width
+        && width < (1 << 31)
+        && logits.dtype() == DType::F32;
+    if !applies {
+        return crate::ops::reference::row_max(logits, valid);
+    }
+    let x = into_contiguous(logits.into_primitive().tensor());
+    let out = empty_f32(&x, vec![n]);
+    CudaSource::plain("verl_row_max", SOURCE, THREADS).launch(
+        &x.client,
+        (n as u32, 1, 1),
+        &[&x, &out],
+        pack_words(&[n as u32, valid as u32, width as u32, 0]),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// Each row's [`ShardDraw`] over a vocabulary shard (see `FusedOps::sample_shard`), by
+/// `verl_sample_shard`: `[rows, ShardDraw::WORDS]` on the device, nothing read back. The host
+/// draw where the kernel does not apply.
+pub fn sample_shard(
+    logits: Tensor<CudaBackend, 2>,
+    row_max: Tensor<CudaBackend, 1>,
+    rows: &[RowSampling],
+    (vocab_start, valid): (usize, usize),
+) -> Tensor<CudaBackend, 2> {
+    let [n, width] = logits.dims();
+    let applies = SWITCH.enabled()
+        && n == rows.len()
+        && n > 0
+        && n < (1 << 31)
+        && valid <= width
+        && width < (1 << 31)
+        && vocab_start + valid < (1 << 31)
+        && logits.dtype() == DType::F32
+        && row_max.dtype() == DType::F32;
+    if !applies {
+        return crate::ops::reference::sample_shard(logits, row_max, rows, (vocab_start, valid));
+    }
+    let device = logits.device();
+    let x = into_contiguous(logits.into_primitive().tensor());
+    let m = into_contiguous(row_max.into_primitive().tensor());
+    let params = row_params(rows, &device);
+    let out = empty_f32(&x, vec![n, ShardDraw::WORDS]);
+    CudaSource::plain("verl_sample_shard", SOURCE, THREADS).launch(
+        &x.client,
+        (n as u32, 1, 1),
+        &[&x, &m, &params, &out],
+        pack_words(&[n as u32, valid as u32, width as u32, vocab_start as u32]),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
 #[cfg(test)]

@@ -71,6 +71,8 @@ fn step_metrics(dir: &Path) -> BTreeMap<u64, BTreeMap<String, f64>> {
                         || k.starts_with("val/")
                         || k.starts_with("val-core/")
                         || k.as_str() == "rollout/seconds"
+                        || k.as_str() == "rollout/prefill_seconds"
+                        || k.as_str() == "rollout/decode_enqueue_seconds"
                         || k.as_str() == "perf/weight_sync_s"
                         || k.as_str() == "rollout/decode_tokens_per_s")
                 })

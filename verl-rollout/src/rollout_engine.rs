@@ -142,6 +142,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 "rollout/decode_steps": [s.decode_steps],
                 "rollout/peak_batch": [s.peak_batch],
                 "rollout/seconds": [s.seconds],
+                "rollout/prefill_seconds": [s.prefill_seconds],
+                // Close to the decode time: the step is bound by the host issuing its work.
+                "rollout/decode_enqueue_seconds": [s.decode_enqueue_seconds],
                 "rollout/decode_tokens_per_s": [s.decode_tokens_per_second()],
             }),
         );

@@ -188,6 +188,13 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
+/// Whether the device collectives hand their launches over with cubecl's syncing flush
+/// (`VERL_COLLECTIVE_FLUSH=sync`) instead of [`super::issue_queued`].
+fn flush_syncs() -> bool {
+    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("VERL_COLLECTIVE_FLUSH").is_ok_and(|v| v == "sync"))
+}
+
 impl NcclCommunicator {
     /// Joins group `id` as `rank` of `world` on `device`; blocks until every member has joined.
     pub fn new(
@@ -279,8 +286,13 @@ impl NcclCommunicator {
         let output = collectives::output_for(collective, &input, n, self.world);
         collectives::launch(collective, &input, &output, n, &buffers.next_call());
         // The kernels wait on the device for the peers' kernels: hand them to the GPU now, so
-        // that no peer waits on a launch still queued on this host.
-        input.client.flush().map_err(|e| err("flush", e))?;
+        // that no peer waits on a launch still queued on this host. `VERL_COLLECTIVE_FLUSH=
+        // sync` flushes as before, syncing to the previous flush (to compare).
+        if flush_syncs() {
+            input.client.flush().map_err(|e| err("flush", e))?;
+        } else {
+            super::issue_queued(&self.device);
+        }
         Ok(Ok(Tensor::from_primitive(
             burn::tensor::TensorPrimitive::Float(output),
         )))

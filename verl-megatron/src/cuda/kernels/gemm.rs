@@ -209,8 +209,13 @@ const OWN_TILES: OwnTiles = OwnTiles {
 };
 
 /// Products of at most this many rows (a decode step's batch against a weight) take
-/// [`decode_tiles`].
+/// [`decode_tiles`] where the weight stream does not take them.
 pub const DECODE_ROWS: usize = 64;
+
+/// Products of at most this many rows take the weight stream ([`decode_gemm`]). Measured on one
+/// H200 (docs/PERFORMANCE.md): the 7B decode step at batch 128 takes 20.2 ms with the stream
+/// against 22.2 ms with the training GEMM, and a rollout tp = 4 generation 3.24 s against 3.94 s.
+pub const STREAM_ROWS: usize = 128;
 
 /// The `gemm.cu` configuration for a product of `m ≤ DECODE_ROWS` rows: a weight-streaming
 /// shape. The training tiles (128 × 128) leave a decode step's wide weights in a few dozen
@@ -244,7 +249,7 @@ enum DecodeGemm {
     Stream,
 }
 
-/// Products of at most this many rows take the weight stream: [`DECODE_ROWS`], or
+/// Products of at most this many rows take the weight stream: [`STREAM_ROWS`], or
 /// `VERL_DECODE_ROWS` (up to [`decode_gemm::MAX_ROWS`]; benchmarks move the cut-over).
 fn stream_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -252,7 +257,7 @@ fn stream_rows() -> usize {
         std::env::var("VERL_DECODE_ROWS")
             .ok()
             .and_then(|v| v.parse().ok())
-            .map_or(DECODE_ROWS, |r: usize| r.min(decode_gemm::MAX_ROWS))
+            .map_or(STREAM_ROWS, |r: usize| r.min(decode_gemm::MAX_ROWS))
     })
 }
 
@@ -372,7 +377,10 @@ fn launch_own(
             if decode_gemm::takes(m, k, a.transposed, b.transposed) && tiles.valid_for(m) {
                 return decode_gemm::launch(lhs, rhs, (a.pitch, b.pitch), out_f32, tiles);
             }
-            OwnKernel::Decode
+            match m <= DECODE_ROWS {
+                true => OwnKernel::Decode,
+                false => OwnKernel::Default,
+            }
         }
         other => other,
     };

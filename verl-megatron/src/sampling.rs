@@ -167,36 +167,56 @@ pub fn sample_vocab_parallel<B: ParallelBackend>(
     let per_row = ShardDraw::WORDS * tp.size;
     Ok(words
         .chunks(per_row)
-        .map(|row| {
+        .zip(rows)
+        .map(|(row, p)| {
             let parts: Vec<ShardDraw> = row
                 .chunks(ShardDraw::WORDS)
                 .map(ShardDraw::from_words)
                 .collect();
-            combine_shard_draws(&parts)
+            (parts, p)
         })
+        .map(|(parts, p)| combine_shard_draws(&parts, p))
         .collect())
 }
 
-/// A row's token from its shards' draws ([`ShardDraw`], in rank order): the best candidate
-/// (larger score, then smaller id: the whole-row kernel's rule), its log-prob against the
-/// summed normaliser, the entropy, and the tokens kept (1 when greedy).
-pub fn combine_shard_draws(parts: &[ShardDraw]) -> SampledToken {
-    let mut best: Option<&ShardDraw> = None;
-    for p in parts.iter().filter(|p| p.token != u32::MAX) {
-        best = match best {
-            Some(b) if !(p.score > b.score || (p.score == b.score && p.token < b.token)) => Some(b),
-            _ => Some(p),
-        };
+/// A row's token from its shards' draws ([`ShardDraw`], in rank order), as the whole-row kernel
+/// chooses it: the best candidate (larger score, then smaller id), or when no shard kept one
+/// (filters that leave nothing, infinite logits) the largest logit; its log-prob against the
+/// summed normaliser; the entropy; the tokens kept (1 when greedy).
+pub fn combine_shard_draws(parts: &[ShardDraw], p: &RowSampling) -> SampledToken {
+    // Larger value, then smaller id; NaN never wins (the kernels' `better`).
+    let better = |a: Option<(f32, u32)>, b: (f32, u32)| match a {
+        _ if b.1 == u32::MAX => a,
+        None => Some(b),
+        Some(a) if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) => Some(b),
+        a => a,
+    };
+    let greedy = p.is_greedy();
+    let mut best: Option<(f32, u32)> = None;
+    let mut top: Option<(f32, u32)> = None;
+    for d in parts {
+        best = better(best, (d.score, d.token));
+        top = better(top, (d.top, d.top_token));
     }
-    let z: f32 = parts.iter().map(|p| p.z).sum();
-    let zs: f32 = parts.iter().map(|p| p.zs).sum();
+    let s_of = |token: u32| parts.iter().find(|d| d.token == token).map(|d| d.s_token);
+    let (token, s_token) = match (best, top) {
+        (Some((_, t)), _) => (t, s_of(t).unwrap_or(f32::NAN)),
+        // The largest logit is the row's maximum: its s is 0 (NaN when infinite).
+        (None, Some((x, t))) => (t, if x.is_finite() { 0.0 } else { f32::NAN }),
+        (None, None) => (u32::MAX, f32::NAN),
+    };
+    let z: f32 = parts.iter().map(|d| d.z).sum();
+    let zs: f32 = parts.iter().map(|d| d.zs).sum();
     let log_z = z.ln();
-    let (token, s_token) = best.map_or((u32::MAX, f32::NEG_INFINITY), |b| (b.token, b.s_token));
     SampledToken {
         token,
         log_prob: s_token - log_z,
         entropy: log_z - zs / z,
-        kept: parts.iter().map(|p| p.kept).sum::<u32>().max(1),
+        kept: if greedy {
+            1
+        } else {
+            parts.iter().map(|d| d.kept).sum()
+        },
     }
 }
 
@@ -208,7 +228,7 @@ pub fn reference_shard_draw(
     row_max: f32,
     p: &RowSampling,
 ) -> ShardDraw {
-    let greedy = p.temperature.is_nan() || p.temperature <= 0.0;
+    let greedy = p.is_greedy();
     let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
     let min_s = if !greedy && p.min_p > 0.0 {
         p.min_p.ln()
@@ -222,25 +242,33 @@ pub fn reference_shard_draw(
         zs: 0.0,
         kept: 0,
         s_token: f32::NEG_INFINITY,
+        top: f32::NEG_INFINITY,
+        top_token: u32::MAX,
     };
+    // Ids rise along the shard, so only a first value can win a tie (against "none"), and a
+    // NaN never wins: the kernel's `better`.
+    let wins = |value: f32, best: f32, none: bool| value > best || (none && value == best);
     for (i, &xi) in x.iter().enumerate() {
         let s = (xi - row_max) * inv_t;
         let e = s.exp();
         d.z += e;
         d.zs += e * s;
         let id = vocab_start + i as u32;
-        let score = if greedy {
-            s
-        } else if s >= min_s {
-            d.kept += 1;
-            s - (-uniform(p.seed, p.step, id).ln()).ln()
-        } else {
-            continue;
-        };
-        // Ids rise along the shard, so a tie keeps the earlier (smaller) one.
-        if score > d.score || d.token == u32::MAX {
-            (d.score, d.token, d.s_token) = (score, id, s);
+        if wins(xi, d.top, d.top_token == u32::MAX) {
+            (d.top, d.top_token) = (xi, id);
         }
+        if !greedy && s >= min_s {
+            d.kept += 1;
+            let score = s - (-uniform(p.seed, p.step, id).ln()).ln();
+            if wins(score, d.score, d.token == u32::MAX) {
+                (d.score, d.token, d.s_token) = (score, id, s);
+            }
+        }
+    }
+    if greedy && d.top_token != u32::MAX {
+        d.score = d.top;
+        d.token = d.top_token;
+        d.s_token = (d.top - row_max) * inv_t;
     }
     d
 }
@@ -371,7 +399,7 @@ mod tests {
         ];
         assert!((parts[0].z - 1.5).abs() < 1e-6 && (parts[1].z - 0.5).abs() < 1e-6);
         assert_eq!((parts[0].token, parts[1].token), (0, 2));
-        let got = combine_shard_draws(&parts);
+        let got = combine_shard_draws(&parts, &greedy);
         assert_eq!((got.token, got.kept), (0, 1));
         assert!((got.log_prob - 0.5f32.ln()).abs() < 1e-6);
         // H = -Σ p ln p = .5 ln 2 + .25 ln 4 + 2 · .125 ln 8.
@@ -397,9 +425,52 @@ mod tests {
             (parts[1].token, parts[1].kept, parts[2].token),
             (u32::MAX, 0, u32::MAX)
         );
-        let got = combine_shard_draws(&parts);
+        let got = combine_shard_draws(&parts, &p);
         assert_eq!((got.token, got.kept), (0, 1));
         assert_eq!(got.token, reference_sample(&x, &p).token);
+    }
+
+    /// Degenerate rows choose as the whole-row kernel does (worked from `sampling.cu`): an
+    /// infinite logit is the greedy token, and the token when min-p then keeps nothing (the
+    /// kernel falls back to its largest logit); a row of `-inf` gives its first id, greedy or
+    /// not (nothing passes, the fallback again); a NaN never wins.
+    #[test]
+    fn infinite_and_nan_logits_choose_as_the_whole_row_kernel() {
+        let draw = |x: &[f32], cut: usize, p: &RowSampling| {
+            let m = x
+                .iter()
+                .copied()
+                .filter(|v| !v.is_nan())
+                .fold(f32::NEG_INFINITY, f32::max);
+            let parts = [
+                reference_shard_draw(&x[..cut], 0, m, p),
+                reference_shard_draw(&x[cut..], cut as u32, m, p),
+            ];
+            combine_shard_draws(&parts, p)
+        };
+        let greedy = RowSampling {
+            temperature: 0.0,
+            ..RowSampling::default()
+        };
+        let min_p = RowSampling {
+            min_p: 0.1,
+            seed: 5,
+            ..RowSampling::default()
+        };
+        let inf = [1.0, 2.0, f32::INFINITY, 3.0];
+        assert_eq!(draw(&inf, 2, &greedy).token, 2);
+        let got = draw(&inf, 2, &min_p);
+        assert_eq!((got.token, got.kept), (2, 0));
+        let none = [f32::NEG_INFINITY; 4];
+        assert_eq!(draw(&none, 2, &greedy).token, 0);
+        assert_eq!(draw(&none, 1, &min_p).token, 0);
+        assert_eq!(draw(&none, 3, &RowSampling::default()).token, 0);
+        let nan = [f32::NAN, 1.0, f32::NAN, 0.5];
+        assert_eq!(draw(&nan, 1, &greedy).token, 1);
+        assert_eq!(
+            reference_shard_draw(&[f32::NAN, 1.0], 0, 1.0, &greedy).token,
+            1
+        );
     }
 
     /// The group path on simulated ranks (threads): an odd vocabulary padded to three shards,
@@ -532,7 +603,7 @@ mod tests {
                 .windows(2)
                 .map(|w| reference_shard_draw(&x[w[0]..w[1]], w[0] as u32, m, &p))
                 .collect();
-            let got = combine_shard_draws(&parts);
+            let got = combine_shard_draws(&parts, &p);
             let want = reference_sample(&x, &p);
             prop_assert_eq!((got.token, got.kept), (want.token, want.kept));
             prop_assert!((got.log_prob - want.log_prob).abs() < 1e-4, "{:?} vs {:?}", got, want);

@@ -291,7 +291,7 @@ impl NcclCommunicator {
         if flush_syncs() {
             input.client.flush().map_err(|e| err("flush", e))?;
         } else {
-            super::issue_queued(&self.device);
+            super::issue_queued(&input.device);
         }
         Ok(Ok(Tensor::from_primitive(
             burn::tensor::TensorPrimitive::Float(output),
@@ -448,6 +448,15 @@ impl NcclCommunicator {
 
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
+        // A collective handed over by `issue_queued` may still wait in cubecl's queue: drain
+        // burn's stream first, so the staging buffers (freed with this communicator) outlive
+        // every kernel that reads them.
+        if matches!(
+            *self.peer.get_mut().unwrap_or_else(|p| p.into_inner()),
+            PeerState::Mapped(_)
+        ) {
+            let _ = DeviceBuffer::sync_burn(&self.device);
+        }
         let comm = self.comm.get_mut().unwrap_or_else(|p| p.into_inner());
         let _ = self.ctx.bind_to_thread();
         // SAFETY: the communicator is not used after this.

@@ -47,13 +47,20 @@ pub struct SampledToken {
 }
 
 impl RowSampling {
+    /// Whether the row takes its largest logit: a temperature that is not above 0 (NaN too).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature.is_nan() || self.temperature <= 0.0
+    }
+
     /// Whether this row can be drawn from vocabulary shards without their logits meeting:
     /// temperature and min-p need only the row's maximum, but top-k and top-p rank the whole
     /// vocabulary (`vocab` ids), so rows with either on are sampled from gathered logits.
+    /// Greedy rows ignore both filters, as the whole-row kernel does.
     pub fn draws_from_shards(&self, vocab: usize) -> bool {
+        let greedy = self.is_greedy();
         let top_k_on = self.top_k > 0 && (self.top_k as usize) < vocab;
         let top_p_on = self.top_p < 1.0;
-        !(top_k_on || top_p_on)
+        greedy || !(top_k_on || top_p_on)
     }
 }
 
@@ -64,8 +71,8 @@ impl RowSampling {
 /// (`crate::sampling::combine_shard_draws`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ShardDraw {
-    /// The candidate's score: `s + g` (its scaled logit plus Gumbel noise) when sampling, `s`
-    /// when greedy; `-inf` when the shard keeps no token.
+    /// The candidate's score: `s + g` (its scaled logit plus Gumbel noise) when sampling, its
+    /// logit when greedy; `-inf` when the shard keeps no token.
     pub score: f32,
     /// The candidate's id in the whole vocabulary (`u32::MAX`: none).
     pub token: u32,
@@ -76,11 +83,16 @@ pub struct ShardDraw {
     pub kept: u32,
     /// The candidate's `s`.
     pub s_token: f32,
+    /// The shard's largest logit and its id (`u32::MAX`: none): the greedy token, and the
+    /// token when no candidate passes the filters anywhere (as the whole-row kernel falls back
+    /// to its largest logit).
+    pub top: f32,
+    pub top_token: u32,
 }
 
 impl ShardDraw {
     /// f32 words a row's draw takes on the device (the sampling kernel's layout: score, token
-    /// bits, z, zs, kept bits, s_token, two unused).
+    /// bits, z, zs, kept bits, s_token, top, top_token bits).
     pub const WORDS: usize = 8;
 
     pub fn to_words(&self) -> [f32; Self::WORDS] {
@@ -91,8 +103,8 @@ impl ShardDraw {
             self.zs,
             f32::from_bits(self.kept),
             self.s_token,
-            0.0,
-            0.0,
+            self.top,
+            f32::from_bits(self.top_token),
         ]
     }
 
@@ -105,6 +117,8 @@ impl ShardDraw {
             zs: words[3],
             kept: words[4].to_bits(),
             s_token: words[5],
+            top: words[6],
+            top_token: words[7].to_bits(),
         }
     }
 }

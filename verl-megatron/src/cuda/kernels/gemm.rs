@@ -700,7 +700,11 @@ fn own_kernel(kind: GemmKind, lhs: &CudaPrimitive) -> OwnKernel {
     let shape = lhs.meta.shape();
     let rows = shape[shape.num_dims() - 2];
     match kind {
-        _ if rows <= stream_rows() && decode_gemm_mode() == DecodeGemm::Stream => {
+        // Past the decode tiles' rows, `VERL_GEMM=wmma` keeps its kernel (a comparison switch).
+        _ if rows <= stream_rows()
+            && decode_gemm_mode() == DecodeGemm::Stream
+            && (rows <= DECODE_ROWS || kind != GemmKind::Wmma) =>
+        {
             OwnKernel::Stream(StreamTiles::for_rows(rows))
         }
         _ if rows <= DECODE_ROWS && decode_gemm_mode() == DecodeGemm::Tiles => OwnKernel::Decode,

@@ -253,7 +253,8 @@ verl_sample_rows(const float* __restrict__ logits, const RowParams* __restrict__
         token = pick.index < V ? pick.index : top.index;
     }
     if (threadIdx.x == 0) {
-        const float s_tok = (x[token] - m) * inv_t;
+        // No token at all only when every logit is NaN: the caller reports it.
+        const float s_tok = token < V ? (x[token] - m) * inv_t : __int_as_float(0x7fc00000);
         float* o = out + (unsigned long long)row * 4;
         o[0] = __uint_as_float(token);
         o[1] = s_tok - log_z;
@@ -288,8 +289,10 @@ struct ShardParams {
 // vocabulary). Relative to each row's maximum over the whole vocabulary (`row_max`, agreed by
 // the group first), the same scores as `verl_sample_rows`: s = (x - max) / T, the Gumbel noise
 // of the token's id in the whole vocabulary, so the best of the ranks' candidates is the token
-// the whole row draws. Grid (rows). out[row] = {score, token (bits; ~0: none), sum exp(s),
-// sum exp(s) s, kept (bits), s of the token, 0, 0}.
+// the whole row draws (greedy: the largest logit, smaller id on ties). Grid (rows). out[row] =
+// {score, token (bits; ~0: none), sum exp(s), sum exp(s) s, kept (bits), s of the token,
+// largest logit, its id (bits; ~0: none)}: the largest logit is also the token when no
+// candidate passes the filters anywhere, as in the whole-row kernel.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ row_max,
                   const RowParams* __restrict__ params, float* __restrict__ out, ShardParams p) {
@@ -308,16 +311,16 @@ verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ ro
 
     float z_local = 0.0f, zs_local = 0.0f;
     unsigned int kept_local = 0;
-    Best draw{NEG_INF, 0xffffffffu};
+    Best draw{NEG_INF, 0xffffffffu}, largest{NEG_INF, 0xffffffffu};
     for (unsigned int i = threadIdx.x; i < V; i += THREADS) {
-        const float s = (x[i] - m) * inv_t;
+        const float xi = x[i];
+        const float s = (xi - m) * inv_t;
         const float e = expf(s);
         z_local += e;
         zs_local += e * s;
         const unsigned int id = p.vocab_start + i;
-        if (greedy) {
-            draw = better(draw, Best{s, id});
-        } else if (s >= min_s) {
+        largest = better(largest, Best{xi, id});
+        if (!greedy && s >= min_s) {
             const float g = -logf(-logf(uniform(seed, rp.step, id)));
             draw = better(draw, Best{s + g, id});
             kept_local += 1;
@@ -325,7 +328,9 @@ verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ ro
     }
     const float z = block_sum(z_local, sum_scratch);
     const float zs = block_sum(zs_local, sum_scratch);
-    const Best pick = block_best(draw, best_scratch);
+    const Best top = block_best(largest, best_scratch);
+    // Greedy: the shard's largest logit (the whole-row kernel's first pass).
+    const Best pick = greedy ? top : block_best(draw, best_scratch);
     const unsigned int kept = (unsigned int)block_sum((float)kept_local, sum_scratch);
     if (threadIdx.x == 0) {
         float* o = out + (unsigned long long)row * 8;
@@ -336,7 +341,7 @@ verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ ro
         o[3] = zs;
         o[4] = __uint_as_float(kept);
         o[5] = found ? (x[pick.index - p.vocab_start] - m) * inv_t : NEG_INF;
-        o[6] = 0.0f;
-        o[7] = 0.0f;
+        o[6] = top.value;
+        o[7] = __uint_as_float(top.index);
     }
 }

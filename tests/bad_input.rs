@@ -98,6 +98,23 @@ fn fewer_rows_than_a_batch_are_refused_naming_train_batch_size() {
         e.contains("data.train_batch_size = 16") && e.contains("has 3 rows"),
         "{e}"
     );
+
+    // verl's `data.train_max_samples` caps the file's rows before the batch is counted.
+    let validated = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .set("data.train_files", train.display())
+        .set("data.train_max_samples", 2)
+        .set(
+            "trainer.default_local_dir",
+            dir.path().join("out").display(),
+        )
+        .build()
+        .unwrap();
+    let e = match PpoTrainer::new(validated) {
+        Ok(_) => panic!("the trainer was built"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("has 2 rows"), "{e}");
 }
 
 /// A token id at or above the model's vocab_size (a tokenizer larger than the model) is refused

@@ -3,6 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
 use verl_core::algorithms::advantage::AdvantageRegistry;
 use verl_core::algorithms::kl::kl_controller;
 use verl_core::config::{ResumeMode, ValidatedConfig, VerlConfig};
@@ -209,12 +212,37 @@ fn config_rows(
         .train_files
         .as_ref()
         .ok_or_else(|| setup("data.train_files: no files and no built-in task"))?;
-    let train = load(files.paths())?;
+    let shuffle = cfg.data.shuffle.then(|| cfg.data.shuffle_seed());
+    let train = cap_rows(load(files.paths())?, cfg.data.train_max_samples, shuffle);
     let val = match &cfg.data.val_files {
         Some(v) => load(v.paths())?,
         None => train.iter().take(64).cloned().collect(),
     };
-    Ok((train, val))
+    Ok((train, cap_rows(val, cfg.data.val_max_samples, shuffle)))
+}
+
+/// At most `max` of `rows` (`max` ≤ 0: all of them), as verl's dataset applies
+/// `data.train_max_samples` / `data.val_max_samples` before filtering overlong prompts: the
+/// first rows, or with a shuffle seed a random subset in drawn order (verl draws with numpy's
+/// generator, so its subset is another one).
+fn cap_rows<T>(rows: Vec<T>, max: i64, shuffle: Option<u64>) -> Vec<T> {
+    let max = match usize::try_from(max) {
+        Ok(m) if m > 0 && m < rows.len() => m,
+        _ => return rows,
+    };
+    let Some(seed) = shuffle else {
+        let mut rows = rows;
+        rows.truncate(max);
+        return rows;
+    };
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
+    order.truncate(max);
+    let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
+    order
+        .into_iter()
+        .map(|i| slots[i].take().expect("a shuffled order names each row once"))
+        .collect()
 }
 
 /// `rows` fitted to `data.max_prompt_length` as verl's dataset does: with
@@ -538,4 +566,28 @@ pub(super) fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
     cfg.trainer
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cap_rows;
+
+    /// Without a shuffle the first rows; with one a seeded subset of distinct rows, the same for
+    /// the same seed; a cap of zero, below zero or past the rows keeps them all.
+    #[test]
+    fn max_samples_take_the_first_rows_or_a_seeded_subset() {
+        let rows: Vec<u32> = (0..10).collect();
+        assert_eq!(cap_rows(rows.clone(), 3, None), vec![0, 1, 2]);
+        for all in [-1, 0, 10, 11] {
+            assert_eq!(cap_rows(rows.clone(), all, Some(7)), rows);
+        }
+        let drawn = cap_rows(rows.clone(), 4, Some(7));
+        assert_eq!(drawn.len(), 4);
+        let mut distinct = drawn.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4);
+        assert_eq!(cap_rows(rows.clone(), 4, Some(7)), drawn);
+        assert_ne!(cap_rows(rows.clone(), 4, Some(8)), drawn, "another seed, another subset");
+    }
 }

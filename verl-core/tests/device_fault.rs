@@ -44,19 +44,24 @@ fn a_device_fault_fails_the_call_that_ends_after_it_and_every_later_one() {
     assert_eq!(ok, vec![0, 1]);
 
     // Rank 1's call "succeeds" with garbage after its device ran out of memory: it fails,
-    // naming the device fault.
+    // naming the device fault. Both ranks' calls end after both faults (the record is
+    // process-wide: rank 0 ending between them would see only the first).
+    let both_recorded = std::sync::Arc::new(std::sync::Barrier::new(2));
     let err = runtime
-        .block_on(
-            group.execute_all("actor.generate_sequences", (), |_w: &mut Rank, ctx, ()| {
+        .block_on(group.execute_all(
+            "actor.generate_sequences",
+            both_recorded,
+            |_w: &mut Rank, ctx, both_recorded| {
                 Box::pin(async move {
                     if ctx.rank == 1 {
                         fail_on_a_device_thread("out of device memory: a block of 8.74 GiB");
                         fail_on_a_device_thread("memory page 0 doesn't exist");
                     }
+                    both_recorded.wait();
                     Ok(u32::MAX)
                 })
-            }),
-        )
+            },
+        ))
         .unwrap_err();
     let text = err.to_string();
     assert!(

@@ -23,6 +23,12 @@ pub struct DataConfig {
     pub shuffle: bool,
     /// The shuffling seed; `null` (verl's default) is 1.
     pub seed: Option<u64>,
+    /// At most this many training / validation rows of the files (≤ 0: all), taken before
+    /// overlong prompts are filtered, as verl's dataset takes them: the first rows, or with
+    /// `shuffle` a random subset drawn with `seed` (verl draws with numpy, so its subset is
+    /// another one).
+    pub train_max_samples: i64,
+    pub val_max_samples: i64,
     /// Drop prompts longer than `max_prompt_length` (in tokens, chat template applied) from the
     /// training and validation sets, as verl's dataset does, instead of truncating them.
     pub filter_overlong_prompts: bool,
@@ -115,6 +121,8 @@ impl Default for DataConfig {
             return_full_prompt: false,
             shuffle: true,
             seed: None,
+            train_max_samples: -1,
+            val_max_samples: -1,
             filter_overlong_prompts: false,
             truncation: Truncation::Error,
             dataloader_num_workers: 0,

@@ -114,8 +114,6 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("**.model.lora.**", "~any", Inert("it applies with lora.rank > 0 only")),
     // Data.
     ("data.use_shm", "false", Inert("data files are read from disk")),
-    ("data.train_max_samples", "-1", NotBuilt("capping the training rows is not built; use a smaller file")),
-    ("data.val_max_samples", "-1", NotBuilt("capping the validation rows is not built; use a smaller file")),
     ("data.tool_config_path", "null", NotBuilt("tool calling is not built (issue: agentic RL)")),
     ("data.image_patch_size", "14", Inert("it applies to vision models only")),
     ("data.validation_shuffle", "false", NotBuilt("validation rows are read in file order")),

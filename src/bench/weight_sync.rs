@@ -33,6 +33,7 @@ pub(crate) fn settings() -> ActorSettings {
         policy_loss: "vanilla".into(),
         loss_params: Default::default(),
         loss_agg_mode: verl::core::algorithms::aggregation::LossAggMode::TokenMean,
+        loss_scale_factor: None,
         entropy_coeff: 0.0,
         use_kl_loss: false,
         kl_loss_coef: 0.0,

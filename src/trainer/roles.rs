@@ -310,6 +310,7 @@ fn actor_settings(
         policy_loss: actor_cfg.policy_loss.loss_mode.clone(),
         loss_params: actor_cfg.policy_loss_params(cfg.trainer.seed),
         loss_agg_mode: actor_cfg.loss_agg_mode,
+        loss_scale_factor: actor_cfg.loss_scale_factor,
         entropy_coeff: actor_cfg.entropy_coeff,
         use_kl_loss: actor_cfg.use_kl_loss,
         kl_loss_coef: actor_cfg.kl_loss_coef,

@@ -241,7 +241,11 @@ fn cap_rows<T>(rows: Vec<T>, max: i64, shuffle: Option<u64>) -> Vec<T> {
     let mut slots: Vec<Option<T>> = rows.into_iter().map(Some).collect();
     order
         .into_iter()
-        .map(|i| slots[i].take().expect("a shuffled order names each row once"))
+        .map(|i| {
+            slots[i]
+                .take()
+                .expect("a shuffled order names each row once")
+        })
         .collect()
 }
 
@@ -588,6 +592,10 @@ mod tests {
         distinct.dedup();
         assert_eq!(distinct.len(), 4);
         assert_eq!(cap_rows(rows.clone(), 4, Some(7)), drawn);
-        assert_ne!(cap_rows(rows.clone(), 4, Some(8)), drawn, "another seed, another subset");
+        assert_ne!(
+            cap_rows(rows.clone(), 4, Some(8)),
+            drawn,
+            "another seed, another subset"
+        );
     }
 }

@@ -476,6 +476,10 @@ fn meaningless_numbers_are_refused_by_field() {
         ),
         ("trainer.sft_warmup_lr=-0.1", "trainer.sft_warmup_lr"),
         (
+            "actor_rollout_ref.actor.loss_scale_factor=0",
+            "actor_rollout_ref.actor.loss_scale_factor",
+        ),
+        (
             "actor_rollout_ref.actor.clip_ratio=-0.2",
             "actor_rollout_ref.actor.clip_ratio",
         ),

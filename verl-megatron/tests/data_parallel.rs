@@ -109,6 +109,19 @@ fn update(
     comm: Option<Arc<dyn Communicator<CpuBackend>>>,
     distributed: bool,
 ) -> (Metrics, Metrics, Vec<Vec<f32>>, usize) {
+    let token_mean = (LossAggMode::TokenMean, None);
+    update_with(token_mean, data, rows_per_rank, micro, comm, distributed)
+}
+
+/// [`update`] with the actor's loss aggregation and `loss_scale_factor`.
+fn update_with(
+    (loss_agg_mode, loss_scale_factor): (LossAggMode, Option<f64>),
+    data: DataProto<CpuBackend>,
+    rows_per_rank: usize,
+    micro: usize,
+    comm: Option<Arc<dyn Communicator<CpuBackend>>>,
+    distributed: bool,
+) -> (Metrics, Metrics, Vec<Vec<f32>>, usize) {
     let device = Default::default();
     let settings = ActorSettings {
         mini_batch_rows: rows_per_rank,
@@ -119,7 +132,8 @@ fn update(
         seed: 0,
         policy_loss: "vanilla".into(),
         loss_params: Default::default(),
-        loss_agg_mode: LossAggMode::TokenMean,
+        loss_agg_mode,
+        loss_scale_factor,
         entropy_coeff: 0.01,
         use_kl_loss: false,
         kl_loss_coef: 0.0,
@@ -179,6 +193,32 @@ fn update(
         .map(|t| t.values.into_data().to_vec::<f32>().unwrap())
         .collect();
     (am, cm, weights, optimizer_tensors)
+}
+
+/// verl's `loss_scale_factor` divides `seq-mean-token-sum-norm`'s loss: the first mini-batch's
+/// policy loss (before any step) with twice the response width is half of the default's, which
+/// divides by that width.
+#[test]
+fn loss_scale_factor_divides_seq_mean_token_sum_norm() {
+    let data = batch();
+    let width = data.int::<2>("responses").unwrap().dims()[1] as f64;
+    let norm = LossAggMode::SeqMeanTokenSumNorm;
+    let first = |factor| {
+        let (m, ..) = update_with((norm, factor), data.clone(), ROWS, 3, None, false);
+        m.0["actor/pg_loss"][0]
+    };
+    let (by_width, by_twice) = (first(None), first(Some(2.0 * width)));
+    assert!(by_width.abs() > 1e-6, "a loss to compare: {by_width}");
+    rel_close(
+        by_twice,
+        by_width / 2.0,
+        "pg_loss with loss_scale_factor = 2 x width",
+    );
+    rel_close(
+        first(Some(width)),
+        by_width,
+        "pg_loss with loss_scale_factor = width",
+    );
 }
 
 fn rel_close(a: f64, b: f64, what: &str) {

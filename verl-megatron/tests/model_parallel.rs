@@ -198,6 +198,7 @@ fn actor_settings(rows: usize) -> ActorSettings {
         policy_loss: "vanilla".into(),
         loss_params: Default::default(),
         loss_agg_mode: LossAggMode::TokenMean,
+        loss_scale_factor: None,
         entropy_coeff: 0.01,
         use_kl_loss: false,
         kl_loss_coef: 0.0,

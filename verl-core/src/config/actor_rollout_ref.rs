@@ -102,6 +102,10 @@ pub struct ActorConfig {
     pub clip_ratio_c: f64,
     /// `token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean`, `seq-mean-token-sum-norm`.
     pub loss_agg_mode: LossAggMode,
+    /// The divisor of `seq-mean-token-sum-norm` (verl's `loss_scale_factor`): a constant keeps
+    /// the normalisation the same whatever the batch's padded response length; `null` divides
+    /// by that length.
+    pub loss_scale_factor: Option<f64>,
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
@@ -133,6 +137,7 @@ impl Default for ActorConfig {
             clip_ratio_high: None,
             clip_ratio_c: 3.0,
             loss_agg_mode: LossAggMode::TokenMean,
+            loss_scale_factor: None,
             entropy_coeff: 0.0,
             use_kl_loss: false,
             kl_loss_coef: 0.001,

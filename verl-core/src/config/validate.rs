@@ -432,6 +432,16 @@ fn check_numbers(cfg: &VerlConfig) -> Result<(), ConfigError> {
             )?;
         }
     }
+    if let Some(f) = actor.loss_scale_factor {
+        if !(f.is_finite() && f > 0.0) {
+            return Err(invalid(
+                "actor_rollout_ref.actor.loss_scale_factor",
+                f,
+                "must be a positive number (the divisor of seq-mean-token-sum-norm)",
+                "set it to the response length to keep, e.g. data.max_response_length, or null",
+            ));
+        }
+    }
     if actor.clip_ratio_c.is_nan() || actor.clip_ratio_c <= 1.0 {
         return Err(invalid(
             "actor_rollout_ref.actor.clip_ratio_c",

@@ -55,7 +55,6 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("actor_rollout_ref.actor.tau_pos", "1.0", Moved("actor_rollout_ref.actor.policy_loss.tau_pos")),
     ("actor_rollout_ref.actor.tau_neg", "1.05", Moved("actor_rollout_ref.actor.policy_loss.tau_neg")),
     ("actor_rollout_ref.actor.freeze_vision_tower", "false", NotBuilt("vision models are not built")),
-    ("actor_rollout_ref.actor.loss_scale_factor", "null", NotBuilt("a fixed loss scale factor is not built; loss_agg_mode sets the normalisation")),
     ("actor_rollout_ref.actor.calculate_entropy", "false", Inert("entropy is computed whenever entropy_coeff or a metric needs it")),
     ("actor_rollout_ref.actor.use_prefix_grouper", "false", NotBuilt("prefix grouping is not built (prompts are shared through the rollout's prefix cache)")),
     ("actor_rollout_ref.actor.use_fused_kernels", "~any", Inert("actor_rollout_ref.model.use_fused_kernels is the setting read")),

@@ -39,6 +39,8 @@ pub struct ActorSettings {
     pub policy_loss: String,
     pub loss_params: PolicyLossParams,
     pub loss_agg_mode: LossAggMode,
+    /// The divisor of `seq-mean-token-sum-norm`; `None`: the mini-batch's response width.
+    pub loss_scale_factor: Option<f64>,
     pub entropy_coeff: f64,
     pub use_kl_loss: bool,
     pub kl_loss_coef: f64,
@@ -402,8 +404,11 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let scale = AggScale {
                     global_tokens: Some(counts[0].max(1.0)),
                     global_sequences: Some(counts[1]),
-                    // The mini-batch's response width, whatever padding a micro-batch drops.
-                    loss_scale_factor: Some(mini_mask.dims()[1] as f64),
+                    // The configured constant, or the mini-batch's response width (whatever
+                    // padding a micro-batch drops).
+                    loss_scale_factor: Some(
+                        s.loss_scale_factor.unwrap_or(mini_mask.dims()[1] as f64),
+                    ),
                     ..Default::default()
                 };
                 let micros = training_micro_batches(

@@ -81,39 +81,30 @@ fn fewer_rows_than_a_batch_are_refused_naming_train_batch_size() {
         [line("1+1="), line("2+2="), line("3+3=")].join("\n"),
     )
     .unwrap();
-    let validated = ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .set("data.train_files", train.display())
-        .set(
-            "trainer.default_local_dir",
-            dir.path().join("out").display(),
-        )
-        .build()
-        .unwrap();
-    let e = match PpoTrainer::new(validated) {
-        Ok(_) => panic!("the trainer was built"),
-        Err(e) => e.to_string(),
+    // The trainer of the file's rows, with verl's `data.train_max_samples`: refused here.
+    let refusal = |max_samples: i64| {
+        let validated = ConfigBuilder::new()
+            .overrides(MAIN_JOB)
+            .set("data.train_files", train.display())
+            .set("data.train_max_samples", max_samples)
+            .set(
+                "trainer.default_local_dir",
+                dir.path().join("out").display(),
+            )
+            .build()
+            .unwrap();
+        match PpoTrainer::new(validated) {
+            Ok(_) => panic!("the trainer was built"),
+            Err(e) => e.to_string(),
+        }
     };
+    let e = refusal(-1);
     assert!(
         e.contains("data.train_batch_size = 16") && e.contains("has 3 rows"),
         "{e}"
     );
-
-    // verl's `data.train_max_samples` caps the file's rows before the batch is counted.
-    let validated = ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .set("data.train_files", train.display())
-        .set("data.train_max_samples", 2)
-        .set(
-            "trainer.default_local_dir",
-            dir.path().join("out").display(),
-        )
-        .build()
-        .unwrap();
-    let e = match PpoTrainer::new(validated) {
-        Ok(_) => panic!("the trainer was built"),
-        Err(e) => e.to_string(),
-    };
+    // The cap applies to the file's rows before the batch is counted.
+    let e = refusal(2);
     assert!(e.contains("has 2 rows"), "{e}");
 }
 

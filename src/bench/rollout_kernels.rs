@@ -64,6 +64,18 @@ fn settings() -> Vec<(&'static str, RowSampling)> {
     ]
 }
 
+/// `rows` copies of `base`, row `i` with seed `seed + i` at draw `step · i` (every row its own
+/// stream and step).
+fn per_row(base: RowSampling, rows: usize, seed: u64, step: u32) -> Vec<RowSampling> {
+    (0..rows)
+        .map(|i| RowSampling {
+            seed: seed + i as u64,
+            step: step * i as u32,
+            ..base
+        })
+        .collect()
+}
+
 /// The kernel against [`reference_sample`] row by row (same draw, so the same token unless
 /// two candidates' noisy scores tie within rounding), and the time of one decode step's
 /// sampling both ways.
@@ -75,13 +87,7 @@ pub(crate) fn check_sampling(device: &Device, failures: &mut Vec<String>) {
             Tensor::random([rows, vocab], Distribution::Normal(0.0, 3.0), device);
         let host: Vec<f32> = logits.to_data().to_vec().expect("f32 logits");
         for (name, base) in settings() {
-            let params: Vec<RowSampling> = (0..rows)
-                .map(|i| RowSampling {
-                    seed: 1000 + i as u64,
-                    step: 3 * i as u32,
-                    ..base
-                })
-                .collect();
+            let params = per_row(base, rows, 1000, 3);
             let Ok(got) = sample_rows(logits.clone(), &params) else {
                 failures.push(format!("sampling {rows}x{vocab} {name}: kernel not taken"));
                 continue;
@@ -237,13 +243,7 @@ fn check_shard_sampling(device: &Device, failures: &mut Vec<String>) {
         let row_max =
             Tensor::<CudaBackend, 1>::from_data(TensorData::new(m.clone(), [rows]), device);
         for (name, base) in settings() {
-            let params: Vec<RowSampling> = (0..rows)
-                .map(|i| RowSampling {
-                    seed: 500 + i as u64,
-                    step: 7 * i as u32,
-                    ..base
-                })
-                .collect();
+            let params = per_row(base, rows, 500, 7);
             if !params[0].draws_from_shards(vocab) {
                 continue;
             }

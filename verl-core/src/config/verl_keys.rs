@@ -32,7 +32,9 @@ use Kind::{Inert, Moved, NotBuilt};
 /// key and `**` any number (zero included).
 const RULES: &[(&str, &str, Kind)] = &[
     // Optimizer and Megatron engine knobs of every role.
-    ("**.optim.weight_decay_incr_style", "constant", NotBuilt("weight-decay schedules are not built; the decay is constant")),
+    // verl hands Megatron's scheduler start_wd = end_wd = weight_decay, so every style keeps
+    // the decay constant (verl/utils/megatron/optimizer.py).
+    ("**.optim.weight_decay_incr_style", "constant", Inert("verl starts and ends the schedule at weight_decay, so every style keeps it constant, as here")),
     ("**.optim.lr_wsd_decay_style", "exponential", Inert("it applies to lr_decay_style=wsd only, which is not offered")),
     ("**.optim.lr_wsd_decay_steps", "null", Inert("it applies to lr_decay_style=wsd only, which is not offered")),
     ("**.optim.use_checkpoint_opt_param_scheduler", "false", NotBuilt("the learning-rate schedule always follows the config, not the checkpoint")),
@@ -446,6 +448,19 @@ mod tests {
             tree,
             json!({"x": {"y": 1}}),
             "an unknown key stays for the reader to refuse"
+        );
+    }
+
+    /// verl's weight-decay style changes nothing in verl (its schedule starts and ends at
+    /// `weight_decay`), so another style is taken with a note, not refused.
+    #[test]
+    fn a_weight_decay_style_is_noted_as_verl_keeps_the_decay_constant() {
+        let mut tree = json!({"actor_rollout_ref": {"actor": {"optim": {"weight_decay_incr_style": "linear"}}}});
+        let notes = take_verl_keys(&mut tree, &json!({})).unwrap();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(
+            notes[0].contains("weight_decay_incr_style") && notes[0].contains("constant"),
+            "{notes:?}"
         );
     }
 

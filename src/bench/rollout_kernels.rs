@@ -127,12 +127,7 @@ fn time_shard_sampling(device: &Device) {
     let logits: Tensor<CudaBackend, 2> =
         Tensor::random([rows, vocab], Distribution::Normal(0.0, 3.0), device);
     let shard = logits.clone().narrow(1, 0, width);
-    let params: Vec<RowSampling> = (0..rows)
-        .map(|i| RowSampling {
-            seed: i as u64,
-            ..RowSampling::default()
-        })
-        .collect();
+    let params = per_row(RowSampling::default(), rows, 0, 0);
     let reps = 20;
     let time = |f: &dyn Fn()| {
         f();
@@ -358,12 +353,7 @@ fn time_sampling(device: &Device) {
     let (rows, vocab) = (64, 151_936);
     let logits: Tensor<CudaBackend, 2> =
         Tensor::random([rows, vocab], Distribution::Normal(0.0, 3.0), device);
-    let params: Vec<RowSampling> = (0..rows)
-        .map(|i| RowSampling {
-            seed: i as u64,
-            ..RowSampling::default()
-        })
-        .collect();
+    let params = per_row(RowSampling::default(), rows, 0, 0);
     let reps = 20;
     let _ = sample_rows(logits.clone(), &params);
     let t = Instant::now();

@@ -73,7 +73,7 @@ pub fn reference_sample(x: &[f32], p: &RowSampling) -> SampledToken {
             (top, m) = (i, xi);
         }
     }
-    let greedy = p.temperature.is_nan() || p.temperature <= 0.0;
+    let greedy = p.is_greedy();
     let inv_t = if greedy { 1.0 } else { 1.0 / p.temperature };
     let s = |i: usize| (x[i] - m) * inv_t;
     let (mut z, mut zs) = (0f32, 0f32);
@@ -173,9 +173,8 @@ pub fn sample_vocab_parallel<B: ParallelBackend>(
                 .chunks(ShardDraw::WORDS)
                 .map(ShardDraw::from_words)
                 .collect();
-            (parts, p)
+            combine_shard_draws(&parts, p)
         })
-        .map(|(parts, p)| combine_shard_draws(&parts, p))
         .collect())
 }
 

@@ -7,7 +7,7 @@ mod agreement;
 #[cfg(feature = "cuda")]
 pub(crate) mod decode_products;
 #[cfg(feature = "host-profile")]
-pub mod host_profile;
+pub(crate) mod host_profile;
 #[cfg(feature = "cuda")]
 pub(crate) mod kernels;
 pub(crate) mod log_prob;
@@ -709,6 +709,10 @@ pub(crate) mod gpu {
     /// back to back, then one wait, as torch's peer times NCCL) and of NCCL behind a host wait
     /// (each call waits), and the largest relative difference between the two results.
     struct CollectiveRow {
+        /// `all-reduce`, `all-gather` or `reduce-scatter`.
+        kind: &'static str,
+        /// The whole message: the all-reduce's input, the all-gather's output, the
+        /// reduce-scatter's input (NCCL's size convention).
         bytes: usize,
         device_ms: f64,
         host_ms: f64,
@@ -747,7 +751,14 @@ pub(crate) mod gpu {
         let device = comm.device().clone();
         let world = comm.world_size();
         let mut report = Vec::new();
-        for len in [1usize, 7, 1024 * world + world, 300_000 * world] {
+        for len in [
+            1usize,
+            7,
+            15 * world,
+            1024 * world + world,
+            300_000 * world,
+            24_000 * world,
+        ] {
             let x =
                 Tensor::<CudaBackend, 1>::random([len], Distribution::Normal(0.0, 1.0), &device)
                     + (comm.rank() as f32);
@@ -817,6 +828,30 @@ pub(crate) mod gpu {
                     })?,
                 )?;
             }
+            // Along a middle dimension (sequence parallel's [batch, seq, hidden]): outer 1 and
+            // a split into 3 (when the length allows), against NCCL followed by the copy.
+            for outer in [1usize, 3] {
+                if len % outer == 0 {
+                    worst(
+                        &format!("all-gather, outer {outer}"),
+                        0.0,
+                        both(&|| {
+                            comm.all_gather_interleaved(x.clone(), outer)
+                                .map(|t| vec![t])
+                        })?,
+                    )?;
+                }
+                if len % (outer * world) == 0 {
+                    worst(
+                        &format!("reduce-scatter, outer {outer}"),
+                        1e-6,
+                        both(&|| {
+                            comm.reduce_scatter_interleaved(x.clone(), ReduceOp::Sum, outer)
+                                .map(|t| vec![t])
+                        })?,
+                    )?;
+                }
+            }
             worst(
                 "broadcast from the last rank",
                 0.0,
@@ -826,48 +861,76 @@ pub(crate) mod gpu {
         Ok(report)
     }
 
-    /// One rank's all-reduce figures per size (bytes of f32), both paths.
-    fn all_reduce_rows(
+    /// One rank's figures per collective and size (bytes of f32), both paths: all-reduce,
+    /// all-gather and reduce-scatter (the sequence-parallel pair).
+    fn collective_rows(
         comm: &NcclCommunicator,
         sizes: &[usize],
         repeat: usize,
     ) -> Result<Vec<CollectiveRow>, String> {
         let device = comm.device().clone();
+        let world = comm.world_size();
         let mut rows = Vec::new();
-        for &bytes in sizes {
-            let len = (bytes / 4).max(1);
-            let x = Tensor::<CudaBackend, 1>::random([len], Distribution::Default, &device);
-            let reduce = || {
-                comm.all_reduce(x.clone(), ReduceOp::Sum)
-                    .map_err(|e| e.to_string())
-            };
-            comm.set_device_collectives(false);
-            let host = reduce()?;
-            let host_ms = per_call_ms(&device, repeat, reduce)?;
-            comm.set_device_collectives(true);
-            let dev = reduce()?;
-            let device_ms = per_call_ms(&device, repeat, reduce)?;
-            rows.push(CollectiveRow {
-                bytes,
-                device_ms,
-                host_ms,
-                deviation: deviation(dev, host),
-            });
+        for kind in ["all-reduce", "all-gather", "reduce-scatter"] {
+            for &bytes in sizes {
+                // Whole f32 elements, a multiple of the group so every rank's part is whole.
+                let len = (bytes / 4).div_ceil(world).max(1) * world;
+                let input = if kind == "all-gather" {
+                    len / world
+                } else {
+                    len
+                };
+                let x = Tensor::<CudaBackend, 1>::random([input], Distribution::Default, &device);
+                let call = || -> Result<Tensor<CudaBackend, 1>, String> {
+                    let out = match kind {
+                        "all-reduce" => comm.all_reduce(x.clone(), ReduceOp::Sum),
+                        // The whole gathered tensor, as sequence parallelism takes it.
+                        "all-gather" => comm.all_gather_interleaved(x.clone(), 1),
+                        _ => comm.reduce_scatter(x.clone(), ReduceOp::Sum),
+                    };
+                    out.map_err(|e| e.to_string())
+                };
+                comm.set_device_collectives(false);
+                let host = call()?;
+                let host_ms = per_call_ms(&device, repeat, call)?;
+                comm.set_device_collectives(true);
+                let dev = call()?;
+                let device_ms = per_call_ms(&device, repeat, call)?;
+                rows.push(CollectiveRow {
+                    kind,
+                    bytes: len * 4,
+                    device_ms,
+                    host_ms,
+                    deviation: deviation(dev, host),
+                });
+            }
         }
         Ok(rows)
     }
 
     fn print_bandwidth(rows: &[CollectiveRow], ranks: usize) {
         println!(
-            "{:>10} {:>14} {:>12} {:>16} {:>12} {:>10}",
-            "bytes", "device us", "busbw GB/s", "NCCL+wait us", "busbw GB/s", "max rel diff"
+            "{:>14} {:>10} {:>14} {:>12} {:>16} {:>12} {:>10}",
+            "collective",
+            "bytes",
+            "device us",
+            "busbw GB/s",
+            "NCCL+wait us",
+            "busbw GB/s",
+            "max rel diff"
         );
         for r in rows {
-            let bus = |ms: f64| {
-                r.bytes as f64 / (ms / 1e3) / 1e9 * 2.0 * (ranks - 1) as f64 / ranks as f64
-            };
+            // NCCL's bus bandwidth: the all-reduce moves 2(n-1)/n of the message per rank,
+            // the all-gather and reduce-scatter (n-1)/n.
+            let factor = match r.kind {
+                "all-reduce" => 2.0,
+                _ => 1.0,
+            } * (ranks - 1) as f64
+                / ranks as f64;
+            let bus = |ms: f64| r.bytes as f64 / (ms / 1e3) / 1e9 * factor;
             println!(
-                "{:>10} {:>14.1} {:>12.1} {:>16.1} {:>12.1} {:>10.1e}",
+                "{:>14} {:>10} {:>14.1} {:>12.1} {:>16.1} {:>12.1} {:>10.1e}",
+                r.kind,
                 r.bytes,
                 r.device_ms * 1e3,
                 bus(r.device_ms),
@@ -910,7 +973,7 @@ pub(crate) mod gpu {
             .collect::<Result<Vec<_>, _>>()?;
         let run = |comm: &NcclCommunicator| -> Result<(Vec<String>, Vec<CollectiveRow>), String> {
             let checks = check_device_collectives(comm)?;
-            Ok((checks, all_reduce_rows(comm, &sizes, repeat)?))
+            Ok((checks, collective_rows(comm, &sizes, repeat)?))
         };
         let print =
             |(checks, rows): &(Vec<String>, Vec<CollectiveRow>), world: usize, how: &str| {
@@ -1049,6 +1112,25 @@ pub(crate) mod gpu {
         ms: f64,
         host_round_trips: f64,
         first_loss: f64,
+        /// The host's time to issue forward and backward (before the optimizer's first read).
+        issue_ms: f64,
+        /// One more step with a device sync after each phase: forward (with the loss),
+        /// backward, optimizer.
+        phases_ms: [f64; 3],
+        /// Collectives per step, of them on the device, and their megabytes.
+        collectives: (f64, f64, f64),
+    }
+
+    impl RankSteps {
+        /// The diagnostic columns: where a rank's step goes.
+        fn detail(&self) -> String {
+            let [f, b, o] = self.phases_ms;
+            let (calls, on_device, mb) = self.collectives;
+            format!(
+                "{:.1} | {f:.1} / {b:.1} / {o:.1} | {calls} ({on_device} on device), {mb:.0} MB",
+                self.issue_ms
+            )
+        }
     }
 
     /// `steps` training steps (forward, log-probs, backward, AdamW) of `cfg` sharded over `tp`
@@ -1060,8 +1142,13 @@ pub(crate) mod gpu {
         device: &burn::backend::cuda::CudaDevice,
         (batch, seq, steps): (usize, usize, usize),
         compute: verl::megatron::layers::precision::ComputeDtype,
+        host_profile: bool,
     ) -> Result<RankSteps, String> {
         type B = CudaAutodiff;
+        #[cfg(feature = "host-profile")]
+        let mut profile = None;
+        #[cfg(not(feature = "host-profile"))]
+        let _ = host_profile;
         let mut model = CausalLm::<B>::init_sharded(cfg, 0.02, 7, device, tp)
             .map_err(|e| e.to_string())?
             .with_compute_dtype(compute);
@@ -1086,31 +1173,73 @@ pub(crate) mod gpu {
             });
         }
         let (mut times, mut trips, mut first_loss) = (Vec::new(), Vec::new(), f64::NAN);
-        for step in 0..steps + 2 {
+        let (mut issued, mut traffic) = (Vec::new(), Vec::new());
+        let mut phases_ms = [0.0; 3];
+        let sync = || {
             let _ = <B as burn::tensor::backend::Backend>::sync(device);
+        };
+        // The warm-up steps, the timed ones, then one with a sync after each phase.
+        for step in 0..steps + 3 {
+            let phased = step == steps + 2;
+            #[cfg(feature = "host-profile")]
+            if host_profile && step == 2 {
+                profile = Some(crate::bench::host_profile::start(997)?);
+            }
+            #[cfg(feature = "host-profile")]
+            if phased {
+                if let Some(profile) = profile.take() {
+                    println!("host profile of the timed steps:{}", profile.report(30)?);
+                }
+            }
+            sync();
             let before = verl::megatron::host_reads::count();
+            let moved = verl::megatron::cuda::nccl::collective_traffic();
             let t = Instant::now();
             let logits = model.forward_window(ids.clone(), None, None, 0, seq - 1);
             let labels = ids.clone().slice([0..batch, 1..seq]);
             let (lp, _) = vocab_parallel_log_probs(logits, labels, tp, model.vocab_start(), false);
             let loss = lp.mean().neg();
+            if phased {
+                phases_ms[0] = synced_ms::<B>(t, device);
+            }
+            let t_backward = Instant::now();
             let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let issue_ms = t.elapsed().as_secs_f64() * 1e3;
+            if phased {
+                phases_ms[1] = synced_ms::<B>(t_backward, device);
+            }
+            let t_optim = Instant::now();
             let (next, report) = optim.step(model, grads);
             model = next;
             report.map_err(|e| e.to_string())?;
             let ms = synced_ms::<B>(t, device);
+            if phased {
+                phases_ms[2] = synced_ms::<B>(t_optim, device);
+                continue;
+            }
             let reads = verl::megatron::host_reads::count() - before;
+            let now = verl::megatron::cuda::nccl::collective_traffic();
             if step == 0 {
                 first_loss = loss.into_scalar().elem::<f32>() as f64;
             } else if step >= 2 {
                 times.push(ms);
                 trips.push(reads as f64);
+                issued.push(issue_ms);
+                traffic.push((
+                    (now.calls - moved.calls) as f64,
+                    (now.on_device - moved.on_device) as f64,
+                    (now.bytes - moved.bytes) as f64 / 1e6,
+                ));
             }
         }
+        let pick = |f: fn(&(f64, f64, f64)) -> f64| median(traffic.iter().map(f).collect());
         Ok(RankSteps {
             ms: median(times),
             host_round_trips: median(trips),
             first_loss,
+            issue_ms: median(issued),
+            phases_ms,
+            collectives: (pick(|t| t.0), pick(|t| t.1), pick(|t| t.2)),
         })
     }
 
@@ -1126,8 +1255,12 @@ pub(crate) mod gpu {
         tps: &[usize],
         sequence_parallel: bool,
         collectives: &[String],
-        tp1_ms: Option<f64>,
+        (tp1_ms, host_profile): (Option<f64>, bool),
     ) -> Result<(), String> {
+        #[cfg(not(feature = "host-profile"))]
+        if host_profile {
+            return Err("--host-profile needs a build with the host-profile feature".into());
+        }
         let mut kinds = Vec::new();
         for c in collectives {
             match c.as_str() {
@@ -1159,9 +1292,10 @@ pub(crate) mod gpu {
             );
             println!(
                 "| layout | collectives | step ms | efficiency | tokens/s per GPU | host round \
-                 trips / step | first loss |"
+                 trips / step | first loss | host issue ms (fwd+bwd) | synced fwd / bwd / optim \
+                 ms | collectives / step |"
             );
-            println!("|---|---|---|---|---|---|---|");
+            println!("|---|---|---|---|---|---|---|---|---|---|");
         };
         // One rank of a process group (torchrun's variables): the job's layout, where rank
         // threads of one process would queue for burn's autodiff graph lock.
@@ -1185,18 +1319,21 @@ pub(crate) mod gpu {
                     comm.clone() as Arc<dyn Communicator<CudaBackend>>,
                     sequence_parallel,
                 );
-                let r = timed_tp_steps(&cfg, &group, &rank_device(local), shape, compute)?;
+                let profile = host_profile && rank == 0;
+                let r = timed_tp_steps(&cfg, &group, &rank_device(local), shape, compute, profile)?;
                 if rank == 0 {
                     let efficiency = tp1_ms.map_or("-".to_string(), |one| {
                         format!("{:.0}%", 100.0 * one / (world as f64 * r.ms))
                     });
                     println!(
-                        "| tp={world} (processes) | {} | {:.1} | {efficiency} | {:.0} | {} | {:.6} |",
+                        "| tp={world} (processes) | {} | {:.1} | {efficiency} | {:.0} | {} | {:.6} \
+                         | {} |",
                         kind_name(device_collectives),
                         r.ms,
                         per_gpu(r.ms, world),
                         r.host_round_trips,
-                        r.first_loss
+                        r.first_loss,
+                        r.detail()
                     );
                 }
             }
@@ -1210,13 +1347,22 @@ pub(crate) mod gpu {
                  does"
             );
         }
-        let one = timed_tp_steps(&cfg, &TpGroup::none(), &rank_device(0), shape, compute)?;
+        // The profiler samples the whole process: only the one-rank run here.
+        let one = timed_tp_steps(
+            &cfg,
+            &TpGroup::none(),
+            &rank_device(0),
+            shape,
+            compute,
+            host_profile,
+        )?;
         println!(
-            "| tp=1 | - | {:.1} | 100% | {:.0} | {} | {:.6} |",
+            "| tp=1 | - | {:.1} | 100% | {:.0} | {} | {:.6} | {} |",
             one.ms,
             per_gpu(one.ms, 1),
             one.host_round_trips,
-            one.first_loss
+            one.first_loss,
+            one.detail()
         );
         let found = verl::megatron::cuda::device_count();
         for &tp in tps.iter().filter(|&&tp| tp > 1) {
@@ -1235,17 +1381,18 @@ pub(crate) mod gpu {
                         comm as Arc<dyn Communicator<CudaBackend>>,
                         sequence_parallel,
                     );
-                    timed_tp_steps(&cfg, &group, &rank_device(rank), shape, compute)
+                    timed_tp_steps(&cfg, &group, &rank_device(rank), shape, compute, false)
                 })?;
                 let r = &ranks[0];
                 println!(
-                    "| tp={tp} | {} | {:.1} | {:.0}% | {:.0} | {} | {:.6} |",
+                    "| tp={tp} | {} | {:.1} | {:.0}% | {:.0} | {} | {:.6} | {} |",
                     kind_name(device_collectives),
                     r.ms,
                     100.0 * one.ms / (tp as f64 * r.ms),
                     per_gpu(r.ms, tp),
                     r.host_round_trips,
-                    r.first_loss
+                    r.first_loss,
+                    r.detail()
                 );
             }
         }

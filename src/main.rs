@@ -350,6 +350,10 @@ enum BenchCommand {
         /// WORLD_SIZE, and rank 0 prints; `bench/gpu/tp_scaling.sh` runs it so).
         #[arg(long)]
         tp1_ms: Option<f64>,
+        /// Sample the host threads over the timed steps and print where their time goes
+        /// (rank 0 of a process group, or the tp = 1 run; needs the host-profile feature).
+        #[arg(long)]
+        host_profile: bool,
     },
 }
 
@@ -579,6 +583,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             no_sequence_parallel,
             collectives,
             tp1_ms,
+            host_profile,
         } => bench::gpu::tp_scaling(
             &preset,
             (batch, seq, steps),
@@ -586,7 +591,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             &tp,
             !no_sequence_parallel,
             &collectives,
-            tp1_ms,
+            (tp1_ms, host_profile),
         ),
         #[cfg(feature = "cuda")]
         BenchCommand::Kernels {

@@ -5,13 +5,13 @@
 # `verl bench tp-scaling` alone runs its ranks as threads of one process, which queue for
 # burn's autodiff graph lock (docs/PERFORMANCE.md).
 # Usage: VERL=/path/to/verl [PRESET=llama3.2-3b] [BATCH=4] [SEQ=1024] [STEPS=3] [TPS="2 4"]
-#        [COLLECTIVES=device] [OUT=/tmp] bash bench/gpu/tp_scaling.sh
+#        [COLLECTIVES=device] [ARGS="--host-profile"] [OUT=/tmp] bash bench/gpu/tp_scaling.sh
 set -uo pipefail
 source "$(dirname "$0")/env.sh"
 OUT=${OUT:-/tmp}/verl-tp-scaling
 mkdir -p "$OUT"
 args=(bench tp-scaling --preset "${PRESET:-llama3.2-3b}" --batch "${BATCH:-4}" --seq "${SEQ:-1024}"
-      --steps "${STEPS:-3}" --collectives "${COLLECTIVES:-device}")
+      --steps "${STEPS:-3}" --collectives "${COLLECTIVES:-device}" ${ARGS:-})
 timeout ${T:-300} "$VERL" "${args[@]}" --tp 1 > "$OUT/tp1.log" 2>&1
 grep -v "NCCL communicator" "$OUT/tp1.log" | tail -4
 one=$(awk -F'|' '/\| tp=1 \|/ {gsub(/ /, "", $4); print $4}' "$OUT/tp1.log")

@@ -6,10 +6,10 @@
 use std::collections::{HashMap, HashSet};
 
 /// A running profile; [`HostProfile::report`] stops it.
-pub struct HostProfile(pprof::ProfilerGuard<'static>);
+pub(crate) struct HostProfile(pprof::ProfilerGuard<'static>);
 
 /// Starts sampling every thread of the process `hz` times a second.
-pub fn start(hz: i32) -> Result<HostProfile, String> {
+pub(crate) fn start(hz: i32) -> Result<HostProfile, String> {
     pprof::ProfilerGuardBuilder::default()
         .frequency(hz)
         .blocklist(&["libc", "libgcc", "pthread", "vdso"])
@@ -36,7 +36,7 @@ fn short(name: &str) -> String {
 
 impl HostProfile {
     /// Stops sampling and returns the per-thread tables, `top` rows each.
-    pub fn report(self, top: usize) -> Result<String, String> {
+    pub(crate) fn report(self, top: usize) -> Result<String, String> {
         let report = self
             .0
             .report()

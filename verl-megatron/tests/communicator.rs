@@ -147,6 +147,72 @@ proptest! {
             prop_assert_eq!(rs, vec![total; rows * 2]);
         }
     }
+
+    #[test]
+    fn interleaved_collectives_follow_the_middle_dimension(n in 1usize..=4, outer in 1usize..=3, inner in 1usize..=3, tcp in any::<bool>()) {
+        // Element (o, i) of rank r's [outer, inner] part is 100r + 10o + i. The gather places
+        // part r at r of the middle of [outer, n, inner]; the reduce-scatter of a rank's
+        // [outer, n, inner] input (element (o, p, i) = 100r + 10o + p + i / 10) returns the sum
+        // over ranks at its own place p = rank.
+        let value = |r: usize, o: usize, i: usize| (100 * r + 10 * o + i) as f32;
+        let out = on_ranks(n, tcp, |c| {
+            let r = c.rank();
+            let part: Vec<f32> = (0..outer)
+                .flat_map(|o| (0..inner).map(move |i| value(r, o, i)))
+                .collect();
+            let g = c.all_gather_interleaved(t(&part), outer).unwrap();
+            let full: Vec<f32> = (0..outer)
+                .flat_map(|o| {
+                    (0..n).flat_map(move |p| {
+                        (0..inner).map(move |i| (100 * r + 10 * o + p) as f32 + i as f32 / 10.0)
+                    })
+                })
+                .collect();
+            let rs = c
+                .reduce_scatter_interleaved(t(&full), ReduceOp::Sum, outer)
+                .unwrap();
+            (r, host(g), host(rs))
+        });
+        for (r, g, rs) in out {
+            let mut want_g = Vec::new();
+            for o in 0..outer {
+                for p in 0..n {
+                    want_g.extend((0..inner).map(|i| value(p, o, i)));
+                }
+            }
+            prop_assert_eq!(g, want_g);
+            let mut want_rs = Vec::new();
+            for o in 0..outer {
+                for i in 0..inner {
+                    // Summed in rank order, as every implementation does.
+                    let mut acc = 0f32;
+                    for q in 0..n {
+                        let x = (100 * q + 10 * o + r) as f32 + i as f32 / 10.0;
+                        acc = if q == 0 { x } else { acc + x };
+                    }
+                    want_rs.push(acc);
+                }
+            }
+            prop_assert_eq!(rs, want_rs);
+        }
+    }
+}
+
+#[test]
+fn interleaved_collectives_refuse_a_length_that_does_not_split() {
+    let out = on_ranks(2, false, |c| {
+        let gather = c
+            .all_gather_interleaved(t(&[1.0, 2.0, 3.0]), 2)
+            .unwrap_err();
+        let scatter = c
+            .reduce_scatter_interleaved(t(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), ReduceOp::Sum, 2)
+            .unwrap_err();
+        (gather.to_string(), scatter.to_string())
+    });
+    for (gather, scatter) in out {
+        assert!(gather.contains("[outer 2, ranks 1, inner]"), "{gather}");
+        assert!(scatter.contains("[outer 2, ranks 2, inner]"), "{scatter}");
+    }
 }
 
 #[test]

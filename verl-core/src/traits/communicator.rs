@@ -92,6 +92,36 @@ pub trait Communicator<B: Backend>: Send + Sync {
     /// Every rank gets `root`'s `tensor` (the others' inputs only give the shape).
     fn broadcast(&self, tensor: Tensor<B, 1>, root: usize) -> Result<Tensor<B, 1>, CommError>;
 
+    /// The all-gather along a middle dimension: each rank's `tensor` is `[outer, inner]`
+    /// (flat), and every rank gets `[outer, world, inner]` (flat), rank `r`'s part at `r` of
+    /// the middle. Sequence parallelism gathers `[batch, seq, hidden]` so, with `outer` the
+    /// batch. `outer` must divide the length. The default gathers, then interleaves with a
+    /// copy; a communicator that can write the layout directly overrides it.
+    fn all_gather_interleaved(
+        &self,
+        tensor: Tensor<B, 1>,
+        outer: usize,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let inner = interleaved_inner(tensor.dims()[0], outer, 1)?;
+        let parts = self.all_gather(tensor)?;
+        Ok(interleave(parts, outer, inner))
+    }
+
+    /// The reduce-scatter along a middle dimension: each rank's `tensor` is
+    /// `[outer, world, inner]` (flat), and this rank gets `[outer, inner]` (flat), the
+    /// reduction of part `rank` of the middle. `outer · world` must divide the length. The
+    /// default moves the middle dimension first with a copy.
+    fn reduce_scatter_interleaved(
+        &self,
+        tensor: Tensor<B, 1>,
+        op: ReduceOp,
+        outer: usize,
+    ) -> Result<Tensor<B, 1>, CommError> {
+        let world = self.world_size();
+        let inner = interleaved_inner(tensor.dims()[0], outer, world)?;
+        self.reduce_scatter(middle_first(tensor, outer, world, inner), op)
+    }
+
     /// Sends `tensor` to rank `dst`; pairs with `dst`'s `recv(self.rank())`.
     fn send(&self, tensor: Tensor<B, 1>, dst: usize) -> Result<(), CommError>;
 
@@ -118,6 +148,52 @@ pub trait Communicator<B: Backend>: Send + Sync {
     fn abort(&self, reason: &str) {
         let _ = reason;
     }
+}
+
+/// `inner` of a flat `[outer, world, inner]` tensor of `len` elements, or the error naming why
+/// the length does not split so.
+pub fn interleaved_inner(len: usize, outer: usize, world: usize) -> Result<usize, CommError> {
+    if outer == 0 || world == 0 || !len.is_multiple_of(outer * world) {
+        return Err(CommError::Shape(format!(
+            "{len} elements do not split as [outer {outer}, ranks {world}, inner]"
+        )));
+    }
+    Ok(len / (outer * world))
+}
+
+/// The ranks' `[outer, inner]` parts laid out as `[outer, world, inner]`, flat: the default
+/// of [`Communicator::all_gather_interleaved`], one copy.
+pub fn interleave<B: Backend>(
+    parts: Vec<Tensor<B, 1>>,
+    outer: usize,
+    inner: usize,
+) -> Tensor<B, 1> {
+    if outer == 1 {
+        return Tensor::cat(parts, 0);
+    }
+    let world = parts.len();
+    let parts = parts
+        .into_iter()
+        .map(|p| p.reshape([outer, 1, inner]))
+        .collect();
+    Tensor::cat(parts, 1).reshape([outer * world * inner])
+}
+
+/// A flat `[outer, world, inner]` tensor as `[world, outer, inner]`, flat (a copy unless
+/// `outer` is 1): the layout whose equal chunks are the parts.
+pub fn middle_first<B: Backend>(
+    tensor: Tensor<B, 1>,
+    outer: usize,
+    world: usize,
+    inner: usize,
+) -> Tensor<B, 1> {
+    if outer == 1 {
+        return tensor;
+    }
+    tensor
+        .reshape([outer, world, inner])
+        .swap_dims(0, 1)
+        .reshape([outer * world * inner])
 }
 
 /// Shaped collectives on top of the flat core, for any communicator.

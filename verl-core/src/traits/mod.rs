@@ -17,8 +17,8 @@ mod sharding;
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};
 pub use communicator::{
-    comm_timeout, comm_timeout_from, reduce_scatter_chunk, Communicator, CommunicatorExt, ReduceOp,
-    COMM_TIMEOUT_ENV,
+    comm_timeout, comm_timeout_from, interleave, interleaved_inner, middle_first,
+    reduce_scatter_chunk, Communicator, CommunicatorExt, ReduceOp, COMM_TIMEOUT_ENV,
 };
 pub use critic::Critic;
 pub use offload::{HostOffload, OffloadSwitches, TransferReport};

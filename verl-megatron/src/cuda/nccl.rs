@@ -32,7 +32,9 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys};
 use verl_core::backend::CudaBackend;
 use verl_core::error::CommError;
-use verl_core::traits::{reduce_scatter_chunk, Communicator, ReduceOp};
+use verl_core::traits::{
+    interleave, interleaved_inner, middle_first, reduce_scatter_chunk, Communicator, ReduceOp,
+};
 
 use super::buffer::DeviceBuffer;
 use super::kernels::collectives::{self, Collective};
@@ -145,14 +147,32 @@ pub struct NcclCommunicator {
     device_collectives: std::sync::atomic::AtomicBool,
 }
 
-/// Bytes of one staging half of a group's peer buffers: `VERL_PEER_BUFFER_MB` MiB, 64 by
-/// default (two halves per group that uses them).
-fn staging_half_bytes() -> usize {
-    std::env::var("VERL_PEER_BUFFER_MB")
+/// `name` in MiB from the environment as bytes, `default` MiB when unset or not a number.
+fn env_mib(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(64)
+        .unwrap_or(default)
         << 20
+}
+
+/// Bytes of one staging half when a group maps its peer buffers: `VERL_PEER_BUFFER_MB` MiB, 64
+/// by default (two halves per group that uses them).
+fn staging_half_bytes() -> usize {
+    env_mib("VERL_PEER_BUFFER_MB", 64)
+}
+
+/// The most bytes a staging half grows to for a larger message: `VERL_PEER_BUFFER_MAX_MB` MiB,
+/// 256 by default. Messages above it go to NCCL.
+fn staging_half_max_bytes() -> usize {
+    env_mib("VERL_PEER_BUFFER_MAX_MB", 256).max(staging_half_bytes())
+}
+
+/// The half size to grow to for a message of `message` bytes from halves of `now` bytes:
+/// at least double, so that messages of slowly rising sizes (dynamic batches) grow the buffers
+/// a few times only; `None` past `max`.
+fn grown_half_bytes(now: usize, message: usize, max: usize) -> Option<usize> {
+    (message <= max).then(|| message.max(2 * now).min(max))
 }
 
 fn nccl_dtype(dtype: DType) -> Result<sys::ncclDataType_t, CommError> {
@@ -186,6 +206,39 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
         ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
         ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
     }
+}
+
+/// What the collectives of this process's [`NcclCommunicator`]s have moved so far (all-reduce,
+/// all-gather, reduce-scatter and broadcast): read it before and after a step, as
+/// [`crate::host_reads`], to see how many collectives a step runs and how many bytes they carry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CollectiveTraffic {
+    /// Collectives called.
+    pub calls: usize,
+    /// Of those, the ones that ran as the device kernels (the rest: NCCL behind a host wait).
+    pub on_device: usize,
+    /// Bytes of their messages (NCCL's convention: the all-gather's output, the others' input).
+    pub bytes: usize,
+}
+
+static TRAFFIC: [std::sync::atomic::AtomicUsize; 3] =
+    [const { std::sync::atomic::AtomicUsize::new(0) }; 3];
+
+/// The collectives recorded so far in this process.
+pub fn collective_traffic() -> CollectiveTraffic {
+    let read = |i: usize| TRAFFIC[i].load(std::sync::atomic::Ordering::Relaxed);
+    CollectiveTraffic {
+        calls: read(0),
+        on_device: read(1),
+        bytes: read(2),
+    }
+}
+
+fn note_traffic(on_device: bool, bytes: usize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    TRAFFIC[0].fetch_add(1, Relaxed);
+    TRAFFIC[1].fetch_add(on_device as usize, Relaxed);
+    TRAFFIC[2].fetch_add(bytes, Relaxed);
 }
 
 /// Whether the device collectives hand their launches over with cubecl's syncing flush
@@ -250,6 +303,24 @@ impl NcclCommunicator {
     ) -> Result<Result<Tensor<CudaBackend, 1>, Tensor<CudaBackend, 1>>, CommError> {
         let dtype = tensor.dtype();
         let n = tensor.dims()[0];
+        let message = match collective {
+            Collective::AllGather { .. } => n * self.world,
+            _ => n,
+        } * dtype.size();
+        let result = self.try_on_device(collective, tensor, n, dtype);
+        if let Ok(ran) = &result {
+            note_traffic(ran.is_ok(), message);
+        }
+        result
+    }
+
+    fn try_on_device(
+        &self,
+        collective: Collective,
+        tensor: Tensor<CudaBackend, 1>,
+        n: usize,
+        dtype: DType,
+    ) -> Result<Result<Tensor<CudaBackend, 1>, Tensor<CudaBackend, 1>>, CommError> {
         if !self
             .device_collectives
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -276,12 +347,56 @@ impl NcclCommunicator {
         let PeerState::Mapped(buffers) = &mut *state else {
             return Ok(Err(tensor));
         };
-        // Larger messages go to NCCL: past a staging half, its ring outruns the kernels' reads
-        // (measured: 256 MiB over 4 H200s, 1.4 ms against 2.2 ms) and one host wait is
-        // small beside the transfer.
         if n > buffers.capacity(dtype.size()) {
-            return Ok(Err(tensor));
+            // Every member sees the same length, so all grow here together, or all hand the
+            // message to NCCL (past the largest half: one host wait is small beside it).
+            let Some(half) = grown_half_bytes(
+                buffers.half_bytes(),
+                n * dtype.size(),
+                staging_half_max_bytes(),
+            ) else {
+                return Ok(Err(tensor));
+            };
+            let comm = self.comm.lock().unwrap_or_else(|p| p.into_inner());
+            let old_half = buffers.half_bytes();
+            // Nothing may read the old buffers when they go: this rank's work first, then
+            // every member's (the exchange is a barrier).
+            DeviceBuffer::sync_burn(&self.device).map_err(CommError::Backend)?;
+            crate::host_reads::note(1);
+            PeerBuffers::quiesce(comm.0, &self.stream, &self.ctx, self.world)?;
+            *state = PeerState::NotTried;
+            let open = |bytes| {
+                PeerBuffers::open(
+                    comm.0,
+                    &self.stream,
+                    &self.ctx,
+                    (self.rank, self.world),
+                    bytes,
+                )
+            };
+            // A member that cannot allocate the larger halves keeps the group on the old size.
+            let grown = match open(half)? {
+                Some(grown) => Some(grown),
+                None => open(old_half)?,
+            };
+            tracing::debug!(
+                rank = self.rank,
+                from_mib = old_half >> 20,
+                to_mib = grown.as_ref().map(|b| b.half_bytes() >> 20),
+                "staging halves grown for a larger message"
+            );
+            *state = grown.map_or(PeerState::Unavailable, PeerState::Mapped);
+            drop(comm);
+            let PeerState::Mapped(grown) = &mut *state else {
+                return Ok(Err(tensor));
+            };
+            if n > grown.capacity(dtype.size()) {
+                return Ok(Err(tensor));
+            }
         }
+        let PeerState::Mapped(buffers) = &mut *state else {
+            return Ok(Err(tensor));
+        };
         let input = burn_cubecl::kernel::into_contiguous(tensor.into_primitive().tensor());
         let output = collectives::output_for(collective, &input, n, self.world);
         collectives::launch(collective, &input, &output, n, &buffers.next_call());
@@ -505,7 +620,7 @@ impl Communicator<CudaBackend> for NcclCommunicator {
             return Ok(vec![tensor]);
         }
         let n = tensor.dims()[0];
-        match self.on_device(Collective::AllGather, tensor)? {
+        match self.on_device(Collective::AllGather { outer: 1 }, tensor)? {
             Ok(all) => Ok((0..self.world)
                 .map(|r| all.clone().narrow(0, r * n, n))
                 .collect()),
@@ -522,9 +637,64 @@ impl Communicator<CudaBackend> for NcclCommunicator {
         if self.world == 1 {
             return Ok(tensor);
         }
-        match self.on_device(Collective::ReduceScatter(kernel_op(op)), tensor)? {
+        let collective = Collective::ReduceScatter {
+            op: kernel_op(op),
+            outer: 1,
+        };
+        match self.on_device(collective, tensor)? {
             Ok(out) => Ok(out),
             Err(tensor) => self.nccl_reduce_scatter(tensor, op),
+        }
+    }
+
+    /// The device kernel writes the interleaved layout itself (no copy after the gather).
+    fn all_gather_interleaved(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+        outer: usize,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        let inner = interleaved_inner(tensor.dims()[0], outer, 1)?;
+        if self.world == 1 {
+            return Ok(tensor);
+        }
+        match u32::try_from(outer) {
+            Ok(outer) => match self.on_device(Collective::AllGather { outer }, tensor)? {
+                Ok(all) => Ok(all),
+                Err(tensor) => Ok(interleave(
+                    self.nccl_all_gather(tensor)?,
+                    outer as usize,
+                    inner,
+                )),
+            },
+            Err(_) => Ok(interleave(self.all_gather(tensor)?, outer, inner)),
+        }
+    }
+
+    /// The device kernel reads the rank's place of the middle in place (no copy before).
+    fn reduce_scatter_interleaved(
+        &self,
+        tensor: Tensor<CudaBackend, 1>,
+        op: ReduceOp,
+        outer: usize,
+    ) -> Result<Tensor<CudaBackend, 1>, CommError> {
+        let inner = interleaved_inner(tensor.dims()[0], outer, self.world)?;
+        if self.world == 1 {
+            return Ok(tensor);
+        }
+        let fallback =
+            |tensor| self.nccl_reduce_scatter(middle_first(tensor, outer, self.world, inner), op);
+        match u32::try_from(outer) {
+            Ok(outer_u32) => {
+                let collective = Collective::ReduceScatter {
+                    op: kernel_op(op),
+                    outer: outer_u32,
+                };
+                match self.on_device(collective, tensor)? {
+                    Ok(out) => Ok(out),
+                    Err(tensor) => fallback(tensor),
+                }
+            }
+            Err(_) => fallback(tensor),
         }
     }
 
@@ -654,5 +824,31 @@ impl ProcessGroups<CudaBackend> {
             groups.insert(kind, Arc::new(comm));
         }
         Ok(ProcessGroups::from_parts(Arc::new(world_comm), groups))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grown_half_bytes;
+
+    #[test]
+    fn staging_grows_at_least_twofold_up_to_the_cap() {
+        const MIB: usize = 1 << 20;
+        // A 100 MB message from 64 MiB halves: 128 MiB (twice), not just the message.
+        assert_eq!(
+            grown_half_bytes(64 * MIB, 100_000_000, 256 * MIB),
+            Some(128 * MIB)
+        );
+        // A message past twice the halves: the message itself.
+        assert_eq!(
+            grown_half_bytes(64 * MIB, 200 * MIB, 256 * MIB),
+            Some(200 * MIB)
+        );
+        // Doubling stops at the cap; a message over the cap goes to NCCL.
+        assert_eq!(
+            grown_half_bytes(200 * MIB, 210 * MIB, 256 * MIB),
+            Some(256 * MIB)
+        );
+        assert_eq!(grown_half_bytes(64 * MIB, 257 * MIB, 256 * MIB), None);
     }
 }

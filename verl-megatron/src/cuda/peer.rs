@@ -287,6 +287,24 @@ impl PeerBuffers {
         self.half_bytes / bytes_per
     }
 
+    /// Bytes of one staging half.
+    pub fn half_bytes(&self) -> usize {
+        self.half_bytes
+    }
+
+    /// Returns once every member of `comm` has called it (an exchange of empty records): with
+    /// each member's device work waited for before, no kernel reads any member's buffers any
+    /// more, and they may be dropped. Collective.
+    pub fn quiesce(
+        comm: nccl_sys::ncclComm_t,
+        stream: &Arc<CudaStream>,
+        ctx: &Arc<CudaContext>,
+        world: usize,
+    ) -> Result<(), CommError> {
+        ctx.bind_to_thread().map_err(|e| err("bind", e))?;
+        exchange(comm, stream, world, &[0u8; RECORD]).map(|_| ())
+    }
+
     /// The next call's view: its epoch and the staging half it uses on every rank.
     pub fn next_call(&mut self) -> PeerCall {
         self.calls = self.calls.wrapping_add(1).max(1);

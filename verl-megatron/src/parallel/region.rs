@@ -308,25 +308,27 @@ pub fn run_collective<B: Backend, const D: usize>(
             let per = dims[d] / n;
             x.narrow(d, rank * per, per)
         }
+        // Gathered and scattered along `d` in place: `[outer, (ranks,) inner]` with `outer`
+        // the dimensions before `d` (no copy to move `d` first).
         Collective::AllGather(d) => {
-            let parts = comm
-                .all_gather(x.flatten(0, D - 1))
-                .unwrap_or_else(|e| fail(e));
-            Tensor::cat(parts.into_iter().map(|p| p.reshape(dims)).collect(), d)
+            let outer = dims[..d].iter().product();
+            let mut full = dims;
+            full[d] *= n;
+            comm.all_gather_interleaved(x.flatten(0, D - 1), outer)
+                .unwrap_or_else(|e| fail(e))
+                .reshape(full)
         }
         Collective::ReduceScatter(d) => {
             assert!(
                 dims[d].is_multiple_of(n),
                 "reduce-scatter of dim {d} of {dims:?} over {n} ranks must divide"
             );
-            // With `d` first, the flat chunks are the parts.
-            let moved = x.swap_dims(0, d);
-            let mut part = moved.dims();
-            part[0] /= n;
-            comm.reduce_scatter(moved.flatten(0, D - 1), ReduceOp::Sum)
+            let outer = dims[..d].iter().product();
+            let mut part = dims;
+            part[d] /= n;
+            comm.reduce_scatter_interleaved(x.flatten(0, D - 1), ReduceOp::Sum, outer)
                 .unwrap_or_else(|e| fail(e))
                 .reshape(part)
-                .swap_dims(0, d)
         }
     }
 }

@@ -14,7 +14,7 @@
 // e + 2 after every peer has started call e + 1, so after every peer has finished reading
 // call e's half.
 //
-// Defines: ELEM_BF16 (1: bf16 elements, else f32), MAX_BLOCKS, MAX_RANKS.
+// Defines: ELEM_BF16 (1: bf16 elements, else f32), MAX_BLOCKS, MAX_RANKS, THREADS.
 
 #include <cuda_bf16.h>
 
@@ -48,8 +48,18 @@ struct Info {
     unsigned int n, epoch;       // elements (per rank for all-gather; in all for the others)
     unsigned int kind, root;
     unsigned int op, vectorised; // vectorised: n (and the chunks) are whole VEC-element units
+    // The all-gather's output and the reduce-scatter's input are [outer, world, inner]: the
+    // ranks' parts interleaved along a middle dimension (1: one after another).
+    unsigned int outer, pad;
     unsigned long long timeout_ns;
 };
+
+// Unit p of a [outer, inner] part (units) at place r of the middle of [outer, span, inner].
+__device__ __forceinline__ unsigned int interleaved(unsigned int p, unsigned int r, unsigned int inner,
+                                                    unsigned int span) {
+    unsigned int o = p / inner;
+    return (o * span + r) * inner + (p - o * inner);
+}
 
 template <int V>
 struct __align__(sizeof(T) * V) Pack {
@@ -118,47 +128,127 @@ __device__ __forceinline__ Pack<V> load_peer(const T* base, unsigned int unit) {
     return out;
 }
 
+// Units each thread moves per round of the grid-stride loops: the loads of a round are issued
+// before its stores, so that more bytes are in flight over NVLink than one 16-byte load a
+// thread at a time.
+#define UNROLL 4
+
 template <int V>
 __device__ __forceinline__ void copy_units(T* dst, const T* src, unsigned int units) {
     const Pack<V>* s = reinterpret_cast<const Pack<V>*>(src);
     Pack<V>* d = reinterpret_cast<Pack<V>*>(dst);
-    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
+    const unsigned int stride = gridDim.x * blockDim.x;
+    unsigned int u = blockIdx.x * blockDim.x + threadIdx.x;
+    for (; u + (UNROLL - 1) * stride < units; u += UNROLL * stride) {
+        Pack<V> p[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) p[k] = s[u + k * stride];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) d[u + k * stride] = p[k];
+    }
+    for (; u < units; u += stride) {
         d[u] = s[u];
     }
 }
 
-// out[offset + u] = op over ranks of peer_r[offset + u], for the block's units of [0, units);
-// also written to `keep` (the own staging buffer) when it is not null.
+// op over the ranks, in rank order, of unit `unit` of every rank's staging buffer. All ranks'
+// loads are issued before the first is used (the loop is unrolled to MAX_RANKS and guarded).
 template <int V>
-__device__ void reduce_units(const Info& a, T* out, T* keep, unsigned int offset, unsigned int units) {
-    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
-        float acc[V];
-        for (unsigned int r = 0; r < a.world; ++r) {
-            Pack<V> p = load_peer<V>((const T*)a.data[r], offset + u);
+__device__ __forceinline__ Pack<V> reduce_pack(const Info& a, unsigned int unit) {
+    Pack<V> p[MAX_RANKS];
+#pragma unroll
+    for (unsigned int r = 0; r < MAX_RANKS; ++r) {
+        if (r < a.world) p[r] = load_peer<V>((const T*)a.data[r], unit);
+    }
+    float acc[V];
+#pragma unroll
+    for (unsigned int r = 0; r < MAX_RANKS; ++r) {
+        if (r < a.world) {
 #pragma unroll
             for (int i = 0; i < V; ++i) {
-                float x = to_f(p.e[i]);
+                float x = to_f(p[r].e[i]);
                 acc[i] = r == 0 ? x : (a.op == OP_MAX ? fmaxf(acc[i], x) : acc[i] + x);
             }
         }
-        Pack<V> o;
+    }
+    Pack<V> o;
 #pragma unroll
-        for (int i = 0; i < V; ++i) {
-            o.e[i] = from_f(a.op == OP_AVG ? acc[i] / (float)a.world : acc[i]);
+    for (int i = 0; i < V; ++i) {
+        o.e[i] = from_f(a.op == OP_AVG ? acc[i] / (float)a.world : acc[i]);
+    }
+    return o;
+}
+
+// out[d] = op over ranks of peer_r[q], q = interleaved(u, slot, inner, span), for the block's
+// units u of [0, units), d = q when `at_source` else u; also written to `keep[d]` (the own
+// staging buffer) when it is not null. Two units a round.
+template <int V>
+__device__ void reduce_units(const Info& a, T* out, T* keep, unsigned int slot, unsigned int inner,
+                             unsigned int span, bool at_source, unsigned int units) {
+    Pack<V>* o = reinterpret_cast<Pack<V>*>(out);
+    Pack<V>* k = reinterpret_cast<Pack<V>*>(keep);
+    const unsigned int stride = gridDim.x * blockDim.x;
+    unsigned int u = blockIdx.x * blockDim.x + threadIdx.x;
+    for (; u + stride < units; u += 2 * stride) {
+        unsigned int q0 = interleaved(u, slot, inner, span);
+        unsigned int q1 = interleaved(u + stride, slot, inner, span);
+        Pack<V> x0 = reduce_pack<V>(a, q0);
+        Pack<V> x1 = reduce_pack<V>(a, q1);
+        unsigned int d0 = at_source ? q0 : u, d1 = at_source ? q1 : u + stride;
+        o[d0] = x0;
+        o[d1] = x1;
+        if (k != nullptr) {
+            k[d0] = x0;
+            k[d1] = x1;
         }
-        reinterpret_cast<Pack<V>*>(out)[offset + u] = o;
-        if (keep != nullptr) {
-            reinterpret_cast<Pack<V>*>(keep)[offset + u] = o;
-        }
+    }
+    for (; u < units; u += stride) {
+        unsigned int q = interleaved(u, slot, inner, span);
+        Pack<V> x = reduce_pack<V>(a, q);
+        unsigned int d = at_source ? q : u;
+        o[d] = x;
+        if (k != nullptr) k[d] = x;
     }
 }
 
-// out[dst_offset + u] = peer[src_offset + u] for the block's units of [0, units).
+// out[interleaved(p, r)] = src[p] for the block's units p of [0, units): a rank's part placed
+// at r of the middle of [outer, span, inner] (outer = 1: at r · units).
 template <int V>
-__device__ void gather_units(T* out, const T* peer, unsigned int dst_offset, unsigned int src_offset,
-                             unsigned int units) {
-    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < units; u += gridDim.x * blockDim.x) {
-        reinterpret_cast<Pack<V>*>(out)[dst_offset + u] = load_peer<V>(peer, src_offset + u);
+__device__ void gather_part(T* out, const T* src, unsigned int r, unsigned int inner, unsigned int span,
+                            unsigned int units) {
+    Pack<V>* o = reinterpret_cast<Pack<V>*>(out);
+    const unsigned int stride = gridDim.x * blockDim.x;
+    unsigned int u = blockIdx.x * blockDim.x + threadIdx.x;
+    for (; u + (UNROLL - 1) * stride < units; u += UNROLL * stride) {
+        Pack<V> p[UNROLL];
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) p[k] = load_peer<V>(src, u + k * stride);
+#pragma unroll
+        for (int k = 0; k < UNROLL; ++k) o[interleaved(u + k * stride, r, inner, span)] = p[k];
+    }
+    for (; u < units; u += stride) {
+        o[interleaved(u, r, inner, span)] = load_peer<V>(src, u);
+    }
+}
+
+// dst[q] = src[q] for every place r of the middle of [outer, world, inner] at the block's units
+// p of a part ([0, part)), q = interleaved(p, r): block j stages exactly the units that block j
+// of every rank reads after the barrier.
+template <int V>
+__device__ void stage_parts(T* dst, const T* src, unsigned int inner, unsigned int world,
+                            unsigned int part) {
+    const Pack<V>* s = reinterpret_cast<const Pack<V>*>(src);
+    Pack<V>* d = reinterpret_cast<Pack<V>*>(dst);
+    for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < part; u += gridDim.x * blockDim.x) {
+        Pack<V> p[MAX_RANKS];
+#pragma unroll
+        for (unsigned int r = 0; r < MAX_RANKS; ++r) {
+            if (r < world) p[r] = s[interleaved(u, r, inner, world)];
+        }
+#pragma unroll
+        for (unsigned int r = 0; r < MAX_RANKS; ++r) {
+            if (r < world) d[interleaved(u, r, inner, world)] = p[r];
+        }
     }
 }
 
@@ -170,58 +260,41 @@ __device__ void run(const T* input, T* output, const Info& a) {
     case KIND_ALL_REDUCE_ONE_SHOT:
         copy_units<V>(mine, input, units);
         barrier(a, 0);
-        reduce_units<V>(a, output, nullptr, 0, units);
+        reduce_units<V>(a, output, nullptr, 0, units, 1, false, units);
         break;
     case KIND_ALL_REDUCE_TWO_SHOT: {
         // Reduce-scatter into the own chunk of the own staging buffer, then gather the chunks.
-        // Copied chunk by chunk, so that block j writes the units of every chunk that block j
-        // reads on every rank (the barrier is per block).
         unsigned int part = units / a.world;
-        for (unsigned int r = 0; r < a.world; ++r) {
-            copy_units<V>(mine + r * part * V, input + r * part * V, part);
-        }
+        stage_parts<V>(mine, input, part, a.world, part);
         barrier(a, 0);
-        reduce_units<V>(a, output, mine, a.rank * part, part);
+        reduce_units<V>(a, output, mine, a.rank, part, a.world, true, part);
         barrier(a, 1);
-        for (unsigned int r = 0; r < a.world; ++r) {
-            if (r != a.rank) {
-                gather_units<V>(output, (const T*)a.data[r], r * part, r * part, part);
-            }
+        // Each rank starts at its next peer, so that no rank's link serves every reader at once.
+        for (unsigned int s = 1; s < a.world; ++s) {
+            unsigned int r = (a.rank + s) % a.world;
+            gather_part<V>(output, (const T*)a.data[r] + r * part * V, r, part, a.world, part);
         }
         break;
     }
-    case KIND_ALL_GATHER:
+    case KIND_ALL_GATHER: {
+        unsigned int inner = units / a.outer;
         copy_units<V>(mine, input, units);
+        // The own part straight from the input, while the peers are still staging theirs.
+        gather_part<V>(output, input, a.rank, inner, a.world, units);
         barrier(a, 0);
-        for (unsigned int r = 0; r < a.world; ++r) {
-            gather_units<V>(output, (const T*)a.data[r], r * units, 0, units);
+        for (unsigned int s = 1; s < a.world; ++s) {
+            unsigned int r = (a.rank + s) % a.world;
+            gather_part<V>(output, (const T*)a.data[r], r, inner, a.world, units);
         }
         break;
+    }
     case KIND_REDUCE_SCATTER: {
-        // Chunk by chunk, as the two-shot all-reduce (block j owns the same units of each).
         unsigned int part = units / a.world;
-        for (unsigned int r = 0; r < a.world; ++r) {
-            copy_units<V>(mine + r * part * V, input + r * part * V, part);
-        }
+        unsigned int inner = part / a.outer;
+        stage_parts<V>(mine, input, inner, a.world, part);
         barrier(a, 0);
-        // The own chunk, written from the start of the output.
-        for (unsigned int u = blockIdx.x * blockDim.x + threadIdx.x; u < part; u += gridDim.x * blockDim.x) {
-            float acc[V];
-            for (unsigned int r = 0; r < a.world; ++r) {
-                Pack<V> p = load_peer<V>((const T*)a.data[r], a.rank * part + u);
-#pragma unroll
-                for (int i = 0; i < V; ++i) {
-                    float x = to_f(p.e[i]);
-                    acc[i] = r == 0 ? x : (a.op == OP_MAX ? fmaxf(acc[i], x) : acc[i] + x);
-                }
-            }
-            Pack<V> o;
-#pragma unroll
-            for (int i = 0; i < V; ++i) {
-                o.e[i] = from_f(a.op == OP_AVG ? acc[i] / (float)a.world : acc[i]);
-            }
-            reinterpret_cast<Pack<V>*>(output)[u] = o;
-        }
+        // The own place of the middle, written as a [outer, inner] part.
+        reduce_units<V>(a, output, nullptr, a.rank, inner, a.world, false, part);
         break;
     }
     case KIND_BROADCAST:
@@ -229,7 +302,7 @@ __device__ void run(const T* input, T* output, const Info& a) {
             copy_units<V>(mine, input, units);
         }
         barrier(a, 0);
-        gather_units<V>(output, (const T*)a.data[a.root], 0, 0, units);
+        gather_part<V>(output, (const T*)a.data[a.root], 0, units, 1, units);
         break;
     default:
         barrier(a, 0);
@@ -237,7 +310,9 @@ __device__ void run(const T* input, T* output, const Info& a) {
     }
 }
 
-extern "C" __global__ void verl_collective(const T* input, T* output, Info a) {
+// At most THREADS threads a block: the compiler keeps the registers within what a block of
+// that size may hold (the bf16 reductions asked for more and failed to launch).
+extern "C" __global__ void __launch_bounds__(THREADS) verl_collective(const T* input, T* output, Info a) {
     if (a.vectorised) {
         run<VEC>(input, output, a);
     } else {

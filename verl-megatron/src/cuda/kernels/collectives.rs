@@ -16,8 +16,15 @@ const SOURCE: &str = include_str!("collectives.cu");
 /// Threads per block.
 const THREADS: u32 = 512;
 /// Blocks per launch at most (`MAX_BLOCKS` in the source: the flag arrays' size). Every block
-/// must be resident at once on every GPU (they wait for each other), far below the SM count.
-pub const MAX_BLOCKS: u32 = 48;
+/// must be resident at once on every GPU (they wait for each other): at most one per SM of
+/// the smallest card (H100 PCIe: 114), two fit per SM.
+pub const MAX_BLOCKS: u32 = 128;
+/// Blocks for messages of at most [`LARGE_BYTES`]: fewer blocks, fewer flags to meet at the
+/// barrier, which is most of a small message's time.
+pub const SMALL_MESSAGE_BLOCKS: u32 = 48;
+/// Messages above this many bytes take up to [`MAX_BLOCKS`] blocks, to keep enough reads in
+/// flight over NVLink.
+pub const LARGE_BYTES: usize = 4 << 20;
 /// Ranks per group at most (`MAX_RANKS` in the source): the GPUs of one node.
 pub const MAX_RANKS: usize = 8;
 /// Bytes of one flag array: a slot per barrier of a call (two), block and rank.
@@ -35,10 +42,12 @@ pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_DEVICE_COLLECTIVES");
 pub enum Collective {
     /// op over the ranks, element-wise; the output has the input's length.
     AllReduce(u32),
-    /// The ranks' inputs one after another.
-    AllGather,
-    /// op over the ranks of the rank's chunk (a `world`-th of the input).
-    ReduceScatter(u32),
+    /// The ranks' `[outer, inner]` inputs as `[outer, world, inner]` (outer 1: one after
+    /// another).
+    AllGather { outer: u32 },
+    /// op over the ranks of the rank's place of the middle of the `[outer, world, inner]`
+    /// input, as `[outer, inner]` (outer 1: the rank's `world`-th chunk).
+    ReduceScatter { op: u32, outer: u32 },
     /// The root's input.
     Broadcast { root: u32 },
 }
@@ -88,6 +97,7 @@ pub fn launch(
     let world = call.data.len();
     let dtype = input.dtype;
     let v = vector(dtype);
+    // `whole`: the elements of one contiguous run of a rank's part.
     let (kind, op, root, whole) = match collective {
         Collective::AllReduce(op) => {
             let bytes = n * dtype.size();
@@ -95,14 +105,19 @@ pub fn launch(
             let kind = if two_shot { 1 } else { 0 };
             (kind, op, 0, if two_shot { n / world } else { n })
         }
-        Collective::AllGather => (2, OP_SUM, 0, n),
-        Collective::ReduceScatter(op) => (3, op, 0, n / world),
+        Collective::AllGather { outer } => (2, OP_SUM, 0, n / outer as usize),
+        Collective::ReduceScatter { op, outer } => (3, op, 0, n / (world * outer as usize)),
         Collective::Broadcast { root } => (4, OP_SUM, root, n),
     };
     // Vector loads need whole units everywhere: the count and each rank's chunk.
     let vectorised = n % v == 0 && whole % v == 0;
     let units = if vectorised { n / v } else { n };
-    let blocks = (units as u32).div_ceil(THREADS).clamp(1, MAX_BLOCKS);
+    let cap = if n * dtype.size() > LARGE_BYTES {
+        MAX_BLOCKS
+    } else {
+        SMALL_MESSAGE_BLOCKS
+    };
+    let blocks = (units as u32).div_ceil(THREADS).clamp(1, cap);
     let mut info = Vec::with_capacity(2 * MAX_RANKS + 6);
     for list in [&call.data, &call.flags] {
         info.extend(list.iter().copied());
@@ -117,6 +132,11 @@ pub fn launch(
         root,
         op,
         vectorised as u32,
+        match collective {
+            Collective::AllGather { outer } | Collective::ReduceScatter { outer, .. } => outer,
+            _ => 1,
+        },
+        0,
     ]));
     info.push(call.timeout_ns);
     CudaSource {
@@ -126,6 +146,7 @@ pub fn launch(
             ("ELEM_BF16", (dtype == DType::BF16) as u32),
             ("MAX_BLOCKS", MAX_BLOCKS),
             ("MAX_RANKS", MAX_RANKS as u32),
+            ("THREADS", THREADS),
         ],
         block: THREADS,
         shared_bytes: 0,
@@ -142,8 +163,8 @@ pub fn output_for(
 ) -> CudaPrimitive {
     let len = match collective {
         Collective::AllReduce(_) | Collective::Broadcast { .. } => n,
-        Collective::AllGather => n * world,
-        Collective::ReduceScatter(_) => n / world,
+        Collective::AllGather { .. } => n * world,
+        Collective::ReduceScatter { .. } => n / world,
     };
     empty_of(input, vec![len], input.dtype)
 }

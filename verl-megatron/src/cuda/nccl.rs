@@ -9,7 +9,9 @@
 //! Within one node, all-reduce, all-gather, reduce-scatter and broadcast of f32 and bf16
 //! tensors run as one kernel on burn's stream over peer-mapped staging buffers
 //! ([`super::peer::PeerBuffers`], `kernels::collectives`): ordered with burn's work on the
-//! device, no host wait. The group maps its buffers on its first such call. Everything else
+//! device, no host wait. The group maps its buffers on its first such call, and all members
+//! grow them together when a larger message comes (up to `VERL_PEER_BUFFER_MAX_MB`; one host
+//! wait and an exchange, once per growth). Everything else
 //! (send / receive, all-to-all, other dtypes, messages larger than a staging half, groups
 //! across nodes, and every call when
 //! `VERL_DEVICE_COLLECTIVES=decomposed`) follows [`super::buffer`]'s protocol: the buffers are

@@ -241,12 +241,12 @@ pub trait CommunicatorExt<B: Backend>: Communicator<B> {
                 "reduce-scatter along dim {dim} of {dims:?} over {n} ranks: the size must divide"
             )));
         }
-        // Move `dim` first so the flat chunks are the parts.
-        let moved = tensor.swap_dims(0, dim);
-        let mut part_dims = moved.dims();
-        part_dims[0] /= n;
-        let part = self.reduce_scatter(moved.flatten(0, D - 1), op)?;
-        Ok(part.reshape(part_dims).swap_dims(0, dim))
+        // `[outer, ranks, inner]` with `outer` the dimensions before `dim`.
+        let outer = dims[..dim].iter().product();
+        let mut part_dims = dims;
+        part_dims[dim] /= n;
+        let part = self.reduce_scatter_interleaved(tensor.flatten(0, D - 1), op, outer)?;
+        Ok(part.reshape(part_dims))
     }
 
     /// Every rank's `dims` (to gather tensors whose sizes differ between ranks, pad to the

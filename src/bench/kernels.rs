@@ -517,23 +517,31 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
-/// Milliseconds and host issue time of one attention forward + backward at the step's shape.
+/// Milliseconds of one attention forward and its backward, at the 0.5B step's shape and at the
+/// 1.5B / 7B step's (head size 128), with the rate of the causal products (the forward's two,
+/// the backward's five, each over half of the scores).
 fn time_attention(device: &Device, repeat: usize) {
+    for (b, t, h, kv, d) in [(4, 511, 14, 2, 64), (8, 1024, 12, 2, 128)] {
+        time_attention_shape(device, repeat, [b, t, h, kv, d]);
+    }
+}
+
+fn time_attention_shape(device: &Device, repeat: usize, [b, t, h, kv, d]: [usize; 5]) {
     use verl::megatron::models::attention::{attention_bias, decomposed_attention};
     use verl::megatron::ops::FusedOps;
     type A = CudaAutodiff;
-    let (b, t, h, kv, d) = (4, 511, 14, 2, 64);
     let _bf16 = precision::enter(ComputeDtype::Bf16);
     let q = random([b, t, h, d], 5, device);
     let k = random([b, t, kv, d], 6, device);
     let v = random([b, t, kv, d], 7, device);
     let bias = attention_bias::<A>(b, t, 0, None, device);
+    // Causal: half of the b·h·t² scores, 2·d flops each per product.
+    let product_flops = (b * h * t * t * d) as f64;
     println!(
-        "\nattention forward + backward, {b} x {t}, {h}/{kv} heads, dim {d} (median of {repeat}):"
+        "\nattention, {b} x {t}, {h}/{kv} heads, dim {d} (median of {repeat}): forward, backward ms (TFLOP/s)"
     );
     for fused in [false, true] {
-        let mut times = Vec::new();
-        let mut issued = Vec::new();
+        let (mut fwd, mut bwd, mut issued) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..repeat + 2 {
             let lift =
                 |x: &Tensor<CudaBackend, 4>| Tensor::<A, 4>::from_inner(x.clone()).require_grad();
@@ -553,18 +561,26 @@ fn time_attention(device: &Device, repeat: usize) {
                     &bias,
                 )
             };
-            let _grads = out.sum().backward();
             let host = start.elapsed().as_secs_f64() * 1e3;
             let _ = CudaBackend::sync(device);
+            let forward = start.elapsed().as_secs_f64() * 1e3;
+            let start = Instant::now();
+            let _grads = out.sum().backward();
+            let _ = CudaBackend::sync(device);
             if i >= 2 {
-                times.push(start.elapsed().as_secs_f64() * 1e3);
+                fwd.push(forward);
+                bwd.push(start.elapsed().as_secs_f64() * 1e3);
                 issued.push(host);
             }
         }
+        let (f, g) = (median(fwd), median(bwd));
         println!(
-            "  {:<11} {:>8.3} ms ({:.3} ms to issue)",
+            "  {:<11} {:>8.3} ms ({:>5.1}) {:>8.3} ms ({:>5.1}), forward issued in {:.3} ms",
             if fused { "fused" } else { "decomposed" },
-            median(times),
+            f,
+            2.0 * product_flops / f / 1e9,
+            g,
+            5.0 * product_flops / g / 1e9,
             median(issued)
         );
     }

@@ -3,36 +3,46 @@
 // log-sum-exp), so no [batch, heads, seq, seq] tensor is ever stored.
 //
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::attention prepends
-// `#define HEAD_DIM <d>`), and by nvcc on a GPU machine for a standalone check.
+// `#define HEAD_DIM <d>`, a multiple of 16 up to 128).
 //
 // Layouts (f32, contiguous): q/out/dq [batch, seq, heads, HEAD_DIM], k/v [batch, seq, kv_heads,
-// HEAD_DIM], dk/dv per query head [batch, seq, heads, HEAD_DIM], key_mask [batch, seq] (1 = token, 0 = padding), lse/delta
-// [batch, heads, seq]. Query i attends to key j when j <= i and key j is a token or j == i (a
-// padded query attends to itself, so its softmax stays finite), the same rule as the
-// decomposed path's additive bias. Products run on bf16 tensor cores with f32 accumulation;
-// softmax statistics stay f32.
+// HEAD_DIM], dk/dv per query head [batch, seq, heads, HEAD_DIM], key_mask [batch, seq] (1 = token,
+// 0 = padding), lse/delta [batch, heads, seq]. Query i attends to key j when j <= i and key j is a
+// token or j == i (a padded query attends to itself, so its softmax stays finite), the same rule
+// as the decomposed path's additive bias.
+//
+// Products run on bf16 tensor cores (`mma.sync.m16n8k16`, f32 accumulation). Tiles reach shared
+// memory as bf16 (converted from f32 on the way) and the warps read their operands with
+// `ldmatrix`. Scores, probabilities and their gradients never leave registers: the accumulator
+// of one product is, packed to bf16, the A operand of the next (FlashAttention-2's layout).
+// Softmax statistics stay f32, in base 2 (scores pre-multiplied by log2(e), `exp2f`).
 //
 // Each block has 4 warps and owns 64 rows (queries in the forward and dq kernels, keys in the
-// dk/dv kernel); warp w owns rows 16w..16w+15, and lanes 2r and 2r+1 of a warp share row r
-// (each takes half of the columns), so softmax statistics never leave the warp.
+// dk/dv kernel); warp w owns rows 16w..16w+15. In an accumulator fragment lane l holds rows
+// l/4 and l/4 + 8 of its warp's 16, so a row's statistics are reduced over the 4 lanes of a quad.
 
 #include <cuda_bf16.h>
-#include <mma.h>
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
 #endif
 
-using namespace nvcuda;
-
 #define TILE 64
 #define THREADS 128
-// Padded leading dimensions (elements): multiples of 8 (bf16) and 4 (f32) as wmma requires,
-// offset from powers of two to spread shared-memory banks.
+// Padded row stride of the bf16 tiles (elements): rows stay 16-byte aligned for `ldmatrix` and
+// the 8 rows of one 8x8 matrix fall on distinct banks.
 #define LDH (HEAD_DIM + 8)
-#define LDS (TILE + 4)
-#define LDP (TILE + 8)
-#define LDO (HEAD_DIM + 4)
+#define KSTEPS (HEAD_DIM / 16)
+#define DTILES (HEAD_DIM / 8)
+// Queries per step of the dk/dv kernel: its dk and dv accumulators take 2 * HEAD_DIM / 2 registers
+// a lane, so large heads step through narrower query tiles to stay within 255 registers.
+#if HEAD_DIM > 64
+#define QTILE 32
+#else
+#define QTILE 64
+#endif
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 
 typedef __nv_bfloat16 bf16;
 // +inf without <math.h> (NVRTC has no standard headers).
@@ -49,64 +59,194 @@ struct AttnParams {
     unsigned int unused2;
 };
 
-typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
-typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> FragBt;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragC;
-
 // Bytes of shared memory, each region rounded up to 128 bytes.
 __device__ __forceinline__ unsigned int round128(unsigned int x) { return (x + 127u) & ~127u; }
 
-// Rows row0..row0+63 of one head of a [batch, seq, nheads, HEAD_DIM] f32 tensor into a bf16
-// tile (zeros past the end of the sequence).
+// Rows row0..row0+ROWS-1 of one head of a [batch, seq, nheads, HEAD_DIM] f32 tensor into a bf16
+// tile of row stride LDH (zeros past the end of the sequence). Every load is issued before the
+// first store, so a thread has ROWS * HEAD_DIM / 512 loads of 16 bytes in flight.
+template <int ROWS>
 __device__ __forceinline__ void load_tile(bf16* dst, const float* src, unsigned int b,
                                           unsigned int row0, unsigned int head,
                                           unsigned int nheads, unsigned int seq) {
-    for (unsigned int idx = threadIdx.x; idx < TILE * HEAD_DIM; idx += THREADS) {
-        unsigned int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
-        unsigned int i = row0 + r;
-        float v = 0.0f;
-        if (i < seq) v = src[((unsigned long long)(b * seq + i) * nheads + head) * HEAD_DIM + c];
-        dst[r * LDH + c] = __float2bfloat16(v);
+    constexpr int PER_ROW = HEAD_DIM / 4;
+    constexpr int ITER = ROWS * PER_ROW / THREADS;
+    float4 v[ITER];
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const unsigned int idx = it * THREADS + threadIdx.x;
+        const unsigned int r = idx / PER_ROW, c = (idx % PER_ROW) * 4, i = row0 + r;
+        v[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < seq)
+            v[it] = *(const float4*)(src + ((unsigned long long)(b * seq + i) * nheads + head) *
+                                               HEAD_DIM + c);
+    }
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const unsigned int idx = it * THREADS + threadIdx.x;
+        const unsigned int r = idx / PER_ROW, c = (idx % PER_ROW) * 4;
+        __nv_bfloat162 lo = __floats2bfloat162_rn(v[it].x, v[it].y);
+        __nv_bfloat162 hi = __floats2bfloat162_rn(v[it].z, v[it].w);
+        uint2 w;
+        w.x = *(unsigned int*)&lo;
+        w.y = *(unsigned int*)&hi;
+        *(uint2*)(dst + r * LDH + c) = w;
     }
 }
 
-// C[16 x 64] (f32, ld LDS) = A[16 x HEAD_DIM] (bf16 row-major, ld LDH) * B^T where B is
-// [64 x HEAD_DIM] bf16 row-major (ld LDH): scores of 16 rows against a tile of 64.
-__device__ __forceinline__ void rows_times_tile_t(float* c, const bf16* a, const bf16* b) {
-    for (int n = 0; n < TILE / 16; ++n) {
-        FragC acc;
-        wmma::fill_fragment(acc, 0.0f);
-        for (int k = 0; k < HEAD_DIM / 16; ++k) {
-            FragA fa;
-            FragBt fb;
-            wmma::load_matrix_sync(fa, a + k * 16, LDH);
-            wmma::load_matrix_sync(fb, b + n * 16 * LDH + k * 16, LDH);
-            wmma::mma_sync(acc, fa, fb, acc);
+__device__ __forceinline__ void ldsm_x4(unsigned int (&r)[4], const bf16* p) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned int (&r)[4], const bf16* p) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// c[16 x 8] += a[16 x 16] * b[16 x 8] (bf16 operands, f32 accumulators).
+__device__ __forceinline__ void mma(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                    unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of k-step s of 16 rows stored row-major (stride LDH) at `rows`.
+__device__ __forceinline__ void load_a(unsigned int (&a)[4], const bf16* rows, int s) {
+    const unsigned int lane = threadIdx.x % 32;
+    ldsm_x4(a, rows + (lane % 16) * LDH + s * 16 + (lane / 16) * 8);
+}
+
+// B fragments of n-tiles n0/8 and n0/8 + 1 at k-step s, for a product with the transpose of a
+// tile stored row-major [n][k] (keys against queries: the k dimension is the head's).
+// b[0], b[1] belong to the first n-tile, b[2], b[3] to the second.
+__device__ __forceinline__ void load_b_rows(unsigned int (&b)[4], const bf16* tile, int n0, int s) {
+    const unsigned int lane = threadIdx.x % 32;
+    ldsm_x4(b, tile + (n0 + lane % 8 + (lane / 16) * 8) * LDH + s * 16 + ((lane / 8) % 2) * 8);
+}
+
+// B fragments of head-dimension tiles n0/8 and n0/8 + 1 at k-step s, for a product with a tile
+// stored row-major [k][n] (probabilities times values: k runs over the tile's rows).
+__device__ __forceinline__ void load_b_cols(unsigned int (&b)[4], const bf16* tile, int s, int n0) {
+    const unsigned int lane = threadIdx.x % 32;
+    ldsm_x4_trans(b, tile + (s * 16 + lane % 8 + ((lane / 8) % 2) * 8) * LDH + n0 + (lane / 16) * 8);
+}
+
+// acc[16 x 8*NT] = a (16 x HEAD_DIM, fragments in registers) * tile^T (tile: 8*NT rows).
+template <int NT>
+__device__ __forceinline__ void scores(float (&acc)[NT][4], const unsigned int (&a)[KSTEPS][4],
+                                       const bf16* tile) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+#pragma unroll
+        for (int t = 0; t < NT; t += 2) {
+            unsigned int b[4];
+            load_b_rows(b, tile, t * 8, s);
+            mma(acc[t], a[s], b[0], b[1]);
+            mma(acc[t + 1], a[s], b[2], b[3]);
         }
-        wmma::store_matrix_sync(c + n * 16, acc, LDS, wmma::mem_row_major);
     }
 }
 
-// C[16 x HEAD_DIM] (f32, ld LDO) += A[16 x 64] (bf16, ld LDP) * B[64 x HEAD_DIM] (bf16, ld LDH).
-__device__ __forceinline__ void accumulate_rows(float* c, const bf16* a, const bf16* b) {
-    for (int n = 0; n < HEAD_DIM / 16; ++n) {
-        FragC acc;
-        wmma::load_matrix_sync(acc, c + n * 16, LDO, wmma::mem_row_major);
-        for (int k = 0; k < TILE / 16; ++k) {
-            FragA fa;
-            FragB fb;
-            wmma::load_matrix_sync(fa, a + k * 16, LDP);
-            wmma::load_matrix_sync(fb, b + k * 16 * LDH + n * 16, LDH);
-            wmma::mma_sync(acc, fa, fb, acc);
+// The same with the 16 rows read from shared memory one k-step at a time (fewer registers).
+template <int NT>
+__device__ __forceinline__ void scores_from(float (&acc)[NT][4], const bf16* rows,
+                                            const bf16* tile) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) {
+        unsigned int a[4];
+        load_a(a, rows, s);
+#pragma unroll
+        for (int t = 0; t < NT; t += 2) {
+            unsigned int b[4];
+            load_b_rows(b, tile, t * 8, s);
+            mma(acc[t], a, b[0], b[1]);
+            mma(acc[t + 1], a, b[2], b[3]);
         }
-        wmma::store_matrix_sync(c + n * 16, acc, LDO, wmma::mem_row_major);
+    }
+}
+
+__device__ __forceinline__ unsigned int pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(unsigned int*)&v;
+}
+
+// An accumulator [16 x 8*NT] as the A operand (16 x 8*NT, k-steps of 16) of the next product.
+template <int NT>
+__device__ __forceinline__ void as_a(unsigned int (&a)[NT / 2][4], const float (&x)[NT][4]) {
+#pragma unroll
+    for (int s = 0; s < NT / 2; ++s) {
+        a[s][0] = pack(x[2 * s][0], x[2 * s][1]);
+        a[s][1] = pack(x[2 * s][2], x[2 * s][3]);
+        a[s][2] = pack(x[2 * s + 1][0], x[2 * s + 1][1]);
+        a[s][3] = pack(x[2 * s + 1][2], x[2 * s + 1][3]);
+    }
+}
+
+// acc[16 x HEAD_DIM] += a (16 x 8*NT) * tile (8*NT rows x HEAD_DIM).
+template <int NT>
+__device__ __forceinline__ void accumulate(float (&acc)[DTILES][4],
+                                           const unsigned int (&a)[NT / 2][4], const bf16* tile) {
+#pragma unroll
+    for (int s = 0; s < NT / 2; ++s) {
+#pragma unroll
+        for (int d = 0; d < DTILES; d += 2) {
+            unsigned int b[4];
+            load_b_cols(b, tile, s, d * 8);
+            mma(acc[d], a[s], b[0], b[1]);
+            mma(acc[d + 1], a[s], b[2], b[3]);
+        }
     }
 }
 
 __device__ __forceinline__ bool allowed(unsigned int i, unsigned int j, unsigned int seq,
                                         float key_is_token) {
     return j <= i && i < seq && (key_is_token > 0.5f || j == i);
+}
+
+// Sum over the 4 lanes of a quad (the lanes that share a row).
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// Loads the key mask of keys j0..j0+TILE-1 into `kmask` and returns, after a barrier, whether
+// every one of them is a token inside the sequence.
+__device__ __forceinline__ bool load_key_mask(float* kmask, const float* key_mask, unsigned int b,
+                                              unsigned int j0, unsigned int seq) {
+    float km = 1.0f;
+    if (threadIdx.x < TILE) {
+        const unsigned int j = j0 + threadIdx.x;
+        km = j < seq ? key_mask[(unsigned long long)b * seq + j] : 0.0f;
+        kmask[threadIdx.x] = km;
+    }
+    return __syncthreads_and(km > 0.5f) != 0;
+}
+
+// Writes a [16 x HEAD_DIM] accumulator's row `half` (0: lane/4, 1: lane/4 + 8), times `mul`.
+__device__ __forceinline__ void store_row(float* dst, const float (&acc)[DTILES][4], int half,
+                                          float mul) {
+    const unsigned int t4 = threadIdx.x % 4;
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d)
+        *(float2*)(dst + d * 8 + 2 * t4) =
+            make_float2(acc[d][2 * half] * mul, acc[d][2 * half + 1] * mul);
 }
 
 // Forward: grid (ceil(seq / 64), heads, batch).
@@ -119,73 +259,90 @@ verl_attention_forward(const float* __restrict__ q, const float* __restrict__ k,
     bf16* qs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    float* ss = (float*)(smem + off); off += round128(TILE * LDS * 4);
-    bf16* ps = (bf16*)(smem + off); off += round128(TILE * LDP * 2);
-    float* os = (float*)(smem + off); off += round128(TILE * LDO * 4);
     float* kmask = (float*)(smem + off);
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned int row = warp * 16 + lane / 2, half = lane % 2;
-    const unsigned int i = q0 + row;
+    const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
+    const float scale2 = p.scale * LOG2E;
 
-    load_tile(qs, q, b, q0, h, p.heads, p.seq);
-    for (unsigned int idx = threadIdx.x; idx < TILE * LDO; idx += THREADS) os[idx] = 0.0f;
-    float m = -VERL_INF, l = 0.0f;
+    load_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
+    __syncthreads();
+    unsigned int qf[KSTEPS][4];
+#pragma unroll
+    for (int s = 0; s < KSTEPS; ++s) load_a(qf[s], qs + warp * 16 * LDH, s);
+
+    float o[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    // Running maximum (base 2) and this lane's part of the normaliser, for rows row and row + 8.
+    float m[2] = {-VERL_INF, -VERL_INF}, l[2] = {0.0f, 0.0f};
 
     const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
         const unsigned int j0 = kt * TILE;
         __syncthreads();
-        load_tile(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-        load_tile(vs, v, b, j0, kvh, p.kv_heads, p.seq);
-        for (unsigned int r = threadIdx.x; r < TILE; r += THREADS)
-            kmask[r] = (j0 + r < p.seq) ? key_mask[b * p.seq + j0 + r] : 0.0f;
-        __syncthreads();
+        load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
+        load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+        // A tile of tokens wholly before the block's first query needs no mask.
+        const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
 
-        rows_times_tile_t(ss + warp * 16 * LDS, qs + warp * 16 * LDH, ks);
-        __syncwarp();
-
-        float s[TILE / 2];
-        float mx = -VERL_INF;
+        float s[TILE / 8][4];
+        scores<TILE / 8>(s, qf, ks);
+        float mx[2] = {-VERL_INF, -VERL_INF};
 #pragma unroll
-        for (int c = 0; c < TILE / 2; ++c) {
-            const unsigned int col = half * (TILE / 2) + c, j = j0 + col;
-            const bool ok = allowed(i, j, p.seq, kmask[col]);
-            s[c] = ok ? ss[row * LDS + col] * p.scale : -VERL_INF;
-            mx = fmaxf(mx, s[c]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);
-        const float ref = (m_new == -VERL_INF) ? 0.0f : m_new;
-        const float alpha = expf(m - ref);
-        float sum = 0.0f;
+        for (int t = 0; t < TILE / 8; ++t) {
 #pragma unroll
-        for (int c = 0; c < TILE / 2; ++c) {
-            const unsigned int col = half * (TILE / 2) + c;
-            const float e = (s[c] == -VERL_INF) ? 0.0f : expf(s[c] - ref);
-            sum += e;
-            ps[row * LDP + col] = __float2bfloat16(e);
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int col = t * 8 + 2 * t4 + (e & 1);
+                float x = s[t][e] * scale2;
+                if (!full && !allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col]))
+                    x = -VERL_INF;
+                s[t][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
-        for (int c = 0; c < HEAD_DIM / 2; ++c) os[row * LDO + half * (HEAD_DIM / 2) + c] *= alpha;
-        __syncwarp();
-
-        accumulate_rows(os + warp * 16 * LDO, ps + warp * 16 * LDP, vs);
-        __syncwarp();
+        float ref[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], quad_max(mx[r]));
+            ref[r] = (m_new == -VERL_INF) ? 0.0f : m_new;
+            alpha[r] = exp2f(m[r] - ref[r]);
+            m[r] = m_new;
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int t = 0; t < TILE / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float pr = exp2f(s[t][e] - ref[e >> 1]);
+                s[t][e] = pr;
+                l[e >> 1] += pr;
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < DTILES; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+        unsigned int pf[TILE / 16][4];
+        as_a<TILE / 8>(pf, s);
+        accumulate<TILE / 8>(o, pf, vs);
     }
 
-    if (i < p.seq) {
-        const float inv = 1.0f / l;
-        float* dst = out + ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM;
-        for (int c = 0; c < HEAD_DIM / 2; ++c) {
-            const unsigned int col = half * (HEAD_DIM / 2) + c;
-            dst[col] = os[row * LDO + col] * inv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const unsigned int i = q0 + row + r * 8;
+        const float total = quad_sum(l[r]);
+        if (i < p.seq) {
+            store_row(out + ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM, o, r,
+                      1.0f / total);
+            if (t4 == 0)
+                lse[((unsigned long long)b * p.heads + h) * p.seq + i] = (m[r] + log2f(total)) * LN2;
         }
-        if (half == 0) lse[((unsigned long long)b * p.heads + h) * p.seq + i] = m + logf(l);
     }
 }
 
@@ -203,77 +360,90 @@ verl_attention_backward_dq(const float* __restrict__ q, const float* __restrict_
     bf16* dos = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    float* ss = (float*)(smem + off); off += round128(TILE * LDS * 4);
-    float* dps = (float*)(smem + off); off += round128(TILE * LDS * 4);
-    bf16* dss = (bf16*)(smem + off); off += round128(TILE * LDP * 2);
-    float* dqs = (float*)(smem + off); off += round128(TILE * LDO * 4);
+    float* lse_s = (float*)(smem + off); off += round128(TILE * 4);
+    float* delta_s = (float*)(smem + off); off += round128(TILE * 4);
     float* kmask = (float*)(smem + off);
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned int row = warp * 16 + lane / 2, half = lane % 2;
-    const unsigned int i = q0 + row;
+    const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
+    const float scale2 = p.scale * LOG2E;
 
-    load_tile(qs, q, b, q0, h, p.heads, p.seq);
-    load_tile(dos, dout, b, q0, h, p.heads, p.seq);
-    for (unsigned int idx = threadIdx.x; idx < TILE * LDO; idx += THREADS) dqs[idx] = 0.0f;
-
-    float d = 0.0f, row_lse = 0.0f;
-    if (i < p.seq) {
-        const unsigned long long base = ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM;
-        for (int c = 0; c < HEAD_DIM / 2; ++c) {
-            const unsigned int col = half * (HEAD_DIM / 2) + c;
-            d += dout[base + col] * out[base + col];
+    load_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
+    load_tile<TILE>(dos, dout, b, q0, h, p.heads, p.seq);
+    {
+        // delta in f32 from the f32 tensors, two threads a row.
+        const unsigned int r = threadIdx.x / 2, part = threadIdx.x % 2, i = q0 + r;
+        float d = 0.0f, row_lse = 0.0f;
+        if (i < p.seq) {
+            const unsigned long long base =
+                ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM + part * (HEAD_DIM / 2);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 2; c += 4) {
+                const float4 g = *(const float4*)(dout + base + c);
+                const float4 y = *(const float4*)(out + base + c);
+                d += g.x * y.x + g.y * y.y + g.z * y.z + g.w * y.w;
+            }
+            row_lse = lse[((unsigned long long)b * p.heads + h) * p.seq + i];
         }
-        row_lse = lse[((unsigned long long)b * p.heads + h) * p.seq + i];
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        if (part == 0) {
+            if (i < p.seq) delta[((unsigned long long)b * p.heads + h) * p.seq + i] = d;
+            delta_s[r] = d;
+            lse_s[r] = row_lse * LOG2E;
+        }
     }
-    d += __shfl_xor_sync(0xffffffffu, d, 1);
-    if (i < p.seq && half == 0) delta[((unsigned long long)b * p.heads + h) * p.seq + i] = d;
+    __syncthreads();
+    const float row_lse[2] = {lse_s[row], lse_s[row + 8]};
+    const float row_delta[2] = {delta_s[row], delta_s[row + 8]};
+
+    float dqa[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) dqa[d][0] = dqa[d][1] = dqa[d][2] = dqa[d][3] = 0.0f;
 
     const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
         const unsigned int j0 = kt * TILE;
         __syncthreads();
-        load_tile(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-        load_tile(vs, v, b, j0, kvh, p.kv_heads, p.seq);
-        for (unsigned int r = threadIdx.x; r < TILE; r += THREADS)
-            kmask[r] = (j0 + r < p.seq) ? key_mask[b * p.seq + j0 + r] : 0.0f;
-        __syncthreads();
+        load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
+        load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+        const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
 
-        rows_times_tile_t(ss + warp * 16 * LDS, qs + warp * 16 * LDH, ks);
-        rows_times_tile_t(dps + warp * 16 * LDS, dos + warp * 16 * LDH, vs);
-        __syncwarp();
-
+        float s[TILE / 8][4], dp[TILE / 8][4];
+        scores_from<TILE / 8>(s, qs + warp * 16 * LDH, ks);
+        scores_from<TILE / 8>(dp, dos + warp * 16 * LDH, vs);
 #pragma unroll
-        for (int c = 0; c < TILE / 2; ++c) {
-            const unsigned int col = half * (TILE / 2) + c, j = j0 + col;
-            float ds = 0.0f;
-            if (allowed(i, j, p.seq, kmask[col])) {
-                const float prob = expf(ss[row * LDS + col] * p.scale - row_lse);
-                ds = prob * (dps[row * LDS + col] - d) * p.scale;
+        for (int t = 0; t < TILE / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int col = t * 8 + 2 * t4 + (e & 1);
+                float ds = 0.0f;
+                if (full || allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col])) {
+                    const float prob = exp2f(s[t][e] * scale2 - row_lse[e >> 1]);
+                    ds = prob * (dp[t][e] - row_delta[e >> 1]) * p.scale;
+                }
+                s[t][e] = ds;
             }
-            dss[row * LDP + col] = __float2bfloat16(ds);
         }
-        __syncwarp();
-
-        accumulate_rows(dqs + warp * 16 * LDO, dss + warp * 16 * LDP, ks);
-        __syncwarp();
+        unsigned int dsf[TILE / 16][4];
+        as_a<TILE / 8>(dsf, s);
+        accumulate<TILE / 8>(dqa, dsf, ks);
     }
 
-    if (i < p.seq) {
-        float* dst = dq + ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM;
-        for (int c = 0; c < HEAD_DIM / 2; ++c) {
-            const unsigned int col = half * (HEAD_DIM / 2) + c;
-            dst[col] = dqs[row * LDO + col];
-        }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const unsigned int i = q0 + row + r * 8;
+        if (i < p.seq)
+            store_row(dq + ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM, dqa, r,
+                      1.0f);
     }
 }
 
 // Backward, part 2: one query head's share of dk and dv for 64 keys of its kv head, summed over
-// every query tile at or after the keys, written per query head ([batch, seq, heads, HEAD_DIM];
-// the caller sums each group's heads). One block per (key tile, query head) keeps the GPU busy
-// where one per kv head would leave most of it idle. Grid (ceil(seq / 64), heads, batch).
+// every query at or after the keys, written per query head ([batch, seq, heads, HEAD_DIM]; the
+// caller sums each group's heads). One block per (key tile, query head) keeps the GPU busy where
+// one per kv head would leave most of it idle. Grid (ceil(seq / 64), heads, batch).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict__ k,
                             const float* __restrict__ v, const float* __restrict__ key_mask,
@@ -284,76 +454,93 @@ verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict
     unsigned int off = 0;
     bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* qs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* dos = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    float* ss = (float*)(smem + off); off += round128(TILE * LDS * 4);
-    float* dps = (float*)(smem + off); off += round128(TILE * LDS * 4);
-    bf16* pts = (bf16*)(smem + off); off += round128(TILE * LDP * 2);
-    bf16* dsts = (bf16*)(smem + off); off += round128(TILE * LDP * 2);
-    float* dks = (float*)(smem + off); off += round128(TILE * LDO * 4);
-    float* dvs = (float*)(smem + off); off += round128(TILE * LDO * 4);
-    float* lse_s = (float*)(smem + off); off += round128(TILE * 4);
+    bf16* qs = (bf16*)(smem + off); off += round128(QTILE * LDH * 2);
+    bf16* dos = (bf16*)(smem + off); off += round128(QTILE * LDH * 2);
+    float* lse_s = (float*)(smem + off); off += round128(QTILE * 4);
     float* delta_s = (float*)(smem + off);
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const unsigned int row = warp * 16 + lane / 2, half = lane % 2;
-    const unsigned int j = j0 + row;
-    const float key_is_token = (j < p.seq) ? key_mask[b * p.seq + j] : 0.0f;
+    const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
+    const float scale2 = p.scale * LOG2E;
 
-    load_tile(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-    load_tile(vs, v, b, j0, kvh, p.kv_heads, p.seq);
-    for (unsigned int idx = threadIdx.x; idx < TILE * LDO; idx += THREADS) {
-        dks[idx] = 0.0f;
-        dvs[idx] = 0.0f;
+    load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
+    load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+    // This lane's two keys: whether each is a token (0 past the sequence).
+    float key_is_token[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const unsigned int j = j0 + row + r * 8;
+        key_is_token[r] = j < p.seq ? key_mask[(unsigned long long)b * p.seq + j] : 0.0f;
+    }
+    // Whether every key of the block is a token inside the sequence (a barrier, too).
+    float km = 1.0f;
+    if (threadIdx.x < TILE) {
+        const unsigned int j = j0 + threadIdx.x;
+        km = j < p.seq ? key_mask[(unsigned long long)b * p.seq + j] : 0.0f;
+    }
+    const bool all_tokens = __syncthreads_and(km > 0.5f) != 0;
+
+    float dka[DTILES][4], dva[DTILES][4];
+#pragma unroll
+    for (int d = 0; d < DTILES; ++d) {
+        dka[d][0] = dka[d][1] = dka[d][2] = dka[d][3] = 0.0f;
+        dva[d][0] = dva[d][1] = dva[d][2] = dva[d][3] = 0.0f;
     }
 
-    const unsigned int query_tiles = (p.seq + TILE - 1) / TILE;
-    {
-        for (unsigned int qt = blockIdx.x; qt < query_tiles; ++qt) {
-            const unsigned int q0 = qt * TILE;
-            __syncthreads();
-            load_tile(qs, q, b, q0, h, p.heads, p.seq);
-            load_tile(dos, dout, b, q0, h, p.heads, p.seq);
-            for (unsigned int r = threadIdx.x; r < TILE; r += THREADS) {
-                const bool in = q0 + r < p.seq;
-                const unsigned long long at = ((unsigned long long)b * p.heads + h) * p.seq + q0 + r;
-                lse_s[r] = in ? lse[at] : 0.0f;
-                delta_s[r] = in ? delta[at] : 0.0f;
-            }
-            __syncthreads();
+    for (unsigned int q0 = j0; q0 < p.seq; q0 += QTILE) {
+        __syncthreads();
+        load_tile<QTILE>(qs, q, b, q0, h, p.heads, p.seq);
+        load_tile<QTILE>(dos, dout, b, q0, h, p.heads, p.seq);
+        if (threadIdx.x < QTILE) {
+            const unsigned int i = q0 + threadIdx.x;
+            const unsigned long long at = ((unsigned long long)b * p.heads + h) * p.seq + i;
+            lse_s[threadIdx.x] = i < p.seq ? lse[at] * LOG2E : 0.0f;
+            delta_s[threadIdx.x] = i < p.seq ? delta[at] : 0.0f;
+        }
+        __syncthreads();
+        // Every query of the tile after every key of the block, all of them in the sequence.
+        const bool full = all_tokens && q0 >= j0 + TILE && q0 + QTILE <= p.seq;
 
-            // Transposed scores and dP: rows are this warp's keys, columns the tile's queries.
-            rows_times_tile_t(ss + warp * 16 * LDS, ks + warp * 16 * LDH, qs);
-            rows_times_tile_t(dps + warp * 16 * LDS, vs + warp * 16 * LDH, dos);
-            __syncwarp();
+        // Transposed probabilities: rows are this warp's keys, columns the tile's queries.
+        float s[QTILE / 8][4];
+        scores_from<QTILE / 8>(s, ks + warp * 16 * LDH, qs);
+#pragma unroll
+        for (int t = 0; t < QTILE / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int col = t * 8 + 2 * t4 + (e & 1);
+                const unsigned int j = j0 + row + (e >> 1) * 8;
+                const bool ok = full || (j < p.seq && allowed(q0 + col, j, p.seq, key_is_token[e >> 1]));
+                s[t][e] = ok ? exp2f(s[t][e] * scale2 - lse_s[col]) : 0.0f;
+            }
+        }
+        unsigned int af[QTILE / 16][4];
+        as_a<QTILE / 8>(af, s);
+        accumulate<QTILE / 8>(dva, af, dos);
+
+        float dp[QTILE / 8][4];
+        scores_from<QTILE / 8>(dp, vs + warp * 16 * LDH, dos);
+#pragma unroll
+        for (int t = 0; t < QTILE / 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int col = t * 8 + 2 * t4 + (e & 1);
+                dp[t][e] = s[t][e] * (dp[t][e] - delta_s[col]) * p.scale;
+            }
+        }
+        as_a<QTILE / 8>(af, dp);
+        accumulate<QTILE / 8>(dka, af, qs);
+    }
 
 #pragma unroll
-        for (int c = 0; c < TILE / 2; ++c) {
-                const unsigned int col = half * (TILE / 2) + c, i = q0 + col;
-                float prob = 0.0f, ds = 0.0f;
-                if (j < p.seq && allowed(i, j, p.seq, key_is_token)) {
-                    prob = expf(ss[row * LDS + col] * p.scale - lse_s[col]);
-                    ds = prob * (dps[row * LDS + col] - delta_s[col]) * p.scale;
-                }
-                pts[row * LDP + col] = __float2bfloat16(prob);
-                dsts[row * LDP + col] = __float2bfloat16(ds);
-            }
-            __syncwarp();
-
-            accumulate_rows(dvs + warp * 16 * LDO, pts + warp * 16 * LDP, dos);
-            accumulate_rows(dks + warp * 16 * LDO, dsts + warp * 16 * LDP, qs);
-            __syncwarp();
-        }
-    }
-
-    if (j < p.seq) {
-        const unsigned long long base = ((unsigned long long)(b * p.seq + j) * p.heads + h) * HEAD_DIM;
-        for (int c = 0; c < HEAD_DIM / 2; ++c) {
-            const unsigned int col = half * (HEAD_DIM / 2) + c;
-            dk[base + col] = dks[row * LDO + col];
-            dv[base + col] = dvs[row * LDO + col];
+    for (int r = 0; r < 2; ++r) {
+        const unsigned int j = j0 + row + r * 8;
+        if (j < p.seq) {
+            const unsigned long long base = ((unsigned long long)(b * p.seq + j) * p.heads + h) * HEAD_DIM;
+            store_row(dk + base, dka, r, 1.0f);
+            store_row(dv + base, dva, r, 1.0f);
         }
     }
 }

@@ -35,17 +35,29 @@ pub fn supports_head_dim(head_dim: usize) -> bool {
     crate::ops::fused_attention_head_dim(head_dim)
 }
 
+/// Queries per step of the dk/dv kernel (`QTILE` in `attention.cu`): narrower for large heads,
+/// whose dk and dv accumulators take most of a lane's registers.
+fn query_tile(d: usize) -> usize {
+    if d > 64 {
+        32
+    } else {
+        64
+    }
+}
+
 /// Bytes of shared memory of each kernel for head size `d`, the regions laid out as in
-/// `attention.cu` (each rounded up to 128 bytes).
+/// `attention.cu` (each rounded up to 128 bytes): bf16 tiles of row stride `d + 8`, and f32
+/// rows of statistics or mask.
 fn shared_bytes(entry: &str, d: usize) -> usize {
     let r = |x: usize| x.div_ceil(128) * 128;
-    let (ldh, lds, ldp, ldo) = (d + 8, TILE + 4, TILE + 8, d + 4);
-    let tile_h = r(TILE * ldh * 2);
-    let (tile_s, tile_p, tile_o) = (r(TILE * lds * 4), r(TILE * ldp * 2), r(TILE * ldo * 4));
+    let tile = |rows: usize| r(rows * (d + 8) * 2);
     match entry {
-        "verl_attention_forward" => 3 * tile_h + tile_s + tile_p + tile_o + TILE * 4,
-        "verl_attention_backward_dq" => 4 * tile_h + 2 * tile_s + tile_p + tile_o + TILE * 4,
-        _ => 4 * tile_h + 2 * tile_s + 2 * tile_p + 2 * tile_o + r(TILE * 4) + TILE * 4,
+        "verl_attention_forward" => 3 * tile(TILE) + TILE * 4,
+        "verl_attention_backward_dq" => 4 * tile(TILE) + 2 * r(TILE * 4) + TILE * 4,
+        _ => {
+            let q = query_tile(d);
+            2 * tile(TILE) + 2 * tile(q) + r(q * 4) + q * 4
+        }
     }
 }
 
@@ -321,7 +333,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(shared_bytes("verl_attention_forward", 64), 71_936);
+        assert_eq!(shared_bytes("verl_attention_forward", 64), 27_904);
     }
 
     #[test]

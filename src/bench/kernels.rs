@@ -517,11 +517,16 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
-/// Milliseconds of one attention forward and its backward, at the 0.5B step's shape and at the
-/// 1.5B / 7B step's (head size 128), with the rate of the causal products (the forward's two,
+/// Milliseconds of one attention forward and its backward, at the 0.5B step's shape, the 1.5B /
+/// 7B step's (head size 128) and at 2k tokens, with the rate of the causal products (the forward's two,
 /// the backward's five, each over half of the scores).
 fn time_attention(device: &Device, repeat: usize) {
-    for (b, t, h, kv, d) in [(4, 511, 14, 2, 64), (8, 1024, 12, 2, 128)] {
+    // Keep in step with bench/peers/attention.py (torch's SDPA at the same shapes).
+    for (b, t, h, kv, d) in [
+        (4, 511, 14, 2, 64),
+        (8, 1024, 12, 2, 128),
+        (4, 2048, 12, 2, 128),
+    ] {
         time_attention_shape(device, repeat, [b, t, h, kv, d]);
     }
 }

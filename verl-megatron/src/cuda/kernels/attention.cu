@@ -3,25 +3,26 @@
 // log-sum-exp), so no [batch, heads, seq, seq] tensor is ever stored.
 //
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::attention prepends
-// `#define HEAD_DIM <d>`, a multiple of 16 up to 128).
+// gemm_common.cuh, for its cp.async copies, and `#define HEAD_DIM <d>`, a multiple of 16 up to
+// 128).
 //
-// Layouts (f32, contiguous): q/out/dq [batch, seq, heads, HEAD_DIM], k/v [batch, seq, kv_heads,
-// HEAD_DIM], dk/dv per query head [batch, seq, heads, HEAD_DIM], key_mask [batch, seq] (1 = token,
-// 0 = padding), lse/delta [batch, heads, seq]. Query i attends to key j when j <= i and key j is a
-// token or j == i (a padded query attends to itself, so its softmax stays finite), the same rule
-// as the decomposed path's additive bias.
+// Layouts (contiguous): q/dout bf16 [batch, seq, heads, HEAD_DIM], k/v bf16 [batch, seq,
+// kv_heads, HEAD_DIM]; out/dq f32 [batch, seq, heads, HEAD_DIM], dk/dv f32 per query head
+// [batch, seq, heads, HEAD_DIM], key_mask f32 [batch, seq] (1 = token, 0 = padding), lse/delta
+// f32 [batch, heads, seq]. Query i attends to key j when j <= i and key j is a token or j == i
+// (a padded query attends to itself, so its softmax stays finite), the same rule as the
+// decomposed path's additive bias.
 //
 // Products run on bf16 tensor cores (`mma.sync.m16n8k16`, f32 accumulation). Tiles reach shared
-// memory as bf16 (converted from f32 on the way) and the warps read their operands with
-// `ldmatrix`. Scores, probabilities and their gradients never leave registers: the accumulator
-// of one product is, packed to bf16, the A operand of the next (FlashAttention-2's layout).
-// Softmax statistics stay f32, in base 2 (scores pre-multiplied by log2(e), `exp2f`).
+// memory by cp.async, the next tile's copies in flight while the current one is multiplied (two
+// stages), and the warps read their operands with `ldmatrix`. Scores, probabilities and their
+// gradients never leave registers: the accumulator of one product is, packed to bf16, the A
+// operand of the next (FlashAttention-2's layout). Softmax statistics stay f32, in base 2
+// (scores pre-multiplied by log2(e), `exp2f`).
 //
 // Each block has 4 warps and owns 64 rows (queries in the forward and dq kernels, keys in the
 // dk/dv kernel); warp w owns rows 16w..16w+15. In an accumulator fragment lane l holds rows
 // l/4 and l/4 + 8 of its warp's 16, so a row's statistics are reduced over the 4 lanes of a quad.
-
-#include <cuda_bf16.h>
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 64
@@ -29,8 +30,8 @@
 
 #define TILE 64
 #define THREADS 128
-// Padded row stride of the bf16 tiles (elements): rows stay 16-byte aligned for `ldmatrix` and
-// the 8 rows of one 8x8 matrix fall on distinct banks.
+// Padded row stride of the bf16 tiles (elements): rows stay 16-byte aligned for cp.async and
+// `ldmatrix`, and the 8 rows of one 8x8 matrix fall on distinct banks.
 #define LDH (HEAD_DIM + 8)
 #define KSTEPS (HEAD_DIM / 16)
 #define DTILES (HEAD_DIM / 8)
@@ -44,7 +45,6 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-typedef __nv_bfloat16 bf16;
 // +inf without <math.h> (NVRTC has no standard headers).
 #define VERL_INF __int_as_float(0x7f800000)
 
@@ -62,35 +62,24 @@ struct AttnParams {
 // Bytes of shared memory, each region rounded up to 128 bytes.
 __device__ __forceinline__ unsigned int round128(unsigned int x) { return (x + 127u) & ~127u; }
 
-// Rows row0..row0+ROWS-1 of one head of a [batch, seq, nheads, HEAD_DIM] f32 tensor into a bf16
-// tile of row stride LDH (zeros past the end of the sequence). Every load is issued before the
-// first store, so a thread has ROWS * HEAD_DIM / 512 loads of 16 bytes in flight.
+// Starts the copies of rows row0..row0+ROWS-1 of one head of a [batch, seq, nheads, HEAD_DIM]
+// bf16 tensor into a tile of row stride LDH (zeros past the end of the sequence). The caller
+// commits them as one group.
 template <int ROWS>
-__device__ __forceinline__ void load_tile(bf16* dst, const float* src, unsigned int b,
+__device__ __forceinline__ void copy_tile(bf16* dst, const bf16* src, unsigned int b,
                                           unsigned int row0, unsigned int head,
                                           unsigned int nheads, unsigned int seq) {
-    constexpr int PER_ROW = HEAD_DIM / 4;
-    constexpr int ITER = ROWS * PER_ROW / THREADS;
-    float4 v[ITER];
+    constexpr int PER_ROW = HEAD_DIM / 8;
+    constexpr int ITER = (ROWS * PER_ROW + THREADS - 1) / THREADS;
 #pragma unroll
     for (int it = 0; it < ITER; ++it) {
         const unsigned int idx = it * THREADS + threadIdx.x;
-        const unsigned int r = idx / PER_ROW, c = (idx % PER_ROW) * 4, i = row0 + r;
-        v[it] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (i < seq)
-            v[it] = *(const float4*)(src + ((unsigned long long)(b * seq + i) * nheads + head) *
-                                               HEAD_DIM + c);
-    }
-#pragma unroll
-    for (int it = 0; it < ITER; ++it) {
-        const unsigned int idx = it * THREADS + threadIdx.x;
-        const unsigned int r = idx / PER_ROW, c = (idx % PER_ROW) * 4;
-        __nv_bfloat162 lo = __floats2bfloat162_rn(v[it].x, v[it].y);
-        __nv_bfloat162 hi = __floats2bfloat162_rn(v[it].z, v[it].w);
-        uint2 w;
-        w.x = *(unsigned int*)&lo;
-        w.y = *(unsigned int*)&hi;
-        *(uint2*)(dst + r * LDH + c) = w;
+        if (idx >= ROWS * PER_ROW) break;
+        const unsigned int r = idx / PER_ROW, c = (idx % PER_ROW) * 8, i = row0 + r;
+        const unsigned int row = i < seq ? i : 0u;
+        copy16(dst + r * LDH + c,
+               src + ((unsigned long long)(b * seq + row) * nheads + head) * HEAD_DIM + c,
+               i < seq ? 8u : 0u);
     }
 }
 
@@ -251,45 +240,57 @@ __device__ __forceinline__ void store_row(float* dst, const float (&acc)[DTILES]
 
 // Forward: grid (ceil(seq / 64), heads, batch).
 extern "C" __global__ void __launch_bounds__(THREADS)
-verl_attention_forward(const float* __restrict__ q, const float* __restrict__ k,
-                       const float* __restrict__ v, const float* __restrict__ key_mask,
+verl_attention_forward(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                       const bf16* __restrict__ v, const float* __restrict__ key_mask,
                        float* __restrict__ out, float* __restrict__ lse, AttnParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned int off = 0;
     bf16* qs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
+    bf16* ks = (bf16*)(smem + off); off += 2 * round128(TILE * LDH * 2);
+    bf16* vs = (bf16*)(smem + off); off += 2 * round128(TILE * LDH * 2);
     float* kmask = (float*)(smem + off);
+    const unsigned int stage = round128(TILE * LDH * 2) / 2;  // elements between the two stages
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
     const float scale2 = p.scale * LOG2E;
+    const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
 
-    load_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
-    __syncthreads();
+    copy_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
+    copy_tile<TILE>(ks, k, b, 0, kvh, p.kv_heads, p.seq);
+    copy_tile<TILE>(vs, v, b, 0, kvh, p.kv_heads, p.seq);
+    commit();
+
     unsigned int qf[KSTEPS][4];
-#pragma unroll
-    for (int s = 0; s < KSTEPS; ++s) load_a(qf[s], qs + warp * 16 * LDH, s);
-
     float o[DTILES][4];
 #pragma unroll
     for (int d = 0; d < DTILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
     // Running maximum (base 2) and this lane's part of the normaliser, for rows row and row + 8.
     float m[2] = {-VERL_INF, -VERL_INF}, l[2] = {0.0f, 0.0f};
 
-    const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
-        const unsigned int j0 = kt * TILE;
-        __syncthreads();
-        load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-        load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
-        // A tile of tokens wholly before the block's first query needs no mask.
+        const unsigned int j0 = kt * TILE, cur = (kt % 2) * stage;
+        if (kt + 1 < key_tiles) {
+            const unsigned int nxt = ((kt + 1) % 2) * stage;
+            copy_tile<TILE>(ks + nxt, k, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+            copy_tile<TILE>(vs + nxt, v, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+            commit();
+            wait_groups<1>();
+        } else {
+            wait_groups<0>();
+        }
+        // A tile of tokens wholly before the block's first query needs no mask. (The barrier
+        // inside also publishes every thread's copies.)
         const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+        if (kt == 0) {
+#pragma unroll
+            for (int s = 0; s < KSTEPS; ++s) load_a(qf[s], qs + warp * 16 * LDH, s);
+        }
 
         float s[TILE / 8][4];
-        scores<TILE / 8>(s, qf, ks);
+        scores<TILE / 8>(s, qf, ks + cur);
         float mx[2] = {-VERL_INF, -VERL_INF};
 #pragma unroll
         for (int t = 0; t < TILE / 8; ++t) {
@@ -330,7 +331,9 @@ verl_attention_forward(const float* __restrict__ q, const float* __restrict__ k,
         }
         unsigned int pf[TILE / 16][4];
         as_a<TILE / 8>(pf, s);
-        accumulate<TILE / 8>(o, pf, vs);
+        accumulate<TILE / 8>(o, pf, vs + cur);
+        // Every warp is done with this stage before the next iteration copies into it.
+        __syncthreads();
     }
 
 #pragma unroll
@@ -349,41 +352,52 @@ verl_attention_forward(const float* __restrict__ q, const float* __restrict__ k,
 // Backward, part 1 (run first): dq for 64 queries of one head, and delta = rowsum(dout * out)
 // for those queries, which part 2 reads. Grid (ceil(seq / 64), heads, batch).
 extern "C" __global__ void __launch_bounds__(THREADS)
-verl_attention_backward_dq(const float* __restrict__ q, const float* __restrict__ k,
-                           const float* __restrict__ v, const float* __restrict__ key_mask,
-                           const float* __restrict__ out, const float* __restrict__ dout,
+verl_attention_backward_dq(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                           const bf16* __restrict__ v, const float* __restrict__ key_mask,
+                           const float* __restrict__ out, const bf16* __restrict__ dout,
                            const float* __restrict__ lse, float* __restrict__ dq,
                            float* __restrict__ delta, AttnParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned int off = 0;
     bf16* qs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* dos = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
+    bf16* ks = (bf16*)(smem + off); off += 2 * round128(TILE * LDH * 2);
+    bf16* vs = (bf16*)(smem + off); off += 2 * round128(TILE * LDH * 2);
     float* lse_s = (float*)(smem + off); off += round128(TILE * 4);
     float* delta_s = (float*)(smem + off); off += round128(TILE * 4);
     float* kmask = (float*)(smem + off);
+    const unsigned int stage = round128(TILE * LDH * 2) / 2;
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
     const float scale2 = p.scale * LOG2E;
+    const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
 
-    load_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
-    load_tile<TILE>(dos, dout, b, q0, h, p.heads, p.seq);
+    copy_tile<TILE>(qs, q, b, q0, h, p.heads, p.seq);
+    copy_tile<TILE>(dos, dout, b, q0, h, p.heads, p.seq);
+    copy_tile<TILE>(ks, k, b, 0, kvh, p.kv_heads, p.seq);
+    copy_tile<TILE>(vs, v, b, 0, kvh, p.kv_heads, p.seq);
+    commit();
     {
-        // delta in f32 from the f32 tensors, two threads a row.
+        // delta = rowsum(dout * out) in f32 while the copies fly, two threads a row.
         const unsigned int r = threadIdx.x / 2, part = threadIdx.x % 2, i = q0 + r;
         float d = 0.0f, row_lse = 0.0f;
         if (i < p.seq) {
             const unsigned long long base =
                 ((unsigned long long)(b * p.seq + i) * p.heads + h) * HEAD_DIM + part * (HEAD_DIM / 2);
 #pragma unroll
-            for (int c = 0; c < HEAD_DIM / 2; c += 4) {
-                const float4 g = *(const float4*)(dout + base + c);
-                const float4 y = *(const float4*)(out + base + c);
-                d += g.x * y.x + g.y * y.y + g.z * y.z + g.w * y.w;
+            for (int c = 0; c < HEAD_DIM / 2; c += 8) {
+                const uint4 g = *(const uint4*)(dout + base + c);
+                const float4 y0 = *(const float4*)(out + base + c);
+                const float4 y1 = *(const float4*)(out + base + c + 4);
+                const float2 g0 = __bfloat1622float2(*(const __nv_bfloat162*)&g.x);
+                const float2 g1 = __bfloat1622float2(*(const __nv_bfloat162*)&g.y);
+                const float2 g2 = __bfloat1622float2(*(const __nv_bfloat162*)&g.z);
+                const float2 g3 = __bfloat1622float2(*(const __nv_bfloat162*)&g.w);
+                d += g0.x * y0.x + g0.y * y0.y + g1.x * y0.z + g1.y * y0.w;
+                d += g2.x * y1.x + g2.y * y1.y + g3.x * y1.z + g3.y * y1.w;
             }
             row_lse = lse[((unsigned long long)b * p.heads + h) * p.seq + i];
         }
@@ -394,25 +408,34 @@ verl_attention_backward_dq(const float* __restrict__ q, const float* __restrict_
             lse_s[r] = row_lse * LOG2E;
         }
     }
-    __syncthreads();
-    const float row_lse[2] = {lse_s[row], lse_s[row + 8]};
-    const float row_delta[2] = {delta_s[row], delta_s[row + 8]};
 
+    float row_lse[2], row_delta[2];
     float dqa[DTILES][4];
 #pragma unroll
     for (int d = 0; d < DTILES; ++d) dqa[d][0] = dqa[d][1] = dqa[d][2] = dqa[d][3] = 0.0f;
 
-    const unsigned int key_tiles = min((p.seq + TILE - 1) / TILE, blockIdx.x + 1);
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
-        const unsigned int j0 = kt * TILE;
-        __syncthreads();
-        load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-        load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+        const unsigned int j0 = kt * TILE, cur = (kt % 2) * stage;
+        if (kt + 1 < key_tiles) {
+            const unsigned int nxt = ((kt + 1) % 2) * stage;
+            copy_tile<TILE>(ks + nxt, k, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+            copy_tile<TILE>(vs + nxt, v, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+            commit();
+            wait_groups<1>();
+        } else {
+            wait_groups<0>();
+        }
         const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+        if (kt == 0) {
+            row_lse[0] = lse_s[row];
+            row_lse[1] = lse_s[row + 8];
+            row_delta[0] = delta_s[row];
+            row_delta[1] = delta_s[row + 8];
+        }
 
         float s[TILE / 8][4], dp[TILE / 8][4];
-        scores_from<TILE / 8>(s, qs + warp * 16 * LDH, ks);
-        scores_from<TILE / 8>(dp, dos + warp * 16 * LDH, vs);
+        scores_from<TILE / 8>(s, qs + warp * 16 * LDH, ks + cur);
+        scores_from<TILE / 8>(dp, dos + warp * 16 * LDH, vs + cur);
 #pragma unroll
         for (int t = 0; t < TILE / 8; ++t) {
 #pragma unroll
@@ -428,7 +451,8 @@ verl_attention_backward_dq(const float* __restrict__ q, const float* __restrict_
         }
         unsigned int dsf[TILE / 16][4];
         as_a<TILE / 8>(dsf, s);
-        accumulate<TILE / 8>(dqa, dsf, ks);
+        accumulate<TILE / 8>(dqa, dsf, ks + cur);
+        __syncthreads();
     }
 
 #pragma unroll
@@ -440,24 +464,43 @@ verl_attention_backward_dq(const float* __restrict__ q, const float* __restrict_
     }
 }
 
+// Starts the copies of query tile q0's q and dout rows into stage `st`, and loads its
+// log-sum-exp (base 2) and delta (the dk/dv kernel's next step).
+__device__ __forceinline__ void stage_queries(bf16* qs, bf16* dos, float* lse_s, float* delta_s,
+                                              const bf16* q, const bf16* dout, const float* lse,
+                                              const float* delta, unsigned int b,
+                                              unsigned int q0, unsigned int h, const AttnParams& p) {
+    copy_tile<QTILE>(qs, q, b, q0, h, p.heads, p.seq);
+    copy_tile<QTILE>(dos, dout, b, q0, h, p.heads, p.seq);
+    commit();
+    if (threadIdx.x < QTILE) {
+        const unsigned int i = q0 + threadIdx.x;
+        const unsigned long long at = ((unsigned long long)b * p.heads + h) * p.seq + i;
+        lse_s[threadIdx.x] = i < p.seq ? lse[at] * LOG2E : 0.0f;
+        delta_s[threadIdx.x] = i < p.seq ? delta[at] : 0.0f;
+    }
+}
+
 // Backward, part 2: one query head's share of dk and dv for 64 keys of its kv head, summed over
 // every query at or after the keys, written per query head ([batch, seq, heads, HEAD_DIM]; the
-// caller sums each group's heads). One block per (key tile, query head) keeps the GPU busy where
-// one per kv head would leave most of it idle. Grid (ceil(seq / 64), heads, batch).
+// group sum below adds each kv head's query heads). One block per (key tile, query head) keeps
+// the GPU busy where one per kv head would leave most of it idle. Grid (ceil(seq / 64), heads,
+// batch).
 extern "C" __global__ void __launch_bounds__(THREADS)
-verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict__ k,
-                            const float* __restrict__ v, const float* __restrict__ key_mask,
-                            const float* __restrict__ dout, const float* __restrict__ lse,
+verl_attention_backward_dkv(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                            const bf16* __restrict__ v, const float* __restrict__ key_mask,
+                            const bf16* __restrict__ dout, const float* __restrict__ lse,
                             const float* __restrict__ delta, float* __restrict__ dk,
                             float* __restrict__ dv, AttnParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned int off = 0;
     bf16* ks = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
     bf16* vs = (bf16*)(smem + off); off += round128(TILE * LDH * 2);
-    bf16* qs = (bf16*)(smem + off); off += round128(QTILE * LDH * 2);
-    bf16* dos = (bf16*)(smem + off); off += round128(QTILE * LDH * 2);
-    float* lse_s = (float*)(smem + off); off += round128(QTILE * 4);
+    bf16* qs = (bf16*)(smem + off); off += 2 * round128(QTILE * LDH * 2);
+    bf16* dos = (bf16*)(smem + off); off += 2 * round128(QTILE * LDH * 2);
+    float* lse_s = (float*)(smem + off); off += 2 * round128(QTILE * 4);
     float* delta_s = (float*)(smem + off);
+    const unsigned int stage = round128(QTILE * LDH * 2) / 2, stats = round128(QTILE * 4) / 4;
 
     const unsigned int b = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * TILE;
     const unsigned int kvh = h / (p.heads / p.kv_heads);
@@ -465,8 +508,9 @@ verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict
     const unsigned int row = warp * 16 + lane / 4, t4 = lane % 4;
     const float scale2 = p.scale * LOG2E;
 
-    load_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
-    load_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+    copy_tile<TILE>(ks, k, b, j0, kvh, p.kv_heads, p.seq);
+    copy_tile<TILE>(vs, v, b, j0, kvh, p.kv_heads, p.seq);
+    stage_queries(qs, dos, lse_s, delta_s, q, dout, lse, delta, b, j0, h, p);
     // This lane's two keys: whether each is a token (0 past the sequence).
     float key_is_token[2];
 #pragma unroll
@@ -489,23 +533,28 @@ verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict
         dva[d][0] = dva[d][1] = dva[d][2] = dva[d][3] = 0.0f;
     }
 
-    for (unsigned int q0 = j0; q0 < p.seq; q0 += QTILE) {
-        __syncthreads();
-        load_tile<QTILE>(qs, q, b, q0, h, p.heads, p.seq);
-        load_tile<QTILE>(dos, dout, b, q0, h, p.heads, p.seq);
-        if (threadIdx.x < QTILE) {
-            const unsigned int i = q0 + threadIdx.x;
-            const unsigned long long at = ((unsigned long long)b * p.heads + h) * p.seq + i;
-            lse_s[threadIdx.x] = i < p.seq ? lse[at] * LOG2E : 0.0f;
-            delta_s[threadIdx.x] = i < p.seq ? delta[at] : 0.0f;
+    unsigned int it = 0;
+    for (unsigned int q0 = j0; q0 < p.seq; q0 += QTILE, ++it) {
+        const unsigned int cur = (it % 2) * stage, cur_s = (it % 2) * stats;
+        if (q0 + QTILE < p.seq) {
+            const unsigned int nxt = ((it + 1) % 2) * stage, nxt_s = ((it + 1) % 2) * stats;
+            stage_queries(qs + nxt, dos + nxt, lse_s + nxt_s, delta_s + nxt_s, q, dout, lse, delta,
+                          b, q0 + QTILE, h, p);
+            wait_groups<1>();
+        } else {
+            wait_groups<0>();
         }
         __syncthreads();
+        const bf16* qt = qs + cur;
+        const bf16* dot = dos + cur;
+        const float* lse_t = lse_s + cur_s;
+        const float* delta_t = delta_s + cur_s;
         // Every query of the tile after every key of the block, all of them in the sequence.
         const bool full = all_tokens && q0 >= j0 + TILE && q0 + QTILE <= p.seq;
 
         // Transposed probabilities: rows are this warp's keys, columns the tile's queries.
         float s[QTILE / 8][4];
-        scores_from<QTILE / 8>(s, ks + warp * 16 * LDH, qs);
+        scores_from<QTILE / 8>(s, ks + warp * 16 * LDH, qt);
 #pragma unroll
         for (int t = 0; t < QTILE / 8; ++t) {
 #pragma unroll
@@ -513,25 +562,26 @@ verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict
                 const unsigned int col = t * 8 + 2 * t4 + (e & 1);
                 const unsigned int j = j0 + row + (e >> 1) * 8;
                 const bool ok = full || (j < p.seq && allowed(q0 + col, j, p.seq, key_is_token[e >> 1]));
-                s[t][e] = ok ? exp2f(s[t][e] * scale2 - lse_s[col]) : 0.0f;
+                s[t][e] = ok ? exp2f(s[t][e] * scale2 - lse_t[col]) : 0.0f;
             }
         }
         unsigned int af[QTILE / 16][4];
         as_a<QTILE / 8>(af, s);
-        accumulate<QTILE / 8>(dva, af, dos);
+        accumulate<QTILE / 8>(dva, af, dot);
 
         float dp[QTILE / 8][4];
-        scores_from<QTILE / 8>(dp, vs + warp * 16 * LDH, dos);
+        scores_from<QTILE / 8>(dp, vs + warp * 16 * LDH, dot);
 #pragma unroll
         for (int t = 0; t < QTILE / 8; ++t) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const unsigned int col = t * 8 + 2 * t4 + (e & 1);
-                dp[t][e] = s[t][e] * (dp[t][e] - delta_s[col]) * p.scale;
+                dp[t][e] = s[t][e] * (dp[t][e] - delta_t[col]) * p.scale;
             }
         }
         as_a<QTILE / 8>(af, dp);
-        accumulate<QTILE / 8>(dka, af, qs);
+        accumulate<QTILE / 8>(dka, af, qt);
+        __syncthreads();
     }
 
 #pragma unroll
@@ -543,4 +593,27 @@ verl_attention_backward_dkv(const float* __restrict__ q, const float* __restrict
             store_row(dv + base, dva, r, 1.0f);
         }
     }
+}
+// dk or dv per query head [batch, seq, heads, HEAD_DIM] summed over each kv head's group of
+// query heads, in head order: [batch, seq, kv_heads, HEAD_DIM]. Query head g * rep + r belongs to
+// kv head g, so a kv row's group is `rep` consecutive rows of the input. A thread sums 4 floats.
+// Grid (ceil(batch * seq * kv_heads * HEAD_DIM / 4 / 256)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+verl_attention_group_sum(const float* __restrict__ per_head, float* __restrict__ out,
+                         AttnParams p) {
+    const unsigned long long units = (unsigned long long)p.batch * p.seq * p.kv_heads * (HEAD_DIM / 4);
+    const unsigned long long u = (unsigned long long)blockIdx.x * 256 + threadIdx.x;
+    if (u >= units) return;
+    const unsigned int rep = p.heads / p.kv_heads;
+    const unsigned long long kv_row = u / (HEAD_DIM / 4), c = u % (HEAD_DIM / 4);
+    const float4* src = (const float4*)per_head + kv_row * rep * (HEAD_DIM / 4) + c;
+    float4 s = src[0];
+    for (unsigned int r = 1; r < rep; ++r) {
+        const float4 x = src[r * (HEAD_DIM / 4)];
+        s.x += x.x;
+        s.y += x.y;
+        s.z += x.z;
+        s.w += x.w;
+    }
+    ((float4*)out)[u] = s;
 }

@@ -15,16 +15,22 @@ use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops};
-use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::kernel::{cast, into_contiguous};
 use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
 use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
 
-const SOURCE: &str = include_str!("attention.cu");
+/// The kernels after what they share with the GEMMs (`gemm_common.cuh`: cp.async copies).
+const SOURCE: &str = concat!(
+    include_str!("gemm_common.cuh"),
+    include_str!("attention.cu")
+);
 /// Rows per block (queries or keys) and threads per block, as in `attention.cu`.
 const TILE: usize = 64;
 const THREADS: u32 = 128;
+/// Threads per block of the group sum.
+const GROUP_SUM_THREADS: u32 = 256;
 
 /// Whether the fused kernel is used where it applies: on unless `VERL_ATTENTION=decomposed` in the
 /// environment, or `SWITCH.set(false)` (benchmarks compare the kernel with its fallback).
@@ -46,17 +52,20 @@ fn query_tile(d: usize) -> usize {
 }
 
 /// Bytes of shared memory of each kernel for head size `d`, the regions laid out as in
-/// `attention.cu` (each rounded up to 128 bytes): bf16 tiles of row stride `d + 8`, and f32
-/// rows of statistics or mask.
+/// `attention.cu` (each rounded up to 128 bytes): bf16 tiles of row stride `d + 8` (the tiles
+/// the loop streams in two stages), and f32 rows of statistics or mask.
 fn shared_bytes(entry: &str, d: usize) -> usize {
     let r = |x: usize| x.div_ceil(128) * 128;
     let tile = |rows: usize| r(rows * (d + 8) * 2);
     match entry {
-        "verl_attention_forward" => 3 * tile(TILE) + TILE * 4,
-        "verl_attention_backward_dq" => 4 * tile(TILE) + 2 * r(TILE * 4) + TILE * 4,
+        // q, then k and v in two stages; the key mask.
+        "verl_attention_forward" => 5 * tile(TILE) + TILE * 4,
+        // q and dout, then k and v in two stages; log-sum-exp, delta, the key mask.
+        "verl_attention_backward_dq" => 6 * tile(TILE) + 2 * r(TILE * 4) + TILE * 4,
+        // k and v, then q and dout in two stages; log-sum-exp and delta in two stages.
         _ => {
             let q = query_tile(d);
-            2 * tile(TILE) + 2 * tile(q) + r(q * 4) + q * 4
+            2 * tile(TILE) + 4 * tile(q) + 3 * r(q * 4) + q * 4
         }
     }
 }
@@ -125,7 +134,13 @@ fn forward_primitive(
     (out, lse)
 }
 
-/// What the backward needs: the inputs, the output and its log-sum-exp.
+/// `t` as a contiguous bf16 tensor, the kernels' operand (one cast, which also makes it
+/// contiguous, where the f32 path copied it).
+fn bf16_operand(t: CudaPrimitive) -> CudaPrimitive {
+    into_contiguous(cast(t, DType::BF16))
+}
+
+/// What the backward needs: the inputs (bf16), the output and its log-sum-exp.
 #[derive(Debug, Clone)]
 struct Saved {
     d: Dims,
@@ -141,7 +156,7 @@ struct Saved {
 /// Gradients of q, k and v for the output's gradient `dout`.
 fn backward_primitive(s: &Saved, dout: CudaPrimitive) -> [CudaPrimitive; 3] {
     let d = s.d;
-    let dout = into_contiguous(dout);
+    let dout = bf16_operand(dout);
     let dq = empty_f32(&s.q, vec![d.batch, d.seq, d.heads, d.head_dim]);
     let delta = empty_f32(&s.q, vec![d.batch, d.heads, d.seq]);
     // Per query head; each group's heads are summed below.
@@ -162,18 +177,29 @@ fn backward_primitive(s: &Saved, dout: CudaPrimitive) -> [CudaPrimitive; 3] {
         &[&s.q, &s.k, &s.v, &s.mask, &dout, &s.lse, &delta, &dk, &dv],
         d.params(s.scale),
     );
-    let rep = d.heads / d.kv_heads;
-    let per_kv_head = |g: CudaPrimitive| -> CudaPrimitive {
-        if rep == 1 {
-            return g;
-        }
-        let g = wrap::<4>(g).reshape([d.batch, d.seq, d.kv_heads, rep, d.head_dim]);
-        g.sum_dim(3)
-            .reshape([d.batch, d.seq, d.kv_heads, d.head_dim])
-            .into_primitive()
-            .tensor()
-    };
-    [dq, per_kv_head(dk), per_kv_head(dv)]
+    [dq, per_kv_head(d, dk), per_kv_head(d, dv)]
+}
+
+/// dk or dv per query head `[batch, seq, heads, head_dim]` summed over each kv head's group
+/// (`verl_attention_group_sum`, the heads added in order): `[batch, seq, kv_heads, head_dim]`.
+fn per_kv_head(d: Dims, g: CudaPrimitive) -> CudaPrimitive {
+    if d.heads == d.kv_heads {
+        return g;
+    }
+    let out = empty_f32(&g, vec![d.batch, d.seq, d.kv_heads, d.head_dim]);
+    let units = d.batch * d.seq * d.kv_heads * d.head_dim / 4;
+    CudaSource {
+        block: GROUP_SUM_THREADS,
+        shared_bytes: 0,
+        ..d.kernel("verl_attention_group_sum")
+    }
+    .launch(
+        &g.client,
+        (units.div_ceil(GROUP_SUM_THREADS as usize) as u32, 1, 1),
+        &[&g, &out],
+        d.params(0.0),
+    );
+    out
 }
 
 #[derive(Debug)]
@@ -262,12 +288,13 @@ pub fn attention(
         return Err((q, k, v));
     };
     let mask = key_mask.unwrap_or_else(|| Tensor::ones([d.batch, d.seq], &q.device()));
+    let operand = |t: Tensor<CudaBackend, 4>| bf16_operand(t.into_primitive().tensor());
     let (out, _) = forward_primitive(
         d,
         scale,
-        &contiguous(q),
-        &contiguous(k),
-        &contiguous(v),
+        &operand(q),
+        &operand(k),
+        &operand(v),
         &contiguous(mask),
     );
     Ok(wrap::<4>(out))
@@ -294,9 +321,9 @@ pub fn attention_tracked<C: CheckpointStrategy>(
         v.into_primitive().tensor(),
     );
     let (qp, kp, vp) = (
-        into_contiguous(q.primitive.clone()),
-        into_contiguous(k.primitive.clone()),
-        into_contiguous(v.primitive.clone()),
+        bf16_operand(q.primitive.clone()),
+        bf16_operand(k.primitive.clone()),
+        bf16_operand(v.primitive.clone()),
     );
     let mask = contiguous(mask);
     let (out, lse) = forward_primitive(d, scale, &qp, &kp, &vp, &mask);
@@ -333,7 +360,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(shared_bytes("verl_attention_forward", 64), 27_904);
+        assert_eq!(shared_bytes("verl_attention_forward", 64), 46_336);
     }
 
     #[test]

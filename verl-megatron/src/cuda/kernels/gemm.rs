@@ -718,7 +718,18 @@ fn transpose(p: CudaPrimitive) -> CudaPrimitive {
     CudaBackend::float_swap_dims(p, n - 2, n - 1)
 }
 
-/// The backward step of `C = A · B`: `dA = dC · Bᵀ`, `dB = Aᵀ · dC`.
+/// Whether `p`'s last two dimensions are stored transposed: a linear layer's weight `[out, in]`
+/// seen as `wᵀ`.
+fn stored_transposed(p: &CudaPrimitive) -> bool {
+    let strides = p.meta.strides();
+    let n = strides.len();
+    n >= 2 && strides[n - 2] == 1 && strides[n - 1] != 1
+}
+
+/// The backward step of `C = A · B`: `dA = dC · Bᵀ`, `dB = Aᵀ · dC`. Where B is stored
+/// transposed, `dB = (dCᵀ · A)ᵀ`: the product writes the gradient in B's stored order, so a
+/// weight's gradient reaches its cast to f32 row-major (a transposed one is cast one element
+/// at a time: the 1.5B step took 9 ms longer, docs/PERFORMANCE.md).
 #[derive(Debug)]
 struct MatmulBackward;
 
@@ -727,12 +738,19 @@ impl Backward<CudaBackend, 2> for MatmulBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (a, b) = ops.state;
+        let b_transposed = stored_transposed(&b);
         binary::<CudaBackend, _, _>(
             ops.parents,
             ops.node,
             grads,
             |dc| matmul_primitive(dc, transpose(b)),
-            |dc| matmul_primitive(transpose(a), dc),
+            |dc| {
+                if b_transposed {
+                    transpose(matmul_primitive(transpose(dc), a))
+                } else {
+                    matmul_primitive(transpose(a), dc)
+                }
+            },
         );
     }
 }

@@ -464,8 +464,8 @@ verl_attention_backward_dq(const bf16* __restrict__ q, const bf16* __restrict__ 
     }
 }
 
-// Starts the copies of query tile q0's q and dout rows into stage `st`, and loads its
-// log-sum-exp (base 2) and delta (the dk/dv kernel's next step).
+// Starts the copies of query tile q0's q and dout rows into the stage the pointers point at,
+// and loads its log-sum-exp (base 2) and delta (the dk/dv kernel's next step).
 __device__ __forceinline__ void stage_queries(bf16* qs, bf16* dos, float* lse_s, float* delta_s,
                                               const bf16* q, const bf16* dout, const float* lse,
                                               const float* delta, unsigned int b,

@@ -1,5 +1,5 @@
 //! Fused causal attention with grouped-query heads (`attention.cu`): one kernel for the
-//! forward, two for the backward, in place of the decomposed path's ~30 burn operations per
+//! forward, three for the backward (dq, per-head dk/dv, their sum per kv head), in place of the decomposed path's ~30 burn operations per
 //! layer (scores, bias, softmax, products, their casts and their gradients), and with no
 //! `[batch, heads, seq, seq]` tensor kept for the backward: what makes long sequences fit.
 //!

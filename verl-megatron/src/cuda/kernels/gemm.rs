@@ -513,6 +513,8 @@ static FAILED: Mutex<Option<HashSet<FailedShape>>> = Mutex::new(None);
 /// A strategy's name with the operand shapes it could not set up.
 type FailedShape = (&'static str, Vec<usize>, Vec<usize>);
 
+/// Whether `p`'s last two dimensions are stored transposed (a linear layer's weight `[out, in]`
+/// seen as `wᵀ`).
 fn is_transposed(p: &CudaPrimitive) -> bool {
     let strides = p.meta.strides();
     let n = strides.len();
@@ -718,14 +720,6 @@ fn transpose(p: CudaPrimitive) -> CudaPrimitive {
     CudaBackend::float_swap_dims(p, n - 2, n - 1)
 }
 
-/// Whether `p`'s last two dimensions are stored transposed: a linear layer's weight `[out, in]`
-/// seen as `wᵀ`.
-fn stored_transposed(p: &CudaPrimitive) -> bool {
-    let strides = p.meta.strides();
-    let n = strides.len();
-    n >= 2 && strides[n - 2] == 1 && strides[n - 1] != 1
-}
-
 /// The backward step of `C = A · B`: `dA = dC · Bᵀ`, `dB = Aᵀ · dC`. Where B is stored
 /// transposed, `dB = (dCᵀ · A)ᵀ`: the product writes the gradient in B's stored order, so a
 /// weight's gradient reaches its cast to f32 row-major (a transposed one is cast one element
@@ -738,7 +732,7 @@ impl Backward<CudaBackend, 2> for MatmulBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (a, b) = ops.state;
-        let b_transposed = stored_transposed(&b);
+        let b_transposed = is_transposed(&b);
         binary::<CudaBackend, _, _>(
             ops.parents,
             ops.node,

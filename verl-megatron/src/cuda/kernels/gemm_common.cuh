@@ -1,6 +1,6 @@
-// What our two GEMM kernels share (gemm.cu: wmma; gemm_wgmma.cu: wgmma), prepended to each by
-// verl_megatron::cuda::kernels::gemm: the parameter block, and the cp.async copies that fill
-// their shared-memory stages.
+// What our GEMM kernels share (gemm.cu: wmma; gemm_wgmma.cu: wgmma; decode_gemm.cu), prepended
+// to each by its module, and to attention.cu: the parameter block, and the cp.async copies that
+// fill shared-memory stages.
 
 #include <cuda_bf16.h>
 

@@ -238,6 +238,29 @@ __device__ __forceinline__ void store_row(float* dst, const float (&acc)[DTILES]
             make_float2(acc[d][2 * half] * mul, acc[d][2 * half + 1] * mul);
 }
 
+// One step of the key-tile loop (forward, dq): starts the copies of key tile kt + 1's keys and
+// values into the other stage (`stage` elements away), waits for tile kt's, loads its key mask
+// and returns whether the tile needs no mask: tokens wholly before the block's first query q0.
+// The barrier inside also publishes every thread's copies.
+__device__ __forceinline__ bool next_key_tile(bf16* ks, bf16* vs, float* kmask, const bf16* k,
+                                              const bf16* v, const float* key_mask,
+                                              unsigned int kt, unsigned int key_tiles,
+                                              unsigned int stage, unsigned int b,
+                                              unsigned int kvh, unsigned int q0,
+                                              const AttnParams& p) {
+    const unsigned int j0 = kt * TILE;
+    if (kt + 1 < key_tiles) {
+        const unsigned int nxt = ((kt + 1) % 2) * stage;
+        copy_tile<TILE>(ks + nxt, k, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+        copy_tile<TILE>(vs + nxt, v, b, j0 + TILE, kvh, p.kv_heads, p.seq);
+        commit();
+        wait_groups<1>();
+    } else {
+        wait_groups<0>();
+    }
+    return load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+}
+
 // Forward: grid (ceil(seq / 64), heads, batch).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_attention_forward(const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -272,18 +295,8 @@ verl_attention_forward(const bf16* __restrict__ q, const bf16* __restrict__ k,
 
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
         const unsigned int j0 = kt * TILE, cur = (kt % 2) * stage;
-        if (kt + 1 < key_tiles) {
-            const unsigned int nxt = ((kt + 1) % 2) * stage;
-            copy_tile<TILE>(ks + nxt, k, b, j0 + TILE, kvh, p.kv_heads, p.seq);
-            copy_tile<TILE>(vs + nxt, v, b, j0 + TILE, kvh, p.kv_heads, p.seq);
-            commit();
-            wait_groups<1>();
-        } else {
-            wait_groups<0>();
-        }
-        // A tile of tokens wholly before the block's first query needs no mask. (The barrier
-        // inside also publishes every thread's copies.)
-        const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+        const bool full = next_key_tile(ks, vs, kmask, k, v, key_mask, kt, key_tiles, stage, b,
+                                        kvh, q0, p);
         if (kt == 0) {
 #pragma unroll
             for (int s = 0; s < KSTEPS; ++s) load_a(qf[s], qs + warp * 16 * LDH, s);
@@ -416,16 +429,8 @@ verl_attention_backward_dq(const bf16* __restrict__ q, const bf16* __restrict__ 
 
     for (unsigned int kt = 0; kt < key_tiles; ++kt) {
         const unsigned int j0 = kt * TILE, cur = (kt % 2) * stage;
-        if (kt + 1 < key_tiles) {
-            const unsigned int nxt = ((kt + 1) % 2) * stage;
-            copy_tile<TILE>(ks + nxt, k, b, j0 + TILE, kvh, p.kv_heads, p.seq);
-            copy_tile<TILE>(vs + nxt, v, b, j0 + TILE, kvh, p.kv_heads, p.seq);
-            commit();
-            wait_groups<1>();
-        } else {
-            wait_groups<0>();
-        }
-        const bool full = load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+        const bool full = next_key_tile(ks, vs, kmask, k, v, key_mask, kt, key_tiles, stage, b,
+                                        kvh, q0, p);
         if (kt == 0) {
             row_lse[0] = lse_s[row];
             row_lse[1] = lse_s[row + 8];

@@ -1,7 +1,8 @@
 //! Fused causal attention with grouped-query heads (`attention.cu`): one kernel for the
-//! forward, three for the backward (dq, per-head dk/dv, their sum per kv head), in place of the decomposed path's ~30 burn operations per
-//! layer (scores, bias, softmax, products, their casts and their gradients), and with no
-//! `[batch, heads, seq, seq]` tensor kept for the backward: what makes long sequences fit.
+//! forward, three for the backward (dq, per-head dk/dv, their sum per kv head), in place of the
+//! decomposed path's ~30 burn operations per layer (scores, bias, softmax, products, their
+//! casts and their gradients), and with no `[batch, heads, seq, seq]` tensor kept for the
+//! backward: what makes long sequences fit.
 //!
 //! It applies to training and log-prob passes (no KV cache) on burn-cuda with bf16 products
 //! and a head size that is a multiple of 16 up to 128. Everything else, and every backend but
@@ -52,7 +53,7 @@ fn query_tile(d: usize) -> usize {
 }
 
 /// Bytes of shared memory of each kernel for head size `d`, the regions laid out as in
-/// `attention.cu` (each rounded up to 128 bytes): bf16 tiles of row stride `d + 8` (the tiles
+/// `attention.cu` (each but the last rounded up to 128 bytes): bf16 tiles of row stride `d + 8` (the tiles
 /// the loop streams in two stages), and f32 rows of statistics or mask.
 fn shared_bytes(entry: &str, d: usize) -> usize {
     let r = |x: usize| x.div_ceil(128) * 128;

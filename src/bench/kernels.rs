@@ -678,6 +678,57 @@ RMSNorm: fused kernel vs burn's chain"
         norm_run(&x, &w, &probe, true),
         norm_run(&x, &w, &probe, false),
     );
+    check_add_norm(device, failures);
+}
+
+/// The decode step's residual sum and norm in one launch (`verl_add_rms_norm_bf16`) against
+/// the add, the norm kernel and the cast it replaces: equal to the bit, with and without the
+/// residual, at hidden sizes held in registers (up to 8 192) and past them.
+fn check_add_norm(device: &Device, failures: &mut Vec<String>) {
+    use verl::megatron::cuda::kernels::norm;
+    use verl::megatron::ops::reference;
+    println!(
+        "
+residual + RMSNorm + bf16 cast in one launch vs the three (max |diff|, must be 0)"
+    );
+    for (n, &(rows, hidden)) in [(1, 3584), (64, 896), (5, 17), (3, 9000)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 4200 + 10 * n as u64;
+        let h = random([rows, hidden], seed, device) * 3.0;
+        let delta = random([rows, hidden], seed + 1, device);
+        let w = random([hidden], seed + 2, device) + 1.0;
+        for with_delta in [true, false] {
+            let d = with_delta.then(|| delta.clone());
+            let fused = norm::add_rms_norm_bf16(h.clone(), d.clone(), w.clone(), 1e-6);
+            let (s1, y1) = match fused {
+                Ok(out) => out,
+                Err(_) => {
+                    failures.push(format!("add + RMSNorm {rows} x {hidden}: kernel not taken"));
+                    continue;
+                }
+            };
+            let (s0, y0) = reference::add_rms_norm_bf16(h.clone(), d, w.clone(), 1e-6);
+            let diff = |a: Tensor<CudaBackend, 2>, b: Tensor<CudaBackend, 2>| {
+                let a: Vec<f32> = a.cast(FloatDType::F32).into_data().to_vec().expect("f32");
+                let b: Vec<f32> = b.cast(FloatDType::F32).into_data().to_vec().expect("f32");
+                a.iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            };
+            let (ds, dy) = (diff(s1, s0), diff(y1, y0));
+            println!(
+                "  {rows:>3} x {hidden:>5}, residual {with_delta:<5}: sum {ds:.1e}, y {dy:.1e}"
+            );
+            if ds != 0.0 || dy != 0.0 {
+                failures.push(format!(
+                    "add + RMSNorm {rows} x {hidden} (residual {with_delta}): sum {ds}, y {dy}"
+                ));
+            }
+        }
+    }
 }
 
 /// The fused SwiGLU gate against burn's `silu(g) · u`: output and both gradients.

@@ -4,8 +4,9 @@
 // position; one block per (kv head, slot) rotates that token's key (RoPE, rotate-half), writes
 // key and value into the cache at the slot's position, rotates its REP query heads (grouped-query
 // attention: query heads g*REP .. g*REP+REP-1 read kv head g), and attends over the slot's
-// positions 0..=position with an online softmax, the block's warps taking keys in turn and
-// merging at the end. No [slots, heads, 1, keys] score tensor, no mask, no copy of the cache.
+// positions 0..=position with an online softmax over tiles of keys (scores a key a thread,
+// weighted values a few dimensions a thread). No [slots, heads, 1, keys] score tensor, no
+// mask, no copy of the cache.
 // At long contexts with few blocks, the keys are split over several blocks per (kv head, slot)
 // and verl_decode_combine merges their partial softmaxes (flash-decoding).
 //
@@ -27,7 +28,6 @@
 
 #define THREADS 128
 #define WARPS (THREADS / 32)
-#define PER_LANE (HEAD_DIM / 32)
 #define NEG_INF __int_as_float(0xff800000)
 
 #ifndef ROUND_BF16
@@ -109,11 +109,75 @@ __device__ __forceinline__ void store_out(void* out, unsigned long long o, float
 #endif
 }
 
+// Eight consecutive cached elements (16-byte aligned) as f32.
+__device__ __forceinline__ void load8(const cache_t* src, float (&x)[8]) {
+#if CACHE_BF16
+    const uint4 u = *(const uint4*)src;
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+#else
+    const float4 a = *(const float4*)src, b = *(const float4*)(src + 4);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+#endif
+}
+
+// Keys a block scores at once: one a thread.
+#define TILE THREADS
+// The value product: each thread owns VEC neighbouring dimensions of every head of the group
+// (GROUPS threads cover a head; VEC keeps the REP x VEC sums near 64 registers) and every
+// KSPLIT-th key of a tile; the KSPLIT threads of a group are neighbouring lanes, so their sums
+// meet by shuffles. KSPLIT is a power of two of at most a warp.
+#define VEC (REP <= 8 ? 8 : REP <= 16 ? 4 : 2)
+#define GROUPS (HEAD_DIM / VEC)
+#define KSPLIT_MAX (THREADS / GROUPS < 32 ? THREADS / GROUPS : 32)
+#define KSPLIT (KSPLIT_MAX >= 32 ? 32 : KSPLIT_MAX >= 16 ? 16 : KSPLIT_MAX >= 8 ? 8 : KSPLIT_MAX >= 4 ? 4 : KSPLIT_MAX >= 2 ? 2 : 1)
+// Keys whose values a thread loads before it uses the first (loads in flight at once).
+#define IN_FLIGHT 8
+// Query elements a thread rotates.
+#define Q_PER_THREAD ((REP * HEAD_DIM + THREADS - 1) / THREADS)
+
+// VEC consecutive cached elements (aligned to VEC) as f32.
+__device__ __forceinline__ void load_vec(const cache_t* src, float (&x)[VEC]) {
+#if VEC == 8
+    load8(src, x);
+#elif CACHE_BF16
+#if VEC == 4
+    const uint2 u = *(const uint2*)src;
+    const unsigned int w[2] = {u.x, u.y};
+#else
+    const unsigned int w[1] = {*(const unsigned int*)src};
+#endif
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+        x[2 * i] = __uint_as_float(w[i] << 16);
+        x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+#elif VEC == 4
+    const float4 a = *(const float4*)src;
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+#else
+    const float2 a = *(const float2*)src;
+    x[0] = a.x; x[1] = a.y;
+#endif
+}
+
 // Grid (kv_heads, slots, splits). Slot r's query heads at q + r * q_stride + q_offset, its key
 // and value heads at k / v + r * kv_stride + k_offset / v_offset (heads of HEAD_DIM,
 // contiguous); bias (with HAS_BIAS) at the same offsets; cos, sin [slots][HEAD_DIM], positions
 // [slots] (u32), caches [slots][kv_heads][capacity][HEAD_DIM], out [slots][heads * HEAD_DIM]
 // (f32, or bf16 bits). q, k and v may be one buffer: none is written.
+//
+// The keys go by tiles of TILE: every thread scores one key against the group's REP queries
+// (a dot product in its own registers, no shuffle per key), one warp per head turns the tile's
+// scores into weights with a running max and sum (online softmax across tiles), and the
+// threads then add the weighted values, each its few dimensions over its share of the
+// tile's keys. Every sum has a fixed order (dimension order, then the xor trees), so a slot's
+// result does not depend on its batch mates.
 //
 // With split_len = 0 the block of (g, slot) attends to all of the slot's keys and writes out.
 // With split_len > 0 (flash-decoding: a long context's keys spread over many blocks), block z
@@ -121,19 +185,18 @@ __device__ __forceinline__ void store_out(void* out, unsigned long long o, float
 // unnormalised partial to partial [slots][heads][splits][HEAD_DIM + 2] (the values, then the
 // block's running max and sum); verl_decode_combine merges them. Blocks past the slot's position
 // do nothing. Split 0 writes the new key and value into the cache; every block reads the new
-// token's key and value from its own registers, so no block waits for another's write.
+// token's key and value from shared memory, so no block waits for another's write.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_decode_attention(const float* q, const float* k, const float* v, const float* bias,
                       const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                       const unsigned int* __restrict__ positions, cache_t* __restrict__ k_cache,
                       cache_t* __restrict__ v_cache, void* __restrict__ out,
                       float* __restrict__ partial, DecodeParams p) {
-    __shared__ float q_rot[REP][HEAD_DIM];
-    __shared__ float k_new[HEAD_DIM];
-    __shared__ float v_new[HEAD_DIM];
-    __shared__ float warp_max[WARPS][REP];
-    __shared__ float warp_sum[WARPS][REP];
-    __shared__ float warp_acc[WARPS][REP][HEAD_DIM];
+    __shared__ __align__(16) float q_rot[REP][HEAD_DIM];
+    __shared__ __align__(16) float k_new[HEAD_DIM];
+    __shared__ __align__(16) float v_new[HEAD_DIM];
+    __shared__ float weights[REP][TILE];
+    __shared__ float run_max[REP], run_sum[REP], correction[REP];
 
     const unsigned int g = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
     const unsigned int pos = positions[slot];
@@ -159,103 +222,178 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
             v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = to_cache(vd);
         }
     }
-    for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
-        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-        const unsigned int q_at = p.q_offset + (g * REP + r) * HEAD_DIM;
-        const float* q_row = q + (unsigned long long)slot * p.q_stride + q_at;
-        q_rot[r][d] = operand(rotary(q_row, bias + q_at, c, s, d));
+    {
+        // The queries' elements, all loads issued before the first product (a block is short
+        // work: its time is load latency), then rotated as rotary() does.
+        float xq[Q_PER_THREAD], oq[Q_PER_THREAD], cq[Q_PER_THREAD], sq[Q_PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < Q_PER_THREAD; ++i) {
+            const int e = threadIdx.x + i * THREADS, r = e / HEAD_DIM, d = e % HEAD_DIM;
+            const int h = HEAD_DIM / 2;
+            if (e < REP * HEAD_DIM) {
+                const unsigned int q_at = p.q_offset + (g * REP + r) * HEAD_DIM;
+                const float* q_row = q + (unsigned long long)slot * p.q_stride + q_at;
+                xq[i] = at(q_row, bias + q_at, d);
+                oq[i] = d < h ? -at(q_row, bias + q_at, d + h) : at(q_row, bias + q_at, d - h);
+                cq[i] = c[d];
+                sq[i] = s[d];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < Q_PER_THREAD; ++i) {
+            const int e = threadIdx.x + i * THREADS;
+            if (e < REP * HEAD_DIM)
+                q_rot[e / HEAD_DIM][e % HEAD_DIM] =
+                    operand(__fadd_rn(__fmul_rn(xq[i], cq[i]), __fmul_rn(oq[i], sq[i])));
+        }
+    }
+    for (int r = threadIdx.x; r < REP; r += THREADS) {
+        run_max[r] = NEG_INF;
+        run_sum[r] = 0.0f;
     }
     __syncthreads();
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float m[REP], l[REP], acc[REP][PER_LANE];
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned int group = threadIdx.x / KSPLIT, sub = threadIdx.x % KSPLIT;
+    const unsigned int d0 = VEC * group;
+    float acc[REP][VEC];
 #pragma unroll
-    for (int r = 0; r < REP; ++r) {
-        m[r] = NEG_INF;
-        l[r] = 0.0f;
+    for (int r = 0; r < REP; ++r)
 #pragma unroll
-        for (int t = 0; t < PER_LANE; ++t) acc[r][t] = 0.0f;
-    }
-    // Two keys per pass, both loaded before either is used, so a warp has two loads in flight.
-    for (unsigned int j0 = lo + warp; j0 < hi; j0 += 2 * WARPS) {
-        float kr[2][PER_LANE], vr[2][PER_LANE];
-        const unsigned int js[2] = {j0, j0 + WARPS};
+        for (int e = 0; e < VEC; ++e) acc[r][e] = 0.0f;
+
+    for (unsigned int t0 = lo; t0 < hi; t0 += TILE) {
+        // Scores: this thread's key against the group's queries.
+        const unsigned int j = t0 + threadIdx.x;
+        float dot[REP];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const unsigned int j = js[u];
-            if (j >= hi) continue;
-            if (j == pos) {
+        for (int r = 0; r < REP; ++r) dot[r] = 0.0f;
+        if (j < hi) {
+            const cache_t* kj = k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
 #pragma unroll
-                for (int t = 0; t < PER_LANE; ++t) {
-                    kr[u][t] = operand(k_new[lane + 32 * t]);
-                    vr[u][t] = operand(v_new[lane + 32 * t]);
+            for (int d = 0; d < HEAD_DIM; d += 8) {
+                float x[8];
+                if (j == pos) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) x[e] = k_new[d + e];
+                } else {
+                    load8(kj + d, x);
                 }
-            } else {
-                const cache_t* kj = k_cache + cache_row + (unsigned long long)j * HEAD_DIM;
-                const cache_t* vj = v_cache + cache_row + (unsigned long long)j * HEAD_DIM;
 #pragma unroll
-                for (int t = 0; t < PER_LANE; ++t) {
-                    kr[u][t] = operand(from_cache(kj[lane + 32 * t]));
-                    vr[u][t] = operand(from_cache(vj[lane + 32 * t]));
+                for (int e = 0; e < 8; ++e) {
+                    const float ke = operand(x[e]);
+#pragma unroll
+                    for (int r = 0; r < REP; ++r) dot[r] += q_rot[r][d + e] * ke;
                 }
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            if (js[u] >= hi) continue;
+        for (int r = 0; r < REP; ++r) weights[r][threadIdx.x] = j < hi ? dot[r] / p.sqrt_head_dim : NEG_INF;
+        __syncthreads();
+
+        // Weights: a warp per head; the running max and sum carry over from the last tile.
+        for (unsigned int r = warp; r < REP; r += WARPS) {
+            float mx = NEG_INF;
 #pragma unroll
-            for (int r = 0; r < REP; ++r) {
-                float dot = 0.0f;
+            for (int i = 0; i < TILE / 32; ++i) mx = fmaxf(mx, weights[r][lane + 32 * i]);
 #pragma unroll
-                for (int t = 0; t < PER_LANE; ++t) dot += q_rot[r][lane + 32 * t] * kr[u][t];
-                for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                const float score = dot / p.sqrt_head_dim;
-                const float m_new = fmaxf(m[r], score);
-                const float correction = expf(m[r] - m_new);
-                const float w = expf(score - m_new);
-                l[r] = l[r] * correction + w;
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_old = run_max[r], m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
 #pragma unroll
-                for (int t = 0; t < PER_LANE; ++t) acc[r][t] = acc[r][t] * correction + w * vr[u][t];
-                m[r] = m_new;
+            for (int i = 0; i < TILE / 32; ++i) {
+                const float w = expf(weights[r][lane + 32 * i] - m_new);
+                weights[r][lane + 32 * i] = w;
+                sum += w;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            __syncwarp();
+            if (lane == 0) {
+                const float f = expf(m_old - m_new);
+                correction[r] = f;
+                run_sum[r] = run_sum[r] * f + sum;
+                run_max[r] = m_new;
             }
         }
+        __syncthreads();
+
+        // Values: the cached keys of the tile, IN_FLIGHT keys' loads at a time, then the new
+        // token's (always the last key).
+        if (group < GROUPS) {
+#pragma unroll
+            for (int r = 0; r < REP; ++r)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[r][e] *= correction[r];
+            const unsigned int end = min(hi, t0 + TILE), cached_end = min(end, pos);
+            const cache_t* vd = v_cache + cache_row + d0;
+#pragma unroll
+            for (int i0 = 0; i0 < TILE / KSPLIT; i0 += IN_FLIGHT) {
+                if (t0 + sub + i0 * KSPLIT >= cached_end) break;
+                float x[IN_FLIGHT][VEC];
+#pragma unroll
+                for (int b = 0; b < IN_FLIGHT; ++b) {
+                    const unsigned int jj = t0 + sub + (i0 + b) * KSPLIT;
+                    if (i0 + b < TILE / KSPLIT && jj < cached_end) {
+                        load_vec(vd + (unsigned long long)jj * HEAD_DIM, x[b]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) x[b][e] = 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < IN_FLIGHT; ++b) {
+                    const unsigned int jj = t0 + sub + (i0 + b) * KSPLIT;
+                    if (i0 + b < TILE / KSPLIT && jj < cached_end) {
+#pragma unroll
+                        for (int r = 0; r < REP; ++r) {
+                            const float w = weights[r][jj - t0];
+#pragma unroll
+                            for (int e = 0; e < VEC; ++e) acc[r][e] += w * operand(x[b][e]);
+                        }
+                    }
+                }
+            }
+            if (pos >= t0 && pos < end && (pos - t0) % KSPLIT == sub) {
+#pragma unroll
+                for (int r = 0; r < REP; ++r) {
+                    const float w = weights[r][pos - t0];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[r][e] += w * operand(v_new[d0 + e]);
+                }
+            }
+        }
+        __syncthreads();  // the weights are rewritten by the next tile
     }
+
+    // The KSPLIT lanes of a group hold disjoint keys: their sums meet in a fixed xor tree.
+#pragma unroll
+    for (int r = 0; r < REP; ++r)
+#pragma unroll
+        for (int o = 1; o < KSPLIT; o <<= 1)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
+    if (sub != 0 || group >= GROUPS) return;
 #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        if (lane == 0) {
-            warp_max[warp][r] = m[r];
-            warp_sum[warp][r] = l[r];
-        }
-#pragma unroll
-        for (int t = 0; t < PER_LANE; ++t) warp_acc[warp][r][lane + 32 * t] = acc[r][t];
-    }
-    __syncthreads();
-    // Merge the warps' partial softmaxes (a warp with no key has max -inf and weight 0).
-    for (int e = threadIdx.x; e < REP * HEAD_DIM; e += THREADS) {
-        const int r = e / HEAD_DIM, d = e % HEAD_DIM;
-        float mx = NEG_INF;
-        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_max[w][r]);
-        float sum = 0.0f, value = 0.0f;
-        for (int w = 0; w < WARPS; ++w) {
-            if (warp_max[w][r] == NEG_INF) continue;
-            const float f = expf(warp_max[w][r] - mx);
-            sum += warp_sum[w][r] * f;
-            value += warp_acc[w][r][d] * f;
-        }
         const unsigned int head = g * REP + r;
         if (p.split_len == 0) {
-            store_out(out, ((unsigned long long)slot * p.heads + head) * HEAD_DIM + d, value / sum);
+            const unsigned long long o = ((unsigned long long)slot * p.heads + head) * HEAD_DIM + d0;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) store_out(out, o + e, acc[r][e] / run_sum[r]);
         } else {
             float* part = partial +
                 (((unsigned long long)slot * p.heads + head) * p.splits + split) * (HEAD_DIM + 2);
-            part[d] = value;
-            if (d == 0) {
-                part[HEAD_DIM] = mx;
-                part[HEAD_DIM + 1] = sum;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) part[d0 + e] = acc[r][e];
+            if (d0 == 0) {
+                part[HEAD_DIM] = run_max[r];
+                part[HEAD_DIM + 1] = run_sum[r];
             }
         }
     }
 }
+
 
 // Grid (heads, slots), HEAD_DIM threads: merges the splits of a slot's head that hold keys
 // (0 ..= position / split_len) into out.

@@ -90,12 +90,49 @@ struct AddNormParams {
     unsigned int add;
 };
 
+// Elements a thread keeps in registers between the two passes of verl_add_rms_norm_bf16
+// (hidden up to REGS * THREADS; longer rows go through memory).
+#define REGS 32
+
 // Grid (rows). h, delta, sum [rows][hidden] f32; w [hidden] f32; y [rows][hidden] bf16.
+//
+// A decode step's row is short work for one block, so its time is load latency: every load a
+// thread needs is issued before the first is used, and the sums stay in registers for the second
+// pass. Thread t handles elements t, t + THREADS, ... in that order either way, so the result is
+// the same to the bit as the forward above.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_add_rms_norm_bf16(const float* h, const float* delta, const float* __restrict__ w,
                        float* sum, unsigned short* __restrict__ y, AddNormParams p) {
     __shared__ float scratch[THREADS / 32];
     const unsigned long long at = (unsigned long long)blockIdx.x * p.hidden;
+    if (p.hidden <= REGS * THREADS) {
+        float sv[REGS], dv[REGS];
+#pragma unroll
+        for (int j = 0; j < REGS; ++j) {
+            const unsigned int i = threadIdx.x + j * THREADS;
+            sv[j] = i < p.hidden ? h[at + i] : 0.0f;
+            dv[j] = (p.add && i < p.hidden) ? delta[at + i] : 0.0f;
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < REGS; ++j) {
+            const unsigned int i = threadIdx.x + j * THREADS;
+            if (i < p.hidden) {
+                if (p.add) {
+                    sv[j] = sv[j] + dv[j];
+                    sum[at + i] = sv[j];
+                }
+                ss += sv[j] * sv[j];
+            }
+        }
+        const float r = rsqrtf(block_sum(ss, scratch) / (float)p.hidden + p.eps);
+#pragma unroll
+        for (int j = 0; j < REGS; ++j) {
+            const unsigned int i = threadIdx.x + j * THREADS;
+            if (i < p.hidden) y[at + i] = bf16_bits(sv[j] * r * w[i]);
+        }
+        return;
+    }
     float ss = 0.0f;
     for (unsigned int i = threadIdx.x; i < p.hidden; i += THREADS) {
         float s = h[at + i];

@@ -23,7 +23,8 @@ struct SampleParams {
     unsigned int rows;
     unsigned int vocab;
     unsigned int row_pitch;
-    unsigned int unused;
+    // verl_row_max: columns per block (gridDim.y pieces of a row), or 0 for the whole row.
+    unsigned int chunk;
 };
 
 // Per row, 8 words: temperature (0: greedy), top_k (<= 0: off), top_p (1: off), min_p (0: off),
@@ -264,17 +265,21 @@ verl_sample_rows(const float* __restrict__ logits, const RowParams* __restrict__
 }
 
 // Each row's largest value among its first `vocab` columns (-inf when none): a vocabulary
-// shard's part of the row maximum the tensor-parallel group agrees on. Grid (rows); `vocab` of
-// the SampleParams is the count of valid columns.
+// shard's part of the row maximum the tensor-parallel group agrees on. Grid (rows, pieces);
+// `vocab` of the SampleParams is the count of valid columns. With `chunk` > 0 block (r, c) takes
+// columns [c * chunk, (c + 1) * chunk) of row r and writes out[r * pieces + c] (a row spread
+// over many blocks: one block walking 150 000 columns waits on its loads one after another).
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_row_max(const float* __restrict__ logits, float* __restrict__ out, SampleParams p) {
     __shared__ Best best_scratch[WARPS];
     const unsigned int row = blockIdx.x;
+    const unsigned int c0 = p.chunk * blockIdx.y;
+    const unsigned int end = p.chunk ? min(p.vocab, c0 + p.chunk) : p.vocab;
     const float* x = logits + (unsigned long long)row * p.row_pitch;
     Best local{NEG_INF, 0xffffffffu};
-    for (unsigned int i = threadIdx.x; i < p.vocab; i += THREADS) local = better(local, Best{x[i], i});
+    for (unsigned int i = c0 + threadIdx.x; i < end; i += THREADS) local = better(local, Best{x[i], i});
     const Best top = block_best(local, best_scratch);
-    if (threadIdx.x == 0) out[row] = top.value;
+    if (threadIdx.x == 0) out[row * gridDim.y + blockIdx.y] = top.value;
 }
 
 struct ShardParams {
@@ -282,6 +287,10 @@ struct ShardParams {
     unsigned int vocab;  // valid columns of the shard
     unsigned int row_pitch;
     unsigned int vocab_start;  // the shard's first id in the whole vocabulary
+    // Columns per block (gridDim.y pieces of the shard, each its own draw), or 0 for the whole
+    // shard.
+    unsigned int chunk;
+    unsigned int unused;
 };
 
 // One tensor-parallel rank's part of sampling rows whose logits are split over the vocabulary
@@ -293,17 +302,25 @@ struct ShardParams {
 // {score, token (bits; ~0: none), sum exp(s), sum exp(s) s, kept (bits), s of the token,
 // largest logit, its id (bits; ~0: none)}: the largest logit is also the token when no
 // candidate passes the filters anywhere, as in the whole-row kernel.
+//
+// Grid (rows, pieces): with `chunk` > 0 block (r, c) is a shard of its own, columns
+// [c * chunk, (c + 1) * chunk), writing out[r * pieces + c], and row_max holds the pieces'
+// maxima of each row ([rows][pieces], verl_row_max with the same chunk), which every block
+// reduces to the row's.
 extern "C" __global__ void __launch_bounds__(THREADS)
 verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ row_max,
                   const RowParams* __restrict__ params, float* __restrict__ out, ShardParams p) {
     __shared__ Best best_scratch[WARPS];
     __shared__ float sum_scratch[WARPS];
 
-    const unsigned int row = blockIdx.x;
-    const float* x = logits + (unsigned long long)row * p.row_pitch;
+    const unsigned int row = blockIdx.x, pieces = gridDim.y;
+    const unsigned int c0 = p.chunk * blockIdx.y;
+    const float* x = logits + (unsigned long long)row * p.row_pitch + c0;
     const RowParams rp = params[row];
-    const unsigned int V = p.vocab;
-    const float m = row_max[row];
+    const unsigned int V = p.chunk ? (c0 < p.vocab ? min(p.chunk, p.vocab - c0) : 0) : p.vocab;
+    const unsigned int vocab_start = p.vocab_start + c0;
+    float m = NEG_INF;
+    for (unsigned int c = 0; c < pieces; ++c) m = fmaxf(m, row_max[row * pieces + c]);
     const bool greedy = !(rp.temperature > 0.0f);
     const float inv_t = greedy ? 1.0f : 1.0f / rp.temperature;
     const float min_s = (!greedy && rp.min_p > 0.0f) ? logf(rp.min_p) : NEG_INF;
@@ -318,7 +335,7 @@ verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ ro
         const float e = expf(s);
         z_local += e;
         zs_local += e * s;
-        const unsigned int id = p.vocab_start + i;
+        const unsigned int id = vocab_start + i;
         largest = better(largest, Best{xi, id});
         if (!greedy && s >= min_s) {
             const float g = -logf(-logf(uniform(seed, rp.step, id)));
@@ -333,14 +350,14 @@ verl_sample_shard(const float* __restrict__ logits, const float* __restrict__ ro
     const Best pick = greedy ? top : block_best(draw, best_scratch);
     const unsigned int kept = (unsigned int)block_sum((float)kept_local, sum_scratch);
     if (threadIdx.x == 0) {
-        float* o = out + (unsigned long long)row * 8;
+        float* o = out + ((unsigned long long)row * pieces + blockIdx.y) * 8;
         const bool found = pick.index != 0xffffffffu;
         o[0] = pick.value;
         o[1] = __uint_as_float(pick.index);
         o[2] = z;
         o[3] = zs;
         o[4] = __uint_as_float(kept);
-        o[5] = found ? (x[pick.index - p.vocab_start] - m) * inv_t : NEG_INF;
+        o[5] = found ? (x[pick.index - vocab_start] - m) * inv_t : NEG_INF;
         o[6] = top.value;
         o[7] = __uint_as_float(top.index);
     }

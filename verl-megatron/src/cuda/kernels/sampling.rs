@@ -23,6 +23,24 @@ pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_SAMPLING");
 /// unless `VERL_SAMPLE_SHARDS=decomposed`, which gathers the logits for the whole-row kernel.
 pub static SHARD_SWITCH: KernelSwitch = KernelSwitch::new("VERL_SAMPLE_SHARDS");
 
+/// Whether few rows are sampled in pieces of their vocabulary (one block a piece, see
+/// [`pieces`]): on unless `VERL_SAMPLE_PIECES=decomposed`, which keeps one block a row.
+pub static PIECES_SWITCH: KernelSwitch = KernelSwitch::new("VERL_SAMPLE_PIECES");
+
+/// Columns a piece of a row holds at least.
+const MIN_PIECE: usize = 4096;
+
+/// Pieces each of `rows` rows over `vocab` columns is sampled in on a GPU of `sms`
+/// multiprocessors: one block a row leaves all but `rows` multiprocessors idle and each block
+/// walks the whole row, its loads one after another, so few rows are split until there are
+/// about two blocks a multiprocessor, each piece at least [`MIN_PIECE`] columns.
+pub fn pieces(rows: usize, vocab: usize, sms: usize) -> usize {
+    (2 * sms)
+        .div_ceil(rows.max(1))
+        .min(vocab / MIN_PIECE)
+        .clamp(1, 64)
+}
+
 /// The 8 words `sampling.cu`'s `RowParams` reads for a row.
 fn row_words(r: &RowSampling) -> [u32; 8] {
     [
@@ -70,6 +88,16 @@ pub fn sample(
     let device = logits.device();
     let x = into_contiguous(logits.into_primitive().tensor());
     let params = row_params(rows, &device);
+    let sms = x
+        .client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(132) as usize;
+    let split = pieces(n, vocab, sms);
+    if split > 1 && PIECES_SWITCH.enabled() && rows.iter().all(|r| r.draws_from_shards(vocab)) {
+        return Ok(sample_in_pieces(x, params, rows, split));
+    }
     let out = empty_f32(&x, vec![n, 4]);
     CudaSource::plain("verl_sample_rows", SOURCE, THREADS).launch(
         &x.client,
@@ -91,6 +119,52 @@ pub fn sample(
             kept: o[3] as u32,
         })
         .collect())
+}
+
+/// Rows with no top-k or top-p sampled as `split` shards of their own vocabulary each
+/// (`verl_row_max` and `verl_sample_shard` over pieces of the row), the pieces' draws combined
+/// on the host as a tensor-parallel group's are ([`crate::sampling::combine_shard_draws`]): the
+/// same token as the whole-row kernel, the log-prob and entropy up to the order of a sum.
+fn sample_in_pieces(
+    x: CudaPrimitive,
+    params: CudaPrimitive,
+    rows: &[RowSampling],
+    split: usize,
+) -> Vec<SampledToken> {
+    let (n, vocab) = (rows.len(), x.meta.shape()[1]);
+    let chunk = vocab.div_ceil(split);
+    let split = vocab.div_ceil(chunk);
+    let maxima = empty_f32(&x, vec![n, split]);
+    let grid = (n as u32, split as u32, 1);
+    CudaSource::plain("verl_row_max", SOURCE, THREADS).launch(
+        &x.client,
+        grid,
+        &[&x, &maxima],
+        pack_words(&[n as u32, vocab as u32, vocab as u32, chunk as u32]),
+    );
+    let out = empty_f32(&x, vec![n, split, ShardDraw::WORDS]);
+    CudaSource::plain("verl_sample_shard", SOURCE, THREADS).launch(
+        &x.client,
+        grid,
+        &[&x, &maxima, &params, &out],
+        pack_words(&[n as u32, vocab as u32, vocab as u32, 0, chunk as u32, 0]),
+    );
+    crate::host_reads::note(1);
+    let words = Tensor::<CudaBackend, 3>::from_primitive(TensorPrimitive::Float(out))
+        .into_data()
+        .to_vec::<f32>()
+        .expect("an f32 tensor reads as f32");
+    words
+        .chunks(split * ShardDraw::WORDS)
+        .zip(rows)
+        .map(|(row, p)| {
+            let parts: Vec<ShardDraw> = row
+                .chunks(ShardDraw::WORDS)
+                .map(ShardDraw::from_words)
+                .collect();
+            crate::sampling::combine_shard_draws(&parts, p)
+        })
+        .collect()
 }
 
 /// Each row's largest value among its first `valid` columns (see `FusedOps::row_max`), by
@@ -149,7 +223,14 @@ pub fn sample_shard(
         &x.client,
         (n as u32, 1, 1),
         &[&x, &m, &params, &out],
-        pack_words(&[n as u32, valid as u32, width as u32, vocab_start as u32]),
+        pack_words(&[
+            n as u32,
+            valid as u32,
+            width as u32,
+            vocab_start as u32,
+            0,
+            0,
+        ]),
     );
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
@@ -173,5 +254,16 @@ mod tests {
         assert_eq!(w[1], u32::MAX);
         assert_eq!(w[4..7], [0x9abc_def0, 0x1234_5678, 7]);
         assert!(SOURCE.contains("#define THREADS 1024"));
+    }
+
+    /// Few rows are split until about two blocks a multiprocessor; many rows, or a small
+    /// vocabulary, keep one block a row.
+    #[test]
+    fn few_rows_are_sampled_in_pieces() {
+        assert_eq!(pieces(1, 151_936, 132), 37);
+        assert_eq!(pieces(64, 151_936, 132), 5);
+        assert_eq!(pieces(264, 151_936, 132), 1);
+        assert_eq!(pieces(1, 1000, 132), 1);
+        assert_eq!(pieces(1, 1 << 20, 132), 64);
     }
 }

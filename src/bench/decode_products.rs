@@ -64,6 +64,9 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
             "stream:2,4,4,2_f32",
             "stream:4,4,2,2",
             "stream:2,8,2,2,2_f32",
+            "stream:2,8,2,1,1,1_f32",
+            "stream:4,8,2,1,2,1",
+            "stream:2,4,2,2,1,1_f32",
         ] {
             match gemm::launch_strategy(kernel, strip(a.clone()), strip(b.clone())) {
                 Ok(c) => {
@@ -112,14 +115,14 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
-/// One product shape of a Qwen2.5-7B decode step: `[m, k] · [n, k]ᵀ`.
+/// One product shape of a Qwen2.5-7B (or 0.5B) decode step: `[m, k] · [n, k]ᵀ`.
 struct Shape {
     label: &'static str,
     k: usize,
     n: usize,
 }
 
-const SHAPES: [Shape; 5] = [
+const SHAPES: [Shape; 7] = [
     Shape {
         label: "qkv",
         k: 3584,
@@ -144,6 +147,17 @@ const SHAPES: [Shape; 5] = [
         label: "lm_head",
         k: 3584,
         n: 152_064,
+    },
+    // Qwen2-0.5B's MLP: short rows, where a block's few chunks leave the pipeline empty.
+    Shape {
+        label: "0.5B gu",
+        k: 896,
+        n: 9728,
+    },
+    Shape {
+        label: "0.5B dn",
+        k: 4864,
+        n: 896,
     },
 ];
 
@@ -180,20 +194,21 @@ fn time_launches(
     Some((issued, t.elapsed().as_secs_f64() * 1e6 / n as f64))
 }
 
-/// The stream's configurations the sweep tries (`row_tiles,warps,slices[,row_groups]`).
+/// The stream's configurations the sweep tries
+/// (`row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]`).
 const SWEEP: [&str; 12] = [
     "1,8,2",
     "2,8,2",
-    "2,4,4",
-    "2,16,2",
-    "2,8,2,2",
-    "4,4,2,2",
-    "2,4,4,2",
-    "1,8,2,1,2",
     "2,8,2,1,2",
-    "1,8,2,1,4",
     "2,8,2,1,4",
-    "2,8,2,2,2",
+    "1,8,2,1,1,1",
+    "2,8,2,1,1,1",
+    "2,8,2,1,2,1",
+    "2,8,2,1,4,1",
+    "4,8,2,1,1,1",
+    "4,8,2,1,2,1",
+    "2,4,2,2,1,1",
+    "4,4,2,1,1,1",
 ];
 
 /// Times the 7B decode products by each kernel; `sweep` adds every configuration of [`SWEEP`].

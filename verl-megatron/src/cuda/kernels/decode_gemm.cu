@@ -45,6 +45,9 @@
 #ifndef OUT_F32
 #define OUT_F32 1
 #endif
+#ifndef STAGE_A
+#define STAGE_A 0  // 1: activations copied a chunk ahead into the warp's shared stages (cp.async)
+#endif
 #define CHUNK (32 * U)
 #define PARTIALS (RT * NB * 4)
 
@@ -93,11 +96,28 @@ __device__ __forceinline__ void load_chunk(uint4 (&dst)[U][RT][2], const bf16* (
     }
 }
 
+// The uint4 pieces of one chunk of a warp's activations: [U][NB][32 lanes].
+#define STAGE_PIECES (U * NB * 32)
+
+// Chunk `k0`'s activation pieces into a warp's stage, each lane copying the pieces it will read
+// (so it needs no other lane's copy), zeros past K.
+__device__ __forceinline__ void stage_chunk(uint4* dst, const bf16* (&arow)[NB], unsigned int k0,
+                                            unsigned int t, unsigned int lane, unsigned int k_len) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            const unsigned int k = k0 + 32 * u;
+            copy16((bf16*)&dst[(u * NB + b) * 32 + lane], arow[b] + k, inside(k + 8 * t, k_len));
+        }
+}
+
 // Grid (ceil(N / (16 RT WR)) * BS, 1, 1), WR * WARPS * 32 threads.
 extern "C" __global__ void __launch_bounds__(WR * WARPS * 32)
 verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* __restrict__ c,
                  GemmParams p) {
-    // Each warp's partial sums, [WR][WARPS][PARTIALS][32] (dynamic: up to 96 KiB).
+    // Each warp's partial sums, [WR][WARPS][PARTIALS][32] (dynamic: up to 96 KiB); with
+    // STAGE_A, first each warp's two activation stages [WR][WARPS][2][STAGE_PIECES] (uint4).
     extern __shared__ __align__(16) float partial[];
 
     // `warp`: this warp's share of k; `group`: its rows' share of the block's.
@@ -136,6 +156,12 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     uint4 next[U][RT][2];
     unsigned int ch = warp;
+#if STAGE_A
+    uint4* stages = (uint4*)partial + (group * WARPS + warp) * 2 * STAGE_PIECES;
+    unsigned int stage = 0;
+    if (ch < chunks) stage_chunk(stages, arow, ch * CHUNK, t, lane, p.k);
+    commit();
+#endif
     if (ch < chunks) load_chunk(next, wrow, ch * CHUNK, t, p.k);
     for (; ch < chunks; ch += WARPS) {
         uint4 cur[U][RT][2];
@@ -145,14 +171,31 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
             for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) cur[u][rt][h] = next[u][rt][h];
+#if STAGE_A
+        // The other stage was read by the last chunk's products, which have all been issued.
+        asm volatile("" ::: "memory");
+        if (ch + WARPS < chunks)
+            stage_chunk(stages + (stage ^ 1) * STAGE_PIECES, arow, (ch + WARPS) * CHUNK, t, lane, p.k);
+        commit();
+#endif
         if (ch + WARPS < chunks) load_chunk(next, wrow, (ch + WARPS) * CHUNK, t, p.k);
+#if STAGE_A
+        wait_groups<1>();  // this chunk's activations have landed
+        asm volatile("" ::: "memory");
+        const uint4* staged = stages + stage * STAGE_PIECES;
+        stage ^= 1;
+#endif
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const unsigned int k = ch * CHUNK + 32 * u;
             const bool in = k + 8 * t < p.k;
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
+#if STAGE_A
+                const uint4 x = staged[(u * NB + b) * 32 + lane];
+#else
                 const uint4 x = in ? __ldg((const uint4*)(arow[b] + k)) : zero;
+#endif
 #pragma unroll
                 for (int s = 0; s < 2; ++s)
 #pragma unroll
@@ -164,6 +207,9 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
         }
     }
 
+#if STAGE_A
+    __syncthreads();  // the partial sums overwrite other warps' stages
+#endif
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll

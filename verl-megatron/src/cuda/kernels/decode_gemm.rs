@@ -24,15 +24,18 @@ const SOURCE: &str = concat!(
     include_str!("decode_gemm.cu")
 );
 
-/// Shared memory a block may use for its partial sums (more would cost occupancy).
-const SHARED_LIMIT: usize = 96 * 1024;
+/// Shared memory a block may use for its partial sums or activation stages (more would leave
+/// one block a multiprocessor).
+const SHARED_LIMIT: usize = 128 * 1024;
 
 /// How the kernel splits a product (`decode_gemm.cu`'s defines): `row_tiles` 16-row weight
 /// tiles per warp, `warps` warps splitting k, chunks of `slices` 32-wide k-slices, and
 /// `row_groups` such sets of warps per block, each with its own rows (they read the same
 /// activations at about the same time, so the block reads them from L2 once), and
 /// `batch_splits` neighbouring blocks per weight tile, each with its share of the batch (the
-/// later ones find the tile in L2).
+/// later ones find the tile in L2); `staged`: each warp copies the activations of its next
+/// chunk into shared memory (cp.async) while it multiplies the current one, instead of loading
+/// them from L1/L2 as it multiplies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamTiles {
     pub row_tiles: usize,
@@ -40,15 +43,17 @@ pub struct StreamTiles {
     pub slices: usize,
     pub row_groups: usize,
     pub batch_splits: usize,
+    pub staged: bool,
 }
 
 impl StreamTiles {
     /// The configuration for a batch of `m` rows: 8 warps over chunks of 64 elements for every
     /// batch (one k order for all batch sizes, so a row's result does not depend on the
     /// batch); one 16-row tile per warp up to 16 rows and two above (halving how often each
-    /// block re-reads the batch's activations from L2); past 32 rows, a block per 32 rows of
-    /// the batch (fewer accumulators per thread). Chosen from `verl bench kernels --only
-    /// decode_gemm`'s sweep on an H200 (docs/PERFORMANCE.md).
+    /// block re-reads the batch's activations); past 16 rows the activations staged in shared
+    /// memory a chunk ahead (their loads no longer stall the products), and past 64 a block
+    /// per 64 rows of the batch. Chosen from `verl bench kernels --only decode_gemm`'s sweep on
+    /// an H200 (docs/PERFORMANCE.md).
     pub fn for_rows(m: usize) -> Self {
         if let Some(forced) = forced() {
             return forced;
@@ -58,20 +63,23 @@ impl StreamTiles {
             warps: 8,
             slices: 2,
             row_groups: 1,
-            batch_splits: if m <= 32 { 1 } else { m.div_ceil(32).min(4) },
+            batch_splits: m.div_ceil(64).clamp(1, 4),
+            staged: m > 16,
         }
     }
 
-    /// `"row_tiles,warps,slices[,row_groups[,batch_splits]]"`, e.g. `"1,8,2"` or `"2,4,2,2,2"`.
+    /// `"row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]"`, e.g. `"1,8,2"`,
+    /// `"2,4,2,2,2"` or `"2,8,2,1,2,1"` (staged is 0 or 1).
     pub fn parse(text: &str) -> Option<Self> {
         let v: Vec<usize> = text
             .split(',')
             .map(|s| s.trim().parse().ok())
             .collect::<Option<_>>()?;
-        let (row_groups, batch_splits) = match v.len() {
-            3 => (1, 1),
-            4 => (v[3], 1),
-            5 => (v[3], v[4]),
+        let (row_groups, batch_splits, staged) = match v.len() {
+            3 => (1, 1, 0),
+            4 => (v[3], 1, 0),
+            5 => (v[3], v[4], 0),
+            6 => (v[3], v[4], v[5]),
             _ => return None,
         };
         Some(Self {
@@ -80,6 +88,11 @@ impl StreamTiles {
             slices: v[2],
             row_groups,
             batch_splits,
+            staged: match staged {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
         })
     }
 
@@ -97,10 +110,18 @@ impl StreamTiles {
             && self.shared_bytes(m) <= SHARED_LIMIT
     }
 
-    /// The partial sums' shared memory for `m` batch rows: an f32 per warp, accumulator and
-    /// lane.
+    /// The shared memory for `m` batch rows: the partial sums (an f32 per warp, accumulator
+    /// and lane), and with `staged` the warps' two activation stages (16 bytes per lane, 8-row
+    /// group and slice), which the partial sums reuse.
     fn shared_bytes(&self, m: usize) -> usize {
-        self.row_groups * self.warps * self.row_tiles * self.groups(m) * 4 * 32 * 4
+        let warps = self.row_groups * self.warps;
+        let partials = warps * self.row_tiles * self.groups(m) * 4 * 32 * 4;
+        let stages = warps * 2 * self.slices * self.groups(m) * 32 * 16;
+        if self.staged {
+            partials.max(stages)
+        } else {
+            partials
+        }
     }
 
     /// 8-row groups of the batch per block.
@@ -157,6 +178,7 @@ pub(super) fn launch(
             ("WR", tiles.row_groups as u32),
             ("BS", tiles.batch_splits as u32),
             ("OUT_F32", out_f32 as u32),
+            ("STAGE_A", tiles.staged as u32),
         ],
         block: (32 * tiles.warps * tiles.row_groups) as u32,
         shared_bytes: tiles.shared_bytes(m),
@@ -202,10 +224,13 @@ mod tests {
                 slices: 4,
                 row_groups: 1,
                 batch_splits: 1,
+                staged: false,
             }
         );
+        assert!(StreamTiles::parse("2,8,2,1,2,1").unwrap().staged);
+        assert!(StreamTiles::parse("2,8,2,1,2,2").is_none());
         assert_eq!(StreamTiles::parse("1,8,2,1,4").unwrap().batch_splits, 4);
-        assert!(StreamTiles::parse("1,8,2,1,4,1").is_none());
+        assert!(StreamTiles::parse("1,8,2,1,4,1,0").is_none());
         assert_eq!(StreamTiles::parse("1,4,2,4").unwrap().row_groups, 4);
         assert!(StreamTiles::parse("2,8").is_none() && StreamTiles::parse("a,b,c").is_none());
         // 16 warps x 4 tiles x 8 groups of partial sums is 256 KiB: refused.
@@ -215,8 +240,13 @@ mod tests {
             slices: 4,
             row_groups: 1,
             batch_splits: 1,
+            staged: false,
         };
         assert!(big.valid_for(8) && !big.valid_for(64));
+        // Staged: 8 warps' two stages of 8 groups and 2 slices are 128 KiB, at the limit.
+        let staged = StreamTiles::parse("2,8,2,1,1,1").unwrap();
+        assert_eq!(staged.shared_bytes(64), 128 * 1024);
+        assert!(staged.valid_for(64) && !StreamTiles::parse("2,8,4,1,1,1").unwrap().valid_for(64));
         // 33 warps: more threads than a block has.
         assert!(!StreamTiles::parse("1,11,2,3").unwrap().valid_for(1));
     }

@@ -213,8 +213,8 @@ const OWN_TILES: OwnTiles = OwnTiles {
 pub const DECODE_ROWS: usize = 64;
 
 /// Products of at most this many rows take the weight stream ([`decode_gemm`]). Measured on one
-/// H200 (docs/PERFORMANCE.md): the 7B decode step at batch 128 takes 20.2 ms with the stream
-/// against 22.2 ms with the training GEMM, and a rollout tp = 4 generation 3.24 s against 3.94 s.
+/// H200 (docs/PERFORMANCE.md): the 7B decode step at batch 128 takes 16.0 ms with the staged
+/// stream, 20.0 ms with the unstaged one and 22.2 ms with the training GEMM.
 pub const STREAM_ROWS: usize = 128;
 
 /// The `gemm.cu` configuration for a product of `m ≤ DECODE_ROWS` rows: a weight-streaming

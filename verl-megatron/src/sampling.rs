@@ -164,18 +164,24 @@ pub fn sample_vocab_parallel<B: ParallelBackend>(
         .convert::<f32>()
         .into_vec()
         .expect("f32 after convert");
-    let per_row = ShardDraw::WORDS * tp.size;
-    Ok(words
-        .chunks(per_row)
+    Ok(combine_rows(&words, tp.size, rows))
+}
+
+/// Each row's token from its shards' draws, laid out as `words` `[rows, parts,
+/// ShardDraw::WORDS]` with the parts in vocabulary order ([`combine_shard_draws`] per row): a
+/// tensor-parallel group's gathered shards, or one GPU's pieces of each row.
+pub fn combine_rows(words: &[f32], parts: usize, rows: &[RowSampling]) -> Vec<SampledToken> {
+    words
+        .chunks(parts * ShardDraw::WORDS)
         .zip(rows)
         .map(|(row, p)| {
-            let parts: Vec<ShardDraw> = row
+            let draws: Vec<ShardDraw> = row
                 .chunks(ShardDraw::WORDS)
                 .map(ShardDraw::from_words)
                 .collect();
-            combine_shard_draws(&parts, p)
+            combine_shard_draws(&draws, p)
         })
-        .collect())
+        .collect()
 }
 
 /// A row's token from its shards' draws ([`ShardDraw`], in rank order), as the whole-row kernel

@@ -187,8 +187,10 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
 #endif
 #pragma unroll
         for (int u = 0; u < U; ++u) {
+#if !STAGE_A
             const unsigned int k = ch * CHUNK + 32 * u;
             const bool in = k + 8 * t < p.k;
+#endif
 #pragma unroll
             for (int b = 0; b < NB; ++b) {
 #if STAGE_A

@@ -130,15 +130,19 @@ impl StreamTiles {
     }
 }
 
-/// `VERL_DECODE_STREAM=row_tiles,warps,slices`, read once: one configuration for every batch
-/// (benchmarks sweep it). Ignored, with a warning, when it does not parse.
+/// `VERL_DECODE_STREAM=row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]`, read
+/// once: one configuration for every batch (benchmarks sweep it). Ignored, with a warning, when
+/// it does not parse.
 fn forced() -> Option<StreamTiles> {
     static FORCED: std::sync::OnceLock<Option<StreamTiles>> = std::sync::OnceLock::new();
     *FORCED.get_or_init(|| {
         let text = std::env::var("VERL_DECODE_STREAM").ok()?;
         let tiles = StreamTiles::parse(&text);
         if tiles.is_none() {
-            tracing::warn!("VERL_DECODE_STREAM={text} is not `row_tiles,warps,slices`; ignored");
+            tracing::warn!(
+                "VERL_DECODE_STREAM={text} is not \
+                 `row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]`; ignored"
+            );
         }
         tiles
     })

@@ -154,17 +154,7 @@ fn sample_in_pieces(
         .into_data()
         .to_vec::<f32>()
         .expect("an f32 tensor reads as f32");
-    words
-        .chunks(split * ShardDraw::WORDS)
-        .zip(rows)
-        .map(|(row, p)| {
-            let parts: Vec<ShardDraw> = row
-                .chunks(ShardDraw::WORDS)
-                .map(ShardDraw::from_words)
-                .collect();
-            crate::sampling::combine_shard_draws(&parts, p)
-        })
-        .collect()
+    crate::sampling::combine_rows(&words, split, rows)
 }
 
 /// Each row's largest value among its first `valid` columns (see `FusedOps::row_max`), by

@@ -172,6 +172,11 @@ enum BenchCommand {
         /// Requests per prompt (the GRPO group size; they share one prefill).
         #[arg(long, default_value_t = 1)]
         n: usize,
+        /// Turns of a multi-turn conversation: each turn's prompt is the last turn's prompt and
+        /// response plus a few tokens, generated with prefixes kept across calls and without
+        /// prefix caching (prefilled and reused tokens, prefill time per turn).
+        #[arg(long, default_value_t = 1)]
+        turns: usize,
     },
     /// One training step (forward, loss, backward, AdamW) of a random-init Qwen2: tokens/s, MFU
     /// and the time per phase (peer: bench/peers/train_step.py).
@@ -524,6 +529,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             new_tokens,
             dtype,
             n,
+            turns,
         } => bench::rollout(bench::RolloutBench {
             preset: &preset,
             model_dir: model.as_deref(),
@@ -533,6 +539,7 @@ fn bench_cmd(what: BenchCommand) -> Result<(), String> {
             dtype: &dtype,
             samples: n,
             hbm_tbs,
+            turns,
         }),
         BenchCommand::TrainStep {
             preset,

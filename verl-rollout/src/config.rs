@@ -152,6 +152,12 @@ pub struct EngineConfig {
     /// its keys and values are written to each of their slots
     /// (`rollout.enable_prefix_caching`).
     pub enable_prefix_caching: bool,
+    /// With prefix caching, what finished requests leave in their slots is kept for the next
+    /// call (a multi-turn continuation prefills only its new turn): the tail of a call then
+    /// decodes over the finished slots instead of shrinking the cache to the busy ones. Off,
+    /// finished slots serve only requests waiting in the same call. The weights changing or
+    /// the cache being allocated anew forgets them either way.
+    pub retain_prefixes: bool,
     /// A prompt longer than what is left of `max_num_batched_tokens` is prefilled in chunks
     /// over several steps, decode steps of the other slots running in between
     /// (`rollout.enable_chunked_prefill`); off, it waits for a step of its own.
@@ -181,6 +187,7 @@ impl Default for EngineConfig {
             pad_token_id: 0,
             calculate_log_probs: false,
             enable_prefix_caching: true,
+            retain_prefixes: false,
             enable_chunked_prefill: true,
         }
     }
@@ -242,6 +249,7 @@ impl EngineConfig {
             pad_token_id,
             calculate_log_probs: rollout.calculate_log_probs,
             enable_prefix_caching: rollout.enable_prefix_caching,
+            retain_prefixes: false,
             enable_chunked_prefill: rollout.enable_chunked_prefill,
         };
         cfg.validate()?;

@@ -19,6 +19,8 @@ use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
 use verl_megatron::sampling::{sample_rows, sample_vocab_parallel, RowSampling};
 
+use crate::prefix_cache::SlotPrefixes;
+
 use crate::config::{EngineConfig, KvBudget, MemoryBase};
 use crate::error::RolloutError;
 use crate::sampling::Sampler;
@@ -114,8 +116,11 @@ pub struct GenerationStats {
     pub generated_tokens: usize,
     pub prefill_steps: usize,
     /// Prompt tokens run through prefills (less than `prompt_tokens` when samples of one
-    /// prompt shared its prefill).
+    /// prompt shared its prefill, or a slot already held the start of a prompt).
     pub prefilled_tokens: usize,
+    /// Prompt tokens whose keys and values a finished request had left in the slot a request
+    /// took ([`crate::prefix_cache`]): not prefilled again.
+    pub reused_prefix_tokens: usize,
     pub decode_steps: usize,
     /// Most sequences decoded together.
     pub peak_batch: usize,
@@ -131,6 +136,14 @@ pub struct GenerationStats {
     pub decode_enqueue_seconds: f64,
 }
 
+/// Where a step's results go: the slots, the finished requests' completions, and what the
+/// slots hold once their requests finish.
+type Placed<'a> = (
+    &'a mut [Option<Active>],
+    &'a mut [Option<Completion>],
+    &'a mut SlotPrefixes,
+);
+
 /// One step's prefill work ([`NativeRollout::schedule`]): chunks that continue `(slot, first
 /// position, tokens)`, admitted requests `(slot, request id, request, index into unique)`,
 /// and the distinct prompts (or first chunks) to prefill.
@@ -142,6 +155,8 @@ struct StepPlan {
 
 struct Active {
     request: usize,
+    /// The request's prompt (what a finished slot holds starts with it).
+    prompt: Vec<u32>,
     /// Position the next fed token is written at (= tokens cached so far).
     pos: usize,
     /// Prompt tokens not cached yet (a chunked prefill in progress): the slot decodes once
@@ -152,6 +167,34 @@ struct Active {
     log_probs: Vec<f32>,
     sampler: Sampler,
     max_new_tokens: usize,
+}
+
+impl Active {
+    /// Request `request` (`req`) in a slot, nothing of its prompt cached yet.
+    fn new(request: usize, req: &Request) -> Self {
+        Self {
+            request,
+            prompt: req.prompt.clone(),
+            pos: 0,
+            pending: req.prompt.clone(),
+            last: 0,
+            tokens: Vec::new(),
+            log_probs: Vec::new(),
+            sampler: req.sampler.clone(),
+            max_new_tokens: req.max_new_tokens,
+        }
+    }
+
+    /// The tokens whose keys and values the slot holds: the prompt and every response token
+    /// fed so far (`pos` of them in all).
+    fn cached(&self) -> Vec<u32> {
+        self.prompt
+            .iter()
+            .chain(&self.tokens)
+            .take(self.pos)
+            .copied()
+            .collect()
+    }
 }
 
 /// The native rollout engine over a [`CausalLm`].
@@ -170,6 +213,8 @@ pub struct NativeRollout<B: ParallelBackend> {
     /// of the group draws the same tokens, and the tokens a single GPU would.
     pub(crate) tp: TpGroup,
     cache: Option<SlotKvCache<B>>,
+    /// What the cache's slots hold from finished requests (with `enable_prefix_caching`).
+    prefixes: SlotPrefixes,
     /// The most slots the KV budget allows.
     max_slots: usize,
     /// Slots of the cache before the last sleep, rebuilt on wake-up.
@@ -247,6 +292,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             compute_dtype,
             tp,
             cache: None,
+            prefixes: SlotPrefixes::default(),
             max_slots,
             slots_before_sleep: 0,
             sleeping: false,
@@ -295,6 +341,13 @@ impl<B: ParallelBackend> NativeRollout<B> {
         if let Some(c) = self.cache.take() {
             self.slots_before_sleep = c.slots();
         }
+        self.prefixes = SlotPrefixes::default();
+    }
+
+    /// Forgets what the slots hold from finished requests: their keys and values came from
+    /// weights that are being replaced.
+    pub(crate) fn forget_prefixes(&mut self) {
+        self.prefixes.clear();
     }
 
     /// The cache back after a sleep: as many slots as before, if the memory free now still
@@ -344,14 +397,15 @@ impl<B: ParallelBackend> NativeRollout<B> {
     /// the other phases come and go, and a cache sized from the memory free when the engine was
     /// built can take what the actor now holds (an 8k-context 7B job's validation call asked
     /// for 53 GiB of cache on a card with 64 GiB already in use).
-    fn cache_for(&self, old: Option<SlotKvCache<B>>, requests: usize) -> SlotKvCache<B> {
+    /// Also says whether `old` was kept (what its slots hold is still there).
+    fn cache_for(&self, old: Option<SlotKvCache<B>>, requests: usize) -> (SlotKvCache<B>, bool) {
         let enough = requests.min(self.max_slots).max(1);
         match old {
-            Some(c) if c.slots() >= enough => c,
+            Some(c) if c.slots() >= enough => (c, true),
             old => {
                 drop(old);
                 let now = self.slots_now();
-                self.allocate(enough.min(now).max(1))
+                (self.allocate(enough.min(now).max(1)), false)
             }
         }
     }
@@ -385,7 +439,11 @@ impl<B: ParallelBackend> NativeRollout<B> {
             ..Default::default()
         };
         let old = self.cache.take();
-        let mut cache = self.cache_for(old, requests.len());
+        let (mut cache, kept) = self.cache_for(old, requests.len());
+        let mut prefixes = std::mem::take(&mut self.prefixes);
+        if !kept || prefixes.slots() != cache.slots() {
+            prefixes = SlotPrefixes::new(cache.slots());
+        }
         let mut slots: Vec<Option<Active>> = (0..cache.slots()).map(|_| None).collect();
         let mut done: Vec<Option<Completion>> = (0..requests.len()).map(|_| None).collect();
         let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();
@@ -399,9 +457,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
         self.trace_memory("start", 0);
         let mut steps = 0usize;
         loop {
-            let plan = self.schedule(&mut slots, &mut waiting);
+            let plan = self.schedule(&mut slots, &mut waiting, &mut prefixes, &mut stats);
             if !plan.admitted.is_empty() || !plan.continued.is_empty() {
-                let placed = (&mut slots[..], &mut done[..]);
+                let placed = (&mut slots[..], &mut done[..], &mut prefixes);
                 let sampled = self.prefill(model, plan, &mut cache, placed, &stop, &mut stats);
                 if sampled > 0 && stats.first_token_seconds == 0.0 {
                     stats.first_token_seconds = start.elapsed().as_secs_f64();
@@ -424,17 +482,22 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 // Only chunked prefills in flight: continue them.
                 continue;
             }
-            // Shrink the decode batch to the busy slots once nothing waits.
-            if waiting.is_empty() && busy * 2 <= slots.len() {
+            // Shrink the decode batch to the busy slots once nothing waits (unless finished
+            // requests' prefixes are kept for the next call).
+            if waiting.is_empty()
+                && busy * 2 <= slots.len()
+                && !(self.config.enable_prefix_caching && self.config.retain_prefixes)
+            {
                 let keep: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_some()).collect();
                 cache.retain(&keep);
+                prefixes.keep(&keep);
                 slots.retain(|s| s.is_some());
             }
             stats.peak_batch = stats.peak_batch.max(decoding);
             self.decode(
                 model,
                 &mut cache,
-                (&mut slots, &mut done),
+                (&mut slots, &mut done, &mut prefixes),
                 &stop,
                 &mut stats,
             );
@@ -445,6 +508,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         }
         self.trace_memory("end", steps);
         self.cache = Some(cache);
+        self.prefixes = prefixes;
         self.calls += 1;
         let done: Vec<Completion> = done
             .into_iter()
@@ -526,15 +590,21 @@ impl<B: ParallelBackend> NativeRollout<B> {
     /// One step's prefill work: chunked prefills continue first, oldest slot first, within
     /// the token budget; then waiting requests take free slots, within what is left of the
     /// budget. With prefix caching, requests of one prompt admitted together (a prompt's n
-    /// samples) share one prefill, and only its first counts against the budget. With chunked
-    /// prefill a prompt longer than what is left takes that much now and the rest in later
-    /// steps; without, a prompt over the budget waits unless it is the step's only prefill.
+    /// samples) share one prefill, and only its first counts against the budget; and a
+    /// request takes the free slot holding the longest start of its prompt from a finished
+    /// request ([`SlotPrefixes::choose`]), keeping those tokens and prefilling the rest as a
+    /// continued chunk. With chunked prefill a prompt longer than what is left takes that much
+    /// now and the rest in later steps; without, a prompt over the budget waits unless it is
+    /// the step's only prefill.
     fn schedule(
         &self,
         slots: &mut [Option<Active>],
         waiting: &mut VecDeque<(usize, Request)>,
+        prefixes: &mut SlotPrefixes,
+        stats: &mut GenerationStats,
     ) -> StepPlan {
         let limit = self.config.max_num_batched_tokens;
+        let caching = self.config.enable_prefix_caching;
         let mut budget = 0;
         let mut continued: Vec<(usize, usize, Vec<u32>)> = Vec::new();
         for (slot, state) in slots.iter_mut().enumerate() {
@@ -552,21 +622,19 @@ impl<B: ParallelBackend> NativeRollout<B> {
         let mut admitted: Vec<(usize, usize, Request, usize)> = Vec::new();
         let mut unique: Vec<Vec<u32>> = Vec::new();
         let mut seen: HashMap<Vec<u32>, usize> = HashMap::new();
-        for (slot, state) in slots.iter().enumerate() {
-            if state.is_some() {
-                continue;
-            }
-            let Some((_, next)) = waiting.front() else {
+        let mut free: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_none()).collect();
+        while let Some((_, next)) = waiting.front() {
+            if free.is_empty() {
                 break;
+            }
+            let shared = caching.then(|| seen.get(&next.prompt).copied()).flatten();
+            let (slot, kept) = match (caching, shared) {
+                (true, None) => prefixes.choose(&free, &next.prompt),
+                _ => (free[0], 0),
             };
-            let shared = match self.config.enable_prefix_caching {
-                true => seen.get(&next.prompt).copied(),
-                false => None,
-            };
-            let cost = if shared.is_some() {
-                0
-            } else {
-                next.prompt.len()
+            let cost = match shared {
+                Some(_) => 0,
+                None => next.prompt.len() - kept,
             };
             let mut part = None;
             if budget + cost > limit {
@@ -578,20 +646,34 @@ impl<B: ParallelBackend> NativeRollout<B> {
             }
             budget += part.unwrap_or(cost);
             let (id, req) = waiting.pop_front().expect("front exists");
-            let prompt = match (shared, part) {
-                (Some(p), _) => p,
-                // A first chunk: prefilled alone, not shared.
-                (None, Some(len)) => {
-                    unique.push(req.prompt[..len].to_vec());
-                    unique.len() - 1
-                }
-                (None, None) => {
-                    seen.insert(req.prompt.clone(), unique.len());
-                    unique.push(req.prompt.clone());
-                    unique.len() - 1
-                }
-            };
-            admitted.push((slot, id, req, prompt));
+            free.retain(|&s| s != slot);
+            prefixes.take(slot);
+            if kept > 0 {
+                // The slot holds the prompt's first `kept` tokens: the rest (or this step's
+                // part of it) continues from there.
+                let take = part.unwrap_or(cost);
+                let mut active = Active::new(id, &req);
+                active.pending = req.prompt[kept + take..].to_vec();
+                active.pos = kept + take;
+                continued.push((slot, kept, req.prompt[kept..kept + take].to_vec()));
+                stats.reused_prefix_tokens += kept;
+                slots[slot] = Some(active);
+            } else {
+                let prompt = match (shared, part) {
+                    (Some(p), _) => p,
+                    // A first chunk: prefilled alone, not shared.
+                    (None, Some(len)) => {
+                        unique.push(req.prompt[..len].to_vec());
+                        unique.len() - 1
+                    }
+                    (None, None) => {
+                        seen.insert(req.prompt.clone(), unique.len());
+                        unique.push(req.prompt.clone());
+                        unique.len() - 1
+                    }
+                };
+                admitted.push((slot, id, req, prompt));
+            }
             if part.is_some() {
                 break;
             }
@@ -611,7 +693,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         model: &CausalLm<B>,
         plan: StepPlan,
         cache: &mut SlotKvCache<B>,
-        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+        (slots, done, prefixes): Placed<'_>,
         stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
         stats: &mut GenerationStats,
     ) -> usize {
@@ -634,16 +716,10 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .iter()
                 .map(|(_, id, req, p)| {
                     let cached = unique[*p].len();
-                    Active {
-                        request: *id,
-                        pos: cached,
-                        pending: req.prompt[cached..].to_vec(),
-                        last: 0,
-                        tokens: Vec::new(),
-                        log_probs: Vec::new(),
-                        sampler: req.sampler.clone(),
-                        max_new_tokens: req.max_new_tokens,
-                    }
+                    let mut active = Active::new(*id, req);
+                    active.pos = cached;
+                    active.pending = req.prompt[cached..].to_vec();
+                    active
                 })
                 .collect();
             // Only requests whose whole prompt is cached sample their first token.
@@ -653,7 +729,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .collect();
             let picks = self.choose(logits, rows, stats);
             for (((slot, ..), active), pick) in admitted.into_iter().zip(fresh).zip(picks) {
-                let placed = (&mut *slots, &mut *done);
+                let placed = (&mut *slots, &mut *done, &mut *prefixes);
                 sampled += self.settle(active, slot, pick, stop, placed) as usize;
             }
         }
@@ -673,7 +749,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             let picks = self.choose(logits, rows, stats);
             for ((&(slot, ..), state), pick) in continued.iter().zip(states).zip(picks) {
                 let active = state.expect("a continued slot is busy");
-                let placed = (&mut *slots, &mut *done);
+                let placed = (&mut *slots, &mut *done, &mut *prefixes);
                 sampled += self.settle(active, slot, pick, stop, placed) as usize;
             }
         }
@@ -688,7 +764,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         &self,
         model: &CausalLm<B>,
         cache: &mut SlotKvCache<B>,
-        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+        (slots, done, prefixes): Placed<'_>,
         stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
         stats: &mut GenerationStats,
     ) {
@@ -696,9 +772,11 @@ impl<B: ParallelBackend> NativeRollout<B> {
             .iter()
             .map(|s| s.as_ref().map_or(0, |a| a.last))
             .collect();
+        // An idle row writes past what its slot holds, so a kept prefix survives the step.
         let positions: Vec<usize> = slots
             .iter()
-            .map(|s| s.as_ref().map_or(0, |a| a.pos))
+            .enumerate()
+            .map(|(i, s)| s.as_ref().map_or_else(|| prefixes.held_len(i), |a| a.pos))
             .collect();
         let window = positions.iter().max().copied().unwrap_or(0) + 1;
         debug_assert!(window <= self.config.max_model_len());
@@ -718,14 +796,18 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .collect(),
             stats,
         );
-        for (state, pick) in slots.iter_mut().zip(picks) {
+        for (slot, (state, pick)) in slots.iter_mut().zip(picks).enumerate() {
             let (Some(active), Some((tok, log_prob))) = (state.as_mut(), pick) else {
                 continue;
             };
             active.pos += 1;
+            let cached = self.config.enable_prefix_caching.then(|| active.cached());
             if let Some(c) = self.advance(active, tok, log_prob, stop) {
                 done[active.request] = Some(c);
                 *state = None;
+                if let Some(tokens) = cached {
+                    prefixes.record(slot, tokens);
+                }
             }
         }
     }
@@ -829,14 +911,20 @@ impl<B: ParallelBackend> NativeRollout<B> {
         slot: usize,
         pick: Option<(u32, f32)>,
         stop: &impl Fn(&EngineConfig, &[u32]) -> bool,
-        (slots, done): (&mut [Option<Active>], &mut [Option<Completion>]),
+        (slots, done, prefixes): Placed<'_>,
     ) -> bool {
         let Some((tok, log_prob)) = pick else {
             slots[slot] = Some(active);
             return false;
         };
+        let cached = self.config.enable_prefix_caching.then(|| active.cached());
         match self.advance(&mut active, tok, log_prob, stop) {
-            Some(c) => done[active.request] = Some(c),
+            Some(c) => {
+                done[active.request] = Some(c);
+                if let Some(tokens) = cached {
+                    prefixes.record(slot, tokens);
+                }
+            }
             None => slots[slot] = Some(active),
         }
         true

@@ -4,6 +4,8 @@
 //! - [`config`]: the engine's settings ([`EngineConfig`]) and KV budget, from verl's config.
 //! - [`engine`]: [`NativeRollout`], batched prefill and decode over a preallocated slot KV
 //!   cache with continuous batching.
+//! - [`prefix_cache`]: what the cache's slots keep from finished requests, for later
+//!   requests that start with the same tokens.
 //! - [`stop`]: stop strings, matched on the response's text through a [`Detokenizer`].
 //! - [`layout`]: verl's rollout batch layout in and out of a `DataProto`.
 //! - [`rollout_engine`]: the `RolloutEngine` trait: generation, per-tensor weight updates,
@@ -13,6 +15,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod layout;
+pub mod prefix_cache;
 pub mod rollout_engine;
 pub mod sampling;
 pub mod stop;

@@ -143,6 +143,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 "rollout/peak_batch": [s.peak_batch],
                 "rollout/seconds": [s.seconds],
                 "rollout/prefill_seconds": [s.prefill_seconds],
+                "rollout/reused_prefix_tokens": [s.reused_prefix_tokens],
                 // Close to the decode time: the step is bound by the host issuing its work.
                 "rollout/decode_enqueue_seconds": [s.decode_enqueue_seconds],
                 "rollout/decode_tokens_per_s": [s.decode_tokens_per_second()],
@@ -159,6 +160,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
         mut weights: WeightStream<'_, B>,
     ) -> Result<usize, RolloutError> {
         let mut count = 0;
+        // What the slots hold was computed with the weights being replaced.
+        self.forget_prefixes();
         match self.model.as_mut() {
             Some(model) => {
                 while let Some(t) = weights.next().await {

@@ -682,3 +682,89 @@ async fn update_weights_sleep_and_wake_up() {
 fn before_weights() -> Vec<NamedTensor<B>> {
     load("qwen2").1.export_weights()
 }
+
+fn prefix_config(max_num_seqs: usize, retain: bool, caching: bool) -> EngineConfig {
+    EngineConfig {
+        prompt_length: 40,
+        ignore_eos: true,
+        enable_prefix_caching: caching,
+        retain_prefixes: retain,
+        ..greedy_config(max_num_seqs)
+    }
+}
+
+/// Later samples of a prompt that waited for a slot keep the prompt a finished sibling left in
+/// its slot and prefill only its last token; the tokens are those of an engine without prefix
+/// caching.
+#[test]
+fn a_finished_prompt_serves_samples_that_waited_for_a_slot() {
+    let base = prompts(2, 5);
+    // Three samples of each prompt, two slots: the third sample of each waits.
+    let ps: Vec<Vec<u32>> = base
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p.clone(), 3))
+        .collect();
+    let mut cached = engine("qwen2", prefix_config(2, false, true));
+    let mut plain = engine("qwen2", prefix_config(2, false, false));
+    let with = cached.generate(requests(&ps, greedy(), 6)).unwrap();
+    let without = plain.generate(requests(&ps, greedy(), 6)).unwrap();
+    assert_eq!(with, without);
+    let stats = cached.last_stats();
+    // The first prompt's third sample at least keeps all of it but its last token.
+    assert!(stats.reused_prefix_tokens >= base[0].len() - 1, "{stats:?}");
+    assert!(
+        stats.prefilled_tokens + stats.reused_prefix_tokens <= plain.last_stats().prefilled_tokens
+    );
+    assert_eq!(plain.last_stats().reused_prefix_tokens, 0);
+    assert_eq!(
+        plain.last_stats().prefilled_tokens,
+        plain.last_stats().prompt_tokens
+    );
+}
+
+/// A multi-turn continuation (the last turn's prompt and response, then new tokens) keeps the
+/// conversation its slot holds, also for a request that finished early and sat out decode steps
+/// of the others; after a weight update nothing is reused.
+#[tokio::test(flavor = "current_thread")]
+async fn a_continuation_reuses_its_conversation_until_the_weights_change() {
+    let turn1: Vec<Vec<u32>> = prompts(3, 21)
+        .into_iter()
+        .map(|p| p[..p.len().min(12)].to_vec())
+        .collect();
+    // Different lengths: the first request finishes first and sits out the others' steps.
+    let first = |e: &mut NativeRollout<B>| {
+        let mut reqs = requests(&turn1, greedy(), 8);
+        reqs[0].max_new_tokens = 2;
+        e.generate(reqs).unwrap()
+    };
+    let mut e = engine("qwen2", prefix_config(4, true, true));
+    let out1 = first(&mut e);
+    let turn2: Vec<Vec<u32>> = turn1
+        .iter()
+        .zip(&out1)
+        .enumerate()
+        .map(|(i, (p, c))| [p.clone(), c.tokens.clone(), vec![7 + i as u32, 11]].concat())
+        .collect();
+    let again = e.generate(requests(&turn2, greedy(), 5)).unwrap();
+    // Each slot held its prompt and every response token but the last.
+    let held: usize = turn1
+        .iter()
+        .zip(&out1)
+        .map(|(p, c)| p.len() + c.tokens.len() - 1)
+        .sum();
+    assert_eq!(e.last_stats().reused_prefix_tokens, held);
+    let mut fresh = engine("qwen2", prefix_config(4, true, false));
+    assert_eq!(
+        again,
+        fresh.generate(requests(&turn2, greedy(), 5)).unwrap()
+    );
+
+    // The same weights loaded again: what the slots held is forgotten all the same.
+    first(&mut e);
+    e.update_weights(weight_stream(before_weights()))
+        .await
+        .unwrap();
+    let after = e.generate(requests(&turn2, greedy(), 5)).unwrap();
+    assert_eq!(e.last_stats().reused_prefix_tokens, 0);
+    assert_eq!(after, again);
+}

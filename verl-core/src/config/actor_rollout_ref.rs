@@ -294,8 +294,9 @@ pub struct RolloutConfig {
     pub seed: u64,
     /// Return each sampled token's log-prob under the rollout engine.
     pub calculate_log_probs: bool,
-    /// Samples of one prompt admitted together share one prefill of it (vLLM's prefix
-    /// caching, within an admission batch).
+    /// Samples of one prompt admitted together share one prefill of it, and a request keeps
+    /// the start of its prompt that a finished request left in the slot it takes (vLLM's
+    /// prefix caching, on the engine's slots).
     pub enable_prefix_caching: bool,
     /// Prefill a prompt longer than `max_num_batched_tokens` allows in chunks over several
     /// steps, interleaved with the other sequences' decode steps.

@@ -155,8 +155,9 @@ pub struct EngineConfig {
     /// With prefix caching, what finished requests leave in their slots is kept for the next
     /// call (a multi-turn continuation prefills only its new turn): the tail of a call then
     /// decodes over the finished slots instead of shrinking the cache to the busy ones. Off,
-    /// finished slots serve only requests waiting in the same call. The weights changing or
-    /// the cache being allocated anew forgets them either way.
+    /// finished slots serve only requests waiting in the same call, and every call starts from
+    /// none. The weights changing or the cache being allocated anew forgets them either way.
+    /// Not a verl key: the multi-turn rollout sets it.
     pub retain_prefixes: bool,
     /// A prompt longer than what is left of `max_num_batched_tokens` is prefilled in chunks
     /// over several steps, decode steps of the other slots running in between

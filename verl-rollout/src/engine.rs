@@ -185,15 +185,11 @@ impl Active {
         }
     }
 
-    /// The tokens whose keys and values the slot holds: the prompt and every response token
-    /// fed so far (`pos` of them in all).
-    fn cached(&self) -> Vec<u32> {
-        self.prompt
-            .iter()
-            .chain(&self.tokens)
-            .take(self.pos)
-            .copied()
-            .collect()
+    /// The tokens whose keys and values its slot holds once it finished with `completion`:
+    /// the prompt and every response token but the last (sampled, never fed).
+    fn cached(&self, completion: &Completion) -> Vec<u32> {
+        let fed = completion.tokens.len().saturating_sub(1);
+        [&self.prompt[..], &completion.tokens[..fed]].concat()
     }
 }
 
@@ -508,6 +504,11 @@ impl<B: ParallelBackend> NativeRollout<B> {
         }
         self.trace_memory("end", steps);
         self.cache = Some(cache);
+        // Without `retain_prefixes` a call starts from no prefix: its tokens do not depend on
+        // what earlier calls left.
+        if !(self.config.enable_prefix_caching && self.config.retain_prefixes) {
+            prefixes.clear();
+        }
         self.prefixes = prefixes;
         self.calls += 1;
         let done: Vec<Completion> = done
@@ -629,8 +630,23 @@ impl<B: ParallelBackend> NativeRollout<B> {
             }
             let shared = caching.then(|| seen.get(&next.prompt).copied()).flatten();
             let (slot, kept) = match (caching, shared) {
-                (true, None) => prefixes.choose(&free, &next.prompt),
-                _ => (free[0], 0),
+                (true, None) => {
+                    let (slot, kept) = prefixes.choose(&free, &next.prompt);
+                    // The samples of this prompt waiting with it would share one prefill of
+                    // the whole prompt: resuming each from a slot is cheaper only when a slot
+                    // holds most of it.
+                    let siblings = waiting
+                        .iter()
+                        .take_while(|(_, r)| r.prompt == next.prompt)
+                        .count();
+                    match siblings * (next.prompt.len() - kept) < next.prompt.len() {
+                        true => (slot, kept),
+                        false => (prefixes.choose(&free, &[]).0, 0),
+                    }
+                }
+                // A shared prefill's sample, or no caching: an empty slot, else the one whose
+                // request finished longest ago.
+                _ => (prefixes.choose(&free, &[]).0, 0),
             };
             let cost = match shared {
                 Some(_) => 0,
@@ -801,13 +817,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 continue;
             };
             active.pos += 1;
-            let cached = self.config.enable_prefix_caching.then(|| active.cached());
             if let Some(c) = self.advance(active, tok, log_prob, stop) {
+                if self.config.enable_prefix_caching {
+                    prefixes.record(slot, active.cached(&c));
+                }
                 done[active.request] = Some(c);
                 *state = None;
-                if let Some(tokens) = cached {
-                    prefixes.record(slot, tokens);
-                }
             }
         }
     }
@@ -917,13 +932,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
             slots[slot] = Some(active);
             return false;
         };
-        let cached = self.config.enable_prefix_caching.then(|| active.cached());
         match self.advance(&mut active, tok, log_prob, stop) {
             Some(c) => {
-                done[active.request] = Some(c);
-                if let Some(tokens) = cached {
-                    prefixes.record(slot, tokens);
+                if self.config.enable_prefix_caching {
+                    prefixes.record(slot, active.cached(&c));
                 }
+                done[active.request] = Some(c);
             }
             None => slots[slot] = Some(active),
         }

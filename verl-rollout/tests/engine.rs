@@ -768,3 +768,43 @@ async fn a_continuation_reuses_its_conversation_until_the_weights_change() {
     assert_eq!(e.last_stats().reused_prefix_tokens, 0);
     assert_eq!(after, again);
 }
+
+/// Samples of a prompt waiting together share one prefill of it rather than each resuming from
+/// a slot that holds only its first tokens; once a slot holds the whole prompt, the remaining
+/// samples resume from it. Without `retain_prefixes` a call starts from no prefix.
+#[test]
+fn waiting_samples_share_a_prefill_unless_a_slot_holds_most_of_their_prompt() {
+    let start = [5u32, 6];
+    let q1 = [&start[..], &[40, 41, 42, 43, 44, 45]].concat();
+    let q2 = [&start[..], &[50, 51, 52, 53, 54, 55]].concat();
+    let y: Vec<u32> = start.iter().copied().chain(60..74).collect();
+    let ps = vec![
+        q1.clone(),
+        q2.clone(),
+        y.clone(),
+        y.clone(),
+        y.clone(),
+        y.clone(),
+    ];
+    let mut cached = engine("qwen2", prefix_config(2, false, true));
+    let with = cached.generate(requests(&ps, greedy(), 4)).unwrap();
+    let mut plain = engine("qwen2", prefix_config(2, false, false));
+    assert_eq!(with, plain.generate(requests(&ps, greedy(), 4)).unwrap());
+    let s = cached.last_stats();
+    // q1 and q2; y once for its first two samples; one token each for the last two, which
+    // keep all of y but its last token.
+    assert_eq!(
+        s.prefilled_tokens,
+        q1.len() + q2.len() + y.len() + 2,
+        "{s:?}"
+    );
+    assert_eq!(s.reused_prefix_tokens, 2 * (y.len() - 1));
+    // The same call again starts from no prefix: the same prefills and reuse as the first.
+    let again = cached.generate(requests(&ps, greedy(), 4)).unwrap();
+    assert_eq!(again, with);
+    let t = cached.last_stats();
+    assert_eq!(
+        (t.prefilled_tokens, t.reused_prefix_tokens),
+        (s.prefilled_tokens, s.reused_prefix_tokens)
+    );
+}

@@ -147,8 +147,10 @@ impl<B: ParallelBackend> CausalLm<B> {
     /// One decode step for every slot of `cache`: slot `s` feeds `tokens[s]` at position
     /// `positions[s]` (its key and value are written there) and attends to its positions
     /// `0..=positions[s]`. Keys are read from the first `window` positions (`window` > every
-    /// position). Returns next-token logits `[slots, vocab]`. Idle slots can pass any token at
-    /// position 0; their output is meaningless and their slot is overwritten on reuse.
+    /// position). Returns next-token logits `[slots, vocab]`. An idle slot can pass any token
+    /// at any position below the capacity: its output is meaningless, and only that position of
+    /// its slot is written (the rollout passes the first position past what the slot keeps
+    /// from a finished request).
     pub fn decode_slots(
         &self,
         tokens: &[u32],

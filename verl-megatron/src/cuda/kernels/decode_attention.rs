@@ -51,15 +51,18 @@ fn plain_f32(t: &CudaPrimitive) -> bool {
     t.dtype == DType::F32 && t.is_contiguous()
 }
 
-/// Whether `k` and `v` are a cache the kernels address: contiguous, both f32 or both bf16 (a
-/// bf16 cache compiles the kernels with `CACHE_BF16`). `Some(bf16)` when they are.
+/// Whether `k` and `v` are a cache the kernels address: contiguous, starting on 16 bytes (the
+/// kernels read keys and values in 16-byte vectors), both f32 or both bf16 (a bf16 cache
+/// compiles the kernels with `CACHE_BF16`). `Some(bf16)` when they are.
 fn cache_layout(k: &CudaPrimitive, v: &CudaPrimitive) -> Option<bool> {
     let bf16 = match k.dtype {
         DType::F32 => false,
         DType::BF16 => true,
         _ => return None,
     };
-    (v.dtype == k.dtype && k.is_contiguous() && v.is_contiguous()).then_some(bf16)
+    let aligned = |t: &CudaPrimitive| t.handle.offset_start.unwrap_or(0).is_multiple_of(16);
+    (v.dtype == k.dtype && k.is_contiguous() && v.is_contiguous() && aligned(k) && aligned(v))
+        .then_some(bf16)
 }
 
 /// `values` as a device buffer of u32 words (as a decode step's positions go up).

@@ -406,6 +406,60 @@ fn a_frozen_moe_router_keeps_its_weights() {
     assert!(text.contains("moe_router_load_balancing_type"), "{text}");
 }
 
+/// Router replay R2 (`actor.router_replay.mode=R2`) on an MoE actor with two mini-batches a
+/// step on 2 data-parallel ranks, padded and packed: the update replays the old-log-prob
+/// pass's experts for every real token (none missing, whatever the regrouping). R3, and R2
+/// with context parallel, are refused naming the key.
+#[test]
+fn router_replay_r2_replays_every_token_of_the_update() {
+    for packed in [false, true] {
+        let mut overrides = vec![
+            "+actor_rollout_ref.model.override_config.num_experts=4",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=0",
+            "actor_rollout_ref.actor.shuffle=true",
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+        ];
+        if packed {
+            overrides.push("actor_rollout_ref.model.use_remove_padding=true");
+        }
+        let (_, lines, _dir) = run(&overrides);
+        for line in lines_with(&lines, "actor/router_replay_tokens", 2) {
+            assert!(line["actor/router_replay_tokens"] > 0.0, "{line:?}");
+            assert_eq!(line["actor/router_replay_missing_tokens"], 0.0, "{line:?}");
+        }
+    }
+    for (extra, key) in [
+        ("actor_rollout_ref.actor.router_replay.mode=R3", "R3"),
+        (
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+            "context_parallel_size",
+        ),
+    ] {
+        let refused = verl::ConfigBuilder::new()
+            .overrides(MAIN_JOB)
+            .overrides(common::TINY_JOB.iter().copied())
+            .overrides([
+                "+actor_rollout_ref.model.override_config.num_experts=4",
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.router_replay.mode=R2",
+                extra,
+            ])
+            .build()
+            .map(verl::trainer::PpoTrainer::new);
+        let text = match refused {
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+            Ok(Ok(_)) => panic!("{extra} accepted with router replay"),
+        };
+        assert!(
+            text.contains(key) && text.contains("router_replay"),
+            "{text}"
+        );
+    }
+}
+
 /// verl's dynamic batch size on every pass (actor update, old and reference log-probs, critic
 /// update and values) with a 40-token budget (rows of up to 12 tokens) on dp = 2: the
 /// micro-batches are regrouped by tokens and trimmed; losses, gradient norms, rewards,

@@ -65,6 +65,8 @@ pub(crate) struct ActorPlan {
     pub topo: Topology,
     /// The embedding program's rollout engine and policy losses.
     pub overrides: RoleOverrides,
+    /// Router replay R2 (`actor.router_replay.mode`).
+    router_replay: bool,
     settings: ActorSettings,
     engine: EngineConfig,
     split: Vec<Range<usize>>,
@@ -428,8 +430,33 @@ impl ActorPlan {
                 "actor_rollout_ref.rollout.tensor_model_parallel_size = {rollout_tp}: {e}"
             ))
         })?;
+        let router_replay = match actor_cfg.router_replay.mode.as_str() {
+            "disabled" => false,
+            "R2" if layout.sequence_parallel_active() || layout.cp > 1 => {
+                return Err(setup(
+                    "actor_rollout_ref.actor.router_replay.mode=R2 maps each token to its row and \
+                     position, and sequence or context parallel ranks route slices of a \
+                     sequence: set actor_rollout_ref.actor.megatron.sequence_parallel=false and \
+                     context_parallel_size=1, or router_replay.mode=disabled",
+                ));
+            }
+            "R2" => true,
+            "R3" => {
+                return Err(setup(
+                    "actor_rollout_ref.actor.router_replay.mode=R3 (the rollout records each \
+                     token's experts) is not built: use R2 (the old-log-prob pass records, the \
+                     update replays)",
+                ));
+            }
+            other => {
+                return Err(setup(format!(
+                    "actor_rollout_ref.actor.router_replay.mode={other}: use disabled or R2"
+                )));
+            }
+        };
         let actor = ActorPlan {
             overrides: RoleOverrides::default(),
+            router_replay,
             topo,
             settings,
             engine,
@@ -710,6 +737,9 @@ impl ActorPlan {
         actor = actor.with_expert_data_parallel(groups.get(GroupKind::ExpertDp).clone());
         if self.offload.any() {
             actor = actor.with_offload(training_offload(self.offload, "actor"))?;
+        }
+        if self.router_replay {
+            actor = actor.with_router_replay()?;
         }
         Ok(actor)
     }

@@ -83,6 +83,24 @@ impl Default for PolicyLossConfig {
     }
 }
 
+/// `actor_rollout_ref.actor.router_replay`: MoE router replay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RouterReplayConfig {
+    /// `disabled`, or `R2`: the actor's old-log-prob pass records the experts every MoE block
+    /// chose for each token and the update's forwards replay them. `R3` (the rollout records)
+    /// is not built. (`record_file` / `replay_file`, verl's dumps, are not built either.)
+    pub mode: String,
+}
+
+impl Default for RouterReplayConfig {
+    fn default() -> Self {
+        Self {
+            mode: "disabled".into(),
+        }
+    }
+}
+
 /// `actor_rollout_ref.actor`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -121,6 +139,7 @@ pub struct ActorConfig {
     pub checkpoint: CheckpointConfig,
     pub profiler: RoleProfilerConfig,
     pub load_weight: bool,
+    pub router_replay: RouterReplayConfig,
 }
 
 impl Default for ActorConfig {
@@ -151,6 +170,7 @@ impl Default for ActorConfig {
             checkpoint: CheckpointConfig::default(),
             profiler: RoleProfilerConfig::default(),
             load_weight: true,
+            router_replay: RouterReplayConfig::default(),
         }
     }
 }

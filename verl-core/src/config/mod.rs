@@ -49,7 +49,7 @@ use serde_json::{Map, Value};
 
 pub use actor_rollout_ref::{
     ActorConfig, ActorRolloutRefConfig, ModelConfig, PolicyLossConfig, RefConfig, RolloutConfig,
-    ValKwargs,
+    RouterReplayConfig, ValKwargs,
 };
 pub use algorithm::{AlgorithmConfig, KlCtrlConfig, RolloutCorrectionConfig};
 pub use critic::{

@@ -48,9 +48,9 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("**.nccl_timeout", "600", Inert("a lost rank is detected by its process ending (and device collectives by VERL_COLLECTIVE_TIMEOUT_S)")),
     ("**.rollout_n", "~any", Inert("it is derived from actor_rollout_ref.rollout.n")),
     ("**.use_torch_compile", "true", Inert("there is no torch.compile; the kernels are compiled already")),
-    ("**.router_replay.mode", "disabled", NotBuilt("MoE router replay is not built")),
-    ("**.router_replay.record_file", "null", NotBuilt("MoE router replay is not built")),
-    ("**.router_replay.replay_file", "null", NotBuilt("MoE router replay is not built")),
+    ("**.router_replay.mode", "disabled", NotBuilt("router replay is the actor's (actor_rollout_ref.actor.router_replay.mode=R2)")),
+    ("**.router_replay.record_file", "null", NotBuilt("routing is not dumped to files (R2 keeps it in memory between the old-log-prob pass and the update)")),
+    ("**.router_replay.replay_file", "null", NotBuilt("routing is not read from files (R2 keeps it in memory between the old-log-prob pass and the update)")),
     ("critic.data_loader_seed", "~any", Inert("the critic's mini-batches are shuffled with actor_rollout_ref.actor.data_loader_seed")),
     ("**.profiler.tool_config", "null", Inert("each role's tool settings come from global_profiler.global_tool_config")),
     // The actor.

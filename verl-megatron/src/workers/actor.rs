@@ -21,6 +21,7 @@ use super::batch::{
 };
 use super::engine::{TrainingEngine, TrainingRole};
 use super::optim::ModelOptimizer;
+use super::routing_store::{token_origins, RoutingStore, TokenOrigins};
 use super::stage::train_micro_batches;
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
@@ -58,6 +59,9 @@ pub struct MegatronActor<B: ParallelAutodiffBackend> {
     engine: TrainingEngine<B>,
     settings: ActorSettings,
     losses: PolicyLossRegistry<B>,
+    /// With router replay R2: the experts the last old-log-prob pass chose for each token,
+    /// which the next update replays.
+    router_replay: Option<RoutingStore>,
 }
 
 /// Log-probs of `labels` (and entropy) from a model's response-window outputs: logits, divided
@@ -85,6 +89,33 @@ pub(crate) fn log_probs_from<C: ParallelBackend>(
     )
 }
 
+/// The origins of the tokens a forward over `micro` (whose inputs are `inputs`) routes, in
+/// its order: every column, or the packed tokens when the model packs (`packed`).
+fn origins_of<C: ParallelBackend>(
+    micro: &DataProto<C>,
+    inputs: &ModelInputs<C>,
+    packed: bool,
+) -> Result<TokenOrigins> {
+    let host_i64 = |key: &str| -> Result<Vec<i64>> {
+        Ok(micro.to_data(key)?.convert::<i64>().iter::<i64>().collect())
+    };
+    let (ids, positions) = (host_i64("input_ids")?, host_i64("position_ids")?);
+    let mask: Vec<f32> = micro
+        .to_data("attention_mask")?
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let [rows, width] = inputs.input_ids.dims();
+    let packing = packed.then_some(&inputs.packing);
+    Ok(token_origins(
+        &ids,
+        &mask,
+        &positions,
+        (rows, width),
+        packing,
+    ))
+}
+
 /// The temperature the batch was sampled at (`meta_info["temperature"]`), else `default`.
 pub(crate) fn temperature_of<B: ParallelBackend>(data: &DataProto<B>, default: f64) -> f64 {
     data.meta_info
@@ -104,7 +135,44 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             engine: TrainingEngine::new(model, optim),
             settings,
             losses: PolicyLossRegistry::new(),
+            router_replay: None,
         }
+    }
+
+    /// Router replay R2 (`actor.router_replay.mode=R2`): `compute_log_prob` records the experts
+    /// every MoE block chose for each token, and the next `update_policy` replays them in all
+    /// its forwards (and recomputes), so an optimizer step that moves a router cannot change a
+    /// token's experts between the old policy and the policy being trained. The tokens are
+    /// found again by their row's tokens and position, whatever the micro-batching or packing.
+    /// Refused with sequence parallel or context parallel, whose ranks route slices of a
+    /// sequence.
+    pub fn with_router_replay(mut self) -> Result<Self> {
+        let model = self.engine.model();
+        let refuse = |key: &str, value: String| -> verl_core::Error {
+            verl_core::error::ConfigError::Invalid {
+                key: key.into(),
+                value,
+                message: "router replay R2 maps each token to the row and position it came \
+                          from; this layout routes slices of a sequence on each rank"
+                    .into(),
+                fix: format!("set {key} off (or 1), or actor.router_replay.mode=disabled"),
+            }
+            .into()
+        };
+        if model.tp.sequence_parallel {
+            return Err(refuse(
+                "actor_rollout_ref.actor.megatron.sequence_parallel",
+                "true".into(),
+            ));
+        }
+        if model.cp.size() > 1 {
+            return Err(refuse(
+                "actor_rollout_ref.actor.megatron.context_parallel_size",
+                model.cp.size().to_string(),
+            ));
+        }
+        self.router_replay = Some(RoutingStore::default());
+        Ok(self)
     }
 
     /// Registers (or replaces) a policy loss under `name`, for `policy_loss.loss_mode` to
@@ -169,8 +237,12 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             .max(1.0);
         let micros =
             training_micro_batches(data, self.update_batching(), self.engine.dp.as_deref())?;
-        let (grads, total) =
-            self.run_micro_batches(&micros, StageLoss::Sft { tokens }, &mut Metrics::default())?;
+        let (grads, total) = self.run_micro_batches(
+            &micros,
+            StageLoss::Sft { tokens },
+            &[],
+            &mut Metrics::default(),
+        )?;
         self.engine.ready_optimizer()?;
         self.sample_memory();
         let model = self.engine.model.take().expect("model present");
@@ -224,6 +296,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         &self,
         micros: &[DataProto<B::InnerBackend>],
         kind: StageLoss,
+        replay: &[Option<std::sync::Arc<crate::models::router_replay::Routing>>],
         metrics: &mut Metrics,
     ) -> Result<(GradientsParams, f64)> {
         let mut total = 0.0;
@@ -241,6 +314,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             micros,
             self.engine.pp.as_ref(),
             (aux.scale, temperature),
+            replay,
             |micro, out| {
                 let (loss, value) = self.stage_loss(micro, out, kind, metrics)?;
                 total += value;
@@ -257,10 +331,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok((grads, total))
     }
 
+    /// The log-probs (and entropies) of `data`; with `record`, also the routing every MoE
+    /// block chose for its tokens (router replay).
     fn log_probs_inner(
         &self,
         data: &DataProto<B::InnerBackend>,
         calculate_entropy: bool,
+        mut record: Option<&mut RoutingStore>,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         let model = self.engine.model().valid();
         let temperature = temperature_of(data, self.settings.temperature);
@@ -272,7 +349,18 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let inputs =
                     ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
                 let labels = micro.int::<2>("responses")?;
-                let Some(out) = inputs.pipelined_outputs(&model, self.engine.pp.as_deref())? else {
+                let pp = self.engine.pp.as_deref();
+                let out = match record.as_deref_mut() {
+                    Some(store) => {
+                        let (out, routing) = crate::models::router_replay::record_routing(|| {
+                            inputs.pipelined_outputs(&model, pp)
+                        });
+                        store.record(&origins_of(micro, &inputs, model.pack_sequences)?, &routing);
+                        out?
+                    }
+                    None => inputs.pipelined_outputs(&model, pp)?,
+                };
+                let Some(out) = out else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right
                     // shape keep this stage's output well-formed.
                     let zeros = Tensor::zeros([micro.len(), inputs.response_len], &labels.device());
@@ -417,7 +505,9 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     self.engine.dp.as_deref(),
                 )?;
                 let kind = StageLoss::Ppo { scale, temperature };
-                let (grads, pg_total) = self.run_micro_batches(&micros, kind, &mut metrics)?;
+                let replay = self.replays_for(&micros, &mut metrics)?;
+                let (grads, pg_total) =
+                    self.run_micro_batches(&micros, kind, &replay, &mut metrics)?;
                 self.engine.ready_optimizer()?;
                 // Parameters, gradients and optimizer state are all on the device here.
                 self.sample_memory();
@@ -445,8 +535,41 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         if self.engine.is_last_stage() {
             metrics.push("actor/skipped_steps", f64::from(skipped));
         }
+        // The recorded routing was the old policy's of this batch only.
+        if let Some(store) = self.router_replay.as_mut() {
+            store.clear();
+        }
         self.engine.updates += 1;
         Ok(metrics)
+    }
+
+    /// Each training micro-batch's routing to replay (router replay R2), from what the last
+    /// old-log-prob pass recorded; nothing without R2 or a recording. Reports the real tokens
+    /// replayed and those the recording lacks (left to the router).
+    fn replays_for(
+        &self,
+        micros: &[DataProto<B::InnerBackend>],
+        metrics: &mut Metrics,
+    ) -> Result<Vec<Option<std::sync::Arc<crate::models::router_replay::Routing>>>> {
+        let Some(store) = self.router_replay.as_ref().filter(|s| !s.is_empty()) else {
+            return Ok(Vec::new());
+        };
+        let model = self.engine.model();
+        let (mut replayed, mut missing) = (0usize, 0usize);
+        let replay = micros
+            .iter()
+            .map(|micro| {
+                let inputs = ModelInputs::from_batch(micro)?;
+                let origins = origins_of(micro, &inputs, model.pack_sequences)?;
+                let (routing, absent) = store.replay_for(&origins);
+                replayed += origins.iter().flatten().count() - absent;
+                missing += absent;
+                Ok(Some(std::sync::Arc::new(routing)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        metrics.push("actor/router_replay_tokens", replayed as f64);
+        metrics.push("actor/router_replay_missing_tokens", missing as f64);
+        Ok(replay)
     }
 }
 
@@ -467,7 +590,13 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
         calculate_entropy: bool,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         self.engine.bring_in(false)?;
-        let out = self.log_probs_inner(data, calculate_entropy);
+        // Router replay R2: this pass is the old policy's; its routing replaces the last one.
+        let mut store = self.router_replay.take();
+        if let Some(s) = store.as_mut() {
+            s.clear();
+        }
+        let out = self.log_probs_inner(data, calculate_entropy, store.as_mut());
+        self.router_replay = store;
         self.engine.put_away_read_only()?;
         out
     }

@@ -182,6 +182,7 @@ impl<B: ParallelAutodiffBackend> MegatronCritic<B> {
                     &micros,
                     self.engine.pp.as_ref(),
                     (aux.scale, 1.0),
+                    &[],
                     |micro, out| {
                         let (loss, value) = self.value_loss_of(micro, out, scale, &mut metrics)?;
                         total += value;

@@ -11,6 +11,7 @@ pub mod engine;
 pub mod offload;
 pub mod optim;
 pub mod reward_model;
+pub mod routing_store;
 mod stage;
 mod state;
 

@@ -14,6 +14,7 @@ use verl_core::{DataProto, Result};
 use super::batch::ModelInputs;
 use crate::error::MegatronError;
 use crate::models::causal_lm::RecomputeTape;
+use crate::models::router_replay::Routing;
 use crate::models::CausalLm;
 use crate::parallel::pipeline::{run_one_f_one_b, PipelineStage, StageOutput};
 use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend};
@@ -36,6 +37,8 @@ struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     aux_total: f64,
     /// The temperature a fused head divides the logits by.
     temperature: f64,
+    /// Each micro-batch's MoE routing to replay (router replay R2), where there is one.
+    replay: &'a [Option<Arc<Routing>>],
 }
 
 impl<B, L> PipelineStage<B> for ModelStage<'_, B, L>
@@ -49,11 +52,18 @@ where
             .fused_for(self.model, micro, self.temperature)?
             .map(Tensor::from_inner, Tensor::from_inner);
         let model = with_fresh_leaves(self.model.clone());
-        let ((out, aux), tape) = crate::models::causal_lm::record_recompute::<B, _>(|| {
-            crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
-                inputs.stage_outputs(&model, input)
+        let run = || {
+            crate::models::causal_lm::record_recompute::<B, _>(|| {
+                crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
+                    inputs.stage_outputs(&model, input)
+                })
             })
-        });
+        };
+        // A replayed routing covers the recompute too: its tape runs the layers again inside.
+        let ((out, aux), tape) = match self.replay.get(mb).cloned().flatten() {
+            Some(routing) => crate::models::router_replay::replay_routing(routing, run),
+            None => run(),
+        };
         let aux = aux
             .into_iter()
             .reduce(|a, b| a + b)
@@ -176,12 +186,14 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradientCoverage<'_> {
 /// Forward and backward of `model` over `micros`, in the 1F1B schedule through the pipeline
 /// group `pp` when there is one: the summed gradients, and this stage's MoE load-balancing
 /// losses times `aux_scale`, summed (0 without them). `loss` gives a micro-batch's loss from
-/// the model's response-window outputs (on the last stage only).
+/// the model's response-window outputs (on the last stage only). `replay` holds a routing to
+/// replay per micro-batch (router replay), or nothing.
 pub(crate) fn train_micro_batches<B, L>(
     model: &CausalLm<B>,
     micros: &[DataProto<B::InnerBackend>],
     pp: Option<&Arc<dyn Communicator<B::InnerBackend>>>,
     (aux_scale, temperature): (f64, f64),
+    replay: &[Option<Arc<Routing>>],
     loss: L,
 ) -> Result<(GradientsParams, f64)>
 where
@@ -198,6 +210,7 @@ where
         aux_scale,
         aux_total: 0.0,
         temperature,
+        replay,
     };
     match pp {
         None => {
@@ -259,11 +272,15 @@ mod tests {
     #[test]
     fn every_trainable_parameter_gets_its_gradient() {
         let model = model();
-        let (grads, _) =
-            train_micro_batches(&model, &[micro(), micro()], None, (1.0, 1.0), |_, out| {
-                Ok(out.powi_scalar(2).mean().reshape([1]))
-            })
-            .unwrap();
+        let (grads, _) = train_micro_batches(
+            &model,
+            &[micro(), micro()],
+            None,
+            (1.0, 1.0),
+            &[],
+            |_, out| Ok(out.powi_scalar(2).mean().reshape([1])),
+        )
+        .unwrap();
         let mut check = GradientCoverage {
             grads: &grads,
             trainable: 0,
@@ -282,7 +299,7 @@ mod tests {
         let elsewhere =
             Tensor::<CpuAutodiff, 1>::random([3], Distribution::Default, &Default::default())
                 .require_grad();
-        let e = train_micro_batches(&model, &[micro()], None, (1.0, 1.0), |_, _| {
+        let e = train_micro_batches(&model, &[micro()], None, (1.0, 1.0), &[], |_, _| {
             Ok(elsewhere.clone().sum())
         })
         .unwrap_err();

@@ -53,10 +53,13 @@ pub fn token_origins(
     }
 }
 
-/// Each recorded token's experts, by MoE layer (Hugging Face index), then by origin.
+/// Each recorded token's experts, by MoE layer (Hugging Face index), then by row: `[position,
+/// k]` row-major, -1 where a position was not recorded.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RoutingStore {
-    layers: BTreeMap<usize, HashMap<(u64, i64), Vec<i64>>>,
+    layers: BTreeMap<usize, HashMap<u64, Vec<i64>>>,
+    /// Experts per token (top-k).
+    k: usize,
 }
 
 impl RoutingStore {
@@ -75,11 +78,21 @@ impl RoutingStore {
     pub fn record(&mut self, origins: &TokenOrigins, routing: &Routing) {
         for (&layer, chosen) in &routing.layers {
             let k = chosen.len() / origins.len().max(1);
-            let by_token = self.layers.entry(layer).or_default();
-            for (origin, row) in origins.iter().zip(chosen.chunks(k.max(1))) {
-                if let Some(o) = origin {
-                    by_token.insert(*o, row.to_vec());
+            if k == 0 {
+                continue;
+            }
+            self.k = k;
+            let by_row = self.layers.entry(layer).or_default();
+            for (origin, ids) in origins.iter().zip(chosen.chunks(k)) {
+                let Some((key, pos)) = *origin else { continue };
+                let Ok(pos) = usize::try_from(pos) else {
+                    continue;
+                };
+                let row = by_row.entry(key).or_default();
+                if row.len() < (pos + 1) * k {
+                    row.resize((pos + 1) * k, -1);
                 }
+                row[pos * k..(pos + 1) * k].copy_from_slice(ids);
             }
         }
     }
@@ -88,14 +101,19 @@ impl RoutingStore {
     /// layer, -1 for a token not recorded: padding, or a row the old-policy pass never saw),
     /// and how many real tokens were not recorded.
     pub fn replay_for(&self, origins: &TokenOrigins) -> (Routing, usize) {
+        let k = self.k;
         let mut missing = None;
         let mut layers = BTreeMap::new();
-        for (&layer, by_token) in &self.layers {
-            let k = by_token.values().next().map_or(0, Vec::len);
+        for (&layer, by_row) in &self.layers {
             let mut ids = Vec::with_capacity(origins.len() * k);
             let mut absent = 0;
             for origin in origins {
-                match origin.and_then(|o| by_token.get(&o)) {
+                let found = origin.and_then(|(key, pos)| {
+                    let pos = usize::try_from(pos).ok()?;
+                    let row = by_row.get(&key)?.get(pos * k..(pos + 1) * k)?;
+                    (row[0] >= 0).then_some(row)
+                });
+                match found {
                     Some(row) => ids.extend_from_slice(row),
                     None => {
                         absent += usize::from(origin.is_some());

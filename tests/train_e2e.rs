@@ -408,8 +408,9 @@ fn a_frozen_moe_router_keeps_its_weights() {
 
 /// Router replay R2 (`actor.router_replay.mode=R2`) on an MoE actor with two mini-batches a
 /// step on 2 data-parallel ranks, padded and packed: the update replays the old-log-prob
-/// pass's experts for every real token (none missing, whatever the regrouping). R3, and R2
-/// with context parallel, are refused naming the key.
+/// pass's experts for every real token (none missing, whatever the regrouping), the second
+/// mini-batch after an optimizer step. R3, and R2 with context parallel, balance_batch across
+/// data-parallel ranks or bypass mode, are refused naming the key.
 #[test]
 fn router_replay_r2_replays_every_token_of_the_update() {
     for packed in [false, true] {
@@ -418,6 +419,9 @@ fn router_replay_r2_replays_every_token_of_the_update() {
             "trainer.n_gpus_per_node=2",
             "trainer.total_training_steps=2",
             "trainer.sft_warmup_steps=0",
+            // Two mini-batches a step: the second forward runs after an optimizer step.
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
             "actor_rollout_ref.actor.shuffle=true",
             "actor_rollout_ref.actor.router_replay.mode=R2",
         ];
@@ -435,6 +439,11 @@ fn router_replay_r2_replays_every_token_of_the_update() {
         (
             "actor_rollout_ref.actor.megatron.context_parallel_size=2",
             "context_parallel_size",
+        ),
+        ("trainer.balance_batch=true", "balance_batch"),
+        (
+            "algorithm.rollout_correction.bypass_mode=true",
+            "bypass_mode",
         ),
     ] {
         let refused = verl::ConfigBuilder::new()

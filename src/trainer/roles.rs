@@ -440,6 +440,21 @@ impl ActorPlan {
                      context_parallel_size=1, or router_replay.mode=disabled",
                 ));
             }
+            "R2" if cfg.algorithm.rollout_correction.bypass_mode => {
+                return Err(setup(
+                    "actor_rollout_ref.actor.router_replay.mode=R2 replays the actor's \
+                     old-log-prob pass, which bypass mode skips \
+                     (algorithm.rollout_correction.bypass_mode=true takes the rollout's): set \
+                     one of them off",
+                ));
+            }
+            "R2" if cfg.trainer.balance_batch && validated.actor_dp > 1 => {
+                return Err(setup(
+                    "actor_rollout_ref.actor.router_replay.mode=R2 keeps each data-parallel \
+                     rank's recorded rows for its update, and trainer.balance_batch=true moves \
+                     rows between ranks in between: set trainer.balance_batch=false",
+                ));
+            }
             "R2" => true,
             "R3" => {
                 return Err(setup(

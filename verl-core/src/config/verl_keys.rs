@@ -85,7 +85,7 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("actor_rollout_ref.rollout.skip_rollout", "false", NotBuilt("replaying dumped rollouts is not built")),
     ("actor_rollout_ref.rollout.skip_dump_dir", "/tmp/rollout_dump", Inert("it applies to skip_rollout only")),
     ("actor_rollout_ref.rollout.skip_tokenizer_init", "true", Inert("the engine works on token ids")),
-    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "false", NotBuilt("MoE routing replay is not built")),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "false", NotBuilt("the rollout does not record routing (R3); the actor's R2 is actor_rollout_ref.actor.router_replay.mode=R2")),
     ("actor_rollout_ref.rollout.prometheus.enable", "false", NotBuilt("a Prometheus endpoint is not built")),
     ("actor_rollout_ref.rollout.prometheus.**", "~any", Inert("it applies to prometheus.enable only")),
     ("actor_rollout_ref.rollout.quantization", "null", NotBuilt("quantized rollouts are not built")),

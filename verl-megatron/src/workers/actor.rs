@@ -551,9 +551,15 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         micros: &[DataProto<B::InnerBackend>],
         metrics: &mut Metrics,
     ) -> Result<Vec<Option<std::sync::Arc<crate::models::router_replay::Routing>>>> {
-        let Some(store) = self.router_replay.as_ref().filter(|s| !s.is_empty()) else {
+        let Some(store) = self.router_replay.as_ref() else {
             return Ok(Vec::new());
         };
+        if store.is_empty() {
+            // R2 without a recording (no MoE layer on this stage, or no old-log-prob pass):
+            // nothing replayed, said in the metrics.
+            metrics.push("actor/router_replay_tokens", 0.0);
+            return Ok(Vec::new());
+        }
         let model = self.engine.model();
         let (mut replayed, mut missing) = (0usize, 0usize);
         let replay = micros

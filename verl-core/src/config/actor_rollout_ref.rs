@@ -85,7 +85,7 @@ impl Default for PolicyLossConfig {
 
 /// `actor_rollout_ref.actor.router_replay`: MoE router replay.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct RouterReplayConfig {
     /// `disabled`, or `R2`: the actor's old-log-prob pass records the experts every MoE block
     /// chose for each token and the update's forwards replay them. `R3` (the rollout records)

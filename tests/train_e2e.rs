@@ -29,6 +29,22 @@ fn run<S: AsRef<str>>(
     (summary, lines, dir)
 }
 
+/// The error of a job with `overrides` that is refused while the config or the trainer is
+/// built (before any step runs).
+fn refusal(overrides: &[&str]) -> String {
+    let refused = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides(common::TINY_JOB.iter().copied())
+        .overrides(overrides.iter().copied())
+        .build()
+        .map(verl::trainer::PpoTrainer::new);
+    match refused {
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+        Ok(Ok(_)) => panic!("accepted: {overrides:?}"),
+    }
+}
+
 /// The metric lines that carry `key`, which must be `count` of them.
 fn lines_with<'a>(
     lines: &'a [BTreeMap<String, f64>],
@@ -389,20 +405,10 @@ fn a_frozen_moe_router_keeps_its_weights() {
     assert!(experts > 0.0, "the experts should train");
     let (routers, _) = routers_and_experts(false);
     assert!(routers > 0.0, "control: an unfrozen router moves");
-    let refused = verl::ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .overrides(common::TINY_JOB.iter().copied())
-        .overrides([
-            "+actor_rollout_ref.model.override_config.num_experts=4",
-            "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_load_balancing_type=sinkhorn",
-        ])
-        .build()
-        .map(verl::trainer::PpoTrainer::new);
-    let text = match refused {
-        Ok(Err(e)) => e.to_string(),
-        Err(e) => e.to_string(),
-        Ok(Ok(_)) => panic!("sinkhorn balancing accepted"),
-    };
+    let text = refusal(&[
+        "+actor_rollout_ref.model.override_config.num_experts=4",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_load_balancing_type=sinkhorn",
+    ]);
     assert!(text.contains("moe_router_load_balancing_type"), "{text}");
 }
 
@@ -446,22 +452,12 @@ fn router_replay_r2_replays_every_token_of_the_update() {
             "bypass_mode",
         ),
     ] {
-        let refused = verl::ConfigBuilder::new()
-            .overrides(MAIN_JOB)
-            .overrides(common::TINY_JOB.iter().copied())
-            .overrides([
-                "+actor_rollout_ref.model.override_config.num_experts=4",
-                "trainer.n_gpus_per_node=2",
-                "actor_rollout_ref.actor.router_replay.mode=R2",
-                extra,
-            ])
-            .build()
-            .map(verl::trainer::PpoTrainer::new);
-        let text = match refused {
-            Ok(Err(e)) => e.to_string(),
-            Err(e) => e.to_string(),
-            Ok(Ok(_)) => panic!("{extra} accepted with router replay"),
-        };
+        let text = refusal(&[
+            "+actor_rollout_ref.model.override_config.num_experts=4",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.router_replay.mode=R2",
+            extra,
+        ]);
         assert!(
             text.contains(key) && text.contains("router_replay"),
             "{text}"

@@ -257,6 +257,12 @@ impl EngineConfig {
         Ok(cfg)
     }
 
+    /// Whether finished requests' prefixes are kept for the next call (prefix caching with
+    /// `retain_prefixes`).
+    pub fn keeps_prefixes(&self) -> bool {
+        self.enable_prefix_caching && self.retain_prefixes
+    }
+
     /// Positions one sequence may need: the longest prompt plus the longest response.
     pub fn max_model_len(&self) -> usize {
         self.prompt_length + self.response_length

@@ -170,13 +170,14 @@ struct Active {
 }
 
 impl Active {
-    /// Request `request` (`req`) in a slot, nothing of its prompt cached yet.
-    fn new(request: usize, req: &Request) -> Self {
+    /// Request `request` (`req`) in a slot whose first `cached` prompt tokens are cached (or
+    /// being prefilled this step).
+    fn new(request: usize, req: &Request, cached: usize) -> Self {
         Self {
             request,
             prompt: req.prompt.clone(),
-            pos: 0,
-            pending: req.prompt.clone(),
+            pos: cached,
+            pending: req.prompt[cached..].to_vec(),
             last: 0,
             tokens: Vec::new(),
             log_probs: Vec::new(),
@@ -480,10 +481,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             }
             // Shrink the decode batch to the busy slots once nothing waits (unless finished
             // requests' prefixes are kept for the next call).
-            if waiting.is_empty()
-                && busy * 2 <= slots.len()
-                && !(self.config.enable_prefix_caching && self.config.retain_prefixes)
-            {
+            if waiting.is_empty() && busy * 2 <= slots.len() && !self.config.keeps_prefixes() {
                 let keep: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_some()).collect();
                 cache.retain(&keep);
                 prefixes.keep(&keep);
@@ -506,7 +504,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         self.cache = Some(cache);
         // Without `retain_prefixes` a call starts from no prefix: its tokens do not depend on
         // what earlier calls left.
-        if !(self.config.enable_prefix_caching && self.config.retain_prefixes) {
+        if !self.config.keeps_prefixes() {
             prefixes.clear();
         }
         self.prefixes = prefixes;
@@ -668,12 +666,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 // The slot holds the prompt's first `kept` tokens: the rest (or this step's
                 // part of it) continues from there.
                 let take = part.unwrap_or(cost);
-                let mut active = Active::new(id, &req);
-                active.pending = req.prompt[kept + take..].to_vec();
-                active.pos = kept + take;
                 continued.push((slot, kept, req.prompt[kept..kept + take].to_vec()));
                 stats.reused_prefix_tokens += kept;
-                slots[slot] = Some(active);
+                slots[slot] = Some(Active::new(id, &req, kept + take));
             } else {
                 let prompt = match (shared, part) {
                     (Some(p), _) => p,
@@ -730,13 +725,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
             let mut fresh: Vec<Active> = admitted
                 .iter()
-                .map(|(_, id, req, p)| {
-                    let cached = unique[*p].len();
-                    let mut active = Active::new(*id, req);
-                    active.pos = cached;
-                    active.pending = req.prompt[cached..].to_vec();
-                    active
-                })
+                .map(|(_, id, req, p)| Active::new(*id, req, unique[*p].len()))
                 .collect();
             // Only requests whose whole prompt is cached sample their first token.
             let rows = fresh
@@ -818,10 +807,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             };
             active.pos += 1;
             if let Some(c) = self.advance(active, tok, log_prob, stop) {
-                if self.config.enable_prefix_caching {
-                    prefixes.record(slot, active.cached(&c));
-                }
-                done[active.request] = Some(c);
+                self.retire(slot, active, c, (done, prefixes));
                 *state = None;
             }
         }
@@ -933,15 +919,25 @@ impl<B: ParallelBackend> NativeRollout<B> {
             return false;
         };
         match self.advance(&mut active, tok, log_prob, stop) {
-            Some(c) => {
-                if self.config.enable_prefix_caching {
-                    prefixes.record(slot, active.cached(&c));
-                }
-                done[active.request] = Some(c);
-            }
+            Some(c) => self.retire(slot, &active, c, (done, prefixes)),
             None => slots[slot] = Some(active),
         }
         true
+    }
+
+    /// `active`, in slot `slot`, finished with `completion`: the completion goes to `done`,
+    /// and with prefix caching the slot keeps what it cached.
+    fn retire(
+        &self,
+        slot: usize,
+        active: &Active,
+        completion: Completion,
+        (done, prefixes): (&mut [Option<Completion>], &mut SlotPrefixes),
+    ) {
+        if self.config.enable_prefix_caching {
+            prefixes.record(slot, active.cached(&completion));
+        }
+        done[active.request] = Some(completion);
     }
 
     /// Appends the chosen token to `active`; returns the completion when the sequence ends.

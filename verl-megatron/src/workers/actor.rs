@@ -2,6 +2,8 @@
 //! mini-batches, micro-batches with gradient accumulation, global-norm clipping, AdamW with the
 //! scheduled learning rate, entropy bonus, KL loss), as verl's `MegatronPPOActor`.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -23,6 +25,7 @@ use super::engine::{TrainingEngine, TrainingRole};
 use super::optim::ModelOptimizer;
 use super::routing_store::{token_origins, RoutingStore, TokenOrigins};
 use super::stage::train_micro_batches;
+use crate::models::router_replay::{record_routing, Routing};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
@@ -296,7 +299,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         &self,
         micros: &[DataProto<B::InnerBackend>],
         kind: StageLoss,
-        replay: &[Option<std::sync::Arc<crate::models::router_replay::Routing>>],
+        replay: &[Arc<Routing>],
         metrics: &mut Metrics,
     ) -> Result<(GradientsParams, f64)> {
         let mut total = 0.0;
@@ -352,9 +355,8 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let pp = self.engine.pp.as_deref();
                 let out = match record.as_deref_mut() {
                     Some(store) => {
-                        let (out, routing) = crate::models::router_replay::record_routing(|| {
-                            inputs.pipelined_outputs(&model, pp)
-                        });
+                        let (out, routing) =
+                            record_routing(|| inputs.pipelined_outputs(&model, pp));
                         store.record(&origins_of(micro, &inputs, model.pack_sequences)?, &routing);
                         out?
                     }
@@ -550,7 +552,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         &self,
         micros: &[DataProto<B::InnerBackend>],
         metrics: &mut Metrics,
-    ) -> Result<Vec<Option<std::sync::Arc<crate::models::router_replay::Routing>>>> {
+    ) -> Result<Vec<Arc<Routing>>> {
         let Some(store) = self.router_replay.as_ref() else {
             return Ok(Vec::new());
         };
@@ -570,7 +572,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                 let (routing, absent) = store.replay_for(&origins);
                 replayed += origins.iter().flatten().count() - absent;
                 missing += absent;
-                Ok(Some(std::sync::Arc::new(routing)))
+                Ok(Arc::new(routing))
             })
             .collect::<Result<Vec<_>>>()?;
         metrics.push("actor/router_replay_tokens", replayed as f64);

@@ -37,8 +37,8 @@ struct ModelStage<'a, B: ParallelAutodiffBackend, L> {
     aux_total: f64,
     /// The temperature a fused head divides the logits by.
     temperature: f64,
-    /// Each micro-batch's MoE routing to replay (router replay R2), where there is one.
-    replay: &'a [Option<Arc<Routing>>],
+    /// Each micro-batch's MoE routing to replay (router replay R2), or none at all.
+    replay: &'a [Arc<Routing>],
 }
 
 impl<B, L> PipelineStage<B> for ModelStage<'_, B, L>
@@ -60,7 +60,7 @@ where
             })
         };
         // A replayed routing covers the recompute too: its tape runs the layers again inside.
-        let ((out, aux), tape) = match self.replay.get(mb).cloned().flatten() {
+        let ((out, aux), tape) = match self.replay.get(mb).cloned() {
             Some(routing) => crate::models::router_replay::replay_routing(routing, run),
             None => run(),
         };
@@ -187,13 +187,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradientCoverage<'_> {
 /// group `pp` when there is one: the summed gradients, and this stage's MoE load-balancing
 /// losses times `aux_scale`, summed (0 without them). `loss` gives a micro-batch's loss from
 /// the model's response-window outputs (on the last stage only). `replay` holds a routing to
-/// replay per micro-batch (router replay), or nothing.
+/// replay per micro-batch (router replay), or is empty.
 pub(crate) fn train_micro_batches<B, L>(
     model: &CausalLm<B>,
     micros: &[DataProto<B::InnerBackend>],
     pp: Option<&Arc<dyn Communicator<B::InnerBackend>>>,
     (aux_scale, temperature): (f64, f64),
-    replay: &[Option<Arc<Routing>>],
+    replay: &[Arc<Routing>],
     loss: L,
 ) -> Result<(GradientsParams, f64)>
 where

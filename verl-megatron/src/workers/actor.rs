@@ -23,7 +23,7 @@ use super::batch::{
 };
 use super::engine::{TrainingEngine, TrainingRole};
 use super::optim::ModelOptimizer;
-use super::routing_store::{token_origins, RoutingStore, TokenOrigins};
+use super::routing_store::{origins_of, RoutingStore};
 use super::stage::train_micro_batches;
 use crate::models::router_replay::{record_routing, Routing};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
@@ -90,33 +90,6 @@ pub(crate) fn log_probs_from<C: ParallelBackend>(
         model.vocab_start(),
         with_entropy,
     )
-}
-
-/// The origins of the tokens a forward over `micro` (whose inputs are `inputs`) routes, in
-/// its order: every column, or the packed tokens when the model packs (`packed`).
-fn origins_of<C: ParallelBackend>(
-    micro: &DataProto<C>,
-    inputs: &ModelInputs<C>,
-    packed: bool,
-) -> Result<TokenOrigins> {
-    let host_i64 = |key: &str| -> Result<Vec<i64>> {
-        Ok(micro.to_data(key)?.convert::<i64>().iter::<i64>().collect())
-    };
-    let (ids, positions) = (host_i64("input_ids")?, host_i64("position_ids")?);
-    let mask: Vec<f32> = micro
-        .to_data("attention_mask")?
-        .convert::<f32>()
-        .iter::<f32>()
-        .collect();
-    let [rows, width] = inputs.input_ids.dims();
-    let packing = packed.then_some(&inputs.packing);
-    Ok(token_origins(
-        &ids,
-        &mask,
-        &positions,
-        (rows, width),
-        packing,
-    ))
 }
 
 /// The temperature the batch was sampled at (`meta_info["temperature"]`), else `default`.

@@ -12,8 +12,12 @@ use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
+use verl_core::{DataProto, Result};
+
+use super::batch::ModelInputs;
 use crate::models::packing::PackedSequences;
 use crate::models::router_replay::Routing;
+use crate::parallel::ParallelBackend;
 
 /// Where each token a forward routes comes from: its row's key ([`row_key`]) and its position
 /// id; `None` for padding (left to the router on replay).
@@ -51,6 +55,33 @@ pub fn token_origins(
         Some(p) => p.gather.iter().map(|&i| origin(i)).collect(),
         None => (0..rows * width).map(origin).collect(),
     }
+}
+
+/// The origins of the tokens a forward over `micro` (whose inputs are `inputs`) routes, in
+/// its order: every column, or the packed tokens when the model packs (`packed`).
+pub(crate) fn origins_of<C: ParallelBackend>(
+    micro: &DataProto<C>,
+    inputs: &ModelInputs<C>,
+    packed: bool,
+) -> Result<TokenOrigins> {
+    let host_i64 = |key: &str| -> Result<Vec<i64>> {
+        Ok(micro.to_data(key)?.convert::<i64>().iter::<i64>().collect())
+    };
+    let (ids, positions) = (host_i64("input_ids")?, host_i64("position_ids")?);
+    let mask: Vec<f32> = micro
+        .to_data("attention_mask")?
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let [rows, width] = inputs.input_ids.dims();
+    let packing = packed.then_some(&inputs.packing);
+    Ok(token_origins(
+        &ids,
+        &mask,
+        &positions,
+        (rows, width),
+        packing,
+    ))
 }
 
 /// Each recorded token's experts, by MoE layer (Hugging Face index), then by row: `[position,
@@ -192,12 +223,10 @@ mod tests {
         use crate::models::feed_forward::FeedForward;
         use crate::models::router_replay::{record_routing, replay_routing};
         use crate::models::CausalLm;
-        use crate::workers::batch::ModelInputs;
         use burn::prelude::*;
         use burn::tensor::TensorData;
         use std::sync::Arc;
         use verl_core::backend::CpuBackend as B;
-        use verl_core::DataProto;
 
         let cfg = crate::models::qwen2_moe::tiny_config(4, 2, 2);
         let device = Default::default();
@@ -228,23 +257,7 @@ mod tests {
         };
         let origins = |d: &DataProto<B>, m: &CausalLm<B>| {
             let inputs = ModelInputs::from_batch(d).unwrap();
-            let host = |k: &str| -> Vec<i64> {
-                d.to_data(k)
-                    .unwrap()
-                    .convert::<i64>()
-                    .iter::<i64>()
-                    .collect()
-            };
-            let mask: Vec<f32> = host("attention_mask").iter().map(|&x| x as f32).collect();
-            let [rows, width] = inputs.input_ids.dims();
-            let packing = m.pack_sequences.then_some(&inputs.packing);
-            let o = token_origins(
-                &host("input_ids"),
-                &mask,
-                &host("position_ids"),
-                (rows, width),
-                packing,
-            );
+            let o = origins_of(d, &inputs, m.pack_sequences).unwrap();
             (inputs, o)
         };
         // The old policy's pass: padded, rows in order.

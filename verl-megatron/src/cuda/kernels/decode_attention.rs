@@ -232,13 +232,7 @@ pub fn decode_attention(
     let has_bias = bound.bias.is_some();
     let bias = bound.bias.as_ref().unwrap_or(&bound.q);
     let [q_offset, k_offset, v_offset] = bound.offsets;
-    let sms = bound
-        .q
-        .client
-        .properties()
-        .hardware
-        .num_streaming_multiprocessors
-        .unwrap_or(132) as usize;
+    let sms = super::multiprocessors(&bound.q);
     let keys = keys.clamp(1, capacity);
     let split = if SPLIT.enabled() {
         split_len(kv_heads, slots, keys, sms)

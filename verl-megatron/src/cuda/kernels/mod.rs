@@ -73,6 +73,16 @@ impl KernelSwitch {
     }
 }
 
+/// Streaming multiprocessors of `on`'s device (132, an H100's, where the driver does not say):
+/// what grid sizes are chosen against.
+pub(crate) fn multiprocessors(on: &CudaPrimitive) -> usize {
+    on.client
+        .properties()
+        .hardware
+        .num_streaming_multiprocessors
+        .unwrap_or(132) as usize
+}
+
 /// A new contiguous f32 tensor of `shape` on `like`'s device and stream, uninitialised.
 pub(crate) fn empty_f32(like: &CudaPrimitive, shape: Vec<usize>) -> CudaPrimitive {
     empty_of(like, shape, DType::F32)

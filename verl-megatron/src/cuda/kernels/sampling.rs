@@ -88,13 +88,7 @@ pub fn sample(
     let device = logits.device();
     let x = into_contiguous(logits.into_primitive().tensor());
     let params = row_params(rows, &device);
-    let sms = x
-        .client
-        .properties()
-        .hardware
-        .num_streaming_multiprocessors
-        .unwrap_or(132) as usize;
-    let split = pieces(n, vocab, sms);
+    let split = pieces(n, vocab, super::multiprocessors(&x));
     if split > 1 && PIECES_SWITCH.enabled() && rows.iter().all(|r| r.draws_from_shards(vocab)) {
         return Ok(sample_in_pieces(x, params, rows, split));
     }

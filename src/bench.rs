@@ -190,20 +190,11 @@ pub(crate) fn rollout(b: RolloutBench<'_>) -> Result<(), String> {
     for &batch in batches {
         let make = |seed: u64| -> Vec<Request> {
             (0..batch)
-                .map(|i| Request {
-                    prompt: (0..prompt_len)
+                .map(|i| {
+                    let prompt = (0..prompt_len)
                         .map(|j| ((i / samples * 31 + j * 7) % vocab) as u32)
-                        .collect(),
-                    sampler: Sampler::new(
-                        SamplingParams {
-                            temperature: 1.0,
-                            seed,
-                            ..Default::default()
-                        },
-                        i as u64,
-                    )
-                    .expect("valid sampling"),
-                    max_new_tokens: new_tokens,
+                        .collect();
+                    bench_request(prompt, (seed, i as u64), new_tokens)
                 })
                 .collect()
         };
@@ -238,6 +229,21 @@ pub(crate) fn rollout(b: RolloutBench<'_>) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+/// A bench request: `prompt` sampled at temperature 1 with `seed`, request stream `stream`,
+/// up to `new_tokens` tokens.
+fn bench_request(prompt: Vec<u32>, (seed, stream): (u64, u64), new_tokens: usize) -> Request {
+    let params = SamplingParams {
+        temperature: 1.0,
+        seed,
+        ..Default::default()
+    };
+    Request {
+        prompt,
+        sampler: Sampler::new(params, stream).expect("temperature 1 is valid"),
+        max_new_tokens: new_tokens,
+    }
 }
 
 /// Tokens a bench conversation's next user turn adds after the response (a tool's output).
@@ -284,18 +290,7 @@ fn rollout_turns(
                 let requests: Vec<Request> = prompts
                     .iter()
                     .enumerate()
-                    .map(|(i, p)| Request {
-                        prompt: p.clone(),
-                        sampler: Sampler::new(
-                            SamplingParams {
-                                temperature: 1.0,
-                                ..Default::default()
-                            },
-                            i as u64,
-                        )
-                        .expect("valid sampling"),
-                        max_new_tokens: b.new_tokens,
-                    })
+                    .map(|(i, p)| bench_request(p.clone(), (0, i as u64), b.new_tokens))
                     .collect();
                 let out = engine.generate(requests).map_err(|e| e.to_string())?;
                 let s = engine.last_stats();

@@ -710,15 +710,8 @@ residual + RMSNorm + bf16 cast in one launch vs the three (max |diff|, must be 0
                 }
             };
             let (s0, y0) = reference::add_rms_norm_bf16(h.clone(), d, w.clone(), 1e-6);
-            let diff = |a: Tensor<CudaBackend, 2>, b: Tensor<CudaBackend, 2>| {
-                let a: Vec<f32> = a.cast(FloatDType::F32).into_data().to_vec().expect("f32");
-                let b: Vec<f32> = b.cast(FloatDType::F32).into_data().to_vec().expect("f32");
-                a.iter()
-                    .zip(&b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max)
-            };
-            let (ds, dy) = (diff(s1, s0), diff(y1, y0));
+            let f32_of = |t: Tensor<CudaBackend, 2>| t.cast(FloatDType::F32);
+            let (ds, dy) = (max_abs_diff(s1, s0), max_abs_diff(f32_of(y1), f32_of(y0)));
             println!(
                 "  {rows:>3} x {hidden:>5}, residual {with_delta:<5}: sum {ds:.1e}, y {dy:.1e}"
             );

@@ -163,6 +163,10 @@ pub struct EngineConfig {
     /// over several steps, decode steps of the other slots running in between
     /// (`rollout.enable_chunked_prefill`); off, it waits for a step of its own.
     pub enable_chunked_prefill: bool,
+    /// Records the experts every MoE layer chose for each token and returns them with the
+    /// completions (`routed_experts` in the batch), for the actor to replay (router replay R3,
+    /// `rollout.enable_rollout_routing_replay`). Nothing is recorded for a dense model.
+    pub record_routing: bool,
 }
 
 impl Default for EngineConfig {
@@ -190,6 +194,7 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             retain_prefixes: false,
             enable_chunked_prefill: true,
+            record_routing: false,
         }
     }
 }
@@ -252,6 +257,7 @@ impl EngineConfig {
             enable_prefix_caching: rollout.enable_prefix_caching,
             retain_prefixes: false,
             enable_chunked_prefill: rollout.enable_chunked_prefill,
+            record_routing: rollout.enable_rollout_routing_replay,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -8,18 +8,20 @@
 //! busy, the cache is compacted to the busy ones so the tail of a batch decodes cheaply.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::prelude::*;
 use burn::tensor::{FloatDType, TensorData};
 use verl_megatron::hf::HfModelConfig;
 use verl_megatron::layers::precision::ComputeDtype;
+use verl_megatron::models::router_replay::{record_routing, Routing};
 use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
 use verl_megatron::sampling::{sample_rows, sample_vocab_parallel, RowSampling};
 
 use crate::prefix_cache::SlotPrefixes;
+use crate::routing::SlotRouting;
 
 use crate::config::{EngineConfig, KvBudget, MemoryBase};
 use crate::error::RolloutError;
@@ -106,6 +108,11 @@ pub struct Completion {
     /// `calculate_log_probs`).
     pub log_probs: Vec<f32>,
     pub finish: FinishReason,
+    /// With `EngineConfig::record_routing` on an MoE model, the experts each MoE layer chose
+    /// for the prompt and every response token but the last (which is sampled, never fed):
+    /// `[prompt + response - 1][num_hidden_layers][k]`, -1 for layers without experts. Empty
+    /// otherwise.
+    pub routed_experts: Vec<i64>,
 }
 
 /// What one call to [`NativeRollout::generate`] did.
@@ -222,6 +229,10 @@ pub struct NativeRollout<B: ParallelBackend> {
     last_stats: GenerationStats,
     /// Reads the responses' text for stop strings ([`Self::with_detokenizer`]).
     detokenizer: Option<Arc<dyn Detokenizer>>,
+    /// The experts each slot's cached positions were routed to (with `record_routing` on an
+    /// MoE model), kept beside `prefixes`. Behind a lock because the steps that write it
+    /// borrow the engine as they run the model.
+    routing: Mutex<Option<SlotRouting>>,
 }
 
 impl<B: ParallelBackend> NativeRollout<B> {
@@ -296,6 +307,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             calls: 0,
             last_stats: GenerationStats::default(),
             detokenizer: None,
+            routing: Mutex::new(None),
         })
     }
 
@@ -339,12 +351,49 @@ impl<B: ParallelBackend> NativeRollout<B> {
             self.slots_before_sleep = c.slots();
         }
         self.prefixes = SlotPrefixes::default();
+        *self.routing_mut() = None;
     }
 
     /// Forgets what the slots hold from finished requests: their keys and values came from
     /// weights that are being replaced.
     pub(crate) fn forget_prefixes(&mut self) {
         self.prefixes.clear();
+        *self.routing_mut() = None;
+    }
+
+    /// `(num_hidden_layers, experts per token)` when the engine records each token's experts
+    /// (`record_routing` on an MoE model): the shape of a position's routing.
+    pub fn routing_shape(&self) -> Option<(usize, usize)> {
+        let moe = self.model_config.moe.as_ref()?;
+        self.config
+            .record_routing
+            .then_some((self.model_config.num_hidden_layers, moe.num_experts_per_tok))
+    }
+
+    fn routing_mut(&self) -> std::sync::MutexGuard<'_, Option<SlotRouting>> {
+        self.routing
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs one model call, recording its MoE layers' choices when the engine records
+    /// routing; `place(i)` names where the call's token `i` goes (slot, position), if
+    /// anywhere.
+    fn run_model<T>(
+        &self,
+        call: impl FnOnce() -> T,
+        tokens: usize,
+        place: impl Fn(usize) -> Vec<(usize, usize)>,
+    ) -> T {
+        if self.routing_shape().is_none() {
+            return call();
+        }
+        let (out, routing): (T, Routing) = record_routing(call);
+        let targets: Vec<Vec<(usize, usize)>> = (0..tokens).map(place).collect();
+        if let Some(r) = self.routing_mut().as_mut() {
+            r.record(&routing, &targets);
+        }
+        out
     }
 
     /// The cache back after a sleep: as many slots as before, if the memory free now still
@@ -441,6 +490,12 @@ impl<B: ParallelBackend> NativeRollout<B> {
         if !kept || prefixes.slots() != cache.slots() {
             prefixes = SlotPrefixes::new(cache.slots());
         }
+        if let Some((layers, k)) = self.routing_shape() {
+            let mut routing = self.routing_mut();
+            if !kept || routing.as_ref().is_none_or(|r| r.slots() != cache.slots()) {
+                *routing = Some(SlotRouting::new(cache.slots(), layers, k));
+            }
+        }
         let mut slots: Vec<Option<Active>> = (0..cache.slots()).map(|_| None).collect();
         let mut done: Vec<Option<Completion>> = (0..requests.len()).map(|_| None).collect();
         let mut waiting: VecDeque<(usize, Request)> = requests.into_iter().enumerate().collect();
@@ -485,6 +540,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 let keep: Vec<usize> = (0..slots.len()).filter(|&s| slots[s].is_some()).collect();
                 cache.retain(&keep);
                 prefixes.keep(&keep);
+                if let Some(r) = self.routing_mut().as_mut() {
+                    r.keep(&keep);
+                }
                 slots.retain(|s| s.is_some());
             }
             stats.peak_batch = stats.peak_batch.max(decoding);
@@ -506,6 +564,9 @@ impl<B: ParallelBackend> NativeRollout<B> {
         // what earlier calls left.
         if !self.config.keeps_prefixes() {
             prefixes.clear();
+            if let Some(r) = self.routing_mut().as_mut() {
+                r.clear();
+            }
         }
         self.prefixes = prefixes;
         self.calls += 1;
@@ -718,9 +779,32 @@ impl<B: ParallelBackend> NativeRollout<B> {
         if !admitted.is_empty() {
             let targets: Vec<(usize, usize)> =
                 admitted.iter().map(|&(s, _, _, p)| (p, s)).collect();
-            let logits = device_span::<B, _>(&self.device, "prefill", || {
-                model.prefill_shared(&unique, &targets, cache)
-            });
+            if let Some(r) = self.routing_mut().as_mut() {
+                targets.iter().for_each(|&(_, slot)| r.truncate(slot, 0));
+            }
+            // The prompts right-padded to the longest: token j of prompt p feeds position j of
+            // each of its slots.
+            let width = unique.iter().map(Vec::len).max().unwrap_or(0);
+            let place = |i: usize| {
+                let (p, j) = (i / width, i % width);
+                match j < unique[p].len() {
+                    true => targets
+                        .iter()
+                        .filter(|t| t.0 == p)
+                        .map(|t| (t.1, j))
+                        .collect(),
+                    false => Vec::new(),
+                }
+            };
+            let logits = self.run_model(
+                || {
+                    device_span::<B, _>(&self.device, "prefill", || {
+                        model.prefill_shared(&unique, &targets, cache)
+                    })
+                },
+                unique.len() * width,
+                place,
+            );
             let logits = repeat_rows(logits, &targets);
             stats.prefilled_tokens += unique.iter().map(Vec::len).sum::<usize>();
             let mut fresh: Vec<Active> = admitted
@@ -743,7 +827,26 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .iter()
                 .map(|(slot, start, c)| (*slot, *start, c.as_slice()))
                 .collect();
-            let logits = model.prefill_chunks(&chunks, cache);
+            if let Some(r) = self.routing_mut().as_mut() {
+                chunks
+                    .iter()
+                    .for_each(|&(slot, start, _)| r.truncate(slot, start));
+            }
+            // Right-padded to the longest chunk: token j of chunk c is its slot's position
+            // start + j.
+            let width = chunks.iter().map(|c| c.2.len()).max().unwrap_or(0);
+            let place = |i: usize| {
+                let (slot, start, tokens) = chunks[i / width];
+                match i % width < tokens.len() {
+                    true => vec![(slot, start + i % width)],
+                    false => Vec::new(),
+                }
+            };
+            let logits = self.run_model(
+                || model.prefill_chunks(&chunks, cache),
+                chunks.len() * width,
+                place,
+            );
             stats.prefilled_tokens += continued.iter().map(|c| c.2.len()).sum::<usize>();
             let mut states: Vec<Option<Active>> =
                 continued.iter().map(|c| slots[c.0].take()).collect();
@@ -785,10 +888,26 @@ impl<B: ParallelBackend> NativeRollout<B> {
             .collect();
         let window = positions.iter().max().copied().unwrap_or(0) + 1;
         debug_assert!(window <= self.config.max_model_len());
+        // Only rows that sample record their routing: idle rows and rows still prefilling
+        // (whose next chunk rewrites the position) feed nothing kept.
+        let fed: Vec<Vec<(usize, usize)>> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match s {
+                Some(a) if a.pending.is_empty() => vec![(i, a.pos)],
+                _ => Vec::new(),
+            })
+            .collect();
         let enqueue = Instant::now();
-        let logits = device_span::<B, _>(&self.device, "decode_step", || {
-            model.decode_slots(&tokens, &positions, window, cache)
-        });
+        let logits = self.run_model(
+            || {
+                device_span::<B, _>(&self.device, "decode_step", || {
+                    model.decode_slots(&tokens, &positions, window, cache)
+                })
+            },
+            fed.len(),
+            |i| fed[i].clone(),
+        );
         stats.decode_enqueue_seconds += enqueue.elapsed().as_secs_f64();
         stats.decode_steps += 1;
         // Slots still prefilling ran along (their step writes at the next chunk's first
@@ -931,9 +1050,13 @@ impl<B: ParallelBackend> NativeRollout<B> {
         &self,
         slot: usize,
         active: &Active,
-        completion: Completion,
+        mut completion: Completion,
         (done, prefixes): (&mut [Option<Completion>], &mut SlotPrefixes),
     ) {
+        if let Some(r) = self.routing_mut().as_ref() {
+            let fed = active.prompt.len() + completion.tokens.len().saturating_sub(1);
+            completion.routed_experts = r.positions(slot, fed);
+        }
         if self.config.enable_prefix_caching {
             prefixes.record(slot, active.cached(&completion));
         }
@@ -964,6 +1087,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             tokens: std::mem::take(&mut active.tokens),
             log_probs: std::mem::take(&mut active.log_probs),
             finish,
+            routed_experts: Vec::new(),
         })
     }
 }

@@ -10,6 +10,9 @@
 //! - `position_ids`: the prompt's, then continuing one by one through the response;
 //! - `response_mask`: 1 on generated tokens (the final EOS included), 0 on padding;
 //! - `rollout_log_probs` (when asked): each response token's log-prob, 0 on padding;
+//! - `routed_experts` (router replay R3): `[rows, prompt_len + response_length, layers, k]`,
+//!   each fed token's experts in its column, -1 elsewhere (padding, layers without experts,
+//!   the last response token, which was sampled and never fed);
 //! - the non-tensor columns repeated, with a `uid` per prompt (made up when missing) shared by
 //!   its samples.
 
@@ -65,7 +68,8 @@ pub fn read_prompts<B: Backend>(
 
 /// Builds the output batch for `prompts` (one per input row, as read) and their completions
 /// (`n` per prompt, consecutive). The prompt width is the input's, or `prompt_limit` when
-/// prompts were truncated to it.
+/// prompts were truncated to it. `routing` `(layers, k)` writes the completions' routed
+/// experts.
 #[allow(clippy::too_many_arguments)]
 pub fn build_output<B: Backend>(
     input: &DataProto<B>,
@@ -77,6 +81,7 @@ pub fn build_output<B: Backend>(
     response_length: usize,
     pad_token_id: u32,
     with_log_probs: bool,
+    routing: Option<(usize, usize)>,
     uid_prefix: &str,
     device: &B::Device,
 ) -> Result<DataProto<B>, RolloutError> {
@@ -92,6 +97,8 @@ pub fn build_output<B: Backend>(
     let (mut attention, mut positions) = (Vec::with_capacity(rows * total), Vec::new());
     let mut response_mask = Vec::with_capacity(rows * r);
     let mut log_probs = Vec::new();
+    let per_position = routing.map_or(0, |(layers, k)| layers * k);
+    let mut routed = Vec::with_capacity(rows * total * per_position);
     for (i, c) in completions.iter().enumerate() {
         let p = &prompts[i / n];
         let left = p_width - p.len();
@@ -124,6 +131,16 @@ pub fn build_output<B: Backend>(
         if with_log_probs {
             log_probs.extend((0..r).map(|j| if j < gen { c.log_probs[j] } else { 0.0 }));
         }
+        if per_position > 0 {
+            // Position q of the sequence sits in column left + q; what the response's cut
+            // dropped is dropped with it.
+            let start = routed.len();
+            routed.resize(start + total * per_position, -1);
+            let fed = (c.routed_experts.len() / per_position).min(total - left);
+            let at = start + left * per_position;
+            routed[at..at + fed * per_position]
+                .copy_from_slice(&c.routed_experts[..fed * per_position]);
+        }
     }
     let int2 = |v: Vec<i64>, w: usize| {
         Tensor::<B, 2, Int>::from_data(TensorData::new(v, [rows, w]), device)
@@ -139,6 +156,15 @@ pub fn build_output<B: Backend>(
         out.insert_float(
             "rollout_log_probs",
             Tensor::<B, 2>::from_data(TensorData::new(log_probs, [rows, r]), device),
+        )?;
+    }
+    if let Some((layers, k)) = routing {
+        out.insert_int(
+            "routed_experts",
+            Tensor::<B, 4, Int>::from_data(
+                TensorData::new(routed, [rows, total, layers, k]),
+                device,
+            ),
         )?;
     }
     for key in input.non_tensor_keys() {

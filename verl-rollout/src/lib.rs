@@ -17,6 +17,7 @@ pub mod error;
 pub mod layout;
 pub mod prefix_cache;
 pub mod rollout_engine;
+pub mod routing;
 pub mod sampling;
 pub mod stop;
 

@@ -129,6 +129,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
             self.config.response_length,
             self.config.pad_token_id,
             self.config.calculate_log_probs,
+            self.routing_shape(),
             &format!("{}-{call}", self.config.sampling.seed),
             &self.device,
         )?;

@@ -11,6 +11,7 @@ use verl_core::config::Truncation;
 use verl_core::traits::{RolloutEngine, SleepLevel};
 use verl_core::{DataProto, NamedTensor};
 use verl_megatron::hf::{HfCheckpoint, HfModelConfig};
+use verl_megatron::models::router_replay::record_routing;
 use verl_megatron::models::{generate, CausalLm, GenerateOptions};
 use verl_rollout::{
     Detokenizer, EngineConfig, FinishReason, KvBudget, NativeRollout, Request, RolloutError,
@@ -807,4 +808,101 @@ fn waiting_samples_share_a_prefill_unless_a_slot_holds_most_of_their_prompt() {
         (t.prefilled_tokens, t.reused_prefix_tokens),
         (s.prefilled_tokens, s.reused_prefix_tokens)
     );
+}
+
+/// The experts a cache-less forward of `tokens` routes each position to, `[position][layer][k]`.
+fn routing_of(model: &CausalLm<B>, tokens: &[u32], layers: usize, k: usize) -> Vec<i64> {
+    let ids: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+    let ids = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(ids, [1, tokens.len()]),
+        &Default::default(),
+    );
+    let (_, routing) = record_routing(|| model.forward(ids, None, None));
+    let mut out = vec![-1; tokens.len() * layers * k];
+    for (&layer, chosen) in &routing.layers {
+        for (pos, ids) in chosen.chunks(k).enumerate() {
+            let at = (pos * layers + layer) * k;
+            out[at..at + k].copy_from_slice(ids);
+        }
+    }
+    out
+}
+
+/// Router replay R3: every completion's routing is the experts a cache-less forward of its
+/// prompt and fed response chooses, position for position, whether the prompt was prefilled
+/// once for several samples, in chunks, or resumed from a finished sibling's slot; a dense
+/// model and an engine not asked record nothing.
+#[test]
+fn the_rollout_records_the_experts_of_every_fed_token() {
+    let base = prompts(3, 11);
+    // Three samples of each prompt, two slots: samples share prefills, wait for slots and
+    // resume from what a finished sibling left.
+    let ps: Vec<Vec<u32>> = base
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p.clone(), 3))
+        .collect();
+    for chunked in [false, true] {
+        let mut cfg = prefix_config(2, false, true);
+        cfg.record_routing = true;
+        if chunked {
+            cfg.max_num_batched_tokens = 5;
+        }
+        let mut e = engine("qwen2_moe", cfg);
+        let (layers, k) = e.routing_shape().expect("an MoE model records");
+        assert_eq!((layers, k), (2, 2));
+        let out = e.generate(requests(&ps, greedy(), 6)).unwrap();
+        assert!(e.last_stats().reused_prefix_tokens > 0 || chunked);
+        let model = e.model().unwrap();
+        for (p, c) in ps.iter().zip(&out) {
+            let fed = [&p[..], &c.tokens[..c.tokens.len() - 1]].concat();
+            assert_eq!(c.routed_experts.len(), fed.len() * layers * k);
+            assert!(c.routed_experts.iter().all(|&x| (0..4).contains(&x)));
+            assert_eq!(
+                c.routed_experts,
+                routing_of(model, &fed, layers, k),
+                "chunked {chunked}: prompt {p:?}"
+            );
+        }
+    }
+    // Not asked, or a dense model: nothing recorded.
+    let mut plain = engine("qwen2_moe", prefix_config(2, false, true));
+    assert_eq!(plain.routing_shape(), None);
+    let out = plain.generate(requests(&ps[..2], greedy(), 3)).unwrap();
+    assert!(out.iter().all(|c| c.routed_experts.is_empty()));
+    let mut cfg = prefix_config(2, false, true);
+    cfg.record_routing = true;
+    assert_eq!(engine("qwen2", cfg).routing_shape(), None);
+}
+
+/// Router replay R3 in verl's layout: `routed_experts` `[rows, prompt + response width,
+/// layers, k]` holds each fed token's experts in its own column (what a cache-less forward of
+/// the row chooses) and -1 on padding and on each row's last token.
+#[tokio::test(flavor = "current_thread")]
+async fn generate_sequences_returns_routed_experts_in_the_tokens_columns() {
+    let mut cfg = greedy_config(4);
+    cfg.n = 2;
+    cfg.eos_token_ids = vec![2];
+    cfg.record_routing = true;
+    let mut e = engine("qwen2_moe", cfg);
+    let ps = prompts(3, 4);
+    let out = e.generate_sequences(prompt_batch(&ps, 20)).await.unwrap();
+    let routed = out.int::<4>("routed_experts").unwrap();
+    let [rows, total, layers, k] = routed.dims();
+    assert_eq!((rows, total, layers, k), (6, 30, 2, 2));
+    let routed: Vec<i64> = routed.into_data().convert::<i64>().iter::<i64>().collect();
+    let (ids, mask) = (host(&out, "input_ids"), host(&out, "attention_mask"));
+    let model = e.model().unwrap();
+    let per = layers * k;
+    for row in 0..rows {
+        let cols: Vec<usize> = (0..total).filter(|&c| mask[row * total + c] == 1).collect();
+        let tokens: Vec<u32> = cols.iter().map(|&c| ids[row * total + c] as u32).collect();
+        let expected = routing_of(model, &tokens[..tokens.len() - 1], layers, k);
+        for c in 0..total {
+            let got = &routed[(row * total + c) * per..(row * total + c + 1) * per];
+            match cols[..cols.len() - 1].iter().position(|&x| x == c) {
+                Some(q) => assert_eq!(got, &expected[q * per..(q + 1) * per], "row {row} col {c}"),
+                None => assert_eq!(got, [-1; 4], "row {row} col {c}"),
+            }
+        }
+    }
 }

@@ -87,9 +87,11 @@ impl Default for PolicyLossConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RouterReplayConfig {
-    /// `disabled`, or `R2`: the actor's old-log-prob pass records the experts every MoE block
-    /// chose for each token and the update's forwards replay them. `R3` (the rollout records)
-    /// is not built. (`record_file` / `replay_file`, verl's dumps, are not built either.)
+    /// `disabled`; `R2`: the actor's old-log-prob pass records the experts every MoE block
+    /// chose for each token and the update's forwards replay them; `R3`: the rollout records
+    /// them (`rollout.enable_rollout_routing_replay=true`) and both the old-log-prob pass and
+    /// the update replay the rollout's. (`record_file` / `replay_file`, verl's dumps, are not
+    /// built.)
     pub mode: String,
 }
 
@@ -321,6 +323,10 @@ pub struct RolloutConfig {
     /// Prefill a prompt longer than `max_num_batched_tokens` allows in chunks over several
     /// steps, interleaved with the other sequences' decode steps.
     pub enable_chunked_prefill: bool,
+    /// Router replay R3: the rollout records the experts every MoE layer chose for each
+    /// token and returns them as `routed_experts`, which the actor replays in its old-log-prob
+    /// pass and its update (with `actor.router_replay.mode=R3`).
+    pub enable_rollout_routing_replay: bool,
     pub val_kwargs: ValKwargs,
     /// verl's rollout profiler block (the rollout runs inside the actor worker here, so the
     /// actor's profiler covers it; enabling this one is refused with that advice).
@@ -360,6 +366,7 @@ impl Default for RolloutConfig {
             calculate_log_probs: false,
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
+            enable_rollout_routing_replay: false,
             val_kwargs: ValKwargs::default(),
             profiler: RoleProfilerConfig::default(),
         }

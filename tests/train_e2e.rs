@@ -415,8 +415,8 @@ fn a_frozen_moe_router_keeps_its_weights() {
 /// Router replay R2 (`actor.router_replay.mode=R2`) on an MoE actor with two mini-batches a
 /// step on 2 data-parallel ranks, padded and packed: the update replays the old-log-prob
 /// pass's experts for every real token (none missing, whatever the regrouping), the second
-/// mini-batch after an optimizer step. R3, and R2 with context parallel, balance_batch across
-/// data-parallel ranks or bypass mode, are refused naming the key.
+/// mini-batch after an optimizer step. R2 with context parallel, balance_batch across
+/// data-parallel ranks or bypass mode is refused naming the key.
 #[test]
 fn router_replay_r2_replays_every_token_of_the_update() {
     for packed in [false, true] {
@@ -441,7 +441,6 @@ fn router_replay_r2_replays_every_token_of_the_update() {
         }
     }
     for (extra, key) in [
-        ("actor_rollout_ref.actor.router_replay.mode=R3", "R3"),
         (
             "actor_rollout_ref.actor.megatron.context_parallel_size=2",
             "context_parallel_size",
@@ -462,6 +461,50 @@ fn router_replay_r2_replays_every_token_of_the_update() {
             text.contains(key) && text.contains("router_replay"),
             "{text}"
         );
+    }
+}
+
+/// Router replay R3 on an MoE actor at dp = 2, packed, with balance_batch moving rows between
+/// ranks: the rollout records every fed token's experts and the update replays them for every
+/// real token but each row's last (sampled, never fed: 32 rows per rank and mini-batch). R3
+/// without the rollout recording, or with context parallel, is refused naming the key.
+#[test]
+fn router_replay_r3_replays_the_rollouts_routing() {
+    let (_, lines, _dir) = run(&[
+        "+actor_rollout_ref.model.override_config.num_experts=4",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+        "trainer.sft_warmup_steps=0",
+        "trainer.balance_batch=true",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.actor.shuffle=true",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    ]);
+    for line in lines_with(&lines, "actor/router_replay_tokens", 2) {
+        assert!(line["actor/router_replay_tokens"] > 0.0, "{line:?}");
+        assert_eq!(line["actor/router_replay_missing_tokens"], 32.0, "{line:?}");
+    }
+    for (extra, key) in [
+        ("trainer.n_gpus_per_node=2", "enable_rollout_routing_replay"),
+        (
+            "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+            "context_parallel_size",
+        ),
+    ] {
+        let mut overrides = vec![
+            "+actor_rollout_ref.model.override_config.num_experts=4",
+            "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.actor.router_replay.mode=R3",
+            extra,
+        ];
+        if key != "enable_rollout_routing_replay" {
+            overrides.push("actor_rollout_ref.rollout.enable_rollout_routing_replay=true");
+        }
+        let text = refusal(&overrides);
+        assert!(text.contains(key) && text.contains("R3"), "{text}");
     }
 }
 

@@ -20,7 +20,7 @@ use verl_megatron::workers::DEFAULT_GRAD_BUCKET_ELEMS;
 use verl_megatron::workers::{
     ActorRolloutRefWorker, ActorSettings, CheckpointRequest, CriticSettings, CriticWorker,
     DynamicBatch, HybridShardingManager, MegatronActor, MegatronCritic, ModelOptimizer,
-    ParamOffload, TrainingOffload, TrainingRole,
+    ParamOffload, RouterReplay, TrainingOffload, TrainingRole,
 };
 use verl_offload::OffloadBackend;
 use verl_profiler::RoleProfiler;
@@ -65,8 +65,8 @@ pub(crate) struct ActorPlan {
     pub topo: Topology,
     /// The embedding program's rollout engine and policy losses.
     pub overrides: RoleOverrides,
-    /// Router replay R2 (`actor.router_replay.mode`).
-    router_replay: bool,
+    /// Router replay (`actor.router_replay.mode`): R2 or R3.
+    router_replay: Option<RouterReplay>,
     settings: ActorSettings,
     engine: EngineConfig,
     split: Vec<Range<usize>>,
@@ -430,15 +430,17 @@ impl ActorPlan {
                 "actor_rollout_ref.rollout.tensor_model_parallel_size = {rollout_tp}: {e}"
             ))
         })?;
-        let router_replay = match actor_cfg.router_replay.mode.as_str() {
-            "disabled" => false,
-            "R2" if layout.sequence_parallel_active() || layout.cp > 1 => {
-                return Err(setup(
-                    "actor_rollout_ref.actor.router_replay.mode=R2 maps each token to its row and \
-                     position, and sequence or context parallel ranks route slices of a \
+        let mode = actor_cfg.router_replay.mode.as_str();
+        let recording = cfg.actor_rollout_ref.rollout.enable_rollout_routing_replay;
+        let router_replay = match mode {
+            "disabled" => None,
+            "R2" | "R3" if layout.sequence_parallel_active() || layout.cp > 1 => {
+                return Err(setup(format!(
+                    "actor_rollout_ref.actor.router_replay.mode={mode} maps each token to its row \
+                     and position, and sequence or context parallel ranks route slices of a \
                      sequence: set actor_rollout_ref.actor.megatron.sequence_parallel=false and \
-                     context_parallel_size=1, or router_replay.mode=disabled",
-                ));
+                     context_parallel_size=1, or router_replay.mode=disabled"
+                )));
             }
             "R2" if cfg.algorithm.rollout_correction.bypass_mode => {
                 return Err(setup(
@@ -455,17 +457,19 @@ impl ActorPlan {
                      rows between ranks in between: set trainer.balance_batch=false",
                 ));
             }
-            "R2" => true,
-            "R3" => {
+            "R2" => Some(RouterReplay::R2),
+            "R3" if !recording => {
                 return Err(setup(
-                    "actor_rollout_ref.actor.router_replay.mode=R3 (the rollout records each \
-                     token's experts) is not built: use R2 (the old-log-prob pass records, the \
-                     update replays)",
+                    "actor_rollout_ref.actor.router_replay.mode=R3 replays the routing the \
+                     rollout records: set actor_rollout_ref.rollout.enable_rollout_routing_replay\
+                     =true (or router_replay.mode=R2 to record in the old-log-prob pass)",
                 ));
             }
+            // The routing travels with its rows: balance_batch and bypass mode keep it.
+            "R3" => Some(RouterReplay::R3),
             other => {
                 return Err(setup(format!(
-                    "actor_rollout_ref.actor.router_replay.mode={other}: use disabled or R2"
+                    "actor_rollout_ref.actor.router_replay.mode={other}: use disabled, R2 or R3"
                 )));
             }
         };
@@ -753,8 +757,8 @@ impl ActorPlan {
         if self.offload.any() {
             actor = actor.with_offload(training_offload(self.offload, "actor"))?;
         }
-        if self.router_replay {
-            actor = actor.with_router_replay()?;
+        if let Some(source) = self.router_replay {
+            actor = actor.with_router_replay_from(source)?;
         }
         Ok(actor)
     }

@@ -542,6 +542,10 @@ impl PpoTrainer {
         if !self.bypass && batch.data.contains("rollout_log_probs") {
             keys.push("rollout_log_probs");
         }
+        // Router replay R3: the rollout's routing, replayed by the update.
+        if batch.data.contains("routed_experts") {
+            keys.push("routed_experts");
+        }
         let mut inputs = batch.columns(&keys)?;
         if let Some((dp, _)) = self.balance_dp {
             balance(&mut inputs, dp, "actor", &mut batch.metrics)?;

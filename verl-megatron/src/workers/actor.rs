@@ -25,7 +25,7 @@ use super::engine::{TrainingEngine, TrainingRole};
 use super::optim::ModelOptimizer;
 use super::routing_store::{origins_of, RoutingStore};
 use super::stage::train_micro_batches;
-use crate::models::router_replay::{record_routing, Routing};
+use crate::models::router_replay::{record_routing, replay_routing, Routing};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
@@ -65,6 +65,8 @@ pub struct MegatronActor<B: ParallelAutodiffBackend> {
     /// With router replay R2: the experts the last old-log-prob pass chose for each token,
     /// which the next update replays.
     router_replay: Option<RoutingStore>,
+    /// Which pass the replayed routing comes from (with `router_replay`).
+    replay_source: RouterReplay,
 }
 
 /// Log-probs of `labels` (and entropy) from a model's response-window outputs: logits, divided
@@ -112,6 +114,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             settings,
             losses: PolicyLossRegistry::new(),
             router_replay: None,
+            replay_source: RouterReplay::R2,
         }
     }
 
@@ -122,13 +125,21 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     /// found again by their row's tokens and position, whatever the micro-batching or packing.
     /// Refused with sequence parallel or context parallel, whose ranks route slices of a
     /// sequence.
-    pub fn with_router_replay(mut self) -> Result<Self> {
+    pub fn with_router_replay(self) -> Result<Self> {
+        self.with_router_replay_from(RouterReplay::R2)
+    }
+
+    /// Router replay from `source`: [`RouterReplay::R2`] as [`Self::with_router_replay`];
+    /// [`RouterReplay::R3`] replays the rollout's routing (the batch's `routed_experts`) in
+    /// `compute_log_prob` and in every forward of `update_policy`. Refused with sequence or
+    /// context parallel, as R2 is.
+    pub fn with_router_replay_from(mut self, source: RouterReplay) -> Result<Self> {
         let model = self.engine.model();
         let refuse = |key: &str, value: String| -> verl_core::Error {
             verl_core::error::ConfigError::Invalid {
                 key: key.into(),
                 value,
-                message: "router replay R2 maps each token to the row and position it came \
+                message: "router replay maps each token to the row and position it came \
                           from; this layout routes slices of a sequence on each rank"
                     .into(),
                 fix: format!("set {key} off (or 1), or actor.router_replay.mode=disabled"),
@@ -148,6 +159,7 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
             ));
         }
         self.router_replay = Some(RoutingStore::default());
+        self.replay_source = source;
         Ok(self)
     }
 
@@ -307,13 +319,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         Ok((grads, total))
     }
 
-    /// The log-probs (and entropies) of `data`; with `record`, also the routing every MoE
-    /// block chose for its tokens (router replay).
+    /// The log-probs (and entropies) of `data`; with `routing`, also the routing every MoE
+    /// block chose for its tokens recorded (R2), or the stored routing replayed (R3).
     fn log_probs_inner(
         &self,
         data: &DataProto<B::InnerBackend>,
         calculate_entropy: bool,
-        mut record: Option<&mut RoutingStore>,
+        mut routing: PassRouting<'_>,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         let model = self.engine.model().valid();
         let temperature = temperature_of(data, self.settings.temperature);
@@ -326,14 +338,19 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     ModelInputs::from_batch(micro)?.fused_for(&model, micro, temperature)?;
                 let labels = micro.int::<2>("responses")?;
                 let pp = self.engine.pp.as_deref();
-                let out = match record.as_deref_mut() {
-                    Some(store) => {
+                let out = match &mut routing {
+                    PassRouting::Record(store) => {
                         let (out, routing) =
                             record_routing(|| inputs.pipelined_outputs(&model, pp));
                         store.record(&origins_of(micro, &inputs, model.pack_sequences)?, &routing);
                         out?
                     }
-                    None => inputs.pipelined_outputs(&model, pp)?,
+                    PassRouting::Replay(store) => {
+                        let origins = origins_of(micro, &inputs, model.pack_sequences)?;
+                        let (replay, _) = store.replay_for(&origins);
+                        replay_routing(Arc::new(replay), || inputs.pipelined_outputs(&model, pp))?
+                    }
+                    PassRouting::Own => inputs.pipelined_outputs(&model, pp)?,
                 };
                 let Some(out) = out else {
                     // Not collected (MegatronCompute reads the last stage): zeros of the right
@@ -554,6 +571,26 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
     }
 }
 
+/// Where the routing an MoE actor replays comes from (verl's `actor.router_replay.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterReplay {
+    /// The actor's own old-log-prob pass records; the update replays.
+    R2,
+    /// The rollout records (`routed_experts` in the batch); the old-log-prob pass and the
+    /// update replay.
+    R3,
+}
+
+/// What a log-prob pass does with the routing of its MoE blocks.
+enum PassRouting<'a> {
+    /// Routes by its own routers.
+    Own,
+    /// Routes by its own routers and records their choices.
+    Record(&'a mut RoutingStore),
+    /// Takes the stored choices.
+    Replay(&'a RoutingStore),
+}
+
 /// What a micro-batch's loss is.
 #[derive(Clone, Copy)]
 enum StageLoss {
@@ -571,19 +608,33 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
         calculate_entropy: bool,
     ) -> Result<LogProbOutput<B::InnerBackend>> {
         self.engine.bring_in(false)?;
-        // Router replay R2: this pass is the old policy's; its routing replaces the last one.
-        let mut store = self.router_replay.take();
-        if let Some(s) = store.as_mut() {
-            s.clear();
-        }
-        let out = self.log_probs_inner(data, calculate_entropy, store.as_mut());
-        self.router_replay = store;
+        let out = match (&self.router_replay, self.replay_source) {
+            (None, _) => self.log_probs_inner(data, calculate_entropy, PassRouting::Own),
+            // R3: the rollout's routing, carried by the batch.
+            (Some(_), RouterReplay::R3) => {
+                RoutingStore::from_routed_experts(data).and_then(|store| {
+                    self.log_probs_inner(data, calculate_entropy, PassRouting::Replay(&store))
+                })
+            }
+            // R2: this pass is the old policy's; its routing replaces the last one.
+            (Some(_), RouterReplay::R2) => {
+                let mut store = RoutingStore::default();
+                let out =
+                    self.log_probs_inner(data, calculate_entropy, PassRouting::Record(&mut store));
+                self.router_replay = Some(store);
+                out
+            }
+        };
         self.engine.put_away_read_only()?;
         out
     }
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
         self.engine.bring_in_for_update()?;
+        // R3: the update replays the rollout's routing, which its rows carry.
+        if self.router_replay.is_some() && self.replay_source == RouterReplay::R3 {
+            self.router_replay = Some(RoutingStore::from_routed_experts(data)?);
+        }
         let out = self.update(data);
         self.engine.put_away()?;
         out

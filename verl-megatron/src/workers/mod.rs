@@ -15,7 +15,7 @@ pub mod routing_store;
 mod stage;
 mod state;
 
-pub use actor::{ActorSettings, MegatronActor};
+pub use actor::{ActorSettings, MegatronActor, RouterReplay};
 pub use actor_rollout_ref::{
     ActorRolloutRefWorker, CheckpointRequest, CriticWorker, HybridShardingManager, ReferenceWorker,
 };

@@ -128,6 +128,77 @@ impl RoutingStore {
         }
     }
 
+    /// What a batch's rows carry in `routed_experts` `[rows, width, layers, k]` (router replay
+    /// R3: the rollout's choices, each token's in its column, -1 where none), keyed as a
+    /// recording pass keys its tokens. Layers whose every id is -1 (no experts) are left out.
+    ///
+    /// # Errors
+    /// When the batch lacks `routed_experts` (the rollout did not record) or its shape is not
+    /// `[rows, width of input_ids, layers, k]`.
+    pub fn from_routed_experts<C: ParallelBackend>(data: &DataProto<C>) -> Result<Self> {
+        let invalid = |message: String| -> verl_core::Error {
+            verl_core::error::ConfigError::Invalid {
+                key: "actor_rollout_ref.rollout.enable_rollout_routing_replay".into(),
+                value: "false".into(),
+                message,
+                fix: "set actor_rollout_ref.rollout.enable_rollout_routing_replay=true (the \
+                      rollout records each token's experts), or router_replay.mode=R2 or \
+                      disabled"
+                    .into(),
+            }
+            .into()
+        };
+        if !data.contains("routed_experts") {
+            return Err(invalid(
+                "actor_rollout_ref.actor.router_replay.mode=R3 replays the rollout's routing, \
+                 and the batch has no routed_experts"
+                    .into(),
+            ));
+        }
+        let host_i64 = |key: &str| -> Result<Vec<i64>> {
+            Ok(data.to_data(key)?.convert::<i64>().iter::<i64>().collect())
+        };
+        let ids = host_i64("input_ids")?;
+        let positions = host_i64("position_ids")?;
+        let mask: Vec<f32> = data
+            .to_data("attention_mask")?
+            .convert::<f32>()
+            .iter::<f32>()
+            .collect();
+        let routed = data.column("routed_experts")?;
+        let (rows, width) = (data.len(), ids.len() / data.len().max(1));
+        let [r, w, layers, k] = match routed.shape() {
+            &[r, w, l, k] => [r, w, l, k],
+            other => {
+                return Err(invalid(format!(
+                    "routed_experts has shape {other:?}, not [rows, width, layers, k]"
+                )))
+            }
+        };
+        if (r, w) != (rows, width) || positions.len() != ids.len() {
+            return Err(invalid(format!(
+                "routed_experts is [{r}, {w}, ..] for input_ids [{rows}, {width}]"
+            )));
+        }
+        let routed = host_i64("routed_experts")?;
+        let origins = token_origins(&ids, &mask, &positions, (rows, width), None);
+        let mut routing = Routing::default();
+        for layer in 0..layers {
+            let chosen: Vec<i64> = (0..rows * width)
+                .flat_map(|t| {
+                    let at = (t * layers + layer) * k;
+                    routed[at..at + k].iter().copied()
+                })
+                .collect();
+            if chosen.iter().any(|&x| x >= 0) {
+                routing.layers.insert(layer, chosen);
+            }
+        }
+        let mut store = Self::default();
+        store.record(&origins, &routing);
+        Ok(store)
+    }
+
     /// The routing to replay over a forward's tokens of `origins` (`[tokens, k]` per recorded
     /// layer, -1 for a token not recorded: padding, or a row the old-policy pass never saw),
     /// and how many real tokens were not recorded.

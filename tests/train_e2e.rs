@@ -466,8 +466,9 @@ fn router_replay_r2_replays_every_token_of_the_update() {
 
 /// Router replay R3 on an MoE actor at dp = 2, packed, with balance_batch moving rows between
 /// ranks: the rollout records every fed token's experts and the update replays them for every
-/// real token but each row's last (sampled, never fed: 32 rows per rank and mini-batch). R3
-/// without the rollout recording, or with context parallel, is refused naming the key.
+/// real token (each row's last, sampled and never fed, is left to the router and not counted
+/// missing). R3 without the rollout recording, with context parallel or on a dense model is
+/// refused naming the key.
 #[test]
 fn router_replay_r3_replays_the_rollouts_routing() {
     let (_, lines, _dir) = run(&[
@@ -485,7 +486,7 @@ fn router_replay_r3_replays_the_rollouts_routing() {
     ]);
     for line in lines_with(&lines, "actor/router_replay_tokens", 2) {
         assert!(line["actor/router_replay_tokens"] > 0.0, "{line:?}");
-        assert_eq!(line["actor/router_replay_missing_tokens"], 32.0, "{line:?}");
+        assert_eq!(line["actor/router_replay_missing_tokens"], 0.0, "{line:?}");
     }
     for (extra, key) in [
         ("trainer.n_gpus_per_node=2", "enable_rollout_routing_replay"),
@@ -506,6 +507,15 @@ fn router_replay_r3_replays_the_rollouts_routing() {
         let text = refusal(&overrides);
         assert!(text.contains(key) && text.contains("R3"), "{text}");
     }
+    // A dense model has no routing to replay.
+    let text = refusal(&[
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+    ]);
+    assert!(
+        text.contains("no experts") && text.contains("router_replay.mode"),
+        "{text}"
+    );
 }
 
 /// verl's dynamic batch size on every pass (actor update, old and reference log-probs, critic

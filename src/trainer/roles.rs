@@ -458,6 +458,12 @@ impl ActorPlan {
                 ));
             }
             "R2" => Some(RouterReplay::R2),
+            "R3" if model_cfg.moe.is_none() => {
+                return Err(setup(
+                    "actor_rollout_ref.actor.router_replay.mode=R3 replays MoE routing, and \
+                     this model has no experts: set router_replay.mode=disabled",
+                ));
+            }
             "R3" if !recording => {
                 return Err(setup(
                     "actor_rollout_ref.actor.router_replay.mode=R3 replays the routing the \

@@ -347,7 +347,14 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
                     }
                     PassRouting::Replay(store) => {
                         let origins = origins_of(micro, &inputs, model.pack_sequences)?;
-                        let (replay, _) = store.replay_for(&origins);
+                        let (replay, absent) = store.replay_for(&origins);
+                        if absent > 0 {
+                            tracing::warn!(
+                                absent,
+                                "router replay R3: tokens of the old-log-prob pass have no \
+                                 recorded routing and take their router's"
+                            );
+                        }
                         replay_routing(Arc::new(replay), || inputs.pipelined_outputs(&model, pp))?
                     }
                     PassRouting::Own => inputs.pipelined_outputs(&model, pp)?,
@@ -630,11 +637,12 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
     }
 
     async fn update_policy(&mut self, data: &DataProto<B::InnerBackend>) -> Result<Metrics> {
-        self.engine.bring_in_for_update()?;
-        // R3: the update replays the rollout's routing, which its rows carry.
+        // R3: the update replays the rollout's routing, which its rows carry (read before the
+        // weights come in, so a batch without it leaves nothing on the device).
         if self.router_replay.is_some() && self.replay_source == RouterReplay::R3 {
             self.router_replay = Some(RoutingStore::from_routed_experts(data)?);
         }
+        self.engine.bring_in_for_update()?;
         let out = self.update(data);
         self.engine.put_away()?;
         out

@@ -19,6 +19,10 @@ use crate::models::packing::PackedSequences;
 use crate::models::router_replay::Routing;
 use crate::parallel::ParallelBackend;
 
+/// A recorded id marking a token the rollout sampled but never fed (a row's last): replayed
+/// as the router's own choice, and not counted missing.
+const NOT_FED: i64 = -2;
+
 /// Where each token a forward routes comes from: its row's key ([`row_key`]) and its position
 /// id; `None` for padding (left to the router on replay).
 pub type TokenOrigins = Vec<Option<(u64, i64)>>;
@@ -136,20 +140,21 @@ impl RoutingStore {
     /// When the batch lacks `routed_experts` (the rollout did not record) or its shape is not
     /// `[rows, width of input_ids, layers, k]`.
     pub fn from_routed_experts<C: ParallelBackend>(data: &DataProto<C>) -> Result<Self> {
-        let invalid = |message: String| -> verl_core::Error {
+        let invalid = |value: String, message: String| -> verl_core::Error {
             verl_core::error::ConfigError::Invalid {
-                key: "actor_rollout_ref.rollout.enable_rollout_routing_replay".into(),
-                value: "false".into(),
+                key: "routed_experts".into(),
+                value,
                 message,
-                fix: "set actor_rollout_ref.rollout.enable_rollout_routing_replay=true (the \
-                      rollout records each token's experts), or router_replay.mode=R2 or \
-                      disabled"
+                fix: "give the actor the batch its rollout generated with \
+                      actor_rollout_ref.rollout.enable_rollout_routing_replay=true on an MoE \
+                      model (or set actor_rollout_ref.actor.router_replay.mode=R2 or disabled)"
                     .into(),
             }
             .into()
         };
         if !data.contains("routed_experts") {
             return Err(invalid(
+                "absent".into(),
                 "actor_rollout_ref.actor.router_replay.mode=R3 replays the rollout's routing, \
                  and the batch has no routed_experts"
                     .into(),
@@ -170,15 +175,17 @@ impl RoutingStore {
         let [r, w, layers, k] = match routed.shape() {
             &[r, w, l, k] => [r, w, l, k],
             other => {
-                return Err(invalid(format!(
-                    "routed_experts has shape {other:?}, not [rows, width, layers, k]"
-                )))
+                return Err(invalid(
+                    format!("{other:?}"),
+                    "routed_experts must be [rows, width, layers, k]".into(),
+                ))
             }
         };
         if (r, w) != (rows, width) || positions.len() != ids.len() {
-            return Err(invalid(format!(
-                "routed_experts is [{r}, {w}, ..] for input_ids [{rows}, {width}]"
-            )));
+            return Err(invalid(
+                format!("{:?}", routed.shape()),
+                format!("routed_experts must start [{rows}, {width}], as input_ids"),
+            ));
         }
         let routed = host_i64("routed_experts")?;
         let origins = token_origins(&ids, &mask, &positions, (rows, width), None);
@@ -192,6 +199,20 @@ impl RoutingStore {
                 .collect();
             if chosen.iter().any(|&x| x >= 0) {
                 routing.layers.insert(layer, chosen);
+            }
+        }
+        // Each row's last token was sampled, never fed to the rollout: no routing exists for
+        // it, and none is needed (its outputs reach no log-prob). It is marked so that replay
+        // leaves it to the router without counting it missing.
+        for row in 0..rows {
+            let Some(last) = (0..width).rev().find(|&c| mask[row * width + c] > 0.5) else {
+                continue;
+            };
+            let t = row * width + last;
+            for chosen in routing.layers.values_mut() {
+                if chosen[t * k] < 0 {
+                    chosen[t * k..(t + 1) * k].fill(NOT_FED);
+                }
             }
         }
         let mut store = Self::default();
@@ -213,9 +234,10 @@ impl RoutingStore {
                 let found = origin.and_then(|(key, pos)| {
                     let pos = usize::try_from(pos).ok()?;
                     let row = by_row.get(&key)?.get(pos * k..(pos + 1) * k)?;
-                    (row[0] >= 0).then_some(row)
+                    (row[0] >= 0 || row[0] == NOT_FED).then_some(row)
                 });
                 match found {
+                    Some(row) if row[0] == NOT_FED => ids.extend(std::iter::repeat_n(-1, k)),
                     Some(row) => ids.extend_from_slice(row),
                     None => {
                         absent += usize::from(origin.is_some());

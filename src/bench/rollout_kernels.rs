@@ -509,6 +509,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
     }
     check_decode_split(device, failures);
     check_bf16_cache(device, failures);
+    check_decode_mma(device, failures);
     check_greedy_engine(device, ComputeDtype::F32, failures);
     check_greedy_engine(device, ComputeDtype::Bf16, failures);
     check_prefill(device, failures);
@@ -536,12 +537,16 @@ fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
             ("one block per slot", true, false),
             ("plain path", false, false),
         ] {
+            // The scalar kernel on both caches (the tensor-core path takes bf16 caches only,
+            // and rounds the softmax's weights: check_decode_mma compares it).
             let run = |dtype| {
                 decode_kernels(kernels);
                 decode_attention::SPLIT.set(split);
+                decode_attention::MMA.set(false);
                 let out = prefill_and_decode(&model, &prompts, 1600, dtype, device);
                 decode_kernels(true);
                 decode_attention::SPLIT.set(true);
+                decode_attention::MMA.set(true);
                 out
             };
             let errors = step_errors(&run(FloatDType::BF16), &run(FloatDType::F32));
@@ -552,6 +557,55 @@ fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
                 format!("bf16 cache vs f32 cache {heads}/{kv} {path}"),
                 &errors,
                 1e-7,
+            );
+        }
+    }
+}
+
+/// The tensor-core decode attention (bf16 cache, heads of 64) against the scalar kernel and the
+/// plain path, with and without the split over keys: three slots holding prompts of 1 500, 700
+/// and 3 tokens, prefill and 4 decode steps, logits compared (bf16 products' bound: the
+/// tensor-core path rounds the softmax's weights to bf16 as the plain path's product does).
+fn check_decode_mma(device: &Device, failures: &mut Vec<String>) {
+    println!("\ndecode attention on tensor cores vs the scalar kernel vs plain (bf16 cache):");
+    let (hidden, heads, kv) = (896, 14, 2);
+    let mut dims = model_dims(hidden, heads, kv);
+    dims.max_position_embeddings = 2048;
+    let cfg = HfModelConfig::qwen2(dims);
+    let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+        .with_compute_dtype(ComputeDtype::Bf16)
+        .with_generation_matrices();
+    let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
+        .iter()
+        .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
+        .collect();
+    let run = |kernels: bool, split: bool, mma: bool| {
+        decode_kernels(kernels);
+        decode_attention::SPLIT.set(split);
+        decode_attention::MMA.set(mma);
+        let out = prefill_and_decode(&model, &prompts, 1600, FloatDType::BF16, device);
+        decode_kernels(true);
+        decode_attention::SPLIT.set(true);
+        decode_attention::MMA.set(true);
+        out
+    };
+    let plain = run(false, false, false);
+    let bound = logits_bound(ComputeDtype::Bf16);
+    for split in [false, true] {
+        let (mma, scalar) = (run(true, split, true), run(true, split, false));
+        let (vs_scalar, vs_plain) = (step_errors(&mma, &scalar), step_errors(&mma, &plain));
+        let worst = |e: &[f64]| e.iter().copied().fold(0.0, f64::max);
+        println!(
+            "  heads {heads}/{kv} of 64, split {split}: tensor cores vs scalar {:.2e}, vs plain {:.2e}",
+            worst(&vs_scalar),
+            worst(&vs_plain)
+        );
+        for (what, errors) in [("scalar kernel", &vs_scalar), ("plain path", &vs_plain)] {
+            super::agreement::require_below(
+                failures,
+                format!("tensor-core decode attention vs {what}, split {split}"),
+                errors,
+                bound,
             );
         }
     }

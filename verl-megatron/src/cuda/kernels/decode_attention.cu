@@ -26,7 +26,9 @@
 // HEAD_DIM (a multiple of 32) and REP are compile-time. Compiled at run time by NVRTC
 // (verl_megatron::cuda::kernels::decode_attention).
 
+#ifndef THREADS
 #define THREADS 128
+#endif
 #define WARPS (THREADS / 32)
 #define NEG_INF __int_as_float(0xff800000)
 
@@ -41,6 +43,13 @@
 #endif
 #ifndef CACHE_BF16
 #define CACHE_BF16 0
+#endif
+// 1: the tensor-core path (needs CACHE_BF16, ROUND_BF16 and REP <= 8; see attend_mma).
+#ifndef MMA
+#define MMA 0
+#endif
+#if MMA && !(CACHE_BF16 && ROUND_BF16 && REP <= 8)
+#error "the tensor-core decode attention needs a bf16 cache, bf16 products and at most 8 heads a group"
 #endif
 
 // A cached key or value element: bf16 bits, or f32.
@@ -177,6 +186,196 @@ __device__ __forceinline__ void load_vec(const cache_t* src, float (&x)[VEC]) {
 #endif
 }
 
+#if MMA
+// The tensor-core path (a bf16 cache with bf16 products and at most 8 query heads a group):
+// each warp takes every WARPS-th chunk of 16 keys and keeps its own online softmax; the
+// warps' partial results meet in shared memory in warp order.
+//
+// Scores S [heads x 16 keys] = Q · Kᵀ as two m16n8k16 products per 16 dimensions: the MMA's 16
+// rows are the group's query heads (rows past REP, and 8..15, zero), its 8 columns 8 keys. Lane
+// (gq = lane / 4, t = lane % 4) loads 16-byte pieces, elements 32s + 8t .. + 7 of key rows gq
+// and gq + 8; the sum over dimensions takes them in any order as long as Q agrees, so a piece
+// feeds two k16 steps (step u: elements 4u .. 4u + 3 as the fragment's columns 2t, 2t + 1,
+// 2t + 8, 2t + 9), and Q is packed in the same order. The scores come out as the next
+// product's A fragment (head gq, keys 2t, 2t + 1 and 8 + 2t, 9 + 2t), rounded to bf16 as the
+// plain path's bf16 products see the softmax. Values O [heads x HEAD_DIM] += P · V: V's pieces
+// (8 dimensions of one key a lane) become the B fragments (two keys of one dimension a lane)
+// by one movmatrix transpose per 8 x 8 block; the output dimensions then come in a known
+// permuted order (tile 4s + j, column n: dimension 32s + 8(n / 2) + 2j + n % 2).
+#define SLICES (HEAD_DIM / 32)
+#define OUT_TILES (HEAD_DIM / 8)
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned int a0, unsigned int a2,
+                                         unsigned int b0, unsigned int b1) {
+    // Rows 8..15 of A (a1, a3) are zero: at most 8 heads a group.
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned int pack_bf16(float lo, float hi) {
+    return (unsigned int)bf16_bits(lo) | ((unsigned int)bf16_bits(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned int transposed(unsigned int x) {
+    unsigned int y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Key `key`'s pieces (elements 32s + 8t .. + 7): zeros past `hi` (a masked key's value must
+// not be NaN), the new token's from shared memory (not written to the cache by every split).
+__device__ __forceinline__ void load_pieces(uint4 (&dst)[SLICES], const cache_t* cache,
+                                            unsigned long long row, unsigned int key,
+                                            unsigned int hi, unsigned int pos,
+                                            const float* fresh, unsigned int t) {
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s) {
+        const unsigned int e = 32 * s + 8 * t;
+        if (key >= hi) {
+            dst[s] = make_uint4(0, 0, 0, 0);
+        } else if (key == pos) {
+            dst[s] = make_uint4(pack_bf16(fresh[e], fresh[e + 1]), pack_bf16(fresh[e + 2], fresh[e + 3]),
+                                pack_bf16(fresh[e + 4], fresh[e + 5]), pack_bf16(fresh[e + 6], fresh[e + 7]));
+        } else {
+            dst[s] = *(const uint4*)(cache + row + (unsigned long long)key * HEAD_DIM + e);
+        }
+    }
+}
+
+__device__ __forceinline__ void attend_mma(const float (*q_rot)[HEAD_DIM], const float* k_new,
+                                           const float* v_new, const cache_t* k_cache,
+                                           const cache_t* v_cache, unsigned long long cache_row,
+                                           unsigned int lo, unsigned int hi, unsigned int pos,
+                                           const DecodeParams& p, unsigned int slot,
+                                           unsigned int g, unsigned int split, void* out,
+                                           float* partial) {
+    __shared__ float part_o[WARPS][REP][HEAD_DIM];
+    __shared__ float part_m[WARPS][REP], part_l[WARPS][REP];
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned int gq = lane / 4, t = lane % 4;
+    unsigned int qa[SLICES][2][2];
+#pragma unroll
+    for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const unsigned int e = 32 * s + 8 * t + 4 * u;
+            const bool head = gq < REP;
+            qa[s][u][0] = head ? pack_bf16(q_rot[gq][e], q_rot[gq][e + 1]) : 0u;
+            qa[s][u][1] = head ? pack_bf16(q_rot[gq][e + 2], q_rot[gq][e + 3]) : 0u;
+        }
+    float o[OUT_TILES][4];
+#pragma unroll
+    for (int n = 0; n < OUT_TILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    // Head gq's running max and sum (the four lanes of gq agree).
+    float m = NEG_INF, l = 0.0f;
+    for (unsigned int c0 = lo + 16 * warp; c0 < hi; c0 += 16 * WARPS) {
+        uint4 kr[2][SLICES], vr[2][SLICES];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            load_pieces(kr[h], k_cache, cache_row, c0 + 8 * h + gq, hi, pos, k_new, t);
+            load_pieces(vr[h], v_cache, cache_row, c0 + 8 * h + gq, hi, pos, v_new, t);
+        }
+        float sc[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            sc[h][0] = sc[h][1] = sc[h][2] = sc[h][3] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+                for (int u = 0; u < 2; ++u)
+                    mma_bf16(sc[h], qa[s][u][0], qa[s][u][1], word_of(kr[h][s], 2 * u),
+                             word_of(kr[h][s], 2 * u + 1));
+        }
+        // This lane's scores of head gq: keys c0 + 8h + 2t + i.
+        float w[2][2];
+        float mx = NEG_INF;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const unsigned int key = c0 + 8 * h + 2 * t + i;
+                w[h][i] = key < hi ? sc[h][i] / p.sqrt_head_dim : NEG_INF;
+                mx = fmaxf(mx, w[h][i]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m, mx), correction = expf(m - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                w[h][i] = round_bf16(expf(w[h][i] - m_new));
+                sum += w[h][i];
+            }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l = l * correction + sum;
+        m = m_new;
+        const unsigned int pa0 = pack_bf16(w[0][0], w[0][1]), pa2 = pack_bf16(w[1][0], w[1][1]);
+#pragma unroll
+        for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float (&acc)[4] = o[4 * s + j];
+                acc[0] *= correction;
+                acc[1] *= correction;
+                mma_bf16(acc, pa0, pa2, transposed(word_of(vr[0][s], j)),
+                         transposed(word_of(vr[1][s], j)));
+            }
+    }
+    if (gq < REP) {
+        if (t == 0) {
+            part_m[warp][gq] = m;
+            part_l[warp][gq] = l;
+        }
+#pragma unroll
+        for (int s = 0; s < SLICES; ++s)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned int d = 32 * s + 8 * t + 2 * j;
+                part_o[warp][gq][d] = o[4 * s + j][0];
+                part_o[warp][gq][d + 1] = o[4 * s + j][1];
+            }
+    }
+    __syncthreads();
+    // The warps' partial softmaxes merged in warp order (a warp without keys has max -inf and
+    // adds nothing).
+    for (unsigned int i = threadIdx.x; i < REP * HEAD_DIM; i += THREADS) {
+        const unsigned int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, part_m[w][r]);
+        float sum = 0.0f, value = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float f = part_m[w][r] == NEG_INF ? 0.0f : expf(part_m[w][r] - mx);
+            sum += part_l[w][r] * f;
+            value += part_o[w][r][d] * f;
+        }
+        const unsigned int head = g * REP + r;
+        if (p.split_len == 0) {
+            store_out(out, ((unsigned long long)slot * p.heads + head) * HEAD_DIM + d, value / sum);
+        } else {
+            float* part = partial +
+                (((unsigned long long)slot * p.heads + head) * p.splits + split) * (HEAD_DIM + 2);
+            part[d] = value;
+            if (d == 0) {
+                part[HEAD_DIM] = mx;
+                part[HEAD_DIM + 1] = sum;
+            }
+        }
+    }
+}
+#endif
+
 // Grid (kv_heads, slots, splits). Slot r's query heads at q + r * q_stride + q_offset, its key
 // and value heads at k / v + r * kv_stride + k_offset / v_offset (heads of HEAD_DIM,
 // contiguous); bias (with HAS_BIAS) at the same offsets; cos, sin [slots][HEAD_DIM], positions
@@ -206,7 +405,9 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
     __shared__ __align__(16) float q_rot[REP][HEAD_DIM];
     __shared__ __align__(16) float k_new[HEAD_DIM];
     __shared__ __align__(16) float v_new[HEAD_DIM];
+#if !MMA
     __shared__ float weights[REP][TILE];
+#endif
     __shared__ float run_max[REP], run_sum[REP], correction[REP];
 
     const unsigned int g = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
@@ -264,7 +465,10 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
         run_sum[r] = 0.0f;
     }
     __syncthreads();
-
+#if MMA
+    attend_mma(q_rot, k_new, v_new, k_cache, v_cache, cache_row, lo, hi, pos, p, slot, g, split, out,
+               partial);
+#else
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned int group = threadIdx.x / KSPLIT, sub = threadIdx.x % KSPLIT;
     const unsigned int d0 = VEC * group;
@@ -404,6 +608,7 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
             }
         }
     }
+#endif
 }
 
 

@@ -31,6 +31,19 @@ pub static SWITCH: KernelSwitch = KernelSwitch::new("VERL_DECODE_ATTENTION");
 /// `VERL_DECODE_SPLIT=decomposed` (then one block per (kv head, slot), as before).
 pub static SPLIT: KernelSwitch = KernelSwitch::new("VERL_DECODE_SPLIT");
 
+/// Whether a bf16 cache with bf16 products is attended on tensor cores (`attend_mma` in
+/// `decode_attention.cu`, [`uses_mma`]): on unless `VERL_DECODE_MMA=decomposed`.
+pub static MMA: KernelSwitch = KernelSwitch::new("VERL_DECODE_MMA");
+
+/// Whether the tensor-core path runs for this layer: a bf16 cache and bf16 products (its
+/// products take bf16 operands, and the softmax's weights rounded to bf16 as the plain bf16
+/// path's product sees them), at most 8 query heads a group (one MMA's columns) and heads of
+/// at most 64. At 64 it takes a 0.5B layer's attention from 13-61 to 9-34 µs (H200, 1-64 slots,
+/// 100-1 000 keys); at 128 it measured no better than the scalar kernel, and stays off.
+pub fn uses_mma(cache_bf16: bool, round_bf16: bool, rep: usize, head_dim: usize) -> bool {
+    MMA.enabled() && cache_bf16 && round_bf16 && rep <= 8 && head_dim <= 64
+}
+
 /// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim`: whole
 /// groups, a head a multiple of one warp's lanes, the group's accumulators in registers.
 pub fn applies(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
@@ -252,6 +265,10 @@ pub fn decode_attention(
         }],
         DType::F32,
     );
+    let mma = uses_mma(cache_bf16, round_bf16, heads / kv_heads, head_dim);
+    // The tensor-core path's warps each take chunks of 16 keys: 8 of them cover a short
+    // context's keys in one round of loads.
+    let threads = if mma { 2 * THREADS } else { THREADS };
     let source = |entry| CudaSource {
         entry,
         text: SOURCE,
@@ -262,8 +279,10 @@ pub fn decode_attention(
             ("HAS_BIAS", has_bias as u32),
             ("OUT_BF16", out_bf16 as u32),
             ("CACHE_BF16", cache_bf16 as u32),
+            ("MMA", mma as u32),
+            ("THREADS", threads as u32),
         ],
-        block: THREADS as u32,
+        block: threads as u32,
         shared_bytes: 0,
     };
     let params = pack_words(&[

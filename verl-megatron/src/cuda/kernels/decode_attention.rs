@@ -39,7 +39,8 @@ pub static MMA: KernelSwitch = KernelSwitch::new("VERL_DECODE_MMA");
 /// products take bf16 operands, and the softmax's weights rounded to bf16 as the plain bf16
 /// path's product sees them), at most 8 query heads a group (one MMA's columns) and heads of
 /// at most 64. At 64 it takes a 0.5B layer's attention from 13-61 to 9-34 µs (H200, 1-64 slots,
-/// 100-1 000 keys); at 128 it measured no better than the scalar kernel, and stays off.
+/// 100-1 000 keys). At 128 it was faster in a standalone build too, but the engine's checks
+/// have not run it there yet, so it stays off.
 pub fn uses_mma(cache_bf16: bool, round_bf16: bool, rep: usize, head_dim: usize) -> bool {
     MMA.enabled() && cache_bf16 && round_bf16 && rep <= 8 && head_dim <= 64
 }
@@ -420,6 +421,17 @@ mod tests {
         ] {
             assert_eq!(shape_fits(h, kv, d), ok, "{h}/{kv}/{d}");
         }
+    }
+
+    #[test]
+    fn tensor_cores_take_bf16_caches_with_bf16_products_and_small_groups() {
+        assert!(uses_mma(true, true, 7, 64));
+        assert!(uses_mma(true, true, 8, 32));
+        // An f32 cache, unrounded products, groups past one MMA's 8 columns, heads of 128.
+        assert!(!uses_mma(false, true, 7, 64));
+        assert!(!uses_mma(true, false, 7, 64));
+        assert!(!uses_mma(true, true, 9, 64));
+        assert!(!uses_mma(true, true, 7, 128));
     }
 
     #[test]

@@ -906,3 +906,115 @@ async fn generate_sequences_returns_routed_experts_in_the_tokens_columns() {
         }
     }
 }
+
+/// Gives experts 2 and 3 of every MoE layer the same router row, plus `nudge` times expert 0's
+/// row for expert 3: with no nudge their scores tie exactly for every token; with a small one
+/// the tie breaks by the sign of a token's score for expert 0, as another kernel's rounding
+/// would break it.
+fn tie_routers(model: &mut CausalLm<B>, nudge: f32) {
+    use verl_megatron::models::feed_forward::FeedForward;
+    for layer in model.layers.iter_mut() {
+        if let FeedForward::Moe(block) = &mut layer.mlp {
+            let w = block.gate.weight.val();
+            let [experts, hidden] = w.dims();
+            assert_eq!(experts, 4);
+            let row = |e: usize| w.clone().narrow(0, e, 1);
+            let tied = row(2) + row(0) * nudge;
+            let w = Tensor::cat(vec![w.clone().narrow(0, 0, 3), tied], 0);
+            assert_eq!(w.dims(), [experts, hidden]);
+            block.gate.weight = burn::module::Param::from_tensor(w);
+        }
+    }
+}
+
+/// Router replay R3 against a trainer whose numerics break routing ties the other way. Two
+/// experts of every MoE layer tie exactly in the rollout's model; the trainer's copy nudges
+/// one of them by 1e-5 of another row, as a different kernel's rounding would. Forwarding
+/// the rollout's rows with the routing the batch carries, mapped as the actor maps it, gives
+/// back the rollout's log-probs to 5e-6. Without replay, the flipped ties move them by up to
+/// 0.29.
+#[tokio::test(flavor = "current_thread")]
+async fn replaying_the_rollouts_routing_gives_training_the_rollouts_log_probs() {
+    use std::sync::Arc;
+    use verl_megatron::models::router_replay::replay_routing;
+    use verl_megatron::workers::routing_store::{token_origins, RoutingStore};
+
+    let (model_cfg, mut rollout_model) = load("qwen2_moe");
+    let mut trainer = rollout_model.clone();
+    tie_routers(&mut rollout_model, 0.0);
+    tie_routers(&mut trainer, 1e-5);
+    let mut cfg = greedy_config(4);
+    cfg.record_routing = true;
+    cfg.calculate_log_probs = true;
+    cfg.ignore_eos = true;
+    let mut e = NativeRollout::new(model_cfg, rollout_model, cfg, Default::default()).unwrap();
+    let out = e
+        .generate_sequences(prompt_batch(&prompts(4, 3), 20))
+        .await
+        .unwrap();
+    let [rows, total] = out.int::<2>("input_ids").unwrap().dims();
+    let r = out.int::<2>("responses").unwrap().dims()[1];
+    let (ids, mask, positions) = (
+        host(&out, "input_ids"),
+        host(&out, "attention_mask"),
+        host(&out, "position_ids"),
+    );
+    let rollout_lp: Vec<f32> = out
+        .to_data("rollout_log_probs")
+        .unwrap()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let response_mask = host(&out, "response_mask");
+    // The trainer's log-probs of the response tokens (temperature 1: greedy sampling).
+    let log_probs = |replay: Option<Arc<verl_megatron::models::router_replay::Routing>>| {
+        let d = Default::default();
+        let int = |v: &[i64]| {
+            Tensor::<B, 2, Int>::from_data(TensorData::new(v.to_vec(), [rows, total]), &d)
+        };
+        let mask_f = int(&mask).float();
+        let forward = || trainer.forward(int(&ids), Some(mask_f), Some(int(&positions)));
+        let logits = match replay {
+            Some(routing) => replay_routing(routing, forward),
+            None => forward(),
+        };
+        let lp = burn::tensor::activation::log_softmax(logits, 2);
+        let lp: Vec<f32> = lp.into_data().convert::<f32>().iter::<f32>().collect();
+        let vocab = lp.len() / (rows * total);
+        let mut out = Vec::new();
+        for row in 0..rows {
+            for j in 0..r {
+                if response_mask[row * r + j] == 1 {
+                    let col = total - r + j;
+                    let token = ids[row * total + col] as usize;
+                    out.push(lp[(row * total + col - 1) * vocab + token]);
+                }
+            }
+        }
+        out
+    };
+    let real: Vec<f32> = rollout_lp
+        .iter()
+        .zip(&response_mask)
+        .filter(|(_, &m)| m == 1)
+        .map(|(&lp, _)| lp)
+        .collect();
+    let worst = |lp: Vec<f32>| -> f32 {
+        lp.iter()
+            .zip(&real)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max)
+    };
+    let store = RoutingStore::from_routed_experts(&out).unwrap();
+    let mask_f: Vec<f32> = mask.iter().map(|&m| m as f32).collect();
+    let origins = token_origins(&ids, &mask_f, &positions, (rows, total), None);
+    let (replay, missing) = store.replay_for(&origins);
+    assert_eq!(missing, 0, "every fed token's routing is in the batch");
+    let replayed = worst(log_probs(Some(Arc::new(replay))));
+    let own = worst(log_probs(None));
+    assert!(replayed < 1e-4, "replayed: {replayed:e}");
+    assert!(
+        own > 1e-2,
+        "control: the trainer's own routing moved the log-probs: {own:e}"
+    );
+}

@@ -487,6 +487,9 @@ fn router_replay_r3_replays_the_rollouts_routing() {
     for line in lines_with(&lines, "actor/router_replay_tokens", 2) {
         assert!(line["actor/router_replay_tokens"] > 0.0, "{line:?}");
         assert_eq!(line["actor/router_replay_missing_tokens"], 0.0, "{line:?}");
+        // The fraction of replayed tokens the trainer's routers would route elsewhere.
+        let disagreement = line["actor/router_replay_disagreement"];
+        assert!((0.0..1.0).contains(&disagreement), "{line:?}");
     }
     for (extra, key) in [
         ("trainer.n_gpus_per_node=2", "enable_rollout_routing_replay"),

@@ -252,14 +252,20 @@ impl<B: ParallelBackend> SparseMoe<B> {
                     self.layer,
                     ids.len()
                 );
-                if ids.iter().any(|&x| x < 0) {
-                    let routed = host(own());
-                    for (row, mine) in ids.chunks_mut(k).zip(routed.chunks(k)) {
-                        if row.iter().any(|&x| x < 0) {
-                            row.copy_from_slice(mine);
-                        }
+                // The router's own choices: the rows left to it take them, and the replayed
+                // rows whose expert set differs from them are counted (the order within a row
+                // does not matter).
+                let routed = host(own());
+                let (mut replayed, mut differing) = (0, 0);
+                for (row, mine) in ids.chunks_mut(k).zip(routed.chunks(k)) {
+                    if row.iter().any(|&x| x < 0) {
+                        row.copy_from_slice(mine);
+                    } else {
+                        replayed += 1;
+                        differing += usize::from(row.iter().any(|x| !mine.contains(x)));
                     }
                 }
+                super::router_replay::note_replayed(replayed, differing);
                 for (t, row) in ids.chunks(k).enumerate() {
                     let valid = row.iter().all(|&x| (0..e as i64).contains(&x))
                         && (1..row.len()).all(|i| !row[..i].contains(&row[i]));
@@ -640,6 +646,27 @@ mod tests {
 
     fn max_diff(a: Tensor<CpuAutodiff, 3>, b: Tensor<CpuAutodiff, 3>) -> f64 {
         (a - b).abs().max().into_scalar().elem::<f64>()
+    }
+
+    /// The replayed rows whose experts differ from the router's own are counted, as sets: a
+    /// row replayed in another order agrees, a row left to the router is not counted.
+    #[test]
+    fn replays_count_the_tokens_their_router_would_route_elsewhere() {
+        use crate::models::router_replay::{record_routing, replay_routing, take_disagreement};
+        let m = block(4, 2, 0.0);
+        let x = random_tokens([2, 5, 8], 11);
+        let (_, mut routing) = record_routing(|| m.forward(x.clone()));
+        let ids = routing.layers.get_mut(&0).expect("layer 0 recorded");
+        // Token 0 to the two experts it did not choose, token 1 in swapped order, token 2 left
+        // to the router.
+        let others: Vec<i64> = (0..4).filter(|e| !ids[..2].contains(e)).collect();
+        ids[..2].copy_from_slice(&others);
+        ids.swap(2, 3);
+        ids[4..6].copy_from_slice(&[-1, -1]);
+        let _ = take_disagreement();
+        replay_routing(std::sync::Arc::new(routing), || m.forward(x.clone()));
+        assert_eq!(take_disagreement(), (9, 1));
+        assert_eq!(take_disagreement(), (0, 0));
     }
 
     /// Replaying what a forward recorded gives that forward's output to the bit.

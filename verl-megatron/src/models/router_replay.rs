@@ -14,7 +14,7 @@
 //! it runs the layers anew. Mapping those token positions to a batch's rows and columns is
 //! the caller's.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -32,6 +32,8 @@ enum Scope {
 
 thread_local! {
     static SCOPE: RefCell<Option<Scope>> = const { RefCell::new(None) };
+    /// Tokens replayed (per MoE layer) and those whose router would have chosen other experts.
+    static DISAGREEMENT: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
 /// Puts the previous scope back when the closure ends, even by a panic.
@@ -104,6 +106,28 @@ pub(crate) fn current_replay() -> Option<Arc<Routing>> {
         Some(Scope::Replay(r)) => Some(r.clone()),
         _ => None,
     })
+}
+
+/// Counts `replayed` tokens a block took from a replay, `differing` of them routed by the
+/// replay to experts its router's own top-k does not hold.
+pub(crate) fn note_replayed(replayed: usize, differing: usize) {
+    DISAGREEMENT.with(|c| {
+        let (t, d) = c.get();
+        c.set((t + replayed as u64, d + differing as u64));
+    });
+}
+
+/// The tokens MoE blocks replayed on this thread since the last call (counted once per layer
+/// and forward), and how many of them their router would have sent to another set of experts;
+/// resets both. Under R3 that is how often training's routers disagree with the rollout's;
+/// under R2, how far the optimizer steps have moved them.
+///
+/// ```
+/// use verl_megatron::models::router_replay::take_disagreement;
+/// assert_eq!(take_disagreement(), (0, 0)); // nothing replayed on this thread
+/// ```
+pub fn take_disagreement() -> (u64, u64) {
+    DISAGREEMENT.with(|c| c.replace((0, 0)))
 }
 
 /// `layer`'s replayed choices, when a replay scope holds them.

@@ -25,7 +25,7 @@ use super::engine::{TrainingEngine, TrainingRole};
 use super::optim::ModelOptimizer;
 use super::routing_store::{origins_of, RoutingStore};
 use super::stage::train_micro_batches;
-use crate::models::router_replay::{record_routing, replay_routing, Routing};
+use crate::models::router_replay::{record_routing, replay_routing, take_disagreement, Routing};
 use crate::models::{vocab_parallel_log_probs, CausalLm};
 use crate::parallel::{ParallelAutodiffBackend, ParallelBackend};
 
@@ -537,6 +537,13 @@ impl<B: ParallelAutodiffBackend> MegatronActor<B> {
         // The recorded routing was the old policy's of this batch only.
         if let Some(store) = self.router_replay.as_mut() {
             store.clear();
+            let (replayed, differing) = take_disagreement();
+            if replayed > 0 {
+                metrics.push(
+                    "actor/router_replay_disagreement",
+                    differing as f64 / replayed as f64,
+                );
+            }
         }
         self.engine.updates += 1;
         Ok(metrics)
@@ -643,6 +650,8 @@ impl<B: ParallelAutodiffBackend> Actor<B::InnerBackend> for MegatronActor<B> {
             self.router_replay = Some(RoutingStore::from_routed_experts(data)?);
         }
         self.engine.bring_in_for_update()?;
+        // The disagreement counted is the update's own (not the old-log-prob pass's).
+        let _ = take_disagreement();
         let out = self.update(data);
         self.engine.put_away()?;
         out

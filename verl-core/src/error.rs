@@ -193,6 +193,16 @@ pub enum ConfigError {
     },
 }
 
+/// Errors of a tool call ([`crate::traits::Tool`]): the agent loop shows them to the model as
+/// the tool's answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    #[error("tool {tool}: bad arguments: {message}")]
+    Arguments { tool: String, message: String },
+    #[error("tool {tool} failed: {message}")]
+    Failed { tool: String, message: String },
+}
+
 /// Errors of the RL algorithms: unknown names, mismatched shapes, missing inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum AlgorithmError {

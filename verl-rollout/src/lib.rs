@@ -11,6 +11,7 @@
 //! - [`rollout_engine`]: the `RolloutEngine` trait: generation, per-tensor weight updates,
 //!   sleep / wake-up.
 
+pub mod agent;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -13,6 +13,7 @@ mod profiler;
 mod reward;
 mod rollout;
 mod sharding;
+mod tool;
 
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};
@@ -26,3 +27,4 @@ pub use profiler::{ProfileRange, Profiler};
 pub use reward::{BatchRewardFn, RewardFn, RewardInput, RewardScore};
 pub use rollout::{RolloutEngine, SleepLevel};
 pub use sharding::{ReshardReport, ShardingManager, WeightExporter, WeightSyncPlan};
+pub use tool::{Tool, ToolOutput};

@@ -1018,3 +1018,59 @@ async fn replaying_the_rollouts_routing_gives_training_the_rollouts_log_probs() 
         "control: the trainer's own routing moved the log-probs: {own:e}"
     );
 }
+
+/// The rollout engine as the agent loop's turn generator: a trajectory whose model calls no
+/// tool is one turn, token for token what the engine generates for the same request.
+#[test]
+fn the_agent_loop_runs_turns_on_the_engine() {
+    use verl_rollout::agent::{
+        run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, ChatTurns, ToolSet,
+    };
+    /// No text decodes to a tool call: every trajectory answers in one turn.
+    struct Plain;
+    impl ChatTurns for Plain {
+        fn decode(&self, tokens: &[u32]) -> String {
+            format!("{} tokens", tokens.len())
+        }
+        fn tool_turn(&self, _: &[String]) -> Vec<u32> {
+            Vec::new()
+        }
+    }
+    let mut cfg = greedy_config(4);
+    cfg.ignore_eos = true;
+    cfg.retain_prefixes = true;
+    let ps = prompts(3, 8);
+    let loop_cfg = AgentLoopConfig {
+        max_assistant_turns: 3,
+        max_turn_tokens: 6,
+        response_length: 10,
+        max_parallel_calls: 1,
+        max_tool_response_length: 64,
+        sampling: greedy(),
+    };
+    let trajectories = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| AgentRequest {
+            prompt: p.clone(),
+            id: i as u64,
+        })
+        .collect();
+    let mut e = engine("qwen2", cfg.clone());
+    let out = futures::executor::block_on(run_agent_loop(
+        &mut e,
+        &Plain,
+        &ToolSet::new(),
+        trajectories,
+        &loop_cfg,
+    ))
+    .unwrap();
+    let plain = engine("qwen2", cfg)
+        .generate(requests(&ps, greedy(), 6))
+        .unwrap();
+    for (t, c) in out.iter().zip(&plain) {
+        assert_eq!(t.response, c.tokens);
+        assert_eq!(t.response_mask, vec![1; 6]);
+        assert_eq!((t.assistant_turns, t.finish), (1, AgentFinish::Answered));
+    }
+}

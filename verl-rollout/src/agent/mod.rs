@@ -1,9 +1,14 @@
-//! The pieces of verl's agent loop (multi-turn rollouts with tool calls): parsing the tool
-//! calls a model writes ([`tool_call`]) and the example tools ([`calculator`]). Tools
+//! verl's agent loop (multi-turn rollouts with tool calls): the loop ([`agent_loop`]), parsing
+//! the tool calls a model writes ([`tool_call`]) and the example tools ([`calculator`]). Tools
 //! implement [`verl_core::traits::Tool`].
 
+pub mod agent_loop;
 pub mod calculator;
 pub mod tool_call;
 
+pub use agent_loop::{
+    run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, ChatTurns, ToolSet, Trajectory,
+    TurnGenerator,
+};
 pub use calculator::Calculator;
 pub use tool_call::{parse_hermes, render_hermes, ParsedTurn, ToolCall};

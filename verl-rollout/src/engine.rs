@@ -607,14 +607,6 @@ impl<B: ParallelBackend> NativeRollout<B> {
             if r.prompt.is_empty() {
                 return Err(RolloutError::EmptyPrompt { row: i });
             }
-            if r.prompt.len() > self.config.prompt_length {
-                return Err(RolloutError::PromptTooLong {
-                    row: i,
-                    len: r.prompt.len(),
-                    limit: self.config.prompt_length,
-                    field: "actor_rollout_ref.rollout.prompt_length",
-                });
-            }
             if r.max_new_tokens == 0 || r.max_new_tokens > self.config.response_length {
                 return Err(RolloutError::Config {
                     field: "actor_rollout_ref.rollout.response_length",
@@ -623,6 +615,17 @@ impl<B: ParallelBackend> NativeRollout<B> {
                         "request {i} asks for {} new tokens; 1..={} fit",
                         r.max_new_tokens, self.config.response_length
                     ),
+                });
+            }
+            // A prompt may be longer than prompt_length (an agent loop's later turns continue
+            // the conversation) as long as it and its response fit a slot.
+            let room = self.config.max_model_len() - r.max_new_tokens;
+            if r.prompt.len() > room {
+                return Err(RolloutError::PromptTooLong {
+                    row: i,
+                    len: r.prompt.len(),
+                    limit: room,
+                    field: "actor_rollout_ref.rollout.prompt_length",
                 });
             }
         }

@@ -8,7 +8,7 @@ use futures::executor::block_on;
 use proptest::prelude::*;
 use verl_rollout::agent::{
     render_hermes, run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator,
-    ChatTurns, ToolCall, ToolSet, TurnGenerator,
+    ChatTurns, ToolCall, ToolSet, TruncateSide, TurnGenerator,
 };
 use verl_rollout::{Completion, FinishReason, Request, RolloutError, SamplingParams};
 
@@ -79,10 +79,11 @@ impl TurnGenerator for Script {
 fn config(response_length: usize) -> AgentLoopConfig {
     AgentLoopConfig {
         max_assistant_turns: 4,
-        max_turn_tokens: 200,
+        max_turn_tokens: Some(200),
         response_length,
         max_parallel_calls: 2,
         max_tool_response_length: 16,
+        tool_response_truncate_side: TruncateSide::Middle,
         sampling: SamplingParams::default(),
     }
 }
@@ -134,7 +135,7 @@ fn a_tool_turn_sits_between_model_turns_masked_out() {
         .iter()
         .map(|&m| if m == 1 { -0.5 } else { 0.0 })
         .collect();
-    assert_eq!(a.log_probs, lp);
+    assert_eq!(a.log_probs, Some(lp));
     assert_eq!(
         (a.assistant_turns, a.tool_calls, a.finish),
         (2, 1, AgentFinish::Answered)
@@ -153,8 +154,9 @@ fn a_tool_turn_sits_between_model_turns_masked_out() {
     );
 }
 
-/// Unknown tools, bad arguments and malformed calls come back to the model as errors; calls
-/// past max_parallel_calls are dropped; long answers are cut.
+/// Unknown tools and bad arguments come back to the model as errors; malformed calls are
+/// skipped and counted; calls past max_parallel_calls are dropped; long answers are cut in the
+/// middle.
 #[test]
 fn tool_errors_are_answers_the_model_reads() {
     let calls = render_hermes(
@@ -179,7 +181,7 @@ fn tool_errors_are_answers_the_model_reads() {
         let mut script = Script::new(&[('A', &[&calls, "ok"])]);
         let cfg = AgentLoopConfig {
             max_tool_response_length: limit,
-            max_turn_tokens: 1000,
+            max_turn_tokens: None,
             ..config(2000)
         };
         let out = block_on(run_agent_loop(
@@ -201,21 +203,23 @@ fn tool_errors_are_answers_the_model_reads() {
         text.contains("[Error: tool calculator: bad arguments: "),
         "{text}"
     );
-    assert!(text.contains("not JSON"), "{text}");
+    // The malformed call is skipped, as verl skips it.
+    assert_eq!(t.malformed_calls, 1);
+    assert!(!text.contains("not JSON"), "{text}");
     // The third call was past max_parallel_calls = 2.
     assert_eq!(t.tool_calls, 2);
     assert!(!text.contains("[2]"), "{text}");
     // Answers cut at 16 characters.
     let text = Bytes.decode(&run(16).response);
     assert!(
-        text.contains("[Error: there is ... (cut at 16 characters)]"),
+        text.contains("[Error: t...(truncated)...lculator]"),
         "{text}"
     );
 }
 
-/// The budget bounds the whole response: a tool turn that fills it ends the trajectory, and
-/// each model turn is asked for at most what is left; a model that keeps calling stops at
-/// max_assistant_turns.
+/// The budget bounds the whole response: a tool turn that does not leave room for a reply
+/// ends the trajectory without being added (verl's way), and each model turn is asked for at
+/// most what is left; a model that keeps calling stops at max_assistant_turns.
 #[test]
 fn budgets_and_turn_limits_end_trajectories() {
     let c = call("1+1");
@@ -230,9 +234,24 @@ fn budgets_and_turn_limits_end_trajectories() {
         &config(limit),
     ))
     .unwrap();
+    // The tool turn "<[2]>" does not fit the 3 tokens left: the trajectory ends without it.
+    assert_eq!(out[0].response, tokens(&c));
+    assert_eq!(out[0].finish, AgentFinish::Length);
+    assert!(out[0].response_mask.iter().all(|&m| m == 1));
+    // A budget the tool turn fits: the next model turn is asked for what is left.
+    let mut script = Script::new(&[('A', &[&c, &c])]);
+    let limit = c.len() + 5 + 7;
+    let out = block_on(run_agent_loop(
+        &mut script,
+        &Bytes,
+        &tools,
+        vec![request("A", 1)],
+        &config(limit),
+    ))
+    .unwrap();
+    assert_eq!(script.seen[1].1, 7);
     assert_eq!(out[0].response.len(), limit);
     assert_eq!(out[0].finish, AgentFinish::Length);
-    assert_eq!(out[0].response_mask.iter().filter(|&&m| m == 0).count(), 3);
     let mut script = Script::new(&[('A', &[&c, &c, &c, &c, &c])]);
     let out = block_on(run_agent_loop(
         &mut script,

@@ -1042,10 +1042,11 @@ fn the_agent_loop_runs_turns_on_the_engine() {
     let ps = prompts(3, 8);
     let loop_cfg = AgentLoopConfig {
         max_assistant_turns: 3,
-        max_turn_tokens: 6,
+        max_turn_tokens: Some(6),
         response_length: 10,
         max_parallel_calls: 1,
         max_tool_response_length: 64,
+        tool_response_truncate_side: Default::default(),
         sampling: greedy(),
     };
     let trajectories = ps
@@ -1072,5 +1073,91 @@ fn the_agent_loop_runs_turns_on_the_engine() {
         assert_eq!(t.response, c.tokens);
         assert_eq!(t.response_mask, vec![1; 6]);
         assert_eq!((t.assistant_turns, t.finish), (1, AgentFinish::Answered));
+    }
+}
+
+/// A second turn on the engine: every trajectory's first turn "calls" the calculator, the
+/// tool turn is 3 fixed tokens, and the second turn, generated from a conversation longer than
+/// `prompt_length` and resumed from what the slot kept of the first turn, is what the engine
+/// generates for that conversation alone.
+#[test]
+fn the_agent_loop_continues_conversations_on_the_engine() {
+    use std::cell::Cell;
+    use verl_rollout::agent::{
+        render_hermes, run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator,
+        ChatTurns, ToolCall, ToolSet,
+    };
+    /// The first `calls` turns decode to a calculator call, the rest to plain text.
+    struct CallFirst {
+        calls: Cell<usize>,
+    }
+    impl ChatTurns for CallFirst {
+        fn decode(&self, _: &[u32]) -> String {
+            let left = self.calls.get();
+            if left == 0 {
+                return "the answer".into();
+            }
+            self.calls.set(left - 1);
+            let call = ToolCall {
+                name: "calculator".into(),
+                arguments: serde_json::json!({"expression": "2+2"}),
+            };
+            render_hermes("", &[call])
+        }
+        fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
+            assert_eq!(answers, ["4"]);
+            vec![5, 6, 7]
+        }
+    }
+    let mut cfg = greedy_config(4);
+    cfg.ignore_eos = true;
+    cfg.retain_prefixes = true;
+    let ps = prompts(3, 8);
+    assert!(ps.iter().any(|p| p.len() + 6 + 3 > cfg.prompt_length));
+    let loop_cfg = AgentLoopConfig {
+        max_assistant_turns: 3,
+        max_turn_tokens: Some(6),
+        response_length: 10,
+        max_parallel_calls: 1,
+        max_tool_response_length: 64,
+        tool_response_truncate_side: Default::default(),
+        sampling: greedy(),
+    };
+    let trajectories = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| AgentRequest {
+            prompt: p.clone(),
+            id: i as u64,
+        })
+        .collect();
+    let mut e = engine("qwen2", cfg.clone());
+    let chat = CallFirst {
+        calls: Cell::new(ps.len()),
+    };
+    let tools = ToolSet::new().with(Calculator);
+    let out = futures::executor::block_on(run_agent_loop(
+        &mut e,
+        &chat,
+        &tools,
+        trajectories,
+        &loop_cfg,
+    ))
+    .unwrap();
+    // The second turn resumed each conversation from what its slot kept of the first.
+    let kept: usize = ps.iter().map(|p| p.len() + 5).sum();
+    assert_eq!(e.last_stats().reused_prefix_tokens, kept);
+    let mut fresh = engine("qwen2", cfg);
+    for (p, t) in ps.iter().zip(&out) {
+        assert_eq!((t.assistant_turns, t.tool_calls), (2, 1));
+        assert_eq!(t.finish, AgentFinish::Length);
+        assert_eq!(t.response.len(), 10);
+        assert_eq!(&t.response[6..9], [5, 6, 7]);
+        assert_eq!(t.response_mask, [1, 1, 1, 1, 1, 1, 0, 0, 0, 1]);
+        let conversation = [&p[..], &t.response[..9]].concat();
+        let alone = fresh
+            .generate(requests(&[conversation], greedy(), 1))
+            .unwrap();
+        assert_eq!(t.response[9..], alone[0].tokens[..]);
     }
 }

@@ -72,18 +72,32 @@ impl ToolSet {
 /// The loop's limits and sampling (verl's `rollout.multi_turn.*`).
 #[derive(Debug, Clone)]
 pub struct AgentLoopConfig {
-    /// Most model turns per trajectory (`max_assistant_turns`).
+    /// Most model turns per trajectory (`max_assistant_turns`); 0 = no limit, as in verl.
     pub max_assistant_turns: usize,
-    /// Most tokens of one model turn.
-    pub max_turn_tokens: usize,
+    /// Most tokens of one model turn; `None` (verl's way) = what is left of the budget.
+    pub max_turn_tokens: Option<usize>,
     /// Most tokens of the whole response, model and tool turns together (`response_length`).
     pub response_length: usize,
     /// Most tool calls run from one model turn (`max_parallel_calls`); later ones are dropped.
     pub max_parallel_calls: usize,
-    /// Most characters of one tool answer shown to the model (`max_tool_response_length`); a
-    /// longer one keeps its start and says it was cut.
+    /// Most characters of one tool answer shown to the model (`max_tool_response_length`).
     pub max_tool_response_length: usize,
+    /// Which part of a longer answer is kept (`tool_response_truncate_side`).
+    pub tool_response_truncate_side: TruncateSide,
     pub sampling: SamplingParams,
+}
+
+/// Which part of a tool answer longer than `max_tool_response_length` the model sees, with
+/// verl's markers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TruncateSide {
+    /// The start, then `...(truncated)` (verl's `left`).
+    Left,
+    /// `(truncated)...`, then the end (verl's `right`).
+    Right,
+    /// Half of the limit from each end around `...(truncated)...` (verl's default).
+    #[default]
+    Middle,
 }
 
 /// One trajectory to run: its prompt (chat template applied) and an id that seeds its samplers.
@@ -112,48 +126,82 @@ pub struct Trajectory {
     pub response: Vec<u32>,
     /// 1 on the model's tokens, 0 on the tools' (kept out of the loss).
     pub response_mask: Vec<u8>,
-    /// Each response token's log-prob at sampling (0 on the tools' tokens; 0 throughout when
-    /// the engine does not compute them).
-    pub log_probs: Vec<f32>,
+    /// Each response token's log-prob at sampling (0 on the tools' tokens); `None` when the
+    /// generator did not give them for every model token.
+    pub log_probs: Option<Vec<f32>>,
     pub assistant_turns: usize,
     pub tool_calls: usize,
+    /// Calls the model wrote that could not be read (not JSON, no name, cut off): skipped, as
+    /// verl skips them.
+    pub malformed_calls: usize,
     /// The tools' rewards, added up.
     pub tool_reward: f64,
     pub finish: AgentFinish,
 }
 
 impl Trajectory {
-    fn push(&mut self, tokens: &[u32], model: bool, log_probs: Option<&[f32]>) {
+    fn push_model(&mut self, tokens: &[u32], log_probs: &[f32]) {
         self.response.extend_from_slice(tokens);
         self.response_mask
-            .extend(std::iter::repeat_n(model as u8, tokens.len()));
-        match log_probs.filter(|lp| lp.len() == tokens.len()) {
-            Some(lp) => self.log_probs.extend_from_slice(lp),
-            None => self
-                .log_probs
-                .extend(std::iter::repeat_n(0.0, tokens.len())),
+            .extend(std::iter::repeat_n(1, tokens.len()));
+        match self.log_probs.as_mut() {
+            Some(lp) if log_probs.len() == tokens.len() => lp.extend_from_slice(log_probs),
+            _ => self.log_probs = None,
+        }
+    }
+
+    fn push_tool(&mut self, tokens: &[u32]) {
+        self.response.extend_from_slice(tokens);
+        self.response_mask
+            .extend(std::iter::repeat_n(0, tokens.len()));
+        if let Some(lp) = self.log_probs.as_mut() {
+            lp.extend(std::iter::repeat_n(0.0, tokens.len()));
         }
     }
 }
 
-/// The seed of trajectory `id`'s sampler at model turn `turn`: a stream of its own per turn (a
-/// turn's draws restart at step 0).
-fn turn_seed(id: u64, turn: usize) -> u64 {
-    id ^ ((turn as u64) << 48)
+/// SplitMix64's finaliser: a bijection of u64 that spreads every input bit.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
-/// `answer` cut to `limit` characters, saying so.
-fn truncated(answer: String, limit: usize) -> String {
-    match answer.char_indices().nth(limit) {
-        None => answer,
-        Some((at, _)) => format!("{}... (cut at {limit} characters)", &answer[..at]),
+/// The seed of trajectory `id`'s sampler at model turn `turn`: a stream of its own per turn (a
+/// turn's draws restart at step 0), and the first turn's is the single-turn request's.
+fn turn_seed(id: u64, turn: usize) -> u64 {
+    match turn {
+        0 => id,
+        _ => mix(mix(id) ^ turn as u64),
+    }
+}
+
+/// `answer` cut to `limit` characters (code points, as verl counts them) on `side`.
+fn truncated(answer: String, limit: usize, side: TruncateSide) -> String {
+    let chars: Vec<char> = answer.chars().collect();
+    if chars.len() <= limit {
+        return answer;
+    }
+    let text = |c: &[char]| c.iter().collect::<String>();
+    match side {
+        TruncateSide::Left => format!("{}...(truncated)", text(&chars[..limit])),
+        TruncateSide::Right => format!("(truncated)...{}", text(&chars[chars.len() - limit..])),
+        TruncateSide::Middle => {
+            let half = limit / 2;
+            format!(
+                "{}...(truncated)...{}",
+                text(&chars[..half]),
+                text(&chars[chars.len() - half..])
+            )
+        }
     }
 }
 
 /// Runs every request's trajectory to its end; see the module doc.
 ///
 /// # Errors
-/// What the generator returns (a tool's failure is an answer the model reads, not an error).
+/// A turn limit of 0 tokens; what the generator returns (a tool's failure is an answer the
+/// model reads, not an error).
 pub async fn run_agent_loop(
     generator: &mut impl TurnGenerator,
     chat: &impl ChatTurns,
@@ -161,23 +209,37 @@ pub async fn run_agent_loop(
     requests: Vec<AgentRequest>,
     cfg: &AgentLoopConfig,
 ) -> Result<Vec<Trajectory>, RolloutError> {
+    if cfg.max_turn_tokens == Some(0) {
+        return Err(RolloutError::Config {
+            field: "max_turn_tokens",
+            value: "0".into(),
+            message: "a model turn needs at least one token; leave it unset for the budget's rest"
+                .into(),
+        });
+    }
     let mut trajectories: Vec<Trajectory> = requests
         .iter()
         .map(|r| Trajectory {
             prompt: r.prompt.clone(),
             response: Vec::new(),
             response_mask: Vec::new(),
-            log_probs: Vec::new(),
+            log_probs: Some(Vec::new()),
             assistant_turns: 0,
             tool_calls: 0,
+            malformed_calls: 0,
             tool_reward: 0.0,
-            finish: AgentFinish::MaxTurns,
+            finish: AgentFinish::Length,
         })
         .collect();
+    // An empty budget leaves every trajectory at Length.
     let mut open: Vec<usize> = (0..requests.len())
         .filter(|_| cfg.response_length > 0)
         .collect();
-    for turn in 0..cfg.max_assistant_turns {
+    let turns = match cfg.max_assistant_turns {
+        0 => usize::MAX,
+        n => n,
+    };
+    for turn in 0..turns {
         if open.is_empty() {
             break;
         }
@@ -190,6 +252,7 @@ pub async fn run_agent_loop(
                     sampler: Sampler::new(cfg.sampling, turn_seed(requests[i].id, turn))?,
                     max_new_tokens: cfg
                         .max_turn_tokens
+                        .unwrap_or(usize::MAX)
                         .min(cfg.response_length - t.response.len()),
                 })
             })
@@ -199,17 +262,24 @@ pub async fn run_agent_loop(
         for (&i, done) in open.iter().zip(completions) {
             let t = &mut trajectories[i];
             t.assistant_turns += 1;
-            t.push(&done.tokens, true, Some(&done.log_probs));
+            // Never past the budget, whatever the generator returned.
+            let room = cfg.response_length - t.response.len();
+            let n = done.tokens.len().min(room);
+            let lp = done.log_probs.get(..n).unwrap_or(&[]);
+            t.push_model(&done.tokens[..n], lp);
             if t.response.len() >= cfg.response_length {
                 t.finish = AgentFinish::Length;
                 continue;
             }
+            // Malformed calls are skipped (verl's way); a turn without a readable call ends
+            // the trajectory.
             let parsed = parse_hermes(&chat.decode(&done.tokens));
-            if parsed.calls.is_empty() && parsed.errors.is_empty() {
+            t.malformed_calls += parsed.errors.len();
+            if parsed.calls.is_empty() || cfg.max_parallel_calls == 0 {
                 t.finish = AgentFinish::Answered;
                 continue;
             }
-            if turn + 1 == cfg.max_assistant_turns {
+            if turn + 1 == turns {
                 t.finish = AgentFinish::MaxTurns;
                 continue;
             }
@@ -230,20 +300,61 @@ pub async fn run_agent_loop(
                         Err(e) => format!("Error: {e}"),
                     },
                 };
-                answers.push(truncated(answer, cfg.max_tool_response_length));
+                answers.push(truncated(
+                    answer,
+                    cfg.max_tool_response_length,
+                    cfg.tool_response_truncate_side,
+                ));
             }
-            answers.extend(parsed.errors.iter().map(|e| format!("Error: {e}")));
             let tool_tokens = chat.tool_turn(&answers);
-            let room = cfg.response_length - t.response.len();
-            t.push(&tool_tokens[..tool_tokens.len().min(room)], false, None);
-            if tool_tokens.len() >= room {
-                // No room left for the model to read the answer and reply.
+            if tool_tokens.len() >= cfg.response_length - t.response.len() {
+                // No room for the answer and a reply: the trajectory ends without the tool
+                // turn (verl's way), so the response holds no half answer.
                 t.finish = AgentFinish::Length;
                 continue;
             }
+            t.push_tool(&tool_tokens);
             still_open.push(i);
         }
         open = still_open;
     }
     Ok(trajectories)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_answers_are_cut_on_verls_side_with_its_markers() {
+        let answer = "αβγδεζηθικ".to_string(); // 10 characters, 20 bytes
+        assert_eq!(truncated(answer.clone(), 10, TruncateSide::Middle), answer);
+        assert_eq!(
+            truncated(answer.clone(), 4, TruncateSide::Left),
+            "αβγδ...(truncated)"
+        );
+        assert_eq!(
+            truncated(answer.clone(), 4, TruncateSide::Right),
+            "(truncated)...ηθικ"
+        );
+        assert_eq!(
+            truncated(answer, 4, TruncateSide::Middle),
+            "αβ...(truncated)...ικ"
+        );
+    }
+
+    #[test]
+    fn every_trajectory_and_turn_has_its_own_sampler_stream() {
+        // Ids as the rollout numbers them ((call << 32) | sample), over calls and turns.
+        let mut seen = std::collections::HashSet::new();
+        for call in [0u64, 1, 65_536, 65_537] {
+            for sample in 0..64u64 {
+                for turn in 0..8 {
+                    assert!(seen.insert(turn_seed((call << 32) | sample, turn)));
+                }
+            }
+        }
+        // The first turn draws what a single-turn request with the same id draws.
+        assert_eq!(turn_seed(42, 0), 42);
+    }
 }

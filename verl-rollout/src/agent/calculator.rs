@@ -7,8 +7,9 @@ use serde_json::{json, Value};
 use verl_core::error::ToolError;
 use verl_core::traits::{Tool, ToolOutput};
 
-/// Evaluates `{"expression": "..."}`. Anything but arithmetic (variables, assignments, strings,
-/// functions) is refused.
+/// Evaluates `{"expression": "..."}` of at most 256 characters. Anything but arithmetic
+/// (variables, assignments, strings, functions) is refused. Integers stay integers (`/` and `%`
+/// truncate toward zero, as in Rust); a decimal point makes a float; `^` is a float power.
 ///
 /// ```
 /// use serde_json::json;
@@ -22,6 +23,8 @@ use verl_core::traits::{Tool, ToolOutput};
 pub struct Calculator;
 
 const NAME: &str = "calculator";
+/// Longest expression evaluated.
+const MAX_LEN: usize = 256;
 
 impl Calculator {
     fn refuse(message: impl Into<String>) -> ToolError {
@@ -62,6 +65,13 @@ impl Tool for Calculator {
             .ok_or_else(|| {
                 Self::refuse("give the expression as a string: {\"expression\": \"1 + 2\"}")
             })?;
+        // Bounded: the evaluator parses and drops its tree recursively.
+        if expression.len() > MAX_LEN {
+            return Err(Self::refuse(format!(
+                "the expression has {} characters; at most {MAX_LEN}",
+                expression.len()
+            )));
+        }
         // Arithmetic only: no identifiers (variables, functions), assignments or strings.
         if let Some(c) = expression
             .chars()

@@ -8,7 +8,7 @@ pub mod tool_call;
 
 pub use agent_loop::{
     run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, ChatTurns, ToolSet, Trajectory,
-    TurnGenerator,
+    TruncateSide, TurnGenerator,
 };
 pub use calculator::Calculator;
 pub use tool_call::{parse_hermes, render_hermes, ParsedTurn, ToolCall};

@@ -20,6 +20,7 @@ use verl_megatron::models::{CausalLm, SlotKvCache};
 use verl_megatron::parallel::{device_span, Collective, ParallelBackend, TpGroup};
 use verl_megatron::sampling::{sample_rows, sample_vocab_parallel, RowSampling};
 
+use crate::agent::Agent;
 use crate::prefix_cache::SlotPrefixes;
 use crate::routing::SlotRouting;
 
@@ -233,6 +234,8 @@ pub struct NativeRollout<B: ParallelBackend> {
     /// MoE model), kept beside `prefixes`. Behind a lock because the steps that write it
     /// borrow the engine as they run the model.
     routing: Mutex<Option<SlotRouting>>,
+    /// The agent loop `generate_sequences` runs ([`Self::with_agent`]), if any.
+    pub(crate) agent: Option<Agent>,
 }
 
 impl<B: ParallelBackend> NativeRollout<B> {
@@ -308,7 +311,28 @@ impl<B: ParallelBackend> NativeRollout<B> {
             last_stats: GenerationStats::default(),
             detokenizer: None,
             routing: Mutex::new(None),
+            agent: None,
         })
+    }
+
+    /// The engine running `agent` for every sample of `generate_sequences` (multi-turn
+    /// rollouts with tools; see [`crate::agent`]). Refused with `record_routing`: the loop's
+    /// conversations do not carry routing yet.
+    pub fn with_agent(mut self, agent: Agent) -> Result<Self, RolloutError> {
+        if self.config.record_routing {
+            return Err(RolloutError::Config {
+                field: "actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                value: "true".into(),
+                message: "an agent loop's rollout does not record routing yet: set it false".into(),
+            });
+        }
+        self.agent = Some(agent);
+        Ok(self)
+    }
+
+    /// Whether an agent loop is set.
+    pub fn has_agent(&self) -> bool {
+        self.agent.is_some()
     }
 
     /// The engine with a detokenizer (the model's tokenizer), which stop strings

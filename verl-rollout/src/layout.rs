@@ -68,8 +68,8 @@ pub fn read_prompts<B: Backend>(
 
 /// Builds the output batch for `prompts` (one per input row, as read) and their completions
 /// (`n` per prompt, consecutive). The prompt width is the input's, or `prompt_limit` when
-/// prompts were truncated to it. `routing` `(layers, k)` writes the completions' routed
-/// experts.
+/// prompts were truncated to it. `masks` (an agent loop's) give each row's response mask;
+/// `routing` `(layers, k)` writes the completions' routed experts.
 #[allow(clippy::too_many_arguments)]
 pub fn build_output<B: Backend>(
     input: &DataProto<B>,
@@ -77,6 +77,7 @@ pub fn build_output<B: Backend>(
     width: usize,
     prompt_limit: usize,
     completions: &[Completion],
+    masks: Option<&[Vec<u8>]>,
     n: usize,
     response_length: usize,
     pad_token_id: u32,
@@ -127,7 +128,11 @@ pub fn build_output<B: Backend>(
         for j in 0..total {
             positions.push(if j < left { 0 } else { (j - left) as i64 });
         }
-        response_mask.extend((0..r).map(|j| (j < gen) as i64));
+        // An agent loop's mask is 0 on the tools' tokens; otherwise every generated token is 1.
+        response_mask.extend((0..r).map(|j| match masks {
+            Some(m) if j < gen => m[i].get(j).copied().unwrap_or(0) as i64,
+            _ => (j < gen) as i64,
+        }));
         if with_log_probs {
             log_probs.extend((0..r).map(|j| if j < gen { c.log_probs[j] } else { 0.0 }));
         }

@@ -10,7 +10,8 @@ use verl_core::{DataProto, NamedTensor, Result, WeightStream};
 use verl_megatron::models::CausalLm;
 use verl_megatron::parallel::ParallelBackend;
 
-use crate::engine::{NativeRollout, Request};
+use crate::agent::{run_agent_loop, AgentFinish, AgentRequest, Trajectory};
+use crate::engine::{Completion, FinishReason, NativeRollout, Request};
 use crate::error::RolloutError;
 use crate::layout::{build_output, read_prompts};
 use crate::sampling::Sampler;
@@ -27,6 +28,20 @@ pub const PROMPT_INDEX_KEY: &str = "prompt_index";
 /// A non-tensor column [`PROMPT_INDEX_KEY`] (integers) gives each prompt's index in the whole
 /// batch; samples are seeded by it (else by the row's place in this call), so splitting a batch
 /// over data-parallel ranks leaves every sample unchanged.
+/// One generation call's prompts and requests, before generating.
+struct PreparedCall {
+    rows: Vec<Vec<u32>>,
+    width: usize,
+    n: usize,
+    sampling: crate::SamplingParams,
+    max_new_tokens: usize,
+    /// The call's number in the requests' seeds.
+    call: u64,
+    requests: Vec<Request>,
+    /// Each request's id (its sampler's seed).
+    ids: Vec<u64>,
+}
+
 struct CallSettings {
     sampling: crate::SamplingParams,
     n: usize,
@@ -64,6 +79,88 @@ impl<B: ParallelBackend> NativeRollout<B> {
 
     /// Generates for a batch in verl's layout (see [`crate::layout`]).
     pub fn generate_proto(&mut self, prompts: &DataProto<B>) -> Result<DataProto<B>, RolloutError> {
+        let call = self.prepare_call(prompts)?;
+        let completions = self.generate(call.requests.clone())?;
+        self.finish_call(prompts, &call, &completions, None)
+    }
+
+    /// Runs the agent loop set by [`Self::with_agent`] for every sample of the batch (each
+    /// trajectory's first turn seeded as the single-turn request would be) and writes verl's
+    /// layout, `response_mask` 0 on the tools' tokens.
+    pub async fn generate_agent_proto(
+        &mut self,
+        prompts: &DataProto<B>,
+    ) -> Result<DataProto<B>, RolloutError> {
+        let call = self.prepare_call(prompts)?;
+        let agent = self.agent.take().ok_or(RolloutError::Config {
+            field: "agent",
+            value: "none".into(),
+            message: "no agent loop is set: build the engine with_agent".into(),
+        })?;
+        let mut cfg = agent.config.clone();
+        cfg.response_length = call.max_new_tokens;
+        let requests = call
+            .requests
+            .iter()
+            .zip(&call.ids)
+            .map(|(r, &id)| AgentRequest {
+                prompt: r.prompt.clone(),
+                id,
+            })
+            .collect();
+        cfg.sampling = call.sampling;
+        let run = run_agent_loop(self, &*agent.chat, &agent.tools, requests, &cfg).await;
+        self.agent = Some(agent);
+        let trajectories = run?;
+        let completions: Vec<Completion> = trajectories
+            .iter()
+            .map(|t| Completion {
+                tokens: t.response.clone(),
+                log_probs: t
+                    .log_probs
+                    .clone()
+                    .unwrap_or_else(|| vec![0.0; t.response.len()]),
+                finish: match t.finish {
+                    AgentFinish::Length => FinishReason::Length,
+                    _ => FinishReason::Stop,
+                },
+                routed_experts: Vec::new(),
+            })
+            .collect();
+        let masks: Vec<Vec<u8>> = trajectories
+            .iter()
+            .map(|t| t.response_mask.clone())
+            .collect();
+        let mut out = self.finish_call(prompts, &call, &completions, Some(&masks))?;
+        let mean = |f: &dyn Fn(&Trajectory) -> usize| {
+            trajectories.iter().map(f).sum::<usize>() as f64 / trajectories.len().max(1) as f64
+        };
+        if let Some(metrics) = out
+            .meta_info
+            .get_mut("metrics")
+            .and_then(serde_json::Value::as_object_mut)
+        {
+            metrics.insert(
+                "rollout/agent_turns_mean".into(),
+                serde_json::json!([mean(&|t| t.assistant_turns)]),
+            );
+            metrics.insert(
+                "rollout/tool_calls_mean".into(),
+                serde_json::json!([mean(&|t| t.tool_calls)]),
+            );
+            metrics.insert(
+                "rollout/malformed_tool_calls".into(),
+                serde_json::json!([trajectories
+                    .iter()
+                    .map(|t| t.malformed_calls)
+                    .sum::<usize>()]),
+            );
+        }
+        Ok(out)
+    }
+
+    /// A call's prompts, settings and requests (each prompt's `n` samples, consecutive).
+    fn prepare_call(&self, prompts: &DataProto<B>) -> Result<PreparedCall, RolloutError> {
         let settings = self.call_settings(prompts);
         if settings.n == 0 {
             return Err(RolloutError::Config {
@@ -104,6 +201,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
         // data-parallel rank samples what one rank would for the same prompt.
         let indices = prompts.non_tensor(PROMPT_INDEX_KEY).ok();
         let mut requests = Vec::with_capacity(rows.len() * settings.n);
+        let mut ids = Vec::with_capacity(rows.len() * settings.n);
         for (i, p) in rows.iter().enumerate() {
             let index = indices
                 .and_then(|v| v.get(i))
@@ -111,6 +209,7 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 .unwrap_or(i as u64);
             for k in 0..settings.n {
                 let id = (call << 32) | (index * settings.n as u64 + k as u64);
+                ids.push(id);
                 requests.push(Request {
                     prompt: p.clone(),
                     sampler: Sampler::new(settings.sampling, id)?,
@@ -118,19 +217,40 @@ impl<B: ParallelBackend> NativeRollout<B> {
                 });
             }
         }
-        let completions = self.generate(requests)?;
+        Ok(PreparedCall {
+            rows,
+            width,
+            n: settings.n,
+            sampling: settings.sampling,
+            max_new_tokens,
+            call,
+            requests,
+            ids,
+        })
+    }
+
+    /// The output batch of a prepared call from its completions (`masks`: each row's response
+    /// mask, where the agent loop set one), with the rollout's metrics.
+    fn finish_call(
+        &self,
+        prompts: &DataProto<B>,
+        call: &PreparedCall,
+        completions: &[Completion],
+        masks: Option<&[Vec<u8>]>,
+    ) -> Result<DataProto<B>, RolloutError> {
         let mut out = build_output(
             prompts,
-            &rows,
-            width,
+            &call.rows,
+            call.width,
             self.config.prompt_length,
-            &completions,
-            settings.n,
+            completions,
+            masks,
+            call.n,
             self.config.response_length,
             self.config.pad_token_id,
             self.config.calculate_log_probs,
-            self.routing_shape(),
-            &format!("{}-{call}", self.config.sampling.seed),
+            self.routing_shape().filter(|_| masks.is_none()),
+            &format!("{}-{}", self.config.sampling.seed, call.call),
             &self.device,
         )?;
         let s = self.last_stats();
@@ -192,7 +312,10 @@ impl<B: ParallelBackend> NativeRollout<B> {
 #[async_trait(?Send)]
 impl<B: ParallelBackend> RolloutEngine<B> for NativeRollout<B> {
     async fn generate_sequences(&mut self, prompts: DataProto<B>) -> Result<DataProto<B>> {
-        Ok(self.generate_proto(&prompts)?)
+        match self.has_agent() {
+            true => Ok(self.generate_agent_proto(&prompts).await?),
+            false => Ok(self.generate_proto(&prompts)?),
+        }
     }
 
     async fn update_weights(&mut self, weights: WeightStream<'_, B>) -> Result<()> {

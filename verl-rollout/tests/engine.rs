@@ -1076,39 +1076,39 @@ fn the_agent_loop_runs_turns_on_the_engine() {
     }
 }
 
+/// The first `calls` turns decode to a calculator call, the rest to plain text.
+struct CallFirst {
+    calls: std::cell::Cell<usize>,
+}
+
+impl verl_rollout::agent::ChatTurns for CallFirst {
+    fn decode(&self, _: &[u32]) -> String {
+        let left = self.calls.get();
+        if left == 0 {
+            return "the answer".into();
+        }
+        self.calls.set(left - 1);
+        let call = verl_rollout::agent::ToolCall {
+            name: "calculator".into(),
+            arguments: serde_json::json!({"expression": "2+2"}),
+        };
+        verl_rollout::agent::render_hermes("", &[call])
+    }
+    fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
+        assert_eq!(answers, ["4"]);
+        vec![5, 6, 7]
+    }
+}
+
 /// A second turn on the engine: every trajectory's first turn "calls" the calculator, the
 /// tool turn is 3 fixed tokens, and the second turn, generated from a conversation longer than
 /// `prompt_length` and resumed from what the slot kept of the first turn, is what the engine
 /// generates for that conversation alone.
 #[test]
 fn the_agent_loop_continues_conversations_on_the_engine() {
-    use std::cell::Cell;
     use verl_rollout::agent::{
-        render_hermes, run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator,
-        ChatTurns, ToolCall, ToolSet,
+        run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator, ToolSet,
     };
-    /// The first `calls` turns decode to a calculator call, the rest to plain text.
-    struct CallFirst {
-        calls: Cell<usize>,
-    }
-    impl ChatTurns for CallFirst {
-        fn decode(&self, _: &[u32]) -> String {
-            let left = self.calls.get();
-            if left == 0 {
-                return "the answer".into();
-            }
-            self.calls.set(left - 1);
-            let call = ToolCall {
-                name: "calculator".into(),
-                arguments: serde_json::json!({"expression": "2+2"}),
-            };
-            render_hermes("", &[call])
-        }
-        fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
-            assert_eq!(answers, ["4"]);
-            vec![5, 6, 7]
-        }
-    }
     let mut cfg = greedy_config(4);
     cfg.ignore_eos = true;
     cfg.retain_prefixes = true;
@@ -1133,7 +1133,7 @@ fn the_agent_loop_continues_conversations_on_the_engine() {
         .collect();
     let mut e = engine("qwen2", cfg.clone());
     let chat = CallFirst {
-        calls: Cell::new(ps.len()),
+        calls: std::cell::Cell::new(ps.len()),
     };
     let tools = ToolSet::new().with(Calculator);
     let out = futures::executor::block_on(run_agent_loop(
@@ -1160,4 +1160,79 @@ fn the_agent_loop_continues_conversations_on_the_engine() {
             .unwrap();
         assert_eq!(t.response[9..], alone[0].tokens[..]);
     }
+}
+
+/// `generate_sequences` with an agent loop set: every sample calls the calculator once, the
+/// tool turn's tokens sit in the response with `response_mask` 0 and log-prob 0, and the
+/// rollout reports its turns and calls.
+#[tokio::test(flavor = "current_thread")]
+async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
+    use verl_rollout::agent::{Agent, AgentLoopConfig, Calculator, ToolSet};
+    let mut cfg = greedy_config(8);
+    cfg.n = 2;
+    cfg.ignore_eos = true;
+    cfg.retain_prefixes = true;
+    cfg.calculate_log_probs = true;
+    let agent = Agent {
+        chat: Box::new(CallFirst {
+            calls: std::cell::Cell::new(6),
+        }),
+        tools: ToolSet::new().with(Calculator),
+        config: AgentLoopConfig {
+            max_assistant_turns: 3,
+            max_turn_tokens: Some(6),
+            // Each call's response length and sampling replace these.
+            response_length: 0,
+            max_parallel_calls: 1,
+            max_tool_response_length: 64,
+            tool_response_truncate_side: Default::default(),
+            sampling: greedy(),
+        },
+    };
+    let mut e = engine("qwen2", cfg).with_agent(agent).unwrap();
+    let out = e
+        .generate_sequences(prompt_batch(&prompts(3, 4), 20))
+        .await
+        .unwrap();
+    let (mask, responses) = (host(&out, "response_mask"), host(&out, "responses"));
+    let log_probs: Vec<f32> = out
+        .to_data("rollout_log_probs")
+        .unwrap()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    assert_eq!(out.len(), 6);
+    for row in 0..6 {
+        let at = row * 10;
+        assert_eq!(mask[at..at + 10], [1, 1, 1, 1, 1, 1, 0, 0, 0, 1]);
+        assert_eq!(responses[at + 6..at + 9], [5, 6, 7]);
+        assert_eq!(log_probs[at + 6..at + 9], [0.0; 3]);
+        assert!(log_probs[at..at + 6].iter().all(|&lp| lp < 0.0));
+    }
+    let metrics = &out.meta_info["metrics"];
+    assert_eq!(metrics["rollout/agent_turns_mean"][0], 2.0);
+    assert_eq!(metrics["rollout/tool_calls_mean"][0], 1.0);
+    // Router replay's recording is refused with an agent loop.
+    let mut cfg = greedy_config(2);
+    cfg.record_routing = true;
+    let refused = engine("qwen2_moe", cfg).with_agent(Agent {
+        chat: Box::new(CallFirst {
+            calls: std::cell::Cell::new(0),
+        }),
+        tools: ToolSet::new(),
+        config: AgentLoopConfig {
+            max_assistant_turns: 1,
+            max_turn_tokens: None,
+            response_length: 0,
+            max_parallel_calls: 1,
+            max_tool_response_length: 64,
+            tool_response_truncate_side: Default::default(),
+            sampling: greedy(),
+        },
+    });
+    assert!(refused
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("enable_rollout_routing_replay"));
 }

@@ -69,6 +69,15 @@ impl ToolSet {
     }
 }
 
+/// What an engine runs as its agent loop ([`NativeRollout::with_agent`]): the chat template's
+/// turns, the tools, and the loop's limits (each call's response budget and sampling replace
+/// the config's).
+pub struct Agent {
+    pub chat: Box<dyn ChatTurns>,
+    pub tools: ToolSet,
+    pub config: AgentLoopConfig,
+}
+
 /// The loop's limits and sampling (verl's `rollout.multi_turn.*`).
 #[derive(Debug, Clone)]
 pub struct AgentLoopConfig {
@@ -204,7 +213,7 @@ fn truncated(answer: String, limit: usize, side: TruncateSide) -> String {
 /// model reads, not an error).
 pub async fn run_agent_loop(
     generator: &mut impl TurnGenerator,
-    chat: &impl ChatTurns,
+    chat: &(impl ChatTurns + ?Sized),
     tools: &ToolSet,
     requests: Vec<AgentRequest>,
     cfg: &AgentLoopConfig,

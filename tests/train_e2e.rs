@@ -1128,3 +1128,75 @@ fn dapo_log_reports_the_shaping_as_validation_extras() {
         assert!(!before.contains_key(&format!("val-core/{source}/reward/mean@1")));
     }
 }
+
+/// The builder's agent loop on the built-in task: each rank's engine runs it, a turn whose
+/// first token is even "calls" the calculator, the tool's answer comes back as the task's
+/// tokens (masked out of the loss), and the run trains through to its end with the rollout's
+/// turn and call counts logged.
+#[test]
+fn the_builders_agent_loop_trains_with_tool_turns() {
+    use verl::rollout::agent::{
+        render_hermes, Agent, AgentLoopConfig, Calculator, ChatTurns, ToolCall, ToolSet,
+    };
+    use verl::tasks::CharTokenizer;
+    struct EvenCalls(CharTokenizer);
+    impl ChatTurns for EvenCalls {
+        fn decode(&self, tokens: &[u32]) -> String {
+            match tokens.first() {
+                Some(t) if t % 2 == 0 => render_hermes(
+                    "",
+                    &[ToolCall {
+                        name: "calculator".into(),
+                        arguments: serde_json::json!({"expression": "2+2"}),
+                    }],
+                ),
+                _ => self.0.decode(tokens),
+            }
+        }
+        fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
+            self.0
+                .encode(&format!(" {} ", answers.join(" ")))
+                .expect("digits")
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::tiny_config(
+        dir.path(),
+        &["trainer.sft_warmup_steps=0", "data.max_response_length=12"],
+    );
+    let mut trainer = verl::trainer::PpoTrainer::builder(cfg)
+        .agent(|| Agent {
+            chat: Box::new(EvenCalls(CharTokenizer::arithmetic())),
+            tools: ToolSet::new().with(Calculator),
+            config: AgentLoopConfig {
+                max_assistant_turns: 3,
+                // Short turns leave room for tool turns in 12-token responses.
+                max_turn_tokens: Some(2),
+                response_length: 0,
+                max_parallel_calls: 1,
+                max_tool_response_length: 16,
+                tool_response_truncate_side: Default::default(),
+                sampling: Default::default(),
+            },
+        })
+        .build()
+        .unwrap();
+    let summary = common::fit_trainer(&mut trainer);
+    assert_eq!(summary.steps, 2);
+    let lines = common::step_lines(&summary.metrics_path);
+    let turns: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("rollout/agent_turns_mean").copied())
+        .collect();
+    assert_eq!(turns.len(), 2, "{lines:?}");
+    // About half the first turns start with an even token and call the tool.
+    assert!(turns.iter().all(|&t| t > 1.0 && t <= 3.0), "{turns:?}");
+    let calls: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l.get("rollout/tool_calls_mean").copied())
+        .collect();
+    assert!(
+        calls.len() == 2 && calls.iter().all(|&c| c > 0.0),
+        "{calls:?}"
+    );
+}

@@ -132,6 +132,17 @@ impl PpoTrainerBuilder {
         self
     }
 
+    /// Multi-turn rollouts with tools: every rank's native engine runs the agent loop `make`
+    /// builds (its chat template's turns, its tools, its limits; see
+    /// [`verl_rollout::agent`]), and tool tokens are masked out of the loss. Thread ranks only.
+    pub fn agent(
+        mut self,
+        make: impl Fn() -> verl_rollout::agent::Agent + Send + Sync + 'static,
+    ) -> Self {
+        self.parts.roles.agent = Some(Arc::new(make));
+        self
+    }
+
     /// Trains on `rows` instead of `data.train_files` (or the built-in task). Rows made with
     /// [`PromptRow::new`] are tokenised with the run's tokenizer.
     pub fn data(mut self, rows: impl IntoIterator<Item = PromptRow>) -> Self {
@@ -187,7 +198,8 @@ impl PpoTrainerBuilder {
             )
         {
             return Err(setup(
-                "the builder's rollout engine / policy loss live in the ranks' workers, which \
+                "the builder's rollout engine / agent loop / policy loss live in the ranks' \
+                 workers, which \
                  trainer.launcher=processes rebuilds from the config in each rank process: set \
                  trainer.launcher=threads",
             ));

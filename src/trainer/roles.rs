@@ -42,11 +42,15 @@ pub(super) type RolloutWrap = std::sync::Arc<
         + Sync,
 >;
 
+/// Builds each rank's agent loop (the builder's `agent`).
+pub(super) type AgentFactory = std::sync::Arc<dyn Fn() -> verl_rollout::agent::Agent + Send + Sync>;
+
 /// What an embedding program put into the ranks' workers through the trainer's builder
 /// (threads only: a rank process rebuilds its worker from the config).
 #[derive(Clone, Default)]
 pub(crate) struct RoleOverrides {
     pub rollout: Option<RolloutWrap>,
+    pub agent: Option<AgentFactory>,
     pub policy_losses: Vec<(
         String,
         verl_core::algorithms::policy_loss::PolicyLossFn<Train>,
@@ -55,7 +59,7 @@ pub(crate) struct RoleOverrides {
 
 impl RoleOverrides {
     pub(crate) fn is_empty(&self) -> bool {
-        self.rollout.is_none() && self.policy_losses.is_empty()
+        self.rollout.is_none() && self.agent.is_none() && self.policy_losses.is_empty()
     }
 }
 
@@ -717,9 +721,13 @@ impl ActorPlan {
             && stage.stages == 1
             && !model_groups.ep.is_parallel()
             && model_groups.expert_tp().size == tp.size;
-        let rollout = NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
-            .map_err(verl_core::Error::from)?
-            .with_detokenizer(self.detokenizer.clone());
+        let mut rollout =
+            NativeRollout::new(mcfg.clone(), rollout_model, self.engine.clone(), device)
+                .map_err(verl_core::Error::from)?
+                .with_detokenizer(self.detokenizer.clone());
+        if let Some(make) = &self.overrides.agent {
+            rollout = rollout.with_agent(make()).map_err(verl_core::Error::from)?;
+        }
         Ok((Box::new(rollout), weight_sync))
     }
 

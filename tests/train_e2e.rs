@@ -1129,10 +1129,11 @@ fn dapo_log_reports_the_shaping_as_validation_extras() {
     }
 }
 
-/// The builder's agent loop on the built-in task: each rank's engine runs it, a turn whose
-/// first token is even "calls" the calculator, the tool's answer comes back as the task's
-/// tokens (masked out of the loss), and the run trains through to its end with the rollout's
-/// turn and call counts logged.
+/// The builder's agent loop on the built-in task, with verl's `multi_turn` limits: each rank's
+/// engine runs it, a turn whose first token is even "calls" the calculator, the tool's answer
+/// comes back as the task's tokens (masked out of the loss), no trajectory takes more than
+/// `max_assistant_turns` turns, and the run trains to its end with turns and calls logged.
+/// `multi_turn.enable` without an agent loop, or with a format other than hermes, is refused.
 #[test]
 fn the_builders_agent_loop_trains_with_tool_turns() {
     use verl::rollout::agent::{
@@ -1162,7 +1163,13 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = common::tiny_config(
         dir.path(),
-        &["trainer.sft_warmup_steps=0", "data.max_response_length=12"],
+        &[
+            "trainer.sft_warmup_steps=0",
+            "data.max_response_length=12",
+            // verl's limits replace the agent's own 3 turns.
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        ],
     );
     let mut trainer = verl::trainer::PpoTrainer::builder(cfg)
         .agent(|| Agent {
@@ -1190,7 +1197,7 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
         .collect();
     assert_eq!(turns.len(), 2, "{lines:?}");
     // About half the first turns start with an even token and call the tool.
-    assert!(turns.iter().all(|&t| t > 1.0 && t <= 3.0), "{turns:?}");
+    assert!(turns.iter().all(|&t| t > 1.0 && t <= 2.0), "{turns:?}");
     let calls: Vec<f64> = lines
         .iter()
         .filter_map(|l| l.get("rollout/tool_calls_mean").copied())
@@ -1199,4 +1206,15 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
         calls.len() == 2 && calls.iter().all(|&c| c > 0.0),
         "{calls:?}"
     );
+    // Without an agent loop, or with what is not built, multi_turn is refused by key.
+    let text = refusal(&["actor_rollout_ref.rollout.multi_turn.enable=true"]);
+    assert!(
+        text.contains("multi_turn.enable") && text.contains("PpoTrainerBuilder::agent"),
+        "{text}"
+    );
+    let text = refusal(&[
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
+    ]);
+    assert!(text.contains("multi_turn.format"), "{text}");
 }

@@ -114,6 +114,7 @@ impl PpoTrainer {
             total_steps,
         )?;
         plans.actor.overrides = parts.roles;
+        agent_limits(&cfg, &mut plans.actor.overrides)?;
         let (actor, critic, processes) =
             launch_roles(&cfg, validated.world_size, &plans, total_steps)?;
         let mut advantages = AdvantageRegistry::new();
@@ -570,6 +571,33 @@ pub(super) fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
     cfg.trainer
         .total_training_steps
         .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch)
+}
+
+/// `rollout.multi_turn`: with `enable`, the builder's agent loop takes verl's limits (checked
+/// here, before any worker starts); without an agent loop there are no tool turns to run.
+fn agent_limits(
+    cfg: &VerlConfig,
+    overrides: &mut super::roles::RoleOverrides,
+) -> Result<(), TrainError> {
+    let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+    if !mt.enable {
+        return Ok(());
+    }
+    let limits = verl_rollout::agent::AgentLimits::from_verl(mt).map_err(setup)?;
+    let Some(make) = overrides.agent.clone() else {
+        return Err(setup(
+            "actor_rollout_ref.rollout.multi_turn.enable=true needs an agent loop (the chat \
+             template's tool turns and the tools), which an embedding program gives with \
+             PpoTrainerBuilder::agent; verl's tool_config_path and chat templates are not read \
+             yet: set multi_turn.enable=false",
+        ));
+    };
+    overrides.agent = Some(std::sync::Arc::new(move || {
+        let mut agent = make();
+        agent.config = agent.config.with_limits(&limits);
+        agent
+    }));
+    Ok(())
 }
 
 #[cfg(test)]

@@ -262,6 +262,57 @@ impl Default for ValKwargs {
     }
 }
 
+/// `actor_rollout_ref.rollout.multi_turn`: verl's agent loop (multi-turn rollouts with tool
+/// calls), run by `verl_rollout::agent`. The chat template's tool turns and the tools come from
+/// the embedding program (`PpoTrainerBuilder::agent`); these keys set the loop's limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MultiTurnConfig {
+    pub enable: bool,
+    /// Most model turns per trajectory; null = no limit.
+    pub max_assistant_turns: Option<usize>,
+    /// Tools from a YAML file (verl's tool registry): not read yet.
+    pub tool_config_path: Option<String>,
+    /// Most user (interaction) turns: interactions are not built.
+    pub max_user_turns: Option<usize>,
+    /// Most tool calls run from one model turn.
+    pub max_parallel_calls: usize,
+    /// Most characters of one tool answer the model sees.
+    pub max_tool_response_length: usize,
+    /// `left`, `right` or `middle`: which part of a longer answer is kept.
+    pub tool_response_truncate_side: String,
+    /// Interactions from a YAML file: not built.
+    pub interaction_config_path: Option<String>,
+    /// verl re-tokenises with the inference chat template; here the embedder's template
+    /// writes the tool turns, so it has no effect.
+    pub use_inference_chat_template: bool,
+    /// verl's check of its re-tokenisation; no effect here (nothing is re-tokenised).
+    pub tokenization_sanity_check_mode: String,
+    /// The tool-call format the model writes: `hermes`.
+    pub format: String,
+    /// Rollouts repeated per prompt by the agent loop: not built (use `rollout.n`).
+    pub num_repeat_rollouts: Option<usize>,
+}
+
+impl Default for MultiTurnConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            max_assistant_turns: None,
+            tool_config_path: None,
+            max_user_turns: None,
+            max_parallel_calls: 1,
+            max_tool_response_length: 256,
+            tool_response_truncate_side: "middle".into(),
+            interaction_config_path: None,
+            use_inference_chat_template: false,
+            tokenization_sanity_check_mode: "strict".into(),
+            format: "hermes".into(),
+            num_repeat_rollouts: None,
+        }
+    }
+}
+
 /// `actor_rollout_ref.rollout`: the generation engine.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -327,6 +378,8 @@ pub struct RolloutConfig {
     /// token and returns them as `routed_experts`, which the actor replays in its old-log-prob
     /// pass and its update (with `actor.router_replay.mode=R3`).
     pub enable_rollout_routing_replay: bool,
+    /// Multi-turn rollouts with tools (verl's agent loop).
+    pub multi_turn: MultiTurnConfig,
     pub val_kwargs: ValKwargs,
     /// verl's rollout profiler block (the rollout runs inside the actor worker here, so the
     /// actor's profiler covers it; enabling this one is refused with that advice).
@@ -367,6 +420,7 @@ impl Default for RolloutConfig {
             enable_prefix_caching: true,
             enable_chunked_prefill: true,
             enable_rollout_routing_replay: false,
+            multi_turn: MultiTurnConfig::default(),
             val_kwargs: ValKwargs::default(),
             profiler: RoleProfilerConfig::default(),
         }

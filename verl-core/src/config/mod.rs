@@ -48,8 +48,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub use actor_rollout_ref::{
-    ActorConfig, ActorRolloutRefConfig, ModelConfig, PolicyLossConfig, RefConfig, RolloutConfig,
-    RouterReplayConfig, ValKwargs,
+    ActorConfig, ActorRolloutRefConfig, ModelConfig, MultiTurnConfig, PolicyLossConfig, RefConfig,
+    RolloutConfig, RouterReplayConfig, ValKwargs,
 };
 pub use algorithm::{AlgorithmConfig, KlCtrlConfig, RolloutCorrectionConfig};
 pub use critic::{

@@ -72,8 +72,6 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("actor_rollout_ref.rollout.over_sample_rate", "0", NotBuilt("over-sampling is not built")),
     ("actor_rollout_ref.rollout.multi_stage_wake_up", "false", Inert("the engine's memory is freed and taken back by free_cache_engine")),
     ("actor_rollout_ref.rollout.engine_kwargs.**", "~any", Inert("they are vLLM's / SGLang's own arguments")),
-    ("actor_rollout_ref.rollout.multi_turn.enable", "false", NotBuilt("multi-turn and tool-calling rollouts are not built (issue: agentic RL)")),
-    ("actor_rollout_ref.rollout.multi_turn.**", "~any", Inert("it applies with multi_turn.enable only")),
     ("actor_rollout_ref.rollout.agent.num_workers", "8", Inert("there are no agent-loop workers")),
     ("actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent", NotBuilt("agent loops are not built (issue: agentic RL)")),
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "null", NotBuilt("agent loops are not built (issue: agentic RL)")),

@@ -96,6 +96,93 @@ pub struct AgentLoopConfig {
     pub sampling: SamplingParams,
 }
 
+/// The limits verl's `rollout.multi_turn` sets on an agent loop
+/// ([`AgentLoopConfig::with_limits`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentLimits {
+    pub max_assistant_turns: usize,
+    pub max_parallel_calls: usize,
+    pub max_tool_response_length: usize,
+    pub tool_response_truncate_side: TruncateSide,
+}
+
+impl AgentLimits {
+    /// From verl's keys; what is not built (tool and interaction files, user turns, repeated
+    /// rollouts, formats other than hermes) is refused naming the key.
+    pub fn from_verl(mt: &verl_core::config::MultiTurnConfig) -> Result<Self, RolloutError> {
+        let refuse = |field: &'static str, value: String, message: &str| RolloutError::Config {
+            field,
+            value,
+            message: message.into(),
+        };
+        if let Some(p) = &mt.tool_config_path {
+            return Err(refuse(
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+                p.clone(),
+                "tools are not read from files yet: give them with PpoTrainerBuilder::agent and \
+                 set it null",
+            ));
+        }
+        if let Some(p) = &mt.interaction_config_path {
+            return Err(refuse(
+                "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+                p.clone(),
+                "interactions (user turns) are not built: set it null",
+            ));
+        }
+        if let Some(n) = mt.max_user_turns {
+            return Err(refuse(
+                "actor_rollout_ref.rollout.multi_turn.max_user_turns",
+                n.to_string(),
+                "interactions (user turns) are not built: set it null",
+            ));
+        }
+        if let Some(n) = mt.num_repeat_rollouts {
+            return Err(refuse(
+                "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts",
+                n.to_string(),
+                "repeated agent rollouts are not built: set it null and use rollout.n",
+            ));
+        }
+        if mt.format != "hermes" {
+            return Err(refuse(
+                "actor_rollout_ref.rollout.multi_turn.format",
+                mt.format.clone(),
+                "the tool-call format read is hermes: set it hermes",
+            ));
+        }
+        let side = match mt.tool_response_truncate_side.as_str() {
+            "left" => TruncateSide::Left,
+            "right" => TruncateSide::Right,
+            "middle" => TruncateSide::Middle,
+            other => {
+                return Err(refuse(
+                    "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side",
+                    other.into(),
+                    "use left, right or middle",
+                ))
+            }
+        };
+        Ok(Self {
+            max_assistant_turns: mt.max_assistant_turns.unwrap_or(0),
+            max_parallel_calls: mt.max_parallel_calls,
+            max_tool_response_length: mt.max_tool_response_length,
+            tool_response_truncate_side: side,
+        })
+    }
+}
+
+impl AgentLoopConfig {
+    /// The config with verl's limits in place of its own.
+    pub fn with_limits(mut self, limits: &AgentLimits) -> Self {
+        self.max_assistant_turns = limits.max_assistant_turns;
+        self.max_parallel_calls = limits.max_parallel_calls;
+        self.max_tool_response_length = limits.max_tool_response_length;
+        self.tool_response_truncate_side = limits.tool_response_truncate_side;
+        self
+    }
+}
+
 /// Which part of a tool answer longer than `max_tool_response_length` the model sees, with
 /// verl's markers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -333,6 +420,64 @@ pub async fn run_agent_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn verls_multi_turn_keys_become_limits_or_are_refused_by_name() {
+        use verl_core::config::MultiTurnConfig;
+        let mt = MultiTurnConfig {
+            max_assistant_turns: Some(5),
+            max_parallel_calls: 2,
+            max_tool_response_length: 64,
+            tool_response_truncate_side: "left".into(),
+            ..Default::default()
+        };
+        let limits = AgentLimits::from_verl(&mt).unwrap();
+        assert_eq!(
+            limits,
+            AgentLimits {
+                max_assistant_turns: 5,
+                max_parallel_calls: 2,
+                max_tool_response_length: 64,
+                tool_response_truncate_side: TruncateSide::Left,
+            }
+        );
+        // null turns: no limit.
+        let unlimited = AgentLimits::from_verl(&MultiTurnConfig::default()).unwrap();
+        assert_eq!(unlimited.max_assistant_turns, 0);
+        for (bad, key) in [
+            (
+                MultiTurnConfig {
+                    format: "gpt-oss".into(),
+                    ..Default::default()
+                },
+                "format",
+            ),
+            (
+                MultiTurnConfig {
+                    tool_config_path: Some("t.yaml".into()),
+                    ..Default::default()
+                },
+                "tool_config_path",
+            ),
+            (
+                MultiTurnConfig {
+                    max_user_turns: Some(1),
+                    ..Default::default()
+                },
+                "max_user_turns",
+            ),
+            (
+                MultiTurnConfig {
+                    tool_response_truncate_side: "both".into(),
+                    ..Default::default()
+                },
+                "truncate_side",
+            ),
+        ] {
+            let e = AgentLimits::from_verl(&bad).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+    }
 
     #[test]
     fn long_answers_are_cut_on_verls_side_with_its_markers() {

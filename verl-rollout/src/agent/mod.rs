@@ -7,8 +7,8 @@ pub mod calculator;
 pub mod tool_call;
 
 pub use agent_loop::{
-    run_agent_loop, Agent, AgentFinish, AgentLoopConfig, AgentRequest, ChatTurns, ToolSet,
-    Trajectory, TruncateSide, TurnGenerator,
+    run_agent_loop, Agent, AgentFinish, AgentLimits, AgentLoopConfig, AgentRequest, ChatTurns,
+    ToolSet, Trajectory, TruncateSide, TurnGenerator,
 };
 pub use calculator::Calculator;
 pub use tool_call::{parse_hermes, render_hermes, ParsedTurn, ToolCall};

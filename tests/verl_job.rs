@@ -96,9 +96,9 @@ fn a_verl_key_asking_for_what_is_not_built_is_refused_by_name() {
             "LoRA",
         ),
         (
-            "actor_rollout_ref.rollout.multi_turn.enable=true",
-            "actor_rollout_ref.rollout.multi_turn.enable",
-            "multi-turn",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+            "actor_rollout_ref.rollout.agent.default_agent_loop",
+            "PpoTrainerBuilder::agent",
         ),
     ] {
         let e = ConfigBuilder::new()

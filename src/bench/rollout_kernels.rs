@@ -522,16 +522,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
 fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
     println!("\nbf16 KV cache vs f32 KV cache with bf16 products (logits, equal to the bit):");
     for (hidden, heads, kv) in [(896, 14, 2), (768, 6, 1)] {
-        let mut dims = model_dims(hidden, heads, kv);
-        dims.max_position_embeddings = 2048;
-        let cfg = HfModelConfig::qwen2(dims);
-        let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
-            .with_compute_dtype(ComputeDtype::Bf16)
-            .with_generation_matrices();
-        let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
-            .iter()
-            .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
-            .collect();
+        let (model, prompts) = long_context_setup((hidden, heads, kv), ComputeDtype::Bf16, device);
         for (path, kernels, split) in [
             ("split kernel", true, true),
             ("one block per slot", true, false),
@@ -569,16 +560,7 @@ fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
 fn check_decode_mma(device: &Device, failures: &mut Vec<String>) {
     println!("\ndecode attention on tensor cores vs the scalar kernel vs plain (bf16 cache):");
     let (hidden, heads, kv) = (896, 14, 2);
-    let mut dims = model_dims(hidden, heads, kv);
-    dims.max_position_embeddings = 2048;
-    let cfg = HfModelConfig::qwen2(dims);
-    let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
-        .with_compute_dtype(ComputeDtype::Bf16)
-        .with_generation_matrices();
-    let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
-        .iter()
-        .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
-        .collect();
+    let (model, prompts) = long_context_setup((hidden, heads, kv), ComputeDtype::Bf16, device);
     let run = |kernels: bool, split: bool, mma: bool| {
         decode_kernels(kernels);
         decode_attention::SPLIT.set(split);
@@ -611,6 +593,26 @@ fn check_decode_mma(device: &Device, failures: &mut Vec<String>) {
     }
 }
 
+/// The long-context checks' model (`hidden`, `heads` over `kv` heads, 2 048 positions) in
+/// `compute`, and their three prompts of 1 500, 700 and 3 tokens.
+fn long_context_setup(
+    (hidden, heads, kv): (usize, usize, usize),
+    compute: ComputeDtype,
+    device: &Device,
+) -> (CausalLm<CudaBackend>, Vec<Vec<u32>>) {
+    let mut dims = model_dims(hidden, heads, kv);
+    dims.max_position_embeddings = 2048;
+    let cfg = HfModelConfig::qwen2(dims);
+    let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+        .with_compute_dtype(compute)
+        .with_generation_matrices();
+    let prompts = [1500usize, 700, 3]
+        .iter()
+        .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
+        .collect();
+    (model, prompts)
+}
+
 /// Long contexts split their keys over several blocks (flash-decoding): three slots holding
 /// prompts of 1 500, 700 and 3 tokens, prefill and 4 decode steps, with the split, without it
 /// (one block per kv head and slot) and on the plain path; logits compared.
@@ -621,16 +623,7 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
     );
     for (hidden, heads, kv) in [(896, 14, 2), (768, 6, 1)] {
         for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
-            let mut dims = model_dims(hidden, heads, kv);
-            dims.max_position_embeddings = 2048;
-            let cfg = HfModelConfig::qwen2(dims);
-            let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
-                .with_compute_dtype(compute)
-                .with_generation_matrices();
-            let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
-                .iter()
-                .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
-                .collect();
+            let (model, prompts) = long_context_setup((hidden, heads, kv), compute, device);
             let run = |kernels: bool, split: bool| {
                 decode_kernels(kernels);
                 decode_attention::SPLIT.set(split);

@@ -8,7 +8,7 @@ use futures::executor::block_on;
 use proptest::prelude::*;
 use verl_rollout::agent::{
     render_hermes, run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator,
-    ChatTurns, ToolCall, ToolSet, TruncateSide, TurnGenerator,
+    ChatTurns, ToolCall, ToolSet, Trajectory, TruncateSide, TurnGenerator,
 };
 use verl_rollout::{Completion, FinishReason, Request, RolloutError, SamplingParams};
 
@@ -74,6 +74,18 @@ impl TurnGenerator for Script {
             })
             .collect())
     }
+}
+
+/// One trajectory of prompt "A" through the loop.
+fn run_one(script: &mut Script, tools: &ToolSet, cfg: &AgentLoopConfig) -> Trajectory {
+    let out = block_on(run_agent_loop(
+        script,
+        &Bytes,
+        tools,
+        vec![request("A", 1)],
+        cfg,
+    ));
+    out.unwrap().remove(0)
 }
 
 fn config(response_length: usize) -> AgentLoopConfig {
@@ -184,14 +196,7 @@ fn tool_errors_are_answers_the_model_reads() {
             max_turn_tokens: None,
             ..config(2000)
         };
-        let out = block_on(run_agent_loop(
-            &mut script,
-            &Bytes,
-            &tools,
-            vec![request("A", 1)],
-            &cfg,
-        ));
-        out.unwrap().remove(0)
+        run_one(&mut script, &tools, &cfg)
     };
     let t = run(200);
     let text = Bytes.decode(&t.response);
@@ -226,14 +231,7 @@ fn budgets_and_turn_limits_end_trajectories() {
     let mut script = Script::new(&[('A', &[&c, &c, &c, &c, &c])]);
     let tools = ToolSet::new().with(Calculator);
     let limit = c.len() + 3;
-    let out = block_on(run_agent_loop(
-        &mut script,
-        &Bytes,
-        &tools,
-        vec![request("A", 1)],
-        &config(limit),
-    ))
-    .unwrap();
+    let out = [run_one(&mut script, &tools, &config(limit))];
     // The tool turn "<[2]>" does not fit the 3 tokens left: the trajectory ends without it.
     assert_eq!(out[0].response, tokens(&c));
     assert_eq!(out[0].finish, AgentFinish::Length);
@@ -241,26 +239,12 @@ fn budgets_and_turn_limits_end_trajectories() {
     // A budget the tool turn fits: the next model turn is asked for what is left.
     let mut script = Script::new(&[('A', &[&c, &c])]);
     let limit = c.len() + 5 + 7;
-    let out = block_on(run_agent_loop(
-        &mut script,
-        &Bytes,
-        &tools,
-        vec![request("A", 1)],
-        &config(limit),
-    ))
-    .unwrap();
+    let out = [run_one(&mut script, &tools, &config(limit))];
     assert_eq!(script.seen[1].1, 7);
     assert_eq!(out[0].response.len(), limit);
     assert_eq!(out[0].finish, AgentFinish::Length);
     let mut script = Script::new(&[('A', &[&c, &c, &c, &c, &c])]);
-    let out = block_on(run_agent_loop(
-        &mut script,
-        &Bytes,
-        &tools,
-        vec![request("A", 1)],
-        &config(10_000),
-    ))
-    .unwrap();
+    let out = [run_one(&mut script, &tools, &config(10_000))];
     assert_eq!(
         (out[0].assistant_turns, out[0].finish),
         (4, AgentFinish::MaxTurns)
@@ -285,7 +269,7 @@ proptest! {
         let refs: Vec<&str> = replies.iter().map(String::as_str).collect();
         let mut script = Script::new(&[('A', &refs)]);
         let tools = ToolSet::new().with(Calculator);
-        let out = block_on(run_agent_loop(&mut script, &Bytes, &tools, vec![request("A", 1)], &config(budget))).unwrap();
+        let out = [run_one(&mut script, &tools, &config(budget))];
         let t = &out[0];
         prop_assert!(t.response.len() <= budget);
         prop_assert_eq!(t.response.len(), t.response_mask.len());

@@ -1023,9 +1023,7 @@ async fn replaying_the_rollouts_routing_gives_training_the_rollouts_log_probs() 
 /// tool is one turn, token for token what the engine generates for the same request.
 #[test]
 fn the_agent_loop_runs_turns_on_the_engine() {
-    use verl_rollout::agent::{
-        run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, ChatTurns, ToolSet,
-    };
+    use verl_rollout::agent::{run_agent_loop, AgentFinish, ChatTurns, ToolSet};
     /// No text decodes to a tool call: every trajectory answers in one turn.
     struct Plain;
     impl ChatTurns for Plain {
@@ -1040,23 +1038,8 @@ fn the_agent_loop_runs_turns_on_the_engine() {
     cfg.ignore_eos = true;
     cfg.retain_prefixes = true;
     let ps = prompts(3, 8);
-    let loop_cfg = AgentLoopConfig {
-        max_assistant_turns: 3,
-        max_turn_tokens: Some(6),
-        response_length: 10,
-        max_parallel_calls: 1,
-        max_tool_response_length: 64,
-        tool_response_truncate_side: Default::default(),
-        sampling: greedy(),
-    };
-    let trajectories = ps
-        .iter()
-        .enumerate()
-        .map(|(i, p)| AgentRequest {
-            prompt: p.clone(),
-            id: i as u64,
-        })
-        .collect();
+    let loop_cfg = loop_config();
+    let trajectories = agent_requests(&ps);
     let mut e = engine("qwen2", cfg.clone());
     let out = futures::executor::block_on(run_agent_loop(
         &mut e,
@@ -1074,6 +1057,30 @@ fn the_agent_loop_runs_turns_on_the_engine() {
         assert_eq!(t.response_mask, vec![1; 6]);
         assert_eq!((t.assistant_turns, t.finish), (1, AgentFinish::Answered));
     }
+}
+
+/// The agent loop's limits in these tests: greedy turns of at most 6 tokens in responses of 10.
+fn loop_config() -> verl_rollout::agent::AgentLoopConfig {
+    verl_rollout::agent::AgentLoopConfig {
+        max_assistant_turns: 3,
+        max_turn_tokens: Some(6),
+        response_length: 10,
+        max_parallel_calls: 1,
+        max_tool_response_length: 64,
+        tool_response_truncate_side: Default::default(),
+        sampling: greedy(),
+    }
+}
+
+/// One trajectory per prompt, numbered in order.
+fn agent_requests(ps: &[Vec<u32>]) -> Vec<verl_rollout::agent::AgentRequest> {
+    ps.iter()
+        .enumerate()
+        .map(|(i, p)| verl_rollout::agent::AgentRequest {
+            prompt: p.clone(),
+            id: i as u64,
+        })
+        .collect()
 }
 
 /// The first `calls` turns decode to a calculator call, the rest to plain text.
@@ -1106,31 +1113,14 @@ impl verl_rollout::agent::ChatTurns for CallFirst {
 /// generates for that conversation alone.
 #[test]
 fn the_agent_loop_continues_conversations_on_the_engine() {
-    use verl_rollout::agent::{
-        run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator, ToolSet,
-    };
+    use verl_rollout::agent::{run_agent_loop, AgentFinish, Calculator, ToolSet};
     let mut cfg = greedy_config(4);
     cfg.ignore_eos = true;
     cfg.retain_prefixes = true;
     let ps = prompts(3, 8);
     assert!(ps.iter().any(|p| p.len() + 6 + 3 > cfg.prompt_length));
-    let loop_cfg = AgentLoopConfig {
-        max_assistant_turns: 3,
-        max_turn_tokens: Some(6),
-        response_length: 10,
-        max_parallel_calls: 1,
-        max_tool_response_length: 64,
-        tool_response_truncate_side: Default::default(),
-        sampling: greedy(),
-    };
-    let trajectories = ps
-        .iter()
-        .enumerate()
-        .map(|(i, p)| AgentRequest {
-            prompt: p.clone(),
-            id: i as u64,
-        })
-        .collect();
+    let loop_cfg = loop_config();
+    let trajectories = agent_requests(&ps);
     let mut e = engine("qwen2", cfg.clone());
     let chat = CallFirst {
         calls: std::cell::Cell::new(ps.len()),
@@ -1167,7 +1157,7 @@ fn the_agent_loop_continues_conversations_on_the_engine() {
 /// rollout reports its turns and calls.
 #[tokio::test(flavor = "current_thread")]
 async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
-    use verl_rollout::agent::{Agent, AgentLoopConfig, Calculator, ToolSet};
+    use verl_rollout::agent::{Agent, Calculator, ToolSet};
     let mut cfg = greedy_config(8);
     cfg.n = 2;
     cfg.ignore_eos = true;
@@ -1178,16 +1168,8 @@ async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
             calls: std::cell::Cell::new(6),
         }),
         tools: ToolSet::new().with(Calculator),
-        config: AgentLoopConfig {
-            max_assistant_turns: 3,
-            max_turn_tokens: Some(6),
-            // Each call's response length and sampling replace these.
-            response_length: 0,
-            max_parallel_calls: 1,
-            max_tool_response_length: 64,
-            tool_response_truncate_side: Default::default(),
-            sampling: greedy(),
-        },
+        // Each call's response length and sampling replace the config's.
+        config: loop_config(),
     };
     let mut e = engine("qwen2", cfg).with_agent(agent).unwrap();
     let out = e
@@ -1220,15 +1202,7 @@ async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
             calls: std::cell::Cell::new(0),
         }),
         tools: ToolSet::new(),
-        config: AgentLoopConfig {
-            max_assistant_turns: 1,
-            max_turn_tokens: None,
-            response_length: 0,
-            max_parallel_calls: 1,
-            max_tool_response_length: 64,
-            tool_response_truncate_side: Default::default(),
-            sampling: greedy(),
-        },
+        config: loop_config(),
     });
     assert!(refused
         .err()

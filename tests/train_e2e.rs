@@ -1217,4 +1217,7 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
         "actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
     ]);
     assert!(text.contains("multi_turn.format"), "{text}");
+    // A tool file is refused even with the loop off.
+    let text = refusal(&["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"]);
+    assert!(text.contains("multi_turn.tool_config_path"), "{text}");
 }

@@ -96,6 +96,11 @@ fn a_verl_key_asking_for_what_is_not_built_is_refused_by_name() {
             "LoRA",
         ),
         (
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template=true",
+            "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template",
+            "re-tokenised",
+        ),
+        (
             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
             "actor_rollout_ref.rollout.agent.default_agent_loop",
             "PpoTrainerBuilder::agent",

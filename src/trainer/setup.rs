@@ -580,10 +580,11 @@ fn agent_limits(
     overrides: &mut super::roles::RoleOverrides,
 ) -> Result<(), TrainError> {
     let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+    // What is not built is refused whether or not the loop is enabled.
+    let limits = verl_rollout::agent::AgentLimits::from_verl(mt).map_err(setup)?;
     if !mt.enable {
         return Ok(());
     }
-    let limits = verl_rollout::agent::AgentLimits::from_verl(mt).map_err(setup)?;
     let Some(make) = overrides.agent.clone() else {
         return Err(setup(
             "actor_rollout_ref.rollout.multi_turn.enable=true needs an agent loop (the chat \

@@ -283,11 +283,6 @@ pub struct MultiTurnConfig {
     pub tool_response_truncate_side: String,
     /// Interactions from a YAML file: not built.
     pub interaction_config_path: Option<String>,
-    /// verl re-tokenises with the inference chat template; here the embedder's template
-    /// writes the tool turns, so it has no effect.
-    pub use_inference_chat_template: bool,
-    /// verl's check of its re-tokenisation; no effect here (nothing is re-tokenised).
-    pub tokenization_sanity_check_mode: String,
     /// The tool-call format the model writes: `hermes`.
     pub format: String,
     /// Rollouts repeated per prompt by the agent loop: not built (use `rollout.n`).
@@ -305,8 +300,6 @@ impl Default for MultiTurnConfig {
             max_tool_response_length: 256,
             tool_response_truncate_side: "middle".into(),
             interaction_config_path: None,
-            use_inference_chat_template: false,
-            tokenization_sanity_check_mode: "strict".into(),
             format: "hermes".into(),
             num_repeat_rollouts: None,
         }

@@ -73,6 +73,8 @@ const RULES: &[(&str, &str, Kind)] = &[
     ("actor_rollout_ref.rollout.multi_stage_wake_up", "false", Inert("the engine's memory is freed and taken back by free_cache_engine")),
     ("actor_rollout_ref.rollout.engine_kwargs.**", "~any", Inert("they are vLLM's / SGLang's own arguments")),
     ("actor_rollout_ref.rollout.agent.num_workers", "8", Inert("there are no agent-loop workers")),
+    ("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", "false", NotBuilt("conversations are not re-tokenised with the inference chat template: the agent loop's tool turns are the embedder's tokens")),
+    ("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "strict", NotBuilt("nothing is re-tokenised, so there is no tokenisation check to relax")),
     ("actor_rollout_ref.rollout.agent.default_agent_loop", "single_turn_agent", NotBuilt("agent loops are not chosen by name: an embedding program sets its loop with PpoTrainerBuilder::agent (and rollout.multi_turn its limits)")),
     ("actor_rollout_ref.rollout.agent.agent_loop_config_path", "null", NotBuilt("agent loops are not read from files: an embedding program sets its loop with PpoTrainerBuilder::agent")),
     ("actor_rollout_ref.rollout.agent.custom_async_server.path", "null", NotBuilt("custom rollout servers are not built")),

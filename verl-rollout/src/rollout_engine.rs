@@ -79,8 +79,8 @@ impl<B: ParallelBackend> NativeRollout<B> {
 
     /// Generates for a batch in verl's layout (see [`crate::layout`]).
     pub fn generate_proto(&mut self, prompts: &DataProto<B>) -> Result<DataProto<B>, RolloutError> {
-        let call = self.prepare_call(prompts)?;
-        let completions = self.generate(call.requests.clone())?;
+        let mut call = self.prepare_call(prompts)?;
+        let completions = self.generate(std::mem::take(&mut call.requests))?;
         self.finish_call(prompts, &call, &completions, None)
     }
 

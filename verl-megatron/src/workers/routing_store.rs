@@ -61,6 +61,26 @@ pub fn token_origins(
     }
 }
 
+/// Host copies of a batch's integer column `key`.
+fn host_i64<C: ParallelBackend>(data: &DataProto<C>, key: &str) -> Result<Vec<i64>> {
+    Ok(data.to_data(key)?.convert::<i64>().iter::<i64>().collect())
+}
+
+/// Host copies of a batch's `input_ids`, `attention_mask` and `position_ids`, row-major: what
+/// [`token_origins`] reads.
+fn host_tokens<C: ParallelBackend>(data: &DataProto<C>) -> Result<(Vec<i64>, Vec<f32>, Vec<i64>)> {
+    let mask: Vec<f32> = data
+        .to_data("attention_mask")?
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    Ok((
+        host_i64(data, "input_ids")?,
+        mask,
+        host_i64(data, "position_ids")?,
+    ))
+}
+
 /// The origins of the tokens a forward over `micro` (whose inputs are `inputs`) routes, in
 /// its order: every column, or the packed tokens when the model packs (`packed`).
 pub(crate) fn origins_of<C: ParallelBackend>(
@@ -68,15 +88,7 @@ pub(crate) fn origins_of<C: ParallelBackend>(
     inputs: &ModelInputs<C>,
     packed: bool,
 ) -> Result<TokenOrigins> {
-    let host_i64 = |key: &str| -> Result<Vec<i64>> {
-        Ok(micro.to_data(key)?.convert::<i64>().iter::<i64>().collect())
-    };
-    let (ids, positions) = (host_i64("input_ids")?, host_i64("position_ids")?);
-    let mask: Vec<f32> = micro
-        .to_data("attention_mask")?
-        .convert::<f32>()
-        .iter::<f32>()
-        .collect();
+    let (ids, mask, positions) = host_tokens(micro)?;
     let [rows, width] = inputs.input_ids.dims();
     let packing = packed.then_some(&inputs.packing);
     Ok(token_origins(
@@ -160,16 +172,7 @@ impl RoutingStore {
                     .into(),
             ));
         }
-        let host_i64 = |key: &str| -> Result<Vec<i64>> {
-            Ok(data.to_data(key)?.convert::<i64>().iter::<i64>().collect())
-        };
-        let ids = host_i64("input_ids")?;
-        let positions = host_i64("position_ids")?;
-        let mask: Vec<f32> = data
-            .to_data("attention_mask")?
-            .convert::<f32>()
-            .iter::<f32>()
-            .collect();
+        let (ids, mask, positions) = host_tokens(data)?;
         let routed = data.column("routed_experts")?;
         let (rows, width) = (data.len(), ids.len() / data.len().max(1));
         let [r, w, layers, k] = match routed.shape() {
@@ -187,7 +190,7 @@ impl RoutingStore {
                 format!("routed_experts must start [{rows}, {width}], as input_ids"),
             ));
         }
-        let routed = host_i64("routed_experts")?;
+        let routed = host_i64(data, "routed_experts")?;
         let origins = token_origins(&ids, &mask, &positions, (rows, width), None);
         let mut routing = Routing::default();
         for layer in 0..layers {

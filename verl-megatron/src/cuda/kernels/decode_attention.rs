@@ -38,11 +38,21 @@ pub static MMA: KernelSwitch = KernelSwitch::new("VERL_DECODE_MMA");
 /// Whether the tensor-core path runs for this layer: a bf16 cache and bf16 products (its
 /// products take bf16 operands, and the softmax's weights rounded to bf16 as the plain bf16
 /// path's product sees them), at most 8 query heads a group (one MMA's columns) and heads of
-/// at most 64. At 64 it takes a 0.5B layer's attention from 13-61 to 9-34 µs (H200, 1-64 slots,
-/// 100-1 000 keys). At 128 it was faster in a standalone build too, but the engine's checks
-/// have not run it there yet, so it stays off.
+/// at most 64 or of 128 (a 7B's). At 64 it takes a 0.5B layer's attention from 13-61 to
+/// 9-34 µs, at 128 a 7B layer's from 17-98 to 16-59 µs (H200, 1-64 slots, 100-1 000 keys).
 pub fn uses_mma(cache_bf16: bool, round_bf16: bool, rep: usize, head_dim: usize) -> bool {
-    MMA.enabled() && cache_bf16 && round_bf16 && rep <= 8 && head_dim <= 64
+    MMA.enabled() && cache_bf16 && round_bf16 && rep <= 8 && matches!(head_dim, 32 | 64 | 128)
+}
+
+/// The tensor-core path's threads: 8 warps at heads of 64 (each warp takes chunks of 16 keys,
+/// so 8 of them cover a short context's keys in one round of loads), 4 at 128 (a warp holds
+/// twice the registers a key chunk, and 8 warps were slower at 64 slots of 100 keys).
+fn mma_threads(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        2 * THREADS
+    } else {
+        THREADS
+    }
 }
 
 /// Whether the kernel takes `heads` query heads over `kv_heads` of size `head_dim`: whole
@@ -267,9 +277,7 @@ pub fn decode_attention(
         DType::F32,
     );
     let mma = uses_mma(cache_bf16, round_bf16, heads / kv_heads, head_dim);
-    // The tensor-core path's warps each take chunks of 16 keys: 8 of them cover a short
-    // context's keys in one round of loads.
-    let threads = if mma { 2 * THREADS } else { THREADS };
+    let threads = if mma { mma_threads(head_dim) } else { THREADS };
     let source = |entry| CudaSource {
         entry,
         text: SOURCE,
@@ -431,7 +439,9 @@ mod tests {
         assert!(!uses_mma(false, true, 7, 64));
         assert!(!uses_mma(true, false, 7, 64));
         assert!(!uses_mma(true, true, 9, 64));
-        assert!(!uses_mma(true, true, 7, 128));
+        assert!(uses_mma(true, true, 7, 128));
+        assert!(!uses_mma(true, true, 7, 96));
+        assert!(!uses_mma(true, true, 7, 256));
     }
 
     #[test]

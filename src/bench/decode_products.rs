@@ -67,6 +67,10 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
             "stream:2,8,2,1,1,1_f32",
             "stream:4,8,2,1,2,1",
             "stream:2,4,2,2,1,1_f32",
+            "shared:1,4,4,1_f32",
+            "shared:2,3,4,0",
+            "shared:2,4,4,1",
+            "shared:2,4,3,0_f32",
         ] {
             match gemm::launch_strategy(kernel, strip(a.clone()), strip(b.clone())) {
                 Ok(c) => {
@@ -80,37 +84,41 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
                 }
                 // A configuration that does not fit this batch is skipped.
                 Err(e)
-                    if kernel.starts_with("stream:") && e.contains("no stream configuration") => {}
+                    if (kernel.starts_with("stream:") && e.contains("no stream configuration"))
+                        || (kernel.starts_with("shared:")
+                            && e.contains("no shared-stage configuration")) => {}
                 Err(e) => failures.push(format!("decode product {kernel} ({m}, {k}, {n}): {e}")),
             }
         }
     }
     // The same first row at batch 1, 5, 17, 40, 64 and 128: the stream's sums run in one k
-    // order whatever the batch, so a row's result is the same to the bit.
+    // order whatever the batch, and the shared-stage kernel (whole, and one block per residue)
+    // runs the same order, so a row's result is the same to the bit whichever runs it.
     let (k, n) = (3584, 512);
     let (a, b) = operands(128, k, n, 41, device);
     let full = gemm::launch_strategy("decode_f32", strip(a.clone()), strip(b.clone()))
         .map(|c| tensor(c).narrow(2, 0, 1));
     for m in [1, 5, 17, 40, 64] {
-        let part = gemm::launch_strategy(
-            "decode_f32",
-            strip(a.clone().narrow(2, 0, m)),
-            strip(b.clone()),
-        )
-        .map(|c| tensor(c).narrow(2, 0, 1));
-        match (&full, part) {
-            (Ok(f), Ok(p)) => {
-                let d = (f.clone() - p).abs().max().into_scalar();
-                println!("  first row at batch {m:>2} vs 128: max |diff| {d:e}");
-                if d != 0.0 {
-                    failures.push(format!("decode product: row 0 at batch {m} differs by {d}"));
+        for kernel in ["decode_f32", "shared:2,3,4,0_f32", "shared:1,4,4,1_f32"] {
+            let part =
+                gemm::launch_strategy(kernel, strip(a.clone().narrow(2, 0, m)), strip(b.clone()))
+                    .map(|c| tensor(c).narrow(2, 0, 1));
+            match (&full, part) {
+                (Ok(f), Ok(p)) => {
+                    let d = (f.clone() - p).abs().max().into_scalar();
+                    println!("  first row at batch {m:>2} ({kernel}) vs 128: max |diff| {d:e}");
+                    if d != 0.0 {
+                        failures.push(format!(
+                            "decode product {kernel}: row 0 at batch {m} differs by {d}"
+                        ));
+                    }
                 }
+                (f, p) => failures.push(format!(
+                    "decode product batch invariance ({kernel}): {:?} {:?}",
+                    f.as_ref().err(),
+                    p.err()
+                )),
             }
-            (f, p) => failures.push(format!(
-                "decode product batch invariance: {:?} {:?}",
-                f.as_ref().err(),
-                p.err()
-            )),
         }
     }
 }
@@ -219,7 +227,7 @@ pub(crate) fn time_decode_gemm(device: &Device, repeat: usize, sweep: bool) {
     );
     println!(
         "{:<8} {:>5} {:>10} {:>18} {:>18} {:>18} {:>9}",
-        "shape", "batch", "burn", "training kernel", "wmma tiles", "stream", "stream GB/s"
+        "shape", "batch", "burn", "training kernel", "wmma tiles", "decode", "decode GB/s"
     );
     let n = 20 * repeat.max(1);
     for s in SHAPES {
@@ -246,6 +254,7 @@ pub(crate) fn time_decode_gemm(device: &Device, repeat: usize, sweep: bool) {
             };
             let (training, _) = cell("own_f32");
             let (tiles, _) = cell("tiles_f32");
+            // The decode step's choice: the stream, or the shared-stage kernel where it is faster.
             let (stream, us) = cell("decode_f32");
             println!(
                 "{:<8} {m:>5} {burn:>10.1} {training:>18} {tiles:>18} {stream:>18} {:>9.0}",

@@ -21,6 +21,9 @@
 // slice is fed as two k16 steps: step s takes elements 4s..4s+3 of each lane's piece as the
 // fragment's columns {2t, 2t+1, 2t+8, 2t+9}.
 //
+// verl_decode_gemm_shared (below) computes the same sums in the same order with the block's
+// warps splitting rows instead of k, for batches past 16 rows.
+//
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::decode_gemm prepends the defines
 // and gemm_common.cuh). The caller guarantees K % 8 == 0, 16-byte aligned rows and starts.
 
@@ -47,6 +50,12 @@
 #endif
 #ifndef STAGE_A
 #define STAGE_A 0  // 1: activations copied a chunk ahead into the warp's shared stages (cp.async)
+#endif
+#ifndef ROW_WARPS
+#define ROW_WARPS 4  // shared-stage kernel: warps of a block, each its own RT tiles
+#endif
+#ifndef STAGES
+#define STAGES 4  // shared-stage kernel: chunks in its ring
 #endif
 #define CHUNK (32 * U)
 #define PARTIALS (RT * NB * 4)
@@ -233,4 +242,182 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
         const unsigned int m = m0 + b * 8 + (l % 4) * 2 + (i & 1);
         if (m < p.m && n < p.n) c[(unsigned long long)m * p.ldc + n] = to_out(sum);
     }
+}
+
+// ---- The shared-stage kernel ----
+//
+// Past 16 batch rows the stream re-reads the batch's activations once per 16 RT weight rows
+// (each block holds all WARPS k residues' partial sums of its rows): at 64 rows that is twice
+// the weight's bytes from L2. This kernel keeps the same k order but walks the residues one
+// after another: each warp owns RT x 16 weight rows and the whole of k, sums residue 0's chunks
+// (0, WARPS, 2 WARPS, ...) into `acc`, adds it to `total`, then residue 1's, ..., as the stream
+// adds its warps' partials in warp order, so a row's result is the same to the bit. The block's
+// ROW_WARPS warps multiply the same chunk together, so its activations are staged once per
+// block and read by every warp, and the weights go through the same STAGES-deep cp.async ring
+// (more bytes in flight than registers hold). Products with few weight rows and a long k (a
+// down projection) run one block per residue (grid y = WARPS) into f32 partial sums, which
+// verl_decode_gemm_residues adds in residue order.
+
+// The residue-major chunk order: residue v's chunks v, v + WARPS, ... then residue v + 1's.
+struct ChunkWalk {
+    unsigned int v, c;
+    __device__ __forceinline__ void step(unsigned int chunks) {
+        c += WARPS;
+        if (c >= chunks) {
+            ++v;
+            c = v;
+        }
+    }
+};
+
+// A stage: the chunk's activation pieces [U][NB][32 lanes] (lane (g, t) of group b reads batch
+// row 8b + g, elements 8t..8t+7 of slice u; copied by all the block's threads and read by every
+// warp), then each warp's weight pieces [ROW_WARPS][U][RT][2][32 lanes] (each lane copies and
+// reads only its own, so they need no barrier, and the ring holds STAGES - 1 chunks of weights
+// in flight without spending registers on them).
+#define WEIGHT_PIECES (U * RT * 2 * 32)
+#define SHARED_STAGE (STAGE_PIECES + ROW_WARPS * WEIGHT_PIECES)
+
+__device__ __forceinline__ void stage_shared(uint4* dst, const bf16* a, const bf16* (&wrow)[RT][2],
+                                             unsigned int m0, unsigned int chunk, unsigned int warp,
+                                             unsigned int lane, const GemmParams& p) {
+    for (unsigned int e = threadIdx.x; e < STAGE_PIECES; e += ROW_WARPS * 32) {
+        const unsigned int u = e / (NB * 32), b = e / 32 % NB, l = e % 32;
+        unsigned int row = m0 + 8 * b + l / 4;
+        row = row < p.m ? row : 0;
+        const unsigned int k = chunk * CHUNK + 32 * u + 8 * (l % 4);
+        copy16((bf16*)&dst[e], a + (unsigned long long)row * p.lda + k, inside(k, p.k));
+    }
+    uint4* mine = dst + STAGE_PIECES + warp * WEIGHT_PIECES;
+    const unsigned int t = lane % 4;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const unsigned int k = chunk * CHUNK + 32 * u;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                copy16((bf16*)&mine[((u * RT + rt) * 2 + h) * 32 + lane], wrow[rt][h] + k, inside(k + 8 * t, p.k));
+    }
+}
+
+// Grid (ceil(N / (16 RT ROW_WARPS)) * BS, splits, 1), ROW_WARPS * 32 threads, STAGES *
+// SHARED_STAGE * 16 bytes of dynamic shared memory. splits == 1: C gets the sum over every
+// residue; splits == WARPS (products with few weight rows): block y sums residue y alone into
+// `c` as f32 [WARPS][M][ldc], and verl_decode_gemm_residues adds them in residue order.
+extern "C" __global__ void __launch_bounds__(ROW_WARPS * 32)
+verl_decode_gemm_shared(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* __restrict__ c,
+                        GemmParams p) {
+    extern __shared__ __align__(16) uint4 stages[];
+    const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned int g = lane / 4, t = lane % 4;
+    const unsigned int tile = blockIdx.x / BS, m0 = blockIdx.x % BS * NB * 8;
+    const unsigned int n0 = (tile * ROW_WARPS + warp) * 16 * RT;
+    const bool split = gridDim.y > 1;
+
+    const bf16* wrow[RT][2];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned int row = n0 + rt * 16 + g + 8 * h;
+            wrow[rt][h] = w + (unsigned long long)(row < p.n ? row : 0) * p.ldb + 8 * t;
+        }
+
+    float acc[RT][NB][4], total[RT][NB][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[rt][b][i] = total[rt][b][i] = 0.0f;
+
+    const unsigned int chunks = (p.k + CHUNK - 1) / CHUNK;
+    // This block's chunks: every residue in order, or residue blockIdx.y alone.
+    const unsigned int first = split ? blockIdx.y : 0;
+    const unsigned int steps = split ? (first < chunks ? (chunks - first + WARPS - 1) / WARPS : 0) : chunks;
+    ChunkWalk staged_walk{first, first}, walk{first, first};
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if ((unsigned int)s < steps) {
+            stage_shared(stages + s * SHARED_STAGE, a, wrow, m0, staged_walk.c, warp, lane, p);
+            staged_walk.step(chunks);
+        }
+        commit();
+    }
+
+    for (unsigned int i = 0; i < steps; ++i) {
+        wait_groups<STAGES - 2>();  // chunk i has landed (this thread's copies)
+        __syncthreads();            // everyone's, and every warp is done with chunk i - 1's stage
+        if (i + STAGES - 1 < steps) {
+            stage_shared(stages + (i + STAGES - 1) % STAGES * SHARED_STAGE, a, wrow, m0, staged_walk.c, warp, lane, p);
+            staged_walk.step(chunks);
+        }
+        commit();
+        const uint4* staged = stages + i % STAGES * SHARED_STAGE;
+        const uint4* mine = staged + STAGE_PIECES + warp * WEIGHT_PIECES;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            uint4 cur[RT][2];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) cur[rt][h] = mine[((u * RT + rt) * 2 + h) * 32 + lane];
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const uint4 x = staged[(u * NB + b) * 32 + lane];
+#pragma unroll
+                for (int s = 0; s < 2; ++s)
+#pragma unroll
+                    for (int rt = 0; rt < RT; ++rt)
+                        mma16816(acc[rt][b], word(cur[rt][0], 2 * s), word(cur[rt][1], 2 * s),
+                                 word(cur[rt][0], 2 * s + 1), word(cur[rt][1], 2 * s + 1),
+                                 word(x, 2 * s), word(x, 2 * s + 1));
+            }
+        }
+        // The residue's last chunk: its partial sum joins the total, in residue order.
+        if (!split && walk.c + WARPS >= chunks) {
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+                for (int b = 0; b < NB; ++b)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        total[rt][b][e] += acc[rt][b][e];
+                        acc[rt][b][e] = 0.0f;
+                    }
+        }
+        walk.step(chunks);
+    }
+
+    // Accumulator register e of lane (g, t): weight row g (+8 for e >= 2), batch row 2t (+1 odd).
+    float* parts = (float*)c + (unsigned long long)blockIdx.y * p.m * p.ldc;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int b = 0; b < NB; ++b)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned int n = n0 + rt * 16 + g + (e >= 2 ? 8 : 0);
+                const unsigned int m = m0 + b * 8 + 2 * t + (e & 1);
+                if (m < p.m && n < p.n) {
+                    if (split)
+                        parts[(unsigned long long)m * p.ldc + n] = acc[rt][b][e];
+                    else
+                        c[(unsigned long long)m * p.ldc + n] = to_out(total[rt][b][e]);
+                }
+            }
+}
+
+// C from the residues' partial sums `parts` [WARPS][M][ldc] (f32), added in residue order as the
+// stream adds its warps'. Grid (ceil(M * N / 256)), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+verl_decode_gemm_residues(const float* __restrict__ parts, out_t* __restrict__ c, GemmParams p) {
+    const unsigned int e = blockIdx.x * 256 + threadIdx.x;
+    if (e >= p.m * p.n) return;
+    const unsigned int m = e / p.n, n = e % p.n;
+    float sum = 0.0f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) sum += parts[((unsigned long long)v * p.m + m) * p.ldc + n];
+    c[(unsigned long long)m * p.ldc + n] = to_out(sum);
 }

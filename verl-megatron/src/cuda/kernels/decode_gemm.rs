@@ -6,14 +6,17 @@
 //! weight rows straight into `mma.sync` registers (weight rows as the MMA's 16 rows, batch rows
 //! as its 8 columns), one chunk ahead, with many warps of a block splitting k, so enough bytes
 //! are in flight; the warps' partial sums are added in a fixed order (deterministic, and a row's
-//! result does not depend on the batch size). [`super::gemm`] routes products here; its `wmma`
-//! decode tiles remain for other operand layouts and under `VERL_DECODE_GEMM=tiles`.
+//! result does not depend on the batch size). Past 16 rows, on the largest weights, a second
+//! kernel computes the same sums in the same order with the warps splitting rows over one
+//! shared-memory ring ([`SharedStage`]): the batch's activations are read once per block instead
+//! of once per 32 weight rows. [`super::gemm`] routes products here; its `wmma` decode tiles
+//! remain for other operand layouts and under `VERL_DECODE_GEMM=tiles`.
 
 use burn::tensor::DType;
 use burn_cubecl::kernel::matmul::init_matmul_output;
 
 use super::source::{pack_words, CudaSource};
-use super::CudaPrimitive;
+use super::{CudaPrimitive, KernelSwitch};
 
 /// The most batch rows the kernel takes (eight 8-row groups per block, up to four blocks per
 /// weight tile).
@@ -35,7 +38,8 @@ const SHARED_LIMIT: usize = 128 * 1024;
 /// `batch_splits` neighbouring blocks per weight tile, each with its share of the batch (the
 /// later ones find the tile in L2); `staged`: each warp copies the activations of its next
 /// chunk into shared memory (cp.async) while it multiplies the current one, instead of loading
-/// them from L1/L2 as it multiplies.
+/// them from L1/L2 as it multiplies. `shared`: whether the shared-stage kernel computes the
+/// same sums instead ([`Shared`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamTiles {
     pub row_tiles: usize,
@@ -44,6 +48,95 @@ pub struct StreamTiles {
     pub row_groups: usize,
     pub batch_splits: usize,
     pub staged: bool,
+    pub shared: Shared,
+}
+
+/// Whether [`SharedStage::for_product`]'s choices are taken: on unless
+/// `VERL_DECODE_SHARED=decomposed` (then the stream runs every product it takes).
+pub static SHARED: KernelSwitch = KernelSwitch::new("VERL_DECODE_SHARED");
+
+/// Whether `verl_decode_gemm_shared` runs a product instead of the stream: the same k order
+/// (the stream's `warps` residues of `slices`-slice chunks, added in residue order, so a row's
+/// result is the same to the bit), with the block's warps splitting weight rows instead of k
+/// over activations and weights staged in one shared-memory ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shared {
+    /// The stream always (a configuration forced for a sweep).
+    Off,
+    /// Where it was faster on the 7B layer's products ([`SharedStage::for_product`]).
+    WhereFaster,
+    /// This configuration always.
+    On(SharedStage),
+}
+
+/// The shared-stage kernel's configuration (`decode_gemm.cu`'s ROW_WARPS and STAGES, with the
+/// stream's row tiles, k order and batch splits): `row_warps` warps a block, each `row_tiles`
+/// 16-row weight tiles over the whole of k, a ring of `stages` chunks; `residue_split`: one
+/// block per k residue into f32 partial sums, added in order by a second kernel (for products
+/// with few weight rows and a long k, which would otherwise leave most multiprocessors idle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedStage {
+    pub row_tiles: usize,
+    pub row_warps: usize,
+    pub stages: usize,
+    pub residue_split: bool,
+}
+
+impl SharedStage {
+    /// Where the shared-stage kernel beat the stream on the Qwen2.5-7B layer's products (one
+    /// H200, `bash bench/gpu/decode_gemm_variants.sh`, docs/PERFORMANCE.md), among weights of
+    /// at least 32 MB (below, a second launch costs more than it saves):
+    /// - down projections (k at least 4 n) at every batch up to 64 rows, one block per residue
+    ///   (18944 → 3584: 48.5 → 42.5 µs at 8 rows, 67 → 59 µs at 64);
+    /// - wide products (n ≥ 16 384) from 17 to 32 rows (gate/up 92 → 79 µs), and the LM
+    ///   head (n ≥ 65 536) up to 64 (492 → 357 µs at 64 rows).
+    pub fn for_product(m: usize, n: usize, k: usize) -> Option<Self> {
+        if m > 64 || n * k < 16 << 20 {
+            return None;
+        }
+        if k >= 4 * n {
+            return Some(Self {
+                row_tiles: if m <= 16 { 1 } else { 2 },
+                row_warps: 4,
+                stages: 4,
+                residue_split: true,
+            });
+        }
+        if m > 16 && (n >= 65_536 || (n >= 16_384 && m <= 32)) {
+            return Some(Self {
+                row_tiles: 2,
+                row_warps: if m <= 32 { 3 } else { 4 },
+                stages: 4,
+                residue_split: false,
+            });
+        }
+        None
+    }
+
+    /// `"row_tiles,row_warps,stages,residue_split"`, e.g. `"2,4,4,0"` (split is 0 or 1).
+    pub fn parse(text: &str) -> Option<Self> {
+        let v: Vec<usize> = text
+            .split(',')
+            .map(|s| s.trim().parse().ok())
+            .collect::<Option<_>>()?;
+        match v[..] {
+            [row_tiles, row_warps, stages, split @ (0 | 1)] => Some(Self {
+                row_tiles,
+                row_warps,
+                stages,
+                residue_split: split == 1,
+            }),
+            _ => None,
+        }
+    }
+
+    /// The ring's bytes for `groups` 8-row groups of the batch and chunks of `slices` slices:
+    /// per stage the activations (16 bytes per lane, group and slice) and each warp's weight
+    /// pieces (16 bytes per lane, slice, tile and half).
+    fn shared_bytes(&self, groups: usize, slices: usize) -> usize {
+        let pieces = slices * groups * 32 + self.row_warps * slices * self.row_tiles * 2 * 32;
+        self.stages * pieces * 16
+    }
 }
 
 impl StreamTiles {
@@ -65,7 +158,28 @@ impl StreamTiles {
             row_groups: 1,
             batch_splits: m.div_ceil(64).clamp(1, 4),
             staged: m > 16,
+            shared: Shared::WhereFaster,
         }
+    }
+
+    /// The shared-stage kernel this product runs on instead of the stream, if any.
+    pub fn shared_stage(&self, m: usize, n: usize, k: usize) -> Option<SharedStage> {
+        let stage = match self.shared {
+            Shared::Off => None,
+            Shared::WhereFaster if SHARED.enabled() => SharedStage::for_product(m, n, k),
+            Shared::WhereFaster => None,
+            Shared::On(stage) => Some(stage),
+        }?;
+        // Its own row tiles, the stream's k order and batch split.
+        let tiles = Self {
+            row_tiles: stage.row_tiles,
+            ..*self
+        };
+        (stage.shared_bytes(tiles.groups(m), self.slices) <= SHARED_LIMIT
+            && (1..=4).contains(&stage.row_tiles)
+            && (1..=8).contains(&stage.row_warps)
+            && (2..=8).contains(&stage.stages))
+        .then_some(stage)
     }
 
     /// `"row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]"`, e.g. `"1,8,2"`,
@@ -93,6 +207,7 @@ impl StreamTiles {
                 1 => true,
                 _ => return None,
             },
+            shared: Shared::Off,
         })
     }
 
@@ -171,23 +286,68 @@ pub(super) fn launch(
     let nd = ls.num_dims();
     let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
     let ldc = out.meta.strides()[nd - 2];
-    let kernel = CudaSource {
-        entry: "verl_decode_gemm",
-        text: SOURCE,
-        defines: vec![
+    let words = pack_words(&[m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32));
+    let defines = |row_tiles: usize| {
+        vec![
             ("NB", tiles.groups(m) as u32),
-            ("RT", tiles.row_tiles as u32),
+            ("RT", row_tiles as u32),
             ("WARPS", tiles.warps as u32),
             ("U", tiles.slices as u32),
             ("WR", tiles.row_groups as u32),
             ("BS", tiles.batch_splits as u32),
             ("OUT_F32", out_f32 as u32),
             ("STAGE_A", tiles.staged as u32),
-        ],
+        ]
+    };
+    if let Some(stage) = tiles.shared_stage(m, n, k) {
+        let mut defines = defines(stage.row_tiles);
+        defines.extend([
+            ("ROW_WARPS", stage.row_warps as u32),
+            ("STAGES", stage.stages as u32),
+        ]);
+        let kernel = CudaSource {
+            entry: "verl_decode_gemm_shared",
+            text: SOURCE,
+            defines: defines.clone(),
+            block: (32 * stage.row_warps) as u32,
+            shared_bytes: stage.shared_bytes(tiles.groups(m), tiles.slices),
+        };
+        let blocks =
+            (n.div_ceil(16 * stage.row_tiles * stage.row_warps) * tiles.batch_splits) as u32;
+        if !stage.residue_split {
+            kernel.launch(&out.client, (blocks, 1, 1), &[&lhs, &rhs, &out], words);
+            return out;
+        }
+        // One block per residue into f32 partial sums [warps][m][ldc], then added in order.
+        let parts = super::empty_of(&lhs, vec![tiles.warps * m * ldc], DType::F32);
+        kernel.launch(
+            &out.client,
+            (blocks, tiles.warps as u32, 1),
+            &[&lhs, &rhs, &parts],
+            words.clone(),
+        );
+        CudaSource {
+            entry: "verl_decode_gemm_residues",
+            text: SOURCE,
+            defines,
+            block: 256,
+            shared_bytes: 0,
+        }
+        .launch(
+            &out.client,
+            ((m * n).div_ceil(256) as u32, 1, 1),
+            &[&parts, &out],
+            words,
+        );
+        return out;
+    }
+    let kernel = CudaSource {
+        entry: "verl_decode_gemm",
+        text: SOURCE,
+        defines: defines(tiles.row_tiles),
         block: (32 * tiles.warps * tiles.row_groups) as u32,
         shared_bytes: tiles.shared_bytes(m),
     };
-    let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
     kernel.launch(
         &out.client,
         (
@@ -196,7 +356,7 @@ pub(super) fn launch(
             1,
         ),
         &[&lhs, &rhs, &out],
-        pack_words(&words),
+        words,
     );
     out
 }
@@ -229,6 +389,7 @@ mod tests {
                 row_groups: 1,
                 batch_splits: 1,
                 staged: false,
+                shared: Shared::Off,
             }
         );
         assert!(StreamTiles::parse("2,8,2,1,2,1").unwrap().staged);
@@ -245,6 +406,7 @@ mod tests {
             row_groups: 1,
             batch_splits: 1,
             staged: false,
+            shared: Shared::Off,
         };
         assert!(big.valid_for(8) && !big.valid_for(64));
         // Staged: 8 warps' two stages of 8 groups and 2 slices are 128 KiB, at the limit.
@@ -253,6 +415,56 @@ mod tests {
         assert!(staged.valid_for(64) && !StreamTiles::parse("2,8,4,1,1,1").unwrap().valid_for(64));
         // 33 warps: more threads than a block has.
         assert!(!StreamTiles::parse("1,11,2,3").unwrap().valid_for(1));
+    }
+
+    #[test]
+    fn the_shared_stage_runs_where_it_was_faster_and_fits() {
+        // The 7B layer: down projections at every batch, one block per residue; gate/up from
+        // 17 to 32 rows; the LM head up to 64; nothing past 64 rows or on small weights.
+        let down = SharedStage::for_product(8, 3584, 18_944).unwrap();
+        assert!(down.residue_split && down.row_tiles == 1);
+        assert!(
+            SharedStage::for_product(64, 3584, 18_944)
+                .unwrap()
+                .residue_split
+        );
+        assert_eq!(SharedStage::for_product(16, 37_888, 3584), None);
+        assert!(
+            !SharedStage::for_product(32, 37_888, 3584)
+                .unwrap()
+                .residue_split
+        );
+        assert_eq!(SharedStage::for_product(64, 37_888, 3584), None);
+        assert!(SharedStage::for_product(64, 152_064, 3584).is_some());
+        assert_eq!(SharedStage::for_product(65, 152_064, 3584), None);
+        assert_eq!(SharedStage::for_product(8, 4608, 3584), None);
+        assert_eq!(SharedStage::for_product(8, 896, 4864), None); // 0.5B down: too small
+                                                                  // The stream's k order goes with it; a forced stream configuration never switches.
+        let tiles = StreamTiles::for_rows(32);
+        assert_eq!(
+            tiles.shared_stage(32, 37_888, 3584),
+            SharedStage::for_product(32, 37_888, 3584)
+        );
+        let forced = StreamTiles::parse("2,8,2,1,1,1").unwrap();
+        assert_eq!(forced.shared_stage(32, 37_888, 3584), None);
+        // A ring past the shared-memory limit is refused.
+        let huge = StreamTiles {
+            shared: Shared::On(SharedStage::parse("4,8,8,0").unwrap()),
+            ..tiles
+        };
+        assert_eq!(huge.shared_stage(64, 37_888, 3584), None);
+        let chosen = StreamTiles {
+            shared: Shared::On(SharedStage::parse("2,4,4,1").unwrap()),
+            ..StreamTiles::for_rows(64)
+        };
+        // 4 stages x (2 slices x 8 groups + 4 warps x 2 slices x 2 tiles x 2) x 32 lanes x 16 B.
+        assert_eq!(
+            SharedStage::parse("2,4,4,1").unwrap().shared_bytes(8, 2),
+            4 * (16 + 32) * 32 * 16
+        );
+        assert!(chosen.shared_stage(64, 512, 3584).is_some());
+        assert_eq!(SharedStage::parse("2,4,4,2"), None);
+        assert_eq!(SharedStage::parse("2,4,4"), None);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use cubek::matmul::launch::Strategy;
 use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
-use super::decode_gemm::{self, StreamTiles};
+use super::decode_gemm::{self, Shared, SharedStage, StreamTiles};
 use super::source::{pack_words, CudaSource};
 use super::{record, CudaPrimitive};
 
@@ -563,21 +563,40 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
 /// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode`: the decode
 /// step's choice (the weight stream where it applies, else the decode tiles), `tiles`: the
 /// `wmma` kernel with the decode tiles, `stream:R,W,U`: the weight stream with those tiles or an
-/// error; a `_f32` suffix asks for an f32 result), on burn-cuda primitives; a setup error comes
-/// back as text. Public for `verl bench kernels`, which times every strategy.
+/// error, `shared:R,W,S,split`: the shared-stage kernel so configured (the stream's k order for
+/// the batch) or an error; a `_f32` suffix asks for an f32 result), on burn-cuda primitives; a
+/// setup error comes back as text. Public for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
 ) -> Result<CudaPrimitive, String> {
     let base = name.strip_suffix("_f32").unwrap_or(name);
-    let stream = base.strip_prefix("stream:");
+    let shared = base.strip_prefix("shared:");
+    let stream = base.strip_prefix("stream:").or(shared.map(|_| ""));
     if matches!(base, "own" | "wmma" | "decode" | "tiles") || stream.is_some() {
         let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
         let which = match base {
             "wmma" => OwnKernel::Wmma,
             "decode" => OwnKernel::Stream(StreamTiles::for_rows(rows)),
             "tiles" => OwnKernel::Decode,
+            _ if shared.is_some() => {
+                let text = shared.unwrap_or_default();
+                let (k, n) = (
+                    lhs.meta.shape()[lhs.meta.shape().num_dims() - 1],
+                    rhs.meta.shape()[rhs.meta.shape().num_dims() - 1],
+                );
+                let tiles = SharedStage::parse(text)
+                    .map(|stage| StreamTiles {
+                        shared: Shared::On(stage),
+                        ..StreamTiles::for_rows(rows)
+                    })
+                    .filter(|t| t.valid_for(rows) && t.shared_stage(rows, n, k).is_some())
+                    .ok_or_else(|| {
+                        format!("`{text}`: no shared-stage configuration for {rows} rows")
+                    })?;
+                OwnKernel::Stream(tiles)
+            }
             _ => match stream {
                 Some(text) => {
                     let tiles = StreamTiles::parse(text)
@@ -594,6 +613,7 @@ pub fn launch_strategy(
         if let (OwnKernel::Stream(_), Some([a, b])) = (which, layouts) {
             let k = lhs.meta.shape()[lhs.meta.shape().num_dims() - 1];
             if stream.is_some() && !decode_gemm::takes(rows, k, a.transposed, b.transposed) {
+                // (`shared:` too: it takes what the stream takes.)
                 return Err(format!(
                     "the weight stream does not take {rows} x {k} in this layout"
                 ));

@@ -26,6 +26,9 @@
 #define STAGES V_STAGES
 #include "gemm_common.cuh"
 #include "decode_gemm.cu"
+#ifdef WGMMA_PROBE
+#include "decode_gemm_wgmma_probe.cu"
+#endif
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 
 __global__ void fill(bf16* d, size_t n, unsigned seed) {
@@ -111,6 +114,9 @@ int main() {
     printf("%-8s k %5u n %6u: cublas %6.1f us (%4.0f GB/s)  stream %6.1f us (%4.0f GB/s, err %.1e)  shared %6.1f us (%4.0f GB/s, err %.1e, %zu differ)  split %6.1f us (%4.0f GB/s, %zu differ)\n",
            s.label, s.k, s.n, t_ref, gb / t_ref, t_stream, gb / t_stream, es / top, t_shared, gb / t_shared, eh / top, differ,
            t_split, gb / t_split, differ_split);
+#ifdef WGMMA_PROBE
+    probe_wgmma(s.label, a, ws, copies, p, r, top, timed);
+#endif
     for (auto w : ws) cudaFree(w);
     cudaFree(a); cudaFree(c_ref); cudaFree(c_stream); cudaFree(c_shared); cudaFree(c_split); cudaFree(parts);
   }

@@ -130,12 +130,19 @@ fn topology_prints_megatron_groups() {
     );
 }
 
+/// `verl generate` on the qwen2 and Qwen3-MoE fixtures: the chat prompt and greedy tokens are
+/// transformers'.
 #[test]
 fn generate_runs_on_a_fixture_and_matches_transformers_greedy() {
-    let dir = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/verl-megatron/tests/fixtures/qwen2"
-    );
+    for name in ["qwen2", "qwen3_moe"] {
+        generate_matches_transformers(&format!(
+            "{}/verl-megatron/tests/fixtures/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        ));
+    }
+}
+
+fn generate_matches_transformers(dir: &str) {
     let (ok, out, err) = verl(&[
         "generate",
         "--model",

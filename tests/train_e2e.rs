@@ -344,6 +344,81 @@ fn expert_parallel_trains_as_one() {
     );
 }
 
+/// A Qwen3-MoE checkpoint from Hugging Face (the transformers fixture: q/k norms, 4 routed
+/// experts with renormalised weights, no shared expert, layer 1 dense) trains with GRPO from
+/// its path, its own tokenizer and chat template; on tp = 2 × ep = 2 (etp = 1) it logs the
+/// single rank's metrics.
+#[test]
+fn a_qwen3_moe_checkpoint_trains_and_expert_parallel_matches_one_rank() {
+    use verl::trainer::data::PromptRow;
+    use verl::trainer::PpoTrainer;
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/verl-megatron/tests/fixtures/qwen3_moe"
+    );
+    let train = |layout: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let config = ConfigBuilder::new()
+            .overrides(MAIN_JOB)
+            .overrides([
+                "trainer.total_training_steps=2",
+                "trainer.sft_warmup_steps=0",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=-1",
+                "data.max_prompt_length=32",
+                "data.max_response_length=8",
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+            ])
+            .overrides(layout.iter().copied())
+            .set("actor_rollout_ref.model.path", fixture)
+            .set("trainer.default_local_dir", dir.path().display())
+            .resolve()
+            .unwrap();
+        let rows = (0..16).map(|i| {
+            PromptRow::new(
+                format!("{i}+1="),
+                "verl_rs/arithmetic",
+                &(i + 1).to_string(),
+            )
+        });
+        let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
+        let summary = common::fit_trainer(&mut trainer);
+        common::step_lines(&summary.metrics_path)
+    };
+    let one = train(&[]);
+    let steps: Vec<_> = one.iter().filter(|l| l["step"] >= 1.0).collect();
+    assert_eq!(steps.len(), 2);
+    for s in &steps {
+        assert!(
+            s["actor/pg_loss"].is_finite() && s["actor/moe_aux_loss"] > 0.0,
+            "{s:?}"
+        );
+    }
+    let many = train(&[
+        "trainer.n_gpus_per_node=4",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+    ]);
+    // The engine's peak batch depends on how the rows split over rollout groups (a KV budget
+    // per group): a scheduling figure, not the model's.
+    let drop_peak = |lines: Vec<BTreeMap<String, f64>>| -> Vec<BTreeMap<String, f64>> {
+        lines
+            .into_iter()
+            .map(|mut l| {
+                l.remove("rollout/peak_batch");
+                l
+            })
+            .collect()
+    };
+    common::assert_same_metrics(
+        &drop_peak(one),
+        &drop_peak(many),
+        "Qwen3-MoE tp = 2 × ep = 2",
+    );
+}
+
 /// verl's `model.override_config.moe_config.freeze_moe_router`: the routers and shared-expert
 /// gates keep their weights through the updates, on 2 data-parallel ranks with the distributed
 /// optimizer too (the HF copies

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the tiny Hugging Face checkpoints that verl-megatron's model tests compare against.
 
-For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE) it creates a
+For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE, Qwen3-MoE) it creates a
 randomly initialised model with `transformers`, saves it in HF layout (config.json,
 model.safetensors or shards + index, generation_config.json, a tiny BPE tokenizer with a
 Qwen-style chat template), and records reference outputs in `reference.safetensors`
@@ -11,7 +11,10 @@ The outputs are committed under verl-megatron/tests/fixtures/, so CI needs no Py
 Regenerate with:
 
     python3 -m venv /tmp/fixtures-venv && /tmp/fixtures-venv/bin/pip install torch transformers
-    /tmp/fixtures-venv/bin/python tools/make_fixtures.py verl-megatron/tests/fixtures
+    /tmp/fixtures-venv/bin/python tools/make_fixtures.py verl-megatron/tests/fixtures [name ...]
+
+Names after the directory write only those fixtures (e.g. `qwen3_moe`); the others are built
+but not written, so adding an architecture leaves the committed ones as they are.
 """
 
 import json
@@ -34,7 +37,12 @@ from transformers import (
     Qwen2ForTokenClassification,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
+
+# Fixture names to write (all when empty): set from the command line.
+ONLY = set()
 
 # Byte-level BPE starts from 256 byte tokens: the models' vocabulary covers the tokenizer's.
 VOCAB = 320
@@ -88,6 +96,8 @@ def randomize(model, scale):
 
 
 def write(model, name, out, tok, shard=None, tf4_config=False):
+    if ONLY and name not in ONLY:
+        return
     path = os.path.join(out, name)
     os.makedirs(path, exist_ok=True)
     model.eval()
@@ -132,6 +142,8 @@ def write(model, name, out, tok, shard=None, tf4_config=False):
 
 
 def write_head(model, name, out, tok):
+    if ONLY and name not in ONLY:
+        return
     """A value model (token classification) or reward model (sequence classification):
     per-token scores, and for sequence classification the score transformers pools."""
     path = os.path.join(out, name)
@@ -148,6 +160,7 @@ def write_head(model, name, out, tok):
 
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "verl-megatron/tests/fixtures"
+    ONLY.update(sys.argv[2:])
     torch.manual_seed(0)
     tok = tokenizer()
 
@@ -187,6 +200,28 @@ def main():
     moe_norm = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**moe.config.to_dict(), "norm_topk_prob": True}))
     moe_norm.load_state_dict(moe.state_dict())
     write(moe_norm, "qwen2_moe_norm_topk", out, tok)
+
+    # Qwen3-MoE: Qwen3's q/k norms, routed experts with renormalised weights and no shared
+    # expert; layer 1 is a dense MLP (mlp_only_layers). Its own seed, so it does not depend on
+    # the fixtures written before it.
+    torch.manual_seed(3)
+    qwen3_moe = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            **COMMON,
+            head_dim=16,
+            rope_theta=1000000.0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    )
+    randomize(qwen3_moe, 0.2)
+    write(qwen3_moe, "qwen3_moe", out, tok)
 
     # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
     # makes transformers pool the last token that is not 0 (every token here).

@@ -5,9 +5,10 @@
 //!   shared by load / save / export, saving back in HF layout, the tokenizer and chat template.
 //! - [`layers`]: column / row-parallel linear, vocab-parallel embedding, RMSNorm and rotary
 //!   layers.
-//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3 and Qwen2-MoE with
-//!   LM, value and score heads; KV caches (a growing one and the rollout engine's slot cache);
-//!   random init; weights replaced one tensor at a time by HF name; a plain generation loop.
+//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3, Qwen2-MoE and
+//!   Qwen3-MoE with LM, value and score heads; KV caches (a growing one and the rollout
+//!   engine's slot cache); random init; weights replaced one tensor at a time by HF name; a
+//!   plain generation loop.
 //!
 //! - [`workers`]: verl's role workers — the actor (PPO update, log-probs), the critic, the
 //!   hybrid actor-rollout-reference worker, the reward-model worker — with AdamW and Megatron's

@@ -180,12 +180,45 @@ fn written_config_json_reads_back_unchanged() {
         "qwen2_sharded_tf4",
         "qwen2_value",
         "qwen3",
+        "qwen3_moe",
     ] {
         let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();
         let json = cfg.to_config_json();
         let back = HfModelConfig::from_json(&json.to_string(), Path::new("config.json")).unwrap();
         assert_eq!(back, cfg, "{name}");
     }
+}
+
+#[test]
+fn qwen3_moe_reads_either_name_for_its_experts_and_has_no_shared_expert() {
+    // transformers 5.17 wrote the fixture with `num_local_experts`; the Hub's Qwen3-MoE
+    // checkpoints say `num_experts`. Written back, it says `num_experts` and no shared expert.
+    let cfg = HfModelConfig::from_dir(fixture("qwen3_moe")).unwrap();
+    assert_eq!(cfg.architecture, Architecture::Qwen3Moe);
+    assert!(cfg.architecture.has_qk_norm() && !cfg.qkv_bias && !cfg.o_bias);
+    let json = cfg.to_config_json();
+    assert_eq!(json["architectures"][0], "Qwen3MoeForCausalLM");
+    assert_eq!(json["model_type"], "qwen3_moe");
+    assert_eq!(json["num_experts"], 4);
+    assert!(json.get("shared_expert_intermediate_size").is_none());
+    let mut map = json.as_object().unwrap().clone();
+    map.remove("num_experts");
+    let missing = HfModelConfig::from_json(
+        &serde_json::Value::Object(map).to_string(),
+        Path::new("m/config.json"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(missing.contains("num_experts"), "{missing}");
+    // Qwen2-MoE still needs its shared expert's width.
+    let q2 = r#"{"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 8}"#;
+    let e = HfModelConfig::from_json(q2, Path::new("m/config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shared_expert_intermediate_size"), "{e}");
 }
 
 /// A small Llama config.json with `patch`'s keys set (or, where `null`, removed).

@@ -21,7 +21,14 @@ fn load(dir: &Path) -> (HfModelConfig, HfCheckpoint, CausalLm<B>) {
 
 #[test]
 fn every_architecture_round_trips_bit_exactly() {
-    for name in ["qwen2", "qwen2_sharded_tf4", "llama3", "qwen3", "qwen2_moe"] {
+    for name in [
+        "qwen2",
+        "qwen2_sharded_tf4",
+        "llama3",
+        "qwen3",
+        "qwen2_moe",
+        "qwen3_moe",
+    ] {
         let src = fixture(name);
         let (cfg, original, model) = load(&src);
         for shard in [usize::MAX, 20_000] {

@@ -91,6 +91,8 @@ enum Flavour {
     Qwen2Tied,
     Qwen3Untied,
     Qwen2Moe,
+    /// Qwen3's q/k norms, experts with renormalised weights and no shared expert.
+    Qwen3Moe,
     /// 23 ids, which no tp > 1 divides: the vocabulary-split weights are padded.
     OddVocabulary,
 }
@@ -127,6 +129,20 @@ fn model_cfg(flavour: Flavour) -> HfModelConfig {
                 decoder_sparse_step: 1,
                 // Layer 0 stays dense: both kinds of block in one model.
                 mlp_only_layers: vec![0],
+            });
+        }
+        Flavour::Qwen3Moe => {
+            cfg.architecture = Architecture::Qwen3Moe;
+            cfg.qkv_bias = false;
+            cfg.tie_word_embeddings = false;
+            cfg.moe = Some(MoeConfig {
+                num_experts: 4,
+                num_experts_per_tok: 2,
+                moe_intermediate_size: 16,
+                shared_expert_intermediate_size: 0,
+                norm_topk_prob: true,
+                decoder_sparse_step: 1,
+                mlp_only_layers: vec![1],
             });
         }
     }
@@ -967,6 +983,10 @@ fn expert_parallel_updates_as_the_single_rank() {
     check_parallel(moe, 5, 4, experts(1, 2, 1, 2, 1, false), 2);
     check_parallel(moe, 6, 2, experts(2, 1, 2, 2, 2, true), 1);
     check_parallel(moe, 7, 2, experts(2, 1, 1, 4, 2, false), 4);
+    // Qwen3-MoE (no shared expert, q/k norms inside the tensor-parallel region).
+    let qwen3_moe = Flavour::Qwen3Moe;
+    check_parallel(qwen3_moe, 8, 2, experts(2, 1, 1, 2, 1, true), 1);
+    check_parallel(qwen3_moe, 9, 2, experts(2, 1, 1, 2, 2, false), 2);
 }
 
 /// Every layout loads an HF checkpoint by shard (each rank reads only its stage's tensors, and
@@ -984,6 +1004,7 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
         ("qwen2_moe", 1, 1, 2, 1, 2),
         ("qwen2_moe", 2, 1, 2, 1, 1),
         ("qwen2_moe", 2, 2, 2, 2, 2),
+        ("qwen3_moe", 2, 2, 2, 1, 1),
     ] {
         let dir = fixtures.join(name);
         let cfg = HfModelConfig::from_dir(&dir).unwrap();
@@ -1131,6 +1152,7 @@ proptest::proptest! {
             Flavour::Qwen2Tied,
             Flavour::Qwen3Untied,
             Flavour::Qwen2Moe,
+            Flavour::Qwen3Moe,
             Flavour::OddVocabulary,
         ]),
         seed in 0u64..1000,
@@ -1147,7 +1169,7 @@ proptest::proptest! {
         // its expert groups fitting the world (ep·etp·pp must divide it).
         proptest::prop_assume!(tp * pp * cp * dp <= 8);
         let etp = if etp_is_one { 1 } else { tp };
-        let ep = if matches!(flavour, Flavour::Qwen2Moe) { ep } else { 1 };
+        let ep = if matches!(flavour, Flavour::Qwen2Moe | Flavour::Qwen3Moe) { ep } else { 1 };
         proptest::prop_assume!((tp * cp * dp).is_multiple_of(ep * etp));
         let _serial = serial();
         let layout = ParallelConfig { cp, ep, etp: Some(etp), ..layout(tp, pp, 1, sp) };

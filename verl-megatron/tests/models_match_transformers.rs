@@ -168,3 +168,20 @@ fn qwen2_moe_with_renormalised_routing_matches_transformers() {
     assert_ne!(a, b);
     let _ = ids;
 }
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    // Qwen3's q/k norms, routed experts with renormalised weights and no shared expert, and a
+    // dense MLP in layer 1 (mlp_only_layers); the config names the experts `num_local_experts`,
+    // as transformers 5.17 writes it.
+    let cfg = HfModelConfig::from_dir(fixture("qwen3_moe")).unwrap();
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(cfg.architecture, verl_megatron::hf::Architecture::Qwen3Moe);
+    assert_eq!(
+        (moe.num_experts, moe.shared_expert_intermediate_size),
+        (4, 0)
+    );
+    assert!(moe.norm_topk_prob && moe.is_moe_layer(0) && !moe.is_moe_layer(1));
+    check_logits("qwen3_moe");
+    check_greedy("qwen3_moe");
+}

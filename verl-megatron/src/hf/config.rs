@@ -30,6 +30,9 @@ pub enum Architecture {
     Qwen3,
     /// `Qwen2MoeForCausalLM`: top-k routed experts plus a sigmoid-gated shared expert.
     Qwen2Moe,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention (RMSNorm on q and k per head) and top-k routed
+    /// experts without a shared expert.
+    Qwen3Moe,
 }
 
 /// What sits on top of the decoder.
@@ -66,7 +69,22 @@ impl HeadKind {
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3 and Qwen2Moe, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe and Qwen3Moe, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+
+    /// Whether attention normalises q and k per head (Qwen3's `q_norm` / `k_norm`).
+    ///
+    /// ```
+    /// use verl_megatron::hf::Architecture;
+    /// assert!(Architecture::Qwen3Moe.has_qk_norm() && !Architecture::Qwen2Moe.has_qk_norm());
+    /// ```
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Self::Qwen3 | Self::Qwen3Moe)
+    }
+
+    /// Whether the MLP is a mixture of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Self::Qwen2Moe | Self::Qwen3Moe)
+    }
 
     /// The family and the head kind's suffix of an `architectures` entry.
     fn from_hf(name: &str) -> Option<(Self, &'static str)> {
@@ -81,6 +99,7 @@ impl Architecture {
             "Llama" => Self::Llama,
             "Qwen3" => Self::Qwen3,
             "Qwen2Moe" => Self::Qwen2Moe,
+            "Qwen3Moe" => Self::Qwen3Moe,
             _ => return None,
         };
         Some((family, suffix))
@@ -133,16 +152,17 @@ pub struct HfModelConfig {
     pub dtype: WeightDtype,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// Mixture of experts (Qwen2-MoE).
+    /// Mixture of experts (Qwen2-MoE, Qwen3-MoE).
     pub moe: Option<MoeConfig>,
 }
 
-/// Qwen2-MoE's expert settings.
+/// The expert settings of Qwen2-MoE and Qwen3-MoE.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
     pub num_experts_per_tok: usize,
     pub moe_intermediate_size: usize,
+    /// The shared expert's width (Qwen2-MoE); 0: no shared expert (Qwen3-MoE).
     pub shared_expert_intermediate_size: usize,
     /// Renormalise the top-k routing weights to sum to 1.
     pub norm_topk_prob: bool,
@@ -367,7 +387,9 @@ impl HfModelConfig {
         let attention_bias = r.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match architecture {
             Architecture::Qwen2 | Architecture::Qwen2Moe => (true, false),
-            Architecture::Llama | Architecture::Qwen3 => (attention_bias, attention_bias),
+            Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+                (attention_bias, attention_bias)
+            }
         };
 
         let moe = moe_of(&r, architecture)?;
@@ -425,6 +447,7 @@ impl HfModelConfig {
             Architecture::Llama => ("Llama", "llama"),
             Architecture::Qwen3 => ("Qwen3", "qwen3"),
             Architecture::Qwen2Moe => ("Qwen2Moe", "qwen2_moe"),
+            Architecture::Qwen3Moe => ("Qwen3Moe", "qwen3_moe"),
         };
         let (suffix, num_labels) = match self.head {
             HeadKind::CausalLm => ("ForCausalLM", None),
@@ -477,7 +500,10 @@ impl HfModelConfig {
             self.max_position_embeddings.into(),
         );
         put("tie_word_embeddings", self.tie_word_embeddings.into());
-        if matches!(self.architecture, Architecture::Llama | Architecture::Qwen3) {
+        if matches!(
+            self.architecture,
+            Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe
+        ) {
             put("attention_bias", self.qkv_bias.into());
         }
         put(
@@ -505,10 +531,12 @@ impl HfModelConfig {
             put("num_experts", moe.num_experts.into());
             put("num_experts_per_tok", moe.num_experts_per_tok.into());
             put("moe_intermediate_size", moe.moe_intermediate_size.into());
-            put(
-                "shared_expert_intermediate_size",
-                moe.shared_expert_intermediate_size.into(),
-            );
+            if self.architecture == Architecture::Qwen2Moe {
+                put(
+                    "shared_expert_intermediate_size",
+                    moe.shared_expert_intermediate_size.into(),
+                );
+            }
             put("norm_topk_prob", moe.norm_topk_prob.into());
             put("decoder_sparse_step", moe.decoder_sparse_step.into());
             put("mlp_only_layers", moe.mlp_only_layers.clone().into());
@@ -722,9 +750,9 @@ fn weight_dtype_of(r: &Reader<'_>) -> Result<WeightDtype, MegatronError> {
     Ok(dtype)
 }
 
-/// Qwen2-MoE's expert settings (`None` for the dense architectures).
+/// The expert settings of Qwen2-MoE and Qwen3-MoE (`None` for the dense architectures).
 fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig>, MegatronError> {
-    let moe = if architecture == Architecture::Qwen2Moe {
+    let moe = if architecture.is_moe() {
         let mlp_only_layers = match r.get("mlp_only_layers") {
             None => Vec::new(),
             Some(Value::Array(a)) => a
@@ -738,11 +766,21 @@ fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig
                 .collect::<Result<_, _>>()?,
             Some(v) => return Err(r.err("mlp_only_layers", format!("must be a list, got {v}"))),
         };
+        // transformers 5.17 writes Qwen3-MoE's count as `num_local_experts` (Mixtral's name);
+        // the Hub's checkpoints and later versions write `num_experts`.
+        let experts_field = match (r.get("num_experts"), r.get("num_local_experts")) {
+            (None, Some(_)) => "num_local_experts",
+            _ => "num_experts",
+        };
         let moe = MoeConfig {
-            num_experts: r.usize("num_experts")?,
+            num_experts: r.usize(experts_field)?,
             num_experts_per_tok: r.usize("num_experts_per_tok")?,
             moe_intermediate_size: r.usize("moe_intermediate_size")?,
-            shared_expert_intermediate_size: r.usize("shared_expert_intermediate_size")?,
+            // Qwen3-MoE has no shared expert (0: none).
+            shared_expert_intermediate_size: match architecture {
+                Architecture::Qwen2Moe => r.usize("shared_expert_intermediate_size")?,
+                _ => 0,
+            },
             norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
             decoder_sparse_step: r.usize_or("decoder_sparse_step", 1)?.max(1),
             mlp_only_layers,

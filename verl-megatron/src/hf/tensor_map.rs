@@ -1,7 +1,7 @@
 //! The Hugging Face tensor names and shapes of each architecture: one table shared by loading,
 //! saving and per-tensor export to the rollout engine.
 
-use super::config::{Architecture, HeadKind, HfModelConfig};
+use super::config::{HeadKind, HfModelConfig};
 
 /// One tensor a checkpoint of the architecture holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +42,7 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
         if cfg.o_bias {
             out.push(spec(format!("{p}.self_attn.o_proj.bias"), vec![h]));
         }
-        if cfg.architecture == Architecture::Qwen3 {
+        if cfg.architecture.has_qk_norm() {
             out.push(spec(format!("{p}.self_attn.q_norm.weight"), vec![hd]));
             out.push(spec(format!("{p}.self_attn.k_norm.weight"), vec![hd]));
         }
@@ -64,15 +64,17 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
                         moe.moe_intermediate_size,
                     );
                 }
-                mlp(
-                    &mut out,
-                    format!("{p}.mlp.shared_expert"),
-                    moe.shared_expert_intermediate_size,
-                );
-                out.push(spec(
-                    format!("{p}.mlp.shared_expert_gate.weight"),
-                    vec![1, h],
-                ));
+                if moe.shared_expert_intermediate_size > 0 {
+                    mlp(
+                        &mut out,
+                        format!("{p}.mlp.shared_expert"),
+                        moe.shared_expert_intermediate_size,
+                    );
+                    out.push(spec(
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        vec![1, h],
+                    ));
+                }
             }
             _ => mlp(&mut out, format!("{p}.mlp"), cfg.intermediate_size),
         }

@@ -31,17 +31,19 @@ use super::mlp::SwiGlu;
 use crate::layers::ColumnParallelLinear;
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
-/// Qwen2-MoE's block: a softmax router picks the top-k experts per token (weights renormalised
-/// when `norm_topk_prob`), plus a shared expert scaled by a sigmoid gate.
+/// Qwen2-MoE's and Qwen3-MoE's block: a softmax router picks the top-k experts per token
+/// (weights renormalised when `norm_topk_prob`), plus, in Qwen2-MoE, a shared expert scaled by a
+/// sigmoid gate.
 #[derive(Module, Debug)]
 pub struct SparseMoe<B: Backend> {
     /// Router `[experts, hidden]`, replicated on every rank.
     pub gate: ColumnParallelLinear<B>,
     /// This ep rank's routed experts: global ids `first_expert..first_expert + experts.len()`.
     pub experts: Vec<SwiGlu<B>>,
-    pub shared_expert: SwiGlu<B>,
-    /// `[1, hidden]`.
-    pub shared_expert_gate: ColumnParallelLinear<B>,
+    /// Qwen2-MoE's shared expert (`None` in Qwen3-MoE, which has none).
+    pub shared_expert: Option<SwiGlu<B>>,
+    /// Its gate `[1, hidden]` (present with the shared expert).
+    pub shared_expert_gate: Option<ColumnParallelLinear<B>>,
     pub top_k: usize,
     pub norm_topk_prob: bool,
     /// Routed experts in the whole model.
@@ -321,10 +323,14 @@ impl<B: ParallelBackend> SparseMoe<B> {
         (prob_sums * counts).sum() * scale / tokens.powi_scalar(2)
     }
 
-    /// The shared expert scaled by its gate (partial over tp).
+    /// The shared expert scaled by its gate (partial over tp); zeros without one.
     fn shared(&self, tokens: Tensor<B, 2>) -> Tensor<B, 2> {
-        self.shared_expert.forward_partial(tokens.clone())
-            * sigmoid(self.shared_expert_gate.forward(tokens))
+        match (&self.shared_expert, &self.shared_expert_gate) {
+            (Some(expert), Some(gate)) => {
+                expert.forward_partial(tokens.clone()) * sigmoid(gate.forward(tokens))
+            }
+            _ => tokens.zeros_like(),
+        }
     }
 
     /// Every expert on every token, weighted by its (mostly zero) routing weight: the exact

@@ -422,11 +422,13 @@ fn push_layer<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: &str, layer: &Decode
                 let e = m.first_expert + e;
                 push_swiglu(out, format!("{p}.mlp.experts.{e}"), expert);
             }
-            push_swiglu(out, format!("{p}.mlp.shared_expert"), &m.shared_expert);
-            out.push(NamedTensor::new(
-                format!("{p}.mlp.shared_expert_gate.weight"),
-                m.shared_expert_gate.weight.val(),
-            ));
+            if let (Some(expert), Some(gate)) = (&m.shared_expert, &m.shared_expert_gate) {
+                push_swiglu(out, format!("{p}.mlp.shared_expert"), expert);
+                out.push(NamedTensor::new(
+                    format!("{p}.mlp.shared_expert_gate.weight"),
+                    gate.weight.val(),
+                ));
+            }
         }
     }
 }

@@ -10,7 +10,7 @@ use burn::prelude::*;
 use verl_core::NamedTensor;
 
 use crate::error::MegatronError;
-use crate::hf::{hf_tensor_specs, Architecture, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
+use crate::hf::{hf_tensor_specs, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
 use crate::layers::precision::ComputeDtype;
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
@@ -517,7 +517,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
     /// The attention block at `a`, its heads split over tp.
     fn attention(&self, a: &str) -> Result<Attention<B>, MegatronError> {
         let (cfg, tp) = (self.cfg, &self.groups.tp);
-        let qk_norm = cfg.architecture == Architecture::Qwen3;
+        let qk_norm = cfg.architecture.has_qk_norm();
         let head_norm = |which: &str| -> Result<Option<RmsNorm<B>>, MegatronError> {
             qk_norm
                 .then(|| self.norm(&format!("{a}.{which}.weight")))
@@ -549,13 +549,19 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
         let local = moe.num_experts / g.ep.size;
         let first = g.ep.rank * local;
         let etp = g.expert_tp();
+        // Qwen2-MoE's shared expert; Qwen3-MoE has none.
+        let shared = moe.shared_expert_intermediate_size > 0;
         Ok(FeedForward::Moe(SparseMoe {
             gate: self.replicated(&format!("{p}.mlp.gate"), false)?,
             experts: (first..first + local)
                 .map(|e| self.swiglu(&format!("{p}.mlp.experts.{e}"), etp))
                 .collect::<Result<_, _>>()?,
-            shared_expert: self.swiglu(&format!("{p}.mlp.shared_expert"), &g.tp)?,
-            shared_expert_gate: self.replicated(&format!("{p}.mlp.shared_expert_gate"), false)?,
+            shared_expert: shared
+                .then(|| self.swiglu(&format!("{p}.mlp.shared_expert"), &g.tp))
+                .transpose()?,
+            shared_expert_gate: shared
+                .then(|| self.replicated(&format!("{p}.mlp.shared_expert_gate"), false))
+                .transpose()?,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
             num_experts: moe.num_experts,

@@ -35,7 +35,7 @@ impl<B: Backend> CausalLm<B> {
         for layer in &mut self.layers {
             if let FeedForward::Moe(m) = &mut layer.mlp {
                 m.gate = m.gate.clone().no_grad();
-                m.shared_expert_gate = m.shared_expert_gate.clone().no_grad();
+                m.shared_expert_gate = m.shared_expert_gate.clone().map(|g| g.no_grad());
             }
         }
         self

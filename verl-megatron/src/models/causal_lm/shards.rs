@@ -265,10 +265,10 @@ impl<B: Backend> CausalLm<B> {
                     return Some(Matrix(&mut m.gate.weight));
                 }
                 if mlp == "shared_expert_gate.weight" {
-                    return Some(Matrix(&mut m.shared_expert_gate.weight));
+                    return Some(Matrix(&mut m.shared_expert_gate.as_mut()?.weight));
                 }
                 if let Some(r) = mlp.strip_prefix("shared_expert.") {
-                    return swiglu_param(&mut m.shared_expert, r);
+                    return swiglu_param(m.shared_expert.as_mut()?, r);
                 }
                 let (e, r) = mlp.strip_prefix("experts.")?.split_once('.')?;
                 let local = e.parse::<usize>().ok()?.checked_sub(m.first_expert)?;

@@ -130,11 +130,11 @@ fn topology_prints_megatron_groups() {
     );
 }
 
-/// `verl generate` on the qwen2 and Qwen3-MoE fixtures: the chat prompt and greedy tokens are
+/// `verl generate` on the qwen2, Qwen3-MoE and Mixtral fixtures: the chat prompt and greedy tokens are
 /// transformers'.
 #[test]
 fn generate_runs_on_a_fixture_and_matches_transformers_greedy() {
-    for name in ["qwen2", "qwen3_moe"] {
+    for name in ["qwen2", "qwen3_moe", "mixtral"] {
         generate_matches_transformers(&format!(
             "{}/verl-megatron/tests/fixtures/{name}",
             env!("CARGO_MANIFEST_DIR")

@@ -344,17 +344,24 @@ fn expert_parallel_trains_as_one() {
     );
 }
 
-/// A Qwen3-MoE checkpoint from Hugging Face (the transformers fixture: q/k norms, 4 routed
-/// experts with renormalised weights, no shared expert, layer 1 dense) trains with GRPO from
-/// its path, its own tokenizer and chat template; on tp = 2 × ep = 2 (etp = 1) it logs the
-/// single rank's metrics.
+/// Qwen3-MoE and Mixtral checkpoints from Hugging Face (the transformers fixtures: q/k norms, 4
+/// routed experts with renormalised weights, no shared expert, layer 1 dense; Llama attention
+/// and experts stored as `block_sparse_moe.*.w1/w3/w2`) train with GRPO from their paths, their
+/// own tokenizers and chat templates; on tp = 2 × ep = 2 (etp = 1) each logs the single rank's
+/// metrics.
 #[test]
-fn a_qwen3_moe_checkpoint_trains_and_expert_parallel_matches_one_rank() {
+fn qwen3_moe_and_mixtral_checkpoints_train_and_expert_parallel_matches_one_rank() {
+    for name in ["qwen3_moe", "mixtral"] {
+        moe_checkpoint_trains_as_one_rank(name);
+    }
+}
+
+fn moe_checkpoint_trains_as_one_rank(name: &str) {
     use verl::trainer::data::PromptRow;
     use verl::trainer::PpoTrainer;
-    let fixture = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/verl-megatron/tests/fixtures/qwen3_moe"
+    let fixture = format!(
+        "{}/verl-megatron/tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
     );
     let train = |layout: &[&str]| {
         let dir = tempfile::tempdir().unwrap();
@@ -371,7 +378,7 @@ fn a_qwen3_moe_checkpoint_trains_and_expert_parallel_matches_one_rank() {
                 "actor_rollout_ref.actor.use_kl_loss=true",
             ])
             .overrides(layout.iter().copied())
-            .set("actor_rollout_ref.model.path", fixture)
+            .set("actor_rollout_ref.model.path", &fixture)
             .set("trainer.default_local_dir", dir.path().display())
             .resolve()
             .unwrap();
@@ -415,7 +422,7 @@ fn a_qwen3_moe_checkpoint_trains_and_expert_parallel_matches_one_rank() {
     common::assert_same_metrics(
         &drop_peak(one),
         &drop_peak(many),
-        "Qwen3-MoE tp = 2 × ep = 2",
+        &format!("{name} tp = 2 × ep = 2"),
     );
 }
 

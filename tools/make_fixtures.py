@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the tiny Hugging Face checkpoints that verl-megatron's model tests compare against.
 
-For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE, Qwen3-MoE) it creates a
+For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE, Qwen3-MoE,
+Mixtral) it creates a
 randomly initialised model with `transformers`, saves it in HF layout (config.json,
 model.safetensors or shards + index, generation_config.json, a tiny BPE tokenizer with a
 Qwen-style chat template), and records reference outputs in `reference.safetensors`
@@ -28,6 +29,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -222,6 +225,23 @@ def main():
     )
     randomize(qwen3_moe, 0.2)
     write(qwen3_moe, "qwen3_moe", out, tok)
+
+    # Mixtral: Llama's attention, 4 experts of intermediate_size in every layer, top-2 weights
+    # renormalised, stored as block_sparse_moe.experts.{e}.w1/w3/w2.
+    torch.manual_seed(4)
+    mixtral = MixtralForCausalLM(
+        MixtralConfig(
+            **COMMON,
+            rope_theta=1000000.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    )
+    randomize(mixtral, 0.2)
+    write(mixtral, "mixtral", out, tok)
 
     # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
     # makes transformers pool the last token that is not 0 (every token here).

@@ -127,6 +127,12 @@ fn unsupported_values_are_refused_by_field_name() {
     );
     assert!(e.contains("num_experts_per_tok"), "{e}");
     assert!(e.contains("m/config.json"), "names the file: {e}");
+    // Mixtral with Mistral's sliding window, or with router jitter.
+    let mixtral = r#""architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2"#;
+    let e = refused(&format!(r#"{mixtral}, "sliding_window": 4096"#));
+    assert!(e.contains("sliding_window") && e.contains("null"), "{e}");
+    let e = refused(&format!(r#"{mixtral}, "router_jitter_noise": 0.01"#));
+    assert!(e.contains("router_jitter_noise"), "{e}");
     let missing = HfModelConfig::from_dir(fixture("does_not_exist")).unwrap_err();
     assert!(matches!(missing, MegatronError::Io { .. }));
 }
@@ -181,6 +187,7 @@ fn written_config_json_reads_back_unchanged() {
         "qwen2_value",
         "qwen3",
         "qwen3_moe",
+        "mixtral",
     ] {
         let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();
         let json = cfg.to_config_json();

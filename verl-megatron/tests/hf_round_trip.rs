@@ -28,6 +28,7 @@ fn every_architecture_round_trips_bit_exactly() {
         "qwen3",
         "qwen2_moe",
         "qwen3_moe",
+        "mixtral",
     ] {
         let src = fixture(name);
         let (cfg, original, model) = load(&src);
@@ -114,4 +115,36 @@ fn bf16_saves_round_to_bf16_and_record_the_dtype() {
     let raw = read_config_json(out4.path()).unwrap();
     assert_eq!(raw["torch_dtype"], "float32");
     assert!(raw.get("dtype").is_none());
+}
+
+/// A Mixtral is read under the decoder's names and written back under its own
+/// (`block_sparse_moe.experts.{e}.w1/w3/w2`): the saved file names exactly the tensors
+/// transformers wrote.
+#[test]
+fn a_mixtral_saves_under_its_own_tensor_names() {
+    let src = fixture("mixtral");
+    let (_, _, model) = load(&src);
+    let out = tempfile::tempdir().unwrap();
+    save_pretrained(
+        &model.export_weights(),
+        &read_config_json(&src).unwrap(),
+        out.path(),
+        SaveOptions {
+            dtype: WeightDtype::F32,
+            max_shard_bytes: usize::MAX,
+        },
+    )
+    .unwrap();
+    let stored_names = |path: &Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+        names.sort();
+        names
+    };
+    let saved = stored_names(&out.path().join("model.safetensors"));
+    assert!(saved
+        .iter()
+        .any(|n| n.ends_with("block_sparse_moe.experts.3.w2.weight")));
+    assert_eq!(saved, stored_names(&src.join("model.safetensors")));
 }

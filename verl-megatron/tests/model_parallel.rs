@@ -1005,6 +1005,7 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
         ("qwen2_moe", 2, 1, 2, 1, 1),
         ("qwen2_moe", 2, 2, 2, 2, 2),
         ("qwen3_moe", 2, 2, 2, 1, 1),
+        ("mixtral", 2, 1, 2, 1, 2),
     ] {
         let dir = fixtures.join(name);
         let cfg = HfModelConfig::from_dir(&dir).unwrap();

@@ -185,3 +185,23 @@ fn qwen3_moe_matches_transformers() {
     check_logits("qwen3_moe");
     check_greedy("qwen3_moe");
 }
+
+#[test]
+fn mixtral_matches_transformers() {
+    // Llama's attention, 4 experts of intermediate_size in both layers, top-2 renormalised,
+    // stored as block_sparse_moe.experts.{e}.w1/w3/w2 (renamed on load).
+    let cfg = HfModelConfig::from_dir(fixture("mixtral")).unwrap();
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(cfg.architecture, verl_megatron::hf::Architecture::Mixtral);
+    assert_eq!(
+        (
+            moe.num_experts,
+            moe.moe_intermediate_size,
+            moe.shared_expert_intermediate_size
+        ),
+        (4, 64, 0)
+    );
+    assert!(moe.norm_topk_prob && moe.is_moe_layer(0) && moe.is_moe_layer(1));
+    check_logits("mixtral");
+    check_greedy("mixtral");
+}

@@ -296,8 +296,9 @@ impl HfCheckpoint {
             let base = 8 + header_len;
             for (tname, info) in meta.tensors() {
                 let (s, e) = info.data_offsets;
+                // Stored names the decoder calls otherwise (Mixtral's experts) are renamed.
                 entries.insert(
-                    tname,
+                    super::names::to_decoder_name(&tname).into_owned(),
                     Entry {
                         file: i,
                         dtype: info.dtype,

@@ -33,6 +33,10 @@ pub enum Architecture {
     /// `Qwen3MoeForCausalLM`: Qwen3's attention (RMSNorm on q and k per head) and top-k routed
     /// experts without a shared expert.
     Qwen3Moe,
+    /// `MixtralForCausalLM`: Llama's attention and in every layer `num_local_experts` experts
+    /// of `intermediate_size`, top-k weights renormalised, no shared expert (its tensors are
+    /// named `block_sparse_moe.*` and `w1`/`w3`/`w2`: `hf::names`).
+    Mixtral,
 }
 
 /// What sits on top of the decoder.
@@ -69,7 +73,7 @@ impl HeadKind {
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe and Qwen3Moe, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe and Mixtral, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
 
     /// Whether attention normalises q and k per head (Qwen3's `q_norm` / `k_norm`).
     ///
@@ -83,7 +87,7 @@ impl Architecture {
 
     /// Whether the MLP is a mixture of experts.
     pub fn is_moe(self) -> bool {
-        matches!(self, Self::Qwen2Moe | Self::Qwen3Moe)
+        matches!(self, Self::Qwen2Moe | Self::Qwen3Moe | Self::Mixtral)
     }
 
     /// The family and the head kind's suffix of an `architectures` entry.
@@ -100,6 +104,7 @@ impl Architecture {
             "Qwen3" => Self::Qwen3,
             "Qwen2Moe" => Self::Qwen2Moe,
             "Qwen3Moe" => Self::Qwen3Moe,
+            "Mixtral" => Self::Mixtral,
             _ => return None,
         };
         Some((family, suffix))
@@ -380,6 +385,9 @@ impl HfModelConfig {
         let r = Reader { path, map };
         let (architecture, head) = architecture_of(&r)?;
         refuse_unsupported_layers(&r)?;
+        if architecture == Architecture::Mixtral {
+            refuse_unsupported_mixtral(&r)?;
+        }
         let (hidden_size, num_attention_heads, num_key_value_heads, head_dim) =
             attention_sizes(&r)?;
         let (rope_theta, rope_scaling) = rope_of(&r)?;
@@ -390,6 +398,7 @@ impl HfModelConfig {
             Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 (attention_bias, attention_bias)
             }
+            Architecture::Mixtral => (false, false),
         };
 
         let moe = moe_of(&r, architecture)?;
@@ -448,6 +457,7 @@ impl HfModelConfig {
             Architecture::Qwen3 => ("Qwen3", "qwen3"),
             Architecture::Qwen2Moe => ("Qwen2Moe", "qwen2_moe"),
             Architecture::Qwen3Moe => ("Qwen3Moe", "qwen3_moe"),
+            Architecture::Mixtral => ("Mixtral", "mixtral"),
         };
         let (suffix, num_labels) = match self.head {
             HeadKind::CausalLm => ("ForCausalLM", None),
@@ -527,7 +537,12 @@ impl HfModelConfig {
             [one] => put("eos_token_id", (*one).into()),
             many => put("eos_token_id", many.to_vec().into()),
         }
-        if let Some(moe) = &self.moe {
+        if let (Some(moe), Architecture::Mixtral) = (&self.moe, self.architecture) {
+            // Mixtral's own keys: its experts are `intermediate_size` wide.
+            put("num_local_experts", moe.num_experts.into());
+            put("num_experts_per_tok", moe.num_experts_per_tok.into());
+            put("sliding_window", Value::Null);
+        } else if let Some(moe) = &self.moe {
             put("num_experts", moe.num_experts.into());
             put("num_experts_per_tok", moe.num_experts_per_tok.into());
             put("moe_intermediate_size", moe.moe_intermediate_size.into());
@@ -613,6 +628,26 @@ fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
     }
     if r.bool_or("mlp_bias", false)? {
         return Err(r.err("mlp_bias", "MLP biases are not supported"));
+    }
+    Ok(())
+}
+
+/// Mixtral's variants the decoder does not implement: sliding-window attention (Mistral's
+/// `sliding_window`, which Mixtral leaves null) and the router's training-time jitter.
+fn refuse_unsupported_mixtral(r: &Reader<'_>) -> Result<(), MegatronError> {
+    if let Some(window) = r.get("sliding_window") {
+        return Err(r.err(
+            "sliding_window",
+            format!("({window}) sliding-window attention is not supported; set it to null"),
+        ));
+    }
+    if let Some(jitter) = r.f64_in(r.map, "router_jitter_noise")? {
+        if jitter != 0.0 {
+            return Err(r.err(
+                "router_jitter_noise",
+                format!("({jitter}) router jitter is not supported; set it to 0"),
+            ));
+        }
     }
     Ok(())
 }
@@ -769,21 +804,34 @@ fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig
         // transformers 5.17 writes Qwen3-MoE's count as `num_local_experts` (Mixtral's name);
         // the Hub's checkpoints and later versions write `num_experts`.
         let experts_field = match (r.get("num_experts"), r.get("num_local_experts")) {
+            _ if architecture == Architecture::Mixtral => "num_local_experts",
             (None, Some(_)) => "num_local_experts",
             _ => "num_experts",
         };
         let moe = MoeConfig {
             num_experts: r.usize(experts_field)?,
             num_experts_per_tok: r.usize("num_experts_per_tok")?,
-            moe_intermediate_size: r.usize("moe_intermediate_size")?,
+            // Mixtral's experts are `intermediate_size` wide (it has no dense layers).
+            moe_intermediate_size: match architecture {
+                Architecture::Mixtral => r.usize("intermediate_size")?,
+                _ => r.usize("moe_intermediate_size")?,
+            },
             // Qwen3-MoE has no shared expert (0: none).
             shared_expert_intermediate_size: match architecture {
                 Architecture::Qwen2Moe => r.usize("shared_expert_intermediate_size")?,
                 _ => 0,
             },
-            norm_topk_prob: r.bool_or("norm_topk_prob", false)?,
-            decoder_sparse_step: r.usize_or("decoder_sparse_step", 1)?.max(1),
-            mlp_only_layers,
+            // Mixtral always renormalises its top-k weights, and every layer is sparse.
+            norm_topk_prob: architecture == Architecture::Mixtral
+                || r.bool_or("norm_topk_prob", false)?,
+            decoder_sparse_step: match architecture {
+                Architecture::Mixtral => 1,
+                _ => r.usize_or("decoder_sparse_step", 1)?.max(1),
+            },
+            mlp_only_layers: match architecture {
+                Architecture::Mixtral => Vec::new(),
+                _ => mlp_only_layers,
+            },
         };
         if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
             return Err(r.err(

@@ -5,6 +5,7 @@ pub mod byte_runs;
 pub mod checkpoint;
 pub mod config;
 pub mod hub;
+pub mod names;
 pub mod save;
 pub mod tensor_map;
 pub mod tokenizer;

@@ -97,6 +97,15 @@ pub fn save_pretrained<B: Backend>(
             format!("model-{:05}-of-{:05}.safetensors", k + 1, n)
         }
     };
+    // The stored names of the config's architecture (Mixtral names its experts otherwise).
+    let architecture = config_json["architectures"][0]
+        .as_str()
+        .filter(|a| a.starts_with("Mixtral"))
+        .map(|_| super::Architecture::Mixtral);
+    let stored = |name: &str| match architecture {
+        Some(a) => super::names::to_stored_name(a, name).into_owned(),
+        None => name.to_string(),
+    };
     let mut weight_map = BTreeMap::new();
     let mut total = 0usize;
     for (k, members) in shards.iter().enumerate() {
@@ -105,7 +114,7 @@ pub fn save_pretrained<B: Backend>(
             .map(|&i| {
                 let w = &weights[i];
                 let (dtype, bytes) = encode(w, options.dtype);
-                (w.name.clone(), dtype, w.shape.clone(), bytes)
+                (stored(&w.name), dtype, w.shape.clone(), bytes)
             })
             .collect();
         let views = encoded

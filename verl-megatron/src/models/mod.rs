@@ -1,6 +1,6 @@
 //! Decoder-only language models on burn, built from the parallel-aware [`crate::layers`].
 //!
-//! Qwen2, Llama, Qwen3, Qwen2-MoE and Qwen3-MoE share one decoder ([`CausalLm`]); what differs
+//! Qwen2, Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral share one decoder ([`CausalLm`]); what differs
 //! is set by the config: q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, Llama-3 rope
 //! scaling, tied embeddings, and the expert blocks ([`qwen2_moe::SparseMoe`], with Qwen2-MoE's
 //! shared expert or without, as in Qwen3-MoE).

@@ -31,7 +31,7 @@ use super::mlp::SwiGlu;
 use crate::layers::ColumnParallelLinear;
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
-/// Qwen2-MoE's and Qwen3-MoE's block: a softmax router picks the top-k experts per token
+/// Qwen2-MoE's, Qwen3-MoE's and Mixtral's block: a softmax router picks the top-k experts per token
 /// (weights renormalised when `norm_topk_prob`), plus, in Qwen2-MoE, a shared expert scaled by a
 /// sigmoid gate.
 #[derive(Module, Debug)]

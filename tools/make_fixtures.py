@@ -2,7 +2,7 @@
 """Writes the tiny Hugging Face checkpoints that verl-megatron's model tests compare against.
 
 For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE, Qwen3-MoE,
-Mixtral) it creates a
+Mixtral, Mistral, and Llama / Qwen3 with linear and YaRN rope scaling) it creates a
 randomly initialised model with `transformers`, saves it in HF layout (config.json,
 model.safetensors or shards + index, generation_config.json, a tiny BPE tokenizer with a
 Qwen-style chat template), and records reference outputs in `reference.safetensors`
@@ -29,6 +29,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedTokenizerFast,
@@ -242,6 +244,38 @@ def main():
     )
     randomize(mixtral, 0.2)
     write(mixtral, "mixtral", out, tok)
+
+    # Mistral (v0.2 on: no sliding window), with a head_dim other than hidden / heads as
+    # Mistral-Nemo has.
+    torch.manual_seed(5)
+    mistral = MistralForCausalLM(
+        MistralConfig(**COMMON, head_dim=16, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, attn_implementation="eager")
+    )
+    randomize(mistral, 0.2)
+    write(mistral, "mistral", out, tok)
+
+    # Rope scaling beyond Llama 3's: linear (positions divided by the factor) on Llama, and
+    # YaRN (frequency blend and attention factor) on Qwen3, both past a short original context
+    # so that the scaling moves the logits.
+    torch.manual_seed(6)
+    linear = LlamaForCausalLM(
+        LlamaConfig(**COMMON, rope_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0}, tie_word_embeddings=False, attn_implementation="eager")
+    )
+    randomize(linear, 0.2)
+    write(linear, "llama_rope_linear", out, tok)
+    torch.manual_seed(7)
+    yarn = Qwen3ForCausalLM(
+        Qwen3Config(
+            **COMMON,
+            head_dim=16,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+        )
+    )
+    randomize(yarn, 0.2)
+    write(yarn, "qwen3_yarn", out, tok)
 
     # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
     # makes transformers pool the last token that is not 0 (every token here).

@@ -5,8 +5,8 @@
 //!   shared by load / save / export, saving back in HF layout, the tokenizer and chat template.
 //! - [`layers`]: column / row-parallel linear, vocab-parallel embedding, RMSNorm and rotary
 //!   layers.
-//! - [`models`]: the decoder for Qwen2, Llama (Llama-3 rope scaling), Qwen3, Qwen2-MoE,
-//!   Qwen3-MoE and Mixtral with LM, value and score heads; KV caches (a growing one and the rollout
+//! - [`models`]: the decoder for Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and
+//!   Mixtral (linear, Llama-3 and YaRN rope scaling) with LM, value and score heads; KV caches (a growing one and the rollout
 //!   engine's slot cache); random init; weights replaced one tensor at a time by HF name; a
 //!   plain generation loop.
 //!

@@ -100,22 +100,15 @@ fn refused(patch: &str) -> String {
 
 #[test]
 fn unsupported_values_are_refused_by_field_name() {
-    let e = refused(r#""architectures": ["MistralForCausalLM"]"#);
+    let e = refused(r#""architectures": ["Gemma2ForCausalLM"]"#);
     assert!(
-        e.contains("MistralForCausalLM")
+        e.contains("Gemma2ForCausalLM")
             && e.contains("Qwen2Moe")
             && e.contains("ForSequenceClassification"),
         "{e}"
     );
     let e = refused(r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#);
     assert!(e.contains("use_sliding_window"), "{e}");
-    let e = refused(
-        r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}"#,
-    );
-    assert!(
-        e.contains("rope_scaling.rope_type") && e.contains("yarn"),
-        "{e}"
-    );
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "hidden_act": "gelu""#);
     assert!(e.contains("hidden_act"), "{e}");
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "num_key_value_heads": 3"#);
@@ -133,6 +126,19 @@ fn unsupported_values_are_refused_by_field_name() {
     assert!(e.contains("sliding_window") && e.contains("null"), "{e}");
     let e = refused(&format!(r#"{mixtral}, "router_jitter_noise": 0.01"#));
     assert!(e.contains("router_jitter_noise"), "{e}");
+    // Mistral v0.1's sliding window; the rope types that depend on the sequence length.
+    let e = refused(r#""architectures": ["MistralForCausalLM"], "sliding_window": 4096"#);
+    assert!(e.contains("sliding_window"), "{e}");
+    for rope_type in ["dynamic", "longrope"] {
+        let e = refused(&format!(
+            r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {{"rope_type": "{rope_type}", "factor": 2.0}}"#
+        ));
+        assert!(e.contains(rope_type) && e.contains("yarn"), "{e}");
+    }
+    let e = refused(
+        r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "linear"}"#,
+    );
+    assert!(e.contains("rope_scaling.factor"), "{e}");
     let missing = HfModelConfig::from_dir(fixture("does_not_exist")).unwrap_err();
     assert!(matches!(missing, MegatronError::Io { .. }));
 }
@@ -188,6 +194,9 @@ fn written_config_json_reads_back_unchanged() {
         "qwen3",
         "qwen3_moe",
         "mixtral",
+        "mistral",
+        "llama_rope_linear",
+        "qwen3_yarn",
     ] {
         let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();
         let json = cfg.to_config_json();

@@ -29,6 +29,8 @@ fn every_architecture_round_trips_bit_exactly() {
         "qwen2_moe",
         "qwen3_moe",
         "mixtral",
+        "mistral",
+        "qwen3_yarn",
     ] {
         let src = fixture(name);
         let (cfg, original, model) = load(&src);

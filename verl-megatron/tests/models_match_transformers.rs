@@ -205,3 +205,38 @@ fn mixtral_matches_transformers() {
     check_logits("mixtral");
     check_greedy("mixtral");
 }
+
+#[test]
+fn mistral_matches_transformers() {
+    // Llama's layers without biases, head_dim 16 against hidden / heads = 8 (as Mistral-Nemo),
+    // no sliding window.
+    let cfg = HfModelConfig::from_dir(fixture("mistral")).unwrap();
+    assert_eq!(cfg.architecture, verl_megatron::hf::Architecture::Mistral);
+    assert_eq!(cfg.head_dim, 16);
+    check_logits("mistral");
+    check_greedy("mistral");
+}
+
+#[test]
+fn linear_and_yarn_rope_scaling_match_transformers() {
+    use verl_megatron::hf::RopeScaling;
+    let linear = HfModelConfig::from_dir(fixture("llama_rope_linear")).unwrap();
+    assert_eq!(linear.rope_scaling, RopeScaling::Linear { factor: 4.0 });
+    check_logits("llama_rope_linear");
+    check_greedy("llama_rope_linear");
+    let yarn = HfModelConfig::from_dir(fixture("qwen3_yarn")).unwrap();
+    match yarn.rope_scaling {
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } => {
+            assert_eq!((factor, original_max_position_embeddings), (4.0, 64));
+            assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        }
+        other => panic!("{other:?}"),
+    }
+    check_logits("qwen3_yarn");
+    check_greedy("qwen3_yarn");
+}

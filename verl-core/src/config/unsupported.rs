@@ -137,14 +137,14 @@ fn model_options(
         &format!("{prefix}.external_lib"),
         external_lib,
         "no Python modules are imported",
-        "remove it; Qwen2, Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral load natively",
+        "remove it; Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral load natively",
     )?;
     require(
         !trust_remote_code,
         &format!("{prefix}.trust_remote_code"),
         trust_remote_code,
         "no model code from the checkpoint is run",
-        "set it to false; Qwen2, Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral load natively",
+        "set it to false; Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral load natively",
     )?;
     if let Some(on) = gradient_checkpointing {
         require(

@@ -33,6 +33,9 @@ pub enum Architecture {
     /// `Qwen3MoeForCausalLM`: Qwen3's attention (RMSNorm on q and k per head) and top-k routed
     /// experts without a shared expert.
     Qwen3Moe,
+    /// `MistralForCausalLM`: Llama's layers without biases, an explicit head_dim (Mistral-Nemo),
+    /// no sliding window (v0.2 on).
+    Mistral,
     /// `MixtralForCausalLM`: Llama's attention and in every layer `num_local_experts` experts
     /// of `intermediate_size`, top-k weights renormalised, no shared expert (its tensors are
     /// named `block_sparse_moe.*` and `w1`/`w3`/`w2`: `hf::names`).
@@ -73,7 +76,7 @@ impl HeadKind {
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe and Mixtral, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe, Mistral and Mixtral, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
 
     /// Whether attention normalises q and k per head (Qwen3's `q_norm` / `k_norm`).
     ///
@@ -104,6 +107,7 @@ impl Architecture {
             "Qwen3" => Self::Qwen3,
             "Qwen2Moe" => Self::Qwen2Moe,
             "Qwen3Moe" => Self::Qwen3Moe,
+            "Mistral" => Self::Mistral,
             "Mixtral" => Self::Mixtral,
             _ => return None,
         };
@@ -111,11 +115,26 @@ impl Architecture {
     }
 }
 
-/// Rotary-embedding frequency scaling.
+/// Rotary-embedding frequency scaling (transformers' `rope_type`s that do not depend on the
+/// sequence length: `dynamic` and `longrope` are refused).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
     /// Plain RoPE.
     Default,
+    /// Every frequency divided by `factor` (positions interpolated).
+    Linear { factor: f64 },
+    /// YaRN: frequencies blended between interpolated (`/ factor`) and original along a ramp
+    /// over the dimensions whose wavelengths fit `original_max_position_embeddings` between
+    /// `beta_slow` and `beta_fast` rotations (ends rounded outwards when `truncate`); cos and sin
+    /// scaled by `attention_factor` (so attention scores by its square).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
     /// Llama 3.1's scaling of low frequencies.
     Llama3 {
         factor: f64,
@@ -385,8 +404,8 @@ impl HfModelConfig {
         let r = Reader { path, map };
         let (architecture, head) = architecture_of(&r)?;
         refuse_unsupported_layers(&r)?;
-        if architecture == Architecture::Mixtral {
-            refuse_unsupported_mixtral(&r)?;
+        if matches!(architecture, Architecture::Mistral | Architecture::Mixtral) {
+            refuse_unsupported_mistral(&r)?;
         }
         let (hidden_size, num_attention_heads, num_key_value_heads, head_dim) =
             attention_sizes(&r)?;
@@ -398,7 +417,7 @@ impl HfModelConfig {
             Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 (attention_bias, attention_bias)
             }
-            Architecture::Mixtral => (false, false),
+            Architecture::Mistral | Architecture::Mixtral => (false, false),
         };
 
         let moe = moe_of(&r, architecture)?;
@@ -457,6 +476,7 @@ impl HfModelConfig {
             Architecture::Qwen3 => ("Qwen3", "qwen3"),
             Architecture::Qwen2Moe => ("Qwen2Moe", "qwen2_moe"),
             Architecture::Qwen3Moe => ("Qwen3Moe", "qwen3_moe"),
+            Architecture::Mistral => ("Mistral", "mistral"),
             Architecture::Mixtral => ("Mixtral", "mixtral"),
         };
         let (suffix, num_labels) = match self.head {
@@ -491,6 +511,25 @@ impl HfModelConfig {
             "rope_scaling",
             match self.rope_scaling {
                 RopeScaling::Default => Value::Null,
+                RopeScaling::Linear { factor } => {
+                    serde_json::json!({ "rope_type": "linear", "factor": factor })
+                }
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings,
+                    beta_fast,
+                    beta_slow,
+                    attention_factor,
+                    truncate,
+                } => serde_json::json!({
+                    "rope_type": "yarn",
+                    "factor": factor,
+                    "original_max_position_embeddings": original_max_position_embeddings,
+                    "beta_fast": beta_fast,
+                    "beta_slow": beta_slow,
+                    "attention_factor": attention_factor,
+                    "truncate": truncate,
+                }),
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -526,6 +565,9 @@ impl HfModelConfig {
             .into(),
         );
         put("use_sliding_window", false.into());
+        if self.architecture == Architecture::Mistral {
+            put("sliding_window", Value::Null);
+        }
         if let Some(n) = num_labels {
             put("num_labels", n.into());
         }
@@ -632,9 +674,9 @@ fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
     Ok(())
 }
 
-/// Mixtral's variants the decoder does not implement: sliding-window attention (Mistral's
-/// `sliding_window`, which Mixtral leaves null) and the router's training-time jitter.
-fn refuse_unsupported_mixtral(r: &Reader<'_>) -> Result<(), MegatronError> {
+/// Mistral's and Mixtral's variants the decoder does not implement: sliding-window attention
+/// (`sliding_window`, null from Mistral v0.2 and in Mixtral) and Mixtral's router jitter.
+fn refuse_unsupported_mistral(r: &Reader<'_>) -> Result<(), MegatronError> {
     if let Some(window) = r.get("sliding_window") {
         return Err(r.err(
             "sliding_window",
@@ -713,8 +755,72 @@ fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
         .or(rope_map.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
+    // An optional positive setting of the scaling (transformers treats 0 and null as unset).
+    let optional = |f: &str| -> Result<Option<f64>, MegatronError> {
+        match r.f64_in(&rope_map, f)? {
+            None => Ok(None),
+            Some(0.0) => Ok(None),
+            Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
+            Some(v) => Err(r.err(
+                &format!("rope_scaling.{f}"),
+                format!("({v}) must be a positive number"),
+            )),
+        }
+    };
+    let factor = || -> Result<f64, MegatronError> {
+        optional("factor")?.ok_or_else(|| {
+            r.err(
+                "rope_scaling.factor",
+                format!("is required for {rope_type} rope scaling (a positive number)"),
+            )
+        })
+    };
     let rope_scaling = match rope_type {
         "default" => RopeScaling::Default,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "yarn" => {
+            let factor = factor()?;
+            let original = match optional("original_max_position_embeddings")? {
+                Some(v) => v as usize,
+                None => r.usize("max_position_embeddings")?,
+            };
+            // transformers' default: 0.1 ln(factor) + 1, or the ratio of two such terms
+            // (DeepSeek's `mscale` / `mscale_all_dim`).
+            let mscale = |m: f64| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                optional("attention_factor")?,
+                optional("mscale")?,
+                optional("mscale_all_dim")?,
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) => mscale(m) / mscale(all),
+                _ => mscale(1.0),
+            };
+            let truncate = match rope_map.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => {
+                    return Err(r.err(
+                        "rope_scaling.truncate",
+                        format!("must be true or false, got {v}"),
+                    ))
+                }
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: optional("beta_fast")?.unwrap_or(32.0),
+                beta_slow: optional("beta_slow")?.unwrap_or(1.0),
+                attention_factor,
+                truncate,
+            }
+        }
         "llama3" => {
             let need = |f: &str| -> Result<f64, MegatronError> {
                 r.f64_in(&rope_map, f)?.ok_or_else(|| {
@@ -753,7 +859,7 @@ fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
         other => {
             return Err(r.err(
                 "rope_scaling.rope_type",
-                format!("`{other}` is not supported; supported: default, llama3"),
+                format!("`{other}` is not supported; supported: default, linear, llama3, yarn"),
             ))
         }
     };

@@ -1,9 +1,10 @@
 //! Decoder-only language models on burn, built from the parallel-aware [`crate::layers`].
 //!
-//! Qwen2, Llama, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral share one decoder ([`CausalLm`]); what differs
-//! is set by the config: q/k/v (and o) biases, Qwen3's per-head q/k RMSNorm, Llama-3 rope
-//! scaling, tied embeddings, and the expert blocks ([`qwen2_moe::SparseMoe`], with Qwen2-MoE's
-//! shared expert or without, as in Qwen3-MoE).
+//! Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral share one decoder
+//! ([`CausalLm`]); what differs is set by the config: q/k/v (and o) biases, Qwen3's per-head
+//! q/k RMSNorm, rope scaling (linear, Llama 3, YaRN), tied embeddings, and the expert blocks
+//! ([`qwen2_moe::SparseMoe`], with Qwen2-MoE's shared expert or without, as in Qwen3-MoE and
+//! Mixtral).
 
 pub mod attention;
 pub mod causal_lm;

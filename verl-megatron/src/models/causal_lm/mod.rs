@@ -44,7 +44,7 @@ pub struct DecoderLayer<B: Backend> {
     pub mlp: FeedForward<B>,
 }
 
-/// A decoder-only LM (Qwen2, Llama, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral) on one tensor-parallel rank.
+/// A decoder-only LM (Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE, Mixtral) on one tensor-parallel rank.
 ///
 /// With tp > 1 the outputs of [`Self::forward`] and [`Self::forward_window`] are this rank's
 /// vocabulary shard of the logits (`[batch, seq, vocab / tp]`, ids from

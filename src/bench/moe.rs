@@ -10,7 +10,7 @@ use verl::backend::{DefaultAutodiff, DefaultBackend};
 use verl::megatron::hf::{Architecture, HfModelConfig, MoeConfig, Qwen2Dims};
 use verl::megatron::layers::precision::{self, ComputeDtype};
 use verl::megatron::models::feed_forward::FeedForward;
-use verl::megatron::models::qwen2_moe::SparseMoe;
+use verl::megatron::models::sparse_moe::SparseMoe;
 use verl::megatron::models::CausalLm;
 use verl::megatron::parallel::ParallelBackend;
 

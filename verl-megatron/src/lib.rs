@@ -20,8 +20,8 @@
 //!   of a topology, the tensor / sequence-parallel region operators (custom autodiff
 //!   operations running the conjugate collective backward), context parallel's load-balanced
 //!   sequence split ([`parallel::ContextSplit`]), the expert-parallel all-to-all, and the
-//!   pipeline stage split and 1F1B schedule. Qwen2-MoE's token dispatch lives with its block
-//!   ([`models::qwen2_moe`]).
+//!   pipeline stage split and 1F1B schedule. The MoE token dispatch lives with its block
+//!   ([`models::sparse_moe`]).
 
 pub mod checkpoint;
 #[cfg(feature = "cuda")]

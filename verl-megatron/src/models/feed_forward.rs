@@ -4,7 +4,7 @@ use burn::module::Module;
 use burn::prelude::*;
 
 use super::mlp::SwiGlu;
-use super::qwen2_moe::SparseMoe;
+use super::sparse_moe::SparseMoe;
 use crate::parallel::ParallelBackend;
 
 /// A decoder layer's feed-forward block.

@@ -3,7 +3,7 @@
 //! Qwen2, Llama, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral share one decoder
 //! ([`CausalLm`]); what differs is set by the config: q/k/v (and o) biases, Qwen3's per-head
 //! q/k RMSNorm, rope scaling (linear, Llama 3, YaRN), tied embeddings, and the expert blocks
-//! ([`qwen2_moe::SparseMoe`], with Qwen2-MoE's shared expert or without, as in Qwen3-MoE and
+//! ([`sparse_moe::SparseMoe`], with Qwen2-MoE's shared expert or without, as in Qwen3-MoE and
 //! Mixtral).
 
 pub mod attention;
@@ -16,8 +16,8 @@ pub mod generation_weights;
 pub mod kv_cache;
 pub mod mlp;
 pub mod packing;
-pub mod qwen2_moe;
 pub mod router_replay;
+pub mod sparse_moe;
 pub mod vocab_parallel;
 
 pub use causal_lm::{tp_split_dim, CausalLm, Recompute, RecomputeMethod, WeightBucket};

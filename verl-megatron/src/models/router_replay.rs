@@ -7,7 +7,7 @@
 //! gradient, as in Megatron's replay.
 //!
 //! A scope covers one closure on the calling thread ([`record_routing`], [`replay_routing`]).
-//! Inside it, every [`super::qwen2_moe::SparseMoe`] reports or takes the choices of its layer
+//! Inside it, every [`super::sparse_moe::SparseMoe`] reports or takes the choices of its layer
 //! (by Hugging Face layer index) for the `[tokens, k]` it routes, in the order the block sees
 //! its tokens; one forward per scope (a layer recorded twice is refused). Activation
 //! recompute keeps the replayed routing of the forward it records and replays it again when

@@ -324,7 +324,7 @@ mod tests {
         use std::sync::Arc;
         use verl_core::backend::CpuBackend as B;
 
-        let cfg = crate::models::qwen2_moe::tiny_config(4, 2, 2);
+        let cfg = crate::models::sparse_moe::tiny_config(4, 2, 2);
         let device = Default::default();
         let model = CausalLm::<B>::init(&cfg, 0.3, 3, &device);
         let proto = |rows: &[usize]| {

@@ -54,7 +54,7 @@ where
         let model = with_fresh_leaves(self.model.clone());
         let run = || {
             crate::models::causal_lm::record_recompute::<B, _>(|| {
-                crate::models::qwen2_moe::collect_aux_losses::<B, _>(|| {
+                crate::models::sparse_moe::collect_aux_losses::<B, _>(|| {
                     inputs.stage_outputs(&model, input)
                 })
             })

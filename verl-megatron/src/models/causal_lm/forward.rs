@@ -196,16 +196,16 @@ impl<B: ParallelBackend> CausalLm<B> {
             let ids = input_ids.select(1, index(local.clone()));
             let positions = positions.select(1, index(local.clone()));
             let window = HeadWindow::Context(split.window(start, len));
-            if crate::models::qwen2_moe::collecting_aux_losses() {
+            if crate::models::sparse_moe::collecting_aux_losses() {
                 let mask = attention_mask_local(&attention_mask, &local, b, &device);
-                crate::models::qwen2_moe::set_aux_token_mask(mask);
+                crate::models::sparse_moe::set_aux_token_mask(mask);
             }
             (ids, positions, AttentionMask::from_bias(bias), window)
         } else {
-            if crate::models::qwen2_moe::collecting_aux_losses() {
+            if crate::models::sparse_moe::collecting_aux_losses() {
                 let all: Vec<usize> = (0..padded).collect();
                 let mask = attention_mask_local(&attention_mask, &all, b, &device);
-                crate::models::qwen2_moe::set_aux_token_mask(mask);
+                crate::models::sparse_moe::set_aux_token_mask(mask);
             }
             let mask = AttentionMask::causal(b, padded, attention_mask, &device);
             (input_ids, positions, mask, HeadWindow::Range(start, len))
@@ -253,9 +253,9 @@ impl<B: ParallelBackend> CausalLm<B> {
                 &packing.segments(padded),
                 &device,
             );
-            if crate::models::qwen2_moe::collecting_aux_losses() {
+            if crate::models::sparse_moe::collecting_aux_losses() {
                 let mask = attention_mask_local(&Some(real()), &local, 1, &device);
-                crate::models::qwen2_moe::set_aux_token_mask(mask);
+                crate::models::sparse_moe::set_aux_token_mask(mask);
             }
             let index = crate::models::index_tensor::<B>(&local, &device);
             (
@@ -265,8 +265,8 @@ impl<B: ParallelBackend> CausalLm<B> {
                 HeadWindow::Context(split.window_at(&packing.window)),
             )
         } else {
-            if crate::models::qwen2_moe::collecting_aux_losses() {
-                crate::models::qwen2_moe::set_aux_token_mask(real().reshape([padded]));
+            if crate::models::sparse_moe::collecting_aux_losses() {
+                crate::models::sparse_moe::set_aux_token_mask(real().reshape([padded]));
             }
             let mask = AttentionMask::packed(packing, padded, &device);
             let (inverse, keep) = packing.window_inverse(padded);

@@ -19,7 +19,7 @@ use crate::models::attention::Attention;
 use crate::models::feed_forward::FeedForward;
 use crate::models::generation_weights::FusedWeights;
 use crate::models::mlp::SwiGlu;
-use crate::models::qwen2_moe::SparseMoe;
+use crate::models::sparse_moe::SparseMoe;
 use crate::parallel::{ModelGroups, ParallelBackend, TpGroup};
 
 /// Where [`CausalLm::from_source`] takes each tensor from, by Hugging Face name.

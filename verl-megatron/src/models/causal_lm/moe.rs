@@ -14,7 +14,7 @@ use crate::parallel::TpGroup;
 impl<B: Backend> CausalLm<B> {
     /// Adds Megatron's load-balancing loss to every MoE block's training forward, weighted by
     /// `coeff` (`moe_aux_loss_coeff`; 0 turns it off). See
-    /// [`crate::models::qwen2_moe::collect_aux_losses`].
+    /// [`crate::models::sparse_moe::collect_aux_losses`].
     pub fn with_moe_aux_loss(mut self, coeff: f64) -> Self {
         if self.config.moe.is_none() {
             return self;

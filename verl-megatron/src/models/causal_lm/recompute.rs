@@ -33,7 +33,7 @@ use super::CausalLm;
 use crate::error::MegatronError;
 use crate::layers::precision;
 use crate::models::attention::{AttentionMask, AttnCache};
-use crate::models::qwen2_moe::{aux_token_mask, collect_aux_losses_masked, collecting_aux_losses};
+use crate::models::sparse_moe::{aux_token_mask, collect_aux_losses_masked, collecting_aux_losses};
 use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend, ParallelBackend};
 
 /// How Megatron picks the layers it recomputes (`recompute_method`).
@@ -406,7 +406,7 @@ mod tests {
         use crate::models::router_replay::{record_routing, replay_routing, Routing};
         use burn::optim::GradientsParams;
         type B = verl_core::backend::CpuAutodiff;
-        let cfg = crate::models::qwen2_moe::tiny_config(4, 2, 2);
+        let cfg = crate::models::sparse_moe::tiny_config(4, 2, 2);
         let device = Default::default();
         let plain = CausalLm::<B>::init(&cfg, 0.3, 3, &device);
         let ids = Tensor::<B, 2, Int>::from_ints([[1, 2, 3, 4]], &device);

@@ -1,5 +1,5 @@
-//! Qwen2-MoE's sparse mixture-of-experts block (the one piece of Qwen2-MoE the shared decoder
-//! does not have), with token dispatch: each routed token goes only to its top-k experts, over
+//! The sparse mixture-of-experts block of Qwen2-MoE, Qwen3-MoE and Mixtral (the one piece of
+//! them the shared decoder does not have), with token dispatch: each routed token goes only to its top-k experts, over
 //! the expert-parallel group when the experts are distributed.
 //!
 //! # How tokens reach the experts

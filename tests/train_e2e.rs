@@ -357,41 +357,13 @@ fn qwen3_moe_and_mixtral_checkpoints_train_and_expert_parallel_matches_one_rank(
 }
 
 fn moe_checkpoint_trains_as_one_rank(name: &str) {
-    use verl::trainer::data::PromptRow;
-    use verl::trainer::PpoTrainer;
-    let fixture = format!(
-        "{}/verl-megatron/tests/fixtures/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    );
     let train = |layout: &[&str]| {
-        let dir = tempfile::tempdir().unwrap();
-        let config = ConfigBuilder::new()
-            .overrides(MAIN_JOB)
-            .overrides([
-                "trainer.total_training_steps=2",
-                "trainer.sft_warmup_steps=0",
-                "trainer.val_before_train=false",
-                "trainer.test_freq=-1",
-                "data.max_prompt_length=32",
-                "data.max_response_length=8",
-                "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
-                "actor_rollout_ref.actor.use_kl_loss=true",
-            ])
-            .overrides(layout.iter().copied())
-            .set("actor_rollout_ref.model.path", &fixture)
-            .set("trainer.default_local_dir", dir.path().display())
-            .resolve()
-            .unwrap();
-        let rows = (0..16).map(|i| {
-            PromptRow::new(
-                format!("{i}+1="),
-                "verl_rs/arithmetic",
-                &(i + 1).to_string(),
-            )
-        });
-        let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
-        let summary = common::fit_trainer(&mut trainer);
-        common::step_lines(&summary.metrics_path)
+        let mut overrides = vec![
+            "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+        ];
+        overrides.extend(layout);
+        train_fixture(name, &overrides)
     };
     let one = train(&[]);
     let steps: Vec<_> = one.iter().filter(|l| l["step"] >= 1.0).collect();
@@ -914,17 +886,20 @@ fn bypass_mode_trains_on_the_rollouts_log_probs() {
     }
 }
 
-/// PPO whose critic starts from a causal LM (`critic.model.path`, verl's way: the LM's backbone
-/// under a new value head; `verl-megatron/tests/heads.rs` checks the weights), on the qwen2
-/// fixture as both actor and critic: it trains, and its value loss is a number.
-#[test]
-fn a_critic_from_an_lm_path_trains() {
+/// A committed Hugging Face fixture's directory (`verl-megatron/tests/fixtures/{name}`).
+fn fixture_dir(name: &str) -> String {
+    format!(
+        "{}/verl-megatron/tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// Two steps from scratch on a fixture's model, tokenizer and chat template
+/// (`actor_rollout_ref.model.path`), over 16 arithmetic prompts (responses of up to 8 tokens),
+/// with `overrides` on top: the run's step lines.
+fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
     use verl::trainer::data::PromptRow;
     use verl::trainer::PpoTrainer;
-    let fixture = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/verl-megatron/tests/fixtures/qwen2"
-    );
     let dir = tempfile::tempdir().unwrap();
     let config = ConfigBuilder::new()
         .overrides(MAIN_JOB)
@@ -933,14 +908,11 @@ fn a_critic_from_an_lm_path_trains() {
             "trainer.sft_warmup_steps=0",
             "trainer.val_before_train=false",
             "trainer.test_freq=-1",
-            "algorithm.adv_estimator=gae",
-            "critic.enable=true",
-            "critic.ppo_micro_batch_size_per_gpu=64",
             "data.max_prompt_length=32",
             "data.max_response_length=8",
         ])
-        .set("actor_rollout_ref.model.path", fixture)
-        .set("critic.model.path", fixture)
+        .overrides(overrides.iter().copied())
+        .set("actor_rollout_ref.model.path", fixture_dir(name))
         .set("trainer.default_local_dir", dir.path().display())
         .resolve()
         .unwrap();
@@ -953,7 +925,24 @@ fn a_critic_from_an_lm_path_trains() {
     });
     let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
     let summary = common::fit_trainer(&mut trainer);
-    let lines = common::step_lines(&summary.metrics_path);
+    common::step_lines(&summary.metrics_path)
+}
+
+/// PPO whose critic starts from a causal LM (`critic.model.path`, verl's way: the LM's backbone
+/// under a new value head; `verl-megatron/tests/heads.rs` checks the weights), on the qwen2
+/// fixture as both actor and critic: it trains, and its value loss is a number.
+#[test]
+fn a_critic_from_an_lm_path_trains() {
+    let critic = format!("critic.model.path={}", fixture_dir("qwen2"));
+    let lines = train_fixture(
+        "qwen2",
+        &[
+            "algorithm.adv_estimator=gae",
+            "critic.enable=true",
+            "critic.ppo_micro_batch_size_per_gpu=64",
+            &critic,
+        ],
+    );
     let steps: Vec<_> = lines.iter().filter(|l| l["step"] >= 1.0).collect();
     assert_eq!(steps.len(), 2);
     for s in steps {

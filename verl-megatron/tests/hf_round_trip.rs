@@ -19,6 +19,20 @@ fn load(dir: &Path) -> (HfModelConfig, HfCheckpoint, CausalLm<B>) {
     (cfg, ckpt, model)
 }
 
+/// `model` saved in f32 to `out` under `src`'s config.json, in shards of `shard` bytes.
+fn save_f32(model: &CausalLm<B>, src: &Path, out: &Path, shard: usize) {
+    save_pretrained(
+        &model.export_weights(),
+        &read_config_json(src).unwrap(),
+        out,
+        SaveOptions {
+            dtype: WeightDtype::F32,
+            max_shard_bytes: shard,
+        },
+    )
+    .unwrap();
+}
+
 #[test]
 fn every_architecture_round_trips_bit_exactly() {
     for name in [
@@ -36,16 +50,7 @@ fn every_architecture_round_trips_bit_exactly() {
         let (cfg, original, model) = load(&src);
         for shard in [usize::MAX, 20_000] {
             let out = tempfile::tempdir().unwrap();
-            save_pretrained(
-                &model.export_weights(),
-                &read_config_json(&src).unwrap(),
-                out.path(),
-                SaveOptions {
-                    dtype: WeightDtype::F32,
-                    max_shard_bytes: shard,
-                },
-            )
-            .unwrap();
+            save_f32(&model, &src, out.path(), shard);
             assert_eq!(
                 out.path().join("model.safetensors.index.json").exists(),
                 shard != usize::MAX,
@@ -127,16 +132,7 @@ fn a_mixtral_saves_under_its_own_tensor_names() {
     let src = fixture("mixtral");
     let (_, _, model) = load(&src);
     let out = tempfile::tempdir().unwrap();
-    save_pretrained(
-        &model.export_weights(),
-        &read_config_json(&src).unwrap(),
-        out.path(),
-        SaveOptions {
-            dtype: WeightDtype::F32,
-            max_shard_bytes: usize::MAX,
-        },
-    )
-    .unwrap();
+    save_f32(&model, &src, out.path(), usize::MAX);
     let stored_names = |path: &Path| {
         let bytes = std::fs::read(path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();

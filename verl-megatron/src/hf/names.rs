@@ -25,12 +25,14 @@ use super::Architecture;
 const MIXTRAL_PROJECTIONS: [(&str, &str); 3] =
     [("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")];
 
-/// The decoder's name for a stored tensor: Mixtral's `block_sparse_moe.*` renamed, any other
-/// name as it is.
-pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
-    let Some((layer, rest)) = stored.split_once(".block_sparse_moe.") else {
-        return Cow::Borrowed(stored);
-    };
+/// `name` with its layer's block `from` renamed `to` and an expert's projection renamed by
+/// `projection` (a pair of the table: from, to); `None` when `name` is not in block `from`.
+fn rename_block(
+    name: &str,
+    (from, to): (&str, &str),
+    projection: impl Fn(&(&'static str, &'static str)) -> (&'static str, &'static str),
+) -> Option<String> {
+    let (layer, rest) = name.split_once(&format!(".{from}."))?;
     let rest = match rest
         .strip_prefix("experts.")
         .and_then(|r| r.split_once('.'))
@@ -38,6 +40,7 @@ pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
         Some((expert, tail)) => {
             let tail = MIXTRAL_PROJECTIONS
                 .iter()
+                .map(&projection)
                 .find_map(|(theirs, ours)| {
                     tail.strip_prefix(theirs)
                         .filter(|t| t.starts_with('.'))
@@ -48,7 +51,16 @@ pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
         }
         None => rest.to_string(),
     };
-    Cow::Owned(format!("{layer}.mlp.{rest}"))
+    Some(format!("{layer}.{to}.{rest}"))
+}
+
+/// The decoder's name for a stored tensor: Mixtral's `block_sparse_moe.*` renamed, any other
+/// name as it is.
+pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
+    match rename_block(stored, ("block_sparse_moe", "mlp"), |&p| p) {
+        Some(name) => Cow::Owned(name),
+        None => Cow::Borrowed(stored),
+    }
 }
 
 /// How `architecture` stores the decoder's tensor `name` (the inverse of [`to_decoder_name`]).
@@ -56,28 +68,13 @@ pub fn to_stored_name(architecture: Architecture, name: &str) -> Cow<'_, str> {
     if architecture != Architecture::Mixtral {
         return Cow::Borrowed(name);
     }
-    let Some((layer, rest)) = name.split_once(".mlp.") else {
-        return Cow::Borrowed(name);
-    };
     // Only the expert block's tensors move (a Mixtral has no dense MLP).
-    let rest = match rest
-        .strip_prefix("experts.")
-        .and_then(|r| r.split_once('.'))
-    {
-        Some((expert, tail)) => {
-            let tail = MIXTRAL_PROJECTIONS
-                .iter()
-                .find_map(|(theirs, ours)| {
-                    tail.strip_prefix(ours)
-                        .filter(|t| t.starts_with('.'))
-                        .map(|t| format!("{theirs}{t}"))
-                })
-                .unwrap_or_else(|| tail.to_string());
-            format!("experts.{expert}.{tail}")
-        }
-        None => rest.to_string(),
-    };
-    Cow::Owned(format!("{layer}.block_sparse_moe.{rest}"))
+    match rename_block(name, ("mlp", "block_sparse_moe"), |&(theirs, ours)| {
+        (ours, theirs)
+    }) {
+        Some(stored) => Cow::Owned(stored),
+        None => Cow::Borrowed(name),
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,19 @@ __device__ __forceinline__ void mma16816(float* c, unsigned int a0, unsigned int
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Lane (g, t)'s weight rows g and g + 8 of each of its RT tiles from row n0, at its 8-element
+// piece: rows past N read row 0 (valid memory), whose results are never written.
+__device__ __forceinline__ void weight_rows(const bf16* (&wrow)[RT][2], const bf16* w, unsigned int n0,
+                                            unsigned int g, unsigned int t, const GemmParams& p) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned int row = n0 + rt * 16 + g + 8 * h;
+            wrow[rt][h] = w + (unsigned long long)(row < p.n ? row : 0) * p.ldb + 8 * t;
+        }
+}
+
 // Chunk `k0`'s weight pieces into `dst` (zeros past K: a zero weight times a finite activation).
 __device__ __forceinline__ void load_chunk(uint4 (&dst)[U][RT][2], const bf16* (&wrow)[RT][2],
                                            unsigned int k0, unsigned int t, unsigned int k_len) {
@@ -139,13 +152,7 @@ verl_decode_gemm(const bf16* __restrict__ a, const bf16* __restrict__ w, out_t* 
 
     // Rows past N or M read row 0 (valid memory); their results are never written.
     const bf16* wrow[RT][2];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned int row = n0 + rt * 16 + g + 8 * h;
-            wrow[rt][h] = w + (unsigned long long)(row < p.n ? row : 0) * p.ldb + 8 * t;
-        }
+    weight_rows(wrow, w, n0, g, t, p);
     const bf16* arow[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
@@ -316,13 +323,7 @@ verl_decode_gemm_shared(const bf16* __restrict__ a, const bf16* __restrict__ w, 
     const bool split = gridDim.y > 1;
 
     const bf16* wrow[RT][2];
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned int row = n0 + rt * 16 + g + 8 * h;
-            wrow[rt][h] = w + (unsigned long long)(row < p.n ? row : 0) * p.ldb + 8 * t;
-        }
+    weight_rows(wrow, w, n0, g, t, p);
 
     float acc[RT][NB][4], total[RT][NB][4];
 #pragma unroll

@@ -8,7 +8,7 @@ use futures::executor::block_on;
 use proptest::prelude::*;
 use verl_rollout::agent::{
     render_hermes, run_agent_loop, AgentFinish, AgentLoopConfig, AgentRequest, Calculator,
-    ChatTurns, ToolCall, ToolSet, Trajectory, TruncateSide, TurnGenerator,
+    ChatTurns, PythonCode, ToolCall, ToolSet, Trajectory, TruncateSide, TurnGenerator,
 };
 use verl_rollout::{Completion, FinishReason, Request, RolloutError, SamplingParams};
 
@@ -164,6 +164,25 @@ fn a_tool_turn_sits_between_model_turns_masked_out() {
         second,
         &[tokens("A: 6 times 7?"), tokens(&first), tokens("<[42]>")].concat()
     );
+}
+
+/// The Python code tool in a trajectory (needs `python3`, as the reward-function tests do):
+/// the model's program runs and its output is the tool turn the next model turn sees.
+#[test]
+fn the_code_tool_answers_with_what_the_program_printed() {
+    let first = render_hermes(
+        "",
+        &[ToolCall {
+            name: "code_interpreter".into(),
+            arguments: serde_json::json!({ "code": "print(6 * 7)" }),
+        }],
+    );
+    let mut script = Script::new(&[('A', &[&first, "It is 42."])]);
+    let tools = ToolSet::new().with(PythonCode::default());
+    let t = run_one(&mut script, &tools, &config(300));
+    let expected = [tokens(&first), tokens("<[42\n]>"), tokens("It is 42.")];
+    assert_eq!(t.response, expected.concat());
+    assert_eq!((t.tool_calls, t.finish), (1, AgentFinish::Answered));
 }
 
 /// Unknown tools and bad arguments come back to the model as errors; malformed calls are

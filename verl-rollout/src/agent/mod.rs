@@ -1,9 +1,10 @@
 //! verl's agent loop (multi-turn rollouts with tool calls): the loop ([`agent_loop`]), parsing
-//! the tool calls a model writes ([`tool_call`]) and the example tools ([`calculator`]). Tools
-//! implement [`verl_core::traits::Tool`].
+//! the tool calls a model writes ([`tool_call`]) and the example tools ([`calculator`],
+//! [`python_code`]). Tools implement [`verl_core::traits::Tool`].
 
 pub mod agent_loop;
 pub mod calculator;
+pub mod python_code;
 pub mod tool_call;
 
 pub use agent_loop::{
@@ -11,4 +12,5 @@ pub use agent_loop::{
     ToolSet, Trajectory, TruncateSide, TurnGenerator,
 };
 pub use calculator::Calculator;
+pub use python_code::PythonCode;
 pub use tool_call::{parse_hermes, render_hermes, ParsedTurn, ToolCall};

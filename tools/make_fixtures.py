@@ -147,10 +147,10 @@ def write(model, name, out, tok, shard=None, tf4_config=False):
 
 
 def write_head(model, name, out, tok):
-    if ONLY and name not in ONLY:
-        return
     """A value model (token classification) or reward model (sequence classification):
     per-token scores, and for sequence classification the score transformers pools."""
+    if ONLY and name not in ONLY:
+        return
     path = os.path.join(out, name)
     os.makedirs(path, exist_ok=True)
     model.eval()

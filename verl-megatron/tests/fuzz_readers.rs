@@ -316,6 +316,10 @@ const CONFIG_FIXTURES: &[&str] = &[
     "qwen2_moe",
     "qwen2_value",
     "qwen2_reward",
+    "qwen3_moe",
+    "mixtral",
+    "mistral",
+    "qwen3_yarn",
 ];
 
 /// The keys of `config.json` verl-rs reads, and a few it must not trip on.
@@ -357,6 +361,16 @@ const CONFIG_FIELDS: &[&str] = &[
     "decoder_sparse_step",
     "mlp_only_layers",
     "norm_topk_prob",
+    "num_local_experts",
+    "sliding_window",
+    "router_jitter_noise",
+    "rope_parameters.factor",
+    "rope_parameters.original_max_position_embeddings",
+    "rope_parameters.attention_factor",
+    "rope_parameters.mscale",
+    "rope_parameters.mscale_all_dim",
+    "rope_parameters.beta_fast",
+    "rope_parameters.truncate",
 ];
 
 /// A wrong value for a field of the `qwen2` fixture's `config.json`, and the name its error

@@ -129,6 +129,13 @@ fn unsupported_values_are_refused_by_field_name() {
     // Mistral v0.1's sliding window; the rope types that depend on the sequence length.
     let e = refused(r#""architectures": ["MistralForCausalLM"], "sliding_window": 4096"#);
     assert!(e.contains("sliding_window"), "{e}");
+    // Absent, transformers' MistralConfig uses a 4 096-token window.
+    let e = refused(r#""architectures": ["MistralForCausalLM"]"#);
+    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    let e = refused(
+        r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}"#,
+    );
+    assert!(e.contains("original_max_position_embeddings"), "{e}");
     for rope_type in ["dynamic", "longrope"] {
         let e = refused(&format!(
             r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {{"rope_type": "{rope_type}", "factor": 2.0}}"#
@@ -363,4 +370,67 @@ fn meaningless_numbers_are_refused_by_field_name() {
     // before anything is sized by it.
     let e = refused_llama(json!({ "num_hidden_layers": 1e12 }));
     assert!(e.contains("`num_hidden_layers`"), "{e}");
+}
+
+/// YaRN's settings as transformers 5 reads them: the attention factor given, or from DeepSeek's
+/// `mscale` / `mscale_all_dim`, or 0.1 ln(factor) + 1; betas of 0 or null take 32 and 1;
+/// `truncate` absent is true and null false; without `original_max_position_embeddings` the
+/// context is `max_position_embeddings`, and without a factor it is their ratio.
+#[test]
+fn yarn_settings_read_as_transformers_reads_them() {
+    let yarn = |scaling: serde_json::Value| {
+        let json = serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 4096,
+            "rope_scaling": scaling,
+        });
+        match HfModelConfig::from_json(&json.to_string(), Path::new("m/config.json"))
+            .unwrap()
+            .rope_scaling
+        {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => (
+                factor,
+                original_max_position_embeddings,
+                (beta_fast, beta_slow),
+                attention_factor,
+                truncate,
+            ),
+            other => panic!("{other:?}"),
+        }
+    };
+    let mscale = |factor: f64, m: f64| 0.1 * m * f64::ln(factor) + 1.0;
+    let (factor, original, betas, attention, truncate) = yarn(serde_json::json!({
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+        "beta_fast": 0, "beta_slow": null, "truncate": null,
+    }));
+    assert_eq!(
+        (factor, original, betas, truncate),
+        (4.0, 1024, (32.0, 1.0), false)
+    );
+    assert!((attention - mscale(4.0, 1.0)).abs() < 1e-12);
+    let (_, _, _, attention, truncate) = yarn(serde_json::json!({
+        "rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+    }));
+    assert!((attention - mscale(40.0, 1.0) / mscale(40.0, 0.707)).abs() < 1e-12);
+    assert!(truncate);
+    let (_, _, betas, attention, _) = yarn(serde_json::json!({
+        "rope_type": "yarn", "factor": 2.0, "attention_factor": 1.5, "beta_fast": 16,
+        "beta_slow": 2, "truncate": false,
+    }));
+    assert_eq!((betas, attention), ((16.0, 2.0), 1.5));
+    let (factor, original, ..) = yarn(serde_json::json!({"rope_type": "yarn", "factor": 2.0}));
+    assert_eq!((factor, original), (2.0, 4096));
+    let (factor, original, ..) = yarn(serde_json::json!({
+        "rope_type": "yarn", "original_max_position_embeddings": 1024,
+    }));
+    assert_eq!((factor, original), (4.0, 1024));
 }

@@ -176,11 +176,12 @@ pub struct HfModelConfig {
     pub dtype: WeightDtype,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// Mixture of experts (Qwen2-MoE, Qwen3-MoE).
+    /// Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral).
     pub moe: Option<MoeConfig>,
 }
 
-/// The expert settings of Qwen2-MoE and Qwen3-MoE.
+/// The expert settings of Qwen2-MoE, Qwen3-MoE and Mixtral (whose `num_local_experts` and
+/// `intermediate_size` are read as `num_experts` and `moe_intermediate_size`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
@@ -405,11 +406,11 @@ impl HfModelConfig {
         let (architecture, head) = architecture_of(&r)?;
         refuse_unsupported_layers(&r)?;
         if matches!(architecture, Architecture::Mistral | Architecture::Mixtral) {
-            refuse_unsupported_mistral(&r)?;
+            refuse_unsupported_mistral(&r, architecture)?;
         }
         let (hidden_size, num_attention_heads, num_key_value_heads, head_dim) =
             attention_sizes(&r)?;
-        let (rope_theta, rope_scaling) = rope_of(&r)?;
+        let (rope_theta, rope_scaling) = rope_of(&r, architecture)?;
         let dtype = weight_dtype_of(&r)?;
         let attention_bias = r.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match architecture {
@@ -421,7 +422,12 @@ impl HfModelConfig {
         };
 
         let moe = moe_of(&r, architecture)?;
-        let rms_norm_eps = r.f64_in(map, "rms_norm_eps")?.unwrap_or(1e-6);
+        // transformers' defaults where the key is absent: Mixtral's 1e-5, the others' 1e-6.
+        let default_eps = match architecture {
+            Architecture::Mixtral => 1e-5,
+            _ => 1e-6,
+        };
+        let rms_norm_eps = r.f64_in(map, "rms_norm_eps")?.unwrap_or(default_eps);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
             return Err(r.err(
                 "rms_norm_eps",
@@ -676,11 +682,22 @@ fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
 
 /// Mistral's and Mixtral's variants the decoder does not implement: sliding-window attention
 /// (`sliding_window`, null from Mistral v0.2 and in Mixtral) and Mixtral's router jitter.
-fn refuse_unsupported_mistral(r: &Reader<'_>) -> Result<(), MegatronError> {
+fn refuse_unsupported_mistral(
+    r: &Reader<'_>,
+    architecture: Architecture,
+) -> Result<(), MegatronError> {
     if let Some(window) = r.get("sliding_window") {
         return Err(r.err(
             "sliding_window",
             format!("({window}) sliding-window attention is not supported; set it to null"),
+        ));
+    }
+    // transformers' MistralConfig defaults to a 4 096-token window (Mixtral's to none).
+    if architecture == Architecture::Mistral && !r.map.contains_key("sliding_window") {
+        return Err(r.err(
+            "sliding_window",
+            "is absent, so transformers uses its default window of 4096, which is not \
+             supported; set it to null (Mistral v0.2 and later)",
         ));
     }
     if let Some(jitter) = r.f64_in(r.map, "router_jitter_noise")? {
@@ -724,8 +741,13 @@ fn attention_sizes(r: &Reader<'_>) -> Result<(usize, usize, usize, usize), Megat
     ))
 }
 
-/// `rope_theta` and the rope scaling, from either dialect's keys.
-fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
+/// `rope_theta` and the rope scaling, from either dialect's keys. YaRN follows transformers 5
+/// (`factor` as given; 4.x replaced it by `max_position_embeddings /
+/// original_max_position_embeddings` whenever the latter was set).
+fn rope_of(
+    r: &Reader<'_>,
+    architecture: Architecture,
+) -> Result<(f64, RopeScaling), MegatronError> {
     let map = r.map;
     // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
     let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
@@ -743,7 +765,11 @@ fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
     let rope_theta = r
         .f64_in(&rope_map, "rope_theta")?
         .or(r.f64_in(map, "rope_theta")?)
-        .unwrap_or(10000.0);
+        // transformers' defaults where the key is absent: Mixtral's 1e6, the others' 1e4.
+        .unwrap_or(match architecture {
+            Architecture::Mixtral => 1e6,
+            _ => 1e4,
+        });
     if !(rope_theta.is_finite() && rope_theta > 0.0) {
         return Err(r.err(
             "rope_theta",
@@ -779,11 +805,24 @@ fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "yarn" => {
-            let factor = factor()?;
-            let original = match optional("original_max_position_embeddings")? {
-                Some(v) => v as usize,
-                None => r.usize("max_position_embeddings")?,
+            let original = match r.f64_in(&rope_map, "original_max_position_embeddings")? {
+                None => None,
+                Some(v) if v >= 1.0 && v.fract() == 0.0 && v <= MAX_SIZE as f64 => Some(v as usize),
+                Some(v) => {
+                    return Err(r.err(
+                        "rope_scaling.original_max_position_embeddings",
+                        format!("({v}) must be a whole number of positions, e.g. 32768"),
+                    ))
+                }
             };
+            let max_positions = r.usize("max_position_embeddings")?;
+            // Without a factor, transformers takes the context's growth over the original.
+            let factor = match (optional("factor")?, original) {
+                (Some(f), _) => f,
+                (None, Some(o)) => max_positions as f64 / o as f64,
+                (None, None) => factor()?,
+            };
+            let original = original.unwrap_or(max_positions);
             // transformers' default: 0.1 ln(factor) + 1, or the ratio of two such terms
             // (DeepSeek's `mscale` / `mscale_all_dim`).
             let mscale = |m: f64| {
@@ -802,8 +841,10 @@ fn rope_of(r: &Reader<'_>) -> Result<(f64, RopeScaling), MegatronError> {
                 (None, Some(m), Some(all)) => mscale(m) / mscale(all),
                 _ => mscale(1.0),
             };
+            // Absent: true; a present null is falsy in transformers (`.get("truncate", True)`).
             let truncate = match rope_map.get("truncate") {
-                None | Some(Value::Null) => true,
+                None => true,
+                Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(v) => {
                     return Err(r.err(
@@ -891,7 +932,8 @@ fn weight_dtype_of(r: &Reader<'_>) -> Result<WeightDtype, MegatronError> {
     Ok(dtype)
 }
 
-/// The expert settings of Qwen2-MoE and Qwen3-MoE (`None` for the dense architectures).
+/// The expert settings of Qwen2-MoE, Qwen3-MoE and Mixtral (`None` for the dense
+/// architectures).
 fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig>, MegatronError> {
     let moe = if architecture.is_moe() {
         let mlp_only_layers = match r.get("mlp_only_layers") {

@@ -1,14 +1,18 @@
-//! A Python code tool: the model's snippet runs in a fresh `python3 -I` process (isolated mode:
-//! no user site-packages, no `PYTHON*` variables, the working directory not on `sys.path`),
-//! with a time limit, and the model reads what it printed. It answers as verl's
-//! `code_interpreter` tools do (their code goes to a sandbox service), under the same name
-//! and argument.
+//! A Python code tool: the model's snippet runs in a fresh `python3 -I -u` process (isolated
+//! mode: the interpreter ignores `PYTHON*` variables and the user's site-packages and keeps the
+//! working directory off `sys.path`; unbuffered, so what it printed before a timeout is kept),
+//! in a process group of its own that is killed when the snippet ends or runs out of time, and
+//! the model reads what it printed. It answers as verl's `code_interpreter` tools do (their code
+//! goes to a sandbox service), under the same name and argument.
 //!
-//! It is not a sandbox: the code runs as this process's user, with its files and network. Use
-//! it where running the model's code is acceptable (a container, a throwaway machine).
+//! It is not a sandbox: the code runs as this process's user, with its files, its network and
+//! its environment (any secret in it included). Use it where running the model's code is
+//! acceptable (a container, a throwaway machine). A call blocks its thread while the snippet
+//! runs (the agent loop runs a trajectory's calls one after another).
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -20,8 +24,8 @@ const NAME: &str = "code_interpreter";
 /// Longest snippet run.
 const MAX_CODE: usize = 16 * 1024;
 
-/// Runs `{"code": "..."}` with `python3 -I` (`VERL_PYTHON` names another interpreter, as for
-/// the reward functions) and answers with its standard output, then its standard error (a
+/// Runs `{"code": "..."}` with `python3` (`VERL_PYTHON` names another interpreter, as for the
+/// reward functions) and answers with its standard output, then its standard error (a
 /// traceback), cut to `max_output` characters; a run past `timeout` is killed and says so.
 ///
 /// ```no_run
@@ -51,6 +55,9 @@ impl Default for PythonCode {
     }
 }
 
+/// One output stream as read: its text and whether it was longer than kept.
+type Captured = (String, bool);
+
 impl PythonCode {
     /// The time a run may take before it is killed.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
@@ -64,58 +71,61 @@ impl PythonCode {
         self
     }
 
-    fn error(kind: fn(String, String) -> ToolError, message: impl Into<String>) -> ToolError {
-        kind(NAME.into(), message.into())
+    fn failed(message: String) -> ToolError {
+        ToolError::Failed {
+            tool: NAME.into(),
+            message,
+        }
     }
 
-    /// Runs `code`: (stdout, stderr, timed out).
-    fn run(&self, code: &str) -> Result<(String, String, bool), ToolError> {
-        let failed = |message: String| {
-            Self::error(|tool, message| ToolError::Failed { tool, message }, message)
-        };
-        let mut child = Command::new(&self.interpreter)
-            .args(["-I", "-"])
+    fn bad_arguments(message: String) -> ToolError {
+        ToolError::Arguments {
+            tool: NAME.into(),
+            message,
+        }
+    }
+
+    /// A thread reading `stream` to its end (a full pipe would stall the child), keeping
+    /// enough bytes for `max_output` characters of up to 4 bytes each.
+    fn reader(&self, stream: Option<impl Read + Send + 'static>) -> JoinHandle<Captured> {
+        let keep = 4 * self.max_output + 4;
+        std::thread::spawn(move || {
+            let (mut kept, mut longer) = (Vec::new(), false);
+            if let Some(mut stream) = stream {
+                let mut buf = [0u8; 8192];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let room = keep.saturating_sub(kept.len());
+                    longer |= n > room;
+                    kept.extend_from_slice(&buf[..n.min(room)]);
+                }
+            }
+            (String::from_utf8_lossy(&kept).into_owned(), longer)
+        })
+    }
+
+    /// Runs `code`: its stdout and stderr, and whether it ran out of time.
+    fn run(&self, code: &str) -> Result<(Captured, Captured, bool), ToolError> {
+        let mut command = Command::new(&self.interpreter);
+        command
+            .args(["-I", "-u", "-"])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| {
-                failed(format!(
-                    "cannot start `{}` ({e}); install python3 or set VERL_PYTHON",
-                    self.interpreter
-                ))
-            })?;
-        // Each stream is read to its end on its own thread (a full pipe would stall the
-        // child), keeping the first `max_output` bytes.
-        let keep = self.max_output;
-        let reader = |stream: Option<Box<dyn Read + Send>>| {
-            std::thread::spawn(move || {
-                let mut kept = Vec::new();
-                if let Some(mut stream) = stream {
-                    let mut buf = [0u8; 8192];
-                    while let Ok(n) = stream.read(&mut buf) {
-                        if n == 0 {
-                            break;
-                        }
-                        let room = (keep + 1).saturating_sub(kept.len());
-                        kept.extend_from_slice(&buf[..n.min(room)]);
-                    }
-                }
-                String::from_utf8_lossy(&kept).into_owned()
-            })
-        };
-        let stdout = reader(
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
-        );
-        let stderr = reader(
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
-        );
+            .stderr(Stdio::piped());
+        // Its own process group, so the processes the snippet starts end with it (one left
+        // running would hold the output pipes open, and the readers with them).
+        #[cfg(unix)]
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let mut child = command.spawn().map_err(|e| {
+            Self::failed(format!(
+                "cannot start `{}` ({e}); install python3 or set VERL_PYTHON",
+                self.interpreter
+            ))
+        })?;
+        let stdout = self.reader(child.stdout.take());
+        let stderr = self.reader(child.stderr.take());
         if let Some(mut stdin) = child.stdin.take() {
             // A child that exits without reading its input closes the pipe: not our error.
             let _ = stdin.write_all(code.as_bytes());
@@ -124,18 +134,33 @@ impl PythonCode {
         let timed_out = loop {
             match child.try_wait() {
                 Ok(Some(_)) => break false,
-                Ok(None) if Instant::now() >= deadline => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break true;
-                }
+                Ok(None) if Instant::now() >= deadline => break true,
                 Ok(None) => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => return Err(failed(format!("waiting for python: {e}"))),
+                Err(e) => {
+                    kill_group(&mut child);
+                    return Err(Self::failed(format!("waiting for python: {e}")));
+                }
             }
         };
-        let join = |h: std::thread::JoinHandle<String>| h.join().unwrap_or_default();
+        // The snippet's process group ends with it, or with its time.
+        kill_group(&mut child);
+        let join = |h: JoinHandle<Captured>| h.join().unwrap_or_default();
         Ok((join(stdout), join(stderr), timed_out))
     }
+}
+
+/// Kills `child` and, on Unix, every process of the group it leads, then reaps it.
+fn kill_group(child: &mut Child) {
+    #[cfg(unix)]
+    if let Ok(group) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: killpg only takes integers; the group is the one the child leads (spawned
+        // with process_group(0)), and a group with no process left just returns an error.
+        unsafe {
+            libc::killpg(group, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[async_trait(?Send)]
@@ -162,28 +187,24 @@ impl Tool for PythonCode {
     }
 
     async fn call(&self, arguments: &Value) -> Result<ToolOutput, ToolError> {
-        let arguments_error = |message: String| {
-            Self::error(
-                |tool, message| ToolError::Arguments { tool, message },
-                message,
-            )
-        };
         let code = arguments
             .get("code")
             .and_then(Value::as_str)
             .ok_or_else(|| {
-                arguments_error("give the program as a string: {\"code\": \"print(1 + 2)\"}".into())
+                Self::bad_arguments(
+                    "give the program as a string: {\"code\": \"print(1 + 2)\"}".into(),
+                )
             })?;
         if code.len() > MAX_CODE {
-            return Err(arguments_error(format!(
+            return Err(Self::bad_arguments(format!(
                 "the program has {} bytes; at most {MAX_CODE}",
                 code.len()
             )));
         }
-        let (stdout, stderr, timed_out) = self.run(code)?;
+        let ((stdout, out_longer), (stderr, err_longer), timed_out) = self.run(code)?;
         let mut text = stdout;
         text.push_str(&stderr);
-        if text.chars().count() > self.max_output {
+        if out_longer || err_longer || text.chars().count() > self.max_output {
             text = text.chars().take(self.max_output).collect();
             text.push_str("\n[output cut]");
         }
@@ -212,25 +233,47 @@ mod tests {
         let traceback = run(&tool, "print('before')\n1 / 0");
         assert!(traceback.starts_with("before\n"), "{traceback}");
         assert!(traceback.contains("ZeroDivisionError"), "{traceback}");
-        // Isolated mode: PYTHONPATH and the working directory are not on the path.
-        assert!(run(&tool, "import sys; print(sys.flags.isolated)").starts_with('1'));
+        // Isolated mode: the working directory ('' for a program read from stdin) is not on
+        // the path.
+        assert_eq!(
+            run(
+                &tool,
+                "import sys; print(sys.flags.isolated, '' in sys.path)"
+            ),
+            "1 False\n"
+        );
     }
 
     #[test]
     fn long_runs_are_stopped_and_long_output_is_cut() {
         let tool = PythonCode::default()
-            .with_timeout(Duration::from_millis(300))
+            .with_timeout(Duration::from_secs(1))
             .with_max_output(100);
         let start = Instant::now();
-        let out = run(&tool, "print('started', flush=True)\nwhile True: pass");
-        assert!(start.elapsed() < Duration::from_secs(5));
+        // A child that would outlive the snippet holding the pipes, a print (unbuffered, so
+        // kept), then an endless loop: the group is killed and the call returns.
+        let out = run(
+            &tool,
+            "import subprocess, sys\n\
+             subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n\
+             print('started')\n\
+             while True: pass",
+        );
         assert!(
-            out.starts_with("started\n") && out.ends_with("[stopped after 300ms]"),
+            start.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(
+            out.starts_with("started\n") && out.ends_with("[stopped after 1s]"),
             "{out}"
         );
         // 1 MB of output (more than a pipe holds): read while it runs, cut to 100 characters.
         let out = run(&tool, "print('x' * 1_000_000)");
         assert_eq!(out, format!("{}\n[output cut]", "x".repeat(100)));
+        // The limit counts characters: 300 three-byte characters are cut to 100 of them.
+        let out = run(&tool, "print('\\u4e2d' * 300)");
+        assert_eq!(out, format!("{}\n[output cut]", "\u{4e2d}".repeat(100)));
     }
 
     #[test]

@@ -175,7 +175,9 @@ impl StreamTiles {
             row_tiles: stage.row_tiles,
             ..*self
         };
+        // One block per residue needs residues (the kernel tells a split launch by its grid).
         (stage.shared_bytes(tiles.groups(m), self.slices) <= SHARED_LIMIT
+            && (!stage.residue_split || self.warps >= 2)
             && (1..=4).contains(&stage.row_tiles)
             && (1..=8).contains(&stage.row_warps)
             && (2..=8).contains(&stage.stages))

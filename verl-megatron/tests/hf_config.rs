@@ -136,6 +136,15 @@ fn unsupported_values_are_refused_by_field_name() {
         r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}"#,
     );
     assert!(e.contains("original_max_position_embeddings"), "{e}");
+    // A transformers-5 file's errors name its own key, rope_parameters.
+    let e = refused(
+        r#""architectures": ["LlamaForCausalLM"], "max_position_embeddings": 64, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "beta_fast": "fast"}"#,
+    );
+    assert!(e.contains("rope_parameters.beta_fast"), "{e}");
+    let e = refused(
+        r#""architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}"#,
+    );
+    assert!(e.contains("rope_parameters.rope_type"), "{e}");
     for rope_type in ["dynamic", "longrope"] {
         let e = refused(&format!(
             r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {{"rope_type": "{rope_type}", "factor": 2.0}}"#

@@ -145,4 +145,19 @@ fn a_mixtral_saves_under_its_own_tensor_names() {
         .iter()
         .any(|n| n.ends_with("block_sparse_moe.experts.3.w2.weight")));
     assert_eq!(saved, stored_names(&src.join("model.safetensors")));
+    // Sharded, the index maps the same stored names to their files.
+    let sharded = tempfile::tempdir().unwrap();
+    save_f32(&model, &src, sharded.path(), 20_000);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(sharded.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let mut indexed: Vec<String> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    indexed.sort();
+    assert_eq!(indexed, saved);
 }

@@ -750,6 +750,23 @@ fn rope_of(
 ) -> Result<(f64, RopeScaling), MegatronError> {
     let map = r.map;
     // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
+    // Errors name the key the file used.
+    let section = match r.get("rope_parameters") {
+        Some(_) => "rope_parameters",
+        None => "rope_scaling",
+    };
+    let in_section = |e: MegatronError| match e {
+        MegatronError::Config {
+            path,
+            field,
+            message,
+        } => MegatronError::Config {
+            path,
+            field: format!("{section}.{field}"),
+            message,
+        },
+        other => other,
+    };
     let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
         (Some(Value::Object(m)), _) => m.clone(),
         (Some(v), _) => return Err(r.err("rope_parameters", format!("must be an object, got {v}"))),
@@ -783,12 +800,12 @@ fn rope_of(
         .unwrap_or("default");
     // An optional positive setting of the scaling (transformers treats 0 and null as unset).
     let optional = |f: &str| -> Result<Option<f64>, MegatronError> {
-        match r.f64_in(&rope_map, f)? {
+        match r.f64_in(&rope_map, f).map_err(in_section)? {
             None => Ok(None),
             Some(0.0) => Ok(None),
             Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
             Some(v) => Err(r.err(
-                &format!("rope_scaling.{f}"),
+                &format!("{section}.{f}"),
                 format!("({v}) must be a positive number"),
             )),
         }
@@ -796,7 +813,7 @@ fn rope_of(
     let factor = || -> Result<f64, MegatronError> {
         optional("factor")?.ok_or_else(|| {
             r.err(
-                "rope_scaling.factor",
+                &format!("{section}.factor"),
                 format!("is required for {rope_type} rope scaling (a positive number)"),
             )
         })
@@ -805,12 +822,15 @@ fn rope_of(
         "default" => RopeScaling::Default,
         "linear" => RopeScaling::Linear { factor: factor()? },
         "yarn" => {
-            let original = match r.f64_in(&rope_map, "original_max_position_embeddings")? {
+            let original = match r
+                .f64_in(&rope_map, "original_max_position_embeddings")
+                .map_err(in_section)?
+            {
                 None => None,
                 Some(v) if v >= 1.0 && v.fract() == 0.0 && v <= MAX_SIZE as f64 => Some(v as usize),
                 Some(v) => {
                     return Err(r.err(
-                        "rope_scaling.original_max_position_embeddings",
+                        &format!("{section}.original_max_position_embeddings"),
                         format!("({v}) must be a whole number of positions, e.g. 32768"),
                     ))
                 }
@@ -848,7 +868,7 @@ fn rope_of(
                 Some(Value::Bool(b)) => *b,
                 Some(v) => {
                     return Err(r.err(
-                        "rope_scaling.truncate",
+                        &format!("{section}.truncate"),
                         format!("must be true or false, got {v}"),
                     ))
                 }
@@ -864,9 +884,9 @@ fn rope_of(
         }
         "llama3" => {
             let need = |f: &str| -> Result<f64, MegatronError> {
-                r.f64_in(&rope_map, f)?.ok_or_else(|| {
+                r.f64_in(&rope_map, f).map_err(in_section)?.ok_or_else(|| {
                     r.err(
-                        &format!("rope_scaling.{f}"),
+                        &format!("{section}.{f}"),
                         "is required for llama3 rope scaling",
                     )
                 })
@@ -877,7 +897,7 @@ fn rope_of(
                     Ok(v)
                 } else {
                     Err(r.err(
-                        &format!("rope_scaling.{f}"),
+                        &format!("{section}.{f}"),
                         format!("({v}) must be a positive number"),
                     ))
                 }
@@ -885,7 +905,7 @@ fn rope_of(
             let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
             if high <= low {
                 return Err(r.err(
-                    "rope_scaling.high_freq_factor",
+                    &format!("{section}.high_freq_factor"),
                     format!("({high}) must be greater than low_freq_factor ({low}); Llama 3 uses 4 and 1"),
                 ));
             }
@@ -899,7 +919,7 @@ fn rope_of(
         }
         other => {
             return Err(r.err(
-                "rope_scaling.rope_type",
+                &format!("{section}.rope_type"),
                 format!("`{other}` is not supported; supported: default, linear, llama3, yarn"),
             ))
         }

@@ -407,7 +407,7 @@ const CONFIG_DEFECTS: &[(&str, &str)] = &[
     ("tie_word_embeddings", "1"),
     ("attention_bias", "\"no\""),
     ("mlp_bias", "true"),
-    ("use_sliding_window", "true"),
+    ("use_sliding_window", "\"yes\""),
     ("hidden_act", "\"gelu\""),
     ("dtype", "\"int8\""),
     ("max_position_embeddings", "-1"),

@@ -107,8 +107,27 @@ fn unsupported_values_are_refused_by_field_name() {
             && e.contains("ForSequenceClassification"),
         "{e}"
     );
-    let e = refused(r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#);
-    assert!(e.contains("use_sliding_window"), "{e}");
+    // Qwen2's window: from max_window_layers on (28 where absent, as Qwen2Config says), 4096
+    // wide where `sliding_window` is absent, nowhere where it is null.
+    let e = refused(
+        r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true, "max_window_layers": 1"#,
+    );
+    assert!(
+        e.contains("use_sliding_window") && e.contains("from layer 1"),
+        "{e}"
+    );
+    let base = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
+    for fine in [
+        r#""sliding_window": 32, "max_window_layers": 2"#,
+        r#""sliding_window": 32"#,
+        r#""sliding_window": null, "max_window_layers": 0"#,
+    ] {
+        let text = format!("{{{base}, {fine}}}");
+        assert!(
+            HfModelConfig::from_json(&text, Path::new("m/config.json")).is_ok(),
+            "{fine}"
+        );
+    }
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "hidden_act": "gelu""#);
     assert!(e.contains("hidden_act"), "{e}");
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "num_key_value_heads": 3"#);
@@ -150,6 +169,11 @@ fn unsupported_values_are_refused_by_field_name() {
             r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {{"rope_type": "{rope_type}", "factor": 2.0}}"#
         ));
         assert!(e.contains(rope_type) && e.contains("yarn"), "{e}");
+        assert_eq!(
+            e.contains("longest sequence"),
+            rope_type == "dynamic",
+            "{e}"
+        );
     }
     let e = refused(
         r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "linear"}"#,

@@ -668,11 +668,22 @@ fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
             ));
         }
     }
+    // Qwen2's window applies from layer `max_window_layers` on (transformers' layer types, with
+    // Qwen2Config's defaults: a window of 4096 and 28 full layers where the keys are absent), so
+    // a null window, or one that starts past the last layer, attends fully everywhere.
     if r.bool_or("use_sliding_window", false)? {
-        return Err(r.err(
-            "use_sliding_window",
-            "sliding-window attention is not supported; set it to false",
-        ));
+        let layers = r.usize("num_hidden_layers")?;
+        let window_from = r.usize_or("max_window_layers", 28)?;
+        let window_is_null = matches!(r.map.get("sliding_window"), Some(Value::Null));
+        if !window_is_null && window_from < layers {
+            return Err(r.err(
+                "use_sliding_window",
+                format!(
+                    "sliding-window attention (from layer {window_from} of {layers}) is not \
+                     supported; set it to false"
+                ),
+            ));
+        }
     }
     if r.bool_or("mlp_bias", false)? {
         return Err(r.err("mlp_bias", "MLP biases are not supported"));
@@ -920,8 +931,18 @@ fn rope_of(
         other => {
             return Err(r.err(
                 &format!("{section}.rope_type"),
-                format!("`{other}` is not supported; supported: default, linear, llama3, yarn"),
-            ))
+                format!(
+                    "`{other}` is not supported; supported: default, linear, llama3, yarn{}",
+                    match other {
+                        // Its frequencies follow each batch's longest sequence: a rollout and
+                        // its training pass would rotate the same token differently.
+                        "dynamic" =>
+                            " (dynamic NTK changes the frequencies with the batch's \
+                                      longest sequence)",
+                        _ => "",
+                    }
+                ),
+            ));
         }
     };
     Ok((rope_theta, rope_scaling))

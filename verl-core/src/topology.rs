@@ -227,15 +227,10 @@ impl ParallelConfig {
             ));
         }
         if let Some(experts) = model.num_experts {
-            check("ep", "num_experts", experts, self.ep, "ep")?;
+            let (experts_key, width_key) = model.expert_keys;
+            check("ep", experts_key, experts, self.ep, "ep")?;
             if let Some(moe_ffn) = model.moe_intermediate_size {
-                check(
-                    "etp",
-                    "moe_intermediate_size",
-                    moe_ffn,
-                    self.expert_tp(),
-                    "etp",
-                )?;
+                check("etp", width_key, moe_ffn, self.expert_tp(), "etp")?;
             }
         } else if self.ep > 1 {
             return Err(invalid(
@@ -260,7 +255,13 @@ pub struct ModelDims {
     pub vocab_size: usize,
     pub num_experts: Option<usize>,
     pub moe_intermediate_size: Option<usize>,
+    /// The config keys errors name for the two expert sizes: [`QWEN_MOE_KEYS`], or Mixtral's
+    /// `num_local_experts` and `intermediate_size`.
+    pub expert_keys: (&'static str, &'static str),
 }
+
+/// The expert sizes' keys in Qwen-MoE configs (and Megatron's names).
+pub const QWEN_MOE_KEYS: (&str, &str) = ("num_experts", "moe_intermediate_size");
 
 fn invalid(field: &'static str, message: String) -> TopologyError {
     TopologyError::Invalid { field, message }

@@ -237,6 +237,7 @@ fn model_dimensions_must_divide() {
         vocab_size: 100,
         num_experts: None,
         moe_intermediate_size: None,
+        expert_keys: verl_core::topology::QWEN_MOE_KEYS,
     };
     assert!(ParallelConfig {
         tp: 2,
@@ -291,6 +292,19 @@ fn model_dimensions_must_divide() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("num_experts (6)"), "{err}");
+    // A Mixtral's config calls them num_local_experts and intermediate_size.
+    let mixtral = ModelDims {
+        expert_keys: ("num_local_experts", "intermediate_size"),
+        ..moe
+    };
+    let err = ParallelConfig {
+        ep: 4,
+        ..Default::default()
+    }
+    .validate_for_model(&mixtral)
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("num_local_experts (6)"), "{err}");
 }
 
 #[test]

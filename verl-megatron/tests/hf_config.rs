@@ -183,6 +183,17 @@ fn unsupported_values_are_refused_by_field_name() {
     assert!(matches!(missing, MegatronError::Io { .. }));
 }
 
+/// Layout errors name the expert sizes by the keys the model's config uses.
+#[test]
+fn expert_layout_errors_name_the_config_keys() {
+    let mixtral = HfModelConfig::from_dir(fixture("mixtral")).unwrap();
+    let e = mixtral.check_layout(1, 3, 1).unwrap_err().to_string();
+    assert!(e.contains("num_local_experts (4)"), "{e}");
+    let qwen3_moe = HfModelConfig::from_dir(fixture("qwen3_moe")).unwrap();
+    let e = qwen3_moe.check_layout(1, 3, 1).unwrap_err().to_string();
+    assert!(e.contains("num_experts (4)"), "{e}");
+}
+
 #[test]
 fn parallel_layouts_are_checked_against_the_model() {
     let q = HfModelConfig::from_dir(fixture("qwen2")).unwrap();

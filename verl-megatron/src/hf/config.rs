@@ -617,6 +617,10 @@ impl HfModelConfig {
             vocab_size: self.vocab_size,
             num_experts: self.moe.as_ref().map(|m| m.num_experts),
             moe_intermediate_size: self.moe.as_ref().map(|m| m.moe_intermediate_size),
+            expert_keys: match self.architecture {
+                Architecture::Mixtral => ("num_local_experts", "intermediate_size"),
+                _ => verl_core::topology::QWEN_MOE_KEYS,
+            },
         }
     }
 }

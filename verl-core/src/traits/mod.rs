@@ -13,7 +13,7 @@ mod profiler;
 mod reward;
 mod rollout;
 mod sharding;
-mod tool;
+pub mod tool;
 
 pub use actor::{Actor, LogProbOutput};
 pub use checkpoint::{CheckpointBackend, CheckpointContents, CheckpointFormat, CheckpointState};

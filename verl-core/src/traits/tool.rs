@@ -71,3 +71,58 @@ pub trait Tool {
     /// agent loop shows the model as the tool's answer, not a failure of the rollout.
     async fn call(&self, arguments: &Value) -> Result<ToolOutput, ToolError>;
 }
+
+/// The schema of a tool taking one string argument, in OpenAI's function format.
+///
+/// ```
+/// use verl_core::traits::tool::one_string_schema;
+/// let s = one_string_schema("echo", "Echoes text", "text", "what to echo");
+/// assert_eq!(s["function"]["parameters"]["required"][0], "text");
+/// ```
+pub fn one_string_schema(
+    name: &str,
+    description: &str,
+    argument: &str,
+    argument_description: &str,
+) -> Value {
+    serde_json::json!({
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    argument: {"type": "string", "description": argument_description}
+                },
+                "required": [argument]
+            }
+        }
+    })
+}
+
+/// The string `argument` of a call to `tool`, or the error the model reads: give the `what`
+/// as a string, with `example` as its value.
+///
+/// ```
+/// use serde_json::json;
+/// use verl_core::traits::tool::string_argument;
+/// assert_eq!(string_argument("echo", &json!({"text": "hi"}), "text", "text", "hi").unwrap(), "hi");
+/// let e = string_argument("echo", &json!({"text": 3}), "text", "text", "hi").unwrap_err();
+/// assert!(e.to_string().contains(r#"{"text": "hi"}"#));
+/// ```
+pub fn string_argument<'a>(
+    tool: &str,
+    arguments: &'a Value,
+    argument: &str,
+    what: &str,
+    example: &str,
+) -> Result<&'a str, ToolError> {
+    arguments
+        .get(argument)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ToolError::Arguments {
+            tool: tool.into(),
+            message: format!("give the {what} as a string: {{\"{argument}\": \"{example}\"}}"),
+        })
+}

@@ -3,8 +3,9 @@
 //! the built-in multi-turn task needs.
 
 use async_trait::async_trait;
-use serde_json::{json, Value};
+use serde_json::Value;
 use verl_core::error::ToolError;
+use verl_core::traits::tool::{one_string_schema, string_argument};
 use verl_core::traits::{Tool, ToolOutput};
 
 /// Evaluates `{"expression": "..."}` of at most 256 characters. Anything but arithmetic
@@ -42,29 +43,16 @@ impl Tool for Calculator {
     }
 
     fn schema(&self) -> Value {
-        json!({
-            "type": "function",
-            "function": {
-                "name": NAME,
-                "description": "Evaluates an arithmetic expression (+ - * / % ^ and parentheses).",
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "expression": {"type": "string", "description": "for example (12 + 30) * 2"}
-                    },
-                    "required": ["expression"]
-                }
-            }
-        })
+        one_string_schema(
+            NAME,
+            "Evaluates an arithmetic expression (+ - * / % ^ and parentheses).",
+            "expression",
+            "for example (12 + 30) * 2",
+        )
     }
 
     async fn call(&self, arguments: &Value) -> Result<ToolOutput, ToolError> {
-        let expression = arguments
-            .get("expression")
-            .and_then(Value::as_str)
-            .ok_or_else(|| {
-                Self::refuse("give the expression as a string: {\"expression\": \"1 + 2\"}")
-            })?;
+        let expression = string_argument(NAME, arguments, "expression", "expression", "1 + 2")?;
         // Bounded: the evaluator parses and drops its tree recursively.
         if expression.len() > MAX_LEN {
             return Err(Self::refuse(format!(
@@ -99,6 +87,7 @@ impl Tool for Calculator {
 mod tests {
     use super::*;
     use futures::executor::block_on;
+    use serde_json::json;
 
     fn calc(expression: &str) -> Result<String, ToolError> {
         block_on(Calculator.call(&json!({ "expression": expression }))).map(|o| o.text)

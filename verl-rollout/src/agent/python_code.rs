@@ -16,8 +16,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use serde_json::{json, Value};
+use serde_json::Value;
 use verl_core::error::ToolError;
+use verl_core::traits::tool::{one_string_schema, string_argument};
 use verl_core::traits::{Tool, ToolOutput};
 
 const NAME: &str = "code_interpreter";
@@ -170,31 +171,16 @@ impl Tool for PythonCode {
     }
 
     fn schema(&self) -> Value {
-        json!({
-            "type": "function",
-            "function": {
-                "name": NAME,
-                "description": "Runs a Python 3 program and returns what it prints (use print).",
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "code": {"type": "string", "description": "the program, e.g. print(2 ** 10)"}
-                    },
-                    "required": ["code"]
-                }
-            }
-        })
+        one_string_schema(
+            NAME,
+            "Runs a Python 3 program and returns what it prints (use print).",
+            "code",
+            "the program, e.g. print(2 ** 10)",
+        )
     }
 
     async fn call(&self, arguments: &Value) -> Result<ToolOutput, ToolError> {
-        let code = arguments
-            .get("code")
-            .and_then(Value::as_str)
-            .ok_or_else(|| {
-                Self::bad_arguments(
-                    "give the program as a string: {\"code\": \"print(1 + 2)\"}".into(),
-                )
-            })?;
+        let code = string_argument(NAME, arguments, "code", "program", "print(1 + 2)")?;
         if code.len() > MAX_CODE {
             return Err(Self::bad_arguments(format!(
                 "the program has {} bytes; at most {MAX_CODE}",
@@ -218,6 +204,7 @@ impl Tool for PythonCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn run(tool: &PythonCode, code: &str) -> String {
         futures::executor::block_on(tool.call(&json!({ "code": code })))

@@ -30,12 +30,15 @@ fn run<S: AsRef<str>>(
 }
 
 /// The error of a job with `overrides` that is refused while the config or the trainer is
-/// built (before any step runs).
+/// built (before any step runs). Each job has its own output directory: tests run at once, and
+/// a shared one would be refused as in use (the run lock) before the setting under test.
 fn refusal(overrides: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
     let refused = ConfigBuilder::new()
         .overrides(MAIN_JOB)
         .overrides(common::TINY_JOB.iter().copied())
         .overrides(overrides.iter().copied())
+        .set("trainer.default_local_dir", dir.path().display())
         .build()
         .map(verl::trainer::PpoTrainer::new);
     match refused {

@@ -1,9 +1,10 @@
 //! `verl bench kernels --only decode_gemm` (the `cuda` build): a decode step's products, a few
 //! batch rows against a weight stored `[n, k]`. Checks the weight-stream kernel
-//! (`verl_megatron::cuda::kernels::decode_gemm`) against burn's product on edge sizes and that a
-//! row's result does not depend on the batch; then times it, the `wmma` decode tiles and burn's
-//! product on the Qwen2.5-7B layer's shapes, with the weight bandwidth each reaches, and sweeps
-//! the stream's configurations.
+//! (`verl_megatron::cuda::kernels::decode_gemm`) and on Hopper the `wgmma` decode kernel
+//! (`decode_wgmma`) against burn's product on edge sizes and that a row's result does not depend
+//! on the batch; then times them, the `wmma` decode tiles and burn's product on the Qwen2.5-7B
+//! layer's shapes, with the weight bandwidth each reaches, and sweeps the stream's
+//! configurations.
 
 use std::time::Instant;
 
@@ -60,6 +61,7 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
         for kernel in [
             "decode_f32",
             "decode",
+            "decode_stream_f32",
             "stream:1,8,2_f32",
             "stream:2,4,4,2_f32",
             "stream:4,4,2,2",
@@ -71,6 +73,11 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
             "shared:2,3,4,0",
             "shared:2,4,4,1",
             "shared:2,4,3,0_f32",
+            "wgmma:1,1,8_f32",
+            "wgmma:1,1,4",
+            "wgmma:2,2,4_f32",
+            "wgmma:3,1,3,2_f32",
+            "wgmma:1,2,5,8",
         ] {
             match gemm::launch_strategy(kernel, strip(a.clone()), strip(b.clone())) {
                 Ok(c) => {
@@ -82,45 +89,76 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
                         failures.push(format!("decode product {kernel} ({m}, {k}, {n}): {e}"));
                     }
                 }
-                // A configuration that does not fit this batch is skipped.
-                Err(e)
-                    if (kernel.starts_with("stream:") && e.contains("no stream configuration"))
-                        || (kernel.starts_with("shared:")
-                            && e.contains("no shared-stage configuration")) => {}
+                // A configuration that does not fit this batch (or this GPU) is skipped.
+                Err(e) if skipped(kernel, &e) => {}
                 Err(e) => failures.push(format!("decode product {kernel} ({m}, {k}, {n}): {e}")),
             }
         }
     }
-    // The same first row at batch 1, 5, 17, 40, 64 and 128: the stream's sums run in one k
-    // order whatever the batch, and the shared-stage kernel (whole, and one block per residue)
-    // runs the same order, so a row's result is the same to the bit whichever runs it.
+    // A batch's rows at batch 1, 5, 17, 40, 64, 100 and 128 against the same rows of a batch of
+    // 256, to the bit, in each family of kernels that share a k order: the stream and the
+    // shared-stage kernel (whole, and one block per residue), whose sums run in one order
+    // whatever the batch; and on Hopper the wgmma kernel in every configuration (the split is
+    // the shape's), whose rows 64-127 of a block come from a second instruction.
     let (k, n) = (3584, 512);
-    let (a, b) = operands(128, k, n, 41, device);
-    let full = gemm::launch_strategy("decode_f32", strip(a.clone()), strip(b.clone()))
-        .map(|c| tensor(c).narrow(2, 0, 1));
-    for m in [1, 5, 17, 40, 64] {
-        for kernel in ["decode_f32", "shared:2,3,4,0_f32", "shared:1,4,4,1_f32"] {
-            let part =
-                gemm::launch_strategy(kernel, strip(a.clone().narrow(2, 0, m)), strip(b.clone()))
-                    .map(|c| tensor(c).narrow(2, 0, 1));
-            match (&full, part) {
-                (Ok(f), Ok(p)) => {
-                    let d = (f.clone() - p).abs().max().into_scalar();
-                    println!("  first row at batch {m:>2} ({kernel}) vs 128: max |diff| {d:e}");
-                    if d != 0.0 {
-                        failures.push(format!(
-                            "decode product {kernel}: row 0 at batch {m} differs by {d}"
-                        ));
+    let (a, b) = operands(256, k, n, 41, device);
+    let families: [(&str, &[&str]); 2] = [
+        (
+            "decode_stream_f32",
+            &[
+                "decode_stream_f32",
+                "shared:2,3,4,0_f32",
+                "shared:1,4,4,1_f32",
+            ],
+        ),
+        (
+            "decode_f32",
+            &[
+                "decode_f32",
+                "wgmma:1,1,8_f32",
+                "wgmma:2,2,4_f32",
+                "wgmma:3,1,3_f32",
+            ],
+        ),
+    ];
+    for (reference, kernels) in families {
+        let full = gemm::launch_strategy(reference, strip(a.clone()), strip(b.clone())).map(tensor);
+        for m in [1, 5, 17, 40, 64, 100, 128] {
+            for kernel in kernels {
+                let part = gemm::launch_strategy(
+                    kernel,
+                    strip(a.clone().narrow(2, 0, m)),
+                    strip(b.clone()),
+                )
+                .map(tensor);
+                match (&full, part) {
+                    (Ok(f), Ok(p)) => {
+                        let d = (f.clone().narrow(2, 0, m) - p).abs().max().into_scalar();
+                        println!("  rows at batch {m:>3} ({kernel}) vs 256 ({reference}): max |diff| {d:e}");
+                        if d != 0.0 {
+                            failures.push(format!(
+                                "decode product {kernel}: batch {m} differs from 256 by {d}"
+                            ));
+                        }
                     }
+                    (_, Err(e)) if skipped(kernel, &e) => {}
+                    (f, p) => failures.push(format!(
+                        "decode product batch invariance ({kernel}): {:?} {:?}",
+                        f.as_ref().err(),
+                        p.err()
+                    )),
                 }
-                (f, p) => failures.push(format!(
-                    "decode product batch invariance ({kernel}): {:?} {:?}",
-                    f.as_ref().err(),
-                    p.err()
-                )),
             }
         }
     }
+}
+
+/// A configuration the strategy cannot run at this batch, or the wgmma kernel off Hopper.
+fn skipped(kernel: &str, e: &str) -> bool {
+    (kernel.starts_with("stream:") && e.contains("no stream configuration"))
+        || (kernel.starts_with("shared:") && e.contains("no shared-stage configuration"))
+        || (kernel.starts_with("wgmma:")
+            && (e.contains("no wgmma configuration") || e.contains("needs a Hopper GPU")))
 }
 
 /// One product shape of a Qwen2.5-7B (or 0.5B) decode step: `[m, k] · [n, k]ᵀ`.
@@ -226,8 +264,15 @@ pub(crate) fn time_decode_gemm(device: &Device, repeat: usize, sweep: bool) {
          brackets) and the weight's GB/s"
     );
     println!(
-        "{:<8} {:>5} {:>10} {:>18} {:>18} {:>18} {:>9}",
-        "shape", "batch", "burn", "training kernel", "wmma tiles", "decode", "decode GB/s"
+        "{:<8} {:>5} {:>10} {:>18} {:>18} {:>18} {:>18} {:>9}",
+        "shape",
+        "batch",
+        "burn",
+        "training kernel",
+        "wmma tiles",
+        "stream",
+        "decode",
+        "decode GB/s"
     );
     let n = 20 * repeat.max(1);
     for s in SHAPES {
@@ -254,10 +299,12 @@ pub(crate) fn time_decode_gemm(device: &Device, repeat: usize, sweep: bool) {
             };
             let (training, _) = cell("own_f32");
             let (tiles, _) = cell("tiles_f32");
-            // The decode step's choice: the stream, or the shared-stage kernel where it is faster.
-            let (stream, us) = cell("decode_f32");
+            // The mma.sync stream (or the shared-stage kernel where it is faster), and the
+            // decode step's choice (the wgmma kernel on Hopper).
+            let (stream, _) = cell("decode_stream_f32");
+            let (decode, us) = cell("decode_f32");
             println!(
-                "{:<8} {m:>5} {burn:>10.1} {training:>18} {tiles:>18} {stream:>18} {:>9.0}",
+                "{:<8} {m:>5} {burn:>10.1} {training:>18} {tiles:>18} {stream:>18} {decode:>18} {:>9.0}",
                 s.label,
                 bytes / us / 1e3
             );

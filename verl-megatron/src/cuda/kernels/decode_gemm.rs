@@ -15,6 +15,7 @@
 use burn::tensor::DType;
 use burn_cubecl::kernel::matmul::init_matmul_output;
 
+use super::decode_wgmma::{self, DecodeWgmma, WGMMA};
 use super::source::{pack_words, CudaSource};
 use super::{CudaPrimitive, KernelSwitch};
 
@@ -39,7 +40,8 @@ const SHARED_LIMIT: usize = 128 * 1024;
 /// later ones find the tile in L2); `staged`: each warp copies the activations of its next
 /// chunk into shared memory (cp.async) while it multiplies the current one, instead of loading
 /// them from L1/L2 as it multiplies. `shared`: whether the shared-stage kernel computes the
-/// same sums instead ([`Shared`]).
+/// same sums instead ([`Shared`]); `wgmma`: whether Hopper's `wgmma` kernel runs the product
+/// instead ([`Wgmma`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamTiles {
     pub row_tiles: usize,
@@ -49,6 +51,19 @@ pub struct StreamTiles {
     pub batch_splits: usize,
     pub staged: bool,
     pub shared: Shared,
+    pub wgmma: Wgmma,
+}
+
+/// Whether [`decode_wgmma`]'s kernel runs a product instead of the stream (Hopper only; its k
+/// order differs from the stream's, so it runs every product of a shape or none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wgmma {
+    /// The stream (or the shared-stage kernel) always.
+    Off,
+    /// On Hopper, with [`DecodeWgmma::for_product`], unless `VERL_DECODE_WGMMA=decomposed`.
+    ByShape,
+    /// This configuration (on Hopper; elsewhere the stream).
+    On(DecodeWgmma),
 }
 
 /// Whether [`SharedStage::for_product`]'s choices are taken: on unless
@@ -159,7 +174,20 @@ impl StreamTiles {
             batch_splits: m.div_ceil(64).clamp(1, 4),
             staged: m > 16,
             shared: Shared::WhereFaster,
+            wgmma: Wgmma::ByShape,
         }
+    }
+
+    /// The `wgmma` configuration this product runs on instead of the stream, if any: on a
+    /// Hopper device (`hopper`), where the configuration fits the batch.
+    pub fn wgmma_tiles(&self, m: usize, n: usize, k: usize, hopper: bool) -> Option<DecodeWgmma> {
+        let tiles = match self.wgmma {
+            Wgmma::Off => None,
+            Wgmma::ByShape if WGMMA.enabled() => Some(DecodeWgmma::for_product(m, n, k)),
+            Wgmma::ByShape => None,
+            Wgmma::On(tiles) => Some(tiles),
+        }?;
+        (hopper && tiles.valid_for(m)).then_some(tiles)
     }
 
     /// The shared-stage kernel this product runs on instead of the stream, if any.
@@ -210,6 +238,7 @@ impl StreamTiles {
                 _ => return None,
             },
             shared: Shared::Off,
+            wgmma: Wgmma::Off,
         })
     }
 
@@ -274,14 +303,24 @@ pub(super) fn takes(m: usize, k: usize, lhs_transposed: bool, rhs_transposed: bo
 
 /// `lhs · rhs` (`lhs` `[.., m, k]` with row pitch `lda`, `rhs` the transposed view of a `[n, k]`
 /// weight with row pitch `ldb`) by the stream kernel with `tiles`, in f32 when `out_f32`, else
-/// in `lhs`'s dtype. The caller checked [`takes`] and `tiles.valid_for(m)`.
+/// in `lhs`'s dtype; on a Hopper device (`hopper`) by the `wgmma` kernel where `tiles` say so.
+/// The caller checked [`takes`] and `tiles.valid_for(m)`.
 pub(super) fn launch(
     lhs: CudaPrimitive,
     rhs: CudaPrimitive,
     (lda, ldb): (usize, usize),
     out_f32: bool,
     tiles: StreamTiles,
+    hopper: bool,
 ) -> CudaPrimitive {
+    {
+        let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+        let nd = ls.num_dims();
+        let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
+        if let Some(w) = tiles.wgmma_tiles(m, n, k, hopper) {
+            return decode_wgmma::launch(lhs, rhs, (lda, ldb), out_f32, w);
+        }
+    }
     let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
     let out = init_matmul_output(&lhs, &rhs, out_dtype);
     let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
@@ -392,6 +431,7 @@ mod tests {
                 batch_splits: 1,
                 staged: false,
                 shared: Shared::Off,
+                wgmma: Wgmma::Off,
             }
         );
         assert!(StreamTiles::parse("2,8,2,1,2,1").unwrap().staged);
@@ -409,6 +449,7 @@ mod tests {
             batch_splits: 1,
             staged: false,
             shared: Shared::Off,
+            wgmma: Wgmma::Off,
         };
         assert!(big.valid_for(8) && !big.valid_for(64));
         // Staged: 8 warps' two stages of 8 groups and 2 slices are 128 KiB, at the limit.

@@ -35,7 +35,8 @@ use cubek::matmul::launch::Strategy;
 use cubek::std::InputBinding;
 use verl_core::backend::CudaBackend;
 
-use super::decode_gemm::{self, Shared, SharedStage, StreamTiles};
+use super::decode_gemm::{self, Shared, SharedStage, StreamTiles, Wgmma};
+use super::decode_wgmma::DecodeWgmma;
 use super::source::{pack_words, CudaSource};
 use super::{record, CudaPrimitive};
 
@@ -375,7 +376,8 @@ fn launch_own(
             let (ls, nd) = (lhs.meta.shape(), lhs.meta.shape().num_dims());
             let (m, k) = (ls[nd - 2], ls[nd - 1]);
             if decode_gemm::takes(m, k, a.transposed, b.transposed) && tiles.valid_for(m) {
-                return decode_gemm::launch(lhs, rhs, (a.pitch, b.pitch), out_f32, tiles);
+                let hopper = hopper(lhs.device.index);
+                return decode_gemm::launch(lhs, rhs, (a.pitch, b.pitch), out_f32, tiles, hopper);
             }
             match m <= DECODE_ROWS {
                 true => OwnKernel::Decode,
@@ -561,10 +563,12 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
 
 /// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
 /// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode`: the decode
-/// step's choice (the weight stream where it applies, else the decode tiles), `tiles`: the
+/// step's choice (the `wgmma` decode kernel on Hopper or the weight stream where it applies,
+/// else the decode tiles), `decode_stream`: the same without the `wgmma` kernel, `tiles`: the
 /// `wmma` kernel with the decode tiles, `stream:R,W,U`: the weight stream with those tiles or an
 /// error, `shared:R,W,S,split`: the shared-stage kernel so configured (the stream's k order for
-/// the batch) or an error; a `_f32` suffix asks for an f32 result), on burn-cuda primitives; a
+/// the batch) or an error, `wgmma:T,G,S[,K]`: the Hopper decode kernel with T tiles, G
+/// warpgroups, S stages (and K k splits, else the shape's) or an error; a `_f32` suffix asks for an f32 result), on burn-cuda primitives; a
 /// setup error comes back as text. Public for `verl bench kernels`, which times every strategy.
 pub fn launch_strategy(
     name: &str,
@@ -573,13 +577,45 @@ pub fn launch_strategy(
 ) -> Result<CudaPrimitive, String> {
     let base = name.strip_suffix("_f32").unwrap_or(name);
     let shared = base.strip_prefix("shared:");
-    let stream = base.strip_prefix("stream:").or(shared.map(|_| ""));
-    if matches!(base, "own" | "wmma" | "decode" | "tiles") || stream.is_some() {
+    let wgmma = base.strip_prefix("wgmma:");
+    let stream = base
+        .strip_prefix("stream:")
+        .or(shared.map(|_| ""))
+        .or(wgmma.map(|_| ""));
+    if matches!(base, "own" | "wmma" | "decode" | "decode_stream" | "tiles") || stream.is_some() {
         let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
         let which = match base {
             "wmma" => OwnKernel::Wmma,
             "decode" => OwnKernel::Stream(StreamTiles::for_rows(rows)),
+            "decode_stream" => OwnKernel::Stream(StreamTiles {
+                wgmma: Wgmma::Off,
+                ..StreamTiles::for_rows(rows)
+            }),
             "tiles" => OwnKernel::Decode,
+            _ if wgmma.is_some() => {
+                let text = wgmma.unwrap_or_default();
+                let nd = lhs.meta.shape().num_dims();
+                let (k, n) = (lhs.meta.shape()[nd - 1], rhs.meta.shape()[nd - 1]);
+                if !hopper(lhs.device.index) {
+                    return Err("the wgmma decode kernel needs a Hopper GPU".into());
+                }
+                let tiles = DecodeWgmma::parse(text)
+                    .map(|(t, own_splits)| DecodeWgmma {
+                        splits: if own_splits {
+                            t.splits
+                        } else {
+                            DecodeWgmma::splits_for(n, k)
+                        },
+                        ..t
+                    })
+                    .filter(|t| t.valid_for(rows))
+                    .ok_or_else(|| format!("`{text}`: no wgmma configuration for {rows} rows"))?;
+                OwnKernel::Stream(StreamTiles {
+                    shared: Shared::Off,
+                    wgmma: Wgmma::On(tiles),
+                    ..StreamTiles::for_rows(rows)
+                })
+            }
             _ if shared.is_some() => {
                 let text = shared.unwrap_or_default();
                 let (k, n) = (
@@ -589,6 +625,7 @@ pub fn launch_strategy(
                 let tiles = SharedStage::parse(text)
                     .map(|stage| StreamTiles {
                         shared: Shared::On(stage),
+                        wgmma: Wgmma::Off,
                         ..StreamTiles::for_rows(rows)
                     })
                     .filter(|t| t.valid_for(rows) && t.shared_stage(rows, n, k).is_some())

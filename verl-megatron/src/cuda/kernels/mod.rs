@@ -13,6 +13,7 @@ pub mod bias;
 pub mod collectives;
 pub mod decode_attention;
 pub mod decode_gemm;
+pub mod decode_wgmma;
 pub mod gemm;
 pub mod host_copy;
 pub mod norm;

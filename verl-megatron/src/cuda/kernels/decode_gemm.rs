@@ -277,7 +277,8 @@ impl StreamTiles {
 }
 
 /// `VERL_DECODE_STREAM=row_tiles,warps,slices[,row_groups[,batch_splits[,staged]]]`, read
-/// once: one configuration for every batch (benchmarks sweep it). Ignored, with a warning, when
+/// once: one configuration of the stream for every batch (benchmarks sweep it; it also keeps
+/// the `wgmma` kernel off). Ignored, with a warning, when
 /// it does not parse.
 fn forced() -> Option<StreamTiles> {
     static FORCED: std::sync::OnceLock<Option<StreamTiles>> = std::sync::OnceLock::new();

@@ -231,7 +231,8 @@ verl_decode_gemm_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ w, o
                 wg_bar_arrive_copies(full + s * 8);
             }
         }
-        wait_groups<0>();
+        // (The copies were never committed as groups: wait for them all before leaving.)
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
         return;
     }
 
@@ -309,6 +310,8 @@ verl_decode_gemm_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ w, o
             wg_consumers_sync();
         }
     }
+#else
+    __trap();  // sm_90a only: the caller routes other GPUs to the mma.sync stream
 #endif
 }
 

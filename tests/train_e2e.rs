@@ -1228,10 +1228,11 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
                 _ => self.0.decode(tokens),
             }
         }
-        fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
-            self.0
+        fn tool_turn(&self, answers: &[String]) -> Result<Vec<u32>, verl::rollout::RolloutError> {
+            Ok(self
+                .0
                 .encode(&format!(" {} ", answers.join(" ")))
-                .expect("digits")
+                .expect("digits"))
         }
     }
     let dir = tempfile::tempdir().unwrap();

@@ -19,9 +19,9 @@ impl ChatTurns for Bytes {
     fn decode(&self, tokens: &[u32]) -> String {
         tokens.iter().map(|&t| t as u8 as char).collect()
     }
-    fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
+    fn tool_turn(&self, answers: &[String]) -> Result<Vec<u32>, RolloutError> {
         let text: String = answers.iter().map(|a| format!("[{a}]")).collect();
-        tokens(&format!("<{text}>"))
+        Ok(tokens(&format!("<{text}>")))
     }
 }
 

@@ -1030,8 +1030,8 @@ fn the_agent_loop_runs_turns_on_the_engine() {
         fn decode(&self, tokens: &[u32]) -> String {
             format!("{} tokens", tokens.len())
         }
-        fn tool_turn(&self, _: &[String]) -> Vec<u32> {
-            Vec::new()
+        fn tool_turn(&self, _: &[String]) -> Result<Vec<u32>, RolloutError> {
+            Ok(Vec::new())
         }
     }
     let mut cfg = greedy_config(4);
@@ -1101,9 +1101,9 @@ impl verl_rollout::agent::ChatTurns for CallFirst {
         };
         verl_rollout::agent::render_hermes("", &[call])
     }
-    fn tool_turn(&self, answers: &[String]) -> Vec<u32> {
+    fn tool_turn(&self, answers: &[String]) -> Result<Vec<u32>, RolloutError> {
         assert_eq!(answers, ["4"]);
-        vec![5, 6, 7]
+        Ok(vec![5, 6, 7])
     }
 }
 

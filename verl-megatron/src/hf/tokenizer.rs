@@ -24,6 +24,14 @@ impl ChatMessage {
             content: content.into(),
         }
     }
+
+    /// A tool's answer handed back to the model (role `tool`, as verl's agent loop writes it).
+    pub fn tool(content: impl Into<String>) -> Self {
+        Self {
+            role: "tool".into(),
+            content: content.into(),
+        }
+    }
 }
 
 /// Steps (minijinja's fuel) one chat-template rendering may take: Qwen's template with tools
@@ -159,6 +167,18 @@ impl HfTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, MegatronError> {
+        self.apply_chat_template_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// Renders the chat template over `messages` with the tools' JSON schemas as the
+    /// template's `tools` (transformers' `apply_chat_template(..., tools=...)`: Qwen's template
+    /// lists them in the system turn); none is the same as [`Self::apply_chat_template`].
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, MegatronError> {
         let template = self
             .chat_template
             .as_deref()
@@ -196,6 +216,7 @@ impl HfTokenizer {
             .map_err(render_err)?
             .render(context! {
                 messages => messages,
+                tools => (!tools.is_empty()).then_some(tools),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),

@@ -31,8 +31,8 @@ pub trait ChatTurns {
     /// The text of a model turn's tokens (where its tool calls are read).
     fn decode(&self, tokens: &[u32]) -> String;
     /// The tokens that follow a model turn: the tools' answers handed back, then the opening
-    /// of the model's next turn.
-    fn tool_turn(&self, answers: &[String]) -> Vec<u32>;
+    /// of the model's next turn (an error where the template cannot write them).
+    fn tool_turn(&self, answers: &[String]) -> Result<Vec<u32>, RolloutError>;
 }
 
 /// The tools a trajectory may call, by name.
@@ -296,8 +296,8 @@ fn truncated(answer: String, limit: usize, side: TruncateSide) -> String {
 /// Runs every request's trajectory to its end; see the module doc.
 ///
 /// # Errors
-/// A turn limit of 0 tokens; what the generator returns (a tool's failure is an answer the
-/// model reads, not an error).
+/// A turn limit of 0 tokens; what the generator returns; a tool turn the chat template cannot
+/// write (a tool's failure is an answer the model reads, not an error).
 pub async fn run_agent_loop(
     generator: &mut impl TurnGenerator,
     chat: &(impl ChatTurns + ?Sized),
@@ -402,7 +402,7 @@ pub async fn run_agent_loop(
                     cfg.tool_response_truncate_side,
                 ));
             }
-            let tool_tokens = chat.tool_turn(&answers);
+            let tool_tokens = chat.tool_turn(&answers)?;
             if tool_tokens.len() >= cfg.response_length - t.response.len() {
                 // No room for the answer and a reply: the trajectory ends without the tool
                 // turn (verl's way), so the response holds no half answer.

@@ -1,9 +1,10 @@
 //! verl's agent loop (multi-turn rollouts with tool calls): the loop ([`agent_loop`]), parsing
-//! the tool calls a model writes ([`tool_call`]) and the example tools ([`calculator`],
-//! [`python_code`]). Tools implement [`verl_core::traits::Tool`].
+//! the tool calls a model writes ([`tool_call`]), the model's chat template as its turns
+//! ([`hf_chat`]) and the example tools ([`calculator`], [`python_code`]). Tools implement [`verl_core::traits::Tool`].
 
 pub mod agent_loop;
 pub mod calculator;
+pub mod hf_chat;
 pub mod python_code;
 pub mod tool_call;
 
@@ -12,5 +13,6 @@ pub use agent_loop::{
     ToolSet, Trajectory, TruncateSide, TurnGenerator,
 };
 pub use calculator::Calculator;
+pub use hf_chat::HfChatTurns;
 pub use python_code::PythonCode;
 pub use tool_call::{parse_hermes, render_hermes, ParsedTurn, ToolCall};

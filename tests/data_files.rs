@@ -487,3 +487,55 @@ fn an_enormous_row_is_refused_naming_its_line() {
         &e[..e.len().min(300)]
     );
 }
+
+/// With an agent loop's tools, an HF model's prompts list them through the chat template (as
+/// verl's `ToolAgentLoop` renders its prompts); without, the same rows read as before.
+#[test]
+fn an_agent_loops_tools_are_listed_in_the_prompts() {
+    use verl::megatron::hf::HfTokenizer;
+    use verl::rollout::agent::{Calculator, ToolSet};
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("verl-megatron/tests/fixtures/qwen2");
+    let dir = tempfile::tempdir().unwrap();
+    for name in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "config.json",
+    ] {
+        std::fs::copy(fixture.join(name), dir.path().join(name)).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}\
+         <|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+         {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .unwrap();
+    let jl = dir.path().join("rows.jsonl");
+    let row = json!({
+        "data_source": "arith",
+        "prompt": [{"role": "user", "content": "1+2"}],
+        "reward_model": {"ground_truth": "3"},
+    });
+    std::fs::write(&jl, format!("{row}\n")).unwrap();
+    let tok = HfTokenizer::from_dir(dir.path()).unwrap();
+    let schemas = ToolSet::new().with(Calculator).schemas();
+    let plain = file_rows(&jl, &Codec::hf(tok.clone()), "prompt", "data_source").unwrap();
+    let with_tools = Codec::hf(tok.clone()).with_tools(schemas);
+    let listed = file_rows(&jl, &with_tools, "prompt", "data_source").unwrap();
+    let text = |ids: &[u32]| tok.decode(ids).unwrap();
+    assert_eq!(
+        text(&listed[0].prompt_ids),
+        text(
+            &tok.encode("<|im_start|>system\ncalculator\n<|im_end|>\n")
+                .unwrap()
+        ) + &text(&plain[0].prompt_ids)
+    );
+    assert!(!text(&plain[0].prompt_ids).contains("calculator"));
+    // A character codec has no template to list them in.
+    let chars = codec().with_tools(ToolSet::new().with(Calculator).schemas());
+    assert_eq!(
+        file_rows(&jl, &chars, "prompt", "data_source").unwrap()[0].prompt_ids,
+        file_rows(&jl, &codec(), "prompt", "data_source").unwrap()[0].prompt_ids
+    );
+}

@@ -16,22 +16,47 @@ use crate::tasks::{ArithmeticTask, CharTokenizer};
 pub enum Codec {
     /// The built-in tasks' character tokenizer (models trained from scratch).
     Char(CharTokenizer),
-    /// A Hugging Face tokenizer; prompts are chat messages rendered with the chat template.
-    Hf(Box<HfTokenizer>),
+    /// A Hugging Face tokenizer; prompts are chat messages rendered with the chat template,
+    /// with the agent loop's tool schemas where it runs one (as verl's `ToolAgentLoop` renders
+    /// its prompts: Qwen's template lists them in the system turn).
+    Hf {
+        tokenizer: Box<HfTokenizer>,
+        tools: Vec<Value>,
+    },
 }
 
 impl Codec {
+    /// A Hugging Face tokenizer's codec, with no tools.
+    pub fn hf(tokenizer: HfTokenizer) -> Self {
+        Codec::Hf {
+            tokenizer: Box::new(tokenizer),
+            tools: Vec::new(),
+        }
+    }
+
+    /// The codec with `schemas` as the tools its chat prompts list (a character codec has no
+    /// template to list them in).
+    pub fn with_tools(self, schemas: Vec<Value>) -> Self {
+        match self {
+            Codec::Hf { tokenizer, .. } => Codec::Hf {
+                tokenizer,
+                tools: schemas,
+            },
+            other => other,
+        }
+    }
+
     pub fn eos_token_ids(&self) -> Vec<u32> {
         match self {
             Codec::Char(_) => vec![CharTokenizer::EOS],
-            Codec::Hf(t) => t.eos_token_ids.clone(),
+            Codec::Hf { tokenizer: t, .. } => t.eos_token_ids.clone(),
         }
     }
 
     pub fn pad_token_id(&self) -> u32 {
         match self {
             Codec::Char(_) => CharTokenizer::PAD,
-            Codec::Hf(t) => t.eos_token_ids.first().copied().unwrap_or(0),
+            Codec::Hf { tokenizer: t, .. } => t.eos_token_ids.first().copied().unwrap_or(0),
         }
     }
 
@@ -39,7 +64,7 @@ impl Codec {
     pub fn detokenizer(&self) -> Arc<dyn Detokenizer> {
         match self {
             Codec::Char(t) => Arc::new(t.clone()),
-            Codec::Hf(t) => Arc::new(t.as_ref().clone()),
+            Codec::Hf { tokenizer: t, .. } => Arc::new(t.as_ref().clone()),
         }
     }
 
@@ -49,7 +74,8 @@ impl Codec {
     }
 
     /// Ids of a prompt given as chat messages: HF models render the whole conversation with
-    /// their chat template (as verl does); the character tokenizer takes the last user turn.
+    /// their chat template (and the codec's tools, [`Self::with_tools`]) as verl does; the
+    /// character tokenizer takes the last user turn.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, String> {
         match self {
             Codec::Char(t) => {
@@ -60,9 +86,12 @@ impl Codec {
                     .ok_or("the chat messages have no user turn")?;
                 t.encode(&user.content)
             }
-            Codec::Hf(t) => {
+            Codec::Hf {
+                tokenizer: t,
+                tools,
+            } => {
                 let chat = t
-                    .apply_chat_template(messages, true)
+                    .apply_chat_template_with_tools(messages, tools, true)
                     .map_err(|e| e.to_string())?;
                 t.encode(&chat).map_err(|e| e.to_string())
             }
@@ -73,7 +102,7 @@ impl Codec {
     pub fn encode_response(&self, text: &str) -> Result<Vec<u32>, String> {
         match self {
             Codec::Char(t) => t.encode(text),
-            Codec::Hf(t) => t.encode(text).map_err(|e| e.to_string()),
+            Codec::Hf { tokenizer: t, .. } => t.encode(text).map_err(|e| e.to_string()),
         }
     }
 
@@ -82,7 +111,7 @@ impl Codec {
     pub fn decode_all(&self, ids: &[u32]) -> String {
         match self {
             Codec::Char(t) => t.decode(ids),
-            Codec::Hf(t) => t.decode(ids).unwrap_or_default(),
+            Codec::Hf { tokenizer: t, .. } => t.decode(ids).unwrap_or_default(),
         }
     }
 
@@ -95,7 +124,7 @@ impl Codec {
             .unwrap_or(ids.len());
         match self {
             Codec::Char(t) => t.decode(&ids[..end]),
-            Codec::Hf(t) => t.decode(&ids[..end]).unwrap_or_default(),
+            Codec::Hf { tokenizer: t, .. } => t.decode(&ids[..end]).unwrap_or_default(),
         }
     }
 }

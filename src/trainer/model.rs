@@ -149,7 +149,7 @@ pub(crate) fn model_and_codec(cfg: &VerlConfig) -> Result<(Codec, HfModelConfig)
                     .unwrap_or(p),
             )
             .map_err(setup)?;
-            (Codec::Hf(Box::new(tok)), m)
+            (Codec::hf(tok), m)
         }
     })
 }

@@ -53,6 +53,13 @@ impl PpoTrainer {
         let cfg = validated.config.clone();
         verl_core::traits::comm_timeout().map_err(setup)?;
         let (codec, model_cfg) = model_and_codec(&cfg)?;
+        // verl's ToolAgentLoop renders each prompt with the tools' schemas.
+        let codec = match &parts.roles.agent {
+            Some(make) if cfg.actor_rollout_ref.rollout.multi_turn.enable => {
+                codec.with_tools(make().tools.schemas())
+            }
+            _ => codec,
+        };
         let (train, val) = match parts.train {
             Some(rows) => {
                 let val = parts

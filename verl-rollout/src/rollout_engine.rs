@@ -99,13 +99,21 @@ impl<B: ParallelBackend> NativeRollout<B> {
         })?;
         let mut cfg = agent.config.clone();
         cfg.response_length = call.max_new_tokens;
+        // Request j is sample j % n of row j / n; its tools read the row's tools_kwargs.
+        let extra = prompts.non_tensor("extra_info").ok();
         let requests = call
             .requests
             .iter()
             .zip(&call.ids)
-            .map(|(r, &id)| AgentRequest {
+            .enumerate()
+            .map(|(j, (r, &id))| AgentRequest {
                 prompt: r.prompt.clone(),
                 id,
+                tools_kwargs: extra
+                    .and_then(|e| e.get(j / call.n))
+                    .and_then(|row| row.get("tools_kwargs"))
+                    .cloned()
+                    .unwrap_or(serde_json::Value::Null),
             })
             .collect();
         cfg.sampling = call.sampling;

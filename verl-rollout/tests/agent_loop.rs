@@ -114,6 +114,7 @@ fn request(prompt: &str, id: u64) -> AgentRequest {
     AgentRequest {
         prompt: tokens(prompt),
         id,
+        tools_kwargs: serde_json::Value::Null,
     }
 }
 
@@ -306,4 +307,43 @@ proptest! {
         prop_assert!(generated.starts_with(&model), "{:?}", t);
         prop_assert_eq!(t.response_mask.iter().filter(|&&m| m == 1).count(), model.len());
     }
+}
+
+/// Each trajectory's tools read its row's `tools_kwargs` (verl's `create_kwargs`): the GSM8K
+/// tool scores the submitted answer against that row's ground truth, and a row without them
+/// scores nothing.
+#[test]
+fn tools_read_their_rows_create_kwargs() {
+    use verl_rollout::agent::Gsm8kTool;
+    let submit = render_hermes(
+        "",
+        &[ToolCall {
+            name: "calc_gsm8k_reward".into(),
+            arguments: serde_json::json!({ "answer": "4" }),
+        }],
+    );
+    let mut script = Script::new(&[('A', &[&submit, "ok"]), ('B', &[&submit, "ok"])]);
+    let tools = ToolSet::new().with(Gsm8kTool::default());
+    let mut with_truth = request("A", 1);
+    with_truth.tools_kwargs =
+        serde_json::json!({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "4"}}});
+    let mut cfg = config(300);
+    cfg.max_tool_response_length = 100;
+    let out = block_on(run_agent_loop(
+        &mut script,
+        &Bytes,
+        &tools,
+        vec![with_truth, request("B", 2)],
+        &cfg,
+    ))
+    .unwrap();
+    // The tool's answer between the Bytes template's "<[" and "]>", then the reply.
+    let response = |reward: &str| {
+        let answer = format!("<[Current parsed answer='4' reward={reward}]>");
+        [tokens(&submit), tokens(&answer), tokens("ok")].concat()
+    };
+    assert_eq!(out[0].response, response("1.0"));
+    assert_eq!(out[0].tool_reward, 0.0);
+    assert_eq!(out[1].response, response("0.0"));
+    assert_eq!(out[1].tool_reward, -0.05);
 }

@@ -1079,6 +1079,7 @@ fn agent_requests(ps: &[Vec<u32>]) -> Vec<verl_rollout::agent::AgentRequest> {
         .map(|(i, p)| verl_rollout::agent::AgentRequest {
             prompt: p.clone(),
             id: i as u64,
+            tools_kwargs: serde_json::Value::Null,
         })
         .collect()
 }

@@ -70,6 +70,19 @@ pub trait Tool {
     /// Runs one call on the JSON arguments the model wrote. Bad arguments are an error the
     /// agent loop shows the model as the tool's answer, not a failure of the rollout.
     async fn call(&self, arguments: &Value) -> Result<ToolOutput, ToolError>;
+
+    /// Runs one call for a trajectory whose data row gave this tool `create_kwargs` (verl's
+    /// `extra_info.tools_kwargs.<tool name>.create_kwargs`, which verl's agent loop hands to
+    /// `BaseTool.create` before each call: a GSM8K tool's ground truth, for instance; `Null`
+    /// when the row gives none). By default the kwargs are not read.
+    async fn call_with(
+        &self,
+        arguments: &Value,
+        create_kwargs: &Value,
+    ) -> Result<ToolOutput, ToolError> {
+        let _ = create_kwargs;
+        self.call(arguments).await
+    }
 }
 
 /// The schema of a tool taking one string argument, in OpenAI's function format.

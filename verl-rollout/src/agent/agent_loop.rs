@@ -201,6 +201,10 @@ pub enum TruncateSide {
 pub struct AgentRequest {
     pub prompt: Vec<u32>,
     pub id: u64,
+    /// The row's `extra_info.tools_kwargs` (verl's layout: `{tool name: {"create_kwargs":
+    /// {...}}}`), each tool's `create_kwargs` handed to its calls ([`Tool::call_with`]); `Null`
+    /// when the row has none.
+    pub tools_kwargs: serde_json::Value,
 }
 
 /// Why a trajectory ended.
@@ -388,13 +392,20 @@ pub async fn run_agent_loop(
                         call.name,
                         tools.names()
                     ),
-                    Some(tool) => match tool.call(&call.arguments).await {
-                        Ok(out) => {
-                            t.tool_reward += out.reward.unwrap_or(0.0);
-                            out.text
+                    Some(tool) => {
+                        let create_kwargs = requests[i]
+                            .tools_kwargs
+                            .get(&call.name)
+                            .and_then(|k| k.get("create_kwargs"))
+                            .unwrap_or(&serde_json::Value::Null);
+                        match tool.call_with(&call.arguments, create_kwargs).await {
+                            Ok(out) => {
+                                t.tool_reward += out.reward.unwrap_or(0.0);
+                                out.text
+                            }
+                            Err(e) => format!("Error: {e}"),
                         }
-                        Err(e) => format!("Error: {e}"),
-                    },
+                    }
                 };
                 answers.push(truncated(
                     answer,

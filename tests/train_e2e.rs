@@ -931,6 +931,66 @@ fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
     common::step_lines(&summary.metrics_path)
 }
 
+/// verl's multi-turn job with no Rust code: `multi_turn.enable` and a verl tool file
+/// (`tool_config_path`) on an HF model, each row's `extra_info.tools_kwargs` reaching its
+/// tools. The agent loop runs every sample (the tiny random model rarely calls the tool), the
+/// prompts list the tool, and the run trains.
+#[test]
+fn a_verl_tool_file_runs_the_agent_loop_on_an_hf_model() {
+    use verl::trainer::data::PromptRow;
+    use verl::trainer::PpoTrainer;
+    let dir = tempfile::tempdir().unwrap();
+    let tools = dir.path().join("tools.yaml");
+    std::fs::write(
+        &tools,
+        "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n",
+    )
+    .unwrap();
+    let config = ConfigBuilder::new()
+        .overrides(MAIN_JOB)
+        .overrides([
+            "trainer.total_training_steps=2",
+            "trainer.sft_warmup_steps=0",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "data.max_prompt_length=32",
+            "data.max_response_length=8",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        ])
+        .set(
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+            tools.display(),
+        )
+        .set("actor_rollout_ref.model.path", fixture_dir("qwen2"))
+        .set(
+            "trainer.default_local_dir",
+            dir.path().join("out").display(),
+        )
+        .resolve()
+        .unwrap();
+    let rows = (0..16).map(|i| {
+        let mut row = PromptRow::new(format!("{i}+1="), "verl_rs/arithmetic", &(i + 1).to_string());
+        row.extra_info = serde_json::json!({
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": (i + 1).to_string()}}}
+        });
+        row
+    });
+    let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
+    let summary = common::fit_trainer(&mut trainer);
+    let lines = common::step_lines(&summary.metrics_path);
+    assert_eq!(lines.len(), 2);
+    for l in &lines {
+        let turns = l
+            .get("rollout/agent_turns_mean")
+            .copied()
+            .unwrap_or(f64::NAN);
+        assert!((1.0..=2.0).contains(&turns), "{l:?}");
+        assert!(l.contains_key("rollout/tool_calls_mean"), "{l:?}");
+        assert!(l["actor/pg_loss"].is_finite(), "{l:?}");
+    }
+}
+
 /// PPO whose critic starts from a causal LM (`critic.model.path`, verl's way: the LM's backbone
 /// under a new value head; `verl-megatron/tests/heads.rs` checks the weights), on the qwen2
 /// fixture as both actor and critic: it trains, and its value loss is a number.
@@ -1292,7 +1352,24 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
         "actor_rollout_ref.rollout.multi_turn.format=gpt-oss",
     ]);
     assert!(text.contains("multi_turn.format"), "{text}");
-    // A tool file is refused even with the loop off.
-    let text = refusal(&["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"]);
-    assert!(text.contains("multi_turn.tool_config_path"), "{text}");
+    // A tool file that cannot be read, or on the built-in task (no chat template), is refused.
+    let text = refusal(&[
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=/nonexistent/tools.yaml",
+    ]);
+    assert!(
+        text.contains("multi_turn.tool_config_path") && text.contains("cannot be read"),
+        "{text}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tools.yaml");
+    std::fs::write(&file, "tools:\n  - class_name: verl_rs.tools.Calculator\n").unwrap();
+    let text = refusal(&[
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        &format!(
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path={}",
+            file.display()
+        ),
+    ]);
+    assert!(text.contains("character tokenizer has none"), "{text}");
 }

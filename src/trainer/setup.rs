@@ -53,12 +53,13 @@ impl PpoTrainer {
         let cfg = validated.config.clone();
         verl_core::traits::comm_timeout().map_err(setup)?;
         let (codec, model_cfg) = model_and_codec(&cfg)?;
+        let file_tools = file_tools(&cfg)?;
         // verl's ToolAgentLoop renders each prompt with the tools' schemas.
-        let codec = match &parts.roles.agent {
-            Some(make) if cfg.actor_rollout_ref.rollout.multi_turn.enable => {
-                codec.with_tools(make().tools.schemas())
-            }
-            _ => codec,
+        let codec = match (&parts.roles.agent, &file_tools) {
+            _ if !cfg.actor_rollout_ref.rollout.multi_turn.enable => codec,
+            (Some(make), _) => codec.with_tools(make().tools.schemas()),
+            (None, Some(tools)) => codec.with_tools(tools.tools().schemas()),
+            (None, None) => codec,
         };
         let (train, val) = match parts.train {
             Some(rows) => {
@@ -121,7 +122,7 @@ impl PpoTrainer {
             total_steps,
         )?;
         plans.actor.overrides = parts.roles;
-        agent_limits(&cfg, &mut plans.actor.overrides)?;
+        agent_limits(&cfg, &mut plans.actor.overrides, &codec, file_tools)?;
         let (actor, critic, processes) =
             launch_roles(&cfg, validated.world_size, &plans, total_steps)?;
         let mut advantages = AdvantageRegistry::new();
@@ -580,26 +581,77 @@ pub(super) fn total_steps_of(cfg: &VerlConfig, rows: usize) -> u64 {
         .unwrap_or(cfg.trainer.total_epochs as u64 * steps_per_epoch)
 }
 
-/// `rollout.multi_turn`: with `enable`, the builder's agent loop takes verl's limits (checked
-/// here, before any worker starts); without an agent loop there are no tool turns to run.
+/// `rollout.multi_turn.tool_config_path`, read and checked where the loop is on (verl reads it
+/// only then).
+fn file_tools(cfg: &VerlConfig) -> Result<Option<verl_rollout::agent::ToolConfig>, TrainError> {
+    let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
+    match &mt.tool_config_path {
+        Some(path) if mt.enable => verl_rollout::agent::ToolConfig::from_file(path)
+            .map(Some)
+            .map_err(setup),
+        _ => Ok(None),
+    }
+}
+
+/// `rollout.multi_turn`: with `enable`, the agent loop is the builder's, or the tool file's
+/// tools with the model's chat template as its turns ([`verl_rollout::agent::HfChatTurns`]);
+/// either takes verl's limits (checked here, before any worker starts).
 fn agent_limits(
     cfg: &VerlConfig,
     overrides: &mut super::roles::RoleOverrides,
+    codec: &Codec,
+    file_tools: Option<verl_rollout::agent::ToolConfig>,
 ) -> Result<(), TrainError> {
+    use verl_rollout::agent::{Agent, AgentLoopConfig, HfChatTurns};
     let mt = &cfg.actor_rollout_ref.rollout.multi_turn;
     // What is not built is refused whether or not the loop is enabled.
     let limits = verl_rollout::agent::AgentLimits::from_verl(mt).map_err(setup)?;
     if !mt.enable {
         return Ok(());
     }
-    let Some(make) = overrides.agent.clone() else {
-        return Err(setup(
-            "actor_rollout_ref.rollout.multi_turn.enable=true needs an agent loop (the chat \
-             template's tool turns and the tools), which an embedding program gives with \
-             PpoTrainerBuilder::agent; verl's tool_config_path and chat templates are not read \
-             yet: set multi_turn.enable=false",
-        ));
-    };
+    let make: super::roles::AgentFactory =
+        match (overrides.agent.clone(), file_tools) {
+            (Some(_), Some(_)) => {
+                return Err(setup(
+                    "actor_rollout_ref.rollout.multi_turn.tool_config_path: the builder's agent \
+                 (PpoTrainerBuilder::agent) gives the tools too; set tool_config_path null or \
+                 give the agent no tools of its own",
+                ))
+            }
+            (Some(make), None) => make,
+            (None, Some(tools)) => {
+                let Codec::Hf { tokenizer, .. } = codec else {
+                    return Err(setup(
+                    "actor_rollout_ref.rollout.multi_turn.tool_config_path: the tool turns are \
+                     written with the model's chat template, and the built-in task's character \
+                     tokenizer has none; train an HF model (actor_rollout_ref.model.path) or give \
+                     the agent with PpoTrainerBuilder::agent",
+                ));
+                };
+                let chat = HfChatTurns::new(tokenizer.as_ref().clone()).map_err(setup)?;
+                std::sync::Arc::new(move || Agent {
+                    chat: Box::new(chat.clone()),
+                    tools: tools.tools(),
+                    // verl's limits replace these below; the engine sets the response length and
+                    // sampling per call.
+                    config: AgentLoopConfig {
+                        max_assistant_turns: 0,
+                        max_turn_tokens: None,
+                        response_length: 0,
+                        max_parallel_calls: 1,
+                        max_tool_response_length: 256,
+                        tool_response_truncate_side: Default::default(),
+                        sampling: Default::default(),
+                    },
+                })
+            }
+            (None, None) => return Err(setup(
+                "actor_rollout_ref.rollout.multi_turn.enable=true needs an agent loop: the tools \
+                 from actor_rollout_ref.rollout.multi_turn.tool_config_path (verl's tool file; \
+                 the turns follow the model's chat template), or an embedding program's \
+                 PpoTrainerBuilder::agent; else set multi_turn.enable=false",
+            )),
+        };
     overrides.agent = Some(std::sync::Arc::new(move || {
         let mut agent = make();
         agent.config = agent.config.with_limits(&limits);

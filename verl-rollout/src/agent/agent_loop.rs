@@ -47,9 +47,14 @@ impl ToolSet {
     }
 
     /// The set with `tool` added (replacing one of the same name).
-    pub fn with(mut self, tool: impl Tool + 'static) -> Self {
+    pub fn with(self, tool: impl Tool + 'static) -> Self {
+        self.with_boxed(Box::new(tool))
+    }
+
+    /// The set with a boxed `tool` added (replacing one of the same name).
+    pub fn with_boxed(mut self, tool: Box<dyn Tool>) -> Self {
         self.tools.retain(|t| t.name() != tool.name());
-        self.tools.push(Box::new(tool));
+        self.tools.push(tool);
         self
     }
 
@@ -107,22 +112,15 @@ pub struct AgentLimits {
 }
 
 impl AgentLimits {
-    /// From verl's keys; what is not built (tool and interaction files, user turns, repeated
-    /// rollouts, formats other than hermes) is refused naming the key.
+    /// From verl's keys; what is not built (interaction files, user turns, repeated rollouts,
+    /// formats other than hermes) is refused naming the key. The tool file is read by
+    /// [`super::ToolConfig`].
     pub fn from_verl(mt: &verl_core::config::MultiTurnConfig) -> Result<Self, RolloutError> {
         let refuse = |field: &'static str, value: String, message: &str| RolloutError::Config {
             field,
             value,
             message: message.into(),
         };
-        if let Some(p) = &mt.tool_config_path {
-            return Err(refuse(
-                "actor_rollout_ref.rollout.multi_turn.tool_config_path",
-                p.clone(),
-                "tools are not read from files yet: give them with PpoTrainerBuilder::agent and \
-                 set it null",
-            ));
-        }
         if let Some(p) = &mt.interaction_config_path {
             return Err(refuse(
                 "actor_rollout_ref.rollout.multi_turn.interaction_config_path",

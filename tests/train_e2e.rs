@@ -933,8 +933,9 @@ fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
 
 /// verl's multi-turn job with no Rust code: `multi_turn.enable` and a verl tool file
 /// (`tool_config_path`) on an HF model, each row's `extra_info.tools_kwargs` reaching its
-/// tools. The agent loop runs every sample (the tiny random model rarely calls the tool), the
-/// prompts list the tool, and the run trains.
+/// tools. The agent loop runs every sample (the tiny random model rarely calls the tool) and the
+/// run trains. (The fixture's template ignores `tools`; `verl-rollout/tests/hf_chat.rs` checks
+/// the listing, `verl-rollout/tests/agent_loop.rs` the kwargs reaching a tool.)
 #[test]
 fn a_verl_tool_file_runs_the_agent_loop_on_an_hf_model() {
     use verl::trainer::data::PromptRow;

@@ -614,8 +614,8 @@ fn agent_limits(
             (Some(_), Some(_)) => {
                 return Err(setup(
                     "actor_rollout_ref.rollout.multi_turn.tool_config_path: the builder's agent \
-                 (PpoTrainerBuilder::agent) gives the tools too; set tool_config_path null or \
-                 give the agent no tools of its own",
+                 (PpoTrainerBuilder::agent) gives the agent loop and its tools already; set \
+                 tool_config_path null, or drop the builder's agent to take the file's tools",
                 ))
             }
             (Some(make), None) => make,
@@ -628,7 +628,14 @@ fn agent_limits(
                      the agent with PpoTrainerBuilder::agent",
                 ));
                 };
-                let chat = HfChatTurns::new(tokenizer.as_ref().clone()).map_err(setup)?;
+                let chat = HfChatTurns::new(tokenizer.as_ref().clone()).map_err(|e| {
+                    setup(format!(
+                        "actor_rollout_ref.rollout.multi_turn.tool_config_path: the model's chat \
+                         template cannot write the tool turns ({e}); use a template that writes \
+                         one turn per message and takes the `tool` role, or set \
+                         multi_turn.enable=false"
+                    ))
+                })?;
                 std::sync::Arc::new(move || Agent {
                     chat: Box::new(chat.clone()),
                     tools: tools.tools(),

@@ -30,7 +30,7 @@ fn with_template(template: &str) -> (tempfile::TempDir, HfTokenizer) {
 
 /// Qwen2.5's way with tools, shortened: a default system turn (the tools listed in it), tool
 /// answers as a user turn of `<tool_response>` blocks.
-const QWEN_LIKE: &str = r#"{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] }}{%- else %}{{- '<|im_start|>system\nYou are a helper.' }}{%- endif %}{%- if tools %}{{- '\n# Tools' }}{%- for tool in tools %}{{- '\n' + tool['function']['name'] }}{%- endfor %}{%- endif %}{{- '<|im_end|>\n' }}{%- for message in messages %}{%- if message.role == 'user' or message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- elif message.role == 'tool' %}{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
+const QWEN_LIKE: &str = r#"{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] }}{%- else %}{{- '<|im_start|>system\nYou are a helper.' }}{%- endif %}{%- if tools %}{{- '\n# Tools' }}{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}{%- endif %}{{- '<|im_end|>\n' }}{%- for message in messages %}{%- if message.role == 'user' or message.role == 'assistant' %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- elif message.role == 'tool' %}{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"#;
 
 #[test]
 fn a_tool_turn_follows_the_template_without_its_system_turn() {
@@ -68,6 +68,8 @@ fn a_template_without_a_system_turn_cuts_nothing() {
     );
 }
 
+/// Tools are written as transformers' `tojson` writes verl's schemas: Python's separators, the
+/// fields in verl's order.
 #[test]
 fn the_prompt_lists_the_tools() {
     let (_dir, tok) = with_template(QWEN_LIKE);
@@ -76,9 +78,14 @@ fn the_prompt_lists_the_tools() {
     let prompt = chat
         .prompt(&[ChatMessage::user("1+1?")], &tools.schemas())
         .unwrap();
-    let text = tok.decode(&prompt).unwrap();
-    assert!(text.contains("# Tools\ncalculator"), "{text}");
-    assert!(text.ends_with("assistant\n"), "{text}");
+    let expected = "<|im_start|>system\nYou are a helper.\n# Tools\n{\"type\": \"function\", \
+        \"function\": {\"name\": \"calculator\", \"description\": \"Evaluates an arithmetic \
+        expression (+ - * / % ^ and parentheses).\", \"parameters\": {\"type\": \"object\", \
+        \"properties\": {\"expression\": {\"type\": \"string\", \"description\": \"for example \
+        (12 + 30) * 2\"}}, \"required\": [\"expression\"]}}}<|im_end|>\n<|im_start|>user\n1+1?\
+        <|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(tok.decode_with_special(&prompt).unwrap(), expected);
+    assert_eq!(prompt, tok.encode(expected).unwrap());
     // Without tools, no list.
     let plain = tok
         .decode(&chat.prompt(&[ChatMessage::user("1+1?")], &[]).unwrap())

@@ -4,7 +4,8 @@
 
 use std::path::Path;
 
-use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{context, Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -148,8 +149,18 @@ impl HfTokenizer {
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String, MegatronError> {
+        self.decode_inner(ids, true)
+    }
+
+    /// Text of `ids` with the special tokens written out (verl reads a model turn's tool calls
+    /// so: a tokenizer may mark `<tool_call>` special).
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, MegatronError> {
+        self.decode_inner(ids, false)
+    }
+
+    fn decode_inner(&self, ids: &[u32], skip_special: bool) -> Result<String, MegatronError> {
         self.tokenizer
-            .decode(ids, true)
+            .decode(ids, skip_special)
             .map_err(|e| MegatronError::Io {
                 path: "tokenizer.json".into(),
                 message: e.to_string(),
@@ -211,16 +222,247 @@ impl HfTokenizer {
                 e.to_string()
             },
         };
+        // transformers' `tojson` (Python's json.dumps: ", " and ": ", non-ASCII kept, keys in
+        // their order) in place of minijinja's compact, sorted, HTML-escaping one, so tool
+        // schemas and call arguments are written as transformers writes them.
+        env.add_filter("tojson", python_tojson);
         env.add_template("chat", template).map_err(render_err)?;
         env.get_template("chat")
             .map_err(render_err)?
             .render(context! {
                 messages => messages,
-                tools => (!tools.is_empty()).then_some(tools),
+                tools => (!tools.is_empty()).then(|| tools.iter().map(verl_tool_schema).collect::<Vec<_>>()),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
             })
             .map_err(render_err)
+    }
+}
+
+/// A tool schema as verl's agent loop hands it to the chat template: pydantic's
+/// `model_dump(exclude_unset=True, exclude_none=True)` of its `OpenAIFunctionToolSchema`, that is
+/// the fields in their declaration order (`type`, `function`; `name`, `description`,
+/// `parameters`, `strict`; `type`, `properties`, `required`; each property's `type`,
+/// `description`, `enum`), absent and null ones left out, unknown keys dropped. Property names
+/// come in the order serde_json keeps them (sorted), where verl keeps the file's.
+fn verl_tool_schema(tool: &Value) -> JinjaValue {
+    fn plain(v: &Value) -> JinjaValue {
+        JinjaValue::from_serialize(v)
+    }
+    fn ordered(v: &Value, keys: &[&str], inner: &dyn Fn(&str, &Value) -> JinjaValue) -> JinjaValue {
+        match v {
+            Value::Object(map) => keys
+                .iter()
+                .filter_map(|&k| {
+                    map.get(k)
+                        .filter(|x| !x.is_null())
+                        .map(|x| (k, inner(k, x)))
+                })
+                .collect(),
+            other => plain(other),
+        }
+    }
+    let property =
+        |_: &str, p: &Value| ordered(p, &["type", "description", "enum"], &|_, x| plain(x));
+    let properties = |_: &str, ps: &Value| match ps {
+        Value::Object(map) => map
+            .iter()
+            .map(|(name, p)| (name.as_str(), property(name, p)))
+            .collect(),
+        other => plain(other),
+    };
+    let parameters = |_: &str, p: &Value| {
+        ordered(p, &["type", "properties", "required"], &|k, x| match k {
+            "properties" => properties(k, x),
+            _ => plain(x),
+        })
+    };
+    let function = |_: &str, f: &Value| {
+        ordered(
+            f,
+            &["name", "description", "parameters", "strict"],
+            &|k, x| match k {
+                "parameters" => parameters(k, x),
+                _ => plain(x),
+            },
+        )
+    };
+    ordered(tool, &["type", "function"], &|k, x| match k {
+        "function" => function(k, x),
+        _ => plain(x),
+    })
+}
+
+/// transformers' `tojson` filter: Python's `json.dumps(x, ensure_ascii=False, indent=indent)`.
+fn python_tojson(value: &JinjaValue, kwargs: Kwargs) -> Result<String, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    // transformers' other arguments, at the values this writes.
+    for unused in ["ensure_ascii", "separators", "sort_keys"] {
+        let _: Option<JinjaValue> = kwargs.get(unused)?;
+    }
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_json(&mut out, value, indent, 0)?;
+    Ok(out)
+}
+
+fn write_json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `repr` of a float as json.dumps writes it (`1.0`, `0.5`, `1e+20`).
+fn python_float(f: f64) -> String {
+    if f.is_nan() {
+        "NaN".into()
+    } else if f.is_infinite() {
+        if f > 0.0 { "Infinity" } else { "-Infinity" }.into()
+    } else if f != 0.0 && (f.abs() >= 1e16 || f.abs() < 1e-4) {
+        let e = format!("{f:e}");
+        match e.split_once('e') {
+            Some((m, exp)) if !exp.starts_with('-') => format!("{m}e+{exp:0>2}"),
+            Some((m, exp)) => format!("{m}e-{:0>2}", &exp[1..]),
+            None => e,
+        }
+    } else if f.fract() == 0.0 {
+        format!("{f:.1}")
+    } else {
+        format!("{f}")
+    }
+}
+
+fn write_json(
+    out: &mut String,
+    v: &JinjaValue,
+    indent: Option<usize>,
+    depth: usize,
+) -> Result<(), JinjaError> {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    // json.dumps: items joined by ", " (by "," before a newline when indenting).
+    let separator = if indent.is_some() { "," } else { ", " };
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        // Integers as written (u64 and i128 too); floats as Python writes them.
+        ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+        ValueKind::Number => {
+            out.push_str(&python_float(f64::try_from(v.clone()).unwrap_or(f64::NAN)))
+        }
+        ValueKind::String => write_json_string(out, v.as_str().unwrap_or_default()),
+        ValueKind::Map => {
+            let keys: Vec<JinjaValue> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, key) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(separator);
+                }
+                newline(out, depth + 1);
+                write_json_string(out, &key.to_string());
+                out.push_str(": ");
+                write_json(out, &v.get_item(key)?, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<JinjaValue> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(separator);
+                }
+                newline(out, depth + 1);
+                write_json(out, item, indent, depth + 1)?;
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        _ => write_json_string(out, &v.to_string()),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tojson_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn dumps(v: &Value, indent: Option<usize>) -> String {
+        let kwargs: Kwargs = match indent {
+            Some(n) => Kwargs::from_iter([("indent", JinjaValue::from(n))]),
+            None => Kwargs::from_iter(std::iter::empty::<(&str, JinjaValue)>()),
+        };
+        python_tojson(&JinjaValue::from_serialize(v), kwargs).unwrap()
+    }
+
+    /// Python's `json.dumps(x, ensure_ascii=False)` output for each value, written by hand.
+    #[test]
+    fn writes_what_pythons_json_dumps_writes() {
+        assert_eq!(
+            dumps(&json!({"a": [1, 2.5, true, null]}), None),
+            r#"{"a": [1, 2.5, true, null]}"#
+        );
+        assert_eq!(
+            dumps(&json!("it's <b> & \"q\" é\n\t\u{1}"), None),
+            r#""it's <b> & \"q\" é\n\t\u0001""#
+        );
+        assert_eq!(
+            dumps(&json!([1.0, 1e20, 0.00001, -3]), None),
+            "[1.0, 1e+20, 1e-05, -3]"
+        );
+        assert_eq!(dumps(&json!({}), Some(2)), "{}");
+        assert_eq!(
+            dumps(&json!({"a": [1, {"b": []}]}), Some(2)),
+            "{\n  \"a\": [\n    1,\n    {\n      \"b\": []\n    }\n  ]\n}"
+        );
+    }
+
+    /// verl's field order (pydantic's model_dump), unknown and null keys dropped.
+    #[test]
+    fn tool_schemas_come_in_verls_field_order() {
+        let schema = json!({
+            "function": {
+                "parameters": {"required": ["x"], "type": "object", "additionalProperties": false,
+                               "properties": {"x": {"description": "d", "type": "string", "enum": null}}},
+                "description": "desc", "name": "f"
+            },
+            "type": "function"
+        });
+        let rendered = python_tojson(
+            &verl_tool_schema(&schema),
+            Kwargs::from_iter(std::iter::empty::<(&str, JinjaValue)>()),
+        )
+        .unwrap();
+        assert_eq!(
+            rendered,
+            r#"{"type": "function", "function": {"name": "f", "description": "desc", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}, "required": ["x"]}}}"#
+        );
     }
 }

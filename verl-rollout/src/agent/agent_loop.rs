@@ -453,6 +453,12 @@ mod tests {
         // null turns: no limit.
         let unlimited = AgentLimits::from_verl(&MultiTurnConfig::default()).unwrap();
         assert_eq!(unlimited.max_assistant_turns, 0);
+        // The tool file is ToolConfig's to read.
+        let with_file = MultiTurnConfig {
+            tool_config_path: Some("t.yaml".into()),
+            ..Default::default()
+        };
+        assert!(AgentLimits::from_verl(&with_file).is_ok());
         for (bad, key) in [
             (
                 MultiTurnConfig {
@@ -460,13 +466,6 @@ mod tests {
                     ..Default::default()
                 },
                 "format",
-            ),
-            (
-                MultiTurnConfig {
-                    tool_config_path: Some("t.yaml".into()),
-                    ..Default::default()
-                },
-                "tool_config_path",
             ),
             (
                 MultiTurnConfig {

@@ -3,7 +3,8 @@
 //!
 //! Its behaviour follows verl's `Gsm8kTool`:
 //! - The answer is prefixed `#### ` unless it already is.
-//! - It is scored by verl's GSM8K scorer in flexible mode (1 right, 0 wrong or not found).
+//! - It is scored by verl's GSM8K scorer in flexible mode (1 right, 0 wrong or not found;
+//!   the match keeps commas, as verl's does).
 //! - The model reads `Current parsed answer='…' reward=…`, with Python's reprs: `reward=0` when no
 //!   number was found, `0.0` when wrong, `1.0` when right.
 //! - The call's reward is 0 when it scored, else −0.05. verl makes a fresh instance for each
@@ -65,7 +66,8 @@ impl Gsm8kTool {
     }
 }
 
-/// Python's `repr` of a string: single quotes unless the text holds one and no double quote.
+/// Python's `repr` of a string: single quotes unless the text holds one and no double quote
+/// (characters Python counts as unprintable past U+007F are kept as they are).
 fn python_repr(text: &str) -> String {
     let quote = if text.contains('\'') && !text.contains('"') {
         '"'
@@ -113,9 +115,12 @@ impl Tool for Gsm8kTool {
         arguments: &Value,
         create_kwargs: &Value,
     ) -> Result<ToolOutput, ToolError> {
-        // verl reads `answer` as given, its str() when it is not a string, "" when absent.
+        // verl reads `answer` as given, Python's str() of it when it is not a string, "" when
+        // absent (lists and objects are written as JSON here, not as Python's reprs).
         let answer = match arguments.get("answer") {
-            None | Some(Value::Null) => String::new(),
+            None => String::new(),
+            Some(Value::Null) => "None".into(),
+            Some(Value::Bool(b)) => if *b { "True" } else { "False" }.into(),
             Some(Value::String(s)) => s.clone(),
             Some(other) => other.to_string(),
         };
@@ -125,11 +130,22 @@ impl Tool for Gsm8kTool {
             format!("#### {answer}")
         };
         let ground_truth = create_kwargs.get("ground_truth").and_then(Value::as_str);
+        if ground_truth.is_none() {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "{}: a row gave no string ground_truth in extra_info.tools_kwargs.{}.\
+                     create_kwargs; its answers score as wrong (warned once)",
+                    self.name,
+                    self.name
+                )
+            });
+        }
         // verl's scorer: 0 (an int) when no answer is found, format_score 0.0 when it differs,
         // 1.0 when it matches.
         let (reward, shown) = match extract_solution(&response, Method::Flexible) {
             None => (0.0, "0"),
-            Some(found) if Some(found.as_str()) == ground_truth.map(str::trim) => (1.0, "1.0"),
+            Some(found) if Some(found.as_str()) == ground_truth => (1.0, "1.0"),
             Some(_) => (0.0, "0.0"),
         };
         Ok(ToolOutput {
@@ -155,9 +171,13 @@ mod tests {
     #[test]
     fn scores_as_verls_gsm8k_tool() {
         let truth = json!({"ground_truth": "1200"});
-        let right = run(json!({"answer": "1,200"}), truth.clone());
-        assert_eq!(right.text, "Current parsed answer='1,200' reward=1.0");
+        let right = run(json!({"answer": "1200"}), truth.clone());
+        assert_eq!(right.text, "Current parsed answer='1200' reward=1.0");
         assert_eq!(right.reward, Some(0.0));
+        // verl's flexible match keeps the comma: "1,200" is not "1200".
+        let comma = run(json!({"answer": "1,200"}), truth.clone());
+        assert_eq!(comma.text, "Current parsed answer='1,200' reward=0.0");
+        assert_eq!(comma.reward, Some(-0.05));
         let wrong = run(json!({"answer": "#### 7"}), truth.clone());
         assert_eq!(wrong.text, "Current parsed answer='#### 7' reward=0.0");
         assert_eq!(wrong.reward, Some(-0.05));
@@ -170,9 +190,14 @@ mod tests {
             "Current parsed answer='1200' reward=1.0"
         );
         assert_eq!(
-            run(json!({}), truth).text,
+            run(json!({}), truth.clone()).text,
             "Current parsed answer='' reward=0"
         );
+        // Python's str() of null and booleans.
+        let none = run(json!({"answer": null}), truth.clone());
+        assert_eq!(none.text, "Current parsed answer='None' reward=0");
+        let yes = run(json!({"answer": true}), truth);
+        assert_eq!(yes.text, "Current parsed answer='True' reward=0");
         // Without the row's ground truth nothing scores.
         assert_eq!(run(json!({"answer": "5"}), Value::Null).reward, Some(-0.05));
     }

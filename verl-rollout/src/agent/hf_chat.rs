@@ -1,6 +1,6 @@
 //! The model's own chat template as an agent loop's turns ([`ChatTurns`]), the way verl's
 //! `ToolAgentLoop` uses a Hugging Face tokenizer:
-//! - a model turn is read as text by the tokenizer;
+//! - a model turn is read as text by the tokenizer, special tokens written out;
 //! - the tools' answers are written as `tool` messages through the template with the opening of
 //!   the model's next turn, less the tokens the template writes before any message (its default
 //!   system turn), found as verl's `initialize_system_prompt` finds them: one empty user turn
@@ -91,10 +91,13 @@ impl ChatTurns for HfChatTurns {
     fn decode(&self, tokens: &[u32]) -> String {
         // Ids the model produced are its vocabulary's; a failure would be a damaged tokenizer,
         // and a turn read as empty simply calls no tool.
-        self.tokenizer.decode(tokens).unwrap_or_else(|e| {
-            tracing::warn!("a model turn could not be decoded ({e}); read as calling no tool");
-            String::new()
-        })
+        // Special tokens kept, as verl's hermes parser decodes.
+        self.tokenizer
+            .decode_with_special(tokens)
+            .unwrap_or_else(|e| {
+                tracing::warn!("a model turn could not be decoded ({e}); read as calling no tool");
+                String::new()
+            })
     }
 
     fn tool_turn(&self, answers: &[String]) -> Result<Vec<u32>, RolloutError> {

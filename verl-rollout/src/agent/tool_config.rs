@@ -9,7 +9,9 @@
 //! | `verl_rs.tools.PythonCode` | [`PythonCode`] (a local `python3`, not a sandbox) |
 //!
 //! Anything else is refused naming the class. That includes verl's sandbox, search, MCP and
-//! image tools, which call services or Python code this process does not have.
+//! image tools, which call services or Python code this process does not have. An entry
+//! without `config.type` counts as native, and a GSM8K entry without `tool_schema` takes verl's
+//! example schema; verl itself requires both.
 
 use std::path::Path;
 
@@ -107,6 +109,11 @@ impl ToolConfig {
             let entry = match class {
                 "verl.tools.gsm8k_tool.Gsm8kTool" => {
                     Entry::Gsm8k(schema.unwrap_or_else(|| Gsm8kTool::default().schema()))
+                }
+                "verl_rs.tools.Calculator" | "verl_rs.tools.PythonCode" if schema.is_some() => {
+                    return Err(refuse(format!(
+                        "tools[{i}]: {class} has its own schema; remove tool_schema"
+                    )))
                 }
                 "verl_rs.tools.Calculator" => Entry::Calculator,
                 "verl_rs.tools.PythonCode" => Entry::PythonCode,
@@ -225,6 +232,8 @@ mod tests {
         assert!(refused(": :\n- [").contains("is not YAML"));
         let twice = "tools:\n  - class_name: verl_rs.tools.Calculator\n  - class_name: verl_rs.tools.Calculator\n";
         assert!(refused(twice).contains("a second tool named calculator"));
+        let schema_given = format!("{GSM8K}  - class_name: verl_rs.tools.Calculator\n    tool_schema: {{type: function, function: {{name: calculator}}}}\n");
+        assert!(refused(&schema_given).contains("has its own schema"));
         let nameless = GSM8K.replace("name: \"calc_gsm8k_reward\"", "title: x");
         assert!(refused(&nameless).contains("function.name"));
         match ToolConfig::from_file("/nonexistent/tools.yaml") {

@@ -901,6 +901,15 @@ fn fixture_dir(name: &str) -> String {
 /// (`actor_rollout_ref.model.path`), over 16 arithmetic prompts (responses of up to 8 tokens),
 /// with `overrides` on top: the run's step lines.
 fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
+    train_fixture_rows(name, overrides, |_, _| {})
+}
+
+/// [`train_fixture`] with each prompt row `i` edited by `edit` first.
+fn train_fixture_rows(
+    name: &str,
+    overrides: &[&str],
+    edit: impl Fn(usize, &mut verl::trainer::data::PromptRow),
+) -> Vec<BTreeMap<String, f64>> {
     use verl::trainer::data::PromptRow;
     use verl::trainer::PpoTrainer;
     let dir = tempfile::tempdir().unwrap();
@@ -920,11 +929,13 @@ fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
         .resolve()
         .unwrap();
     let rows = (0..16).map(|i| {
-        PromptRow::new(
+        let mut row = PromptRow::new(
             format!("{i}+1="),
             "verl_rs/arithmetic",
             &(i + 1).to_string(),
-        )
+        );
+        edit(i, &mut row);
+        row
     });
     let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
     let summary = common::fit_trainer(&mut trainer);
@@ -938,8 +949,6 @@ fn train_fixture(name: &str, overrides: &[&str]) -> Vec<BTreeMap<String, f64>> {
 /// the listing, `verl-rollout/tests/agent_loop.rs` the kwargs reaching a tool.)
 #[test]
 fn a_verl_tool_file_runs_the_agent_loop_on_an_hf_model() {
-    use verl::trainer::data::PromptRow;
-    use verl::trainer::PpoTrainer;
     let dir = tempfile::tempdir().unwrap();
     let tools = dir.path().join("tools.yaml");
     std::fs::write(
@@ -947,39 +956,22 @@ fn a_verl_tool_file_runs_the_agent_loop_on_an_hf_model() {
         "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n",
     )
     .unwrap();
-    let config = ConfigBuilder::new()
-        .overrides(MAIN_JOB)
-        .overrides([
-            "trainer.total_training_steps=2",
-            "trainer.sft_warmup_steps=0",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-            "data.max_prompt_length=32",
-            "data.max_response_length=8",
+    let tool_file = format!(
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path={}",
+        tools.display()
+    );
+    let lines = train_fixture_rows(
+        "qwen2",
+        &[
             "actor_rollout_ref.rollout.multi_turn.enable=true",
             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-        ])
-        .set(
-            "actor_rollout_ref.rollout.multi_turn.tool_config_path",
-            tools.display(),
-        )
-        .set("actor_rollout_ref.model.path", fixture_dir("qwen2"))
-        .set(
-            "trainer.default_local_dir",
-            dir.path().join("out").display(),
-        )
-        .resolve()
-        .unwrap();
-    let rows = (0..16).map(|i| {
-        let mut row = PromptRow::new(format!("{i}+1="), "verl_rs/arithmetic", &(i + 1).to_string());
-        row.extra_info = serde_json::json!({
-            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": (i + 1).to_string()}}}
-        });
-        row
-    });
-    let mut trainer = PpoTrainer::builder(config).data(rows).build().unwrap();
-    let summary = common::fit_trainer(&mut trainer);
-    let lines = common::step_lines(&summary.metrics_path);
+            &tool_file,
+        ],
+        |i, row| {
+            row.extra_info = serde_json::json!({"tools_kwargs": {"calc_gsm8k_reward":
+                {"create_kwargs": {"ground_truth": (i + 1).to_string()}}}});
+        },
+    );
     assert_eq!(lines.len(), 2);
     for l in &lines {
         let turns = l

@@ -1260,13 +1260,35 @@ fn dapo_log_reports_the_shaping_as_validation_extras() {
 /// engine runs it, a turn whose first token is even "calls" the calculator, the tool's answer
 /// comes back as the task's tokens (masked out of the loss), no trajectory takes more than
 /// `max_assistant_turns` turns, and the run trains to its end with turns and calls logged.
-/// `multi_turn.enable` without an agent loop, or with a format other than hermes, is refused.
+/// The tool's reward (0.5 a call) reaches the reward function in `extra_info["tool_rewards"]`,
+/// as verl's reward managers merge `tool_extra_fields`. `multi_turn.enable` without an agent
+/// loop, or with a format other than hermes, is refused.
 #[test]
 fn the_builders_agent_loop_trains_with_tool_turns() {
+    use verl::core::error::ToolError;
     use verl::rollout::agent::{
         render_hermes, Agent, AgentLoopConfig, Calculator, ChatTurns, ToolCall, ToolSet,
     };
     use verl::tasks::CharTokenizer;
+    use verl::traits::{RewardInput, Tool, ToolOutput};
+    /// The calculator, scoring each call 0.5.
+    struct Scored;
+    #[async_trait::async_trait(?Send)]
+    impl Tool for Scored {
+        fn name(&self) -> &str {
+            "calculator"
+        }
+        fn schema(&self) -> serde_json::Value {
+            Calculator.schema()
+        }
+        async fn call(&self, arguments: &serde_json::Value) -> Result<ToolOutput, ToolError> {
+            let out = Calculator.call(arguments).await?;
+            Ok(ToolOutput {
+                reward: Some(0.5),
+                ..out
+            })
+        }
+    }
     struct EvenCalls(CharTokenizer);
     impl ChatTurns for EvenCalls {
         fn decode(&self, tokens: &[u32]) -> String {
@@ -1302,7 +1324,7 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
     let mut trainer = verl::trainer::PpoTrainer::builder(cfg)
         .agent(|| Agent {
             chat: Box::new(EvenCalls(CharTokenizer::arithmetic())),
-            tools: ToolSet::new().with(Calculator),
+            tools: ToolSet::new().with(Scored),
             config: AgentLoopConfig {
                 max_assistant_turns: 3,
                 // Short turns leave room for tool turns in 12-token responses.
@@ -1313,6 +1335,13 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
                 tool_response_truncate_side: Default::default(),
                 sampling: Default::default(),
             },
+        })
+        .reward(|input: &RewardInput| {
+            input.extra_info["tool_rewards"]
+                .as_array()
+                .map_or(-1.0, |r| {
+                    r.iter().filter_map(serde_json::Value::as_f64).sum()
+                })
         })
         .build()
         .unwrap();
@@ -1334,6 +1363,21 @@ fn the_builders_agent_loop_trains_with_tool_turns() {
         calls.len() == 2 && calls.iter().all(|&c| c > 0.0),
         "{calls:?}"
     );
+    // Every call scored 0.5 and the reward function summed what it was handed.
+    let scored: Vec<(f64, f64)> = lines
+        .iter()
+        .filter_map(|l| {
+            Some((
+                l.get("critic/score/mean")?,
+                l.get("rollout/tool_calls_mean")?,
+            ))
+        })
+        .map(|(s, c)| (*s, *c))
+        .collect();
+    assert_eq!(scored.len(), 2, "{lines:?}");
+    for (score, c) in scored {
+        assert!((score - 0.5 * c).abs() < 1e-6, "score {score}, calls {c}");
+    }
     // Without an agent loop, or with what is not built, multi_turn is refused by key.
     let text = refusal(&["actor_rollout_ref.rollout.multi_turn.enable=true"]);
     assert!(

@@ -146,6 +146,25 @@ impl PpoTrainer {
             texts.push(self.codec.decode(&ids));
             lengths.push(len as f64);
         }
+        // An agent loop's tool rewards join each row's extra_info, as verl's reward managers
+        // merge `tool_extra_fields` into it.
+        let merged: Option<Vec<Value>> = gen
+            .non_tensor(verl_rollout::TOOL_EXTRA_FIELDS_KEY)
+            .ok()
+            .map(|fields| {
+                (0..gen.len())
+                    .map(|i| {
+                        let mut info = match extras.as_ref().map(|e| &e[i]) {
+                            Some(Value::Object(m)) => m.clone(),
+                            _ => serde_json::Map::new(),
+                        };
+                        if let Some(Value::Object(f)) = fields.get(i) {
+                            info.extend(f.clone());
+                        }
+                        Value::Object(info)
+                    })
+                    .collect()
+            });
         let null = Value::Null;
         let inputs: Vec<RewardInput<'_>> = (0..gen.len())
             .map(|i| RewardInput {
@@ -155,7 +174,10 @@ impl PpoTrainer {
                     .get("ground_truth")
                     .and_then(Value::as_str)
                     .unwrap_or_default(),
-                extra_info: extras.as_ref().map_or(&null, |e| &e[i]),
+                extra_info: match &merged {
+                    Some(m) => &m[i],
+                    None => extras.as_ref().map_or(&null, |e| &e[i]),
+                },
             })
             .collect();
         let mut scores = self.scorer.score_full(&inputs).await?;

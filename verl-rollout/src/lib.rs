@@ -25,6 +25,6 @@ pub mod stop;
 pub use config::{EngineConfig, KvBudget, MemoryBase};
 pub use engine::{Completion, FinishReason, GenerationStats, NativeRollout, Request};
 pub use error::RolloutError;
-pub use rollout_engine::PROMPT_INDEX_KEY;
+pub use rollout_engine::{PROMPT_INDEX_KEY, TOOL_EXTRA_FIELDS_KEY};
 pub use sampling::{Sampler, SamplingError, SamplingParams};
 pub use stop::{Detokenizer, StopStrings};

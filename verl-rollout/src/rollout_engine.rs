@@ -20,6 +20,11 @@ use crate::sampling::Sampler;
 /// prompt's samples by it, so they do not depend on how the batch is split over ranks.
 pub const PROMPT_INDEX_KEY: &str = "prompt_index";
 
+/// The non-tensor column an agent-loop rollout adds (verl's `tool_extra_fields`): per response,
+/// `{"turn_scores": [...], "tool_rewards": [...]}`, merged into the row's `extra_info` before
+/// scoring, as verl's reward managers do.
+pub const TOOL_EXTRA_FIELDS_KEY: &str = "tool_extra_fields";
+
 /// Per-call settings read from `meta_info`, as verl's rollout reads them: `validate` (use
 /// `val_kwargs`), `do_sample` (false: greedy, one sample), `n`, `temperature`, `max_tokens`
 /// (at most `response_length` new tokens per response); and `global_steps`, which seeds the
@@ -140,6 +145,16 @@ impl<B: ParallelBackend> NativeRollout<B> {
             .map(|t| t.response_mask.clone())
             .collect();
         let mut out = self.finish_call(prompts, &call, &completions, Some(&masks))?;
+        // verl's `tool_extra_fields`: what its reward managers merge into each row's
+        // `extra_info` for the reward function (the tool rewards; no turn scores without
+        // interactions).
+        out.insert_non_tensor(
+            TOOL_EXTRA_FIELDS_KEY,
+            trajectories
+                .iter()
+                .map(|t| serde_json::json!({"turn_scores": [], "tool_rewards": t.tool_rewards}))
+                .collect(),
+        )?;
         let mean = |f: &dyn Fn(&Trajectory) -> usize| {
             trajectories.iter().map(f).sum::<usize>() as f64 / trajectories.len().max(1) as f64
         };

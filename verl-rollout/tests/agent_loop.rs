@@ -344,6 +344,8 @@ fn tools_read_their_rows_create_kwargs() {
     };
     assert_eq!(out[0].response, response("1.0"));
     assert_eq!(out[0].tool_reward, 0.0);
+    assert_eq!(out[0].tool_rewards, [0.0]);
     assert_eq!(out[1].response, response("0.0"));
+    assert_eq!(out[1].tool_rewards, [-0.05]);
     assert_eq!(out[1].tool_reward, -0.05);
 }

@@ -234,6 +234,9 @@ pub struct Trajectory {
     pub malformed_calls: usize,
     /// The tools' rewards, added up.
     pub tool_reward: f64,
+    /// Each call's reward, for the calls whose tool gave one (verl's `tool_rewards`, which its
+    /// reward managers hand the reward function in `extra_info`).
+    pub tool_rewards: Vec<f64>,
     pub finish: AgentFinish,
 }
 
@@ -326,6 +329,7 @@ pub async fn run_agent_loop(
             tool_calls: 0,
             malformed_calls: 0,
             tool_reward: 0.0,
+            tool_rewards: Vec::new(),
             finish: AgentFinish::Length,
         })
         .collect();
@@ -398,7 +402,10 @@ pub async fn run_agent_loop(
                             .unwrap_or(&serde_json::Value::Null);
                         match tool.call_with(&call.arguments, create_kwargs).await {
                             Ok(out) => {
-                                t.tool_reward += out.reward.unwrap_or(0.0);
+                                if let Some(r) = out.reward {
+                                    t.tool_reward += r;
+                                    t.tool_rewards.push(r);
+                                }
                                 out.text
                             }
                             Err(e) => format!("Error: {e}"),

@@ -1153,12 +1153,42 @@ fn the_agent_loop_continues_conversations_on_the_engine() {
     }
 }
 
+/// Answers "4" and scores each call with its row's `create_kwargs.row`.
+struct RowScored;
+
+#[async_trait::async_trait(?Send)]
+impl verl_core::traits::Tool for RowScored {
+    fn name(&self) -> &str {
+        "calculator"
+    }
+    fn schema(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+    async fn call(
+        &self,
+        _: &serde_json::Value,
+    ) -> Result<verl_core::traits::ToolOutput, verl_core::error::ToolError> {
+        unreachable!("the loop calls call_with")
+    }
+    async fn call_with(
+        &self,
+        _: &serde_json::Value,
+        create_kwargs: &serde_json::Value,
+    ) -> Result<verl_core::traits::ToolOutput, verl_core::error::ToolError> {
+        Ok(verl_core::traits::ToolOutput {
+            text: "4".into(),
+            reward: create_kwargs["row"].as_f64(),
+        })
+    }
+}
+
 /// `generate_sequences` with an agent loop set: every sample calls the calculator once, the
 /// tool turn's tokens sit in the response with `response_mask` 0 and log-prob 0, and the
-/// rollout reports its turns and calls.
+/// rollout reports its turns and calls. With two samples a prompt, sample j's tool reads row
+/// j / 2's `extra_info.tools_kwargs`, and its reward comes back in `tool_extra_fields`.
 #[tokio::test(flavor = "current_thread")]
 async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
-    use verl_rollout::agent::{Agent, Calculator, ToolSet};
+    use verl_rollout::agent::{Agent, ToolSet};
     let mut cfg = greedy_config(8);
     cfg.n = 2;
     cfg.ignore_eos = true;
@@ -1168,15 +1198,29 @@ async fn generate_sequences_runs_the_agent_loop_with_tool_tokens_masked() {
         chat: Box::new(CallFirst {
             calls: std::cell::Cell::new(6),
         }),
-        tools: ToolSet::new().with(Calculator),
+        tools: ToolSet::new().with(RowScored),
         // Each call's response length and sampling replace the config's.
         config: loop_config(),
     };
     let mut e = engine("qwen2", cfg).with_agent(agent).unwrap();
-    let out = e
-        .generate_sequences(prompt_batch(&prompts(3, 4), 20))
-        .await
+    let mut batch = prompt_batch(&prompts(3, 4), 20);
+    batch
+        .insert_non_tensor(
+            "extra_info",
+            (0..3)
+                .map(|row| serde_json::json!({"tools_kwargs": {"calculator": {"create_kwargs": {"row": row}}}}))
+                .collect(),
+        )
         .unwrap();
+    let out = e.generate_sequences(batch).await.unwrap();
+    let fields = out.non_tensor(verl_rollout::TOOL_EXTRA_FIELDS_KEY).unwrap();
+    for (j, f) in fields.iter().enumerate() {
+        assert_eq!(
+            f["tool_rewards"],
+            serde_json::json!([(j / 2) as f64]),
+            "sample {j}"
+        );
+    }
     let (mask, responses) = (host(&out, "response_mask"), host(&out, "responses"));
     let log_probs: Vec<f32> = out
         .to_data("rollout_log_probs")

@@ -314,20 +314,13 @@ pub(super) fn launch(
     tiles: StreamTiles,
     hopper: bool,
 ) -> CudaPrimitive {
-    {
-        let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
-        let nd = ls.num_dims();
-        let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
-        if let Some(w) = tiles.wgmma_tiles(m, n, k, hopper) {
-            return decode_wgmma::launch(lhs, rhs, (lda, ldb), out_f32, w);
-        }
+    let (m, k, n) = super::product_dims(&lhs, &rhs);
+    if let Some(w) = tiles.wgmma_tiles(m, n, k, hopper) {
+        return decode_wgmma::launch(lhs, rhs, (lda, ldb), out_f32, w);
     }
     let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
     let out = init_matmul_output(&lhs, &rhs, out_dtype);
-    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
-    let nd = ls.num_dims();
-    let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
-    let ldc = out.meta.strides()[nd - 2];
+    let ldc = super::row_pitch(&out);
     let words = pack_words(&[m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32));
     let defines = |row_tiles: usize| {
         vec![

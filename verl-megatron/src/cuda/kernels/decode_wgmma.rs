@@ -177,10 +177,8 @@ pub(super) fn launch(
 ) -> CudaPrimitive {
     let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
     let out = burn_cubecl::kernel::matmul::init_matmul_output(&lhs, &rhs, out_dtype);
-    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
-    let nd = ls.num_dims();
-    let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
-    let ldc = out.meta.strides()[nd - 2];
+    let (m, k, n) = super::product_dims(&lhs, &rhs);
+    let ldc = super::row_pitch(&out);
     let nb = DecodeWgmma::groups_of_eight(m);
     let batch_blocks = m.div_ceil(8 * nb);
     let last_block_sums = m <= LAST_BLOCK_SUM_ROWS;

@@ -373,8 +373,7 @@ fn launch_own(
 ) -> CudaPrimitive {
     let which = match which {
         OwnKernel::Stream(tiles) => {
-            let (ls, nd) = (lhs.meta.shape(), lhs.meta.shape().num_dims());
-            let (m, k) = (ls[nd - 2], ls[nd - 1]);
+            let (m, k, _) = super::product_dims(&lhs, &rhs);
             if decode_gemm::takes(m, k, a.transposed, b.transposed) && tiles.valid_for(m) {
                 let hopper = hopper(lhs.device.index);
                 return decode_gemm::launch(lhs, rhs, (a.pitch, b.pitch), out_f32, tiles, hopper);
@@ -392,9 +391,7 @@ fn launch_own(
     let out_f32 = out_f32 && (wgmma || which == OwnKernel::Decode);
     let out_dtype = if out_f32 { DType::F32 } else { lhs.dtype };
     let out = init_matmul_output(&lhs, &rhs, out_dtype);
-    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
-    let nd = ls.num_dims();
-    let (m, k, n) = (ls[nd - 2], ls[nd - 1], rs[nd - 1]);
+    let (m, k, n) = super::product_dims(&lhs, &rhs);
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
     let (kernel, (bm, bn)) = if wgmma {
@@ -426,7 +423,7 @@ fn launch_own(
         (kernel, (tiles.bm, tiles.bn))
     };
     // The output may be pitched too.
-    let ldc = out.meta.strides()[nd - 2];
+    let ldc = super::row_pitch(&out);
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
     kernel.launch(
         &out.client,
@@ -583,7 +580,7 @@ pub fn launch_strategy(
         .or(shared.map(|_| ""))
         .or(wgmma.map(|_| ""));
     if matches!(base, "own" | "wmma" | "decode" | "decode_stream" | "tiles") || stream.is_some() {
-        let rows = lhs.meta.shape()[lhs.meta.shape().num_dims() - 2];
+        let (rows, k, n) = super::product_dims(&lhs, &rhs);
         let which = match base {
             "wmma" => OwnKernel::Wmma,
             "decode" => OwnKernel::Stream(StreamTiles::for_rows(rows)),
@@ -594,8 +591,6 @@ pub fn launch_strategy(
             "tiles" => OwnKernel::Decode,
             _ if wgmma.is_some() => {
                 let text = wgmma.unwrap_or_default();
-                let nd = lhs.meta.shape().num_dims();
-                let (k, n) = (lhs.meta.shape()[nd - 1], rhs.meta.shape()[nd - 1]);
                 if !hopper(lhs.device.index) {
                     return Err("the wgmma decode kernel needs a Hopper GPU".into());
                 }
@@ -618,10 +613,6 @@ pub fn launch_strategy(
             }
             _ if shared.is_some() => {
                 let text = shared.unwrap_or_default();
-                let (k, n) = (
-                    lhs.meta.shape()[lhs.meta.shape().num_dims() - 1],
-                    rhs.meta.shape()[rhs.meta.shape().num_dims() - 1],
-                );
                 let tiles = SharedStage::parse(text)
                     .map(|stage| StreamTiles {
                         shared: Shared::On(stage),
@@ -648,7 +639,6 @@ pub fn launch_strategy(
         };
         let layouts = own_layouts(&lhs, &rhs);
         if let (OwnKernel::Stream(_), Some([a, b])) = (which, layouts) {
-            let k = lhs.meta.shape()[lhs.meta.shape().num_dims() - 1];
             if stream.is_some() && !decode_gemm::takes(rows, k, a.transposed, b.transposed) {
                 // (`shared:` too: it takes what the stream takes.)
                 return Err(format!(

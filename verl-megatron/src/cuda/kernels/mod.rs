@@ -89,6 +89,19 @@ pub(crate) fn empty_f32(like: &CudaPrimitive, shape: Vec<usize>) -> CudaPrimitiv
     empty_of(like, shape, DType::F32)
 }
 
+/// A product's sizes `(m, k, n)`: `lhs` `[.., m, k]` times `rhs` `[.., k, n]`.
+pub(crate) fn product_dims(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> (usize, usize, usize) {
+    let (ls, rs) = (lhs.meta.shape(), rhs.meta.shape());
+    let nd = ls.num_dims();
+    (ls[nd - 2], ls[nd - 1], rs[rs.num_dims() - 1])
+}
+
+/// The row pitch of a product's result `out` (`[.., m, n]`).
+pub(crate) fn row_pitch(out: &CudaPrimitive) -> usize {
+    let strides = out.meta.strides();
+    strides[strides.len() - 2]
+}
+
 /// A new contiguous tensor of `dtype` and `shape` on `like`'s device and stream, uninitialised.
 pub(crate) fn empty_of(like: &CudaPrimitive, shape: Vec<usize>, dtype: DType) -> CudaPrimitive {
     empty_device_contiguous_dtype(

@@ -60,7 +60,8 @@ pub struct StreamTiles {
 pub enum Wgmma {
     /// The stream (or the shared-stage kernel) always.
     Off,
-    /// On Hopper, with [`DecodeWgmma::for_product`], unless `VERL_DECODE_WGMMA=decomposed`.
+    /// On Hopper, with [`DecodeWgmma::for_product`], for the shapes whose tiles fill the GPU
+    /// ([`DecodeWgmma::pays_for`]), unless `VERL_DECODE_WGMMA=decomposed`.
     ByShape,
     /// This configuration (on Hopper; elsewhere the stream).
     On(DecodeWgmma),
@@ -183,7 +184,9 @@ impl StreamTiles {
     pub fn wgmma_tiles(&self, m: usize, n: usize, k: usize, hopper: bool) -> Option<DecodeWgmma> {
         let tiles = match self.wgmma {
             Wgmma::Off => None,
-            Wgmma::ByShape if WGMMA.enabled() => Some(DecodeWgmma::for_product(m, n, k)),
+            Wgmma::ByShape if WGMMA.enabled() && DecodeWgmma::pays_for(n, k) => {
+                Some(DecodeWgmma::for_product(m, n, k))
+            }
             Wgmma::ByShape => None,
             Wgmma::On(tiles) => Some(tiles),
         }?;

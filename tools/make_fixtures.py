@@ -2,7 +2,8 @@
 """Writes the tiny Hugging Face checkpoints that verl-megatron's model tests compare against.
 
 For each architecture (Qwen2, Llama with Llama-3 rope scaling, Qwen3, Qwen2-MoE, Qwen3-MoE,
-Mixtral, Mistral, and Llama / Qwen3 with linear and YaRN rope scaling) it creates a
+Mixtral, Mistral, Llama / Qwen3 with linear and YaRN rope scaling, Mistral / Qwen2 with sliding
+windows, Gemma 2, Gemma 3 and DeepSeek-V3) it creates a
 randomly initialised model with `transformers`, saves it in HF layout (config.json,
 model.safetensors or shards + index, generation_config.json, a tiny BPE tokenizer with a
 Qwen-style chat template), and records reference outputs in `reference.safetensors`
@@ -27,6 +28,12 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -163,6 +170,116 @@ def write_head(model, name, out, tok):
     print(f"{name}: scores {list(scores.shape)} -> {path}")
 
 
+def guarded(name, make):
+    """Builds one fixture; a failure is printed (with the config transformers made) and the
+    others still run."""
+    if ONLY and name not in ONLY:
+        return
+    try:
+        make()
+    except Exception as e:  # noqa: BLE001 - report and go on
+        import traceback
+
+        print(f"{name}: FAILED {type(e).__name__}: {e}")
+        traceback.print_exc()
+
+
+def randomize_buffers(model, scale):
+    # DeepSeek's selection bias is a buffer or a zero parameter: random values make it matter.
+    g = torch.Generator().manual_seed(4321)
+    with torch.no_grad():
+        for name, b in list(model.named_buffers()) + list(model.named_parameters()):
+            if "e_score_correction_bias" in name:
+                b.copy_(scale * torch.randn(b.shape, generator=g))
+
+
+def mistral_sliding(out, tok):
+    m = MistralForCausalLM(MistralConfig(**COMMON, rope_theta=10000.0, sliding_window=4, tie_word_embeddings=False, attn_implementation="eager"))
+    randomize(m, 0.2)
+    write(m, "mistral_sliding", out, tok)
+
+
+def qwen2_sliding(out, tok):
+    cfg = Qwen2Config(
+        **COMMON, rope_theta=10000.0, use_sliding_window=True, sliding_window=4, max_window_layers=1, tie_word_embeddings=True, attn_implementation="eager"
+    )
+    print("qwen2_sliding layer_types:", getattr(cfg, "layer_types", None))
+    m = Qwen2ForCausalLM(cfg)
+    randomize(m, 0.2)
+    write(m, "qwen2_sliding", out, tok)
+
+
+def gemma2(out, tok):
+    cfg = Gemma2Config(
+        **COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=12,
+        sliding_window=4,
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0,
+        hidden_activation="gelu_pytorch_tanh",
+        rope_theta=10000.0,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    print("gemma2 layer_types:", getattr(cfg, "layer_types", None))
+    m = Gemma2ForCausalLM(cfg)
+    randomize(m, 0.2)
+    write(m, "gemma2", out, tok)
+
+
+def gemma3(out, tok):
+    cfg = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        hidden_activation="gelu_pytorch_tanh",
+        pad_token_id=0,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    print("gemma3 config:", json.dumps(cfg.to_dict(), default=str)[:1500])
+    m = Gemma3ForCausalLM(cfg)
+    randomize(m, 0.2)
+    write(m, "gemma3", out, tok)
+
+
+def deepseek_v3(out, tok, q_lora_rank):
+    name = "deepseek_v3" if q_lora_rank else "deepseek_v3_no_q_lora"
+    cfg = DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    print(name, "config:", json.dumps(cfg.to_dict(), default=str)[:1500])
+    m = DeepseekV3ForCausalLM(cfg)
+    randomize(m, 0.2)
+    randomize_buffers(m, 0.1)
+    write(m, name, out, tok)
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "verl-megatron/tests/fixtures"
     ONLY.update(sys.argv[2:])
@@ -277,6 +394,24 @@ def main():
     randomize(yarn, 0.2)
     write(yarn, "qwen3_yarn", out, tok)
 
+    # Sliding-window attention on Mistral (every layer) and Qwen2 (layers from max_window_layers
+    # on), with a window shorter than the test sequences so that it cuts keys.
+    torch.manual_seed(8)
+    guarded("mistral_sliding", lambda: mistral_sliding(out, tok))
+    torch.manual_seed(9)
+    guarded("qwen2_sliding", lambda: qwen2_sliding(out, tok))
+    # Gemma 2 and Gemma 3 (text): alternating local/global attention, Gemma's norms and GeGLU,
+    # soft-capping (Gemma 2), q/k norms and a rope base of their own for local layers (Gemma 3).
+    torch.manual_seed(10)
+    guarded("gemma2", lambda: gemma2(out, tok))
+    torch.manual_seed(11)
+    guarded("gemma3", lambda: gemma3(out, tok))
+    # DeepSeek-V3: multi-head latent attention with YaRN, sigmoid group-limited routing with the
+    # selection bias, shared experts, a first dense layer; and the same without q's low rank.
+    torch.manual_seed(12)
+    guarded("deepseek_v3", lambda: deepseek_v3(out, tok, q_lora_rank=16))
+    torch.manual_seed(13)
+    guarded("deepseek_v3_no_q_lora", lambda: deepseek_v3(out, tok, q_lora_rank=None))
     # Critic (value head) and reward model (score head) on the Qwen2 backbone. pad_token_id = 0
     # makes transformers pool the last token that is not 0 (every token here).
     head_cfg = dict(COMMON, rope_theta=10000.0, num_labels=1, pad_token_id=0, attn_implementation="eager")

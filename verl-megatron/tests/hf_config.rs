@@ -100,34 +100,82 @@ fn refused(patch: &str) -> String {
 
 #[test]
 fn unsupported_values_are_refused_by_field_name() {
-    let e = refused(r#""architectures": ["Gemma2ForCausalLM"]"#);
+    let e = refused(r#""architectures": ["Phi3ForCausalLM"]"#);
     assert!(
-        e.contains("Gemma2ForCausalLM")
-            && e.contains("Qwen2Moe")
+        e.contains("Phi3ForCausalLM")
+            && e.contains("Gemma3")
             && e.contains("ForSequenceClassification"),
         "{e}"
     );
     // Qwen2's window: from max_window_layers on (28 where absent, as Qwen2Config says), 4096
     // wide where `sliding_window` is absent, nowhere where it is null.
-    let e = refused(
-        r#""architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true, "max_window_layers": 1"#,
-    );
+    let base = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
+    for (patch, windows) in [
+        (r#""max_window_layers": 1"#, [None, Some(4096)]),
+        (
+            r#""sliding_window": 32, "max_window_layers": 2"#,
+            [None, None],
+        ),
+        (r#""sliding_window": 32"#, [None, None]),
+        (
+            r#""sliding_window": 32, "max_window_layers": 0"#,
+            [Some(32), Some(32)],
+        ),
+        (
+            r#""sliding_window": null, "max_window_layers": 0"#,
+            [None, None],
+        ),
+        // An explicit list wins over max_window_layers.
+        (
+            r#""sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]"#,
+            [Some(8), None],
+        ),
+    ] {
+        let text = format!("{{{base}, {patch}}}");
+        let cfg = HfModelConfig::from_json(&text, Path::new("m/config.json")).unwrap();
+        let got = [0, 1].map(|l| cfg.variants.sliding_window_of(l));
+        assert_eq!(got, windows, "{patch}");
+    }
+    // Sliding layers with no window, a list of the wrong length or an unknown layer type.
+    let qwen2 = r#""architectures": ["Qwen2ForCausalLM"]"#;
+    for (patch, says) in [
+        (
+            r#""layer_types": ["sliding_attention", "full_attention"]"#,
+            "no sliding_window",
+        ),
+        (
+            r#""use_sliding_window": true, "layer_types": ["sliding_attention"]"#,
+            "lists 1 layers",
+        ),
+        (
+            r#""layer_types": ["chunked_attention", "full_attention"]"#,
+            "chunked_attention",
+        ),
+    ] {
+        let e = refused(&format!("{qwen2}, {patch}"));
+        assert!(e.contains("layer_types") && e.contains(says), "{e}");
+    }
+    // Mistral v0.1's window (and transformers' default of 4096 where the key is absent) on
+    // every layer; none from v0.2 on (null).
+    for (patch, window) in [
+        (r#", "sliding_window": 4096"#, Some(4096)),
+        ("", Some(4096)),
+        (r#", "sliding_window": null"#, None),
+    ] {
+        let base = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "architectures": ["MistralForCausalLM"]"#;
+        let text = format!("{{{base}{patch}}}");
+        let cfg = HfModelConfig::from_json(&text, Path::new("m/config.json")).unwrap();
+        assert_eq!(cfg.variants.sliding_window_of(1), window, "{patch}");
+    }
+    let e = refused(r#""architectures": ["MistralForCausalLM"], "sliding_window": 0"#);
+    assert!(e.contains("sliding_window"), "{e}");
+    let e = refused(r#""architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu""#);
     assert!(
-        e.contains("use_sliding_window") && e.contains("from layer 1"),
+        e.contains("hidden_activation") && e.contains("gelu_pytorch_tanh"),
         "{e}"
     );
-    let base = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": true"#;
-    for fine in [
-        r#""sliding_window": 32, "max_window_layers": 2"#,
-        r#""sliding_window": 32"#,
-        r#""sliding_window": null, "max_window_layers": 0"#,
-    ] {
-        let text = format!("{{{base}, {fine}}}");
-        assert!(
-            HfModelConfig::from_json(&text, Path::new("m/config.json")).is_ok(),
-            "{fine}"
-        );
-    }
+    let e = refused(r#""architectures": ["Gemma2ForCausalLM"], "final_logit_softcapping": -1"#);
+    assert!(e.contains("final_logit_softcapping"), "{e}");
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "hidden_act": "gelu""#);
     assert!(e.contains("hidden_act"), "{e}");
     let e = refused(r#""architectures": ["LlamaForCausalLM"], "num_key_value_heads": 3"#);
@@ -139,18 +187,11 @@ fn unsupported_values_are_refused_by_field_name() {
     );
     assert!(e.contains("num_experts_per_tok"), "{e}");
     assert!(e.contains("m/config.json"), "names the file: {e}");
-    // Mixtral with Mistral's sliding window, or with router jitter.
+    // Mixtral with router jitter.
     let mixtral = r#""architectures": ["MixtralForCausalLM"], "num_local_experts": 4, "num_experts_per_tok": 2"#;
-    let e = refused(&format!(r#"{mixtral}, "sliding_window": 4096"#));
-    assert!(e.contains("sliding_window") && e.contains("null"), "{e}");
     let e = refused(&format!(r#"{mixtral}, "router_jitter_noise": 0.01"#));
     assert!(e.contains("router_jitter_noise"), "{e}");
-    // Mistral v0.1's sliding window; the rope types that depend on the sequence length.
-    let e = refused(r#""architectures": ["MistralForCausalLM"], "sliding_window": 4096"#);
-    assert!(e.contains("sliding_window"), "{e}");
-    // Absent, transformers' MistralConfig uses a 4 096-token window.
-    let e = refused(r#""architectures": ["MistralForCausalLM"]"#);
-    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    // The rope types that depend on the sequence length.
     let e = refused(
         r#""architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}"#,
     );

@@ -77,7 +77,16 @@ fn cached_batched_greedy_equals_the_cache_less_loop_for_every_architecture() {
         vec![3, 200, 44],
         vec![9, 8, 7, 6, 5, 4, 3],
     ];
-    for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
+    for name in [
+        "qwen2",
+        "llama3",
+        "qwen3",
+        "qwen2_moe",
+        "mistral_sliding",
+        "qwen2_sliding",
+        "gemma2",
+        "gemma3",
+    ] {
         let dir = fixture(name);
         let (_, model) = load_model(&dir);
         let batched = cached_greedy(&model, &prompts, 10);
@@ -124,7 +133,16 @@ fn clearing_the_cache_starts_over() {
 #[test]
 fn chunked_prefill_equals_a_whole_prefill() {
     use verl_megatron::models::SlotKvCache;
-    for name in ["qwen2", "llama3", "qwen3", "qwen2_moe"] {
+    for name in [
+        "qwen2",
+        "llama3",
+        "qwen3",
+        "qwen2_moe",
+        "mistral_sliding",
+        "qwen2_sliding",
+        "gemma2",
+        "gemma3",
+    ] {
         let (cfg, model) = load_model(&fixture(name));
         let d = Default::default();
         let new_cache = || {

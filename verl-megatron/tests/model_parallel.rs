@@ -95,6 +95,11 @@ enum Flavour {
     Qwen3Moe,
     /// 23 ids, which no tp > 1 divides: the vocabulary-split weights are padded.
     OddVocabulary,
+    /// Gemma 2: a 3-key window on layer 0 (the 7-token sequences are longer), zero-centred
+    /// norms around both sublayers, GeGLU, a scale of its own, attention and logit soft-caps.
+    Gemma2,
+    /// Gemma 3: q/k norms, the window, and the local layer's own rope.
+    Gemma3,
 }
 
 fn model_cfg(flavour: Flavour) -> HfModelConfig {
@@ -144,6 +149,24 @@ fn model_cfg(flavour: Flavour) -> HfModelConfig {
                 decoder_sparse_step: 1,
                 mlp_only_layers: vec![1],
             });
+        }
+        Flavour::Gemma2 | Flavour::Gemma3 => {
+            use verl_megatron::hf::{Activation, LayerVariants, RopeScaling};
+            let gemma2 = matches!(flavour, Flavour::Gemma2);
+            cfg.architecture = match gemma2 {
+                true => Architecture::Gemma2,
+                false => Architecture::Gemma3,
+            };
+            cfg.qkv_bias = false;
+            cfg.variants = LayerVariants {
+                sliding_window: Some(3),
+                sliding_layers: vec![true, false],
+                activation: Activation::GeluTanh,
+                query_pre_attn_scalar: Some(6.0),
+                attn_logit_softcapping: gemma2.then_some(5.0),
+                final_logit_softcapping: gemma2.then_some(8.0),
+                local_rope: (!gemma2).then_some((1e4, RopeScaling::Default)),
+            };
         }
     }
     cfg
@@ -488,6 +511,13 @@ fn qwen3_norms_and_an_untied_head_split_exactly() {
     let _serial = serial();
     check_layout(Flavour::Qwen3Untied, 2, 1, false);
     check_layout(Flavour::Qwen3Untied, 4, 1, true);
+}
+
+#[test]
+fn gemma_layers_split_exactly() {
+    let _serial = serial();
+    check_layout(Flavour::Gemma2, 2, 1, false);
+    check_layout(Flavour::Gemma3, 4, 1, true);
 }
 
 #[test]
@@ -958,6 +988,9 @@ fn context_parallel_updates_as_the_single_rank() {
     check_parallel(Flavour::Qwen2Tied, 3, 4, layout(1, 2, 2, false), 2);
     check_parallel(Flavour::Qwen2Moe, 4, 2, layout(2, 1, 4, true), 1);
     check_parallel(Flavour::Qwen2Tied, 5, 4, layout(2, 2, 2, false), 1);
+    // Sliding windows over gathered keys, on Gemma's layers.
+    check_parallel(Flavour::Gemma2, 6, 2, layout(1, 1, 2, false), 1);
+    check_parallel(Flavour::Gemma3, 7, 4, layout(2, 2, 2, true), 1);
 }
 
 fn experts(tp: usize, pp: usize, cp: usize, ep: usize, etp: usize, sp: bool) -> ParallelConfig {
@@ -1392,6 +1425,9 @@ fn packed_sequences_update_as_padded_ones() {
             key: "ppo_max_token_len_per_gpu",
         };
         check_layout_batched(Flavour::Qwen2Tied, 5, 2, layout(1, 1, 1, false), 2, tokens);
+        // Windows within each packed sequence, alone and over cp's gathered keys.
+        check_parallel(Flavour::Gemma2, 7, 2, layout(1, 1, 1, false), 1);
+        check_parallel(Flavour::Gemma3, 8, 2, layout(2, 1, 2, true), 1);
         FUSED_HEAD.store(true, std::sync::atomic::Ordering::SeqCst);
         check_parallel(Flavour::Qwen2Tied, 6, 2, layout(2, 1, 2, false), 1);
     });
@@ -1426,6 +1462,8 @@ fn recomputed_activations_update_as_kept_ones() {
         check(101, Flavour::Qwen2Tied, 2, 4, layout(1, 2, 1, false), 2);
         check(1, Flavour::Qwen3Untied, 3, 2, layout(2, 1, 2, false), 1);
         check(1, Flavour::Qwen2Moe, 4, 2, experts(1, 1, 1, 2, 1, false), 2);
+        // Gemma's scaled embedding runs again in the recomputed backward.
+        check(1, Flavour::Gemma2, 7, 2, layout(1, 1, 1, false), 1);
         // MoE on pipeline stages, the block method keeping an MoE layer above a recomputed one.
         check(
             101,

@@ -240,3 +240,87 @@ fn linear_and_yarn_rope_scaling_match_transformers() {
     check_logits("qwen3_yarn");
     check_greedy("qwen3_yarn");
 }
+
+#[test]
+fn sliding_window_attention_matches_transformers() {
+    // A window of 4 keys, shorter than the test sequences: on every Mistral layer, and on
+    // Qwen2's layers from max_window_layers (1) on.
+    let mistral = HfModelConfig::from_dir(fixture("mistral_sliding")).unwrap();
+    assert_eq!(mistral.variants.sliding_window, Some(4));
+    assert_eq!(mistral.variants.sliding_layers, vec![true, true]);
+    let qwen2 = HfModelConfig::from_dir(fixture("qwen2_sliding")).unwrap();
+    assert_eq!(
+        (
+            qwen2.variants.sliding_window_of(0),
+            qwen2.variants.sliding_window_of(1)
+        ),
+        (None, Some(4))
+    );
+    for name in ["mistral_sliding", "qwen2_sliding"] {
+        check_logits(name);
+        check_greedy(name);
+    }
+    // The window matters: without it the same weights give other logits.
+    let mut full = mistral.clone();
+    full.variants = Default::default();
+    let ckpt = HfCheckpoint::open(fixture("mistral_sliding")).unwrap();
+    let model = CausalLm::<B>::from_checkpoint(&full, &ckpt, &Default::default()).unwrap();
+    let (ids, expected, _) = reference("mistral_sliding");
+    let got: Vec<f32> = model.forward(ids, None, None).to_data().to_vec().unwrap();
+    let worst = got
+        .iter()
+        .zip(&expected)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst > 1e-2, "the window changed nothing ({worst})");
+}
+
+#[test]
+fn gemma2_matches_transformers() {
+    // Local (window 4) and global layers alternating, Gemma's zero-centred norms around both
+    // sublayers, embeddings × √hidden, GeGLU, scores scaled by query_pre_attn_scalar (12, not
+    // head_dim 16) and soft-capped at 4, logits soft-capped at 6.
+    use verl_megatron::hf::{Activation, Architecture};
+    let cfg = HfModelConfig::from_dir(fixture("gemma2")).unwrap();
+    assert_eq!(cfg.architecture, Architecture::Gemma2);
+    let v = &cfg.variants;
+    assert_eq!(v.sliding_layers, vec![true, false]);
+    assert_eq!(v.activation, Activation::GeluTanh);
+    assert_eq!(
+        (
+            v.query_pre_attn_scalar,
+            v.attn_logit_softcapping,
+            v.final_logit_softcapping
+        ),
+        (Some(12.0), Some(4.0), Some(6.0))
+    );
+    check_logits("gemma2");
+    check_greedy("gemma2");
+}
+
+#[test]
+fn gemma3_matches_transformers() {
+    // Gemma 2's layers with q/k norms, no attention soft-cap, a global layer between two local
+    // ones, and the local layers' own rope (θ 10⁴, plain) beside the global one (θ 10⁶, linear
+    // × 8), read from transformers 5's `rope_parameters` keyed by layer type.
+    use verl_megatron::hf::RopeScaling;
+    let cfg = HfModelConfig::from_dir(fixture("gemma3")).unwrap();
+    assert_eq!(cfg.variants.sliding_layers, vec![true, false, true]);
+    assert_eq!(
+        (cfg.rope_theta, cfg.rope_scaling),
+        (1e6, RopeScaling::Linear { factor: 8.0 })
+    );
+    assert_eq!(cfg.variants.local_rope, Some((1e4, RopeScaling::Default)));
+    assert_eq!(cfg.variants.attn_logit_softcapping, None);
+    check_logits("gemma3");
+    check_greedy("gemma3");
+}
+
+#[test]
+fn new_architectures_save_a_config_that_reads_back_the_same() {
+    for name in ["mistral_sliding", "qwen2_sliding", "gemma2", "gemma3"] {
+        let cfg = HfModelConfig::from_dir(fixture(name)).unwrap();
+        let json = cfg.to_config_json().to_string();
+        let back = HfModelConfig::from_json(&json, std::path::Path::new("config.json")).unwrap();
+        assert_eq!(back, cfg, "{name}");
+    }
+}

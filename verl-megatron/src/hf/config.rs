@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use verl_core::topology::{ModelDims, ParallelConfig};
 
+use super::layer_variants::{gemma3_ropes, layer_variants_of, LayerVariants};
 use crate::error::MegatronError;
 
 /// The largest size `config.json` may give (2^24).
@@ -40,6 +41,14 @@ pub enum Architecture {
     /// of `intermediate_size`, top-k weights renormalised, no shared expert (its tensors are
     /// named `block_sparse_moe.*` and `w1`/`w3`/`w2`: `hf::names`).
     Mixtral,
+    /// `Gemma2ForCausalLM`: embeddings scaled by √hidden, zero-centred RMSNorms (scale 1 + w)
+    /// before and after both sublayers, a GeGLU MLP, local (sliding-window) and global layers
+    /// alternating, attention scores scaled by `query_pre_attn_scalar` and soft-capped, logits
+    /// soft-capped.
+    Gemma2,
+    /// `Gemma3ForCausalLM` (text): Gemma 2's layers with RMSNorm on q and k per head, one
+    /// global layer in six, the local layers with a rope of their own, no attention soft-cap.
+    Gemma3,
 }
 
 /// What sits on top of the decoder.
@@ -76,7 +85,7 @@ impl HeadKind {
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe, Mistral and Mixtral, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe, Mistral, Mixtral, Gemma2 and Gemma3, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
 
     /// Whether attention normalises q and k per head (Qwen3's `q_norm` / `k_norm`).
     ///
@@ -85,7 +94,19 @@ impl Architecture {
     /// assert!(Architecture::Qwen3Moe.has_qk_norm() && !Architecture::Qwen2Moe.has_qk_norm());
     /// ```
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Self::Qwen3 | Self::Qwen3Moe)
+        matches!(self, Self::Qwen3 | Self::Qwen3Moe | Self::Gemma3)
+    }
+
+    /// Gemma's layers: embeddings × √hidden, RMSNorm weights stored zero-centred (the scale is
+    /// 1 + w), and the attention and MLP outputs normed before the residual add
+    /// (`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    ///
+    /// ```
+    /// use verl_megatron::hf::Architecture;
+    /// assert!(Architecture::Gemma3.is_gemma() && !Architecture::Llama.is_gemma());
+    /// ```
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Self::Gemma2 | Self::Gemma3)
     }
 
     /// Whether the MLP is a mixture of experts.
@@ -109,6 +130,8 @@ impl Architecture {
             "Qwen3Moe" => Self::Qwen3Moe,
             "Mistral" => Self::Mistral,
             "Mixtral" => Self::Mixtral,
+            "Gemma2" => Self::Gemma2,
+            "Gemma3" => Self::Gemma3,
             _ => return None,
         };
         Some((family, suffix))
@@ -178,6 +201,9 @@ pub struct HfModelConfig {
     pub eos_token_ids: Vec<u32>,
     /// Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral).
     pub moe: Option<MoeConfig>,
+    /// Sliding windows, the MLP's activation, Gemma's scales and soft-caps.
+    #[serde(default)]
+    pub variants: LayerVariants,
 }
 
 /// The expert settings of Qwen2-MoE, Qwen3-MoE and Mixtral (whose `num_local_experts` and
@@ -244,30 +270,30 @@ impl MoeConfig {
     }
 }
 
-struct Reader<'a> {
-    path: &'a Path,
-    map: &'a Map<String, Value>,
+pub(super) struct Reader<'a> {
+    pub(super) path: &'a Path,
+    pub(super) map: &'a Map<String, Value>,
 }
 
 impl Reader<'_> {
-    fn err(&self, field: &str, message: impl Into<String>) -> MegatronError {
+    pub(super) fn err(&self, field: &str, message: impl Into<String>) -> MegatronError {
         MegatronError::Config {
             path: self.path.to_path_buf(),
             field: field.to_string(),
             message: message.into(),
         }
     }
-    fn get(&self, field: &str) -> Option<&Value> {
+    pub(super) fn get(&self, field: &str) -> Option<&Value> {
         self.map.get(field).filter(|v| !v.is_null())
     }
     /// A size that must be at least 1.
-    fn positive(&self, field: &str) -> Result<usize, MegatronError> {
+    pub(super) fn positive(&self, field: &str) -> Result<usize, MegatronError> {
         match self.usize(field)? {
             0 => Err(self.err(field, "must be at least 1")),
             v => Ok(v),
         }
     }
-    fn usize(&self, field: &str) -> Result<usize, MegatronError> {
+    pub(super) fn usize(&self, field: &str) -> Result<usize, MegatronError> {
         let v = self
             .get(field)
             .ok_or_else(|| self.err(field, "is required"))?;
@@ -284,14 +310,18 @@ impl Reader<'_> {
         }
         Ok(x as usize)
     }
-    fn usize_or(&self, field: &str, default: usize) -> Result<usize, MegatronError> {
+    pub(super) fn usize_or(&self, field: &str, default: usize) -> Result<usize, MegatronError> {
         if self.get(field).is_some() {
             self.usize(field)
         } else {
             Ok(default)
         }
     }
-    fn f64_in(&self, map: &Map<String, Value>, field: &str) -> Result<Option<f64>, MegatronError> {
+    pub(super) fn f64_in(
+        &self,
+        map: &Map<String, Value>,
+        field: &str,
+    ) -> Result<Option<f64>, MegatronError> {
         match map.get(field).filter(|v| !v.is_null()) {
             None => Ok(None),
             Some(v) => v
@@ -300,7 +330,7 @@ impl Reader<'_> {
                 .ok_or_else(|| self.err(field, format!("must be a number, got {v}"))),
         }
     }
-    fn bool_or(&self, field: &str, default: bool) -> Result<bool, MegatronError> {
+    pub(super) fn bool_or(&self, field: &str, default: bool) -> Result<bool, MegatronError> {
         match self.get(field) {
             None => Ok(default),
             Some(v) => v
@@ -379,6 +409,7 @@ impl HfModelConfig {
             bos_token_id: None,
             eos_token_ids: Vec::new(),
             moe: None,
+            variants: LayerVariants::default(),
         }
     }
 
@@ -405,12 +436,24 @@ impl HfModelConfig {
         let r = Reader { path, map };
         let (architecture, head) = architecture_of(&r)?;
         refuse_unsupported_layers(&r)?;
-        if matches!(architecture, Architecture::Mistral | Architecture::Mixtral) {
-            refuse_unsupported_mistral(&r, architecture)?;
+        if architecture == Architecture::Mixtral {
+            refuse_router_jitter(&r)?;
         }
         let (hidden_size, num_attention_heads, num_key_value_heads, head_dim) =
-            attention_sizes(&r)?;
-        let (rope_theta, rope_scaling) = rope_of(&r, architecture)?;
+            attention_sizes(&r, architecture)?;
+        let num_hidden_layers = r.positive("num_hidden_layers")?;
+        let mut variants = layer_variants_of(&r, architecture, num_hidden_layers)?;
+        let (rope_theta, rope_scaling) = match architecture {
+            Architecture::Gemma3 => {
+                let parse = |m: &Map<String, Value>, section: &str, theta: f64| {
+                    parse_rope(&r, m, section, theta)
+                };
+                let (global, local) = gemma3_ropes(&r, parse)?;
+                variants.local_rope = Some(local);
+                global
+            }
+            _ => rope_of(&r, architecture)?,
+        };
         let dtype = weight_dtype_of(&r)?;
         let attention_bias = r.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match architecture {
@@ -419,6 +462,7 @@ impl HfModelConfig {
                 (attention_bias, attention_bias)
             }
             Architecture::Mistral | Architecture::Mixtral => (false, false),
+            Architecture::Gemma2 | Architecture::Gemma3 => (attention_bias, attention_bias),
         };
 
         let moe = moe_of(&r, architecture)?;
@@ -441,7 +485,7 @@ impl HfModelConfig {
             vocab_size: r.positive("vocab_size")?,
             hidden_size,
             intermediate_size: r.positive("intermediate_size")?,
-            num_hidden_layers: r.positive("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
@@ -449,13 +493,15 @@ impl HfModelConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings: r.usize_or("max_position_embeddings", 4096)?,
-            tie_word_embeddings: r.bool_or("tie_word_embeddings", false)?,
+            // Gemma's configs tie by default.
+            tie_word_embeddings: r.bool_or("tie_word_embeddings", architecture.is_gemma())?,
             qkv_bias,
             o_bias,
             dtype,
             bos_token_id,
             eos_token_ids: r.token_ids("eos_token_id")?,
             moe,
+            variants,
         })
     }
 
@@ -484,6 +530,8 @@ impl HfModelConfig {
             Architecture::Qwen3Moe => ("Qwen3Moe", "qwen3_moe"),
             Architecture::Mistral => ("Mistral", "mistral"),
             Architecture::Mixtral => ("Mixtral", "mixtral"),
+            Architecture::Gemma2 => ("Gemma2", "gemma2"),
+            Architecture::Gemma3 => ("Gemma3", "gemma3_text"),
         };
         let (suffix, num_labels) = match self.head {
             HeadKind::CausalLm => ("ForCausalLM", None),
@@ -503,7 +551,6 @@ impl HfModelConfig {
             Value::from(vec![format!("{family}{suffix}")]),
         );
         put("model_type", model_type.into());
-        put("hidden_act", "silu".into());
         put("vocab_size", self.vocab_size.into());
         put("hidden_size", self.hidden_size.into());
         put("intermediate_size", self.intermediate_size.into());
@@ -513,43 +560,30 @@ impl HfModelConfig {
         put("head_dim", self.head_dim.into());
         put("rms_norm_eps", self.rms_norm_eps.into());
         put("rope_theta", self.rope_theta.into());
-        put(
-            "rope_scaling",
-            match self.rope_scaling {
-                RopeScaling::Default => Value::Null,
-                RopeScaling::Linear { factor } => {
-                    serde_json::json!({ "rope_type": "linear", "factor": factor })
+        put("rope_scaling", rope_scaling_json(&self.rope_scaling));
+        if let Some((theta, local)) = &self.variants.local_rope {
+            match local {
+                RopeScaling::Default => put("rope_local_base_freq", (*theta).into()),
+                // Only transformers 5's form says a local rope's scaling.
+                _ => {
+                    let with_theta = |theta: f64, scaling: &RopeScaling| {
+                        let mut m = match rope_scaling_json(scaling) {
+                            Value::Object(m) => m,
+                            _ => Map::from_iter([("rope_type".into(), "default".into())]),
+                        };
+                        m.insert("rope_theta".into(), theta.into());
+                        Value::Object(m)
+                    };
+                    put(
+                        "rope_parameters",
+                        serde_json::json!({
+                            "full_attention": with_theta(self.rope_theta, &self.rope_scaling),
+                            "sliding_attention": with_theta(*theta, local),
+                        }),
+                    );
                 }
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position_embeddings,
-                    beta_fast,
-                    beta_slow,
-                    attention_factor,
-                    truncate,
-                } => serde_json::json!({
-                    "rope_type": "yarn",
-                    "factor": factor,
-                    "original_max_position_embeddings": original_max_position_embeddings,
-                    "beta_fast": beta_fast,
-                    "beta_slow": beta_slow,
-                    "attention_factor": attention_factor,
-                    "truncate": truncate,
-                }),
-                RopeScaling::Llama3 {
-                    factor,
-                    low_freq_factor,
-                    high_freq_factor,
-                    original_max_position_embeddings,
-                } => serde_json::json!({
-                    "rope_type": "llama3",
-                    "factor": factor,
-                    "low_freq_factor": low_freq_factor,
-                    "high_freq_factor": high_freq_factor,
-                    "original_max_position_embeddings": original_max_position_embeddings,
-                }),
-            },
-        );
+            }
+        }
         put(
             "max_position_embeddings",
             self.max_position_embeddings.into(),
@@ -557,7 +591,11 @@ impl HfModelConfig {
         put("tie_word_embeddings", self.tie_word_embeddings.into());
         if matches!(
             self.architecture,
-            Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe
+            Architecture::Llama
+                | Architecture::Qwen3
+                | Architecture::Qwen3Moe
+                | Architecture::Gemma2
+                | Architecture::Gemma3
         ) {
             put("attention_bias", self.qkv_bias.into());
         }
@@ -570,10 +608,8 @@ impl HfModelConfig {
             }
             .into(),
         );
-        put("use_sliding_window", false.into());
-        if self.architecture == Architecture::Mistral {
-            put("sliding_window", Value::Null);
-        }
+        self.variants
+            .write(self.architecture, self.num_hidden_layers, &mut put);
         if let Some(n) = num_labels {
             put("num_labels", n.into());
         }
@@ -589,7 +625,6 @@ impl HfModelConfig {
             // Mixtral's own keys: its experts are `intermediate_size` wide.
             put("num_local_experts", moe.num_experts.into());
             put("num_experts_per_tok", moe.num_experts_per_tok.into());
-            put("sliding_window", Value::Null);
         } else if let Some(moe) = &self.moe {
             put("num_experts", moe.num_experts.into());
             put("num_experts_per_tok", moe.num_experts_per_tok.into());
@@ -622,6 +657,44 @@ impl HfModelConfig {
                 _ => verl_core::topology::QWEN_MOE_KEYS,
             },
         }
+    }
+}
+
+/// transformers 4's `rope_scaling` for `scaling` (null for plain rope).
+fn rope_scaling_json(scaling: &RopeScaling) -> Value {
+    match *scaling {
+        RopeScaling::Default => Value::Null,
+        RopeScaling::Linear { factor } => {
+            serde_json::json!({ "rope_type": "linear", "factor": factor })
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            truncate,
+        } => serde_json::json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "attention_factor": attention_factor,
+            "truncate": truncate,
+        }),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => serde_json::json!({
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low_freq_factor,
+            "high_freq_factor": high_freq_factor,
+            "original_max_position_embeddings": original_max_position_embeddings,
+        }),
     }
 }
 
@@ -661,60 +734,18 @@ fn architecture_of(r: &Reader<'_>) -> Result<(Architecture, HeadKind), MegatronE
     Ok((architecture, head))
 }
 
-/// Refuses the layer variants the decoder does not implement (activation, sliding window,
-/// MLP biases).
+/// Refuses the layer variants the decoder does not implement (MLP biases); the activation and
+/// sliding windows are read by [`layer_variants_of`].
 fn refuse_unsupported_layers(r: &Reader<'_>) -> Result<(), MegatronError> {
-    if let Some(act) = r.get("hidden_act") {
-        if act.as_str() != Some("silu") {
-            return Err(r.err(
-                "hidden_act",
-                format!("{act} is not supported; these architectures use \"silu\""),
-            ));
-        }
-    }
-    // Qwen2's window applies from layer `max_window_layers` on (transformers' layer types, with
-    // Qwen2Config's defaults: a window of 4096 and 28 full layers where the keys are absent), so
-    // a null window, or one that starts past the last layer, attends fully everywhere.
-    if r.bool_or("use_sliding_window", false)? {
-        let layers = r.usize("num_hidden_layers")?;
-        let window_from = r.usize_or("max_window_layers", 28)?;
-        let window_is_null = matches!(r.map.get("sliding_window"), Some(Value::Null));
-        if !window_is_null && window_from < layers {
-            return Err(r.err(
-                "use_sliding_window",
-                format!(
-                    "sliding-window attention (from layer {window_from} of {layers}) is not \
-                     supported; set it to false"
-                ),
-            ));
-        }
-    }
     if r.bool_or("mlp_bias", false)? {
         return Err(r.err("mlp_bias", "MLP biases are not supported"));
     }
     Ok(())
 }
 
-/// Mistral's and Mixtral's variants the decoder does not implement: sliding-window attention
-/// (`sliding_window`, null from Mistral v0.2 and in Mixtral) and Mixtral's router jitter.
-fn refuse_unsupported_mistral(
-    r: &Reader<'_>,
-    architecture: Architecture,
-) -> Result<(), MegatronError> {
-    if let Some(window) = r.get("sliding_window") {
-        return Err(r.err(
-            "sliding_window",
-            format!("({window}) sliding-window attention is not supported; set it to null"),
-        ));
-    }
-    // transformers' MistralConfig defaults to a 4 096-token window (Mixtral's to none).
-    if architecture == Architecture::Mistral && !r.map.contains_key("sliding_window") {
-        return Err(r.err(
-            "sliding_window",
-            "is absent, so transformers uses its default window of 4096, which is not \
-             supported; set it to null (Mistral v0.2 and later)",
-        ));
-    }
+/// Mixtral's router jitter (training noise on the router's logits), which the decoder does not
+/// implement.
+fn refuse_router_jitter(r: &Reader<'_>) -> Result<(), MegatronError> {
     if let Some(jitter) = r.f64_in(r.map, "router_jitter_noise")? {
         if jitter != 0.0 {
             return Err(r.err(
@@ -727,7 +758,10 @@ fn refuse_unsupported_mistral(
 }
 
 /// `(hidden_size, num_attention_heads, num_key_value_heads, head_dim)`, checked.
-fn attention_sizes(r: &Reader<'_>) -> Result<(usize, usize, usize, usize), MegatronError> {
+fn attention_sizes(
+    r: &Reader<'_>,
+    architecture: Architecture,
+) -> Result<(usize, usize, usize, usize), MegatronError> {
     let hidden_size = r.usize("hidden_size")?;
     let num_attention_heads = r.usize("num_attention_heads")?;
     for (field, v) in [
@@ -747,7 +781,17 @@ fn attention_sizes(r: &Reader<'_>) -> Result<(usize, usize, usize, usize), Megat
             ),
         ));
     }
-    let head_dim = r.usize_or("head_dim", hidden_size / num_attention_heads)?;
+    // Gemma's configs default to heads of 256 (its products need not match hidden_size).
+    let head_dim = match architecture.is_gemma() {
+        true => r.usize_or("head_dim", 256)?,
+        false => r.usize_or("head_dim", hidden_size / num_attention_heads)?,
+    };
+    if head_dim == 0 || head_dim % 2 == 1 {
+        return Err(r.err(
+            "head_dim",
+            format!("({head_dim}) must be even and at least 2 (rope rotates pairs)"),
+        ));
+    }
     Ok((
         hidden_size,
         num_attention_heads,
@@ -763,24 +807,11 @@ fn rope_of(
     r: &Reader<'_>,
     architecture: Architecture,
 ) -> Result<(f64, RopeScaling), MegatronError> {
-    let map = r.map;
     // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
     // Errors name the key the file used.
     let section = match r.get("rope_parameters") {
         Some(_) => "rope_parameters",
         None => "rope_scaling",
-    };
-    let in_section = |e: MegatronError| match e {
-        MegatronError::Config {
-            path,
-            field,
-            message,
-        } => MegatronError::Config {
-            path,
-            field: format!("{section}.{field}"),
-            message,
-        },
-        other => other,
     };
     let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
         (Some(Value::Object(m)), _) => m.clone(),
@@ -794,17 +825,54 @@ fn rope_of(
         }
         (None, None) => Map::new(),
     };
+    let mut rope_map = rope_map;
+    let unset = rope_map.get("rope_theta").is_none_or(Value::is_null);
+    if let (true, Some(theta)) = (unset, r.get("rope_theta")) {
+        rope_map.insert("rope_theta".into(), theta.clone());
+    }
+    // transformers' defaults where the key is absent: Mixtral's 1e6, the others' 1e4.
+    let default_theta = match architecture {
+        Architecture::Mixtral => 1e6,
+        _ => 1e4,
+    };
+    parse_rope(r, &rope_map, section, default_theta)
+}
+
+/// One rope's θ and scaling from its settings `rope_map` (named `section` in errors), θ
+/// `default_theta` where absent.
+pub(super) fn parse_rope(
+    r: &Reader<'_>,
+    rope_map: &Map<String, Value>,
+    section: &str,
+    default_theta: f64,
+) -> Result<(f64, RopeScaling), MegatronError> {
+    let in_section = |e: MegatronError| match e {
+        MegatronError::Config {
+            path,
+            field,
+            message,
+        } => MegatronError::Config {
+            path,
+            field: format!("{section}.{field}"),
+            message,
+        },
+        other => other,
+    };
+    let top_level = matches!(section, "rope_parameters" | "rope_scaling");
+    let theta_field = match top_level {
+        true => "rope_theta".to_string(),
+        false => format!("{section}.rope_theta"),
+    };
     let rope_theta = r
-        .f64_in(&rope_map, "rope_theta")?
-        .or(r.f64_in(map, "rope_theta")?)
-        // transformers' defaults where the key is absent: Mixtral's 1e6, the others' 1e4.
-        .unwrap_or(match architecture {
-            Architecture::Mixtral => 1e6,
-            _ => 1e4,
-        });
+        .f64_in(rope_map, "rope_theta")
+        .map_err(|e| match top_level {
+            true => e,
+            false => in_section(e),
+        })?
+        .unwrap_or(default_theta);
     if !(rope_theta.is_finite() && rope_theta > 0.0) {
         return Err(r.err(
-            "rope_theta",
+            &theta_field,
             format!("({rope_theta}) must be a positive number, e.g. 10000 or 1000000"),
         ));
     }
@@ -815,7 +883,7 @@ fn rope_of(
         .unwrap_or("default");
     // An optional positive setting of the scaling (transformers treats 0 and null as unset).
     let optional = |f: &str| -> Result<Option<f64>, MegatronError> {
-        match r.f64_in(&rope_map, f).map_err(in_section)? {
+        match r.f64_in(rope_map, f).map_err(in_section)? {
             None => Ok(None),
             Some(0.0) => Ok(None),
             Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
@@ -838,7 +906,7 @@ fn rope_of(
         "linear" => RopeScaling::Linear { factor: factor()? },
         "yarn" => {
             let original = match r
-                .f64_in(&rope_map, "original_max_position_embeddings")
+                .f64_in(rope_map, "original_max_position_embeddings")
                 .map_err(in_section)?
             {
                 None => None,
@@ -899,7 +967,7 @@ fn rope_of(
         }
         "llama3" => {
             let need = |f: &str| -> Result<f64, MegatronError> {
-                r.f64_in(&rope_map, f).map_err(in_section)?.ok_or_else(|| {
+                r.f64_in(rope_map, f).map_err(in_section)?.ok_or_else(|| {
                     r.err(
                         &format!("{section}.{f}"),
                         "is required for llama3 rope scaling",

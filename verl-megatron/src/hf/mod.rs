@@ -5,6 +5,7 @@ pub mod byte_runs;
 pub mod checkpoint;
 pub mod config;
 pub mod hub;
+pub mod layer_variants;
 pub mod names;
 pub mod save;
 pub mod tensor_map;
@@ -15,6 +16,7 @@ pub use config::{
     Architecture, HeadKind, HfModelConfig, MoeConfig, Qwen2Dims, RopeScaling, WeightDtype,
 };
 pub use hub::resolve_model_dir;
+pub use layer_variants::{Activation, LayerVariants};
 pub use save::{read_config_json, save_pretrained, SaveOptions};
 pub use tensor_map::{hf_tensor_specs, TensorSpec};
 pub use tokenizer::{ChatMessage, HfTokenizer};

@@ -32,6 +32,11 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
             format!("{p}.post_attention_layernorm.weight"),
             vec![h],
         ));
+        if cfg.architecture.is_gemma() {
+            for norm in ["pre_feedforward_layernorm", "post_feedforward_layernorm"] {
+                out.push(spec(format!("{p}.{norm}.weight"), vec![h]));
+            }
+        }
         for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
             out.push(spec(format!("{p}.self_attn.{proj}.weight"), vec![rows, h]));
             if cfg.qkv_bias {

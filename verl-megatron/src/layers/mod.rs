@@ -13,4 +13,4 @@ mod rope;
 pub use embedding::VocabParallelEmbedding;
 pub use linear::{ColumnParallelLinear, RowParallelLinear};
 pub use norm::RmsNorm;
-pub use rope::RotaryEmbedding;
+pub use rope::{RopeTables, RotaryEmbedding};

@@ -14,6 +14,25 @@ pub struct RotaryEmbedding {
     attention_factor: f64,
 }
 
+/// A forward's rope tables ([`RotaryEmbedding::tables`]): the model's, and where sliding
+/// layers have a rope of their own (Gemma 3), theirs.
+#[derive(Clone, Debug)]
+pub struct RopeTables<B: Backend> {
+    pub cos: Tensor<B, 4>,
+    pub sin: Tensor<B, 4>,
+    pub local: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+}
+
+impl<B: Backend> RopeTables<B> {
+    /// The tables of a layer that slides (`sliding`) or not.
+    pub fn for_layer(&self, sliding: bool) -> (&Tensor<B, 4>, &Tensor<B, 4>) {
+        match (&self.local, sliding) {
+            (Some((cos, sin)), true) => (cos, sin),
+            _ => (&self.cos, &self.sin),
+        }
+    }
+}
+
 impl RotaryEmbedding {
     pub fn new(head_dim: usize, theta: f64, scaling: RopeScaling) -> Self {
         let mut inv_freq: Vec<f64> = (0..head_dim / 2)
@@ -80,6 +99,20 @@ impl RotaryEmbedding {
         }
         let a = self.attention_factor as f32;
         (cos.mul_scalar(a), sin.mul_scalar(a))
+    }
+
+    /// [`Self::tables`] for every layer: with `local`, the sliding layers' own tables.
+    pub fn layer_tables<B: FusedOps>(
+        &self,
+        local: Option<&RotaryEmbedding>,
+        positions: &Tensor<B, 2, Int>,
+    ) -> RopeTables<B> {
+        let (cos, sin) = self.tables(positions);
+        RopeTables {
+            cos,
+            sin,
+            local: local.map(|r| r.tables(positions)),
+        }
     }
 
     /// cos and sin tables `[batch, 1, seq, head_dim]` for the given positions `[batch, seq]`.

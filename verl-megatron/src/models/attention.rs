@@ -56,6 +56,20 @@ pub struct AttentionMask<B: Backend> {
     slots: Option<(Vec<usize>, usize, B::Device)>,
     /// A packed row's sequences ([`Self::packed`]).
     packed: Option<PackedRows<B>>,
+    /// Where queries and keys sit, for a sliding window ([`Self::at_positions`]); derived for
+    /// causal, packed and decode-step masks.
+    positions: Option<MaskPositions>,
+    /// The bias with a sliding window's cut, built on first use.
+    windowed: OnceCell<(usize, Tensor<B, 4>)>,
+}
+
+/// The sequence positions of a mask's queries (`rows` × `queries`, `rows` 1 when every batch
+/// row has the same) and keys, which decide what a sliding window cuts.
+#[derive(Clone, Debug)]
+struct MaskPositions {
+    queries: Vec<usize>,
+    rows: usize,
+    keys: Vec<usize>,
 }
 
 /// A packed row's attention layout ([`super::packing::PackedSequences::attention_rows`]): each
@@ -95,7 +109,26 @@ impl<B: Backend> AttentionMask<B> {
             host: None,
             slots: None,
             packed: None,
+            positions: None,
+            windowed: OnceCell::new(),
         }
+    }
+
+    /// This mask with its queries at sequence positions `queries` (`rows` × queries: one row
+    /// for the whole batch, or one a batch row) and keys at `keys`, which a sliding window needs
+    /// ([`Self::bias_within`]).
+    pub fn at_positions(mut self, queries: Vec<usize>, rows: usize, keys: Vec<usize>) -> Self {
+        assert!(
+            rows > 0 && queries.len().is_multiple_of(rows),
+            "{} query positions in {rows} rows",
+            queries.len()
+        );
+        self.positions = Some(MaskPositions {
+            queries,
+            rows,
+            keys,
+        });
+        self
     }
 
     /// A mask given as the additive bias's host values `shape` = `[batch, 1, queries, keys]`,
@@ -107,6 +140,8 @@ impl<B: Backend> AttentionMask<B> {
             host: Some((values, shape, device.clone())),
             slots: None,
             packed: None,
+            positions: None,
+            windowed: OnceCell::new(),
         }
     }
 
@@ -123,6 +158,12 @@ impl<B: Backend> AttentionMask<B> {
             host: None,
             slots: Some((positions.to_vec(), window, device.clone())),
             packed: None,
+            positions: Some(MaskPositions {
+                queries: positions.to_vec(),
+                rows: positions.len(),
+                keys: (0..window).collect(),
+            }),
+            windowed: OnceCell::new(),
         }
     }
 
@@ -146,6 +187,12 @@ impl<B: Backend> AttentionMask<B> {
             host: None,
             slots: None,
             packed: None,
+            positions: Some(MaskPositions {
+                queries: (0..seq).collect(),
+                rows: 1,
+                keys: (0..seq).collect(),
+            }),
+            windowed: OnceCell::new(),
         }
     }
 
@@ -177,6 +224,13 @@ impl<B: Backend> AttentionMask<B> {
                 sequences,
                 width,
             }),
+            // Each sequence in a row of its own, from position 0.
+            positions: Some(MaskPositions {
+                queries: (0..width).collect(),
+                rows: 1,
+                keys: (0..width).collect(),
+            }),
+            windowed: OnceCell::new(),
         }
     }
 
@@ -206,6 +260,50 @@ impl<B: Backend> AttentionMask<B> {
     /// For a causal pass with no cache, the keys' mask (`Some(None)`: no padding).
     fn causal_keys(&self) -> Option<Option<Tensor<B, 2>>> {
         self.causal.as_ref().map(|c| c.key_mask.clone())
+    }
+
+    fn window_positions(&self) -> &MaskPositions {
+        self.positions.as_ref().expect(
+            "a mask read with a sliding window knows its positions (AttentionMask::at_positions)",
+        )
+    }
+
+    /// Whether a sliding window of `window` keys cuts any key this mask allows: some query sits
+    /// `window` or more positions after some key.
+    pub fn window_cuts(&self, window: usize) -> bool {
+        let p = self.window_positions();
+        let (Some(&last), Some(&first)) = (p.queries.iter().max(), p.keys.iter().min()) else {
+            return false;
+        };
+        last >= first + window
+    }
+
+    /// The additive bias with a sliding window of `window` keys (`None`: [`Self::bias`]): a
+    /// query at position q also loses the keys at positions k ≤ q − window.
+    pub fn bias_within(&self, window: Option<usize>) -> Tensor<B, 4> {
+        let Some(w) = window.filter(|&w| self.window_cuts(w)) else {
+            return self.bias().clone();
+        };
+        let (built, bias) = self.windowed.get_or_init(|| {
+            let bias = self.bias().clone();
+            let [batch, _, t, keys] = bias.dims();
+            let p = self.window_positions();
+            let device = bias.device();
+            let q = super::index_tensor::<B>(&p.queries, &device)
+                .reshape([p.rows, 1, t, 1])
+                .repeat_dim(3, keys);
+            let k = super::index_tensor::<B>(&p.keys, &device)
+                .reshape([1, 1, 1, keys])
+                .repeat_dim(2, t)
+                .repeat_dim(0, p.rows);
+            let mut cut = q.sub(k).greater_equal_elem(w as i64);
+            if p.rows != batch {
+                cut = cut.repeat_dim(0, batch);
+            }
+            (w, bias.mask_fill(cut, f32::NEG_INFINITY))
+        });
+        assert_eq!(*built, w, "one sliding window a model");
+        bias.clone()
     }
 }
 
@@ -313,6 +411,59 @@ fn sequence_bias<B: Backend>(
     Tensor::<B, 4>::zeros([batch, 1, t, k], device).mask_fill(allowed.bool_not(), f32::NEG_INFINITY)
 }
 
+/// How an attention layer turns q·k into probabilities beyond the causal softmax: its scale,
+/// Gemma 2's soft-cap, and a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionScores {
+    /// Scores are q·k times this (`head_dim^-1/2`; Gemma's `query_pre_attn_scalar^-1/2`).
+    pub scale: f64,
+    /// `cap · tanh(s / cap)` after scaling, before the mask (Gemma 2).
+    pub softcap: Option<f64>,
+    /// A query attends to itself and the `window - 1` keys before it (transformers'
+    /// `0 <= q - k < window`).
+    pub sliding_window: Option<usize>,
+}
+
+impl AttentionScores {
+    /// Plain attention over heads of `head_dim`.
+    pub fn plain(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            softcap: None,
+            sliding_window: None,
+        }
+    }
+
+    /// Layer `layer` of `cfg` (its HF index).
+    pub fn of(cfg: &crate::hf::HfModelConfig, layer: usize) -> Self {
+        let v = &cfg.variants;
+        Self {
+            scale: match v.query_pre_attn_scalar {
+                Some(s) => 1.0 / s.sqrt(),
+                None => 1.0 / (cfg.head_dim as f64).sqrt(),
+            },
+            softcap: v.attn_logit_softcapping,
+            sliding_window: v.sliding_window_of(layer),
+        }
+    }
+
+    /// Whether the fused kernels compute these scores for `mask` (they know the scale, not
+    /// soft-caps or windows): no soft-cap, and no window that cuts a key of `mask`.
+    fn fused_kernels_apply<B: Backend>(&self, mask: &AttentionMask<B>) -> bool {
+        self.softcap.is_none() && !self.sliding_window.is_some_and(|w| mask.window_cuts(w))
+    }
+
+    /// Whether a decode kernel with the default scale computes them (`head_dim`'s heads).
+    fn decode_kernel_applies<B: Backend>(&self, mask: &AttentionMask<B>, head_dim: usize) -> bool {
+        self.fused_kernels_apply(mask)
+            && *self
+                == Self {
+                    sliding_window: self.sliding_window,
+                    ..Self::plain(head_dim)
+                }
+    }
+}
+
 /// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
 /// With tensor parallelism each rank holds `heads / tp` query heads and `kv_heads / tp` kv
@@ -329,6 +480,8 @@ pub struct Attention<B: Backend> {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    #[module(skip)]
+    pub scores: AttentionScores,
     #[module(skip)]
     pub tp: TpGroup,
     /// With context parallelism the queries are this rank's tokens and the keys and values
@@ -388,13 +541,17 @@ impl<B: ParallelBackend> Attention<B> {
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let low = precision::current() == ComputeDtype::Bf16;
         let mut projections = DecodeProjections::Packed { qkv, bias };
-        if let AttnCache::Slots {
-            cache: slots,
-            layer,
-            window,
-            on_device: Some(on_device),
-            ..
-        } = &cache
+        let kernel = self.scores.decode_kernel_applies(mask, hd);
+        if let (
+            true,
+            AttnCache::Slots {
+                cache: slots,
+                layer,
+                window,
+                on_device: Some(on_device),
+                ..
+            },
+        ) = (kernel, &cache)
         {
             if cos.dims() == [b, 1, 1, hd] {
                 match B::decode_attention(
@@ -445,7 +602,7 @@ impl<B: ParallelBackend> Attention<B> {
         sin: &Tensor<B, 4>,
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
-        let (q, k, v) = match self.decode_kernel(q, k, v, cos, sin, &cache) {
+        let (q, k, v) = match self.decode_kernel(q, k, v, mask, cos, sin, &cache) {
             Ok(out) => return out,
             Err(qkv) => qkv,
         };
@@ -463,16 +620,19 @@ impl<B: ParallelBackend> Attention<B> {
             Err(qkv) => qkv,
         };
         let (k, v) = self.keys_and_values(k, v, cache);
-        decomposed_attention(q, k, v, mask.bias())
+        let bias = mask.bias_within(self.scores.sliding_window);
+        scored_attention(q, k, v, &bias, &self.scores)
     }
 
     /// A decode step over the slot cache: RoPE, the cache write and attention in one kernel
     /// (`[batch, 1, heads · head_dim]`), or the projections back where it does not apply.
+    #[allow(clippy::too_many_arguments)]
     fn decode_kernel(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
+        mask: &AttentionMask<B>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
         cache: &AttnCache<'_, B>,
@@ -480,13 +640,16 @@ impl<B: ParallelBackend> Attention<B> {
         let [b, t, _, _] = q.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let (mut q, mut k, mut v) = (q, k, v);
-        if let AttnCache::Slots {
-            cache: slots,
-            layer,
-            window,
-            on_device: Some(on_device),
-            ..
-        } = cache
+        if let (
+            true,
+            AttnCache::Slots {
+                cache: slots,
+                layer,
+                window,
+                on_device: Some(on_device),
+                ..
+            },
+        ) = (self.scores.decode_kernel_applies(mask, hd), cache)
         {
             if t == 1 && cos.dims() == [b, 1, 1, hd] {
                 let round = precision::current() == ComputeDtype::Bf16;
@@ -552,6 +715,7 @@ impl<B: ParallelBackend> Attention<B> {
                 if no_keys_cached
                     && precision::current() == ComputeDtype::Bf16
                     && cos.dims() == [b, 1, t, hd]
+                    && self.scores.fused_kernels_apply(mask)
                     && B::fused_attention_applies(hd) =>
             {
                 Some(keys)
@@ -567,7 +731,7 @@ impl<B: ParallelBackend> Attention<B> {
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
                 let kept = matches!(cache, AttnCache::Grow(_)).then(|| (k.clone(), v.clone()));
-                match B::fused_attention(q, k, v, key_mask, 1.0 / (hd as f32).sqrt()) {
+                match B::fused_attention(q, k, v, key_mask, self.scores.scale as f32) {
                     Ok(out) => return Ok((out.reshape([b, t, nh * hd]), kept)),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
@@ -673,24 +837,27 @@ impl<B: ParallelBackend> Attention<B> {
             to_rows(RotaryEmbedding::apply(k, &cos, &sin), nkv),
         );
         let v = to_rows(v, nkv);
-        let fused = precision::current() == ComputeDtype::Bf16 && B::fused_attention_applies(hd);
+        let fused = precision::current() == ComputeDtype::Bf16
+            && self.scores.fused_kernels_apply(mask)
+            && B::fused_attention_applies(hd);
         let out = match fused {
             true => B::fused_attention(
                 q,
                 k,
                 v,
                 Some(rows.key_mask.clone()),
-                1.0 / (hd as f32).sqrt(),
+                self.scores.scale as f32,
             )
             .map(|out| out.reshape([s, w, nh * hd])),
             false => Err((q, k, v)),
         };
         let out = out.unwrap_or_else(|(q, k, v)| {
-            decomposed_attention(
+            scored_attention(
                 q.swap_dims(1, 2),
                 k.swap_dims(1, 2),
                 v.swap_dims(1, 2),
-                mask.bias(),
+                &mask.bias_within(self.scores.sliding_window),
+                &self.scores,
             )
         });
         B::gather_rows(
@@ -713,6 +880,18 @@ pub fn decomposed_attention<B: FusedOps>(
     v: Tensor<B, 4>,
     bias: &Tensor<B, 4>,
 ) -> Tensor<B, 3> {
+    let hd = q.dims()[3];
+    scored_attention(q, k, v, bias, &AttentionScores::plain(hd))
+}
+
+/// [`decomposed_attention`] with `scores`' scale and soft-cap (its window is in `bias`).
+pub fn scored_attention<B: FusedOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: &Tensor<B, 4>,
+    scores: &AttentionScores,
+) -> Tensor<B, 3> {
     let [b, nh, t, hd] = q.dims();
     let [_, nkv, keys, _] = k.dims();
     // Grouped-query attention: query heads g·rep .. (g+1)·rep share kv head g. Folding those
@@ -727,10 +906,115 @@ pub fn decomposed_attention<B: FusedOps>(
             .repeat_dim(2, rep)
             .reshape([b, 1, rep * t, keys])
     };
-    let scores = precision::matmul(q, k.swap_dims(2, 3)) / (hd as f64).sqrt() + bias;
-    let probs = softmax(scores, 3);
+    let products = precision::matmul(q, k.swap_dims(2, 3));
+    // Heads of `hd` with the default scale divide by √hd as before; others multiply by their
+    // scale, as transformers does.
+    let mut logits = match scores.scale == AttentionScores::plain(hd).scale {
+        true => products / (hd as f64).sqrt(),
+        false => products * scores.scale,
+    };
+    if let Some(cap) = scores.softcap {
+        logits = (logits / cap).tanh() * cap;
+    }
+    let probs = softmax(logits + bias, 3);
     precision::matmul(probs, v)
         .reshape([b, nh, t, hd])
         .swap_dims(1, 2)
         .reshape([b, t, nh * hd])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use verl_core::backend::CpuBackend as B;
+
+    /// What transformers allows: key `k` for a query at `q` when `k <= q` and `q - k < window`.
+    fn naive(queries: &[usize], keys: usize, window: usize) -> Vec<f32> {
+        queries
+            .iter()
+            .flat_map(|&q| {
+                (0..keys).map(move |k| match k <= q && q - k < window {
+                    true => 0.0,
+                    false => f32::NEG_INFINITY,
+                })
+            })
+            .collect()
+    }
+
+    fn values(t: Tensor<B, 4>) -> Vec<f32> {
+        t.into_data().to_vec().unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x5749_4e44),
+            cases: 64,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn a_decode_steps_window_keeps_the_last_keys_of_each_slot(
+            positions in proptest::collection::vec(0usize..12, 1..5),
+            window in 1usize..8,
+        ) {
+            let keys = positions.iter().max().unwrap() + 1;
+            let mask = AttentionMask::<B>::decode_step(&positions, keys, &Default::default());
+            prop_assert_eq!(values(mask.bias_within(Some(window))), naive(&positions, keys, window));
+            // No window: every earlier key.
+            prop_assert_eq!(values(mask.bias_within(None)), naive(&positions, keys, usize::MAX));
+        }
+
+        #[test]
+        fn a_causal_passs_window_is_transformers_sliding_mask(
+            batch in 1usize..3,
+            seq in 1usize..10,
+            window in 1usize..6,
+        ) {
+            let mask = AttentionMask::<B>::causal(batch, seq, None, &Default::default());
+            let queries: Vec<usize> = (0..seq).collect();
+            let one = naive(&queries, seq, window);
+            let want: Vec<f32> = (0..batch).flat_map(|_| one.clone()).collect();
+            prop_assert_eq!(values(mask.bias_within(Some(window))), want);
+            prop_assert_eq!(mask.window_cuts(window), seq > window);
+        }
+    }
+
+    #[test]
+    fn a_window_wider_than_the_context_leaves_the_mask_as_it_is() {
+        // Hand-checked: 3 tokens, window 3 (each query sees itself and 2 before): no cut.
+        let mask = AttentionMask::<B>::causal(1, 3, None, &Default::default());
+        assert!(!mask.window_cuts(3) && mask.window_cuts(2));
+        let inf = f32::NEG_INFINITY;
+        assert_eq!(
+            values(mask.bias_within(Some(2))),
+            vec![0.0, inf, inf, 0.0, 0.0, inf, inf, 0.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn soft_capped_scores_stay_below_the_cap_and_scale_as_given() {
+        // One query and two keys of head 2: q·k = 4 and 0 scaled by 1/2 → 2 and 0; capped at 1:
+        // tanh(2) and 0, so the first key's weight is e^tanh 2 / (e^tanh 2 + 1).
+        let d = Default::default();
+        let q = Tensor::<B, 4>::from_floats([[[[2.0, 0.0]]]], &d);
+        let k = Tensor::<B, 4>::from_floats([[[[2.0, 0.0], [0.0, 1.0]]]], &d);
+        let v = Tensor::<B, 4>::from_floats([[[[1.0, 0.0], [0.0, 1.0]]]], &d);
+        let bias = Tensor::<B, 4>::zeros([1, 1, 1, 2], &d);
+        let scores = AttentionScores {
+            scale: 0.5,
+            softcap: Some(1.0),
+            sliding_window: None,
+        };
+        let out: Vec<f32> = scored_attention(q, k, v, &bias, &scores)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let e = 2f32.tanh().exp();
+        let p = e / (e + 1.0);
+        assert!(
+            (out[0] - p).abs() < 1e-6 && (out[1] - (1.0 - p)).abs() < 1e-6,
+            "{out:?}"
+        );
+    }
 }

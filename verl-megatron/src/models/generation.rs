@@ -27,7 +27,7 @@ use super::generation_weights::{FusedLayer, FusedWeights, GenerationWeights};
 use super::kv_cache::SlotKvCache;
 use super::mlp::swiglu;
 use crate::layers::precision::{self, ComputeDtype};
-use crate::layers::RmsNorm;
+use crate::layers::{RmsNorm, RopeTables};
 use crate::ops::FusedOps;
 use crate::parallel::ParallelBackend;
 
@@ -49,6 +49,10 @@ impl<B: ParallelBackend> GenerationWeights<B> {
             && model.norm.is_some()
             && model.score.is_none()
             && !model.tp.sequence_parallel
+            // Its loop is Llama's layer: no sandwich norms, GeGLU or soft-caps.
+            && !model.config.architecture.is_gemma()
+            && model.config.variants.activation == crate::hf::Activation::Silu
+            && model.config.variants.final_logit_softcapping.is_none()
             && model.layers.iter().all(|l| {
                 let a = &l.self_attn;
                 let biases = [&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias]
@@ -121,7 +125,7 @@ impl<B: FusedOps> RmsNorm<B> {
         delta: Option<Tensor<B, 2>>,
     ) -> (Tensor<B, 2>, Tensor<B, 2>) {
         if precision::current() == ComputeDtype::Bf16 {
-            return B::add_rms_norm_bf16(h, delta, self.weight.val(), self.eps);
+            return B::add_rms_norm_bf16(h, delta, self.scale(), self.eps);
         }
         let s = match delta {
             Some(d) => h + d,
@@ -157,8 +161,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         fused: &GenerationWeights<B>,
         ids: Tensor<B, 2, Int>,
         mask: &AttentionMask<B>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        rope: &RopeTables<B>,
         cache: &mut SlotKvCache<B>,
         (positions, window, on_device): (&[usize], usize, Option<&Tensor<B, 1>>),
     ) -> Tensor<B, 3> {
@@ -173,6 +176,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         for (l, (layer, f)) in self.layers.iter().zip(&fused.layers).enumerate() {
             let (sum, x) = layer.input_layernorm.add_then_forward(h, delta.take());
             let attn = &layer.self_attn;
+            let (cos, sin) = rope.for_layer(attn.scores.sliding_window.is_some());
             let qkv = precision::linear(attn.tp.enter(x), f.qkv.clone());
             let out = attn.decode_packed(
                 qkv,

@@ -281,12 +281,17 @@ impl ChunkLayout {
     /// positions `0..=starts[i] + q`; a padded token (`q >= lens[i]`) sees position 0 only,
     /// so its softmax stays finite.
     pub fn bias(&self, t: usize) -> Vec<f32> {
-        let lasts = self
-            .starts
+        keys_up_to(self.query_positions(t), self.window())
+    }
+
+    /// Each chunk's `t` query positions, `[chunks · t]` (0 for a padded query, which attends
+    /// to that position alone).
+    pub fn query_positions(&self, t: usize) -> Vec<usize> {
+        self.starts
             .iter()
             .zip(&self.lens)
-            .flat_map(|(&start, &len)| (0..t).map(move |q| if q < len { start + q } else { 0 }));
-        keys_up_to(lasts, self.window())
+            .flat_map(|(&start, &len)| (0..t).map(move |q| if q < len { start + q } else { 0 }))
+            .collect()
     }
 }
 

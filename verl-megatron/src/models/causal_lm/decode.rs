@@ -60,15 +60,14 @@ impl<B: ParallelBackend> CausalLm<B> {
         let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &device)
             .unsqueeze_dim::<2>(0)
             .repeat_dim(0, n);
-        let (cos, sin) = self.rope.tables(&positions);
+        let rope = self.rope_tables(&positions);
         // Causal over the right-padded prompts: the fused kernel's mask where it applies (no
         // t × t bias or scores), the same bias built on first use elsewhere.
         let mask = AttentionMask::causal(n, t, None, &device);
         let h = self.decoder(
             StageInput::Ids(ids),
             &mask,
-            &cos,
-            &sin,
+            &rope,
             CacheMode::Grow(&mut tmp),
         );
         let sources: Vec<usize> = targets.iter().map(|&(p, _)| p).collect();
@@ -129,13 +128,13 @@ impl<B: ParallelBackend> CausalLm<B> {
         }
         let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, t]), &device);
         let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(pos, [n, t]), &device);
-        let (cos, sin) = self.rope.tables(&positions);
-        let mask = AttentionMask::from_host_bias(layout.bias(t), [n, 1, t, window], &device);
+        let rope = self.rope_tables(&positions);
+        let mask = AttentionMask::from_host_bias(layout.bias(t), [n, 1, t, window], &device)
+            .at_positions(layout.query_positions(t), n, (0..window).collect());
         let h = self.decoder(
             StageInput::Ids(ids),
             &mask,
-            &cos,
-            &sin,
+            &rope,
             CacheMode::Chunk {
                 cache,
                 chunks: &layout,
@@ -177,7 +176,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             TensorData::new(positions.iter().map(|&p| p as i64).collect(), [s, 1]),
             &device,
         );
-        let (cos, sin) = self.rope.tables(&pos);
+        let rope = self.rope_tables(&pos);
         let mask = AttentionMask::decode_step(positions, window, &device);
         // Where the decode kernel applies, the positions go up once for every layer.
         let on_device = self.layers.first().and_then(|l| {
@@ -189,7 +188,7 @@ impl<B: ParallelBackend> CausalLm<B> {
             Some(fused) => {
                 let _precision = precision::enter(self.compute_dtype);
                 let step = (positions, window, on_device.as_ref());
-                self.decode_fused(fused, ids, &mask, &cos, &sin, cache, step)
+                self.decode_fused(fused, ids, &mask, &rope, cache, step)
             }
             None => {
                 let mode = CacheMode::Slots {
@@ -198,7 +197,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                     window,
                     on_device: on_device.as_ref(),
                 };
-                self.decoder(StageInput::Ids(ids), &mask, &cos, &sin, mode)
+                self.decoder(StageInput::Ids(ids), &mask, &rope, mode)
             }
         };
         let logits = self.head(h, HeadWindow::All);

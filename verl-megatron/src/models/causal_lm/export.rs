@@ -382,6 +382,23 @@ fn push_layer<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: &str, layer: &Decode
         format!("{p}.post_attention_layernorm.weight"),
         layer.post_attention_layernorm.weight.val(),
     ));
+    for (name, norm) in [
+        (
+            "pre_feedforward_layernorm",
+            &layer.pre_feedforward_layernorm,
+        ),
+        (
+            "post_feedforward_layernorm",
+            &layer.post_feedforward_layernorm,
+        ),
+    ] {
+        if let Some(norm) = norm {
+            out.push(NamedTensor::new(
+                format!("{p}.{name}.weight"),
+                norm.weight.val(),
+            ));
+        }
+    }
     let a = &layer.self_attn;
     for (name, proj) in [
         ("q_proj", &a.q_proj),

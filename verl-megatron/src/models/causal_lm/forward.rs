@@ -8,6 +8,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 
 use crate::layers::precision::{self};
+use crate::layers::RopeTables;
 use crate::models::attention::{attention_bias, positional_bias, AttentionMask, AttnCache};
 use crate::models::kv_cache::{ChunkLayout, KvCache, SlotKvCache};
 use crate::models::packing::PackedSequences;
@@ -153,9 +154,10 @@ impl<B: ParallelBackend> CausalLm<B> {
 
     /// Computes the output head fused with log-softmax and entropy, `chunk` tokens at a time
     /// ([`crate::models::fused_log_probs`]): passes that give their labels get `[batch, len, 2]`
-    /// log-probs and entropies instead of logits. Only for an LM head.
+    /// log-probs and entropies instead of logits. Only for an LM head without a logit soft-cap
+    /// (Gemma 2's logits take the plain head).
     pub fn with_fused_log_probs(mut self, chunk: usize) -> Self {
-        if self.score.is_none() {
+        if self.score.is_none() && self.config.variants.final_logit_softcapping.is_none() {
             self.fused_head_chunk = Some(chunk.max(1));
         }
         self
@@ -200,7 +202,8 @@ impl<B: ParallelBackend> CausalLm<B> {
                 let mask = attention_mask_local(&attention_mask, &local, b, &device);
                 crate::models::sparse_moe::set_aux_token_mask(mask);
             }
-            (ids, positions, AttentionMask::from_bias(bias), window)
+            let mask = AttentionMask::from_bias(bias).at_positions(local, 1, keys);
+            (ids, positions, mask, window)
         } else {
             if crate::models::sparse_moe::collecting_aux_losses() {
                 let all: Vec<usize> = (0..padded).collect();
@@ -246,10 +249,10 @@ impl<B: ParallelBackend> CausalLm<B> {
         });
         let (input_ids, positions, mask, window) = if self.cp.is_parallel() {
             let split = self.cp.split(padded);
-            let local = split.local();
+            let (local, keys) = (split.local(), split.gathered_keys());
             let bias = crate::models::attention::packed_positional_bias(
                 &local,
-                &split.gathered_keys(),
+                &keys,
                 &packing.segments(padded),
                 &device,
             );
@@ -261,7 +264,8 @@ impl<B: ParallelBackend> CausalLm<B> {
             (
                 input_ids.select(1, index.clone()),
                 positions.select(1, index),
-                AttentionMask::from_bias(bias),
+                // Within a sequence, packed indices are as far apart as its positions.
+                AttentionMask::from_bias(bias).at_positions(local, 1, keys),
                 HeadWindow::Context(split.window_at(&packing.window)),
             )
         } else {
@@ -292,12 +296,12 @@ impl<B: ParallelBackend> CausalLm<B> {
         window: HeadWindow,
         fused: Option<FusedTargets<B>>,
     ) -> Tensor<B, 3> {
-        let (cos, sin) = self.rope.tables(&positions);
+        let rope = self.rope_tables(&positions);
         let input = match hidden {
             Some(h) => StageInput::Hidden(h),
             None => StageInput::Ids(input_ids),
         };
-        let h = self.decoder(input, mask, &cos, &sin, CacheMode::None);
+        let h = self.decoder(input, mask, &rope, CacheMode::None);
         if !self.stage.is_last() {
             return h;
         }
@@ -438,14 +442,14 @@ impl<B: ParallelBackend> CausalLm<B> {
         let [b, t] = input_ids.dims();
         let device = input_ids.device();
         let past = cache.len;
-        let (cos, sin) = self.rope.tables(&position_ids);
+        let rope = self.rope_tables(&position_ids);
         let mask =
-            AttentionMask::from_bias(attention_bias(b, t, past, Some(attention_mask), &device));
+            AttentionMask::from_bias(attention_bias(b, t, past, Some(attention_mask), &device))
+                .at_positions((past..past + t).collect(), 1, (0..past + t).collect());
         let h = self.decoder(
             StageInput::Ids(input_ids),
             &mask,
-            &cos,
-            &sin,
+            &rope,
             CacheMode::Grow(cache),
         );
         cache.len += t;
@@ -458,8 +462,7 @@ impl<B: ParallelBackend> CausalLm<B> {
         &self,
         input: StageInput<B>,
         mask: &AttentionMask<B>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        rope: &RopeTables<B>,
         mut mode: CacheMode<'_, B>,
     ) -> Tensor<B, 3> {
         assert!(
@@ -469,11 +472,11 @@ impl<B: ParallelBackend> CausalLm<B> {
         let _precision = precision::enter(self.compute_dtype);
         if matches!(mode, CacheMode::None) {
             if let Some(recompute) = self.recompute.filter(|_| super::recompute::recording()) {
-                return self.decoder_recomputed(input, mask, cos, sin, recompute);
+                return self.decoder_recomputed(input, mask, rope, recompute);
             }
         }
         let mut h = match input {
-            StageInput::Ids(ids) => self.embedding().forward(ids),
+            StageInput::Ids(ids) => self.embed(ids),
             StageInput::Hidden(h) => h,
         };
         for (l, layer) in self.layers.iter().enumerate() {
@@ -498,9 +501,28 @@ impl<B: ParallelBackend> CausalLm<B> {
                     on_device: *on_device,
                 },
             };
-            h = layer.forward(h, mask, cos, sin, attn_cache);
+            h = layer.forward(h, mask, rope, attn_cache);
         }
         self.final_norm(h)
+    }
+
+    /// The rope tables of a forward at `positions` `[batch, seq]`.
+    pub(super) fn rope_tables(&self, positions: &Tensor<B, 2, Int>) -> RopeTables<B> {
+        self.rope.layer_tables(self.local_rope.as_ref(), positions)
+    }
+
+    /// The token embeddings of `ids`, times √hidden for Gemma (rounded to f32 first, as
+    /// transformers' `embed_scale`).
+    pub(super) fn embed(&self, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.scale_embeddings(self.embedding().forward(ids))
+    }
+
+    /// Embeddings `h` as the first layer reads them (× √hidden for Gemma).
+    pub(super) fn scale_embeddings(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        match self.config.architecture.is_gemma() {
+            true => h * (self.config.hidden_size as f64).sqrt() as f32,
+            false => h,
+        }
     }
 
     /// The last stage's final norm (the identity elsewhere).
@@ -549,6 +571,10 @@ impl<B: ParallelBackend> CausalLm<B> {
                 precision::linear(h.reshape([b * t, hidden]), w).reshape([b, t, vocab])
             }
         };
+        let logits = match self.config.variants.final_logit_softcapping {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
+        };
         let (_, real, per) = self.tp.vocab_part(self.vocab_size);
         if real == per {
             return logits;
@@ -568,11 +594,11 @@ impl<B: ParallelBackend> DecoderLayer<B> {
         &self,
         h: Tensor<B, 3>,
         mask: &AttentionMask<B>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        rope: &RopeTables<B>,
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
         let device = h.device();
+        let (cos, sin) = rope.for_layer(self.self_attn.scores.sliding_window.is_some());
         let attn = device_span::<B, _>(&device, "attention", || {
             self.self_attn.forward(
                 self.input_layernorm.forward(h.clone()),
@@ -582,11 +608,20 @@ impl<B: ParallelBackend> DecoderLayer<B> {
                 cache,
             )
         });
+        // Gemma norms each sublayer's output before the residual add, and the MLP's input with
+        // its own norm.
+        let (attn, mlp_norm) = match &self.pre_feedforward_layernorm {
+            Some(pre) => (self.post_attention_layernorm.forward(attn), pre),
+            None => (attn, &self.post_attention_layernorm),
+        };
         let h = h + attn;
         let ff = device_span::<B, _>(&device, "mlp", || {
-            self.mlp
-                .forward(self.post_attention_layernorm.forward(h.clone()))
+            self.mlp.forward(mlp_norm.forward(h.clone()))
         });
+        let ff = match &self.post_feedforward_layernorm {
+            Some(post) => post.forward(ff),
+            None => ff,
+        };
         h + ff
     }
 }

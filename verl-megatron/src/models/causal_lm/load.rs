@@ -15,7 +15,7 @@ use crate::layers::precision::ComputeDtype;
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
 };
-use crate::models::attention::Attention;
+use crate::models::attention::{Attention, AttentionScores};
 use crate::models::feed_forward::FeedForward;
 use crate::models::generation_weights::FusedWeights;
 use crate::models::mlp::SwiGlu;
@@ -196,6 +196,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 std,
                 seed,
                 device,
+                norm_weight: norm_start(lm),
             },
         };
         Self::from_source(&value, &source, groups, stage)
@@ -242,6 +243,7 @@ impl<B: ParallelBackend> CausalLm<B> {
                 std,
                 seed,
                 device,
+                norm_weight: norm_start(cfg),
             },
             groups,
             stage,
@@ -358,6 +360,10 @@ impl<B: ParallelBackend> CausalLm<B> {
             lm_head,
             score,
             rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            local_rope: cfg
+                .variants
+                .local_rope
+                .map(|(theta, scaling)| RotaryEmbedding::new(cfg.head_dim, theta, scaling)),
             tp: tp.clone(),
             cp: groups.cp.clone(),
             vocab_size: cfg.vocab_size,
@@ -371,6 +377,15 @@ impl<B: ParallelBackend> CausalLm<B> {
             config: cfg.clone(),
             generation: FusedWeights::default(),
         })
+    }
+}
+
+/// What a fresh model's norm weights start at: 1, or 0 for Gemma's zero-centred norms (a scale
+/// of 1 either way).
+fn norm_start(cfg: &HfModelConfig) -> f32 {
+    match cfg.architecture.is_gemma() {
+        true => 0.0,
+        false => 1.0,
     }
 }
 
@@ -421,10 +436,11 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
     }
 
     fn norm(&self, name: &str) -> Result<RmsNorm<B>, MegatronError> {
-        Ok(RmsNorm::new(
-            self.source.load::<1>(name)?,
-            self.cfg.rms_norm_eps,
-        ))
+        let weight = self.source.load::<1>(name)?;
+        Ok(match self.cfg.architecture.is_gemma() {
+            true => RmsNorm::zero_centred(weight, self.cfg.rms_norm_eps),
+            false => RmsNorm::new(weight, self.cfg.rms_norm_eps),
+        })
     }
 
     /// Output rows (and bias) split over `group`: q/k/v, gate/up, the LM head.
@@ -478,6 +494,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
             up_proj: self.column(&format!("{p}.up_proj"), false, group)?,
             down_proj: self.row(&format!("{p}.down_proj"), false, group)?,
             tp: group.clone(),
+            activation: self.cfg.variants.activation,
         })
     }
 
@@ -506,16 +523,24 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
     /// Decoder layer `l` (its HF index).
     fn decoder_layer(&self, l: usize) -> Result<DecoderLayer<B>, MegatronError> {
         let p = format!("model.layers.{l}");
+        let gemma = self.cfg.architecture.is_gemma();
+        let gemma_norm = |which: &str| {
+            gemma
+                .then(|| self.norm(&format!("{p}.{which}.weight")))
+                .transpose()
+        };
         Ok(DecoderLayer {
             input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"))?,
-            self_attn: self.attention(&format!("{p}.self_attn"))?,
+            self_attn: self.attention(l, &format!("{p}.self_attn"))?,
             post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            pre_feedforward_layernorm: gemma_norm("pre_feedforward_layernorm")?,
+            post_feedforward_layernorm: gemma_norm("post_feedforward_layernorm")?,
             mlp: self.feed_forward(l, &p)?,
         })
     }
 
-    /// The attention block at `a`, its heads split over tp.
-    fn attention(&self, a: &str) -> Result<Attention<B>, MegatronError> {
+    /// Layer `l`'s attention block at `a`, its heads split over tp.
+    fn attention(&self, l: usize, a: &str) -> Result<Attention<B>, MegatronError> {
         let (cfg, tp) = (self.cfg, &self.groups.tp);
         let qk_norm = cfg.architecture.has_qk_norm();
         let head_norm = |which: &str| -> Result<Option<RmsNorm<B>>, MegatronError> {
@@ -533,6 +558,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
             num_heads: cfg.num_attention_heads / tp.size,
             num_kv_heads: cfg.num_key_value_heads / tp.size,
             head_dim: cfg.head_dim,
+            scores: AttentionScores::of(cfg, l),
             tp: tp.clone(),
             cp: self.groups.cp.clone(),
         })

@@ -35,12 +35,16 @@ use crate::models::feed_forward::FeedForward;
 use crate::models::generation_weights::{FusedWeights, GenerationWeights};
 use crate::parallel::{CpGroup, ParallelBackend, TpGroup};
 
-/// One pre-norm decoder layer.
+/// One pre-norm decoder layer. Llama's `post_attention_layernorm` is the MLP's input norm;
+/// Gemma's norms the attention output before the residual add, and its
+/// `pre_feedforward_layernorm` and `post_feedforward_layernorm` surround the MLP.
 #[derive(Module, Debug)]
 pub struct DecoderLayer<B: Backend> {
     pub input_layernorm: RmsNorm<B>,
     pub self_attn: Attention<B>,
     pub post_attention_layernorm: RmsNorm<B>,
+    pub pre_feedforward_layernorm: Option<RmsNorm<B>>,
+    pub post_feedforward_layernorm: Option<RmsNorm<B>>,
     pub mlp: FeedForward<B>,
 }
 
@@ -66,6 +70,9 @@ pub struct CausalLm<B: Backend> {
     pub score: Option<ColumnParallelLinear<B>>,
     #[module(skip)]
     pub rope: RotaryEmbedding,
+    /// The sliding layers' own rope (Gemma 3's local layers), if any.
+    #[module(skip)]
+    pub local_rope: Option<RotaryEmbedding>,
     #[module(skip)]
     pub tp: TpGroup,
     /// Context parallel: each sequence split over the group ([`crate::parallel::ContextSplit`]);

@@ -25,6 +25,8 @@ pub(super) struct RandomInit<'a, B: Backend> {
     pub std: f64,
     pub seed: u64,
     pub device: &'a B::Device,
+    /// What norm weights start at: 1, or 0 where the scale is 1 + w (Gemma).
+    pub norm_weight: f32,
 }
 
 impl<B: ParallelBackend> RandomInit<'_, B> {
@@ -44,7 +46,7 @@ impl<B: ParallelBackend> RandomInit<'_, B> {
     fn values(&self, name: &str, runs: &[(usize, usize)]) -> Vec<f32> {
         let n = runs.iter().map(|r| r.1).sum();
         if name.ends_with("norm.weight") {
-            vec![1.0; n]
+            vec![self.norm_weight; n]
         } else if name.ends_with(".bias") {
             vec![0.0; n]
         } else {

@@ -31,7 +31,7 @@ use burn::tensor::Int;
 use super::forward::StageInput;
 use super::CausalLm;
 use crate::error::MegatronError;
-use crate::layers::precision;
+use crate::layers::{precision, RopeTables};
 use crate::models::attention::{AttentionMask, AttnCache};
 use crate::models::sparse_moe::{aux_token_mask, collect_aux_losses_masked, collecting_aux_losses};
 use crate::parallel::{device_span, with_fresh_leaves, ParallelAutodiffBackend, ParallelBackend};
@@ -158,8 +158,7 @@ static REPLAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 /// read besides it, to run the chunks again in the backward pass.
 pub struct RecomputeTape<B: Backend> {
     mask: AttentionMask<B>,
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
+    rope: RopeTables<B>,
     /// The first stage's token ids: its embedding runs again too.
     embedding_ids: Option<Tensor<B, 2, Int>>,
     /// Each chunk's layers and input hidden states (untracked), bottom-up.
@@ -184,13 +183,12 @@ impl<B: ParallelBackend> CausalLm<B> {
         &self,
         input: StageInput<B>,
         mask: &AttentionMask<B>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
+        rope: &RopeTables<B>,
         recompute: Recompute,
     ) -> Tensor<B, 3> {
         let (mut h, embedding_ids) = match input {
             StageInput::Ids(ids) => (
-                self.embedding().clone().no_grad().forward(ids.clone()),
+                self.scale_embeddings(self.embedding().clone().no_grad().forward(ids.clone())),
                 Some(ids),
             ),
             // The previous stage's activation: its gradient comes out of the tape's backward.
@@ -205,19 +203,18 @@ impl<B: ParallelBackend> CausalLm<B> {
                 h = layer
                     .clone()
                     .no_grad()
-                    .forward(h, mask, cos, sin, AttnCache::None);
+                    .forward(h, mask, rope, AttnCache::None);
             }
         }
         let top = h.require_grad();
         let mut h = top.clone();
         for layer in &self.layers[kept_from..] {
-            h = layer.forward(h, mask, cos, sin, AttnCache::None);
+            h = layer.forward(h, mask, rope, AttnCache::None);
         }
         let collecting = collecting_aux_losses();
         let tape = RecomputeTape {
             mask: mask.clone(),
-            cos: cos.clone(),
-            sin: sin.clone(),
+            rope: rope.clone(),
             embedding_ids,
             chunks,
             top,
@@ -243,7 +240,7 @@ impl<B: ParallelBackend> RecomputeTape<B> {
     /// `layers` over `h`, with what the forward's layers read besides their input.
     fn run(&self, layers: &[super::DecoderLayer<B>], mut h: Tensor<B, 3>) -> Tensor<B, 3> {
         for layer in layers {
-            h = layer.forward(h, &self.mask, &self.cos, &self.sin, AttnCache::None);
+            h = layer.forward(h, &self.mask, &self.rope, AttnCache::None);
         }
         h
     }
@@ -314,7 +311,7 @@ impl<B: ParallelAutodiffBackend> RecomputeTape<B> {
         match self.embedding_ids {
             Some(ids) => {
                 let fresh = with_fresh_leaves(model.embedding().clone());
-                let h = fresh.forward(ids);
+                let h = model.scale_embeddings(fresh.forward(ids));
                 let grads = (h * Tensor::from_inner(g)).sum().backward();
                 acc.accumulate(model, GradientsParams::from_grads(grads, &fresh));
                 Ok((acc.grads(), None))

@@ -255,6 +255,18 @@ impl<B: Backend> CausalLm<B> {
             "post_attention_layernorm.weight" => {
                 return Some(Vector(&mut layer.post_attention_layernorm.weight))
             }
+            "pre_feedforward_layernorm.weight" => {
+                return layer
+                    .pre_feedforward_layernorm
+                    .as_mut()
+                    .map(|n| Vector(&mut n.weight))
+            }
+            "post_feedforward_layernorm.weight" => {
+                return layer
+                    .post_feedforward_layernorm
+                    .as_mut()
+                    .map(|n| Vector(&mut n.weight))
+            }
             _ => {}
         }
         let mlp = rest.strip_prefix("mlp.")?;

@@ -110,7 +110,9 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
     // 256, to the bit, in each family of kernels that share a k order: the stream and the
     // shared-stage kernel (whole, and one block per residue), whose sums run in one order
     // whatever the batch; and on Hopper the wgmma kernel in every configuration (the split is
-    // the shape's), whose rows 64-127 of a block come from a second instruction.
+    // the shape's), whose rows 64-127 of a block come from a second instruction. The crate's
+    // choice for this shape (`decode_f32`) is the stream's family: its 8 tiles × 4 splits are
+    // too few for `wgmma` by shape (`DecodeWgmma::pays_for`).
     let (k, n) = (3584, 512);
     let (a, b) = operands(256, k, n, 41, device);
     let families: [(&str, &[&str]); 2] = [
@@ -118,18 +120,14 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
             "decode_stream_f32",
             &[
                 "decode_stream_f32",
+                "decode_f32",
                 "shared:2,3,4,0_f32",
                 "shared:1,4,4,1_f32",
             ],
         ),
         (
-            "decode_f32",
-            &[
-                "decode_f32",
-                "wgmma:1,1,8_f32",
-                "wgmma:2,2,4_f32",
-                "wgmma:3,1,3_f32",
-            ],
+            "wgmma:1,1,4_f32",
+            &["wgmma:1,1,8_f32", "wgmma:2,2,4_f32", "wgmma:3,1,3_f32"],
         ),
     ];
     for (reference, kernels) in families {
@@ -153,6 +151,7 @@ pub(crate) fn check_decode_gemm(device: &Device, failures: &mut Vec<String>) {
                         }
                     }
                     (_, Err(e)) if skipped(kernel, &e) => {}
+                    (Err(e), _) if skipped(reference, e) => {}
                     (f, p) => failures.push(format!(
                         "decode product batch invariance ({kernel}): {:?} {:?}",
                         f.as_ref().err(),

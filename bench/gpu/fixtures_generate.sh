@@ -5,7 +5,7 @@
 set -uo pipefail
 source bench/gpu/env.sh >/dev/null
 nvidia-smi --query-gpu=name --format=csv,noheader
-for f in qwen2 llama3 qwen3 qwen2_moe qwen3_moe mixtral mistral llama_rope_linear qwen3_yarn mistral_sliding qwen2_sliding gemma2 gemma3; do
+for f in qwen2 llama3 qwen3 qwen2_moe qwen3_moe mixtral mistral llama_rope_linear qwen3_yarn mistral_sliding qwen2_sliding gemma2 gemma3 deepseek_v3 deepseek_v3_no_q_lora; do
   d=verl-megatron/tests/fixtures/$f
   out=$(timeout 120 $VERL generate --model $d --prompt "What is 12 + 7?" --max-new-tokens 8 --json 2>/tmp/err_$f | tail -1)
   python3 - "$d" "$out" "$f" <<'PY'

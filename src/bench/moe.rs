@@ -44,6 +44,7 @@ fn block<B: ParallelBackend>(shape: &MoeShape, experts: usize, device: &B::Devic
         norm_topk_prob: false,
         decoder_sparse_step: 1,
         mlp_only_layers: Vec::new(),
+        routing: Default::default(),
     });
     let model = CausalLm::<B>::init(&cfg, 0.02, 0, device);
     match model.layers.into_iter().next().map(|l| l.mlp) {

@@ -105,6 +105,7 @@ pub(super) fn scratch_model(cfg: &VerlConfig, vocab: usize) -> Result<HfModelCon
             norm_topk_prob: false,
             decoder_sparse_step: 1,
             mlp_only_layers: Vec::new(),
+            routing: Default::default(),
         });
     }
     if let Some(v) = o.get("tie_word_embeddings") {

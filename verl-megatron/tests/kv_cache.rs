@@ -86,6 +86,8 @@ fn cached_batched_greedy_equals_the_cache_less_loop_for_every_architecture() {
         "qwen2_sliding",
         "gemma2",
         "gemma3",
+        "deepseek_v3",
+        "deepseek_v3_no_q_lora",
     ] {
         let dir = fixture(name);
         let (_, model) = load_model(&dir);
@@ -142,6 +144,8 @@ fn chunked_prefill_equals_a_whole_prefill() {
         "qwen2_sliding",
         "gemma2",
         "gemma3",
+        "deepseek_v3",
+        "deepseek_v3_no_q_lora",
     ] {
         let (cfg, model) = load_model(&fixture(name));
         let d = Default::default();

@@ -324,3 +324,45 @@ fn new_architectures_save_a_config_that_reads_back_the_same() {
         assert_eq!(back, cfg, "{name}");
     }
 }
+
+#[test]
+fn deepseek_v3_matches_transformers() {
+    // Multi-head latent attention (a query rank of 16, or one q_proj; keys/values compressed to
+    // 16, a rope part of 8 shared by the heads, values of 12, interleaved rope, YaRN with its
+    // softmax mscale), a dense first layer, then 8 experts in 4 groups: sigmoid scores, the
+    // selection bias, the 2 best groups, top-2 renormalised × 2.5, and an ungated shared expert.
+    use verl_megatron::hf::{Architecture, MoeRouting};
+    let cfg = HfModelConfig::from_dir(fixture("deepseek_v3")).unwrap();
+    assert_eq!(cfg.architecture, Architecture::DeepseekV3);
+    let mla = cfg.mla.as_ref().unwrap();
+    assert_eq!(
+        (
+            mla.q_lora_rank,
+            mla.qk_head_dim(),
+            mla.v_head_dim,
+            cfg.head_dim
+        ),
+        (Some(16), 16, 12, 16)
+    );
+    let m = 0.1 * 4f64.ln() + 1.0;
+    assert!((mla.softmax_scale - m * m / 4.0).abs() < 1e-12);
+    let moe = cfg.moe.as_ref().unwrap();
+    assert_eq!(
+        moe.routing,
+        MoeRouting::SigmoidGroups {
+            n_group: 4,
+            topk_group: 2,
+            routed_scaling_factor: 2.5
+        }
+    );
+    assert!(!moe.is_moe_layer(0) && moe.is_moe_layer(1) && !moe.shared_expert_gated());
+    for name in ["deepseek_v3", "deepseek_v3_no_q_lora"] {
+        check_logits(name);
+        check_greedy(name);
+    }
+    let back = cfg.to_config_json().to_string();
+    assert_eq!(
+        HfModelConfig::from_json(&back, std::path::Path::new("config.json")).unwrap(),
+        cfg
+    );
+}

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use verl_core::topology::{ModelDims, ParallelConfig};
 
+use super::latent_attention::{latent_attention_of, LatentAttentionConfig};
 use super::layer_variants::{gemma3_ropes, layer_variants_of, LayerVariants};
 use crate::error::MegatronError;
 
@@ -49,6 +50,10 @@ pub enum Architecture {
     /// `Gemma3ForCausalLM` (text): Gemma 2's layers with RMSNorm on q and k per head, one
     /// global layer in six, the local layers with a rope of their own, no attention soft-cap.
     Gemma3,
+    /// `DeepseekV3ForCausalLM`: multi-head latent attention (low-rank queries and keys/values,
+    /// a decoupled rope part shared by the heads), MoE with sigmoid, group-limited routing and
+    /// shared experts after `first_k_dense_replace` dense layers.
+    DeepseekV3,
 }
 
 /// What sits on top of the decoder.
@@ -85,7 +90,7 @@ impl HeadKind {
 }
 
 impl Architecture {
-    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe, Mistral, Mixtral, Gemma2 and Gemma3, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
+    const SUPPORTED: &'static str = "Qwen2, Llama, Qwen3, Qwen2Moe, Qwen3Moe, Mistral, Mixtral, Gemma2, Gemma3 and DeepseekV3, each ForCausalLM, ForTokenClassification or ForSequenceClassification";
 
     /// Whether attention normalises q and k per head (Qwen3's `q_norm` / `k_norm`).
     ///
@@ -111,7 +116,10 @@ impl Architecture {
 
     /// Whether the MLP is a mixture of experts.
     pub fn is_moe(self) -> bool {
-        matches!(self, Self::Qwen2Moe | Self::Qwen3Moe | Self::Mixtral)
+        matches!(
+            self,
+            Self::Qwen2Moe | Self::Qwen3Moe | Self::Mixtral | Self::DeepseekV3
+        )
     }
 
     /// The family and the head kind's suffix of an `architectures` entry.
@@ -132,6 +140,7 @@ impl Architecture {
             "Mixtral" => Self::Mixtral,
             "Gemma2" => Self::Gemma2,
             "Gemma3" => Self::Gemma3,
+            "DeepseekV3" => Self::DeepseekV3,
             _ => return None,
         };
         Some((family, suffix))
@@ -204,6 +213,10 @@ pub struct HfModelConfig {
     /// Sliding windows, the MLP's activation, Gemma's scales and soft-caps.
     #[serde(default)]
     pub variants: LayerVariants,
+    /// Multi-head latent attention (DeepSeek-V3); `head_dim` is then the attention's width,
+    /// the larger of the query/key heads and the value heads.
+    #[serde(default)]
+    pub mla: Option<LatentAttentionConfig>,
 }
 
 /// The expert settings of Qwen2-MoE, Qwen3-MoE and Mixtral (whose `num_local_experts` and
@@ -219,6 +232,26 @@ pub struct MoeConfig {
     pub norm_topk_prob: bool,
     pub decoder_sparse_step: usize,
     pub mlp_only_layers: Vec<usize>,
+    /// How the router turns its logits into expert weights.
+    #[serde(default)]
+    pub routing: MoeRouting,
+}
+
+/// A router's scores and choice.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+pub enum MoeRouting {
+    /// Softmax over the experts, the top-k of it (Qwen-MoE, Mixtral).
+    #[default]
+    Softmax,
+    /// DeepSeek-V3's: sigmoid scores; experts chosen by the scores plus a selection bias
+    /// (`e_score_correction_bias`) among the `topk_group` groups (of `n_group`) whose two best
+    /// biased scores sum highest; weights the unbiased scores (renormalised with
+    /// `norm_topk_prob`) times `routed_scaling_factor`.
+    SigmoidGroups {
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f64,
+    },
 }
 
 impl HfModelConfig {
@@ -249,6 +282,14 @@ impl HfModelConfig {
         layout
             .validate_for_model(&self.model_dims())
             .map_err(|e| refuse(e.to_string()))?;
+        if self.mla.is_some() && tp > 1 {
+            return Err(refuse(format!(
+                "({tp}) tensor parallelism is not built for latent attention (DeepSeek-V3): its \
+                 low-rank projections are replicated and their gradients would need summing \
+                 over tp; use tensor_model_parallel_size=1 with pipeline, context, expert or \
+                 data parallelism"
+            )));
+        }
         if let Some(moe) = &self.moe {
             let size = moe.shared_expert_intermediate_size;
             if !size.is_multiple_of(tp) {
@@ -262,6 +303,12 @@ impl HfModelConfig {
 }
 
 impl MoeConfig {
+    /// Whether the shared expert's output is scaled by a sigmoid gate of its own (Qwen2-MoE;
+    /// DeepSeek's shared experts are not gated).
+    pub fn shared_expert_gated(&self) -> bool {
+        self.shared_expert_intermediate_size > 0 && self.routing == MoeRouting::Softmax
+    }
+
     /// Whether decoder layer `layer` uses experts (else a dense MLP), as transformers decides.
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         !self.mlp_only_layers.contains(&layer)
@@ -410,6 +457,7 @@ impl HfModelConfig {
             eos_token_ids: Vec::new(),
             moe: None,
             variants: LayerVariants::default(),
+            mla: None,
         }
     }
 
@@ -463,9 +511,16 @@ impl HfModelConfig {
             }
             Architecture::Mistral | Architecture::Mixtral => (false, false),
             Architecture::Gemma2 | Architecture::Gemma3 => (attention_bias, attention_bias),
+            Architecture::DeepseekV3 => (false, false),
         };
 
-        let moe = moe_of(&r, architecture)?;
+        let moe = moe_of(&r, architecture, num_hidden_layers)?;
+        let mla = match architecture {
+            Architecture::DeepseekV3 => Some(latent_attention_of(&r, num_attention_heads)?),
+            _ => None,
+        };
+        // The attention's width: the larger of MLA's query/key and value heads.
+        let head_dim = mla.as_ref().map_or(head_dim, |m| m.width());
         // transformers' defaults where the key is absent: Mixtral's 1e-5, the others' 1e-6.
         let default_eps = match architecture {
             Architecture::Mixtral => 1e-5,
@@ -502,6 +557,7 @@ impl HfModelConfig {
             eos_token_ids: r.token_ids("eos_token_id")?,
             moe,
             variants,
+            mla,
         })
     }
 
@@ -532,6 +588,7 @@ impl HfModelConfig {
             Architecture::Mixtral => ("Mixtral", "mixtral"),
             Architecture::Gemma2 => ("Gemma2", "gemma2"),
             Architecture::Gemma3 => ("Gemma3", "gemma3_text"),
+            Architecture::DeepseekV3 => ("DeepseekV3", "deepseek_v3"),
         };
         let (suffix, num_labels) = match self.head {
             HeadKind::CausalLm => ("ForCausalLM", None),
@@ -560,7 +617,15 @@ impl HfModelConfig {
         put("head_dim", self.head_dim.into());
         put("rms_norm_eps", self.rms_norm_eps.into());
         put("rope_theta", self.rope_theta.into());
-        put("rope_scaling", rope_scaling_json(&self.rope_scaling));
+        let mut scaling = rope_scaling_json(&self.rope_scaling);
+        // DeepSeek's softmax scale follows the rope's `mscale_all_dim`.
+        if let (Some(all), Value::Object(m)) = (
+            self.mla.as_ref().and_then(|m| m.mscale_all_dim),
+            &mut scaling,
+        ) {
+            m.insert("mscale_all_dim".into(), all.into());
+        }
+        put("rope_scaling", scaling);
         if let Some((theta, local)) = &self.variants.local_rope {
             match local {
                 RopeScaling::Default => put("rope_local_base_freq", (*theta).into()),
@@ -621,7 +686,32 @@ impl HfModelConfig {
             [one] => put("eos_token_id", (*one).into()),
             many => put("eos_token_id", many.to_vec().into()),
         }
-        if let (Some(moe), Architecture::Mixtral) = (&self.moe, self.architecture) {
+        if let Some(mla) = &self.mla {
+            mla.write(&mut put);
+            // transformers' own derivation: the rope part's width.
+            put("head_dim", mla.qk_rope_head_dim.into());
+        }
+        if let (Some(moe), Architecture::DeepseekV3) = (&self.moe, self.architecture) {
+            put("n_routed_experts", moe.num_experts.into());
+            put("num_experts_per_tok", moe.num_experts_per_tok.into());
+            put("moe_intermediate_size", moe.moe_intermediate_size.into());
+            put(
+                "n_shared_experts",
+                (moe.shared_expert_intermediate_size / moe.moe_intermediate_size.max(1)).into(),
+            );
+            put("norm_topk_prob", moe.norm_topk_prob.into());
+            put("first_k_dense_replace", moe.mlp_only_layers.len().into());
+            if let MoeRouting::SigmoidGroups {
+                n_group,
+                topk_group,
+                routed_scaling_factor,
+            } = moe.routing
+            {
+                put("n_group", n_group.into());
+                put("topk_group", topk_group.into());
+                put("routed_scaling_factor", routed_scaling_factor.into());
+            }
+        } else if let (Some(moe), Architecture::Mixtral) = (&self.moe, self.architecture) {
             // Mixtral's own keys: its experts are `intermediate_size` wide.
             put("num_local_experts", moe.num_experts.into());
             put("num_experts_per_tok", moe.num_experts_per_tok.into());
@@ -1045,9 +1135,16 @@ fn weight_dtype_of(r: &Reader<'_>) -> Result<WeightDtype, MegatronError> {
     Ok(dtype)
 }
 
-/// The expert settings of Qwen2-MoE, Qwen3-MoE and Mixtral (`None` for the dense
-/// architectures).
-fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig>, MegatronError> {
+/// The expert settings of Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek-V3 (`None` for the dense
+/// architectures) of a model of `layers` layers.
+fn moe_of(
+    r: &Reader<'_>,
+    architecture: Architecture,
+    layers: usize,
+) -> Result<Option<MoeConfig>, MegatronError> {
+    if architecture == Architecture::DeepseekV3 {
+        return deepseek_moe_of(r, layers).map(Some);
+    }
     let moe = if architecture.is_moe() {
         let mlp_only_layers = match r.get("mlp_only_layers") {
             None => Vec::new(),
@@ -1093,6 +1190,7 @@ fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig
                 Architecture::Mixtral => Vec::new(),
                 _ => mlp_only_layers,
             },
+            routing: MoeRouting::Softmax,
         };
         if moe.num_experts_per_tok == 0 || moe.num_experts_per_tok > moe.num_experts {
             return Err(r.err(
@@ -1105,4 +1203,78 @@ fn moe_of(r: &Reader<'_>, architecture: Architecture) -> Result<Option<MoeConfig
         None
     };
     Ok(moe)
+}
+
+/// DeepSeek-V3's experts: `n_routed_experts` (transformers' `num_local_experts` alias) of
+/// `moe_intermediate_size`, `n_shared_experts` of them shared (one MLP that wide times the
+/// count), dense MLPs in the first `first_k_dense_replace` layers, sigmoid routing over groups.
+fn deepseek_moe_of(r: &Reader<'_>, layers: usize) -> Result<MoeConfig, MegatronError> {
+    let experts_field = match r.get("n_routed_experts") {
+        None if r.get("num_local_experts").is_some() => "num_local_experts",
+        _ => "n_routed_experts",
+    };
+    let num_experts = r.positive(experts_field)?;
+    let moe_intermediate_size = r.positive("moe_intermediate_size")?;
+    let top_k = r.positive("num_experts_per_tok")?;
+    let n_group = r.usize_or("n_group", 1)?;
+    let topk_group = r.usize_or("topk_group", 1)?;
+    if n_group == 0 || !num_experts.is_multiple_of(n_group) {
+        return Err(r.err(
+            "n_group",
+            format!("({n_group}) must divide {experts_field} ({num_experts})"),
+        ));
+    }
+    let per_group = num_experts / n_group;
+    if per_group < 2 && n_group > 1 {
+        return Err(r.err(
+            "n_group",
+            format!(
+                "({n_group}) leaves {per_group} expert a group; a group's score sums its two best \
+                 experts"
+            ),
+        ));
+    }
+    if topk_group == 0 || topk_group > n_group {
+        return Err(r.err(
+            "topk_group",
+            format!("({topk_group}) must be between 1 and n_group ({n_group})"),
+        ));
+    }
+    if top_k > topk_group * per_group {
+        return Err(r.err(
+            "num_experts_per_tok",
+            format!(
+                "({top_k}) is more than the {} experts of topk_group ({topk_group}) groups",
+                topk_group * per_group
+            ),
+        ));
+    }
+    let scaling = r.f64_in(r.map, "routed_scaling_factor")?.unwrap_or(1.0);
+    if !(scaling.is_finite() && scaling > 0.0) {
+        return Err(r.err(
+            "routed_scaling_factor",
+            format!("({scaling}) must be a positive number, e.g. 2.5"),
+        ));
+    }
+    let dense = r.usize_or("first_k_dense_replace", 3)?.min(layers);
+    if r.usize_or("moe_layer_freq", 1)? != 1 {
+        return Err(r.err(
+            "moe_layer_freq",
+            "only 1 (every layer after first_k_dense_replace sparse) is supported",
+        ));
+    }
+    Ok(MoeConfig {
+        num_experts,
+        num_experts_per_tok: top_k,
+        moe_intermediate_size,
+        shared_expert_intermediate_size: r.usize_or("n_shared_experts", 0)? * moe_intermediate_size,
+        norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
+        decoder_sparse_step: 1,
+        mlp_only_layers: (0..dense).collect(),
+        routing: MoeRouting::SigmoidGroups {
+            n_group,
+            topk_group,
+            routed_scaling_factor: scaling,
+        },
+    })
 }

@@ -54,9 +54,15 @@ fn rename_block(
     Some(format!("{layer}.{to}.{rest}"))
 }
 
-/// The decoder's name for a stored tensor: Mixtral's `block_sparse_moe.*` renamed, any other
-/// name as it is.
+/// DeepSeek's shared experts (one MLP) against the decoder's shared expert.
+const DEEPSEEK_SHARED: (&str, &str) = (".mlp.shared_experts.", ".mlp.shared_expert.");
+
+/// The decoder's name for a stored tensor: Mixtral's `block_sparse_moe.*` and DeepSeek's
+/// `shared_experts` renamed, any other name as it is.
 pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
+    if stored.contains(DEEPSEEK_SHARED.0) {
+        return Cow::Owned(stored.replacen(DEEPSEEK_SHARED.0, DEEPSEEK_SHARED.1, 1));
+    }
     match rename_block(stored, ("block_sparse_moe", "mlp"), |&p| p) {
         Some(name) => Cow::Owned(name),
         None => Cow::Borrowed(stored),
@@ -65,6 +71,9 @@ pub fn to_decoder_name(stored: &str) -> Cow<'_, str> {
 
 /// How `architecture` stores the decoder's tensor `name` (the inverse of [`to_decoder_name`]).
 pub fn to_stored_name(architecture: Architecture, name: &str) -> Cow<'_, str> {
+    if architecture == Architecture::DeepseekV3 && name.contains(DEEPSEEK_SHARED.1) {
+        return Cow::Owned(name.replacen(DEEPSEEK_SHARED.1, DEEPSEEK_SHARED.0, 1));
+    }
     if architecture != Architecture::Mixtral {
         return Cow::Borrowed(name);
     }
@@ -116,5 +125,14 @@ mod tests {
             to_stored_name(Architecture::Qwen2Moe, "model.layers.0.mlp.gate.weight"),
             "model.layers.0.mlp.gate.weight"
         );
+    }
+
+    #[test]
+    fn deepseeks_shared_experts_map_both_ways() {
+        let stored = "model.layers.3.mlp.shared_experts.down_proj.weight";
+        let ours = to_decoder_name(stored);
+        assert_eq!(ours, "model.layers.3.mlp.shared_expert.down_proj.weight");
+        assert_eq!(to_stored_name(Architecture::DeepseekV3, &ours), stored);
+        assert_eq!(to_stored_name(Architecture::Qwen2Moe, &ours), ours);
     }
 }

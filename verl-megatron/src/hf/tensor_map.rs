@@ -1,7 +1,8 @@
 //! The Hugging Face tensor names and shapes of each architecture: one table shared by loading,
 //! saving and per-tensor export to the rollout engine.
 
-use super::config::{HeadKind, HfModelConfig};
+use super::config::{HeadKind, HfModelConfig, MoeRouting};
+use super::latent_attention::LatentAttentionConfig;
 
 /// One tensor a checkpoint of the architecture holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,13 +38,18 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
                 out.push(spec(format!("{p}.{norm}.weight"), vec![h]));
             }
         }
-        for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            out.push(spec(format!("{p}.self_attn.{proj}.weight"), vec![rows, h]));
-            if cfg.qkv_bias {
-                out.push(spec(format!("{p}.self_attn.{proj}.bias"), vec![rows]));
+        match &cfg.mla {
+            Some(mla) => latent_attention_specs(&mut out, &p, cfg, mla),
+            None => {
+                for (proj, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                    out.push(spec(format!("{p}.self_attn.{proj}.weight"), vec![rows, h]));
+                    if cfg.qkv_bias {
+                        out.push(spec(format!("{p}.self_attn.{proj}.bias"), vec![rows]));
+                    }
+                }
+                out.push(spec(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             }
         }
-        out.push(spec(format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
         if cfg.o_bias {
             out.push(spec(format!("{p}.self_attn.o_proj.bias"), vec![h]));
         }
@@ -62,6 +68,12 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
                     format!("{p}.mlp.gate.weight"),
                     vec![moe.num_experts, h],
                 ));
+                if moe.routing != MoeRouting::Softmax {
+                    out.push(spec(
+                        format!("{p}.mlp.gate.e_score_correction_bias"),
+                        vec![moe.num_experts],
+                    ));
+                }
                 for e in 0..moe.num_experts {
                     mlp(
                         &mut out,
@@ -75,10 +87,12 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
                         format!("{p}.mlp.shared_expert"),
                         moe.shared_expert_intermediate_size,
                     );
-                    out.push(spec(
-                        format!("{p}.mlp.shared_expert_gate.weight"),
-                        vec![1, h],
-                    ));
+                    if moe.shared_expert_gated() {
+                        out.push(spec(
+                            format!("{p}.mlp.shared_expert_gate.weight"),
+                            vec![1, h],
+                        ));
+                    }
                 }
             }
             _ => mlp(&mut out, format!("{p}.mlp"), cfg.intermediate_size),
@@ -100,4 +114,48 @@ pub fn hf_tensor_specs(cfg: &HfModelConfig) -> Vec<TensorSpec> {
         }
     }
     out
+}
+
+/// Layer `p`'s multi-head latent attention (DeepSeek-V3).
+fn latent_attention_specs(
+    out: &mut Vec<TensorSpec>,
+    p: &str,
+    cfg: &HfModelConfig,
+    mla: &LatentAttentionConfig,
+) {
+    let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let a = format!("{p}.self_attn");
+    match mla.q_lora_rank {
+        Some(rank) => {
+            out.push(spec(format!("{a}.q_a_proj.weight"), vec![rank, h]));
+            out.push(spec(format!("{a}.q_a_layernorm.weight"), vec![rank]));
+            out.push(spec(
+                format!("{a}.q_b_proj.weight"),
+                vec![heads * mla.qk_head_dim(), rank],
+            ));
+        }
+        None => out.push(spec(
+            format!("{a}.q_proj.weight"),
+            vec![heads * mla.qk_head_dim(), h],
+        )),
+    }
+    out.push(spec(
+        format!("{a}.kv_a_proj_with_mqa.weight"),
+        vec![mla.kv_lora_rank + mla.qk_rope_head_dim, h],
+    ));
+    out.push(spec(
+        format!("{a}.kv_a_layernorm.weight"),
+        vec![mla.kv_lora_rank],
+    ));
+    out.push(spec(
+        format!("{a}.kv_b_proj.weight"),
+        vec![
+            heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            mla.kv_lora_rank,
+        ],
+    ));
+    out.push(spec(
+        format!("{a}.o_proj.weight"),
+        vec![h, heads * mla.v_head_dim],
+    ));
 }

@@ -8,6 +8,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Int, TensorData};
 
 use super::kv_cache::{keys_up_to, ChunkLayout, LayerKv, SlotKvCache};
+use super::latent_attention::{identity_tables, LatentAttention};
 use super::packing::PackedSequences;
 use crate::layers::precision::{self, ComputeDtype};
 use crate::layers::{ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear};
@@ -438,9 +439,10 @@ impl AttentionScores {
     pub fn of(cfg: &crate::hf::HfModelConfig, layer: usize) -> Self {
         let v = &cfg.variants;
         Self {
-            scale: match v.query_pre_attn_scalar {
-                Some(s) => 1.0 / s.sqrt(),
-                None => 1.0 / (cfg.head_dim as f64).sqrt(),
+            scale: match (&cfg.mla, v.query_pre_attn_scalar) {
+                (Some(mla), _) => mla.softmax_scale,
+                (None, Some(s)) => 1.0 / s.sqrt(),
+                (None, None) => 1.0 / (cfg.head_dim as f64).sqrt(),
             },
             softcap: v.attn_logit_softcapping,
             sliding_window: v.sliding_window_of(layer),
@@ -464,15 +466,19 @@ impl AttentionScores {
     }
 }
 
-/// One attention block: q/k/v projections (column-parallel), optional per-head q/k RMSNorm
+/// One attention block: q/k/v projections (column-parallel; or DeepSeek's latent projections,
+/// [`LatentAttention`]), optional per-head q/k RMSNorm
 /// (Qwen3), rotary embedding, causal softmax attention, output projection (row-parallel).
 /// With tensor parallelism each rank holds `heads / tp` query heads and `kv_heads / tp` kv
 /// heads (grouped-query groups stay whole on one rank).
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {
-    pub q_proj: ColumnParallelLinear<B>,
-    pub k_proj: ColumnParallelLinear<B>,
-    pub v_proj: ColumnParallelLinear<B>,
+    /// The grouped-query projections (`None` with latent attention).
+    pub q_proj: Option<ColumnParallelLinear<B>>,
+    pub k_proj: Option<ColumnParallelLinear<B>>,
+    pub v_proj: Option<ColumnParallelLinear<B>>,
+    /// DeepSeek's multi-head latent attention's projections, instead of q/k/v.
+    pub latent: Option<LatentAttention<B>>,
     pub o_proj: RowParallelLinear<B>,
     pub q_norm: Option<RmsNorm<B>>,
     pub k_norm: Option<RmsNorm<B>>,
@@ -509,10 +515,27 @@ impl<B: ParallelBackend> Attention<B> {
         let x = precision::operand(self.tp.enter(x));
         let [b, t, _] = x.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
+        if let Some(latent) = &self.latent {
+            // Heads rotated and padded to head_dim by the projections: attention's own RoPE
+            // step leaves them as they are, and the values' padding is cut after.
+            let (q, k, v) = latent.project(x, nh, hd, cos, sin);
+            let (ones, zeros) = identity_tables(b, t, hd, &q.device());
+            let dv = latent.dims.v_head_dim;
+            let out = self
+                .attend(q, k, v, mask, &ones, &zeros, cache)
+                .reshape([b, t, nh, hd])
+                .narrow(3, 0, dv)
+                .reshape([b, t, nh * dv]);
+            return self.o_proj.forward(out);
+        }
+        let (Some(q_proj), Some(k_proj), Some(v_proj)) = (&self.q_proj, &self.k_proj, &self.v_proj)
+        else {
+            unreachable!("an attention block without latent projections has q, k and v")
+        };
         // Projections as [batch, seq, heads, head_dim]; the per-head norms act on the last dim.
-        let mut q = self.q_proj.forward(x.clone()).reshape([b, t, nh, hd]);
-        let mut k = self.k_proj.forward(x.clone()).reshape([b, t, nkv, hd]);
-        let v = self.v_proj.forward(x).reshape([b, t, nkv, hd]);
+        let mut q = q_proj.forward(x.clone()).reshape([b, t, nh, hd]);
+        let mut k = k_proj.forward(x.clone()).reshape([b, t, nkv, hd]);
+        let v = v_proj.forward(x).reshape([b, t, nkv, hd]);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(q);
             k = kn.forward(k);

@@ -55,7 +55,11 @@ impl<B: ParallelBackend> GenerationWeights<B> {
             && model.config.variants.final_logit_softcapping.is_none()
             && model.layers.iter().all(|l| {
                 let a = &l.self_attn;
-                let biases = [&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias]
+                let (Some(q), Some(k), Some(v)) = (&a.q_proj, &a.k_proj, &a.v_proj) else {
+                    // Latent attention.
+                    return false;
+                };
+                let biases = [&q.bias, &k.bias, &v.bias]
                     .iter()
                     .filter(|b| b.is_some())
                     .count();
@@ -69,12 +73,11 @@ impl<B: ParallelBackend> GenerationWeights<B> {
         let mut layers = Vec::with_capacity(model.layers.len());
         for layer in &mut model.layers {
             let a = &mut layer.self_attn;
-            let qkv = stack(&mut [
-                &mut a.q_proj.weight,
-                &mut a.k_proj.weight,
-                &mut a.v_proj.weight,
-            ]);
-            let qkv_bias = match (&a.q_proj.bias, &a.k_proj.bias, &a.v_proj.bias) {
+            let (Some(q), Some(k), Some(v)) = (&mut a.q_proj, &mut a.k_proj, &mut a.v_proj) else {
+                unreachable!("checked above: q, k and v projections")
+            };
+            let qkv = stack(&mut [&mut q.weight, &mut k.weight, &mut v.weight]);
+            let qkv_bias = match (&q.bias, &k.bias, &v.bias) {
                 (Some(q), Some(k), Some(v)) => {
                     Some(Tensor::cat(vec![q.val(), k.val(), v.val()], 0))
                 }

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod generation;
 pub mod generation_weights;
 pub mod kv_cache;
+pub mod latent_attention;
 pub mod mlp;
 pub mod packing;
 pub mod router_replay;

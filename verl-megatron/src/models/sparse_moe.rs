@@ -22,12 +22,13 @@
 use std::any::Any;
 use std::cell::RefCell;
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::prelude::*;
 use burn::tensor::activation::{sigmoid, softmax};
 use burn::tensor::{Int, TensorData};
 
 use super::mlp::SwiGlu;
+use crate::hf::MoeRouting;
 use crate::layers::ColumnParallelLinear;
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
@@ -42,8 +43,13 @@ pub struct SparseMoe<B: Backend> {
     pub experts: Vec<SwiGlu<B>>,
     /// Qwen2-MoE's shared expert (`None` in Qwen3-MoE, which has none).
     pub shared_expert: Option<SwiGlu<B>>,
-    /// Its gate `[1, hidden]` (present with the shared expert).
+    /// Its gate `[1, hidden]` (Qwen2-MoE's; DeepSeek's shared experts have none).
     pub shared_expert_gate: Option<ColumnParallelLinear<B>>,
+    /// DeepSeek's `e_score_correction_bias` `[experts]`: added to the scores to choose experts,
+    /// not to weigh them (no gradient reaches it).
+    pub selection_bias: Option<Param<Tensor<B, 1>>>,
+    #[module(skip)]
+    pub routing: MoeRouting,
     pub top_k: usize,
     pub norm_topk_prob: bool,
     /// Routed experts in the whole model.
@@ -205,6 +211,31 @@ fn chosen_mask<B: Backend>(chosen: Tensor<B, 2, Int>, columns: usize) -> Tensor<
     )
 }
 
+/// Each row's `k` largest columns `[rows, k]` of `scores` `[rows, experts]` among the
+/// `topk_group` groups (of `n_group` consecutive experts) whose two largest scores sum
+/// highest: DeepSeek-V3's group-limited routing.
+pub fn group_limited_top_k<B: Backend>(
+    scores: Tensor<B, 2>,
+    n_group: usize,
+    topk_group: usize,
+    k: usize,
+) -> Tensor<B, 2, Int> {
+    let [n, e] = scores.dims();
+    if n_group <= 1 || topk_group >= n_group {
+        return top_k_columns(scores, k);
+    }
+    let per = e / n_group;
+    let grouped = scores.clone().reshape([n * n_group, per]);
+    let two_best = top_k_columns(grouped.clone(), 2);
+    let group_scores = grouped.gather(1, two_best).sum_dim(1).reshape([n, n_group]);
+    let groups = top_k_columns(group_scores, topk_group);
+    let kept = chosen_mask(groups, n_group)
+        .unsqueeze_dim::<3>(2)
+        .repeat_dim(2, per)
+        .reshape([n, e]);
+    top_k_columns(scores.mask_fill(kept.lower_elem(0.5), f32::NEG_INFINITY), k)
+}
+
 /// The inverse of a permutation.
 fn inverse(perm: &[usize]) -> Vec<usize> {
     let mut inv = vec![0; perm.len()];
@@ -219,7 +250,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let x = self.tp.enter(x);
         let [b, t, h] = x.dims();
         let tokens = x.reshape([b * t, h]);
-        let probs = softmax(self.gate.forward(tokens.clone()), 1);
+        let probs = self.scores(tokens.clone());
         if self.aux_loss_coeff > 0.0 && collecting_aux_losses() {
             push_aux_loss(self.load_balancing_loss(probs.clone()));
         }
@@ -240,7 +271,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let [n, e] = probs.dims();
         let k = self.top_k;
         let device = probs.device();
-        let own = || top_k_columns(probs.clone().detach(), k);
+        let own = || self.own_choice(probs.clone());
         let host = |t: Tensor<B, 2, Int>| -> Vec<i64> {
             t.into_data().convert::<i64>().iter::<i64>().collect()
         };
@@ -308,7 +339,12 @@ impl<B: ParallelBackend> SparseMoe<B> {
             let probs = probs.select(0, mine.clone());
             let mask = mask.select(0, mine).unsqueeze_dim::<2>(1);
             // Each token's k choices, as dispatch makes them.
-            let chosen = top_k_columns(probs.clone().detach(), self.top_k);
+            let chosen = self.own_choice(probs.clone());
+            // Sigmoid scores enter the loss normalised per token, as Megatron's.
+            let probs = match self.routing {
+                MoeRouting::Softmax => probs,
+                MoeRouting::SigmoidGroups { .. } => probs.clone() / probs.sum_dim(1),
+            };
             let routed = chosen_mask(chosen, e) * mask.clone();
             let prob_sums = (probs * mask.clone()).sum_dim(0).reshape([e]);
             let counts = routed.sum_dim(0).reshape([e]);
@@ -323,13 +359,66 @@ impl<B: ParallelBackend> SparseMoe<B> {
         (prob_sums * counts).sum() * scale / tokens.powi_scalar(2)
     }
 
-    /// The shared expert scaled by its gate (partial over tp); zeros without one.
+    /// The shared expert, scaled by its gate where it has one (partial over tp); zeros
+    /// without one.
     fn shared(&self, tokens: Tensor<B, 2>) -> Tensor<B, 2> {
         match (&self.shared_expert, &self.shared_expert_gate) {
             (Some(expert), Some(gate)) => {
                 expert.forward_partial(tokens.clone()) * sigmoid(gate.forward(tokens))
             }
+            (Some(expert), None) => expert.forward_partial(tokens),
             _ => tokens.zeros_like(),
+        }
+    }
+
+    /// The router's scores `[n, experts]` for `tokens` `[n, hidden]`: softmax, or DeepSeek's
+    /// sigmoid.
+    fn scores(&self, tokens: Tensor<B, 2>) -> Tensor<B, 2> {
+        let logits = self.gate.forward(tokens);
+        match self.routing {
+            MoeRouting::Softmax => softmax(logits, 1),
+            MoeRouting::SigmoidGroups { .. } => sigmoid(logits),
+        }
+    }
+
+    /// The router's own choice of each token's k experts `[n, k]` from its `scores`: their
+    /// top-k, or DeepSeek's top-k of the scores plus the selection bias within the
+    /// `topk_group` groups whose two best biased scores sum highest ([`group_limited_top_k`]).
+    fn own_choice(&self, scores: Tensor<B, 2>) -> Tensor<B, 2, Int> {
+        let scores = scores.detach();
+        match self.routing {
+            MoeRouting::Softmax => top_k_columns(scores, self.top_k),
+            MoeRouting::SigmoidGroups {
+                n_group,
+                topk_group,
+                ..
+            } => {
+                let biased = match &self.selection_bias {
+                    Some(bias) => scores + bias.val().detach().unsqueeze_dim(0),
+                    None => scores,
+                };
+                group_limited_top_k(biased, n_group, topk_group, self.top_k)
+            }
+        }
+    }
+
+    /// The chosen experts' weights from their scores `[n, k]` (or `[n, experts]` with the
+    /// others 0): renormalised when `norm_topk_prob` (DeepSeek adds 10⁻²⁰ to the sum), then
+    /// times DeepSeek's `routed_scaling_factor`.
+    fn routing_weights(&self, chosen: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self.routing {
+            MoeRouting::Softmax if self.norm_topk_prob => chosen.clone() / chosen.sum_dim(1),
+            MoeRouting::Softmax => chosen,
+            MoeRouting::SigmoidGroups {
+                routed_scaling_factor,
+                ..
+            } => {
+                let w = match self.norm_topk_prob {
+                    true => chosen.clone() / (chosen.sum_dim(1) + 1e-20),
+                    false => chosen,
+                };
+                w * routed_scaling_factor
+            }
         }
     }
 
@@ -343,12 +432,9 @@ impl<B: ParallelBackend> SparseMoe<B> {
         let x = self.tp.enter(x);
         let [b, t, h] = x.dims();
         let tokens = x.reshape([b * t, h]);
-        let probs = softmax(self.gate.forward(tokens.clone()), 1);
+        let probs = self.scores(tokens.clone());
         let chosen = self.choose(probs.clone());
-        let mut weights = probs.clone() * chosen_mask(chosen, self.num_experts);
-        if self.norm_topk_prob {
-            weights = weights.clone() / weights.sum_dim(1);
-        }
+        let weights = self.routing_weights(probs.clone() * chosen_mask(chosen, self.num_experts));
         let mut out = self.shared(tokens.clone());
         for (e, expert) in self.experts.iter().enumerate() {
             out = out + expert.forward_partial(tokens.clone()) * weights.clone().narrow(1, e, 1);
@@ -390,10 +476,7 @@ impl<B: ParallelBackend> SparseMoe<B> {
                 .iter::<i64>()
                 .map(|e| e as usize)
                 .collect();
-            let mut weights = probs.select(0, mine).gather(1, chosen);
-            if self.norm_topk_prob {
-                weights = weights.clone() / weights.sum_dim(1);
-            }
+            let weights = self.routing_weights(probs.select(0, mine).gather(1, chosen));
             (experts, Some(weights), None)
         };
         let plan = self.dispatch(&experts, &device);
@@ -574,6 +657,7 @@ pub(crate) fn tiny_config(experts: usize, top_k: usize, layers: usize) -> crate:
         norm_topk_prob: false,
         decoder_sparse_step: 1,
         mlp_only_layers: Vec::new(),
+        routing: Default::default(),
     });
     cfg
 }
@@ -581,9 +665,88 @@ pub(crate) fn tiny_config(experts: usize, top_k: usize, layers: usize) -> crate:
 #[cfg(test)]
 mod tests {
     use burn::module::Param;
-    use verl_core::backend::CpuAutodiff;
+    use proptest::prelude::*;
+    use verl_core::backend::{CpuAutodiff, CpuBackend};
 
     use super::*;
+
+    /// DeepSeek-V3's group-limited choice as a loop: the groups whose two best scores sum
+    /// highest (`topk_group` of them), then the k best experts inside them.
+    fn naive_group_limited(row: &[f32], groups: usize, topk_group: usize, k: usize) -> Vec<usize> {
+        let per = row.len() / groups;
+        let mut group_scores: Vec<(f32, usize)> = (0..groups)
+            .map(|g| {
+                let mut s: Vec<f32> = row[g * per..(g + 1) * per].to_vec();
+                s.sort_by(|a, b| b.total_cmp(a));
+                (s[0] + s[1], g)
+            })
+            .collect();
+        group_scores.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let kept: Vec<usize> = group_scores[..topk_group].iter().map(|g| g.1).collect();
+        let mut experts: Vec<(f32, usize)> = (0..row.len())
+            .filter(|e| kept.contains(&(e / per)))
+            .map(|e| (row[e], e))
+            .collect();
+        experts.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut chosen: Vec<usize> = experts[..k].iter().map(|e| e.1).collect();
+        chosen.sort_unstable();
+        chosen
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            rng_seed: proptest::test_runner::RngSeed::Fixed(0x4453_4b33),
+            cases: 64,
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn group_limited_routing_equals_the_loop(
+            // Distinct scores: ties are the backends' own business.
+            seed in 0u64..1_000_000,
+            rows in 1usize..4,
+            (groups, per) in (1usize..5, 2usize..5),
+            topk_group in 1usize..5,
+            k in 1usize..5,
+        ) {
+            let topk_group = topk_group.min(groups);
+            let k = k.min(topk_group * per);
+            let e = groups * per;
+            let values: Vec<f32> = (0..rows * e)
+                .map(|i| ((i as u64 * 2_654_435_761 + seed) % 1_000_003) as f32 / 1e6)
+                .collect();
+            let scores = Tensor::<CpuBackend, 2>::from_data(
+                TensorData::new(values.clone(), [rows, e]),
+                &Default::default(),
+            );
+            let got: Vec<i64> = group_limited_top_k(scores, groups, topk_group, k)
+                .into_data()
+                .convert::<i64>()
+                .iter::<i64>()
+                .collect();
+            for (r, picks) in got.chunks(k).enumerate() {
+                let mut picks: Vec<usize> = picks.iter().map(|&x| x as usize).collect();
+                picks.sort_unstable();
+                let want = naive_group_limited(&values[r * e..(r + 1) * e], groups, topk_group, k);
+                prop_assert_eq!(picks, want);
+            }
+        }
+    }
+
+    #[test]
+    fn group_limited_routing_skips_the_best_expert_of_a_weak_group() {
+        // Hand-checked: groups {0, 1} (0.9 + 0.0) and {2, 3} (0.5 + 0.5); one group kept: the
+        // second (1.0 > 0.9), so expert 0, the best alone, is not chosen.
+        let scores =
+            Tensor::<CpuBackend, 2>::from_floats([[0.9, 0.0, 0.5, 0.5]], &Default::default());
+        let mut got: Vec<i64> = group_limited_top_k(scores, 2, 1, 2)
+            .into_data()
+            .convert::<i64>()
+            .iter::<i64>()
+            .collect();
+        got.sort_unstable();
+        assert_eq!(got, vec![2, 3]);
+    }
     use crate::models::feed_forward::FeedForward;
     use crate::models::CausalLm;
 

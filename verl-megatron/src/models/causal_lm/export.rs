@@ -400,17 +400,45 @@ fn push_layer<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: &str, layer: &Decode
         }
     }
     let a = &layer.self_attn;
-    for (name, proj) in [
-        ("q_proj", &a.q_proj),
-        ("k_proj", &a.k_proj),
-        ("v_proj", &a.v_proj),
-    ] {
-        push_linear(
-            out,
-            format!("{p}.self_attn.{name}"),
-            proj.weight.val(),
-            proj.bias.as_ref().map(|b| b.val()),
-        );
+    let latent = a.latent.as_ref().map(|l| {
+        let q_b = match l.q_a_proj {
+            Some(_) => "q_b_proj",
+            None => "q_proj",
+        };
+        [
+            ("q_a_proj", l.q_a_proj.as_ref()),
+            (q_b, Some(&l.q_b_proj)),
+            ("kv_a_proj_with_mqa", Some(&l.kv_a_proj_with_mqa)),
+            ("kv_b_proj", Some(&l.kv_b_proj)),
+        ]
+    });
+    let grouped = [
+        ("q_proj", a.q_proj.as_ref()),
+        ("k_proj", a.k_proj.as_ref()),
+        ("v_proj", a.v_proj.as_ref()),
+    ];
+    for (name, proj) in latent.into_iter().flatten().chain(grouped) {
+        if let Some(proj) = proj {
+            push_linear(
+                out,
+                format!("{p}.self_attn.{name}"),
+                proj.weight.val(),
+                proj.bias.as_ref().map(|b| b.val()),
+            );
+        }
+    }
+    if let Some(l) = &a.latent {
+        for (name, norm) in [
+            ("q_a_layernorm", l.q_a_layernorm.as_ref()),
+            ("kv_a_layernorm", Some(&l.kv_a_layernorm)),
+        ] {
+            if let Some(norm) = norm {
+                out.push(NamedTensor::new(
+                    format!("{p}.self_attn.{name}.weight"),
+                    norm.weight.val(),
+                ));
+            }
+        }
     }
     push_linear(
         out,
@@ -435,12 +463,20 @@ fn push_layer<B: Backend>(out: &mut Vec<NamedTensor<B>>, p: &str, layer: &Decode
                 format!("{p}.mlp.gate.weight"),
                 m.gate.weight.val(),
             ));
+            if let Some(bias) = &m.selection_bias {
+                out.push(NamedTensor::new(
+                    format!("{p}.mlp.gate.e_score_correction_bias"),
+                    bias.val(),
+                ));
+            }
             for (e, expert) in m.experts.iter().enumerate() {
                 let e = m.first_expert + e;
                 push_swiglu(out, format!("{p}.mlp.experts.{e}"), expert);
             }
-            if let (Some(expert), Some(gate)) = (&m.shared_expert, &m.shared_expert_gate) {
+            if let Some(expert) = &m.shared_expert {
                 push_swiglu(out, format!("{p}.mlp.shared_expert"), expert);
+            }
+            if let Some(gate) = &m.shared_expert_gate {
                 out.push(NamedTensor::new(
                     format!("{p}.mlp.shared_expert_gate.weight"),
                     gate.weight.val(),

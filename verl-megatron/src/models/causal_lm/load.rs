@@ -6,11 +6,12 @@ use super::{CausalLm, DecoderLayer, PipelineStageLayout};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use burn::module::Param;
 use burn::prelude::*;
 use verl_core::NamedTensor;
 
 use crate::error::MegatronError;
-use crate::hf::{hf_tensor_specs, HeadKind, HfCheckpoint, HfModelConfig, TensorSpec};
+use crate::hf::{hf_tensor_specs, HeadKind, HfCheckpoint, HfModelConfig, MoeRouting, TensorSpec};
 use crate::layers::precision::ComputeDtype;
 use crate::layers::{
     ColumnParallelLinear, RmsNorm, RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
@@ -18,6 +19,7 @@ use crate::layers::{
 use crate::models::attention::{Attention, AttentionScores};
 use crate::models::feed_forward::FeedForward;
 use crate::models::generation_weights::FusedWeights;
+use crate::models::latent_attention::LatentAttention;
 use crate::models::mlp::SwiGlu;
 use crate::models::sparse_moe::SparseMoe;
 use crate::parallel::{ModelGroups, ParallelBackend, TpGroup};
@@ -359,7 +361,14 @@ impl<B: ParallelBackend> CausalLm<B> {
             },
             lm_head,
             score,
-            rope: RotaryEmbedding::new(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+            // Latent attention rotates only its heads' rope part.
+            rope: RotaryEmbedding::new(
+                cfg.mla
+                    .as_ref()
+                    .map_or(cfg.head_dim, |m| m.qk_rope_head_dim),
+                cfg.rope_theta,
+                cfg.rope_scaling,
+            ),
             local_rope: cfg
                 .variants
                 .local_rope
@@ -548,10 +557,17 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
                 .then(|| self.norm(&format!("{a}.{which}.weight")))
                 .transpose()
         };
+        let grouped = |p: &str| -> Result<Option<ColumnParallelLinear<B>>, MegatronError> {
+            match cfg.mla {
+                Some(_) => Ok(None),
+                None => Some(self.column(&format!("{a}.{p}"), cfg.qkv_bias, tp)).transpose(),
+            }
+        };
         Ok(Attention {
-            q_proj: self.column(&format!("{a}.q_proj"), cfg.qkv_bias, tp)?,
-            k_proj: self.column(&format!("{a}.k_proj"), cfg.qkv_bias, tp)?,
-            v_proj: self.column(&format!("{a}.v_proj"), cfg.qkv_bias, tp)?,
+            q_proj: grouped("q_proj")?,
+            k_proj: grouped("k_proj")?,
+            v_proj: grouped("v_proj")?,
+            latent: self.latent_attention(a)?,
             o_proj: self.row(&format!("{a}.o_proj"), cfg.o_bias, tp)?,
             q_norm: head_norm("q_norm")?,
             k_norm: head_norm("k_norm")?,
@@ -562,6 +578,36 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
             tp: tp.clone(),
             cp: self.groups.cp.clone(),
         })
+    }
+
+    /// DeepSeek's latent projections at `a` (tp = 1: `HfModelConfig::check_layout` refuses
+    /// more), `None` for other models.
+    fn latent_attention(&self, a: &str) -> Result<Option<LatentAttention<B>>, MegatronError> {
+        let Some(dims) = &self.cfg.mla else {
+            return Ok(None);
+        };
+        let tp = &self.groups.tp;
+        // transformers builds these two norms with its default ε, whatever rms_norm_eps says.
+        let norm = |name: &str| -> Result<RmsNorm<B>, MegatronError> {
+            Ok(RmsNorm::new(self.source.load::<1>(name)?, 1e-6))
+        };
+        let with_rank = dims.q_lora_rank.is_some();
+        Ok(Some(LatentAttention {
+            q_a_proj: with_rank
+                .then(|| self.column(&format!("{a}.q_a_proj"), false, tp))
+                .transpose()?,
+            q_a_layernorm: with_rank
+                .then(|| norm(&format!("{a}.q_a_layernorm.weight")))
+                .transpose()?,
+            q_b_proj: match with_rank {
+                true => self.column(&format!("{a}.q_b_proj"), false, tp)?,
+                false => self.column(&format!("{a}.q_proj"), false, tp)?,
+            },
+            kv_a_proj_with_mqa: self.column(&format!("{a}.kv_a_proj_with_mqa"), false, tp)?,
+            kv_a_layernorm: norm(&format!("{a}.kv_a_layernorm.weight"))?,
+            kv_b_proj: self.column(&format!("{a}.kv_b_proj"), false, tp)?,
+            dims: dims.clone(),
+        }))
     }
 
     /// Layer `l`'s feed-forward block at `p`: dense, or this ep rank's experts, each split
@@ -575,7 +621,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
         let local = moe.num_experts / g.ep.size;
         let first = g.ep.rank * local;
         let etp = g.expert_tp();
-        // Qwen2-MoE's shared expert; Qwen3-MoE has none.
+        // Qwen2-MoE's gated shared expert, DeepSeek's ungated one; Qwen3-MoE has none.
         let shared = moe.shared_expert_intermediate_size > 0;
         Ok(FeedForward::Moe(SparseMoe {
             gate: self.replicated(&format!("{p}.mlp.gate"), false)?,
@@ -585,9 +631,20 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
             shared_expert: shared
                 .then(|| self.swiglu(&format!("{p}.mlp.shared_expert"), &g.tp))
                 .transpose()?,
-            shared_expert_gate: shared
+            shared_expert_gate: moe
+                .shared_expert_gated()
                 .then(|| self.replicated(&format!("{p}.mlp.shared_expert_gate"), false))
                 .transpose()?,
+            selection_bias: (moe.routing != MoeRouting::Softmax)
+                .then(|| {
+                    self.source
+                        .load::<1>(&format!("{p}.mlp.gate.e_score_correction_bias"))
+                        // Kept as loaded: Megatron moves it by its own load-balancing rule
+                        // (not built here), never by the optimizer.
+                        .map(|b| Param::from_tensor(b).set_require_grad(false))
+                })
+                .transpose()?,
+            routing: moe.routing,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
             num_experts: moe.num_experts,

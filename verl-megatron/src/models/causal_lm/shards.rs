@@ -231,10 +231,33 @@ impl<B: Backend> CausalLm<B> {
         if let Some(attn) = rest.strip_prefix("self_attn.") {
             let a = &mut layer.self_attn;
             let (module, kind) = attn.split_once('.')?;
+            if let Some(l) = a.latent.as_mut() {
+                let linear = match module {
+                    "q_a_proj" => l.q_a_proj.as_mut(),
+                    "q_b_proj" if l.q_a_proj.is_some() => Some(&mut l.q_b_proj),
+                    "q_proj" if l.q_a_proj.is_none() => Some(&mut l.q_b_proj),
+                    "kv_a_proj_with_mqa" => Some(&mut l.kv_a_proj_with_mqa),
+                    "kv_b_proj" => Some(&mut l.kv_b_proj),
+                    "q_a_layernorm" if kind == "weight" => {
+                        return l.q_a_layernorm.as_mut().map(|n| Vector(&mut n.weight))
+                    }
+                    "kv_a_layernorm" if kind == "weight" => {
+                        return Some(Vector(&mut l.kv_a_layernorm.weight))
+                    }
+                    _ => None,
+                };
+                if let Some(linear) = linear {
+                    return match kind {
+                        "weight" => Some(Matrix(&mut linear.weight)),
+                        "bias" => linear.bias.as_mut().map(Vector),
+                        _ => None,
+                    };
+                }
+            }
             let (weight, bias) = match module {
-                "q_proj" => (&mut a.q_proj.weight, a.q_proj.bias.as_mut()),
-                "k_proj" => (&mut a.k_proj.weight, a.k_proj.bias.as_mut()),
-                "v_proj" => (&mut a.v_proj.weight, a.v_proj.bias.as_mut()),
+                "q_proj" => grouped(a.q_proj.as_mut())?,
+                "k_proj" => grouped(a.k_proj.as_mut())?,
+                "v_proj" => grouped(a.v_proj.as_mut())?,
                 "o_proj" => (&mut a.o_proj.weight, a.o_proj.bias.as_mut()),
                 "q_norm" if kind == "weight" => {
                     return a.q_norm.as_mut().map(|n| Vector(&mut n.weight))
@@ -276,6 +299,9 @@ impl<B: Backend> CausalLm<B> {
                 if mlp == "gate.weight" {
                     return Some(Matrix(&mut m.gate.weight));
                 }
+                if mlp == "gate.e_score_correction_bias" {
+                    return m.selection_bias.as_mut().map(Vector);
+                }
                 if mlp == "shared_expert_gate.weight" {
                     return Some(Matrix(&mut m.shared_expert_gate.as_mut()?.weight));
                 }
@@ -288,4 +314,12 @@ impl<B: Backend> CausalLm<B> {
             }
         }
     }
+}
+
+/// A grouped-query projection's weight and bias, when the layer has it.
+#[allow(clippy::type_complexity)]
+fn grouped<B: Backend>(
+    p: Option<&mut crate::layers::ColumnParallelLinear<B>>,
+) -> Option<(&mut Param<Tensor<B, 2>>, Option<&mut Param<Tensor<B, 1>>>)> {
+    p.map(|p| (&mut p.weight, p.bias.as_mut()))
 }

@@ -552,6 +552,16 @@ fn qwen3_norms_and_an_untied_head_split_exactly() {
 }
 
 #[test]
+fn latent_attention_splits_by_heads_exactly() {
+    // The low-rank projections replicated (gradients summed over tp), the per-head expansions
+    // and the output projection split; with sequence parallelism and with experts over ep.
+    let _serial = serial();
+    check_layout(Flavour::DeepseekV3, 2, 1, false);
+    check_layout(Flavour::DeepseekV3, 4, 1, true);
+    check_parallel(Flavour::DeepseekV3, 12, 2, experts(2, 1, 1, 2, 1, true), 1);
+}
+
+#[test]
 fn gemma_layers_split_exactly() {
     let _serial = serial();
     check_layout(Flavour::Gemma2, 2, 1, false);
@@ -664,15 +674,6 @@ fn layouts_the_model_cannot_split_are_refused_before_any_weight_exists() {
     );
     let refused = CausalLm::<CpuBackend>::init_sharded(&cfg, 0.02, 0, &Default::default(), &tp);
     assert!(refused.is_err());
-    // Latent attention is not split over tp (yet): refused by name, with what works instead.
-    let err = model_cfg(Flavour::DeepseekV3)
-        .check_tensor_parallel(2)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("tensor_model_parallel_size") && err.contains("latent attention"),
-        "{err}"
-    );
 }
 
 /// Metrics, log-probs and values, this stage's named weights, and the actor's whole model as
@@ -1092,6 +1093,10 @@ fn hf_checkpoints_load_by_shard_and_come_back_whole_on_every_layout() {
         ("qwen2_moe", 2, 2, 2, 2, 2),
         ("qwen3_moe", 2, 2, 2, 1, 1),
         ("mixtral", 2, 1, 2, 1, 2),
+        ("gemma2", 2, 2, 1, 2, 1),
+        ("gemma3", 2, 1, 1, 2, 1),
+        ("deepseek_v3", 2, 2, 2, 1, 1),
+        ("deepseek_v3_no_q_lora", 2, 1, 1, 2, 1),
     ] {
         let dir = fixtures.join(name);
         let cfg = HfModelConfig::from_dir(&dir).unwrap();

@@ -282,14 +282,6 @@ impl HfModelConfig {
         layout
             .validate_for_model(&self.model_dims())
             .map_err(|e| refuse(e.to_string()))?;
-        if self.mla.is_some() && tp > 1 {
-            return Err(refuse(format!(
-                "({tp}) tensor parallelism is not built for latent attention (DeepSeek-V3): its \
-                 low-rank projections are replicated and their gradients would need summing \
-                 over tp; use tensor_model_parallel_size=1 with pipeline, context, expert or \
-                 data parallelism"
-            )));
-        }
         if let Some(moe) = &self.moe {
             let size = moe.shared_expert_intermediate_size;
             if !size.is_multiple_of(tp) {

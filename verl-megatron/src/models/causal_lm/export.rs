@@ -51,6 +51,9 @@ pub fn tp_split_dim(name: &str) -> Option<usize> {
         "v_proj.bias",
         "gate_proj.weight",
         "up_proj.weight",
+        // Latent attention's per-head expansions (its low-rank projections are replicated).
+        "q_b_proj.weight",
+        "kv_b_proj.weight",
     ];
     if is_vocab_split(name) {
         return Some(0);

@@ -580,8 +580,9 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
         })
     }
 
-    /// DeepSeek's latent projections at `a` (tp = 1: `HfModelConfig::check_layout` refuses
-    /// more), `None` for other models.
+    /// DeepSeek's latent projections at `a`, `None` for other models. The low-rank projections
+    /// are replicated over tp (each rank's heads read the whole code; their gradients are
+    /// summed over the group, `CausalLm::tp_param_sets`), the per-head expansions split by heads.
     fn latent_attention(&self, a: &str) -> Result<Option<LatentAttention<B>>, MegatronError> {
         let Some(dims) = &self.cfg.mla else {
             return Ok(None);
@@ -594,7 +595,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
         let with_rank = dims.q_lora_rank.is_some();
         Ok(Some(LatentAttention {
             q_a_proj: with_rank
-                .then(|| self.column(&format!("{a}.q_a_proj"), false, tp))
+                .then(|| self.replicated(&format!("{a}.q_a_proj"), false))
                 .transpose()?,
             q_a_layernorm: with_rank
                 .then(|| norm(&format!("{a}.q_a_layernorm.weight")))
@@ -603,7 +604,7 @@ impl<'a, B: ParallelBackend, S: TensorSource<B>> ShardLoader<'a, B, S> {
                 true => self.column(&format!("{a}.q_b_proj"), false, tp)?,
                 false => self.column(&format!("{a}.q_proj"), false, tp)?,
             },
-            kv_a_proj_with_mqa: self.column(&format!("{a}.kv_a_proj_with_mqa"), false, tp)?,
+            kv_a_proj_with_mqa: self.replicated(&format!("{a}.kv_a_proj_with_mqa"), false)?,
             kv_a_layernorm: norm(&format!("{a}.kv_a_layernorm.weight"))?,
             kv_b_proj: self.column(&format!("{a}.kv_b_proj"), false, tp)?,
             dims: dims.clone(),

@@ -167,16 +167,25 @@ impl<B: Backend> CausalLm<B> {
     }
 
     /// The parameters tensor parallelism shards, and the replicated ones whose gradient each
-    /// rank gets only its part of, to be summed over the group: per-head q/k norms and MoE
-    /// routers (read inside the tensor-parallel region), and with sequence parallelism the
+    /// rank gets only its part of, to be summed over the group: per-head q/k norms, MoE
+    /// routers and latent attention's low-rank projections and norms (read inside the
+    /// tensor-parallel region, each rank's heads using them), and with sequence parallelism the
     /// layer norms and row-parallel biases (applied to sequence shards).
     pub fn tp_param_sets(&self) -> (HashSet<ParamId>, HashSet<ParamId>) {
         let sp = self.tp.sequence_parallel;
         let (mut sharded, mut partial) = (HashSet::new(), HashSet::new());
         for (name, id, _) in self.named_param_ids() {
-            let inside_region = ["q_norm.weight", "k_norm.weight", "mlp.gate.weight"]
-                .iter()
-                .any(|s| name.ends_with(s))
+            let inside_region = [
+                "q_norm.weight",
+                "k_norm.weight",
+                "mlp.gate.weight",
+                "q_a_proj.weight",
+                "q_a_layernorm.weight",
+                "kv_a_proj_with_mqa.weight",
+                "kv_a_layernorm.weight",
+            ]
+            .iter()
+            .any(|s| name.ends_with(s))
                 || name.ends_with("shared_expert_gate.weight");
             let on_sequence_shards = name.ends_with("layernorm.weight")
                 || name == "model.norm.weight"

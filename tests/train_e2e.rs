@@ -359,6 +359,48 @@ fn qwen3_moe_and_mixtral_checkpoints_train_and_expert_parallel_matches_one_rank(
     }
 }
 
+/// DeepSeek-V3 (latent attention, sigmoid group-limited routing, a dense first layer) trains
+/// with GRPO from its transformers fixture, and on tp = 2 × ep = 2 logs the single rank's
+/// metrics.
+#[test]
+fn a_deepseek_v3_checkpoint_trains_and_expert_parallel_matches_one_rank() {
+    moe_checkpoint_trains_as_one_rank("deepseek_v3");
+}
+
+/// Gemma 2 and Gemma 3 checkpoints (local and global layers, soft-caps, Gemma's norms) train
+/// with GRPO from their paths, and on tp = 2 with sequence parallelism log the single rank's
+/// metrics.
+#[test]
+fn gemma_checkpoints_train_and_tensor_parallel_matches_one_rank() {
+    for name in ["gemma2", "gemma3"] {
+        let one = train_fixture(name, &[]);
+        let steps: Vec<_> = one.iter().filter(|l| l["step"] >= 1.0).collect();
+        assert_eq!(steps.len(), 2, "{name}");
+        assert!(
+            steps.iter().all(|s| s["actor/pg_loss"].is_finite()),
+            "{name}"
+        );
+        let many = train_fixture(
+            name,
+            &[
+                "trainer.n_gpus_per_node=2",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+            ],
+        );
+        let drop_peak = |lines: Vec<BTreeMap<String, f64>>| -> Vec<BTreeMap<String, f64>> {
+            lines
+                .into_iter()
+                .map(|mut l| {
+                    l.remove("rollout/peak_batch");
+                    l
+                })
+                .collect()
+        };
+        common::assert_same_metrics(&drop_peak(one), &drop_peak(many), &format!("{name} tp = 2"));
+    }
+}
+
 fn moe_checkpoint_trains_as_one_rank(name: &str) {
     let train = |layout: &[&str]| {
         let mut overrides = vec![

@@ -508,6 +508,7 @@ pub(crate) fn check_decode(device: &Device, failures: &mut Vec<String>) {
         }
     }
     check_decode_split(device, failures);
+    check_decode_scores(device, failures);
     check_bf16_cache(device, failures);
     check_decode_mma(device, failures);
     check_greedy_engine(device, ComputeDtype::F32, failures);
@@ -616,6 +617,63 @@ fn long_context_setup(
         .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
         .collect();
     (model, prompts)
+}
+
+/// Gemma's and Mistral's scores in the decode kernel: a sliding window of 300 keys on layer 0
+/// (cutting the 1 500- and 700-token prompts, so the split's early blocks hold no keys), a scale
+/// of `query_pre_attn_scalar` 100 (not head_dim) and a soft-cap of 20 on both layers; prefill
+/// and 4 decode steps with the split kernel, one block per slot, the tensor-core path and the
+/// plain path (which windows and caps with the mask and burn's ops), logits compared.
+fn check_decode_scores(device: &Device, failures: &mut Vec<String>) {
+    println!(
+        "\ndecode attention with a sliding window, a scale of its own and a soft-cap vs plain:"
+    );
+    let mut dims = model_dims(896, 14, 2);
+    dims.max_position_embeddings = 2048;
+    let mut cfg = HfModelConfig::qwen2(dims);
+    cfg.variants.sliding_window = Some(300);
+    cfg.variants.sliding_layers = vec![true, false];
+    cfg.variants.query_pre_attn_scalar = Some(100.0);
+    cfg.variants.attn_logit_softcapping = Some(20.0);
+    let prompts: Vec<Vec<u32>> = [1500usize, 700, 3]
+        .iter()
+        .map(|&n| (0..n).map(|j| ((j * 29 + n * 7) % 1000) as u32).collect())
+        .collect();
+    for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        let model = CausalLm::<CudaBackend>::init(&cfg, 0.02, 9, device)
+            .with_compute_dtype(compute)
+            .with_generation_matrices();
+        let cache = match compute {
+            ComputeDtype::Bf16 => FloatDType::BF16,
+            _ => FloatDType::F32,
+        };
+        let run = |kernels: bool, split: bool, mma: bool| {
+            decode_kernels(kernels);
+            decode_attention::SPLIT.set(split);
+            decode_attention::MMA.set(mma);
+            let out = prefill_and_decode(&model, &prompts, 1600, cache, device);
+            decode_kernels(true);
+            decode_attention::SPLIT.set(true);
+            decode_attention::MMA.set(true);
+            out
+        };
+        let plain = run(false, false, false);
+        for (path, split, mma) in [
+            ("split", true, false),
+            ("one block per slot", false, false),
+            ("tensor cores, split", true, true),
+        ] {
+            let errors = step_errors(&run(true, split, mma), &plain);
+            let worst = errors.iter().copied().fold(0.0, f64::max);
+            println!("  {compute}, {path}: max relative error vs plain {worst:.2e}");
+            super::agreement::require_below(
+                failures,
+                format!("decode attention with window and cap ({path}) {compute}"),
+                &errors,
+                logits_bound(compute),
+            );
+        }
+    }
 }
 
 /// Long contexts split their keys over several blocks (flash-decoding): three slots holding

@@ -13,8 +13,8 @@ use super::kernels::{
     vocab,
 };
 use crate::ops::{
-    reference, AdamWStep, AttentionInputs, DecodeProjections, FusedOps, PrefixTargets, RowSampling,
-    SampledToken, VocabInputs,
+    reference, AdamWStep, AttentionInputs, DecodeProjections, DecodeScores, FusedOps,
+    PrefixTargets, RowSampling, SampledToken, VocabInputs,
 };
 
 type Tracked<C> = Autodiff<CudaBackend, C>;
@@ -101,8 +101,8 @@ impl FusedOps for CudaBackend {
         positions: &Tensor<Self, 1>,
         cache: (&Tensor<Self, 4>, &Tensor<Self, 4>),
         keys: usize,
-        round_bf16: bool,
-        out_bf16: bool,
+        scores: DecodeScores,
+        rounding: (bool, bool),
     ) -> Result<Tensor<Self, 2>, DecodeProjections<Self>> {
         decode_attention::decode_attention(
             projections,
@@ -111,8 +111,8 @@ impl FusedOps for CudaBackend {
             positions,
             cache,
             keys,
-            round_bf16,
-            out_bf16,
+            scores,
+            rounding,
         )
     }
 

@@ -449,20 +449,26 @@ impl AttentionScores {
         }
     }
 
-    /// Whether the fused kernels compute these scores for `mask` (they know the scale, not
-    /// soft-caps or windows): no soft-cap, and no window that cuts a key of `mask`.
+    /// Whether the fused prefill and training kernels compute these scores for `mask` (they
+    /// know the scale, not soft-caps or windows): no soft-cap, and no window that cuts a key of
+    /// `mask`.
     fn fused_kernels_apply<B: Backend>(&self, mask: &AttentionMask<B>) -> bool {
         self.softcap.is_none() && !self.sliding_window.is_some_and(|w| mask.window_cuts(w))
     }
 
-    /// Whether a decode kernel with the default scale computes them (`head_dim`'s heads).
-    fn decode_kernel_applies<B: Backend>(&self, mask: &AttentionMask<B>, head_dim: usize) -> bool {
-        self.fused_kernels_apply(mask)
-            && *self
-                == Self {
-                    sliding_window: self.sliding_window,
-                    ..Self::plain(head_dim)
-                }
+    /// These scores as the decode kernel takes them (heads of `head_dim`): it scales,
+    /// soft-caps and windows them itself. The default scale keeps its √head_dim divisor, so
+    /// plain models' steps are unchanged to the bit.
+    fn for_decode(&self, head_dim: usize) -> crate::ops::DecodeScores {
+        let plain = crate::ops::DecodeScores::plain(head_dim);
+        crate::ops::DecodeScores {
+            divisor: match self.scale == Self::plain(head_dim).scale {
+                true => plain.divisor,
+                false => (1.0 / self.scale) as f32,
+            },
+            softcap: self.softcap.map(|c| c as f32),
+            window: self.sliding_window,
+        }
     }
 }
 
@@ -564,17 +570,13 @@ impl<B: ParallelBackend> Attention<B> {
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let low = precision::current() == ComputeDtype::Bf16;
         let mut projections = DecodeProjections::Packed { qkv, bias };
-        let kernel = self.scores.decode_kernel_applies(mask, hd);
-        if let (
-            true,
-            AttnCache::Slots {
-                cache: slots,
-                layer,
-                window,
-                on_device: Some(on_device),
-                ..
-            },
-        ) = (kernel, &cache)
+        if let AttnCache::Slots {
+            cache: slots,
+            layer,
+            window,
+            on_device: Some(on_device),
+            ..
+        } = &cache
         {
             if cos.dims() == [b, 1, 1, hd] {
                 match B::decode_attention(
@@ -584,8 +586,8 @@ impl<B: ParallelBackend> Attention<B> {
                     on_device,
                     slots.layer(*layer),
                     *window,
-                    low,
-                    low,
+                    self.scores.for_decode(hd),
+                    (low, low),
                 ) {
                     Ok(out) => return out,
                     Err(back) => projections = back,
@@ -625,7 +627,7 @@ impl<B: ParallelBackend> Attention<B> {
         sin: &Tensor<B, 4>,
         cache: AttnCache<'_, B>,
     ) -> Tensor<B, 3> {
-        let (q, k, v) = match self.decode_kernel(q, k, v, mask, cos, sin, &cache) {
+        let (q, k, v) = match self.decode_kernel(q, k, v, cos, sin, &cache) {
             Ok(out) => return out,
             Err(qkv) => qkv,
         };
@@ -649,13 +651,11 @@ impl<B: ParallelBackend> Attention<B> {
 
     /// A decode step over the slot cache: RoPE, the cache write and attention in one kernel
     /// (`[batch, 1, heads · head_dim]`), or the projections back where it does not apply.
-    #[allow(clippy::too_many_arguments)]
     fn decode_kernel(
         &self,
         q: Tensor<B, 4>,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
-        mask: &AttentionMask<B>,
         cos: &Tensor<B, 4>,
         sin: &Tensor<B, 4>,
         cache: &AttnCache<'_, B>,
@@ -663,16 +663,13 @@ impl<B: ParallelBackend> Attention<B> {
         let [b, t, _, _] = q.dims();
         let (hd, nh, nkv) = (self.head_dim, self.num_heads, self.num_kv_heads);
         let (mut q, mut k, mut v) = (q, k, v);
-        if let (
-            true,
-            AttnCache::Slots {
-                cache: slots,
-                layer,
-                window,
-                on_device: Some(on_device),
-                ..
-            },
-        ) = (self.scores.decode_kernel_applies(mask, hd), cache)
+        if let AttnCache::Slots {
+            cache: slots,
+            layer,
+            window,
+            on_device: Some(on_device),
+            ..
+        } = cache
         {
             if t == 1 && cos.dims() == [b, 1, 1, hd] {
                 let round = precision::current() == ComputeDtype::Bf16;
@@ -687,8 +684,8 @@ impl<B: ParallelBackend> Attention<B> {
                     on_device,
                     slots.layer(*layer),
                     *window,
-                    round,
-                    false,
+                    self.scores.for_decode(hd),
+                    (round, false),
                 ) {
                     Ok(out) => return Ok(out.reshape([b, 1, nh * hd])),
                     Err(DecodeProjections::Split {

@@ -48,6 +48,29 @@ use burn::prelude::*;
 use burn::tensor::Int;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
+/// How a decode step turns q·k into attention weights: [`FusedOps::decode_attention`]'s
+/// scale, soft-cap and sliding window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeScores {
+    /// Scores are q·k divided by this: √head_dim, or the inverse of the model's own scale.
+    pub divisor: f32,
+    /// `cap · tanh(s / cap)` after scaling (Gemma 2).
+    pub softcap: Option<f32>,
+    /// A slot attends to its last `window` positions.
+    pub window: Option<usize>,
+}
+
+impl DecodeScores {
+    /// Plain attention over heads of `head_dim`.
+    pub fn plain(head_dim: usize) -> Self {
+        Self {
+            divisor: (head_dim as f32).sqrt(),
+            softcap: None,
+            window: None,
+        }
+    }
+}
+
 /// A backend's fused operations; see the module documentation. Every method has a default (the
 /// plain chain, or "not available" for the caller-side paths), so a backend implements only
 /// what it has kernels for.
@@ -165,7 +188,7 @@ pub trait FusedOps: Backend {
         false
     }
 
-    /// One layer's decode step over a slot cache: rotates the new key (`cos`, `sin`
+    /// One layer's decode step over a slot cache, its scores as `scores` says: rotates the new key (`cos`, `sin`
     /// `[slots, head_dim]`), writes it and the value into `cache` `[slots, kv_heads, capacity,
     /// head_dim]` at each slot's position (`positions`, from [`reference::step_positions`]) in
     /// place, and returns attention over positions `0..=position` `[slots, heads · head_dim]`
@@ -180,10 +203,12 @@ pub trait FusedOps: Backend {
         positions: &Tensor<Self, 1>,
         cache: (&Tensor<Self, 4>, &Tensor<Self, 4>),
         keys: usize,
-        round_bf16: bool,
-        out_bf16: bool,
+        scores: DecodeScores,
+        (round_bf16, out_bf16): (bool, bool),
     ) -> Result<Tensor<Self, 2>, DecodeProjections<Self>> {
-        let _ = (cos, sin, positions, cache, keys, round_bf16, out_bf16);
+        let _ = (
+            cos, sin, positions, cache, keys, scores, round_bf16, out_bf16,
+        );
         Err(projections)
     }
 

@@ -4,7 +4,8 @@
 // position; one block per (kv head, slot) rotates that token's key (RoPE, rotate-half), writes
 // key and value into the cache at the slot's position, rotates its REP query heads (grouped-query
 // attention: query heads g*REP .. g*REP+REP-1 read kv head g), and attends over the slot's
-// positions 0..=position with an online softmax over tiles of keys (scores a key a thread,
+// positions 0..=position (its last `window` of them with a sliding window; scores scaled by
+// score_divisor and soft-capped where asked) with an online softmax over tiles of keys (scores a key a thread,
 // weighted values a few dimensions a thread). No [slots, heads, 1, keys] score tensor, no
 // mask, no copy of the cache.
 // At long contexts with few blocks, the keys are split over several blocks per (kv head, slot)
@@ -70,7 +71,8 @@ struct DecodeParams {
     unsigned int heads;
     unsigned int kv_heads;
     unsigned int capacity;
-    float sqrt_head_dim;
+    // Scores are q·k divided by this (√head_dim, or the model's own scale's inverse).
+    float score_divisor;
     // Row strides (elements) of q and of k / v, and where q, k and v start in their rows (and
     // in the bias row).
     unsigned int q_stride;
@@ -82,7 +84,22 @@ struct DecodeParams {
     unsigned int split_len;
     // Splits per (kv head, slot): gridDim.z.
     unsigned int splits;
+    // A sliding window: a slot attends to its last `window` positions (0: all of them).
+    unsigned int window;
+    // Scores soft-capped as cap · tanh(s / cap) (0: none; Gemma 2).
+    float softcap;
 };
+
+// The first key a slot at `pos` attends to.
+__device__ __forceinline__ unsigned int first_key(unsigned int pos, const DecodeParams& p) {
+    return p.window && pos + 1 > p.window ? pos + 1 - p.window : 0u;
+}
+
+// A key's score from its product with the query: scaled, then soft-capped.
+__device__ __forceinline__ float score(float dot, const DecodeParams& p) {
+    const float x = dot / p.score_divisor;
+    return p.softcap > 0.0f ? tanhf(x / p.softcap) * p.softcap : x;
+}
 
 __device__ __forceinline__ float operand(float x) {
 #if ROUND_BF16
@@ -301,7 +318,7 @@ __device__ __forceinline__ void attend_mma(const float (*q_rot)[HEAD_DIM], const
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const unsigned int key = c0 + 8 * h + 2 * t + i;
-                w[h][i] = key < hi ? sc[h][i] / p.sqrt_head_dim : NEG_INF;
+                w[h][i] = key < hi ? score(sc[h][i], p) : NEG_INF;
                 mx = fmaxf(mx, w[h][i]);
             }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -412,9 +429,14 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
 
     const unsigned int g = blockIdx.x, slot = blockIdx.y, split = blockIdx.z;
     const unsigned int pos = positions[slot];
-    const unsigned int lo = p.split_len ? split * p.split_len : 0;
-    if (lo > pos) return;
-    const unsigned int hi = p.split_len ? min(lo + p.split_len, pos + 1) : pos + 1;
+    const unsigned int split_lo = p.split_len ? split * p.split_len : 0;
+    if (split_lo > pos) return;
+    const unsigned int hi = p.split_len ? min(split_lo + p.split_len, pos + 1) : pos + 1;
+    // A sliding window starts the keys later; a split wholly before it has none, but split 0
+    // still writes the new key and value (verl_decode_combine skips it).
+    const unsigned int first = first_key(pos, p);
+    if (hi <= first && split != 0) return;
+    const unsigned int lo = max(split_lo, first);
     const float* c = cos_t + (unsigned long long)slot * HEAD_DIM;
     const float* s = sin_t + (unsigned long long)slot * HEAD_DIM;
     const unsigned long long cache_row =
@@ -435,6 +457,7 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
             v_cache[cache_row + (unsigned long long)pos * HEAD_DIM + d] = to_cache(vd);
         }
     }
+    if (hi <= first) return;
     {
         // The queries' elements, all loads issued before the first product (a block is short
         // work: its time is load latency), then rotated as rotary() does.
@@ -504,7 +527,7 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
             }
         }
 #pragma unroll
-        for (int r = 0; r < REP; ++r) weights[r][threadIdx.x] = j < hi ? dot[r] / p.sqrt_head_dim : NEG_INF;
+        for (int r = 0; r < REP; ++r) weights[r][threadIdx.x] = j < hi ? score(dot[r], p) : NEG_INF;
         __syncthreads();
 
         // Weights: a warp per head; the running max and sum carry over from the last tile.
@@ -613,17 +636,19 @@ verl_decode_attention(const float* q, const float* k, const float* v, const floa
 
 
 // Grid (heads, slots), HEAD_DIM threads: merges the splits of a slot's head that hold keys
-// (0 ..= position / split_len) into out.
+// (first key / split_len ..= position / split_len) into out.
 extern "C" __global__ void verl_decode_combine(const float* __restrict__ partial,
                                                const unsigned int* __restrict__ positions,
                                                void* __restrict__ out, DecodeParams p) {
     const unsigned int head = blockIdx.x, slot = blockIdx.y, d = threadIdx.x;
     const unsigned int used = min(positions[slot] / p.split_len + 1, p.splits);
+    // Splits before a sliding window's first key hold nothing.
+    const unsigned int from = first_key(positions[slot], p) / p.split_len;
     const float* base = partial + ((unsigned long long)slot * p.heads + head) * p.splits * (HEAD_DIM + 2);
     float mx = NEG_INF;
-    for (unsigned int s = 0; s < used; ++s) mx = fmaxf(mx, base[s * (HEAD_DIM + 2) + HEAD_DIM]);
+    for (unsigned int s = from; s < used; ++s) mx = fmaxf(mx, base[s * (HEAD_DIM + 2) + HEAD_DIM]);
     float sum = 0.0f, value = 0.0f;
-    for (unsigned int s = 0; s < used; ++s) {
+    for (unsigned int s = from; s < used; ++s) {
         const float* part = base + s * (HEAD_DIM + 2);
         const float f = expf(part[HEAD_DIM] - mx);
         sum += part[HEAD_DIM + 1] * f;

@@ -14,7 +14,7 @@ use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
 use super::{CudaPrimitive, KernelSwitch};
-use crate::ops::{reference, DecodeProjections as Projections, PrefixTargets};
+use crate::ops::{reference, DecodeProjections as Projections, DecodeScores, PrefixTargets};
 
 /// The kernels after the shared bf16 rounding (`bf16_round.cuh`).
 const SOURCE: &str = concat!(
@@ -195,7 +195,8 @@ pub fn split_len(kv_heads: usize, slots: usize, keys: usize, sms: usize) -> usiz
 /// slot's position, in place, and returns attention over positions `0..=position` `[slots,
 /// heads · head_dim]`, in bf16 when `out_bf16` (the output projection's operand), else f32.
 /// `keys` bounds the slots' positions + 1 (it sizes the split over keys, [`split_len`]).
-/// `round_bf16` rounds the products' operands as bf16 products would. The projections come
+/// `scores` scales, soft-caps and windows the scores. `round_bf16` rounds the products'
+/// operands as bf16 products would. The projections come
 /// back where the kernel does not apply (checked by the caller with [`applies`]; here too for
 /// tensors of other dtypes or layouts).
 #[allow(clippy::too_many_arguments)]
@@ -206,8 +207,8 @@ pub fn decode_attention(
     positions: &Tensor<CudaBackend, 1>,
     (cache_k, cache_v): (&Tensor<CudaBackend, 4>, &Tensor<CudaBackend, 4>),
     keys: usize,
-    round_bf16: bool,
-    out_bf16: bool,
+    scores: DecodeScores,
+    (round_bf16, out_bf16): (bool, bool),
 ) -> Result<Tensor<CudaBackend, 2>, Projections<CudaBackend>> {
     let [slots, kv_heads, capacity, head_dim] = cache_k.dims();
     let (q_cols, kv_cols) = match &projections {
@@ -299,7 +300,7 @@ pub fn decode_attention(
         heads as u32,
         kv_heads as u32,
         capacity as u32,
-        (head_dim as f32).sqrt().to_bits(),
+        scores.divisor.to_bits(),
         bound.q_stride as u32,
         bound.kv_stride as u32,
         q_offset as u32,
@@ -307,6 +308,8 @@ pub fn decode_attention(
         v_offset as u32,
         split as u32,
         splits as u32,
+        scores.window.map_or(0, |w| w.min(u32::MAX as usize) as u32),
+        scores.softcap.unwrap_or(0.0).to_bits(),
     ]);
     source("verl_decode_attention").launch(
         &bound.q.client,

@@ -398,7 +398,7 @@ fn time_product(
 }
 
 /// One attention shape of the checks: batch, sequence, query heads, kv heads, head size, and
-/// the left padding of each row (0: none).
+/// the left padding of each row (0: none), and a sliding window.
 struct AttentionCase {
     batch: usize,
     seq: usize,
@@ -406,6 +406,7 @@ struct AttentionCase {
     kv_heads: usize,
     head_dim: usize,
     padding: Vec<usize>,
+    window: Option<usize>,
 }
 
 fn attention_cases() -> Vec<AttentionCase> {
@@ -416,6 +417,11 @@ fn attention_cases() -> Vec<AttentionCase> {
         kv_heads,
         head_dim,
         padding: padding.to_vec(),
+        window: None,
+    };
+    let windowed = |case: AttentionCase, window| AttentionCase {
+        window: Some(window),
+        ..case
     };
     vec![
         c(4, 511, 14, 2, 64, &[]),
@@ -425,14 +431,17 @@ fn attention_cases() -> Vec<AttentionCase> {
         c(3, 200, 12, 2, 128, &[0, 70, 150]),
         c(1, 1, 2, 1, 16, &[]),
         c(2, 65, 8, 8, 32, &[64, 1]),
+        // Sliding windows (Mistral, Gemma), not aligned to the 64-key tiles, with padding.
+        windowed(c(2, 200, 8, 2, 64, &[0, 30]), 37),
+        windowed(c(1, 300, 4, 4, 128, &[]), 100),
     ]
 }
 
 /// Fused attention against the decomposed path: output and the gradients of q, k and v, under
 /// a random probe of the output; causal, grouped-query, left padding.
 fn check_attention(device: &Device, failures: &mut Vec<String>) {
-    use verl::megatron::models::attention::{attention_bias, decomposed_attention};
-    use verl::megatron::ops::FusedOps;
+    use verl::megatron::models::attention::{decomposed_attention, AttentionMask};
+    use verl::megatron::ops::{FusedOps, FusedScores};
     type A = CudaAutodiff;
     println!("\nattention: fused kernel vs the decomposed path (bf16 products)");
     println!(
@@ -465,12 +474,16 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
                     ka.clone(),
                     va.clone(),
                     key_mask.clone(),
-                    1.0 / (c.head_dim as f32).sqrt(),
+                    FusedScores {
+                        window: c.window,
+                        ..FusedScores::plain(c.head_dim)
+                    },
                 )
                 .map_err(|_| "the fused kernel did not take the call".to_string())?;
                 out.reshape([c.batch, c.seq, c.heads * c.head_dim])
             } else {
-                let bias = attention_bias(c.batch, c.seq, 0, key_mask.clone(), device);
+                let bias = AttentionMask::causal(c.batch, c.seq, key_mask.clone(), device)
+                    .bias_within(c.window);
                 decomposed_attention(
                     qa.clone().swap_dims(1, 2),
                     ka.clone().swap_dims(1, 2),
@@ -493,6 +506,10 @@ fn check_attention(device: &Device, failures: &mut Vec<String>) {
             c.head_dim,
             if c.padding.is_empty() { "" } else { ", padded" }
         );
+        let label = match c.window {
+            Some(w) => format!("{label}, window {w}"),
+            None => label,
+        };
         match (run(true), run(false)) {
             (Ok((o1, q1, k1, v1)), Ok((o0, q0, k0, v0))) => {
                 let e = [
@@ -533,7 +550,7 @@ fn time_attention(device: &Device, repeat: usize) {
 
 fn time_attention_shape(device: &Device, repeat: usize, [b, t, h, kv, d]: [usize; 5]) {
     use verl::megatron::models::attention::{attention_bias, decomposed_attention};
-    use verl::megatron::ops::FusedOps;
+    use verl::megatron::ops::{FusedOps, FusedScores};
     type A = CudaAutodiff;
     let _bf16 = precision::enter(ComputeDtype::Bf16);
     let q = random([b, t, h, d], 5, device);
@@ -554,7 +571,7 @@ fn time_attention_shape(device: &Device, repeat: usize, [b, t, h, kv, d]: [usize
             let _ = CudaBackend::sync(device);
             let start = Instant::now();
             let out = if fused {
-                match A::fused_attention(qa, ka, va, None, 1.0 / (d as f32).sqrt()) {
+                match A::fused_attention(qa, ka, va, None, FusedScores::plain(d)) {
                     Ok(o) => o.reshape([b, t, h * d]),
                     Err(_) => return,
                 }

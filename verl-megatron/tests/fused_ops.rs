@@ -114,7 +114,8 @@ fn caller_side_kernels_are_absent_on_the_cpu() {
     assert!(!B::fused_attention_applies(64) && !A::fused_attention_applies(64));
     assert!(!B::vocab_stats_applies() && !B::decode_attention_applies(14, 2, 64));
     let q = Tensor::<B, 4>::ones([1, 2, 2, 4], &device);
-    let back = B::fused_attention(q.clone(), q.clone(), q.clone(), None, 0.5);
+    let scores = verl_megatron::ops::FusedScores::plain(4);
+    let back = B::fused_attention(q.clone(), q.clone(), q.clone(), None, scores);
     assert!(matches!(back, Err((a, _, _)) if values(a.clone()) == values(q.clone())));
     let logits = Tensor::<B, 2>::ones([2, 3], &device);
     let labels = Tensor::<B, 1, Int>::zeros([2], &device);

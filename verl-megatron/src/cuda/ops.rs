@@ -13,7 +13,7 @@ use super::kernels::{
     vocab,
 };
 use crate::ops::{
-    reference, AdamWStep, AttentionInputs, DecodeProjections, DecodeScores, FusedOps,
+    reference, AdamWStep, AttentionInputs, DecodeProjections, DecodeScores, FusedOps, FusedScores,
     PrefixTargets, RowSampling, SampledToken, VocabInputs,
 };
 
@@ -60,9 +60,9 @@ impl FusedOps for CudaBackend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         key_mask: Option<Tensor<Self, 2>>,
-        scale: f32,
+        scores: FusedScores,
     ) -> Result<Tensor<Self, 4>, AttentionInputs<Self>> {
-        attention::attention(q, k, v, key_mask, scale)
+        attention::attention(q, k, v, key_mask, scores)
     }
 
     fn vocab_stats_applies() -> bool {
@@ -220,9 +220,9 @@ impl FusedOps for CudaBackend {
         k: Tensor<Tracked<C>, 4>,
         v: Tensor<Tracked<C>, 4>,
         key_mask: Option<Tensor<Tracked<C>, 2>>,
-        scale: f32,
+        scores: FusedScores,
     ) -> Result<Tensor<Tracked<C>, 4>, AttentionInputs<Tracked<C>>> {
-        attention::attention_tracked(q, k, v, key_mask, scale)
+        attention::attention_tracked(q, k, v, key_mask, scores)
     }
 
     fn vocab_stats_tracked<C: CheckpointStrategy>(

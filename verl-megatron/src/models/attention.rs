@@ -449,11 +449,19 @@ impl AttentionScores {
         }
     }
 
-    /// Whether the fused prefill and training kernels compute these scores for `mask` (they
-    /// know the scale, not soft-caps or windows): no soft-cap, and no window that cuts a key of
-    /// `mask`.
-    fn fused_kernels_apply<B: Backend>(&self, mask: &AttentionMask<B>) -> bool {
-        self.softcap.is_none() && !self.sliding_window.is_some_and(|w| mask.window_cuts(w))
+    /// Whether the fused prefill and training kernel computes these scores (it knows the
+    /// scale and windows, not soft-caps).
+    fn fused_kernels_apply(&self) -> bool {
+        self.softcap.is_none()
+    }
+
+    /// These scores as the fused kernel takes them for `mask`: the window only where it cuts a
+    /// key.
+    fn for_fused<B: Backend>(&self, mask: &AttentionMask<B>) -> crate::ops::FusedScores {
+        crate::ops::FusedScores {
+            scale: self.scale as f32,
+            window: self.sliding_window.filter(|&w| mask.window_cuts(w)),
+        }
     }
 
     /// These scores as the decode kernel takes them (heads of `head_dim`): it scales,
@@ -735,7 +743,7 @@ impl<B: ParallelBackend> Attention<B> {
                 if no_keys_cached
                     && precision::current() == ComputeDtype::Bf16
                     && cos.dims() == [b, 1, t, hd]
-                    && self.scores.fused_kernels_apply(mask)
+                    && self.scores.fused_kernels_apply()
                     && B::fused_attention_applies(hd) =>
             {
                 Some(keys)
@@ -751,7 +759,7 @@ impl<B: ParallelBackend> Attention<B> {
                 let q = RotaryEmbedding::apply(q, &cos, &sin);
                 let k = RotaryEmbedding::apply(k, &cos, &sin);
                 let kept = matches!(cache, AttnCache::Grow(_)).then(|| (k.clone(), v.clone()));
-                match B::fused_attention(q, k, v, key_mask, self.scores.scale as f32) {
+                match B::fused_attention(q, k, v, key_mask, self.scores.for_fused(mask)) {
                     Ok(out) => return Ok((out.reshape([b, t, nh * hd]), kept)),
                     Err((q, k, v)) => (q.swap_dims(1, 2), k.swap_dims(1, 2), v.swap_dims(1, 2)),
                 }
@@ -858,7 +866,7 @@ impl<B: ParallelBackend> Attention<B> {
         );
         let v = to_rows(v, nkv);
         let fused = precision::current() == ComputeDtype::Bf16
-            && self.scores.fused_kernels_apply(mask)
+            && self.scores.fused_kernels_apply()
             && B::fused_attention_applies(hd);
         let out = match fused {
             true => B::fused_attention(
@@ -866,7 +874,7 @@ impl<B: ParallelBackend> Attention<B> {
                 k,
                 v,
                 Some(rows.key_mask.clone()),
-                self.scores.scale as f32,
+                self.scores.for_fused(mask),
             )
             .map(|out| out.reshape([s, w, nh * hd])),
             false => Err((q, k, v)),

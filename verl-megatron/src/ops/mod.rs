@@ -48,6 +48,24 @@ use burn::prelude::*;
 use burn::tensor::Int;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
+/// How the fused attention kernel scores a pass: its scale and a sliding window (a query
+/// attends to itself and the `window - 1` keys before it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FusedScores {
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
+impl FusedScores {
+    /// Plain attention over heads of `head_dim`.
+    pub fn plain(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+        }
+    }
+}
+
 /// How a decode step turns q·k into attention weights: [`FusedOps::decode_attention`]'s
 /// scale, soft-cap and sliding window.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,7 +150,7 @@ pub trait FusedOps: Backend {
     }
 
     /// Causal attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
-    /// `[batch, seq, kv_heads, head_dim]`, scores scaled by `scale`, padded keys masked by
+    /// `[batch, seq, kv_heads, head_dim]`, scores as `scores` says, padded keys masked by
     /// `key_mask` `[batch, seq]` (1 = token): `[batch, seq, heads, head_dim]`. Not available
     /// by default: the inputs come back for the model's decomposed attention.
     fn fused_attention(
@@ -140,9 +158,9 @@ pub trait FusedOps: Backend {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         key_mask: Option<Tensor<Self, 2>>,
-        scale: f32,
+        scores: FusedScores,
     ) -> Result<Tensor<Self, 4>, AttentionInputs<Self>> {
-        let _ = (key_mask, scale);
+        let _ = (key_mask, scores);
         Err((q, k, v))
     }
 
@@ -341,9 +359,9 @@ pub trait FusedOps: Backend {
         k: Tensor<Autodiff<Self, C>, 4>,
         v: Tensor<Autodiff<Self, C>, 4>,
         key_mask: Option<Tensor<Autodiff<Self, C>, 2>>,
-        scale: f32,
+        scores: FusedScores,
     ) -> Result<Tensor<Autodiff<Self, C>, 4>, AttentionInputs<Autodiff<Self, C>>> {
-        let _ = (key_mask, scale);
+        let _ = (key_mask, scores);
         Err((q, k, v))
     }
 
@@ -414,9 +432,9 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         k: Tensor<Self, 4>,
         v: Tensor<Self, 4>,
         key_mask: Option<Tensor<Self, 2>>,
-        scale: f32,
+        scores: FusedScores,
     ) -> Result<Tensor<Self, 4>, AttentionInputs<Self>> {
-        B::fused_attention_tracked(q, k, v, key_mask, scale)
+        B::fused_attention_tracked(q, k, v, key_mask, scores)
     }
 
     fn vocab_stats_applies() -> bool {

@@ -54,7 +54,8 @@ struct AttnParams {
     unsigned int heads;
     unsigned int kv_heads;
     float scale;
-    unsigned int unused0;
+    // A sliding window: query i attends to keys j with i - j < window (0: none).
+    unsigned int window;
     unsigned int unused1;
     unsigned int unused2;
 };
@@ -200,8 +201,15 @@ __device__ __forceinline__ void accumulate(float (&acc)[DTILES][4],
 }
 
 __device__ __forceinline__ bool allowed(unsigned int i, unsigned int j, unsigned int seq,
-                                        float key_is_token) {
-    return j <= i && i < seq && (key_is_token > 0.5f || j == i);
+                                        float key_is_token, unsigned int window) {
+    return j <= i && i < seq && (key_is_token > 0.5f || j == i) && (window == 0u || i - j < window);
+}
+
+// Whether keys j0..j0+TILE-1 are all within the sliding window of queries q0..q0+rows-1 (keys
+// before the queries).
+__device__ __forceinline__ bool inside_window(unsigned int q0, unsigned int rows, unsigned int j0,
+                                              unsigned int window) {
+    return window == 0u || q0 + rows - 1 - j0 < window;
 }
 
 // Sum over the 4 lanes of a quad (the lanes that share a row).
@@ -258,7 +266,8 @@ __device__ __forceinline__ bool next_key_tile(bf16* ks, bf16* vs, float* kmask, 
     } else {
         wait_groups<0>();
     }
-    return load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0;
+    return load_key_mask(kmask, key_mask, b, j0, p.seq) && j0 + TILE <= q0 &&
+           inside_window(q0, TILE, j0, p.window);
 }
 
 // Forward: grid (ceil(seq / 64), heads, batch).
@@ -311,7 +320,7 @@ verl_attention_forward(const bf16* __restrict__ q, const bf16* __restrict__ k,
             for (int e = 0; e < 4; ++e) {
                 const unsigned int col = t * 8 + 2 * t4 + (e & 1);
                 float x = s[t][e] * scale2;
-                if (!full && !allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col]))
+                if (!full && !allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col], p.window))
                     x = -VERL_INF;
                 s[t][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
@@ -447,7 +456,7 @@ verl_attention_backward_dq(const bf16* __restrict__ q, const bf16* __restrict__ 
             for (int e = 0; e < 4; ++e) {
                 const unsigned int col = t * 8 + 2 * t4 + (e & 1);
                 float ds = 0.0f;
-                if (full || allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col])) {
+                if (full || allowed(q0 + row + (e >> 1) * 8, j0 + col, p.seq, kmask[col], p.window)) {
                     const float prob = exp2f(s[t][e] * scale2 - row_lse[e >> 1]);
                     ds = prob * (dp[t][e] - row_delta[e >> 1]) * p.scale;
                 }
@@ -555,7 +564,8 @@ verl_attention_backward_dkv(const bf16* __restrict__ q, const bf16* __restrict__
         const float* lse_t = lse_s + cur_s;
         const float* delta_t = delta_s + cur_s;
         // Every query of the tile after every key of the block, all of them in the sequence.
-        const bool full = all_tokens && q0 >= j0 + TILE && q0 + QTILE <= p.seq;
+        const bool full = all_tokens && q0 >= j0 + TILE && q0 + QTILE <= p.seq &&
+                          inside_window(q0, QTILE, j0, p.window);
 
         // Transposed probabilities: rows are this warp's keys, columns the tile's queries.
         float s[QTILE / 8][4];
@@ -566,7 +576,7 @@ verl_attention_backward_dkv(const bf16* __restrict__ q, const bf16* __restrict__
             for (int e = 0; e < 4; ++e) {
                 const unsigned int col = t * 8 + 2 * t4 + (e & 1);
                 const unsigned int j = j0 + row + (e >> 1) * 8;
-                const bool ok = full || (j < p.seq && allowed(q0 + col, j, p.seq, key_is_token[e >> 1]));
+                const bool ok = full || (j < p.seq && allowed(q0 + col, j, p.seq, key_is_token[e >> 1], p.window));
                 s[t][e] = ok ? exp2f(s[t][e] * scale2 - lse_t[col]) : 0.0f;
             }
         }

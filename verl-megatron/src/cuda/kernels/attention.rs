@@ -21,6 +21,7 @@ use verl_core::backend::CudaBackend;
 
 use super::source::{pack_words, CudaSource};
 use super::{empty_f32, record, CudaPrimitive, KernelSwitch};
+use crate::ops::FusedScores;
 
 /// The kernels after what they share with the GEMMs (`gemm_common.cuh`: cp.async copies).
 const SOURCE: &str = concat!(
@@ -79,6 +80,8 @@ struct Dims {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// A sliding window of keys (0: none).
+    window: u32,
 }
 
 impl Dims {
@@ -92,6 +95,14 @@ impl Dims {
         }
     }
 
+    /// With a sliding window of `window` keys (0 in the kernels' parameters: none).
+    fn with_window(self, window: Option<usize>) -> Self {
+        Self {
+            window: window.map_or(0, |w| w.clamp(1, u32::MAX as usize) as u32),
+            ..self
+        }
+    }
+
     /// The kernels' `AttnParams`.
     fn params(&self, scale: f32) -> Vec<u64> {
         pack_words(&[
@@ -100,7 +111,7 @@ impl Dims {
             self.heads as u32,
             self.kv_heads as u32,
             scale.to_bits(),
-            0,
+            self.window,
             0,
             0,
         ])
@@ -269,13 +280,14 @@ fn dims_of<B: Backend>(
         heads,
         kv_heads,
         head_dim,
+        window: 0,
     })
 }
 
 /// Causal attention of `q` `[batch, seq, heads, head_dim]` over `k`, `v`
 /// `[batch, seq, kv_heads, head_dim]` (f32; query head `h` reads kv head
-/// `h / (heads / kv_heads)`), scores scaled by `scale`; `key_mask` `[batch, seq]` (1 = token)
-/// masks padded keys, a padded query attending to itself. Returns `[batch, seq, heads,
+/// `h / (heads / kv_heads)`), scores scaled by `scores.scale` and within its sliding window;
+/// `key_mask` `[batch, seq]` (1 = token) masks padded keys, a padded query attending to itself. Returns `[batch, seq, heads,
 /// head_dim]` f32 by the forward kernel (inference); otherwise the inputs come back for the
 /// decomposed path.
 pub fn attention(
@@ -283,11 +295,12 @@ pub fn attention(
     k: Tensor<CudaBackend, 4>,
     v: Tensor<CudaBackend, 4>,
     key_mask: Option<Tensor<CudaBackend, 2>>,
-    scale: f32,
+    scores: FusedScores,
 ) -> Result<Tensor<CudaBackend, 4>, NotApplied<CudaBackend>> {
     let Some(d) = dims_of(&q, &k, &v, key_mask.as_ref()) else {
         return Err((q, k, v));
     };
+    let (d, scale) = (d.with_window(scores.window), scores.scale);
     let mask = key_mask.unwrap_or_else(|| Tensor::ones([d.batch, d.seq], &q.device()));
     let operand = |t: Tensor<CudaBackend, 4>| bf16_operand(t.into_primitive().tensor());
     let (out, _) = forward_primitive(
@@ -307,11 +320,12 @@ pub fn attention_tracked<C: CheckpointStrategy>(
     k: Tensor<Autodiff<CudaBackend, C>, 4>,
     v: Tensor<Autodiff<CudaBackend, C>, 4>,
     key_mask: Option<Tensor<Autodiff<CudaBackend, C>, 2>>,
-    scale: f32,
+    scores: FusedScores,
 ) -> Result<Tensor<Autodiff<CudaBackend, C>, 4>, NotApplied<Autodiff<CudaBackend, C>>> {
     let Some(d) = dims_of(&q, &k, &v, key_mask.as_ref()) else {
         return Err((q, k, v));
     };
+    let (d, scale) = (d.with_window(scores.window), scores.scale);
     let mask = match key_mask {
         Some(m) => m.inner(),
         None => Tensor::ones([d.batch, d.seq], &q.device()),

@@ -167,6 +167,14 @@ fn unsupported_values_are_refused_by_field_name() {
         let cfg = HfModelConfig::from_json(&text, Path::new("m/config.json")).unwrap();
         assert_eq!(cfg.variants.sliding_window_of(1), window, "{patch}");
     }
+    // The MoE variants' own sliding rules are not built.
+    let e = refused(
+        r#""architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": true, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8"#,
+    );
+    assert!(
+        e.contains("use_sliding_window") && e.contains("Qwen3-MoE"),
+        "{e}"
+    );
     let e = refused(r#""architectures": ["MistralForCausalLM"], "sliding_window": 0"#);
     assert!(e.contains("sliding_window"), "{e}");
     let e = refused(r#""architectures": ["Gemma2ForCausalLM"], "hidden_activation": "relu""#);

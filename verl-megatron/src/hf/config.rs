@@ -891,19 +891,22 @@ fn rope_of(
 ) -> Result<(f64, RopeScaling), MegatronError> {
     // transformers 5 puts rope settings in `rope_parameters`; 4 in `rope_theta` + `rope_scaling`.
     // Errors name the key the file used.
-    let section = match r.get("rope_parameters") {
-        Some(_) => "rope_parameters",
-        None => "rope_scaling",
+    // transformers reads `rope_scaling or rope_parameters`: a set `rope_scaling` wins.
+    let section = match (r.get("rope_scaling"), r.get("rope_parameters")) {
+        (None, Some(_)) => "rope_parameters",
+        _ => "rope_scaling",
     };
-    let rope_map = match (r.get("rope_parameters"), r.get("rope_scaling")) {
+    let rope_map = match (r.get("rope_scaling"), r.get("rope_parameters")) {
         (Some(Value::Object(m)), _) => m.clone(),
-        (Some(v), _) => return Err(r.err("rope_parameters", format!("must be an object, got {v}"))),
-        (None, Some(Value::Object(m))) => m.clone(),
-        (None, Some(v)) => {
+        (Some(v), _) => {
             return Err(r.err(
                 "rope_scaling",
                 format!("must be an object or null, got {v}"),
             ))
+        }
+        (None, Some(Value::Object(m))) => m.clone(),
+        (None, Some(v)) => {
+            return Err(r.err("rope_parameters", format!("must be an object, got {v}")))
         }
         (None, None) => Map::new(),
     };
@@ -1205,11 +1208,18 @@ fn deepseek_moe_of(r: &Reader<'_>, layers: usize) -> Result<MoeConfig, MegatronE
         None if r.get("num_local_experts").is_some() => "num_local_experts",
         _ => "n_routed_experts",
     };
-    let num_experts = r.positive(experts_field)?;
-    let moe_intermediate_size = r.positive("moe_intermediate_size")?;
-    let top_k = r.positive("num_experts_per_tok")?;
-    let n_group = r.usize_or("n_group", 1)?;
-    let topk_group = r.usize_or("topk_group", 1)?;
+    let sized = |field: &str, default: usize| -> Result<usize, MegatronError> {
+        match r.get(field) {
+            None => Ok(default),
+            Some(_) => r.positive(field),
+        }
+    };
+    let num_experts = sized(experts_field, 256)?;
+    let moe_intermediate_size = sized("moe_intermediate_size", 2048)?;
+    let top_k = sized("num_experts_per_tok", 8)?;
+    // transformers' DeepseekV3Config defaults where a key is absent.
+    let n_group = r.usize_or("n_group", 8)?;
+    let topk_group = r.usize_or("topk_group", 4)?;
     if n_group == 0 || !num_experts.is_multiple_of(n_group) {
         return Err(r.err(
             "n_group",
@@ -1241,7 +1251,7 @@ fn deepseek_moe_of(r: &Reader<'_>, layers: usize) -> Result<MoeConfig, MegatronE
             ),
         ));
     }
-    let scaling = r.f64_in(r.map, "routed_scaling_factor")?.unwrap_or(1.0);
+    let scaling = r.f64_in(r.map, "routed_scaling_factor")?.unwrap_or(2.5);
     if !(scaling.is_finite() && scaling > 0.0) {
         return Err(r.err(
             "routed_scaling_factor",

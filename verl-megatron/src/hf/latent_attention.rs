@@ -94,24 +94,33 @@ pub(super) fn latent_attention_of(
             "biases on the latent attention's projections are not supported; set it to false",
         ));
     }
-    let q_lora_rank = match r.get("q_lora_rank") {
-        None => None,
+    // transformers' DeepseekV3Config defaults where a key is absent; a null query rank means
+    // one q_proj.
+    let q_lora_rank = match r.map.get("q_lora_rank") {
+        None => Some(1536),
+        Some(Value::Null) => None,
         Some(_) => Some(r.positive("q_lora_rank")?),
     };
-    let rope = r.positive("qk_rope_head_dim")?;
+    let sized = |field: &str, default: usize| -> Result<usize, MegatronError> {
+        match r.get(field) {
+            None => Ok(default),
+            Some(_) => r.positive(field),
+        }
+    };
+    let rope = sized("qk_rope_head_dim", 64)?;
     if rope % 2 == 1 {
         return Err(r.err(
             "qk_rope_head_dim",
             format!("({rope}) must be even (rope rotates pairs)"),
         ));
     }
-    let nope = r.usize("qk_nope_head_dim")?;
+    let nope = r.usize_or("qk_nope_head_dim", 128)?;
     let mut mla = LatentAttentionConfig {
         q_lora_rank,
-        kv_lora_rank: r.positive("kv_lora_rank")?,
+        kv_lora_rank: sized("kv_lora_rank", 512)?,
         qk_nope_head_dim: nope,
         qk_rope_head_dim: rope,
-        v_head_dim: r.positive("v_head_dim")?,
+        v_head_dim: sized("v_head_dim", 128)?,
         rope_interleave: r.bool_or("rope_interleave", true)?,
         softmax_scale: 0.0,
         mscale_all_dim: None,
@@ -126,9 +135,10 @@ pub(super) fn latent_attention_of(
 /// with `mscale(s, m) = 0.1 · m · ln s + 1` for `s > 1`, as transformers' DeepSeek attention;
 /// and that `mscale_all_dim`.
 fn yarn_mscale_squared(r: &Reader<'_>) -> Result<(f64, Option<f64>), MegatronError> {
-    let (section, rope) = match (r.get("rope_parameters"), r.get("rope_scaling")) {
-        (Some(Value::Object(m)), _) => ("rope_parameters", m),
-        (None, Some(Value::Object(m))) => ("rope_scaling", m),
+    // transformers reads `rope_scaling or rope_parameters`.
+    let (section, rope) = match (r.get("rope_scaling"), r.get("rope_parameters")) {
+        (Some(Value::Object(m)), _) => ("rope_scaling", m),
+        (_, Some(Value::Object(m))) => ("rope_parameters", m),
         _ => return Ok((1.0, None)),
     };
     let rope_type = rope

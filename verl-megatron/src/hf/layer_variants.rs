@@ -171,7 +171,20 @@ pub(super) fn layer_variants_of(
                 .collect();
             (w, layer_types_or(r, layers, derived)?)
         }
-        // Qwen2, Qwen3 and their MoE: the window (when `use_sliding_window`) on the layers from
+        // The MoE variants choose their sliding layers by rules of their own (Qwen2-MoE
+        // alternates below `max_window_layers`, Qwen3-MoE slides every layer); no released
+        // checkpoint turns them on.
+        Architecture::Qwen2Moe | Architecture::Qwen3Moe => {
+            if r.bool_or("use_sliding_window", false)? && window(Some(4096))?.is_some() {
+                return Err(r.err(
+                    "use_sliding_window",
+                    "sliding windows are not supported for Qwen2-MoE and Qwen3-MoE (their \
+                     layer rules differ from Qwen2's); set it to false",
+                ));
+            }
+            (None, Vec::new())
+        }
+        // Qwen2 and Qwen3: the window (when `use_sliding_window`) on the layers from
         // `max_window_layers` on.
         _ => {
             let w = match r.bool_or("use_sliding_window", false)? {

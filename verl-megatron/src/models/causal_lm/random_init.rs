@@ -47,7 +47,7 @@ impl<B: ParallelBackend> RandomInit<'_, B> {
         let n = runs.iter().map(|r| r.1).sum();
         if name.ends_with("norm.weight") {
             vec![self.norm_weight; n]
-        } else if name.ends_with(".bias") {
+        } else if name.ends_with(".bias") || name.ends_with("e_score_correction_bias") {
             vec![0.0; n]
         } else {
             draw_runs(stream_seed(name, self.seed), self.std, runs)

@@ -29,6 +29,7 @@ use burn::tensor::{Int, TensorData};
 
 use super::mlp::SwiGlu;
 use crate::hf::MoeRouting;
+use crate::layers::precision::ComputeDtype;
 use crate::layers::ColumnParallelLinear;
 use crate::parallel::{CpGroup, ParallelBackend, Region, TpGroup};
 
@@ -372,12 +373,15 @@ impl<B: ParallelBackend> SparseMoe<B> {
     }
 
     /// The router's scores `[n, experts]` for `tokens` `[n, hidden]`: softmax, or DeepSeek's
-    /// sigmoid.
+    /// sigmoid, whose router product stays f32 under bf16 products (transformers keeps
+    /// DeepSeek-V3's gate in f32 whatever the model's dtype).
     fn scores(&self, tokens: Tensor<B, 2>) -> Tensor<B, 2> {
-        let logits = self.gate.forward(tokens);
         match self.routing {
-            MoeRouting::Softmax => softmax(logits, 1),
-            MoeRouting::SigmoidGroups { .. } => sigmoid(logits),
+            MoeRouting::Softmax => softmax(self.gate.forward(tokens), 1),
+            MoeRouting::SigmoidGroups { .. } => {
+                let _f32 = crate::layers::precision::enter(ComputeDtype::F32);
+                sigmoid(self.gate.forward(tokens))
+            }
         }
     }
 
@@ -731,6 +735,41 @@ mod tests {
                 prop_assert_eq!(picks, want);
             }
         }
+    }
+
+    #[test]
+    fn deepseeks_router_stays_f32_under_bf16_products() {
+        use crate::layers::precision::{self, ComputeDtype};
+        let routed = |routing| {
+            let mut cfg = tiny_config(4, 2, 1);
+            if let Some(moe) = cfg.moe.as_mut() {
+                moe.routing = routing;
+            }
+            let model = CausalLm::<CpuBackend>::init(&cfg, 0.3, 5, &Default::default());
+            let Some(FeedForward::Moe(block)) = model.layers.into_iter().next().map(|l| l.mlp)
+            else {
+                panic!("an MoE layer")
+            };
+            let x = Tensor::<CpuBackend, 2>::random(
+                [6, 8],
+                burn::tensor::Distribution::Normal(0.0, 1.0),
+                &Default::default(),
+            );
+            let f32: Vec<f32> = block.scores(x.clone()).into_data().to_vec().unwrap();
+            let _bf16 = precision::enter(ComputeDtype::Bf16);
+            let low: Vec<f32> = block.scores(x).into_data().to_vec().unwrap();
+            (f32, low)
+        };
+        let deepseek = MoeRouting::SigmoidGroups {
+            n_group: 2,
+            topk_group: 1,
+            routed_scaling_factor: 2.5,
+        };
+        let (a, b) = routed(deepseek);
+        assert_eq!(a, b);
+        // Qwen's router runs in the model's dtype (the control).
+        let (a, b) = routed(MoeRouting::Softmax);
+        assert_ne!(a, b);
     }
 
     #[test]

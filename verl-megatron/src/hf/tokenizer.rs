@@ -3,6 +3,7 @@
 //! ids from `generation_config.json`.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use minijinja::value::{Kwargs, ValueKind};
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind, Value as JinjaValue};
@@ -48,6 +49,9 @@ pub struct HfTokenizer {
     pub eos_token_ids: Vec<u32>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// The chat template compiled on first use and shared by clones (an agent loop renders
+    /// it every turn): the environment, or the template's syntax error.
+    compiled: Arc<OnceLock<Result<Environment<'static>, String>>>,
 }
 
 fn io(path: &Path, e: impl std::fmt::Display) -> MegatronError {
@@ -133,6 +137,7 @@ impl HfTokenizer {
             eos_token_ids,
             bos_token: token_text(tok_cfg.get("bos_token")),
             eos_token: token_text(tok_cfg.get("eos_token")),
+            compiled: Arc::default(),
         })
     }
 
@@ -198,16 +203,6 @@ impl HfTokenizer {
                 field: "chat_template".into(),
                 message: "the model has no chat template; pass the prompt as plain text".into(),
             })?;
-        let mut env = Environment::new();
-        // A template is code from the model's files: bound the steps it may take, so a loop
-        // that never ends (or one of 10^10 steps) is an error naming the template, not a hang.
-        env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, JinjaError> {
-                Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-            },
-        );
         let render_err = |e: JinjaError| MegatronError::Config {
             path: "chat_template".into(),
             field: "chat_template".into(),
@@ -222,11 +217,15 @@ impl HfTokenizer {
                 e.to_string()
             },
         };
-        // transformers' `tojson` (Python's json.dumps: ", " and ": ", non-ASCII kept, keys in
-        // their order) in place of minijinja's compact, sorted, HTML-escaping one, so tool
-        // schemas and call arguments are written as transformers writes them.
-        env.add_filter("tojson", python_tojson);
-        env.add_template("chat", template).map_err(render_err)?;
+        let env = self
+            .compiled
+            .get_or_init(|| compile_chat_template(template).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|message| MegatronError::Config {
+                path: "chat_template".into(),
+                field: "chat_template".into(),
+                message: message.clone(),
+            })?;
         env.get_template("chat")
             .map_err(render_err)?
             .render(context! {
@@ -238,6 +237,27 @@ impl HfTokenizer {
             })
             .map_err(render_err)
     }
+}
+
+/// The chat template compiled into an environment of its own, as `apply_chat_template` renders
+/// it.
+fn compile_chat_template(template: &str) -> Result<Environment<'static>, JinjaError> {
+    let mut env = Environment::new();
+    // A template is code from the model's files: bound the steps it may take, so a loop that
+    // never ends (or one of 10^10 steps) is an error naming the template, not a hang.
+    env.set_fuel(Some(CHAT_TEMPLATE_FUEL));
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
+    // transformers' `tojson` (Python's json.dumps: ", " and ": ", non-ASCII kept, keys in their
+    // order) in place of minijinja's compact, sorted, HTML-escaping one, so tool schemas and
+    // call arguments are written as transformers writes them.
+    env.add_filter("tojson", python_tojson);
+    env.add_template_owned("chat", template.to_string())?;
+    Ok(env)
 }
 
 /// A tool schema as verl's agent loop hands it to the chat template: pydantic's
@@ -463,6 +483,28 @@ mod tojson_tests {
         assert_eq!(
             rendered,
             r#"{"type": "function", "function": {"name": "f", "description": "desc", "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "d"}}, "required": ["x"]}}}"#
+        );
+    }
+}
+
+#[cfg(test)]
+mod compiled_template_tests {
+    use super::*;
+
+    #[test]
+    fn the_template_compiles_once_and_clones_share_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen2");
+        let tok = HfTokenizer::from_dir(&dir).unwrap();
+        assert!(tok.compiled.get().is_none(), "compiled on first use only");
+        let messages = [ChatMessage::user("What is 12 + 7?")];
+        let first = tok.apply_chat_template(&messages, true).unwrap();
+        let twin = tok.clone();
+        assert!(Arc::ptr_eq(&tok.compiled, &twin.compiled));
+        assert_eq!(twin.apply_chat_template(&messages, true).unwrap(), first);
+        // The fixture's template, rendered by hand.
+        assert_eq!(
+            first,
+            "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
         );
     }
 }

@@ -347,6 +347,18 @@ fn expert_parallel_trains_as_one() {
     );
 }
 
+/// Step lines without `rollout/peak_batch`: the engine's peak batch depends on how the rows
+/// split over rollout groups (a KV budget per group), a scheduling figure, not the model's.
+fn drop_peak(lines: Vec<BTreeMap<String, f64>>) -> Vec<BTreeMap<String, f64>> {
+    lines
+        .into_iter()
+        .map(|mut l| {
+            l.remove("rollout/peak_batch");
+            l
+        })
+        .collect()
+}
+
 /// Qwen3-MoE and Mixtral checkpoints from Hugging Face (the transformers fixtures: q/k norms, 4
 /// routed experts with renormalised weights, no shared expert, layer 1 dense; Llama attention
 /// and experts stored as `block_sparse_moe.*.w1/w3/w2`) train with GRPO from their paths, their
@@ -388,15 +400,6 @@ fn gemma_checkpoints_train_and_tensor_parallel_matches_one_rank() {
                 "actor_rollout_ref.actor.megatron.sequence_parallel=true",
             ],
         );
-        let drop_peak = |lines: Vec<BTreeMap<String, f64>>| -> Vec<BTreeMap<String, f64>> {
-            lines
-                .into_iter()
-                .map(|mut l| {
-                    l.remove("rollout/peak_batch");
-                    l
-                })
-                .collect()
-        };
         common::assert_same_metrics(&drop_peak(one), &drop_peak(many), &format!("{name} tp = 2"));
     }
 }
@@ -425,17 +428,6 @@ fn moe_checkpoint_trains_as_one_rank(name: &str) {
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
     ]);
-    // The engine's peak batch depends on how the rows split over rollout groups (a KV budget
-    // per group): a scheduling figure, not the model's.
-    let drop_peak = |lines: Vec<BTreeMap<String, f64>>| -> Vec<BTreeMap<String, f64>> {
-        lines
-            .into_iter()
-            .map(|mut l| {
-                l.remove("rollout/peak_batch");
-                l
-            })
-            .collect()
-    };
     common::assert_same_metrics(
         &drop_peak(one),
         &drop_peak(many),

@@ -15,6 +15,21 @@ fn argmax(row: &[f32]) -> i64 {
         .0 as i64
 }
 
+/// The fixtures whose cached generation is checked against the cache-less loop: every
+/// attention kind (grouped-query, q/k norms, MoE, sliding windows, Gemma's, latent attention).
+const CACHED_FIXTURES: [&str; 10] = [
+    "qwen2",
+    "llama3",
+    "qwen3",
+    "qwen2_moe",
+    "mistral_sliding",
+    "qwen2_sliding",
+    "gemma2",
+    "gemma3",
+    "deepseek_v3",
+    "deepseek_v3_no_q_lora",
+];
+
 /// Greedy, batched, with the cache; returns the new tokens per row.
 fn cached_greedy(model: &CausalLm<B>, prompts: &[Vec<i64>], steps: usize) -> Vec<Vec<i64>> {
     let d = Default::default();
@@ -77,18 +92,7 @@ fn cached_batched_greedy_equals_the_cache_less_loop_for_every_architecture() {
         vec![3, 200, 44],
         vec![9, 8, 7, 6, 5, 4, 3],
     ];
-    for name in [
-        "qwen2",
-        "llama3",
-        "qwen3",
-        "qwen2_moe",
-        "mistral_sliding",
-        "qwen2_sliding",
-        "gemma2",
-        "gemma3",
-        "deepseek_v3",
-        "deepseek_v3_no_q_lora",
-    ] {
+    for name in CACHED_FIXTURES {
         let dir = fixture(name);
         let (_, model) = load_model(&dir);
         let batched = cached_greedy(&model, &prompts, 10);
@@ -135,18 +139,7 @@ fn clearing_the_cache_starts_over() {
 #[test]
 fn chunked_prefill_equals_a_whole_prefill() {
     use verl_megatron::models::SlotKvCache;
-    for name in [
-        "qwen2",
-        "llama3",
-        "qwen3",
-        "qwen2_moe",
-        "mistral_sliding",
-        "qwen2_sliding",
-        "gemma2",
-        "gemma3",
-        "deepseek_v3",
-        "deepseek_v3_no_q_lora",
-    ] {
+    for name in CACHED_FIXTURES {
         let (cfg, model) = load_model(&fixture(name));
         let d = Default::default();
         let new_cache = || {

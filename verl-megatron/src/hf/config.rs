@@ -332,6 +332,13 @@ impl Reader<'_> {
             v => Ok(v),
         }
     }
+    /// A size that must be at least 1 where given, `default` where absent.
+    pub(super) fn positive_or(&self, field: &str, default: usize) -> Result<usize, MegatronError> {
+        match self.get(field) {
+            None => Ok(default),
+            Some(_) => self.positive(field),
+        }
+    }
     pub(super) fn usize(&self, field: &str) -> Result<usize, MegatronError> {
         let v = self
             .get(field)
@@ -1208,15 +1215,9 @@ fn deepseek_moe_of(r: &Reader<'_>, layers: usize) -> Result<MoeConfig, MegatronE
         None if r.get("num_local_experts").is_some() => "num_local_experts",
         _ => "n_routed_experts",
     };
-    let sized = |field: &str, default: usize| -> Result<usize, MegatronError> {
-        match r.get(field) {
-            None => Ok(default),
-            Some(_) => r.positive(field),
-        }
-    };
-    let num_experts = sized(experts_field, 256)?;
-    let moe_intermediate_size = sized("moe_intermediate_size", 2048)?;
-    let top_k = sized("num_experts_per_tok", 8)?;
+    let num_experts = r.positive_or(experts_field, 256)?;
+    let moe_intermediate_size = r.positive_or("moe_intermediate_size", 2048)?;
+    let top_k = r.positive_or("num_experts_per_tok", 8)?;
     // transformers' DeepseekV3Config defaults where a key is absent.
     let n_group = r.usize_or("n_group", 8)?;
     let topk_group = r.usize_or("topk_group", 4)?;

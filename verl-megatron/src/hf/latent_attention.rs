@@ -101,13 +101,7 @@ pub(super) fn latent_attention_of(
         Some(Value::Null) => None,
         Some(_) => Some(r.positive("q_lora_rank")?),
     };
-    let sized = |field: &str, default: usize| -> Result<usize, MegatronError> {
-        match r.get(field) {
-            None => Ok(default),
-            Some(_) => r.positive(field),
-        }
-    };
-    let rope = sized("qk_rope_head_dim", 64)?;
+    let rope = r.positive_or("qk_rope_head_dim", 64)?;
     if rope % 2 == 1 {
         return Err(r.err(
             "qk_rope_head_dim",
@@ -117,10 +111,10 @@ pub(super) fn latent_attention_of(
     let nope = r.usize_or("qk_nope_head_dim", 128)?;
     let mut mla = LatentAttentionConfig {
         q_lora_rank,
-        kv_lora_rank: sized("kv_lora_rank", 512)?,
+        kv_lora_rank: r.positive_or("kv_lora_rank", 512)?,
         qk_nope_head_dim: nope,
         qk_rope_head_dim: rope,
-        v_head_dim: sized("v_head_dim", 128)?,
+        v_head_dim: r.positive_or("v_head_dim", 128)?,
         rope_interleave: r.bool_or("rope_interleave", true)?,
         softmax_scale: 0.0,
         mscale_all_dim: None,

@@ -208,7 +208,6 @@ pub(super) fn layer_variants_of(
              full_attention",
         ));
     }
-    let gemma = architecture.is_gemma();
     let float_or = |field: &str, default: Option<f64>| -> Result<Option<f64>, MegatronError> {
         let v = match r.map.get(field) {
             None => default,
@@ -237,7 +236,6 @@ pub(super) fn layer_variants_of(
         ),
         _ => (None, None, None),
     };
-    debug_assert!(gemma || query_pre_attn_scalar.is_none());
     Ok(LayerVariants {
         sliding_window: window.filter(|_| any_sliding),
         sliding_layers: if any_sliding {

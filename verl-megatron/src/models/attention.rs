@@ -57,8 +57,8 @@ pub struct AttentionMask<B: Backend> {
     slots: Option<(Vec<usize>, usize, B::Device)>,
     /// A packed row's sequences ([`Self::packed`]).
     packed: Option<PackedRows<B>>,
-    /// Where queries and keys sit, for a sliding window ([`Self::at_positions`]); derived for
-    /// causal, packed and decode-step masks.
+    /// Where queries and keys sit, for a sliding window ([`Self::at_positions`]); causal,
+    /// packed and decode-step masks derive theirs ([`Self::window_positions`]).
     positions: Option<MaskPositions>,
     /// The bias with a sliding window's cut, built on first use.
     windowed: OnceCell<(usize, Tensor<B, 4>)>,
@@ -159,11 +159,7 @@ impl<B: Backend> AttentionMask<B> {
             host: None,
             slots: Some((positions.to_vec(), window, device.clone())),
             packed: None,
-            positions: Some(MaskPositions {
-                queries: positions.to_vec(),
-                rows: positions.len(),
-                keys: (0..window).collect(),
-            }),
+            positions: None,
             windowed: OnceCell::new(),
         }
     }
@@ -188,11 +184,7 @@ impl<B: Backend> AttentionMask<B> {
             host: None,
             slots: None,
             packed: None,
-            positions: Some(MaskPositions {
-                queries: (0..seq).collect(),
-                rows: 1,
-                keys: (0..seq).collect(),
-            }),
+            positions: None,
             windowed: OnceCell::new(),
         }
     }
@@ -225,12 +217,7 @@ impl<B: Backend> AttentionMask<B> {
                 sequences,
                 width,
             }),
-            // Each sequence in a row of its own, from position 0.
-            positions: Some(MaskPositions {
-                queries: (0..width).collect(),
-                rows: 1,
-                keys: (0..width).collect(),
-            }),
+            positions: None,
             windowed: OnceCell::new(),
         }
     }
@@ -263,20 +250,59 @@ impl<B: Backend> AttentionMask<B> {
         self.causal.as_ref().map(|c| c.key_mask.clone())
     }
 
-    fn window_positions(&self) -> &MaskPositions {
-        self.positions.as_ref().expect(
-            "a mask read with a sliding window knows its positions (AttentionMask::at_positions)",
-        )
+    /// The last query position and the first key position: how far apart a query and a key
+    /// can be. Derived for causal, packed and decode-step masks (no lists built).
+    fn position_span(&self) -> Option<(usize, usize)> {
+        if let Some(p) = &self.positions {
+            return Some((*p.queries.iter().max()?, *p.keys.iter().min()?));
+        }
+        // Keys are positions 0.. in every derived case.
+        let last = match (&self.causal, &self.packed, &self.slots) {
+            (Some(c), _, _) => c.seq.checked_sub(1)?,
+            (_, Some(p), _) => p.width.checked_sub(1)?,
+            (_, _, Some((positions, _, _))) => *positions.iter().max()?,
+            _ => panic!(
+                "a mask read with a sliding window knows its positions (AttentionMask::at_positions)"
+            ),
+        };
+        Some((last, 0))
+    }
+
+    /// The positions of the queries (`rows` × queries) and keys: given, or derived for causal
+    /// passes and packed rows (each sequence in a row of its own from position 0) and decode
+    /// steps (one query a slot, keys the window's positions).
+    fn window_positions(&self) -> MaskPositions {
+        if let Some(p) = &self.positions {
+            return p.clone();
+        }
+        let all = |n: usize| (0..n).collect::<Vec<_>>();
+        match (&self.causal, &self.packed, &self.slots) {
+            (Some(c), _, _) => MaskPositions {
+                queries: all(c.seq),
+                rows: 1,
+                keys: all(c.seq),
+            },
+            (_, Some(p), _) => MaskPositions {
+                queries: all(p.width),
+                rows: 1,
+                keys: all(p.width),
+            },
+            (_, _, Some((positions, window, _))) => MaskPositions {
+                queries: positions.clone(),
+                rows: positions.len(),
+                keys: all(*window),
+            },
+            _ => panic!(
+                "a mask read with a sliding window knows its positions (AttentionMask::at_positions)"
+            ),
+        }
     }
 
     /// Whether a sliding window of `window` keys cuts any key this mask allows: some query sits
     /// `window` or more positions after some key.
     pub fn window_cuts(&self, window: usize) -> bool {
-        let p = self.window_positions();
-        let (Some(&last), Some(&first)) = (p.queries.iter().max(), p.keys.iter().min()) else {
-            return false;
-        };
-        last >= first + window
+        self.position_span()
+            .is_some_and(|(last, first)| last >= first + window)
     }
 
     /// The additive bias with a sliding window of `window` keys (`None`: [`Self::bias`]): a

@@ -12,7 +12,11 @@
 #include "../../verl-megatron/src/cuda/kernels/gemm_wgmma.cu"
 #define KERNEL verl_gemm_bf16_wgmma
 #define SMEM_BYTES GEMM_SMEM_BYTES
-#define LABEL "wgmma BN%d S%d SP%d MB%d", BN, STAGES, SPECIALIZED, MIN_BLOCKS
+#define LABEL "wgmma BN%d S%d SP%d MB%d TMA%d W%d R%d", BN, STAGES, SPECIALIZED, MIN_BLOCKS, TMA, WIDE, REGS
+#if TMA
+#include <cstring>
+#include <cuda.h>
+#endif
 #else
 #include "../../verl-megatron/src/cuda/kernels/gemm.cu"
 #define KERNEL verl_gemm_bf16
@@ -43,6 +47,30 @@ static bf16* random_matrix(size_t rows, size_t ld, unsigned int seed) {
     CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(bf16), cudaMemcpyHostToDevice));
     return d;
 }
+
+#if defined(WGMMA) && TMA
+// A tensor map over a row-major [rows][cols] bf16 matrix with row pitch `ld`, boxes of
+// box_rows x 64 columns in the 128-byte swizzle, zero fill past the edges: what cubecl encodes
+// at launch for verl-megatron's gemm.rs.
+static TensorMap tensor_map(const bf16* base, unsigned int rows, unsigned int cols, unsigned int ld,
+                            unsigned int box_rows) {
+    CUtensorMap m;
+    cuuint64_t dims[2] = {cols, rows};
+    cuuint64_t strides[1] = {(cuuint64_t)ld * 2};
+    cuuint32_t box[2] = {64, box_rows};
+    cuuint32_t elem[2] = {1, 1};
+    CUresult r = cuTensorMapEncodeTiled(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void*)base, dims, strides, box,
+                                        elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        printf("cuTensorMapEncodeTiled failed (%d) for %u x %u, pitch %u\n", (int)r, rows, cols, ld);
+        exit(1);
+    }
+    TensorMap t;
+    memcpy(&t, &m, sizeof(t));
+    return t;
+}
+#endif
 
 static double max_abs(const std::vector<bf16>& v) {
     double m = 0;
@@ -77,7 +105,14 @@ int main() {
         CHECK(cudaMalloc(&c, (size_t)m * p.ldc * sizeof(bf16)));
         CHECK(cudaMalloc(&c_ref, (size_t)m * p.ldc * sizeof(bf16)));
         dim3 grid((n + BN - 1) / BN, (m + BM - 1) / BM);
+#if defined(WGMMA) && TMA
+        // K-major tiles are one box of their rows; MN-major ones a 64 x 64 box per 64 columns.
+        const TensorMap ta = tensor_map(a, a_rows, a_cols, p.lda, A_T ? 64 : BM);
+        const TensorMap tb = tensor_map(b, b_rows, b_cols, p.ldb, B_T ? BN : 64);
+        auto ours = [&]() { KERNEL<<<grid, THREADS, smem>>>(ta, tb, a, b, c, p); };
+#else
         auto ours = [&]() { KERNEL<<<grid, THREADS, smem>>>(a, b, c, p); };
+#endif
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ.
         const float one = 1.0f, zero = 0.0f;
         auto theirs = [&]() {

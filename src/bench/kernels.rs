@@ -239,6 +239,7 @@ fn check_gemm(device: &Device, failures: &mut Vec<String>) {
 fn check_own_gemm(device: &Device, failures: &mut Vec<String>) {
     for kernel in [
         "own",
+        "own_cp",
         "own_f32",
         "wmma",
         "decode",
@@ -335,7 +336,10 @@ fn time_strategies(device: &Device, repeat: usize) {
                 .is_none_or(|o| o.split(',').any(|x| x == *n))
         })
         .collect();
-    for name in ["burn", "own", "wmma"].iter().chain(strategies.iter()) {
+    for name in ["burn", "own", "own_cp", "wmma"]
+        .iter()
+        .chain(strategies.iter())
+    {
         print!(" {name:>22}");
     }
     println!();
@@ -349,6 +353,9 @@ fn time_strategies(device: &Device, repeat: usize) {
             time_product(device, repeat, &a, &b, burn),
             time_product(device, repeat, &a, &b, |a, b| {
                 gemm::launch_strategy("own", strip(a), strip(b))
+            }),
+            time_product(device, repeat, &a, &b, |a, b| {
+                gemm::launch_strategy("own_cp", strip(a), strip(b))
             }),
             time_product(device, repeat, &a, &b, |a, b| {
                 gemm::launch_strategy("wmma", strip(a), strip(b))

@@ -37,8 +37,8 @@ use verl_core::backend::CudaBackend;
 
 use super::decode_gemm::{self, Shared, SharedStage, StreamTiles, Wgmma};
 use super::decode_wgmma::DecodeWgmma;
-use super::source::{pack_words, CudaSource};
-use super::{record, CudaPrimitive};
+use super::source::{pack_words, CudaSource, TileMap};
+use super::{record, CudaPrimitive, KernelSwitch};
 
 /// Which implementation runs the seam's products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -300,23 +300,69 @@ impl OwnTiles {
 }
 
 /// The `wgmma` kernel's configuration (`gemm_wgmma.cu`'s defines): a 128 × `bn` tile per block
-/// of two computing warpgroups, k in steps of 64, a `stages`-deep `cp.async` pipeline, and
-/// whether a third warpgroup does the copies. Chosen by `WGMMA=1 bash bench/gpu/gemm_sweep.sh`
-/// on an H100 (docs/PERFORMANCE.md): 128 × 128, 3 stages, no copying warpgroup was the fastest
-/// of 9 configurations on every layout (a copying warpgroup of 128 threads cannot issue the
-/// `cp.async` copies fast enough; more stages did not help).
+/// of two computing warpgroups, k in steps of 64, a `stages`-deep pipeline, whether a third
+/// warpgroup does the copies and whether they are bulk tensor copies (TMA). Chosen by
+/// `WGMMA=1 bash bench/gpu/gemm_sweep.sh` (docs/PERFORMANCE.md): without TMA, 128 × 128, 3
+/// stages and no copying warpgroup was the fastest of 9 configurations on an H100 (128 threads
+/// cannot issue a stage's 2 048 `cp.async` copies fast enough); with TMA one thread issues a
+/// stage in 2-6 instructions and the copying warpgroup pays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct WgmmaTiles {
     bn: usize,
     stages: usize,
     specialized: bool,
+    /// The copying warpgroup fills stages with bulk tensor copies (TMA) from tensor maps.
+    tma: bool,
+    /// One `m64n256k16` instruction a k step (`bn` 256).
+    wide: bool,
 }
 
+/// The `cp.async` configuration: where TMA is switched off (`VERL_GEMM_TMA=decomposed`).
 const WGMMA_TILES: WgmmaTiles = WgmmaTiles {
     bn: 128,
     stages: 3,
     specialized: false,
+    tma: false,
+    wide: false,
 };
+
+/// The TMA configuration, the default on Hopper: a 128 × 256 tile, 4 stages of 48 KiB filled by
+/// one thread's bulk copies, two computing warpgroups of one `m64n256k16` each a k step.
+/// `WGMMA=1 bash bench/gpu/gemm_sweep.sh` on an H200 (docs/PERFORMANCE.md): 79-81 % of cuBLAS
+/// on the 1.5B step's NN/NT shapes and 104 % on TN, against 49-61 % for the `cp.async` tiles.
+const WGMMA_TMA_TILES: WgmmaTiles = WgmmaTiles {
+    bn: 256,
+    stages: 4,
+    specialized: true,
+    tma: true,
+    wide: true,
+};
+
+/// The TMA configuration for products with fewer 128 × 256 tiles than multiprocessors (a
+/// narrow n: the 0.5B's `o`/`down` at 896 columns ran 64 blocks on 132 SMs, 60 % of cuBLAS):
+/// 128 × 128 tiles, 6 stages of 32 KiB, so twice the blocks (103 % there).
+const WGMMA_TMA_NARROW_TILES: WgmmaTiles = WgmmaTiles {
+    bn: 128,
+    stages: 6,
+    specialized: true,
+    tma: true,
+    wide: false,
+};
+
+/// The Hopper GEMM's operand loads by TMA (on unless `VERL_GEMM_TMA=decomposed`, which keeps
+/// the `cp.async` pipeline).
+pub static TMA: KernelSwitch = KernelSwitch::new("VERL_GEMM_TMA");
+
+/// The `wgmma` tiles for an `m × n` product on a GPU of `sms` multiprocessors.
+fn wgmma_tiles(m: usize, n: usize, sms: usize) -> WgmmaTiles {
+    if !TMA.enabled() {
+        WGMMA_TILES
+    } else if m.div_ceil(WGMMA_BM) * n.div_ceil(WGMMA_TMA_TILES.bn) >= sms {
+        WGMMA_TMA_TILES
+    } else {
+        WGMMA_TMA_NARROW_TILES
+    }
+}
 
 /// Rows of the product per block in `gemm_wgmma.cu` (two warpgroups of 64) and its k step.
 const WGMMA_BM: usize = 128;
@@ -344,6 +390,8 @@ impl WgmmaTiles {
             ("BN", self.bn as u32),
             ("STAGES", self.stages as u32),
             ("SPECIALIZED", self.specialized as u32),
+            ("TMA", self.tma as u32),
+            ("WIDE", self.wide as u32),
         ]
     }
 }
@@ -353,6 +401,8 @@ impl WgmmaTiles {
 enum OwnKernel {
     /// `wgmma` on Hopper, else `wmma` with the training tiles.
     Default,
+    /// As `Default` with the `cp.async` pipeline on Hopper even where TMA is on.
+    CpAsync,
     /// `wmma` with the training tiles on every GPU.
     Wmma,
     /// `wmma` with [`decode_tiles`].
@@ -385,7 +435,8 @@ fn launch_own(
         }
         other => other,
     };
-    let wgmma = which == OwnKernel::Default && hopper(lhs.device.index);
+    let wgmma =
+        matches!(which, OwnKernel::Default | OwnKernel::CpAsync) && hopper(lhs.device.index);
     // The wgmma kernel and the decode tiles write f32 when asked (the wmma training tiles
     // ignore `out_f32`).
     let out_f32 = out_f32 && (wgmma || which == OwnKernel::Decode);
@@ -394,8 +445,13 @@ fn launch_own(
     let (m, k, n) = super::product_dims(&lhs, &rhs);
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
+    let mut tma = false;
     let (kernel, (bm, bn)) = if wgmma {
-        let tiles = WGMMA_TILES;
+        let tiles = match which {
+            OwnKernel::CpAsync => WGMMA_TILES,
+            _ => wgmma_tiles(m, n, super::multiprocessors(&lhs)),
+        };
+        tma = tiles.tma;
         let mut defines = tiles.defines(a_t, b_t);
         defines.push(("OUT_F32", out_f32 as u32));
         let kernel = CudaSource {
@@ -425,12 +481,32 @@ fn launch_own(
     // The output may be pitched too.
     let ldc = super::row_pitch(&out);
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
-    kernel.launch(
-        &out.client,
-        (n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1),
-        &[&lhs, &rhs, &out],
-        pack_words(&words),
-    );
+    let grid = (n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1);
+    if tma {
+        // Stored [rows][cols]: A as [m][k] (K-major tiles: one box of the tile's rows) or
+        // Aᵀ [k][m] (MN-major: 64 × 64 boxes); B as Bᵀ [n][k] or [k][n] likewise.
+        let (a_rows, a_cols) = if a_t { (k, m) } else { (m, k) };
+        let (b_rows, b_cols) = if b_t { (n, k) } else { (k, n) };
+        let maps = [
+            TileMap {
+                operand: &lhs,
+                rows: a_rows,
+                cols: a_cols,
+                pitch: lda,
+                box_rows: if a_t { TileMap::BOX_COLS } else { WGMMA_BM },
+            },
+            TileMap {
+                operand: &rhs,
+                rows: b_rows,
+                cols: b_cols,
+                pitch: ldb,
+                box_rows: if b_t { bn } else { TileMap::BOX_COLS },
+            },
+        ];
+        kernel.launch_with_maps(&out.client, grid, &maps, &[&out], pack_words(&words));
+    } else {
+        kernel.launch(&out.client, grid, &[&lhs, &rhs, &out], pack_words(&words));
+    }
     out
 }
 
@@ -558,7 +634,8 @@ fn class_of(lhs: &CudaPrimitive, rhs: &CudaPrimitive) -> ShapeClass {
     }
 }
 
-/// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `wmma`: our `wmma`
+/// `lhs · rhs` with the strategy named (a cubek one, `own`: our kernel, `own_cp`: ours with the
+/// `cp.async` pipeline on Hopper (TMA's comparison), `wmma`: our `wmma`
 /// kernel even on Hopper, `own_f32`: ours with an f32 result on Hopper, `decode`: the decode
 /// step's choice (the `wgmma` decode kernel on Hopper or the weight stream where it applies,
 /// else the decode tiles), `decode_stream`: the same without the `wgmma` kernel, `tiles`: the
@@ -579,10 +656,15 @@ pub fn launch_strategy(
         .strip_prefix("stream:")
         .or(shared.map(|_| ""))
         .or(wgmma.map(|_| ""));
-    if matches!(base, "own" | "wmma" | "decode" | "decode_stream" | "tiles") || stream.is_some() {
+    if matches!(
+        base,
+        "own" | "own_cp" | "wmma" | "decode" | "decode_stream" | "tiles"
+    ) || stream.is_some()
+    {
         let (rows, k, n) = super::product_dims(&lhs, &rhs);
         let which = match base {
             "wmma" => OwnKernel::Wmma,
+            "own_cp" => OwnKernel::CpAsync,
             "decode" => OwnKernel::Stream(StreamTiles::for_rows(rows)),
             "decode_stream" => OwnKernel::Stream(StreamTiles {
                 wgmma: Wgmma::Off,
@@ -888,5 +970,21 @@ mod tests {
         assert_eq!(t.threads(), 256);
         assert!(WGMMA_SOURCE.contains("#define BM 128") && WGMMA_SOURCE.contains("#define BK 64"));
         assert_eq!(t.defines(false, true)[..2], [("A_T", 0), ("B_T", 1)]);
+        // The TMA tiles: one m64n256 instruction per warpgroup, boxes of at most 256 rows, and
+        // a stage that the single expect-tx count covers (A's and B's boxes, bf16).
+        for t in [WGMMA_TMA_TILES, WGMMA_TMA_NARROW_TILES] {
+            assert!(t.tma && t.specialized && t.threads() == 384);
+            assert!(!t.wide || t.bn == 256);
+            assert!(t.bn <= 256 && WGMMA_BM <= 256);
+            assert!(t.shared_bytes() + 2 * t.stages * 8 <= 227 * 1024);
+            assert!(t.defines(true, true).contains(&("TMA", 1)));
+        }
+        assert_eq!(
+            WGMMA_TMA_TILES.shared_bytes(),
+            4 * (128 + 256) * 64 * 2 + 1024
+        );
+        // The narrow tiles where the wide ones would leave multiprocessors idle.
+        assert_eq!(wgmma_tiles(2048, 896, 132), WGMMA_TMA_NARROW_TILES);
+        assert_eq!(wgmma_tiles(8192, 1536, 132), WGMMA_TMA_TILES);
     }
 }

@@ -16,6 +16,11 @@
 //   K-major tile (R rows of the M or N side x 64 of K): row r at r * 128 bytes.
 //   MN-major tile (64 of K x R of the M or N side): R / 64 blocks of 64 rows (one per k) x 64
 //   elements, block b at b * 8 KiB, row k at k * 128 bytes inside it.
+// TMA = 1 (with SPECIALIZED = 1): one thread of the copying warpgroup fills each stage with
+// Hopper's tensor-memory copies (cp.async.bulk.tensor, 128-byte swizzle, zero fill past the
+// edges) from two tensor maps that arrive first among the parameters (cubecl encodes them at
+// launch from the operands' bindings), and the stage's mbarrier counts the bytes. This is the
+// layout above, made by one instruction a box instead of 2 048 16-byte copies a stage.
 // Compiled at run time by NVRTC (verl_megatron::cuda::kernels::gemm prepends the defines), and
 // by nvcc on a GPU machine for a standalone check (bench/gpu/gemm_check.cu -DWGMMA).
 
@@ -37,6 +42,24 @@
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
+#endif
+#ifndef TMA
+#define TMA 0
+#endif
+// WIDE = 1 (BN = 256): one m64n256k16 instruction a k step instead of two of n128.
+#ifndef WIDE
+#define WIDE 0
+#endif
+#if TMA && !SPECIALIZED
+#error "TMA loads are issued by the copying warpgroup (SPECIALIZED = 1)"
+#endif
+// REGS = 1 (with TMA): the copying warpgroup hands its registers to the computing ones
+// (setmaxnreg: 40 a thread against 232).
+#ifndef REGS
+#define REGS TMA
+#endif
+#if WIDE && BN != 256
+#error "WIDE needs BN = 256"
 #endif
 #define BM 128
 #define BK 64
@@ -159,6 +182,45 @@ __device__ __forceinline__ void wgmma_m64n128k16(float* d, unsigned long long da
 }
 
 
+// The same with a 256-wide B: a warpgroup's 64 x 256 slice of the tile in one instruction, so
+// the A operand is read from shared memory once per k step instead of twice. Accumulator i
+// lands where instruction i / 64 of n128 would put its i % 64 (columns 128 (i / 64) + ...).
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n256k16(float* d, unsigned long long da, unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, 1, 1, 1, %130, %131;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -190,6 +252,48 @@ __device__ __forceinline__ void barrier_wait(unsigned int bar, unsigned int pari
 // A barrier over the computing warpgroups only (the copying one may have left).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
+#if TMA
+// A CUtensorMap as the driver encodes it (128 bytes, 64-byte aligned), passed by value as a
+// __grid_constant__ parameter so its address is valid for the bulk copies.
+struct __align__(64) TensorMap {
+    unsigned long long words[16];
+};
+
+// A 2-D box of `map` at (inner, outer) element coordinates into shared address `dst`; its bytes
+// count towards mbarrier `bar`'s expected transaction.
+__device__ __forceinline__ void tma_box(unsigned int dst, const TensorMap* map, int inner, int outer,
+                                        unsigned int bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(dst), "l"((unsigned long long)map), "r"(inner), "r"(outer), "r"(bar)
+        : "memory");
+}
+
+// Arrives on `bar` and tells it `bytes` more are on their way.
+__device__ __forceinline__ void barrier_expect(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Stage kt's tiles by bulk copies, in the shared layouts stage_products reads: a K-major tile is
+// one box of its rows x 64 of K; an MN-major tile is one 64 x 64 box per 64 columns.
+__device__ __forceinline__ void tma_stage(const TensorMap* ta, const TensorMap* tb, unsigned int a_dst,
+                                          unsigned int b_dst, unsigned int bar, unsigned int m0,
+                                          unsigned int n0, unsigned int k0) {
+#if A_T
+#pragma unroll
+    for (int blk = 0; blk < BM / 64; ++blk) tma_box(a_dst + blk * MN_BLOCK_BYTES, ta, m0 + 64 * blk, k0, bar);
+#else
+    tma_box(a_dst, ta, k0, m0, bar);
+#endif
+#if B_T
+    tma_box(b_dst, tb, k0, n0, bar);
+#else
+#pragma unroll
+    for (int blk = 0; blk < BN / 64; ++blk) tma_box(b_dst + blk * MN_BLOCK_BYTES, tb, n0 + 64 * blk, k0, bar);
+#endif
+}
+#endif  // TMA
+
 // This warpgroup's products over one stage: 4 k steps of 16, NI instructions of n128 each.
 __device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned int a_tile, unsigned int group) {
     const unsigned int b_tile = a_tile + TILE_A_BYTES;
@@ -200,6 +304,14 @@ __device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned in
 #else
         const unsigned long long da = k_major(a_tile + group * 64 * 128, kk);
 #endif
+#if WIDE
+#if B_T
+        const unsigned long long db = k_major(b_tile, kk);
+#else
+        const unsigned long long db = mn_major(b_tile, kk);
+#endif
+        wgmma_m64n256k16<A_T, 1 - B_T>(&acc[0][0], da, db);
+#else
 #pragma unroll
         for (int j = 0; j < NI; ++j) {
 #if B_T
@@ -209,12 +321,17 @@ __device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned in
 #endif
             wgmma_m64n128k16<A_T, 1 - B_T>(acc[j], da, db);
         }
+#endif
     }
 }
 
 // Grid (ceil(n / BN), ceil(m / BM)).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out_t* __restrict__ c,
+verl_gemm_bf16_wgmma(
+#if TMA
+                     const __grid_constant__ TensorMap ta, const __grid_constant__ TensorMap tb,
+#endif
+                     const bf16* __restrict__ a, const bf16* __restrict__ b, out_t* __restrict__ c,
                      GemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -237,7 +354,7 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
     const unsigned int empty = full + STAGES * 8;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            barrier_init(full + s * 8, 128);
+            barrier_init(full + s * 8, TMA ? 1 : 128);
             barrier_init(empty + s * 8, 2);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -245,6 +362,20 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
     __syncthreads();
     const unsigned int role = threadIdx.x / 128;  // 0, 1: computing warpgroups; 2: copying
     if (role == 2) {
+#if TMA
+#if REGS
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+        if (threadIdx.x == CONSUMERS) {
+            for (unsigned int kt = 0; kt < k_tiles; ++kt) {
+                const unsigned int s = kt % STAGES;
+                if (kt >= STAGES) barrier_wait(empty + s * 8, ((kt / STAGES) + 1) & 1);
+                barrier_expect(full + s * 8, STAGE_BYTES);
+                tma_stage(&ta, &tb, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES, full + s * 8,
+                          m0, n0, kt * BK);
+            }
+        }
+#else
         const unsigned int tid = threadIdx.x - CONSUMERS;
         for (unsigned int kt = 0; kt < k_tiles; ++kt) {
             const unsigned int s = kt % STAGES;
@@ -254,13 +385,19 @@ verl_gemm_bf16_wgmma(const bf16* __restrict__ a, const bf16* __restrict__ b, out
             barrier_arrive_copies(full + s * 8);
         }
         wait_groups<0>();
+#endif
         return;
     }
+#if REGS
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#endif
     const unsigned int group = role;
     for (unsigned int kt = 0; kt < k_tiles; ++kt) {
         const unsigned int s = kt % STAGES;
         barrier_wait(full + s * 8, (kt / STAGES) & 1);
+#if !TMA
         proxy_fence();  // the copies (generic proxy) before wgmma's reads (async proxy)
+#endif
         wgmma_fence();
         stage_products(acc, base + s * STAGE_BYTES, group);
         wgmma_commit();

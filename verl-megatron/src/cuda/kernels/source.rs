@@ -14,7 +14,8 @@ use std::sync::Mutex;
 
 use cubecl::cuda::{CudaCompiler, CudaComputeKernel, CudaRuntime};
 use cubecl::prelude::*;
-use cubecl::server::{KernelArguments, MetadataBindingInfo};
+use cubecl::server::{KernelArguments, MetadataBindingInfo, TensorMapBinding, TensorMapMeta};
+use cubecl::zspace::{metadata::Metadata, Shape, Strides};
 use cubecl::{CompilationError, CubeTask};
 use cubecl_cpp::shared::{Body, Elem, Flags, Item, SharedMemory};
 
@@ -114,7 +115,22 @@ impl CudaSource {
         buffers: &[&CudaPrimitive],
         info: Vec<u64>,
     ) {
+        self.launch_with_maps(client, grid, &[], buffers, info)
+    }
+
+    /// As [`CudaSource::launch`], with tensor maps first: cubecl encodes each one at launch
+    /// from its operand's binding and passes it by value ahead of every other parameter, then
+    /// the maps' operands as pointers, then `buffers`, then `info`.
+    pub fn launch_with_maps(
+        self,
+        client: &ComputeClient<CudaRuntime>,
+        grid: (u32, u32, u32),
+        maps: &[TileMap<'_>],
+        buffers: &[&CudaPrimitive],
+        info: Vec<u64>,
+    ) {
         let mut args = KernelArguments::new();
+        args.tensor_maps = maps.iter().map(TileMap::binding).collect();
         for b in buffers {
             args = args.with_buffer(b.handle.clone().binding());
         }
@@ -125,6 +141,48 @@ impl CudaSource {
             CubeCount::Static(grid.0, grid.1, grid.2),
             args,
         );
+    }
+}
+
+/// A bf16 matrix operand read by Hopper's bulk tensor copies: `rows × cols` elements, rows
+/// `pitch` elements apart, in boxes of `box_rows` rows × 64 columns (128 bytes, the 128-byte
+/// swizzle's span), zero-filled past the edges.
+#[derive(Debug, Clone, Copy)]
+pub struct TileMap<'a> {
+    pub operand: &'a CudaPrimitive,
+    pub rows: usize,
+    pub cols: usize,
+    pub pitch: usize,
+    pub box_rows: usize,
+}
+
+impl TileMap<'_> {
+    /// Columns of a box: 128 bytes of bf16.
+    pub const BOX_COLS: usize = 64;
+
+    fn binding(&self) -> TensorMapBinding {
+        use cubecl::prelude::{
+            OobFill, TensorMapFormat, TensorMapInterleave, TensorMapPrefetch, TensorMapSwizzle,
+            TiledArgs,
+        };
+        TensorMapBinding {
+            binding: self.operand.handle.clone().binding(),
+            map: TensorMapMeta {
+                format: TensorMapFormat::Tiled(TiledArgs {
+                    tile_size: Shape::new([self.box_rows, Self::BOX_COLS]),
+                }),
+                metadata: Metadata::new(
+                    Shape::new([self.rows, self.cols]),
+                    Strides::new(&[self.pitch, 1]),
+                ),
+                elem_stride: Strides::new(&[1, 1]),
+                interleave: TensorMapInterleave::None,
+                swizzle: TensorMapSwizzle::B128,
+                prefetch: TensorMapPrefetch::B256,
+                oob_fill: OobFill::Zero,
+                storage_ty: half::bf16::as_type_native_unchecked().storage_type(),
+            },
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use burn::backend::Autodiff;
 use burn::prelude::*;
-use burn::tensor::Int;
+use burn::tensor::{FloatDType, Int};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use verl_core::backend::CudaBackend;
 
@@ -44,11 +44,13 @@ impl FusedOps for CudaBackend {
     }
 
     fn matmul_bf16<const D: usize>(a: Tensor<Self, D>, b: Tensor<Self, D>) -> Tensor<Self, D> {
-        gemm::matmul(a, b).unwrap_or_else(|(a, b)| a.matmul(b))
+        gemm::matmul(a, b)
+            .unwrap_or_else(|(a, b)| a.cast(FloatDType::BF16).matmul(b.cast(FloatDType::BF16)))
     }
 
     fn linear_bf16(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        super::linear::linear(x, w).unwrap_or_else(|(x, w)| Self::matmul_bf16(x, w.transpose()))
+        super::linear::linear(x, w)
+            .unwrap_or_else(|(x, w)| Self::matmul_bf16(x, w.cast(FloatDType::BF16).transpose()))
     }
 
     fn fused_attention_applies(head_dim: usize) -> bool {
@@ -204,9 +206,12 @@ impl FusedOps for CudaBackend {
         a: Tensor<Tracked<C>, D>,
         b: Tensor<Tracked<C>, D>,
     ) -> Tensor<Tracked<C>, D> {
-        gemm::matmul_tracked(a, b).unwrap_or_else(|(a, b)| a.matmul(b))
+        gemm::matmul_tracked(a, b)
+            .unwrap_or_else(|(a, b)| a.cast(FloatDType::BF16).matmul(b.cast(FloatDType::BF16)))
     }
 
+    /// The weight goes to the product as a transposed view of itself, f32: the product's own
+    /// operation casts it (through its stored order) and writes its gradient in f32.
     fn linear_bf16_tracked<C: CheckpointStrategy>(
         x: Tensor<Tracked<C>, 2>,
         w: Tensor<Tracked<C>, 2>,

@@ -124,22 +124,24 @@ pub fn operand<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
 }
 
 /// `a · b` in the current compute dtype, returned as f32. bf16 products go through the
-/// backend's [`FusedOps::matmul_bf16`] (the GPU products' seam on burn-cuda).
+/// backend's [`FusedOps::matmul_bf16`] (the GPU products' seam on burn-cuda), which casts the
+/// operands itself: on burn-cuda one operation casts, multiplies and writes f32, with no cast
+/// kernels around the product in the backward either.
 pub fn matmul<B: FusedOps, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     match current() {
         ComputeDtype::F32 => a.matmul(b),
-        ComputeDtype::Bf16 => B::matmul_bf16(low(a), low(b)).cast(FloatDType::F32),
+        ComputeDtype::Bf16 => B::matmul_bf16(a, b).cast(FloatDType::F32),
     }
 }
 
 /// `x · wᵀ` for `x` `[rows, in]` and a weight in the HF layout `[out, in]`, in the current
-/// compute dtype, returned as f32. The weight is cast before it is transposed, so the cast
-/// reads it contiguously and the product gets a transposed view.
+/// compute dtype, returned as f32 (the backend's [`FusedOps::linear_bf16`] casts, as in
+/// [`matmul`]).
 pub fn linear<B: FusedOps>(x: Tensor<B, 2>, w: Tensor<B, 2>) -> Tensor<B, 2> {
     match current() {
         ComputeDtype::F32 => x.matmul(w.transpose()),
         // The backend's seam: on burn-cuda our kernels, or cuBLASLt where switched on.
-        ComputeDtype::Bf16 => B::linear_bf16(low(x), low(w)).cast(FloatDType::F32),
+        ComputeDtype::Bf16 => B::linear_bf16(x, w).cast(FloatDType::F32),
     }
 }
 

@@ -45,7 +45,7 @@ pub use types::{DecodeProjections, PrefixTargets, RowSampling, SampledToken, Sha
 
 use burn::backend::Autodiff;
 use burn::prelude::*;
-use burn::tensor::Int;
+use burn::tensor::{FloatDType, Int};
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 
 /// How the fused attention kernel scores a pass: its scale and a sliding window (a query
@@ -130,16 +130,18 @@ pub trait FusedOps: Backend {
         reference::add_bias(y, b)
     }
 
-    /// `a · b` of bf16 operands (batch dimensions equal); the result may come as bf16 or f32
-    /// (callers cast).
+    /// `a · b` as a bf16 product (batch dimensions equal): the operands come as f32 or bf16 and
+    /// are read as bf16; the result may come as bf16 or f32 (callers cast), and under autodiff
+    /// each operand's gradient comes in that operand's dtype.
     fn matmul_bf16<const D: usize>(a: Tensor<Self, D>, b: Tensor<Self, D>) -> Tensor<Self, D> {
-        a.matmul(b)
+        a.cast(FloatDType::BF16).matmul(b.cast(FloatDType::BF16))
     }
 
-    /// `x · wᵀ` of bf16 `x` `[rows, in]` and a weight in the HF layout `[out, in]`; the result
-    /// may come as bf16 or f32 (callers cast).
+    /// `x · wᵀ` as a bf16 product of `x` `[rows, in]` and a weight in the HF layout
+    /// `[out, in]`, as [`Self::matmul_bf16`] takes its operands. The weight is cast before it is
+    /// transposed, so the cast reads it contiguously and the product gets a transposed view.
     fn linear_bf16(x: Tensor<Self, 2>, w: Tensor<Self, 2>) -> Tensor<Self, 2> {
-        Self::matmul_bf16(x, w.transpose())
+        Self::matmul_bf16(x, w.cast(FloatDType::BF16).transpose())
     }
 
     /// Whether [`Self::fused_attention`] can take heads of `head_dim` (the caller then lays
@@ -341,7 +343,7 @@ pub trait FusedOps: Backend {
         a: Tensor<Autodiff<Self, C>, D>,
         b: Tensor<Autodiff<Self, C>, D>,
     ) -> Tensor<Autodiff<Self, C>, D> {
-        a.matmul(b)
+        a.cast(FloatDType::BF16).matmul(b.cast(FloatDType::BF16))
     }
 
     /// [`Self::linear_bf16`] under autodiff.
@@ -349,7 +351,7 @@ pub trait FusedOps: Backend {
         x: Tensor<Autodiff<Self, C>, 2>,
         w: Tensor<Autodiff<Self, C>, 2>,
     ) -> Tensor<Autodiff<Self, C>, 2> {
-        Self::matmul_bf16_tracked(x, w.transpose())
+        Self::matmul_bf16_tracked(x, w.cast(FloatDType::BF16).transpose())
     }
 
     /// [`Self::fused_attention`] under autodiff.

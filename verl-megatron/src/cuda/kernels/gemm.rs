@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{DType, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
@@ -849,29 +849,64 @@ fn transpose(p: CudaPrimitive) -> CudaPrimitive {
     CudaBackend::float_swap_dims(p, n - 2, n - 1)
 }
 
-/// The backward step of `C = A · B`: `dA = dC · Bᵀ`, `dB = Aᵀ · dC`. Where B is stored
-/// transposed, `dB = (dCᵀ · A)ᵀ`: the product writes the gradient in B's stored order, so a
-/// weight's gradient reaches its cast to f32 row-major (a transposed one is cast one element
-/// at a time: the 1.5B step took 9 ms longer, docs/PERFORMANCE.md).
+/// `p` as bf16: itself if it is, else cast. A transposed view (a linear layer's `wᵀ`) is cast
+/// through its stored order and viewed transposed again, so the cast reads and writes
+/// contiguous rows (a transposed tensor is cast one element at a time).
+fn low(p: CudaPrimitive) -> CudaPrimitive {
+    if p.dtype == DType::BF16 {
+        p
+    } else if is_transposed(&p) {
+        transpose(CudaBackend::float_cast(transpose(p), FloatDType::BF16))
+    } else {
+        CudaBackend::float_cast(p, FloatDType::BF16)
+    }
+}
+
+/// `lhs · rhs` of bf16 operands with the result in `dtype`: written as f32 by our Hopper
+/// kernel's epilogue where it runs (no cast kernel, no bf16 rounding of the result), else cast.
+fn product_in(lhs: CudaPrimitive, rhs: CudaPrimitive, dtype: DType) -> CudaPrimitive {
+    let out = if dtype == DType::F32 {
+        matmul_primitive_f32(lhs, rhs)
+    } else {
+        matmul_primitive(lhs, rhs)
+    };
+    if out.dtype == dtype {
+        out
+    } else {
+        let dtype = match dtype {
+            DType::BF16 => FloatDType::BF16,
+            DType::F16 => FloatDType::F16,
+            _ => FloatDType::F32,
+        };
+        CudaBackend::float_cast(out, dtype)
+    }
+}
+
+/// The backward step of `C = A · B` (bf16 products, C in f32): `dA = dC · Bᵀ`, `dB = Aᵀ · dC`,
+/// each written in its operand's own dtype (an f32 weight's gradient straight from the
+/// product's epilogue). Where B is stored transposed, `dB = (dCᵀ · A)ᵀ`: the product writes the
+/// gradient in B's stored order, so a weight's gradient is row-major like the weight.
 #[derive(Debug)]
 struct MatmulBackward;
 
 impl Backward<CudaBackend, 2> for MatmulBackward {
-    type State = (CudaPrimitive, CudaPrimitive);
+    /// The bf16 operands, and the dtypes of the operands as given.
+    type State = (CudaPrimitive, CudaPrimitive, DType, DType);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (a, b) = ops.state;
+        let (a, b, a_dtype, b_dtype) = ops.state;
         let b_transposed = is_transposed(&b);
         binary::<CudaBackend, _, _>(
             ops.parents,
             ops.node,
             grads,
-            |dc| matmul_primitive(dc, transpose(b)),
+            |dc| product_in(low(dc), transpose(b), a_dtype),
             |dc| {
+                let dc = low(dc);
                 if b_transposed {
-                    transpose(matmul_primitive(transpose(dc), a))
+                    transpose(product_in(transpose(dc), a, b_dtype))
                 } else {
-                    matmul_primitive(transpose(a), dc)
+                    product_in(transpose(a), dc, b_dtype)
                 }
             },
         );
@@ -886,9 +921,9 @@ fn applies<const D: usize>(da: [usize; D], db: [usize; D]) -> bool {
     kind() != GemmKind::Burn && D >= 2 && da[..D - 2] == db[..D - 2]
 }
 
-/// `a · b` through the seam when both operands have the same batch dimensions; the operands
-/// back otherwise (the caller multiplies with burn). The result may come as f32 (callers cast
-/// to f32 either way).
+/// `a · b` through the seam when both operands have the same batch dimensions, the operands
+/// (f32 or bf16) read as bf16; the operands back otherwise (the caller multiplies with burn).
+/// The result may come as f32 (callers cast to f32 either way).
 pub fn matmul<const D: usize>(
     a: Tensor<CudaBackend, D>,
     b: Tensor<CudaBackend, D>,
@@ -896,12 +931,15 @@ pub fn matmul<const D: usize>(
     if !applies(a.dims(), b.dims()) {
         return Err((a, b));
     }
-    let c = matmul_primitive_f32(a.into_primitive().tensor(), b.into_primitive().tensor());
+    let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
+    let c = matmul_primitive_f32(low(a), low(b));
     Ok(Tensor::from_primitive(TensorPrimitive::Float(c)))
 }
 
-/// [`matmul`] under autodiff: one custom operation whose two backward products go through the
-/// seam too.
+/// [`matmul`] under autodiff: one custom operation that casts its operands to bf16 itself,
+/// returns f32 and gives each operand's gradient in that operand's dtype, its two backward
+/// products through the seam too. Against a chain of burn casts around a bf16 product it saves
+/// three cast kernels a product (the result's, and both gradients').
 pub fn matmul_tracked<C: CheckpointStrategy, const D: usize>(
     a: Tensor<Autodiff<CudaBackend, C>, D>,
     b: Tensor<Autodiff<CudaBackend, C>, D>,
@@ -911,9 +949,15 @@ pub fn matmul_tracked<C: CheckpointStrategy, const D: usize>(
     }
     let a = a.into_primitive().tensor();
     let b = b.into_primitive().tensor();
-    let c = matmul_primitive(a.primitive.clone(), b.primitive.clone());
-    let saved = (a.primitive.clone(), b.primitive.clone());
-    Ok(record(MatmulBackward, [&a, &b], saved, c))
+    let (a_dtype, b_dtype) = (a.primitive.dtype, b.primitive.dtype);
+    let (a16, b16) = (low(a.primitive.clone()), low(b.primitive.clone()));
+    let c = product_in(a16.clone(), b16.clone(), DType::F32);
+    Ok(record(
+        MatmulBackward,
+        [&a, &b],
+        (a16, b16, a_dtype, b_dtype),
+        c,
+    ))
 }
 
 #[cfg(test)]

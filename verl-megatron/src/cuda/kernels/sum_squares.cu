@@ -30,14 +30,45 @@ verl_sum_squares(const float* t0, const float* t1, const float* t2, const float*
     const float* const tensors[TENSORS] = {t0, t1, t2,  t3,  t4,  t5,  t6,  t7,
                                            t8, t9, t10, t11, t12, t13, t14, t15};
     const float* t = tensors[j];
-    const unsigned long long cols = p.cols[j];
-    const unsigned long long n = (unsigned long long)p.rows[j] * cols;
-    float acc = 0.0f;
-    for (unsigned long long e = (unsigned long long)blockIdx.x * THREADS + threadIdx.x; e < n;
-         e += (unsigned long long)p.blocks * THREADS) {
-        const float v = t[(e / cols) * p.stride[j] + e % cols];
-        acc += v * v;
+    const unsigned int rows = p.rows[j], cols = p.cols[j], stride = p.stride[j];
+    // Four independent sums, and four 16-byte loads in flight a thread: one load at a time
+    // left the largest gradient (the LM head's, ~1 GB) waiting on memory latency.
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    const unsigned long long step = (unsigned long long)p.blocks * THREADS;
+    const unsigned long long first = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
+    if (stride == cols && ((unsigned long long)t & 15ull) == 0) {
+        // Contiguous: one flat run of float4s, then the last n % 4 elements.
+        const unsigned long long n = (unsigned long long)rows * cols, n4 = n / 4;
+        const float4* v = (const float4*)t;
+        unsigned long long e = first;
+        for (; e + 3 * step < n4; e += 4 * step) {
+            float4 x[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) x[u] = __ldg(v + e + u * step);
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                a0 += x[u].x * x[u].x;
+                a1 += x[u].y * x[u].y;
+                a2 += x[u].z * x[u].z;
+                a3 += x[u].w * x[u].w;
+            }
+        }
+        for (; e < n4; e += step) {
+            const float4 x = __ldg(v + e);
+            a0 += x.x * x.x;
+            a1 += x.y * x.y;
+            a2 += x.z * x.z;
+            a3 += x.w * x.w;
+        }
+        for (unsigned long long r = n4 * 4 + first; r < n; r += step) a0 += t[r] * t[r];
+    } else {
+        // Padded rows: each block takes whole rows, its threads the columns (no division).
+        for (unsigned int r = blockIdx.x; r < rows; r += p.blocks) {
+            const float* row = t + (unsigned long long)r * stride;
+            for (unsigned int c = threadIdx.x; c < cols; c += THREADS) a0 += row[c] * row[c];
+        }
     }
+    float acc = (a0 + a1) + (a2 + a3);
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

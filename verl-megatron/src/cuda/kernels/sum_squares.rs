@@ -22,8 +22,9 @@ const SOURCE: &str = include_str!("sum_squares.cu");
 /// Tensors per launch and threads per block, as in `sum_squares.cu`.
 const TENSORS: usize = 16;
 const THREADS: u32 = 256;
-/// Blocks per tensor: enough to spread the largest gradient (the embedding's) over the GPU.
-const BLOCKS: usize = 128;
+/// Blocks per tensor: enough to spread the largest gradient (the embedding's) over the GPU
+/// with enough loads in flight (about two blocks of 256 threads per multiprocessor).
+const BLOCKS: usize = 256;
 
 /// Whether the kernel is used where it applies: on unless `VERL_SUM_SQUARES=decomposed` in the
 /// environment, or `SWITCH.set(false)` (benchmarks compare the kernel with its fallback).

@@ -28,7 +28,7 @@ use burn::tensor::{DType, FloatDType, TensorPrimitive};
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{binary, Backward, Ops};
+use burn_autodiff::ops::{Backward, Ops};
 use burn_cubecl::kernel::matmul::init_matmul_output;
 use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
 use cubek::matmul::launch::Strategy;
@@ -896,20 +896,21 @@ impl Backward<CudaBackend, 2> for MatmulBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let (a, b, a_dtype, b_dtype) = ops.state;
         let b_transposed = is_transposed(&b);
-        binary::<CudaBackend, _, _>(
-            ops.parents,
-            ops.node,
-            grads,
-            |dc| product_in(low(dc), transpose(b), a_dtype),
-            |dc| {
-                let dc = low(dc);
-                if b_transposed {
-                    transpose(product_in(transpose(dc), a, b_dtype))
-                } else {
-                    product_in(transpose(a), dc, b_dtype)
-                }
-            },
-        );
+        // The incoming gradient is cast to bf16 once for both products (burn's `binary` would
+        // hand each product its own f32 copy to cast).
+        let dc = low(grads.consume::<CudaBackend>(&ops.node));
+        let [a_node, b_node] = ops.parents;
+        if let Some(node) = a_node {
+            grads.register::<CudaBackend>(node.id, product_in(dc.clone(), transpose(b), a_dtype));
+        }
+        if let Some(node) = b_node {
+            let db = if b_transposed {
+                transpose(product_in(transpose(dc), a, b_dtype))
+            } else {
+                product_in(transpose(a), dc, b_dtype)
+            };
+            grads.register::<CudaBackend>(node.id, db);
+        }
     }
 }
 
@@ -1016,6 +1017,10 @@ mod tests {
         assert_eq!(t.defines(false, true)[..2], [("A_T", 0), ("B_T", 1)]);
         // The TMA tiles: one m64n256 instruction per warpgroup, boxes of at most 256 rows, and
         // a stage that the single expect-tx count covers (A's and B's boxes, bf16).
+        for t in [WGMMA_TILES, WGMMA_TMA_TILES, WGMMA_TMA_NARROW_TILES] {
+            // The f32 epilogue's BM × (BN + 4) tile reuses the pipeline's memory.
+            assert!(WGMMA_BM * (t.bn + 4) * 4 <= t.shared_bytes() - 1024);
+        }
         for t in [WGMMA_TMA_TILES, WGMMA_TMA_NARROW_TILES] {
             assert!(t.tma && t.specialized && t.threads() == 384);
             assert!(!t.wide || t.bn == 256);

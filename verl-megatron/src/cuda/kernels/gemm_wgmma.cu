@@ -72,8 +72,9 @@
 #define TILE_B_BYTES (BN * BK * 2)
 #define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
 // The pipeline plus 1 KiB to align the start to the swizzle's 1 KiB period; the epilogue reuses
-// the pipeline's memory for a BM x (BN + 8) bf16 tile.
+// the pipeline's memory for a BM x (BN + 8) bf16 or BM x (BN + 4) f32 tile.
 #define GEMM_SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
+static_assert(BM * (BN + 4) * 4 <= STAGES * STAGE_BYTES, "the f32 epilogue's tile must fit the pipeline");
 #if SPECIALIZED && STAGES < 2
 #error "SPECIALIZED needs at least 2 stages"
 #endif
@@ -439,25 +440,35 @@ verl_gemm_bf16_wgmma(
 #endif
 
 #if OUT_F32
-    // Epilogue for an f32 result: each thread stores its accumulators' pairs of columns
-    // straight from registers (the layout below), so no cast follows the product.
+    // Epilogue for an f32 result (no cast follows the product): the accumulators into a
+    // BM x (BN + 4) f32 tile over the pipeline's memory, then out in 16-byte pieces of rows, so
+    // each warp writes whole rows (stores straight from the accumulators' layout below wrote 8
+    // bytes a thread, 32 bytes a row, and made the f32 gradients' products slower than a bf16
+    // product and a cast).
     {
+        float* tile = (float*)smem;
         const unsigned int w = (threadIdx.x % 128) / 32, l = threadIdx.x % 32;
 #pragma unroll
         for (int j = 0; j < NI; ++j)
 #pragma unroll
             for (int i = 0; i < 64; i += 2) {
-                const unsigned int gm = m0 + group * 64 + 16 * w + l / 4 + 8 * ((i / 2) % 2);
-                const unsigned int gn = n0 + 128 * j + 8 * (i / 4) + 2 * (l % 4);
-                if (gm >= p.m || gn >= p.n) continue;
-                float* dst = c + (unsigned long long)gm * p.ldc + gn;
-                if (gn + 1 < p.n && p.ldc % 2 == 0) {
-                    *(float2*)dst = make_float2(acc[j][i], acc[j][i + 1]);
-                } else {
-                    dst[0] = acc[j][i];
-                    if (gn + 1 < p.n) dst[1] = acc[j][i + 1];
-                }
+                const unsigned int row = group * 64 + 16 * w + l / 4 + 8 * ((i / 2) % 2);
+                const unsigned int col = 128 * j + 8 * (i / 4) + 2 * (l % 4);
+                *(float2*)(tile + row * (BN + 4) + col) = make_float2(acc[j][i], acc[j][i + 1]);
             }
+        consumers_sync();
+        for (unsigned int q = threadIdx.x; q < BM * BN / 4; q += CONSUMERS) {
+            const unsigned int r = q / (BN / 4), c4 = (q % (BN / 4)) * 4;
+            const unsigned int gm = m0 + r, gn = n0 + c4;
+            if (gm >= p.m || gn >= p.n) continue;
+            float* dst = c + (unsigned long long)gm * p.ldc + gn;
+            const float* from = tile + r * (BN + 4) + c4;
+            if (gn + 4 <= p.n && p.ldc % 4 == 0) {
+                *(float4*)dst = *(const float4*)from;
+            } else {
+                for (unsigned int e = 0; e < 4 && gn + e < p.n; ++e) dst[e] = from[e];
+            }
+        }
     }
 #else
     // Epilogue (computing warpgroups only): the accumulators as bf16 into a BM x (BN + 8)

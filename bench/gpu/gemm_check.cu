@@ -12,7 +12,7 @@
 #include "../../verl-megatron/src/cuda/kernels/gemm_wgmma.cu"
 #define KERNEL verl_gemm_bf16_wgmma
 #define SMEM_BYTES GEMM_SMEM_BYTES
-#define LABEL "wgmma BN%d S%d SP%d MB%d TMA%d W%d R%d", BN, STAGES, SPECIALIZED, MIN_BLOCKS, TMA, WIDE, REGS
+#define LABEL "wgmma BN%d S%d SP%d MB%d TMA%d W%d R%d P%d F%d", BN, STAGES, SPECIALIZED, MIN_BLOCKS, TMA, WIDE, REGS, PERSISTENT, OUT_F32
 #if TMA
 #include <cstring>
 #include <cuda.h>
@@ -72,6 +72,9 @@ static TensorMap tensor_map(const bf16* base, unsigned int rows, unsigned int co
 }
 #endif
 
+static double as_double(bf16 x) { return (double)__bfloat162float(x); }
+static double as_double(float x) { return (double)x; }
+
 static double max_abs(const std::vector<bf16>& v) {
     double m = 0;
     for (auto x : v) m = fmax(m, fabs((double)__bfloat162float(x)));
@@ -101,10 +104,19 @@ int main() {
         GemmParams p = {m, n, k, pad8(a_cols), pad8(b_cols), pad8(n), 0, 0};
         bf16* a = random_matrix(a_rows, p.lda, 1);
         bf16* b = random_matrix(b_rows, p.ldb, 2);
-        bf16 *c, *c_ref;
-        CHECK(cudaMalloc(&c, (size_t)m * p.ldc * sizeof(bf16)));
+        out_t* c;
+        bf16* c_ref;
+        CHECK(cudaMalloc(&c, (size_t)m * p.ldc * sizeof(out_t)));
         CHECK(cudaMalloc(&c_ref, (size_t)m * p.ldc * sizeof(bf16)));
         dim3 grid((n + BN - 1) / BN, (m + BM - 1) / BM);
+#if defined(WGMMA) && PERSISTENT
+        {
+            int sms = 0;
+            CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+            const unsigned int tiles = grid.x * grid.y;
+            grid = dim3(tiles < (unsigned int)sms * MIN_BLOCKS ? tiles : (unsigned int)sms * MIN_BLOCKS, 1);
+        }
+#endif
 #if defined(WGMMA) && TMA
         // K-major tiles are one box of their rows; MN-major ones a 64 x 64 box per 64 columns.
         const TensorMap ta = tensor_map(a, a_rows, a_cols, p.lda, A_T ? 64 : BM);
@@ -120,20 +132,21 @@ int main() {
                          &one, b, CUDA_R_16BF, p.ldb, a, CUDA_R_16BF, p.lda, &zero, c_ref, CUDA_R_16BF,
                          p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         };
-        CHECK(cudaMemset(c, 0xff, (size_t)m * p.ldc * sizeof(bf16)));
+        CHECK(cudaMemset(c, 0xff, (size_t)m * p.ldc * sizeof(out_t)));
         ours();
         CHECK(cudaGetLastError());
         theirs();
         CHECK(cudaDeviceSynchronize());
-        std::vector<bf16> hc((size_t)m * p.ldc), hr((size_t)m * p.ldc);
-        CHECK(cudaMemcpy(hc.data(), c, hc.size() * 2, cudaMemcpyDeviceToHost));
+        std::vector<out_t> hc((size_t)m * p.ldc);
+        std::vector<bf16> hr((size_t)m * p.ldc);
+        CHECK(cudaMemcpy(hc.data(), c, hc.size() * sizeof(out_t), cudaMemcpyDeviceToHost));
         CHECK(cudaMemcpy(hr.data(), c_ref, hr.size() * 2, cudaMemcpyDeviceToHost));
         double err = 0;
         // Every 7th row (and the last): the whole of the LM head's product is 300M values.
         for (unsigned int i = 0; i < m; i = (i + 7 < m || i == m - 1) ? i + 7 : m - 1)
             for (unsigned int j = 0; j < n; ++j) {
                 const size_t at = (size_t)i * p.ldc + j;
-                const double d = fabs((double)__bfloat162float(hc[at]) - __bfloat162float(hr[at]));
+                const double d = fabs(as_double(hc[at]) - __bfloat162float(hr[at]));
                 err = d == d ? fmax(err, d) : INFINITY;  // a value never written is NaN
             }
         err /= max_abs(hr);

@@ -315,6 +315,9 @@ struct WgmmaTiles {
     tma: bool,
     /// One `m64n256k16` instruction a k step (`bn` 256).
     wide: bool,
+    /// One block per multiprocessor walks the tiles; each computing warpgroup writes its rows
+    /// out through its own staging buffer while the next tile's stages fill.
+    persistent: bool,
 }
 
 /// The `cp.async` configuration: where TMA is switched off (`VERL_GEMM_TMA=decomposed`).
@@ -324,40 +327,52 @@ const WGMMA_TILES: WgmmaTiles = WgmmaTiles {
     specialized: false,
     tma: false,
     wide: false,
+    persistent: false,
 };
 
-/// The TMA configuration, the default on Hopper: a 128 × 256 tile, 4 stages of 48 KiB filled by
-/// one thread's bulk copies, two computing warpgroups of one `m64n256k16` each a k step.
-/// `WGMMA=1 bash bench/gpu/gemm_sweep.sh` on an H200 (docs/PERFORMANCE.md): 79-81 % of cuBLAS
-/// on the 1.5B step's NN/NT shapes and 104 % on TN, against 49-61 % for the `cp.async` tiles.
+/// The TMA configuration for most products, the default on Hopper: persistent blocks of
+/// 128 × 256 tiles, 3 stages of 48 KiB filled by one thread's bulk copies, two computing
+/// warpgroups of one `m64n256k16` each a k step. `WGMMA=1 bash bench/gpu/gemm_sweep.sh` on an
+/// H200 (docs/PERFORMANCE.md): 94-95 % of cuBLAS on the step's NN/NT shapes and 117 % on TN
+/// with a bf16 result (85 / 85 / 108 % in f32), against 49-61 % for the `cp.async` tiles.
 const WGMMA_TMA_TILES: WgmmaTiles = WgmmaTiles {
     bn: 256,
-    stages: 4,
+    stages: 3,
     specialized: true,
     tma: true,
     wide: true,
+    persistent: true,
 };
 
-/// The TMA configuration for products with fewer 128 × 256 tiles than multiprocessors (a
-/// narrow n: the 0.5B's `o`/`down` at 896 columns ran 64 blocks on 132 SMs, 60 % of cuBLAS):
-/// 128 × 128 tiles, 6 stages of 32 KiB, so twice the blocks (103 % there).
+/// The TMA configuration where 128 × 128 tiles finish sooner ([`wgmma_tiles`]): a narrow n
+/// (the 0.5B's `o`/`down` at 896 columns made 64 tiles of 128 × 256 for 132 SMs, 55-62 % of
+/// cuBLAS, against 93-107 % here), or a last wave mostly empty. 4 stages of 32 KiB.
 const WGMMA_TMA_NARROW_TILES: WgmmaTiles = WgmmaTiles {
     bn: 128,
-    stages: 6,
+    stages: 4,
     specialized: true,
     tma: true,
     wide: false,
+    persistent: true,
 };
 
 /// The Hopper GEMM's operand loads by TMA (on unless `VERL_GEMM_TMA=decomposed`, which keeps
 /// the `cp.async` pipeline).
 pub static TMA: KernelSwitch = KernelSwitch::new("VERL_GEMM_TMA");
 
-/// The `wgmma` tiles for an `m × n` product on a GPU of `sms` multiprocessors.
+/// A 128 × 128 tile's time against a 128 × 256 tile's: the wide tile reads A once for twice
+/// the columns (about 10 % faster per column in the sweep).
+const NARROW_TILE_COST: f64 = 0.55;
+
+/// The `wgmma` tiles for an `m × n` product on a GPU of `sms` multiprocessors: the tile whose
+/// waves of persistent blocks end first (a wave of wide tiles costs 1, of narrow ones
+/// [`NARROW_TILE_COST`]).
 fn wgmma_tiles(m: usize, n: usize, sms: usize) -> WgmmaTiles {
     if !TMA.enabled() {
-        WGMMA_TILES
-    } else if m.div_ceil(WGMMA_BM) * n.div_ceil(WGMMA_TMA_TILES.bn) >= sms {
+        return WGMMA_TILES;
+    }
+    let waves = |bn: usize| (m.div_ceil(WGMMA_BM) * n.div_ceil(bn)).div_ceil(sms.max(1)) as f64;
+    if waves(WGMMA_TMA_TILES.bn) <= NARROW_TILE_COST * waves(WGMMA_TMA_NARROW_TILES.bn) {
         WGMMA_TMA_TILES
     } else {
         WGMMA_TMA_NARROW_TILES
@@ -378,9 +393,26 @@ impl WgmmaTiles {
     }
 
     /// The pipeline's stages (both operands' tiles, bf16) plus 1 KiB to align its start to the
-    /// 128-byte swizzle's 1 KiB period, as `gemm_wgmma.cu` lays it out.
+    /// 128-byte swizzle's 1 KiB period, as `gemm_wgmma.cu` lays it out, and with the
+    /// persistent schedule the two warpgroups' staging buffers (`EPI_WG_BYTES`).
     fn shared_bytes(&self) -> usize {
-        self.stages * (WGMMA_BM + self.bn) * WGMMA_BK * 2 + 1024
+        let staging = if self.persistent {
+            2 * 64 * ((self.bn + 8) * 2).max(132 * 4)
+        } else {
+            0
+        };
+        self.stages * (WGMMA_BM + self.bn) * WGMMA_BK * 2 + staging + 1024
+    }
+
+    /// Blocks for an `m × n` product: one per tile, or with the persistent schedule at most
+    /// one per multiprocessor (`sms`).
+    fn grid(&self, m: usize, n: usize, sms: usize) -> (u32, u32, u32) {
+        let (rows, cols) = (m.div_ceil(WGMMA_BM), n.div_ceil(self.bn));
+        if self.persistent {
+            ((rows * cols).min(sms.max(1)) as u32, 1, 1)
+        } else {
+            (cols as u32, rows as u32, 1)
+        }
     }
 
     fn defines(&self, a_t: bool, b_t: bool) -> Vec<(&'static str, u32)> {
@@ -392,6 +424,7 @@ impl WgmmaTiles {
             ("SPECIALIZED", self.specialized as u32),
             ("TMA", self.tma as u32),
             ("WIDE", self.wide as u32),
+            ("PERSISTENT", self.persistent as u32),
         ]
     }
 }
@@ -446,12 +479,15 @@ fn launch_own(
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
     let mut tma = false;
+    let mut grid = None;
     let (kernel, (bm, bn)) = if wgmma {
+        let sms = super::multiprocessors(&lhs);
         let tiles = match which {
             OwnKernel::CpAsync => WGMMA_TILES,
-            _ => wgmma_tiles(m, n, super::multiprocessors(&lhs)),
+            _ => wgmma_tiles(m, n, sms),
         };
         tma = tiles.tma;
+        grid = Some(tiles.grid(m, n, sms));
         let mut defines = tiles.defines(a_t, b_t);
         defines.push(("OUT_F32", out_f32 as u32));
         let kernel = CudaSource {
@@ -481,7 +517,7 @@ fn launch_own(
     // The output may be pitched too.
     let ldc = super::row_pitch(&out);
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
-    let grid = (n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1);
+    let grid = grid.unwrap_or((n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1));
     if tma {
         // Stored [rows][cols]: A as [m][k] (K-major tiles: one box of the tile's rows) or
         // Aᵀ [k][m] (MN-major: 64 × 64 boxes); B as Bᵀ [n][k] or [k][n] likewise.
@@ -1019,7 +1055,8 @@ mod tests {
         // a stage that the single expect-tx count covers (A's and B's boxes, bf16).
         for t in [WGMMA_TILES, WGMMA_TMA_TILES, WGMMA_TMA_NARROW_TILES] {
             // The f32 epilogue's BM × (BN + 4) tile reuses the pipeline's memory.
-            assert!(WGMMA_BM * (t.bn + 4) * 4 <= t.shared_bytes() - 1024);
+            assert!(WGMMA_BM * (t.bn + 4) * 4 <= t.stages * (WGMMA_BM + t.bn) * WGMMA_BK * 2);
+            assert!(!t.persistent || t.tma);
         }
         for t in [WGMMA_TMA_TILES, WGMMA_TMA_NARROW_TILES] {
             assert!(t.tma && t.specialized && t.threads() == 384);
@@ -1028,12 +1065,21 @@ mod tests {
             assert!(t.shared_bytes() + 2 * t.stages * 8 <= 227 * 1024);
             assert!(t.defines(true, true).contains(&("TMA", 1)));
         }
+        // 3 stages of (128 + 256) rows of 64 bf16, two staging buffers of 64 × (256 + 8) bf16.
         assert_eq!(
             WGMMA_TMA_TILES.shared_bytes(),
-            4 * (128 + 256) * 64 * 2 + 1024
+            3 * (128 + 256) * 64 * 2 + 2 * 64 * 264 * 2 + 1024
         );
-        // The narrow tiles where the wide ones would leave multiprocessors idle.
+        // The narrow tiles where the wide ones would leave multiprocessors idle or a last wave
+        // mostly empty (the sweep's choices, docs/PERFORMANCE.md).
+        assert_eq!(wgmma_tiles(2048, 4864, 132), WGMMA_TMA_NARROW_TILES);
         assert_eq!(wgmma_tiles(2048, 896, 132), WGMMA_TMA_NARROW_TILES);
         assert_eq!(wgmma_tiles(8192, 1536, 132), WGMMA_TMA_TILES);
+        assert_eq!(wgmma_tiles(2044, 151_936, 132), WGMMA_TMA_TILES);
+        assert_eq!(wgmma_tiles(8192, 8960, 132), WGMMA_TMA_TILES);
+        // Persistent blocks: at most one per multiprocessor, never more than the tiles.
+        assert_eq!(WGMMA_TMA_TILES.grid(8192, 1536, 132), (132, 1, 1));
+        assert_eq!(WGMMA_TMA_TILES.grid(100, 300, 132), (2, 1, 1));
+        assert_eq!(WGMMA_TILES.grid(300, 300, 132), (3, 3, 1));
     }
 }

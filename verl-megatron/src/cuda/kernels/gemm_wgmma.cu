@@ -58,6 +58,17 @@
 #ifndef REGS
 #define REGS TMA
 #endif
+// PERSISTENT = 1 (with TMA): gridDim.x blocks (one per multiprocessor) walk the tiles in groups
+// of GROUP_M tile rows (for L2 reuse); the copying thread fills the next tile's stages while the
+// computing warpgroups write the last one out, each from its own 64-row staging buffer past the
+// pipeline (so the epilogue no longer leaves the tensor cores and the copies idle together).
+#ifndef PERSISTENT
+#define PERSISTENT 0
+#endif
+#define GROUP_M 8
+#if PERSISTENT && !TMA
+#error "the persistent schedule needs TMA loads"
+#endif
 #if WIDE && BN != 256
 #error "WIDE needs BN = 256"
 #endif
@@ -73,7 +84,14 @@
 #define STAGE_BYTES (TILE_A_BYTES + TILE_B_BYTES)
 // The pipeline plus 1 KiB to align the start to the swizzle's 1 KiB period; the epilogue reuses
 // the pipeline's memory for a BM x (BN + 8) bf16 or BM x (BN + 4) f32 tile.
+// A warpgroup's staging buffer in the persistent epilogue: 64 rows of BN + 8 bf16, or of a
+// 128-column half in f32 (128 + 4): 33 792 bytes either way at BN = 256.
+#define EPI_WG_BYTES (64 * ((BN + 8) * 2 > 132 * 4 ? (BN + 8) * 2 : 132 * 4))
+#if PERSISTENT
+#define GEMM_SMEM_BYTES (STAGES * STAGE_BYTES + 2 * EPI_WG_BYTES + 1024)
+#else
 #define GEMM_SMEM_BYTES (STAGES * STAGE_BYTES + 1024)
+#endif
 static_assert(BM * (BN + 4) * 4 <= STAGES * STAGE_BYTES, "the f32 epilogue's tile must fit the pipeline");
 #if SPECIALIZED && STAGES < 2
 #error "SPECIALIZED needs at least 2 stages"
@@ -326,7 +344,84 @@ __device__ __forceinline__ void stage_products(float (&acc)[NI][64], unsigned in
     }
 }
 
-// Grid (ceil(n / BN), ceil(m / BM)).
+#if PERSISTENT
+// Tile t's first row and column: GROUP_M tile rows at a time, down the rows first, so the
+// blocks running together share A's and B's tiles in L2.
+__device__ __forceinline__ void tile_origin(unsigned int t, unsigned int tiles_m, unsigned int tiles_n,
+                                            unsigned int& m0, unsigned int& n0) {
+    const unsigned int per_group = GROUP_M * tiles_n;
+    const unsigned int first = (t / per_group) * GROUP_M;
+    const unsigned int rows = tiles_m - first < GROUP_M ? tiles_m - first : GROUP_M;
+    const unsigned int in_group = t % per_group;
+    m0 = (first + in_group % rows) * BM;
+    n0 = (in_group / rows) * BN;
+}
+
+// A barrier over one computing warpgroup (ids 2 and 3).
+__device__ __forceinline__ void group_sync(unsigned int group) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + group) : "memory");
+}
+
+// This warpgroup's 64 rows of the tile at (m0, n0) out through its staging buffer `buf`, in
+// 16-byte pieces of rows.
+__device__ __forceinline__ void write_rows(float (&acc)[NI][64], out_t* c, const GemmParams& p, unsigned int m0,
+                                           unsigned int n0, unsigned int group, unsigned char* buf) {
+    const unsigned int tid = threadIdx.x % 128, w = tid / 32, l = tid % 32;
+    const unsigned int r0 = m0 + group * 64;
+#if OUT_F32
+    float* tile = (float*)buf;
+#pragma unroll
+    for (int j = 0; j < NI; ++j) {
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const unsigned int row = 16 * w + l / 4 + 8 * ((i / 2) % 2);
+            const unsigned int col = 8 * (i / 4) + 2 * (l % 4);
+            *(float2*)(tile + row * 132 + col) = make_float2(acc[j][i], acc[j][i + 1]);
+        }
+        group_sync(group);
+        for (unsigned int q = tid; q < 64 * 128 / 4; q += 128) {
+            const unsigned int r = q / 32, c4 = (q % 32) * 4;
+            const unsigned int gm = r0 + r, gn = n0 + 128 * j + c4;
+            if (gm >= p.m || gn >= p.n) continue;
+            float* dst = c + (unsigned long long)gm * p.ldc + gn;
+            const float* from = tile + r * 132 + c4;
+            if (gn + 4 <= p.n && p.ldc % 4 == 0) {
+                *(float4*)dst = *(const float4*)from;
+            } else {
+                for (unsigned int e = 0; e < 4 && gn + e < p.n; ++e) dst[e] = from[e];
+            }
+        }
+        group_sync(group);  // the buffer is free again
+    }
+#else
+    bf16* tile = (bf16*)buf;
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int i = 0; i < 64; i += 2) {
+            const unsigned int row = 16 * w + l / 4 + 8 * ((i / 2) % 2);
+            const unsigned int col = 128 * j + 8 * (i / 4) + 2 * (l % 4);
+            *(__nv_bfloat162*)(tile + row * (BN + 8) + col) = __floats2bfloat162_rn(acc[j][i], acc[j][i + 1]);
+        }
+    group_sync(group);
+    for (unsigned int q = tid; q < 64 * BN / 8; q += 128) {
+        const unsigned int r = q / (BN / 8), c8 = (q % (BN / 8)) * 8;
+        const unsigned int gm = r0 + r, gn = n0 + c8;
+        if (gm >= p.m || gn >= p.n) continue;
+        bf16* dst = c + (unsigned long long)gm * p.ldc + gn;
+        const bf16* from = tile + r * (BN + 8) + c8;
+        if (gn + 8 <= p.n && p.ldc % 8 == 0) {
+            *(uint4*)dst = *(const uint4*)from;
+        } else {
+            for (unsigned int e = 0; e < 8 && gn + e < p.n; ++e) dst[e] = from[e];
+        }
+    }
+    group_sync(group);
+#endif
+}
+#endif  // PERSISTENT
+
+// Grid (ceil(n / BN), ceil(m / BM)); with PERSISTENT, (blocks, 1) over every tile.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 verl_gemm_bf16_wgmma(
 #if TMA
@@ -339,6 +434,75 @@ verl_gemm_bf16_wgmma(
     unsigned char* smem = smem_raw + ((1024 - ((unsigned int)__cvta_generic_to_shared(smem_raw) % 1024)) % 1024);
     const unsigned int base = (unsigned int)__cvta_generic_to_shared(smem);
 
+#if PERSISTENT
+    {
+        const unsigned int k_tiles = (p.k + BK - 1) / BK;
+        const unsigned int tiles_m = (p.m + BM - 1) / BM, tiles_n = (p.n + BN - 1) / BN;
+        const unsigned int tiles = tiles_m * tiles_n;
+        __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+        const unsigned int full = (unsigned int)__cvta_generic_to_shared(bars);
+        const unsigned int empty = full + STAGES * 8;
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < STAGES; ++s) {
+                barrier_init(full + s * 8, 1);
+                barrier_init(empty + s * 8, 2);
+            }
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        }
+        __syncthreads();
+        const unsigned int role = threadIdx.x / 128;
+        // `it` counts stage uses across tiles: stage it % STAGES, phase (it / STAGES) & 1.
+        unsigned int it = 0;
+        if (role == 2) {
+#if REGS
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
+            if (threadIdx.x == CONSUMERS) {
+                for (unsigned int t = blockIdx.x; t < tiles; t += gridDim.x) {
+                    unsigned int m0, n0;
+                    tile_origin(t, tiles_m, tiles_n, m0, n0);
+                    for (unsigned int kt = 0; kt < k_tiles; ++kt, ++it) {
+                        const unsigned int s = it % STAGES;
+                        if (it >= STAGES) barrier_wait(empty + s * 8, ((it / STAGES) + 1) & 1);
+                        barrier_expect(full + s * 8, STAGE_BYTES);
+                        tma_stage(&ta, &tb, base + s * STAGE_BYTES, base + s * STAGE_BYTES + TILE_A_BYTES,
+                                  full + s * 8, m0, n0, kt * BK);
+                    }
+                }
+            }
+            return;
+        }
+#if REGS
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#endif
+        const unsigned int group = role;
+        unsigned char* buf = smem + STAGES * STAGE_BYTES + group * EPI_WG_BYTES;
+        float acc[NI][64];
+        for (unsigned int t = blockIdx.x; t < tiles; t += gridDim.x) {
+            unsigned int m0, n0;
+            tile_origin(t, tiles_m, tiles_n, m0, n0);
+#pragma unroll
+            for (int j = 0; j < NI; ++j)
+#pragma unroll
+                for (int i = 0; i < 64; ++i) acc[j][i] = 0.0f;
+            for (unsigned int kt = 0; kt < k_tiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                barrier_wait(full + s * 8, (it / STAGES) & 1);
+                wgmma_fence();
+                stage_products(acc, base + s * STAGE_BYTES, group);
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(empty + ((it - 1) % STAGES) * 8);
+            }
+            wgmma_wait<0>();
+            // The tile's last stage goes back too, so the next tile's copies are under way
+            // while this one is written out.
+            if (threadIdx.x % 128 == 0) barrier_arrive(empty + ((it - 1) % STAGES) * 8);
+            write_rows(acc, c, p, m0, n0, group, buf);
+        }
+        return;
+    }
+#else
     const unsigned int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     const unsigned int k_tiles = (p.k + BK - 1) / BK;
     float acc[NI][64];
@@ -499,5 +663,6 @@ verl_gemm_bf16_wgmma(
         }
     }
 #endif  // OUT_F32
+#endif  // PERSISTENT
 #endif
 }

@@ -5,17 +5,17 @@
 //! (`SimpleCyclicCmma`: single stage, no TMA). Here a 2-D product whose operands are row-major
 //! or plain transposes with 16-byte row pitches runs our own CUDA C++ kernel (the default,
 //! [`GemmKind::Own`]): on Hopper `gemm_wgmma.cu` (warpgroup `wgmma` instructions over
-//! 128-byte-swizzled shared tiles), elsewhere `gemm.cu` (`wmma` tensor-core fragments); both
-//! fed by a multi-stage `cp.async` pipeline. The
+//! 128-byte-swizzled shared tiles that one thread fills with TMA bulk copies, persistent
+//! blocks), elsewhere `gemm.cu` (`wmma` tensor-core fragments fed by a `cp.async` pipeline). The
 //! others (batched products) run a fixed cubek strategy chosen per shape class by
 //! [`table_strategy`] (measured once by `verl bench kernels`; no autotune, whose candidates
 //! can fail or hang). A strategy that cannot run a shape (a setup error) is remembered and
 //! that shape class falls back to burn's own product, which is also the path on every other
 //! backend and under `VERL_GEMM=burn`.
 //!
-//! Under autodiff the product is one custom operation whose backward (`dA = dC·Bᵀ`,
-//! `dB = Aᵀ·dC`, transposes as views) goes through the same seam, so the backward products
-//! get the fixed strategies too.
+//! Under autodiff the product is one custom operation that casts its operands to bf16, writes
+//! an f32 result, and whose backward (`dA = dC·Bᵀ`, `dB = Aᵀ·dC`, transposes as views) goes
+//! through the same seam and gives each gradient in its operand's dtype.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU8, Ordering};

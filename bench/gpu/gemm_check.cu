@@ -121,7 +121,7 @@ int main() {
         // K-major tiles are one box of their rows; MN-major ones a 64 x 64 box per 64 columns.
         const TensorMap ta = tensor_map(a, a_rows, a_cols, p.lda, A_T ? 64 : BM);
         const TensorMap tb = tensor_map(b, b_rows, b_cols, p.ldb, B_T ? BN : 64);
-        auto ours = [&]() { KERNEL<<<grid, THREADS, smem>>>(ta, tb, a, b, c, p); };
+        auto ours = [&]() { KERNEL<<<grid, THREADS, smem>>>(ta, tb, a, b, a, b, c, p); };
 #else
         auto ours = [&]() { KERNEL<<<grid, THREADS, smem>>>(a, b, c, p); };
 #endif

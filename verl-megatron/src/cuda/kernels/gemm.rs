@@ -364,13 +364,19 @@ pub static TMA: KernelSwitch = KernelSwitch::new("VERL_GEMM_TMA");
 /// the columns (about 10 % faster per column in the sweep).
 const NARROW_TILE_COST: f64 = 0.55;
 
-/// The `wgmma` tiles for an `m × n` product on a GPU of `sms` multiprocessors: the tile whose
-/// waves of persistent blocks end first (a wave of wide tiles costs 1, of narrow ones
-/// [`NARROW_TILE_COST`]).
+/// The `wgmma` tiles for an `m × n` product on a GPU of `sms` multiprocessors (see
+/// [`tma_tiles`]), or the `cp.async` ones where TMA is switched off.
 fn wgmma_tiles(m: usize, n: usize, sms: usize) -> WgmmaTiles {
-    if !TMA.enabled() {
-        return WGMMA_TILES;
+    if TMA.enabled() {
+        tma_tiles(m, n, sms)
+    } else {
+        WGMMA_TILES
     }
+}
+
+/// The TMA tiles whose waves of persistent blocks end first (a wave of wide tiles costs 1, of
+/// narrow ones [`NARROW_TILE_COST`]).
+fn tma_tiles(m: usize, n: usize, sms: usize) -> WgmmaTiles {
     let waves = |bn: usize| (m.div_ceil(WGMMA_BM) * n.div_ceil(bn)).div_ceil(sms.max(1)) as f64;
     if waves(WGMMA_TMA_TILES.bn) <= NARROW_TILE_COST * waves(WGMMA_TMA_NARROW_TILES.bn) {
         WGMMA_TMA_TILES
@@ -539,7 +545,15 @@ fn launch_own(
                 box_rows: if b_t { bn } else { TileMap::BOX_COLS },
             },
         ];
-        kernel.launch_with_maps(&out.client, grid, &maps, &[&out], pack_words(&words));
+        // A and B go again as plain buffers too: cubecl orders a launch after another stream's
+        // writes (a tensor made on another thread) only for its buffers.
+        kernel.launch_with_maps(
+            &out.client,
+            grid,
+            &maps,
+            &[&lhs, &rhs, &out],
+            pack_words(&words),
+        );
     } else {
         kernel.launch(&out.client, grid, &[&lhs, &rhs, &out], pack_words(&words));
     }
@@ -906,6 +920,10 @@ fn product_in(lhs: CudaPrimitive, rhs: CudaPrimitive, dtype: DType) -> CudaPrimi
     } else {
         matmul_primitive(lhs, rhs)
     };
+    debug_assert!(
+        matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
+        "a product's gradient in {dtype:?}"
+    );
     if out.dtype == dtype {
         out
     } else {
@@ -1072,11 +1090,11 @@ mod tests {
         );
         // The narrow tiles where the wide ones would leave multiprocessors idle or a last wave
         // mostly empty (the sweep's choices, docs/PERFORMANCE.md).
-        assert_eq!(wgmma_tiles(2048, 4864, 132), WGMMA_TMA_NARROW_TILES);
-        assert_eq!(wgmma_tiles(2048, 896, 132), WGMMA_TMA_NARROW_TILES);
-        assert_eq!(wgmma_tiles(8192, 1536, 132), WGMMA_TMA_TILES);
-        assert_eq!(wgmma_tiles(2044, 151_936, 132), WGMMA_TMA_TILES);
-        assert_eq!(wgmma_tiles(8192, 8960, 132), WGMMA_TMA_TILES);
+        assert_eq!(tma_tiles(2048, 4864, 132), WGMMA_TMA_NARROW_TILES);
+        assert_eq!(tma_tiles(2048, 896, 132), WGMMA_TMA_NARROW_TILES);
+        assert_eq!(tma_tiles(8192, 1536, 132), WGMMA_TMA_TILES);
+        assert_eq!(tma_tiles(2044, 151_936, 132), WGMMA_TMA_TILES);
+        assert_eq!(tma_tiles(8192, 8960, 132), WGMMA_TMA_TILES);
         // Persistent blocks: at most one per multiprocessor, never more than the tiles.
         assert_eq!(WGMMA_TMA_TILES.grid(8192, 1536, 132), (132, 1, 1));
         assert_eq!(WGMMA_TMA_TILES.grid(100, 300, 132), (2, 1, 1));

@@ -1,9 +1,9 @@
 // C = A · B for bf16 operands with f32 accumulation and a bf16 result on Hopper's warpgroup
 // tensor-core instruction (wgmma.mma_async, sm_90a only): a BM x BN tile of C per block of two
 // warpgroups, each warpgroup 64 rows of it with BN / 128 instructions of m64n128k16 per k step.
-// The operands reach shared memory by a STAGES-deep cp.async pipeline (no TMA: the tensor-map
-// descriptor would need a driver call per operand and launch), laid out as wgmma reads them
-// with the 128-byte swizzle, so any row pitch and a transpose of either operand need no copy:
+// The operands reach shared memory by a STAGES-deep pipeline (cp.async, or TMA below), laid out
+// as wgmma reads them with the 128-byte swizzle, so any row pitch and a transpose of either
+// operand need no copy:
 //   A_T = 0: A stored row-major [M][K] (row stride lda), read K-major; 1: stored as A^T [K][M],
 //            read M-major (wgmma's transpose bit).
 //   B_T = 1: B stored as B^T [N][K], read K-major; 0: stored row-major [K][N], read N-major.
@@ -57,6 +57,11 @@
 // (setmaxnreg: 40 a thread against 232).
 #ifndef REGS
 #define REGS TMA
+#endif
+// The register split assumes one block of 384 threads an SM (168 registers a thread at launch:
+// 128 x 40 + 256 x 232 = 384 x 168); anything else would wait forever for registers.
+#if REGS && (!TMA || MIN_BLOCKS != 1)
+#error "REGS needs TMA and MIN_BLOCKS = 1"
 #endif
 // PERSISTENT = 1 (with TMA): gridDim.x blocks (one per multiprocessor) walk the tiles in groups
 // of GROUP_M tile rows (for L2 reuse); the copying thread fills the next tile's stages while the
@@ -246,6 +251,14 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Keeps the compiler from moving reads of the accumulators above the last wgmma_wait (the
+// registers are written by the asynchronous products, which the compiler cannot see).
+__device__ __forceinline__ void fence_accumulators(float (&acc)[NI][64]) {
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[j][i])::"memory");
+}
 __device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void barrier_init(unsigned int bar, unsigned int count) {
@@ -427,8 +440,13 @@ verl_gemm_bf16_wgmma(
 #if TMA
                      const __grid_constant__ TensorMap ta, const __grid_constant__ TensorMap tb,
 #endif
-                     const bf16* __restrict__ a, const bf16* __restrict__ b, out_t* __restrict__ c,
-                     GemmParams p) {
+                     const bf16* __restrict__ a, const bf16* __restrict__ b,
+#if TMA
+                     // A and B again as plain buffers: cubecl orders a launch after other
+                     // streams' writes only for its buffers, not for tensor maps' operands.
+                     const bf16* a_buffer, const bf16* b_buffer,
+#endif
+                     out_t* __restrict__ c, GemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ __align__(128) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - ((unsigned int)__cvta_generic_to_shared(smem_raw) % 1024)) % 1024);
@@ -495,6 +513,7 @@ verl_gemm_bf16_wgmma(
                 if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(empty + ((it - 1) % STAGES) * 8);
             }
             wgmma_wait<0>();
+            fence_accumulators(acc);
             // The tile's last stage goes back too, so the next tile's copies are under way
             // while this one is written out.
             if (threadIdx.x % 128 == 0) barrier_arrive(empty + ((it - 1) % STAGES) * 8);
@@ -572,6 +591,7 @@ verl_gemm_bf16_wgmma(
         if (kt > 0 && threadIdx.x % 128 == 0) barrier_arrive(empty + ((kt - 1) % STAGES) * 8);
     }
     wgmma_wait<0>();
+    fence_accumulators(acc);
     consumers_sync();
 #else
     const unsigned int group = threadIdx.x / 128;  // this warpgroup's 64 rows of the tile
@@ -599,6 +619,7 @@ verl_gemm_bf16_wgmma(
         wgmma_wait<1>();
     }
     wgmma_wait<0>();
+    fence_accumulators(acc);
     wait_groups<0>();
     __syncthreads();
 #endif

@@ -36,7 +36,7 @@ verl_sum_squares(const float* t0, const float* t1, const float* t2, const float*
     float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
     const unsigned long long step = (unsigned long long)p.blocks * THREADS;
     const unsigned long long first = (unsigned long long)blockIdx.x * THREADS + threadIdx.x;
-    if (stride == cols && ((unsigned long long)t & 15ull) == 0) {
+    if ((stride == cols || rows == 1) && ((unsigned long long)t & 15ull) == 0) {
         // Contiguous: one flat run of float4s, then the last n % 4 elements.
         const unsigned long long n = (unsigned long long)rows * cols, n4 = n / 4;
         const float4* v = (const float4*)t;

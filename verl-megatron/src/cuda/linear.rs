@@ -126,10 +126,12 @@ fn routed<B: Backend>(
 struct LinearBackward;
 
 impl Backward<CudaBackend, 2> for LinearBackward {
-    type State = (Primitive, Primitive);
+    /// The bf16 operands, and the dtypes of the operands as given (each gradient comes back in
+    /// its operand's own).
+    type State = (Primitive, Primitive, DType, DType);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (x, w) = ops.state;
+        let (x, w, x_dtype, w_dtype) = ops.state;
         let wrap =
             |p: Primitive| Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p));
         let unwrap = |t: Tensor<CudaBackend, 2>| t.into_primitive().tensor();
@@ -138,7 +140,6 @@ impl Backward<CudaBackend, 2> for LinearBackward {
         let run = |r: Result<Tensor<CudaBackend, 2>, String>| {
             r.unwrap_or_else(|e| panic!("cuBLASLt linear backward: {e}"))
         };
-        let (x_dtype, w_dtype) = (wrap(x.clone()).dtype(), wrap(w.clone()).dtype());
         binary::<CudaBackend, _, _>(
             ops.parents,
             ops.node,
@@ -155,11 +156,22 @@ fn linear_autodiff<C: CheckpointStrategy>(
 ) -> Result<Tensor<Autodiff<CudaBackend, C>, 2>, String> {
     let x = x.into_primitive().tensor();
     let w = w.into_primitive().tensor();
-    let inner =
-        |p: &Primitive| Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p.clone()));
-    let y = gemm(inner(&x.primitive), false, inner(&w.primitive), true)?
+    // Cast once here, so the backward's two products reuse the bf16 operands (the operands may
+    // come in f32: the products' seam casts them itself).
+    let low = |p: &Primitive| {
+        Tensor::<CudaBackend, 2>::from_primitive(TensorPrimitive::Float(p.clone()))
+            .cast(FloatDType::BF16)
+    };
+    let (x16, w16) = (low(&x.primitive), low(&w.primitive));
+    let y = gemm(x16.clone(), false, w16.clone(), true)?
         .into_primitive()
         .tensor();
-    let saved = (x.primitive.clone(), w.primitive.clone());
+    let (x_dtype, w_dtype) = (x.primitive.dtype, w.primitive.dtype);
+    let saved = (
+        x16.into_primitive().tensor(),
+        w16.into_primitive().tensor(),
+        x_dtype,
+        w_dtype,
+    );
     Ok(record(LinearBackward, [&x, &w], saved, y))
 }

@@ -827,6 +827,9 @@ pub(crate) mod gpu {
     /// Every collective of the device kernels against NCCL (f32 sum, avg and max all-reduce,
     /// bf16 sum, all-gather, reduce-scatter, broadcast) on lengths that do and do not fill the
     /// kernels' vectors; a failure names the collective and length.
+    /// One tensor per rank, as a collective returns them.
+    type Shards = Vec<Tensor<CudaBackend, 1>>;
+
     fn check_device_collectives(comm: &NcclCommunicator) -> Result<Vec<String>, String> {
         let device = comm.device().clone();
         let world = comm.world_size();
@@ -842,14 +845,8 @@ pub(crate) mod gpu {
             let x =
                 Tensor::<CudaBackend, 1>::random([len], Distribution::Normal(0.0, 1.0), &device)
                     + (comm.rank() as f32);
-            let both = |f: &dyn Fn() -> Result<
-                Vec<Tensor<CudaBackend, 1>>,
-                verl::core::error::CommError,
-            >|
-             -> Result<
-                (Vec<Tensor<CudaBackend, 1>>, Vec<Tensor<CudaBackend, 1>>),
-                String,
-            > {
+            let both = |f: &dyn Fn() -> Result<Shards, verl::core::error::CommError>|
+             -> Result<(Shards, Shards), String> {
                 comm.set_device_collectives(false);
                 let host = f().map_err(|e| e.to_string())?;
                 comm.set_device_collectives(true);
@@ -857,10 +854,7 @@ pub(crate) mod gpu {
                 Ok((dev, host))
             };
             let mut worst =
-                |name: &str,
-                 bound: f32,
-                 (dev, host): (Vec<Tensor<CudaBackend, 1>>, Vec<Tensor<CudaBackend, 1>>)|
-                 -> Result<(), String> {
+                |name: &str, bound: f32, (dev, host): (Shards, Shards)| -> Result<(), String> {
                     let e = dev
                         .into_iter()
                         .zip(host)

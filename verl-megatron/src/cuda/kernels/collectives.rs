@@ -101,7 +101,7 @@ pub fn launch(
     let (kind, op, root, whole) = match collective {
         Collective::AllReduce(op) => {
             let bytes = n * dtype.size();
-            let two_shot = bytes > TWO_SHOT_BYTES && n % world == 0;
+            let two_shot = bytes > TWO_SHOT_BYTES && n.is_multiple_of(world);
             let kind = if two_shot { 1 } else { 0 };
             (kind, op, 0, if two_shot { n / world } else { n })
         }
@@ -110,7 +110,7 @@ pub fn launch(
         Collective::Broadcast { root } => (4, OP_SUM, root, n),
     };
     // Vector loads need whole units everywhere: the count and each rank's chunk.
-    let vectorised = n % v == 0 && whole % v == 0;
+    let vectorised = n.is_multiple_of(v) && whole.is_multiple_of(v);
     let units = if vectorised { n / v } else { n };
     let cap = if n * dtype.size() > LARGE_BYTES {
         MAX_BLOCKS

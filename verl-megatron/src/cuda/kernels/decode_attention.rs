@@ -63,8 +63,8 @@ pub fn applies(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
 
 fn shape_fits(heads: usize, kv_heads: usize, head_dim: usize) -> bool {
     kv_heads > 0
-        && heads % kv_heads == 0
-        && head_dim % 32 == 0
+        && heads.is_multiple_of(kv_heads)
+        && head_dim.is_multiple_of(32)
         && head_dim <= 256
         && (heads / kv_heads) * head_dim <= 1024
 }
@@ -460,14 +460,14 @@ mod tests {
         assert_eq!(split_len(4, 64, 8000, 132), 0);
         // Batch 8 of a 7B at tp 2 (2 kv heads): 16 blocks, 17 splits wanted, 31 possible.
         let s = split_len(2, 8, 8000, 132);
-        assert!(s >= 128 && s % 32 == 0, "{s}");
+        assert!(s >= 128 && s.is_multiple_of(32), "{s}");
         assert!(8000usize.div_ceil(s) * 16 >= 2 * 132, "{s}");
         // Every split but the last is full, so the combine's split count (position / split + 1)
         // covers exactly the keys.
         for (kv, slots, keys) in [(2, 1, 512), (8, 3, 10_000), (1, 1, 131_072)] {
             let s = split_len(kv, slots, keys, 132);
             if s > 0 {
-                assert!(s >= 128 && s % 32 == 0);
+                assert!(s >= 128 && s.is_multiple_of(32));
                 assert!((keys - 1) / s < keys.div_ceil(s));
             }
         }

@@ -1026,7 +1026,7 @@ mod tests {
         let t = OWN_TILES;
         assert_eq!(t.bm % (16 * t.warps_m), 0);
         assert_eq!(t.bn % (16 * t.warps_n), 0);
-        assert!(t.bk % 16 == 0 && t.stages >= 2);
+        assert!(t.bk.is_multiple_of(16) && t.stages >= 2);
         for (a_t, b_t) in [(false, false), (false, true), (true, false), (true, true)] {
             assert!(t.shared_bytes(a_t, b_t) <= 227 * 1024);
         }
@@ -1046,7 +1046,7 @@ mod tests {
             assert_eq!(t.bm, 16 * t.warps_m);
             assert_eq!(t.bn % (16 * t.warps_n), 0);
             assert!(t.bm >= m && t.bm - m < 32, "m {m}: {} rows", t.bm);
-            assert!(t.bk % 16 == 0 && t.stages >= 2);
+            assert!(t.bk.is_multiple_of(16) && t.stages >= 2);
             assert!(2 * t.shared_bytes(false, true) <= 227 * 1024, "m {m}");
         }
         assert_eq!(decode_tiles(1).bm, 16);
@@ -1061,7 +1061,7 @@ mod tests {
     #[test]
     fn wgmma_configuration_is_consistent() {
         let t = WGMMA_TILES;
-        assert!(t.bn % 128 == 0 && t.bn <= 256);
+        assert!(t.bn.is_multiple_of(128) && t.bn <= 256);
         assert!(t.stages >= if t.specialized { 2 } else { 3 });
         assert!(t.shared_bytes() <= 227 * 1024);
         // 3 stages of (128 + 128) rows of 64 bf16, plus the alignment slack.

@@ -17,7 +17,7 @@ const BLOCKS: u32 = 264;
 /// host memory must stay untouched until the copy ran ([`launch_flag`] tells the host).
 pub fn launch_copy(dst: &CudaPrimitive, src: u64, dst_offset: u64, bytes: u64) {
     debug_assert!(
-        src % 16 == 0 && dst_offset % 16 == 0,
+        src.is_multiple_of(16) && dst_offset.is_multiple_of(16),
         "host copy: 16-byte vector loads need aligned ends"
     );
     let vectors = bytes.div_ceil(16);

@@ -270,7 +270,7 @@ mod tests {
     /// shape covers every row.
     #[test]
     fn backward_shared_memory_fits() {
-        assert!(MAX_HIDDEN * 4 <= 96 * 1024);
+        const { assert!(MAX_HIDDEN * 4 <= 96 * 1024) };
         let d = Dims {
             rows: 33,
             hidden: 896,

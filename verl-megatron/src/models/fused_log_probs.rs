@@ -110,13 +110,29 @@ fn fused_forward_with<B: FusedOps>(
     for start in (0..tokens).step_by(chunk) {
         let n = chunk.min(tokens - start);
         let z = chunk_logits(h.clone().narrow(0, start, n), &w, spec);
+        let (local, outside) = local_labels(labels.clone().narrow(0, start, n), spec);
+        // The backend's one-pass vocabulary kernel where it has one (burn-cuda): one read of
+        // the chunk's logits instead of the chain below.
+        let z = if B::vocab_stats_applies() {
+            let kernel_labels = local.clone().mask_fill(outside.clone(), -1).reshape([n]);
+            match B::vocab_stats(z, kernel_labels) {
+                Ok(stats) => {
+                    let (out, lse) = outputs_from_stats(stats, tp);
+                    outs.push(out);
+                    lses.push(lse.reshape([n]));
+                    continue;
+                }
+                Err((z, _)) => z,
+            }
+        } else {
+            z
+        };
         let mut max = z.clone().max_dim(1);
         if let Some(reduce) = tp {
             max = reduce(max, crate::parallel::Collective::AllReduceMax);
         }
         let shifted = z - max.clone();
         let e = shifted.clone().exp();
-        let (local, outside) = local_labels(labels.clone().narrow(0, start, n), spec);
         let picked = shifted.clone().gather(1, local).mask_fill(outside, 0.0);
         // Σ e, Σ e·(z − max), the label's shifted logit: summed over the shards at once.
         let mut sums = Tensor::cat(
@@ -136,6 +152,37 @@ fn fused_forward_with<B: FusedOps>(
         lses.push((max + log_s).reshape([n]));
     }
     (Tensor::cat(outs, 0), Tensor::cat(lses, 0))
+}
+
+/// Log-probs and entropies `[n, 2]` and log-sum-exps `[n, 1]` from a shard's per-row
+/// statistics `[m, s, p, w]` (`FusedOps::vocab_stats`: the shard's maximum, `Σ exp(x − m)`, the
+/// label's logit or 0 outside the shard, `Σ exp(x − m) · x`), combined over `tp`: with `M` the
+/// group's maximum and each shard's sums rescaled by `exp(m − M)`, `lse = M + log S`,
+/// `log p = P − lse` and `H = lse − W / S`.
+#[allow(clippy::type_complexity)]
+fn outputs_from_stats<B: Backend>(
+    stats: Tensor<B, 2>,
+    tp: Option<&dyn Fn(Tensor<B, 2>, crate::parallel::Collective) -> Tensor<B, 2>>,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let column = |i: usize| stats.clone().narrow(1, i, 1);
+    let shard_max = column(0);
+    let max = match tp {
+        Some(reduce) => reduce(shard_max.clone(), crate::parallel::Collective::AllReduceMax),
+        None => shard_max.clone(),
+    };
+    let rescale = (shard_max - max.clone()).exp();
+    let mut sums = Tensor::cat(
+        vec![column(1) * rescale.clone(), column(3) * rescale, column(2)],
+        1,
+    );
+    if let Some(reduce) = tp {
+        sums = reduce(sums, crate::parallel::Collective::AllReduceSum);
+    }
+    let s = sums.clone().narrow(1, 0, 1);
+    let lse = max + s.clone().log();
+    let entropy = lse.clone() - sums.clone().narrow(1, 1, 1) / s;
+    let log_prob = sums.narrow(1, 2, 1) - lse.clone();
+    (Tensor::cat(vec![log_prob, entropy], 1), lse)
 }
 
 /// [`fused_forward`] on a backend whose collectives run on its base backend (`B::Base`): the
@@ -225,6 +272,52 @@ mod tests {
             })
             .collect();
         Tensor::from_data(TensorData::new(values, shape), device)
+    }
+
+    /// The statistics path (what a backend with a vocabulary kernel takes) against the chain
+    /// the CPU runs: the kernel's `[m, s, p, w]` computed here with burn's operations from the
+    /// same logits, combined by `outputs_from_stats`, give the chain's log-probs, entropies and
+    /// log-sum-exps, with a padded row and the shard starting past id 0.
+    #[test]
+    fn statistics_give_the_chains_outputs() {
+        let device = Default::default();
+        let (tokens, hidden, rows) = (6, 4, 7);
+        let h = fixed::<2>([tokens, hidden], 4, &device);
+        let w = fixed::<2>([rows, hidden], 5, &device);
+        // This shard holds ids 3..9, its last row padding. (A label outside the shard adds
+        // its logit in another rank's sums, so at one rank every label is inside.)
+        let labels = Tensor::<CpuBackend, 1, Int>::from_ints([3, 4, 8, 5, 7, 6], &device);
+        let spec = FusedHead {
+            vocab_start: 3,
+            real_rows: rows - 1,
+            scale: 1.3,
+            chunk: tokens,
+            dtype: Default::default(),
+        };
+        let (chain, chain_lse) = fused_forward(h.clone(), w.clone(), labels.clone(), &spec, None);
+        let z = chunk_logits(h, &w, &spec);
+        let (local, outside) = local_labels(labels, &spec);
+        let m = z.clone().max_dim(1);
+        let e = (z.clone() - m.clone()).exp();
+        let p = z.clone().gather(1, local).mask_fill(outside, 0.0);
+        let stats = Tensor::cat(vec![m, e.clone().sum_dim(1), p, (e * z).sum_dim(1)], 1);
+        let (out, lse) = outputs_from_stats(stats, None);
+        let flat = |t: Tensor<CpuBackend, 2>| t.into_data().to_vec::<f32>().unwrap();
+        for (what, a, b) in [
+            ("outputs", flat(out), flat(chain)),
+            (
+                "log-sum-exp",
+                flat(lse),
+                flat(chain_lse.reshape([tokens, 1])),
+            ),
+        ] {
+            for (x, y) in a.iter().zip(&b) {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "{what}: {x} vs {y}"
+                );
+            }
+        }
     }
 
     /// The chunked forward and the recomputing backward against autodiff through the full

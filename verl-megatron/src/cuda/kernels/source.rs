@@ -8,6 +8,14 @@
 //! empty cubecl-cpp kernel whose only content is one byte array of that size. Kernel
 //! parameters arrive in order: one device pointer per buffer, then the `info` words (`u64`s)
 //! by value as a single struct, which the CUDA side declares with the same layout.
+//!
+//! A launch may also carry tensor maps for Hopper's bulk tensor copies (TMA): cubecl-cuda
+//! encodes each one at launch from its operand's binding (`cuTensorMapEncodeTiled`) and passes
+//! it by value ahead of everything else, followed by the maps' operands as pointers, then the
+//! buffers and the info struct. The CUDA side declares the maps as `const __grid_constant__`
+//! 128-byte structs, whose addresses the copy instructions take. cubecl waits on other
+//! streams' writes only for a launch's buffers, so an operand read through a map is passed
+//! again as a buffer.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Mutex;

@@ -398,6 +398,33 @@ fn decode_kernels(on: bool) {
     swiglu::SWITCH.set(on);
 }
 
+/// Which decode path [`prefill_and_decode_on`] runs: the decode kernels (attention, norm,
+/// SwiGLU) on or off, the attention split over keys, and its tensor-core path.
+#[derive(Clone, Copy)]
+struct DecodePath {
+    kernels: bool,
+    split: bool,
+    mma: bool,
+}
+
+/// [`prefill_and_decode`] over a 1 600-position cache on `path`, every switch back on after.
+fn prefill_and_decode_on(
+    path: DecodePath,
+    model: &CausalLm<CudaBackend>,
+    prompts: &[Vec<u32>],
+    dtype: FloatDType,
+    device: &Device,
+) -> Vec<Tensor<CudaBackend, 2>> {
+    decode_kernels(path.kernels);
+    decode_attention::SPLIT.set(path.split);
+    decode_attention::MMA.set(path.mma);
+    let out = prefill_and_decode(model, prompts, 1600, dtype, device);
+    decode_kernels(true);
+    decode_attention::SPLIT.set(true);
+    decode_attention::MMA.set(true);
+    out
+}
+
 /// Three prompts prefilled into slots 0, 1, 2 of a cache of `capacity` positions stored as
 /// `dtype`, then 4 decode steps reading it: the logits of the prefill and of each step.
 fn prefill_and_decode(
@@ -531,16 +558,12 @@ fn check_bf16_cache(device: &Device, failures: &mut Vec<String>) {
         ] {
             // The scalar kernel on both caches (the tensor-core path takes bf16 caches only,
             // and rounds the softmax's weights: check_decode_mma compares it).
-            let run = |dtype| {
-                decode_kernels(kernels);
-                decode_attention::SPLIT.set(split);
-                decode_attention::MMA.set(false);
-                let out = prefill_and_decode(&model, &prompts, 1600, dtype, device);
-                decode_kernels(true);
-                decode_attention::SPLIT.set(true);
-                decode_attention::MMA.set(true);
-                out
+            let on = DecodePath {
+                kernels,
+                split,
+                mma: false,
             };
+            let run = |dtype| prefill_and_decode_on(on, &model, &prompts, dtype, device);
             let errors = step_errors(&run(FloatDType::BF16), &run(FloatDType::F32));
             let worst = errors.iter().copied().fold(0.0, f64::max);
             println!("  heads {heads}/{kv}, {path}: max relative difference {worst:.2e}");
@@ -565,14 +588,12 @@ fn check_decode_mma(device: &Device, failures: &mut Vec<String>) {
         let head_dim = hidden / heads;
         let (model, prompts) = long_context_setup((hidden, heads, kv), ComputeDtype::Bf16, device);
         let run = |kernels: bool, split: bool, mma: bool| {
-            decode_kernels(kernels);
-            decode_attention::SPLIT.set(split);
-            decode_attention::MMA.set(mma);
-            let out = prefill_and_decode(&model, &prompts, 1600, FloatDType::BF16, device);
-            decode_kernels(true);
-            decode_attention::SPLIT.set(true);
-            decode_attention::MMA.set(true);
-            out
+            let path = DecodePath {
+                kernels,
+                split,
+                mma,
+            };
+            prefill_and_decode_on(path, &model, &prompts, FloatDType::BF16, device)
         };
         let plain = run(false, false, false);
         let bound = logits_bound(ComputeDtype::Bf16);
@@ -648,14 +669,12 @@ fn check_decode_scores(device: &Device, failures: &mut Vec<String>) {
             _ => FloatDType::F32,
         };
         let run = |kernels: bool, split: bool, mma: bool| {
-            decode_kernels(kernels);
-            decode_attention::SPLIT.set(split);
-            decode_attention::MMA.set(mma);
-            let out = prefill_and_decode(&model, &prompts, 1600, cache, device);
-            decode_kernels(true);
-            decode_attention::SPLIT.set(true);
-            decode_attention::MMA.set(true);
-            out
+            let path = DecodePath {
+                kernels,
+                split,
+                mma,
+            };
+            prefill_and_decode_on(path, &model, &prompts, cache, device)
         };
         let plain = run(false, false, false);
         for (path, split, mma) in [
@@ -688,12 +707,14 @@ decode attention split over keys (flash-decoding) vs one block per slot vs plain
         for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let (model, prompts) = long_context_setup((hidden, heads, kv), compute, device);
             let run = |kernels: bool, split: bool| {
-                decode_kernels(kernels);
-                decode_attention::SPLIT.set(split);
-                let out = prefill_and_decode(&model, &prompts, 1600, FloatDType::F32, device);
-                decode_kernels(true);
-                decode_attention::SPLIT.set(true);
-                out
+                // The tensor-core path as it stands (it takes bf16 caches only).
+                let mma = decode_attention::MMA.enabled();
+                let path = DecodePath {
+                    kernels,
+                    split,
+                    mma,
+                };
+                prefill_and_decode_on(path, &model, &prompts, FloatDType::F32, device)
             };
             let (split, whole, plain) = (run(true, true), run(true, false), run(false, false));
             let (vs_whole, vs_plain) = (step_errors(&split, &whole), step_errors(&split, &plain));

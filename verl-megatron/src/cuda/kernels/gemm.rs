@@ -484,16 +484,13 @@ fn launch_own(
     let (m, k, n) = super::product_dims(&lhs, &rhs);
     let (a_t, lda) = (a.transposed, a.pitch);
     let (b_t, ldb) = (b.transposed, b.pitch);
-    let mut tma = false;
-    let mut grid = None;
-    let (kernel, (bm, bn)) = if wgmma {
+    // The kernel, its grid, and the tile width of a TMA kernel (whose B boxes are that wide).
+    let (kernel, grid, tma_bn) = if wgmma {
         let sms = super::multiprocessors(&lhs);
         let tiles = match which {
             OwnKernel::CpAsync => WGMMA_TILES,
             _ => wgmma_tiles(m, n, sms),
         };
-        tma = tiles.tma;
-        grid = Some(tiles.grid(m, n, sms));
         let mut defines = tiles.defines(a_t, b_t);
         defines.push(("OUT_F32", out_f32 as u32));
         let kernel = CudaSource {
@@ -503,7 +500,8 @@ fn launch_own(
             block: tiles.threads(),
             shared_bytes: tiles.shared_bytes(),
         };
-        (kernel, (WGMMA_BM, tiles.bn))
+        let grid = tiles.grid(m, n, sms);
+        (kernel, grid, tiles.tma.then_some(tiles.bn))
     } else {
         let tiles = match which {
             OwnKernel::Decode => decode_tiles(m),
@@ -518,13 +516,13 @@ fn launch_own(
             block: tiles.threads(),
             shared_bytes: tiles.shared_bytes(a_t, b_t),
         };
-        (kernel, (tiles.bm, tiles.bn))
+        let grid = (n.div_ceil(tiles.bn) as u32, m.div_ceil(tiles.bm) as u32, 1);
+        (kernel, grid, None)
     };
     // The output may be pitched too.
     let ldc = super::row_pitch(&out);
     let words = [m, n, k, lda, ldb, ldc, 0, 0].map(|w| w as u32);
-    let grid = grid.unwrap_or((n.div_ceil(bn) as u32, m.div_ceil(bm) as u32, 1));
-    if tma {
+    if let Some(bn) = tma_bn {
         // Stored [rows][cols]: A as [m][k] (K-major tiles: one box of the tile's rows) or
         // Aᵀ [k][m] (MN-major: 64 × 64 boxes); B as Bᵀ [n][k] or [k][n] likewise.
         let (a_rows, a_cols) = if a_t { (k, m) } else { (m, k) };
